@@ -1,0 +1,114 @@
+"""Job specification: schema, defaults and loading. Imports nothing else of yarnapp."""
+import copy
+import os
+
+import yaml
+from pydantic import ValidationError
+
+from .schema import JobSpec, container_id  # noqa: F401
+from .units import parse_duration_s, parse_memory_mib  # noqa: F401
+
+DEFAULTS_PATH = os.path.join(os.path.dirname(__file__), "defaults.yaml")
+EXAMPLES_DIR = os.path.join(os.path.dirname(__file__), "examples")
+_TEMPLATES = ("group", "training")
+
+
+class JobError(ValueError):
+    """A job.yaml that cannot run. str() is one line naming the file and field."""
+
+
+def defaults():
+    with open(DEFAULTS_PATH) as f:
+        return yaml.safe_load(f)
+
+
+def _merge(base, over):
+    if isinstance(base, dict) and isinstance(over, dict):
+        out = dict(base)
+        for k, v in over.items():
+            out[k] = _merge(base[k], v) if k in base else v
+        return out
+    return copy.deepcopy(over)
+
+
+def resolve(raw, overrides=None):
+    """Merge defaults.yaml under a raw job dict, then the overrides (CLI flags) over it."""
+    d = defaults()
+    templates = {k: d.pop(k) for k in _TEMPLATES}
+    job = _merge(d, raw)
+    if isinstance(job.get("groups"), list):
+        job["groups"] = [_merge(templates["group"], g) if isinstance(g, dict) else g
+                         for g in job["groups"]]
+    if isinstance(job.get("training"), dict):
+        job["training"] = _merge(templates["training"], job["training"])
+    else:
+        job.setdefault("training", None)
+    for k, v in (overrides or {}).items():
+        if v is not None:
+            job[k] = v
+    return job
+
+
+def _path(loc):
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("function-after[_module_function(), nullable[str]]",) or "[" in str(part):
+            continue  # pydantic's names for union/validator branches, not fields
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(top level)"
+
+
+def _message(err):
+    kind, msg, inp = err["type"], err["msg"], err.get("input")
+    if kind == "extra_forbidden":
+        return "unknown field; remove it or check its spelling (see docs/job-reference.md)"
+    if kind == "too_short":
+        return "must have at least one entry"
+    if kind == "missing":
+        return "required field is missing"
+    if kind == "string_pattern_mismatch":
+        return f"{inp!r} must be lower-case letters, digits and '-', starting with a letter (at most 31)"
+    msg = msg.removeprefix("Value error, ")
+    return f"{msg} (got {inp!r})" if kind.endswith("_type") or kind.startswith(("greater", "less", "too_")) else msg
+
+
+def load_job(source, overrides=None):
+    """Return a validated JobSpec from a path, a dict or a JobSpec.
+
+    Raises JobError with one line `FILE: FIELD: what is wrong`.
+    """
+    if isinstance(source, JobSpec):
+        return source if not overrides else load_job(source.model_dump(mode="python"), overrides)
+    where = "job"
+    if isinstance(source, (str, os.PathLike)):
+        where = str(source)
+        try:
+            with open(source) as f:
+                raw = yaml.safe_load(f)
+        except FileNotFoundError:
+            raise JobError(f"{where}: no such file") from None
+        except IsADirectoryError:
+            raise JobError(f"{where}: is a directory, expected a job.yaml file") from None
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            pos = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise JobError(f"{where}{pos}: not valid YAML: {problem}") from None
+    else:
+        raw = copy.deepcopy(source)
+    if not isinstance(raw, dict):
+        raise JobError(f"{where}: expected a mapping of job fields at the top level")
+    try:
+        return JobSpec.model_validate(resolve(raw, overrides))
+    except ValidationError as e:
+        errs = e.errors()
+        first = errs[0]
+        msg = _message(first)
+        path = _path(first["loc"])
+        if msg.startswith(("groups: ", "training", "give ")) and ":" in msg and first["loc"] == ():
+            path, msg = msg.split(": ", 1)
+        more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
+        raise JobError(f"{where}: {path}: {msg}{more}") from None

@@ -1,0 +1,162 @@
+"""The job.yaml schema: typed models that reject unknown keys and wrong types.
+
+Every default lives in ``conf/defaults.yaml``; the models here declare no defaults of
+their own, so the defaults file is the single place a default can be read or changed
+(``conf.load_job`` merges it under the user's file before validation).
+"""
+from typing import Annotated, Dict, List, Literal, Optional, Union
+
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
+                      model_validator)
+
+from .units import parse_duration_s, parse_memory_mib
+
+MemoryMiB = Annotated[int, BeforeValidator(parse_memory_mib)]
+Seconds = Annotated[float, BeforeValidator(parse_duration_s)]
+Name = Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{0,30}$")]
+
+
+def _module_function(value):
+    if value is not None and (value.count(":") != 1 or not all(value.split(":"))):
+        raise ValueError(f"expected 'package.module:function', got {value!r}")
+    return value
+
+
+class Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class Group(Model):
+    """A worker group: `instances` containers with the same resources."""
+    name: Name
+    instances: Annotated[int, Field(ge=1)]
+    memory: MemoryMiB
+    vcores: Annotated[float, Field(gt=0)]
+    gpus: Annotated[int, Field(ge=0)]
+    node_label: Optional[str]
+    env: Dict[str, str]
+
+
+class Run(Model):
+    """What each rank runs: a `module:function` called with the RunContext, or a script."""
+    function: Annotated[Optional[str], AfterValidator(_module_function)]
+    script: Optional[str]
+    args: List[str]
+
+    @model_validator(mode="after")
+    def _one_of(self):
+        if self.function and self.script:
+            raise ValueError("give either run.function or run.script, not both")
+        if not self.function and not self.script:
+            raise ValueError("give run.function (module:function) or run.script (a .py file)")
+        return self
+
+
+class Data(Model):
+    """Parquet datasets (directories of shards) at any pyarrow filesystem URI."""
+    train: str
+    test: Optional[str]
+    prefetch: Annotated[int, Field(ge=0)]
+
+
+class AllReduce(Model):
+    bucket_mb: Annotated[float, Field(gt=0)]
+    ring_threshold_kb: Annotated[float, Field(ge=0)]
+
+
+class ModelParallel(Model):
+    layers: Optional[List[str]]
+    split: Optional[List[Annotated[float, Field(gt=0)]]]
+    recalibrate_every: Annotated[int, Field(ge=0)]
+
+
+class Training(Model):
+    """The built-in runner's configuration (run.function = training.runner:main)."""
+    strategy: Literal["allreduce", "conv_model_parallel", "ps_central", "ps_sharded"]
+    model: str
+    model_options: Dict[str, Union[int, float, str, bool, List[int]]]
+    data: Data
+    batch_size: Annotated[int, Field(ge=1)]
+    epochs: Annotated[int, Field(ge=1)]
+    max_steps: Optional[Annotated[int, Field(ge=1)]]
+    optimizer: Literal["sgd", "adam"]
+    lr: Annotated[float, Field(gt=0)]
+    momentum: Annotated[float, Field(ge=0, lt=1)]
+    weight_decay: Annotated[float, Field(ge=0)]
+    seed: int
+    shares: Union[Literal["speed", "equal"], List[Annotated[float, Field(gt=0)]]]
+    log_every: Annotated[int, Field(ge=1)]
+    allreduce: AllReduce
+    model_parallel: ModelParallel
+
+
+class Checkpoint(Model):
+    uri: Optional[str]
+    every_steps: Optional[Annotated[int, Field(ge=1)]]
+    every_seconds: Optional[Seconds]
+    keep: Annotated[int, Field(ge=1)]
+
+
+class TensorBoard(Model):
+    logdir: Optional[str]
+    service: bool
+    sync_every: Seconds
+
+
+class Environment(Model):
+    """The Python environment shipped to YARN containers (local engine: this one)."""
+    packer: Literal["venv-pack", "conda-pack", "none"]
+    archive: Optional[str]
+
+
+class Launcher(Model):
+    rendezvous_timeout: Seconds
+    heartbeat_timeout: Seconds
+    poll_interval: Seconds
+
+
+class JobSpec(Model):
+    name: Name
+    queue: str
+    backend: Literal["local", "yarn"]
+    groups: Annotated[List[Group], Field(min_length=1)]
+    run: Run
+    training: Optional[Training]
+    max_restarts: Annotated[int, Field(ge=0)]
+    checkpoint: Checkpoint
+    tensorboard: TensorBoard
+    environment: Environment
+    launcher: Launcher
+
+    @model_validator(mode="after")
+    def _cross_checks(self):
+        seen = set()
+        for g in self.groups:
+            if g.name in seen:
+                raise ValueError(f"groups: duplicate group name {g.name!r}")
+            seen.add(g.name)
+        if self.run.function == "training.runner:main" and self.training is None:
+            raise ValueError("training: required when run.function is the built-in training.runner:main")
+        if self.training and isinstance(self.training.shares, list) and len(self.training.shares) != self.world_size:
+            raise ValueError(f"training.shares: {len(self.training.shares)} shares given for "
+                             f"{self.world_size} ranks")
+        return self
+
+    @property
+    def world_size(self):
+        return sum(g.instances for g in self.groups)
+
+    def ranks(self):
+        """Deterministic rank order: groups in file order, then instance."""
+        out = []
+        for g in self.groups:
+            for i in range(g.instances):
+                out.append({"rank": len(out), "group": g.name, "instance": i,
+                            "container": container_id(g.name, i), "vcores": g.vcores,
+                            "memory_mib": g.memory, "gpus": g.gpus})
+        return out
+
+
+def container_id(group, instance):
+    """Container names are `<group>_<instance>`, as skein names service instances."""
+    return f"{group}_{instance}"

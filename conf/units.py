@@ -1,0 +1,51 @@
+"""Parsing of the human-written quantities in a job.yaml: memory and durations.
+
+Memory follows YARN and skein: a bare number is MiB; ``KiB/MiB/GiB/TiB`` are powers
+of 1024 and ``KB/MB/GB/TB`` powers of 1000. Anything else is rejected, so that
+``4 gigs`` or ``4G`` never silently become some other amount.
+"""
+import re
+
+_MEM_UNITS = {
+    "": 2**20, "b": 1,
+    "k": 2**10, "kib": 2**10, "kb": 10**3,
+    "m": 2**20, "mib": 2**20, "mb": 10**6,
+    "g": 2**30, "gib": 2**30, "gb": 10**9,
+    "t": 2**40, "tib": 2**40, "tb": 10**12,
+}
+_MEM_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+_DUR_UNITS = {"ms": 0.001, "s": 1, "": 1, "m": 60, "min": 60, "h": 3600}
+_DUR_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-z]*)\s*$")
+
+
+def parse_memory_mib(value):
+    """Return memory in MiB (rounded up) from an int (MiB) or a string like ``2 GiB``."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size such as 512 MiB or 2 GiB")
+    if isinstance(value, (int, float)):
+        nbytes = float(value) * 2**20
+    else:
+        m = _MEM_RE.match(str(value))
+        unit = m.group(2).lower() if m else None
+        if not m or unit not in _MEM_UNITS:
+            raise ValueError(f"cannot parse {value!r} as memory; write e.g. 512 MiB, 2 GiB or 4 GB")
+        nbytes = float(m.group(1)) * _MEM_UNITS[unit]
+    if nbytes <= 0:
+        raise ValueError(f"must be more than 0 (got {value!r})")
+    return max(1, int(-(-nbytes // 2**20)))
+
+
+def parse_duration_s(value):
+    """Return seconds from a number or a string like ``500ms``, ``30s``, ``2m``."""
+    if isinstance(value, bool):
+        raise ValueError("expected a duration such as 30s")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        m = _DUR_RE.match(str(value))
+        if not m or m.group(2) not in _DUR_UNITS:
+            raise ValueError(f"cannot parse {value!r} as a duration; write e.g. 500ms, 30s or 2m")
+        seconds = float(m.group(1)) * _DUR_UNITS[m.group(2)]
+    if seconds <= 0:
+        raise ValueError(f"must be more than 0 (got {value!r})")
+    return seconds

@@ -1,0 +1,57 @@
+"""Every key of the coordination store, in one place.
+
+The store is per application (skein's key-value store on YARN, a directory on the
+local engine). Keys are built only here so that the protocol between the client,
+the agents and the ranks can be read in one file.
+
+World generations: the world is formed once per generation `gen` (0, 1, ...). A
+failure of any rank aborts the generation (`abort(gen)`, first writer wins); the
+agents then form generation gen+1, which resumes from the last checkpoint.
+"""
+
+
+def alive(container):
+    """Owned by the container's agent: removed by the resource manager when it exits."""
+    return f"alive/{container}"
+
+
+def abort(gen):
+    """Why generation `gen` ended abnormally (first failure wins); JSON."""
+    return f"gen/{gen:04d}/abort"
+
+
+ABORT_PREFIX = "gen/"
+
+
+def port(gen):
+    """The MPI port name rank 0 accepts joiners on."""
+    return f"gen/{gen:04d}/port"
+
+
+def joined(gen, rank):
+    return f"gen/{gen:04d}/joined/{rank:05d}"
+
+
+def formed(gen):
+    """Written by rank 0 once the whole world is formed: JSON with timings and addresses."""
+    return f"gen/{gen:04d}/formed"
+
+
+def progress(rank):
+    """Latest progress record of a rank (JSON: step, epoch, loss, samples/s...)."""
+    return f"progress/{rank:05d}"
+
+
+def done(container):
+    """Written by an agent whose rank finished successfully."""
+    return f"done/{container}"
+
+
+FINAL = "final"            # rank 0's final metrics (JSON)
+FAILED = "failed"          # the application failed for good: JSON with the root cause
+RESTARTS = "restarts/"     # restarts/<gen> : JSON reason of each world restart
+TENSORBOARD = "tensorboard/url"
+
+
+def restart(gen):
+    return f"restarts/{gen:04d}"

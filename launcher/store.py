@@ -1,0 +1,167 @@
+"""The coordination store: the one interface through which containers reach their
+application. Skein's key-value store provides it on YARN; a directory provides it on
+the local engine. Values are bytes; `owned` keys disappear when their container exits.
+"""
+import abc
+import os
+import time
+import urllib.parse
+
+
+class Store(abc.ABC):
+    @abc.abstractmethod
+    def put(self, key, value, owned=False):
+        """Set key to value (bytes or str). Owned keys vanish when this container exits."""
+
+    @abc.abstractmethod
+    def get(self, key, default=None):
+        """Return the value (bytes) or default."""
+
+    @abc.abstractmethod
+    def put_if_absent(self, key, value):
+        """Set key only if it does not exist. Return True if this call set it."""
+
+    @abc.abstractmethod
+    def get_prefix(self, prefix):
+        """Return {key: value} for every key starting with prefix."""
+
+    @abc.abstractmethod
+    def delete(self, key):
+        """Remove key if present."""
+
+    def wait(self, key, timeout=None, interval=0.01, cancel=None):
+        """Block until key exists and return its value.
+
+        Raises TimeoutError after `timeout` seconds; returns None early if `cancel()`
+        becomes true (used to stop waiting once the generation is aborted).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            value = self.get(key)
+            if value is not None:
+                return value
+            if cancel is not None and cancel():
+                return None
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"waited {timeout:.0f}s for {key!r}")
+            time.sleep(interval)
+            interval = min(interval * 1.5, 0.1)
+
+
+def _b(value):
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+class FileStore(Store):
+    """A store in a directory (the local engine's). Writes are atomic renames.
+
+    Owned keys are listed under `owners/<container>`; the application master calls
+    `release(container)` when that container exits, as YARN does for skein.
+    """
+
+    def __init__(self, root, container=None):
+        self.root = root
+        self.container = container
+        os.makedirs(os.path.join(root, "kv"), exist_ok=True)
+        os.makedirs(os.path.join(root, "owners"), exist_ok=True)
+
+    def _path(self, key):
+        return os.path.join(self.root, "kv", urllib.parse.quote(key, safe=""))
+
+    def _tmp(self, value):
+        tmp = os.path.join(self.root, f".tmp.{os.getpid()}.{time.monotonic_ns()}")
+        with open(tmp, "wb") as f:
+            f.write(_b(value))
+        return tmp
+
+    def _own(self, key):
+        if self.container:
+            with open(os.path.join(self.root, "owners", self.container), "a") as f:
+                f.write(key + "\n")
+
+    def put(self, key, value, owned=False):
+        if owned:
+            self._own(key)
+        os.replace(self._tmp(value), self._path(key))
+
+    def put_if_absent(self, key, value):
+        tmp = self._tmp(value)
+        try:
+            os.link(tmp, self._path(key))
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+
+    def get(self, key, default=None):
+        try:
+            with open(self._path(key), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return default
+
+    def get_prefix(self, prefix):
+        out = {}
+        for name in sorted(os.listdir(os.path.join(self.root, "kv"))):
+            key = urllib.parse.unquote(name)
+            if key.startswith(prefix):
+                value = self.get(key)
+                if value is not None:
+                    out[key] = value
+        return out
+
+    def delete(self, key):
+        try:
+            os.unlink(self._path(key))
+        except FileNotFoundError:
+            pass
+
+    def release(self, container):
+        """Delete every key the container owned (called when it exits)."""
+        path = os.path.join(self.root, "owners", container)
+        try:
+            with open(path) as f:
+                keys = set(f.read().split())
+        except FileNotFoundError:
+            return
+        for key in keys:
+            self.delete(key)
+        os.unlink(path)
+
+
+class SkeinStore(Store):
+    """Skein's application key-value store, as seen from inside a YARN container."""
+
+    def __init__(self, app_client=None, container=None):
+        import skein  # lazy: only on YARN
+        self._skein = skein
+        self.app = app_client or skein.ApplicationClient.from_current()
+        self.container = container or os.environ.get("SKEIN_CONTAINER_ID")
+
+    def put(self, key, value, owned=False):
+        self.app.kv.put(key, _b(value), owner=self.container if owned else None)
+
+    def get(self, key, default=None):
+        return self.app.kv.get(key, default=default)
+
+    def put_if_absent(self, key, value):
+        kv = self.app.kv
+        res = kv.transaction(conditions=[kv.missing(key)], on_success=[kv.put(key, _b(value))])
+        return bool(res.succeeded)
+
+    def get_prefix(self, prefix):
+        return dict(self.app.kv.get_prefix(prefix))
+
+    def delete(self, key):
+        self.app.kv.discard(key)
+
+
+def from_env(environ=None):
+    """The store of the container this process runs in."""
+    env = os.environ if environ is None else environ
+    root = env.get("YARNAPP_STORE")
+    container = env.get("YARNAPP_CONTAINER_ID")
+    if root:
+        return FileStore(root, container)
+    return SkeinStore(container=container)

@@ -1,0 +1,34 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="yarnapp",
+    version="0.1.0",
+    description="Train convolutional networks across the mixed CPUs and GPUs of a YARN cluster",
+    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=find_packages(include=["conf", "yarnapp", "yarnapp.*", "launcher", "launcher.*",
+                                    "training", "training.*"]),
+    package_data={"conf": ["defaults.yaml", "examples/*.yaml", "constraints.txt"]},
+    install_requires=[
+        "pydantic>=2.5",
+        "pyyaml>=6",
+        "numpy>=1.24",
+        "torch>=2.1",
+        "mpi4py>=4.0",
+        # MPICH 5.0.x cannot join singleton worlds (pmodels/mpich#7805); 4.3 can.
+        "mpich>=4.3,<5",
+        "pyarrow>=14",
+        "tensorboard>=2.14",
+        "skein>=0.8.2",
+        "venv-pack>=0.2",
+        "scikit-learn>=1.3",   # ships the digits data set used by the examples
+        "tqdm>=4.60",
+        "psutil>=5.9",
+        "matplotlib>=3.7",
+    ],
+    extras_require={
+        "test": ["pytest>=7", "pytest-timeout>=2", "nbclient>=0.9", "nbformat>=5.9", "ipykernel>=6"],
+    },
+    entry_points={"console_scripts": ["yarnapp=yarnapp.cli:main"]},
+)

@@ -1,0 +1,86 @@
+"""What a rank knows about its world: handed to training by the launcher.
+
+Training code never reaches into launcher internals; it gets a RunContext (the
+argument of `run.function`, or `training.context.current()` from a script).
+"""
+import dataclasses
+import json
+import os
+import time
+from typing import Any, Callable, List, Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    group: str
+    instance: int
+    container: str
+    vcores: float
+    memory_mib: int
+    gpus: int
+
+    @property
+    def threads(self):
+        """Compute threads for this rank: its vcores, rounded up, at least 1."""
+        return max(1, int(-(-self.vcores // 1)))
+
+
+@dataclasses.dataclass
+class RunContext:
+    comm: Any                    # mpi4py intracommunicator of the whole world
+    rank: int
+    world_size: int
+    ranks: List[RankInfo]        # every rank of the world, in rank order
+    job: Any                     # conf.JobSpec
+    app_id: str
+    generation: int              # 0 on the first world, +1 after every restart
+    workdir: str                 # this container's working directory
+    checkpoint_uri: str
+    logdir: str
+    publish: Optional[Callable[[str, bytes], None]] = None   # store writer (set by the launcher)
+    heartbeat_path: Optional[str] = None
+
+    @property
+    def me(self):
+        return self.ranks[self.rank]
+
+    def heartbeat(self):
+        """Tell the agent this rank is making progress (it declares silence a hang)."""
+        if self.heartbeat_path:
+            with open(self.heartbeat_path, "w") as f:
+                f.write(str(time.time()))
+
+    def report(self, **metrics):
+        """Publish this rank's progress (shown by `yarnapp status`/`submit --wait`)."""
+        self.heartbeat()
+        if self.publish:
+            from launcher import keys  # keys is plain data: no launcher state is touched
+            self.publish(keys.progress(self.rank), json.dumps(
+                {"rank": self.rank, "time": time.time(), "generation": self.generation, **metrics}))
+
+    def final(self, **metrics):
+        """Rank 0's final metrics: printed by `submit --wait` as `final: k=v ...`."""
+        if self.publish and self.rank == 0:
+            from launcher import keys
+            self.publish(keys.FINAL, json.dumps(metrics))
+
+
+_current: Optional[RunContext] = None
+
+
+def current():
+    """The RunContext of this process (for `run.script` jobs)."""
+    if _current is None:
+        raise RuntimeError("no yarnapp RunContext: this code runs inside a yarnapp container")
+    return _current
+
+
+def _set_current(ctx):
+    global _current
+    _current = ctx
+
+
+def world_from_env():
+    """Rank/world as the launcher exported them (for code that only needs the numbers)."""
+    return int(os.environ["YARNAPP_RANK"]), int(os.environ["YARNAPP_WORLD_SIZE"])

@@ -1,0 +1,39 @@
+"""The cluster-backend seam: one interface, implementations registered by name."""
+import abc
+
+
+class Backend(abc.ABC):
+    """Starts, observes and stops applications. Returned records are plain dicts:
+
+    status(app_id) -> {"app_id", "name", "state": NEW|RUNNING|SUCCEEDED|FAILED|KILLED,
+                       "containers": [{"id", "group", "instance", "state", "exit_code",
+                                        "attempts", "log"}], "final": {...} | None,
+                       "restarts": [{"generation", "reason"}], "diagnostics": str,
+                       "progress": {rank: {...}}, "tensorboard": url | None,
+                       "world_formed_s": float | None}
+    """
+
+    name = "base"
+
+    @abc.abstractmethod
+    def submit(self, job):
+        """Start the application for a validated conf.JobSpec; return its app id."""
+
+    @abc.abstractmethod
+    def status(self, app_id):
+        ...
+
+    @abc.abstractmethod
+    def logs(self, app_id, container=None):
+        """{container_id: log text} (one container when given)."""
+
+    @abc.abstractmethod
+    def kill(self, app_id):
+        ...
+
+    @abc.abstractmethod
+    def list(self):
+        """[status-like dicts] of known applications, newest first."""
+
+
+TERMINAL = ("SUCCEEDED", "FAILED", "KILLED")
