@@ -36,6 +36,9 @@ def resolve(raw, overrides=None):
     d = defaults()
     templates = {k: d.pop(k) for k in _TEMPLATES}
     job = _merge(d, raw)
+    user_run = raw.get("run")
+    if isinstance(user_run, dict) and user_run.get("script") and "function" not in user_run:
+        job["run"]["function"] = None   # the default function applies only when neither is given
     if isinstance(job.get("groups"), list):
         job["groups"] = [_merge(templates["group"], g) if isinstance(g, dict) else g
                          for g in job["groups"]]

@@ -32,6 +32,11 @@ def joined(gen, rank):
     return f"gen/{gen:04d}/joined/{rank:05d}"
 
 
+def incarnation(gen, rank):
+    """Which incarnation of a container's agent runs `rank` in generation `gen`."""
+    return f"gen/{gen:04d}/incarnation/{rank:05d}"
+
+
 def formed(gen):
     """Written by rank 0 once the whole world is formed: JSON with timings and addresses."""
     return f"gen/{gen:04d}/formed"

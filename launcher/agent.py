@@ -1,0 +1,207 @@
+"""The container agent: the main process of every container, on both engines.
+
+It is a loop around an explicit state machine (as torchrun's agent):
+
+    START ──► RENDEZVOUS(gen) ──► RUNNING(gen) ──► SUCCEEDED          (exit 0)
+                  ▲                   │
+                  │                   ├─ own rank crashed / hung / world not formed
+                  │                   │     → write abort(gen) (first writer wins)
+                  │                   ├─ abort(gen) written by another agent
+                  │                   ├─ a member's container was lost
+                  │                   ▼
+                  └──── RESTARTING: kill own rank; gen += 1 while gen <= max_restarts
+                                      otherwise FAILED                 (exit 1)
+
+START: publish `alive/<container>` (owned: the resource manager deletes it when the
+container exits) and find the current generation (the first without an abort key).
+RENDEZVOUS/RUNNING: the rank process (launcher.rank) joins world `gen` and trains;
+the agent watches its exit status, its heartbeat file and the store.
+A rank never hangs forever: whatever aborts the generation, every agent kills its
+own rank, so survivors blocked inside a collective are ended.
+"""
+import ctypes
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+from . import identity, keys, store as store_mod
+
+log = logging.getLogger("launcher.agent")
+
+EXIT_APP_FAILED = 3      # this container is fine; the application failed elsewhere
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent():
+    """preexec_fn: SIGKILL this child when its parent dies (no orphans)."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def current_generation(store):
+    aborted = {k.split("/")[1] for k in store.get_prefix(keys.ABORT_PREFIX) if k.endswith("/abort")}
+    gen = 0
+    while f"{gen:04d}" in aborted:
+        gen += 1
+    return gen
+
+
+def log_tail(path, lines=20):
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 8192))
+            return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+class Agent:
+    def __init__(self, ident, store):
+        self.ident = ident
+        self.store = store
+        self.job = ident.job
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.child = None
+        self.heartbeat = os.path.abspath(f".heartbeat.{ident.container}")
+        self.log_path = os.environ.get("YARNAPP_LOG", "")
+        self.members = ident.job.ranks()
+
+    # -- the rank process -------------------------------------------------
+    def spawn(self, gen):
+        threads = str(max(1, math.ceil(self.ident.rank_info()["vcores"])))
+        env = dict(os.environ, YARNAPP_RANK=str(self.ident.rank), YARNAPP_WORLD_SIZE=str(self.ident.world_size),
+                   YARNAPP_GENERATION=str(gen), YARNAPP_INCARNATION=self.incarnation,
+                   OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+        try:
+            os.unlink(self.heartbeat)
+        except FileNotFoundError:
+            pass
+        self.child = subprocess.Popen([sys.executable, "-m", "launcher.rank", "--generation", str(gen),
+                                       "--heartbeat", self.heartbeat], env=env, preexec_fn=die_with_parent)
+        self.spawned = time.monotonic()
+
+    def kill_child(self):
+        if self.child and self.child.poll() is None:
+            self.child.kill()
+            self.child.wait()
+
+    # -- watching -----------------------------------------------------------
+    def lost_member(self, gen):
+        """A member that joined this generation whose container is gone or replaced."""
+        alive = {k.split("/", 1)[1]: v for k, v in self.store.get_prefix("alive/").items()}
+        for m in self.members:
+            if m["rank"] == self.ident.rank:
+                continue
+            joined = self.store.get(keys.joined(gen, m["rank"]) if m["rank"] else keys.port(gen))
+            if joined is None or self.store.get(keys.done(m["container"])) is not None:
+                continue
+            a = alive.get(m["container"])
+            if a is None:
+                return m["container"], "its container exited"
+            inc = json.loads(a)["incarnation"]
+            if inc != self.joined_incarnation(gen, m):
+                return m["container"], "its container was replaced"
+        return None
+
+    def joined_incarnation(self, gen, m):
+        v = self.store.get(keys.incarnation(gen, m["rank"]))
+        return v.decode() if v else None
+
+    def monitor(self, gen):
+        """Watch one generation; return ("succeeded"|"own"|"other", reason dict)."""
+        lj = self.job.launcher
+        self.store.put(keys.incarnation(gen, self.ident.rank), self.incarnation)
+        while True:
+            rc = self.child.poll()
+            if rc == 0:
+                return "succeeded", None
+            if rc is not None:
+                what = f"killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
+                return "own", {"container": self.ident.container, "rank": self.ident.rank,
+                               "exit_code": rc, "reason": f"rank {self.ident.rank} ({self.ident.container}) {what}"}
+            if self.store.get(keys.FAILED) is not None or self.store.get(keys.abort(gen)) is not None:
+                return "other", None
+            formed = self.store.get(keys.formed(gen)) is not None
+            now = time.monotonic()
+            if not formed and now - self.spawned > lj.rendezvous_timeout:
+                missing = [m["container"] for m in self.members if m["rank"] and
+                           self.store.get(keys.joined(gen, m["rank"])) is None]
+                return "own", {"container": self.ident.container, "rank": self.ident.rank, "exit_code": None,
+                               "reason": f"world not formed within {lj.rendezvous_timeout:.0f}s; "
+                                         f"missing: {', '.join(missing) or 'none'}"}
+            if formed:
+                try:
+                    silent = time.time() - os.path.getmtime(self.heartbeat)
+                except FileNotFoundError:
+                    silent = now - self.spawned
+                if silent > lj.heartbeat_timeout:
+                    return "own", {"container": self.ident.container, "rank": self.ident.rank, "exit_code": None,
+                                   "reason": f"rank {self.ident.rank} ({self.ident.container}) hung: "
+                                             f"no progress for {silent:.1f}s (heartbeat_timeout "
+                                             f"{lj.heartbeat_timeout:g}s)"}
+            lost = self.lost_member(gen)
+            if lost:
+                return "own", {"container": lost[0], "rank": None, "exit_code": None,
+                               "reason": f"lost {lost[0]}: {lost[1]}", "observed_by": self.ident.container}
+            time.sleep(lj.poll_interval)
+
+    # -- the state machine --------------------------------------------------
+    def run(self):
+        self.store.put(keys.alive(self.ident.container),
+                       json.dumps({"incarnation": self.incarnation, "pid": os.getpid(), "time": time.time()}),
+                       owned=True)
+        gen = current_generation(self.store)
+        while True:
+            if self.store.get(keys.FAILED) is not None:
+                log.error("application already failed; not starting a rank")
+                return EXIT_APP_FAILED
+            log.info("RENDEZVOUS generation %d as rank %d of %d", gen, self.ident.rank, self.ident.world_size)
+            self.spawn(gen)
+            outcome, reason = self.monitor(gen)
+            if outcome == "succeeded":
+                self.store.put(keys.done(self.ident.container), json.dumps({"generation": gen}))
+                log.info("SUCCEEDED")
+                return 0
+            self.kill_child()
+            if reason:
+                reason.update(generation=gen, time=time.time(), log=self.log_path,
+                              log_tail=log_tail(self.log_path) if reason.get("rank") == self.ident.rank else "")
+                if self.store.put_if_absent(keys.abort(gen), json.dumps(reason)):
+                    log.error("generation %d aborted: %s", gen, reason["reason"])
+            cause = json.loads(self.store.get(keys.abort(gen)) or b"{}")
+            if self.store.get(keys.FAILED) is not None or gen >= self.job.max_restarts:
+                first = json.loads(self.store.get(keys.abort(0)) or b"{}") or cause
+                first["attempts"] = gen + 1
+                self.store.put_if_absent(keys.FAILED, json.dumps(first))
+                log.error("FAILED after %d attempt(s): %s", gen + 1, first.get("reason"))
+                return EXIT_APP_FAILED if reason is None or reason.get("rank") != self.ident.rank \
+                    else (reason.get("exit_code") or 1) if (reason.get("exit_code") or 0) > 0 else 1
+            gen += 1
+            self.store.put_if_absent(keys.restart(gen), json.dumps({"generation": gen, **cause}))
+            log.warning("RESTARTING as generation %d after: %s", gen, cause.get("reason"))
+
+
+def main():
+    ident = identity.from_env()
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s agent {ident.container} %(levelname)s: %(message)s")
+    agent = Agent(ident, store_mod.from_env())
+
+    def on_term(signum, frame):
+        agent.kill_child()
+        os._exit(128 + signum)
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    code = agent.run()
+    logging.shutdown()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""Who this container is, read once from the environment both engines set.
+
+The contract (set by the local engine, or by the skein spec on YARN):
+    YARNAPP_BACKEND     local | yarn
+    YARNAPP_APP_ID      the application id (on YARN: SKEIN_APPLICATION_ID)
+    YARNAPP_CONTAINER_ID  <group>_<instance> (on YARN: SKEIN_CONTAINER_ID)
+    YARNAPP_GROUP       the worker group
+    YARNAPP_JOB         path of the resolved job spec (JSON)
+    YARNAPP_SECRET      per-application secret that admits a process into the world
+    YARNAPP_STORE       local engine only: directory of the coordination store
+    YARNAPP_APP_DIR     local engine only: the application's directory
+"""
+import dataclasses
+import json
+import os
+
+import conf
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    backend: str
+    app_id: str
+    container: str
+    group: str
+    instance: int
+    rank: int
+    job: conf.JobSpec
+    secret: str
+    app_dir: str
+
+    @property
+    def world_size(self):
+        return self.job.world_size
+
+    def rank_info(self, rank=None):
+        return self.job.ranks()[self.rank if rank is None else rank]
+
+    @property
+    def checkpoint_uri(self):
+        return self.job.checkpoint.uri or os.path.join(self.app_dir, "checkpoints")
+
+    @property
+    def logdir(self):
+        return self.job.tensorboard.logdir or os.path.join(self.app_dir, "tensorboard")
+
+
+def from_env(environ=None):
+    env = os.environ if environ is None else environ
+    container = env.get("YARNAPP_CONTAINER_ID") or env["SKEIN_CONTAINER_ID"]
+    with open(env["YARNAPP_JOB"]) as f:
+        job = conf.load_job(json.load(f))
+    group, _, instance = container.rpartition("_")
+    rank = next(r["rank"] for r in job.ranks() if r["container"] == container)
+    return Identity(backend=env.get("YARNAPP_BACKEND", "local"),
+                    app_id=env.get("YARNAPP_APP_ID") or env.get("SKEIN_APPLICATION_ID", "unknown"),
+                    container=container, group=group, instance=int(instance), rank=rank, job=job,
+                    secret=env.get("YARNAPP_SECRET", ""),
+                    app_dir=env.get("YARNAPP_APP_DIR") or os.getcwd())

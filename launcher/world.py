@@ -1,0 +1,87 @@
+"""One MPI world across independently started containers, without ssh or mpiexec.
+
+Every rank starts as an MPI singleton. Rank 0 opens a port and publishes its name in
+the store; ranks 1..N-1 join in rank order: the current world collectively Accepts,
+the joiner Connects, both sides Merge the intercommunicator (joiner high), so rank
+order is deterministic (group order, then instance). A joiner proves it belongs to
+the application with an HMAC of the port name under the per-application secret;
+a process that fails the check is dropped and the world accepts again.
+
+Why singletons rather than Hydra (`mpiexec -launcher-exec`): each YARN container is
+allocated, started and restarted on its own; with singletons no process of the world
+is special to the resource manager, and the store is the only rendezvous. The price
+is that a dead rank does not take the others down (they would block forever inside a
+collective): the agent of every container watches its rank and the generation's abort
+key and ends its rank, which is what recovery needs anyway. Needs MPICH 4.3
+(5.0.x names every singleton "singleton": pmodels/mpich#7805).
+"""
+import hashlib
+import hmac
+import json
+import logging
+import time
+
+from . import keys
+
+log = logging.getLogger(__name__)
+
+
+class WorldAborted(RuntimeError):
+    """The generation was aborted (by another rank's failure) while forming."""
+
+
+def _token(secret, port):
+    return hmac.new(secret.encode(), port.encode(), hashlib.sha256).hexdigest()
+
+
+def join(store, gen, rank, size, secret, timeout, aborted=lambda: False):
+    """Form generation `gen` of the world; return (intracomm, seconds it took)."""
+    from mpi4py import MPI
+
+    t0 = time.monotonic()
+    comm = MPI.COMM_SELF.Dup()
+    if size == 1:
+        return comm, time.monotonic() - t0
+    if rank == 0:
+        port = MPI.Open_port()
+        store.put(keys.port(gen), port)
+    else:
+        value = store.wait(keys.port(gen), timeout=timeout, cancel=aborted)
+        if value is None:
+            raise WorldAborted(f"generation {gen} aborted before rank {rank} joined")
+        port = value.decode()
+        if rank > 1 and store.wait(keys.joined(gen, rank - 1), timeout=timeout, cancel=aborted) is None:
+            raise WorldAborted(f"generation {gen} aborted before rank {rank} joined")
+        while True:
+            inter = MPI.COMM_SELF.Connect(port, MPI.INFO_NULL, root=0)
+            inter.send({"rank": rank, "token": _token(secret, port)}, dest=0)
+            merged = inter.Merge(high=True)
+            inter.Disconnect()
+            ok = merged.bcast(None, root=0)
+            if ok:
+                comm = merged
+                break
+            raise RuntimeError(f"rank {rank} was refused by the world (secret or order mismatch)")
+        store.put(keys.joined(gen, rank), json.dumps({"t": time.time()}))
+    # Members (rank 0 and every rank that has joined) accept the remaining joiners.
+    while comm.Get_size() < size:
+        inter = comm.Accept(port if comm.Get_rank() == 0 else None, MPI.INFO_NULL, root=0)
+        hello = inter.recv(source=0) if comm.Get_rank() == 0 else None
+        merged = inter.Merge(high=False)
+        inter.Disconnect()
+        ok = None
+        if merged.Get_rank() == 0:
+            expected = comm.Get_size()
+            ok = (isinstance(hello, dict) and hello.get("rank") == expected
+                  and hmac.compare_digest(str(hello.get("token")), _token(secret, port)))
+            if not ok:
+                log.warning("refused a process that asked to join as %r", hello and hello.get("rank"))
+        ok = merged.bcast(ok, root=0)
+        if ok:
+            comm.Free()
+            comm = merged
+        else:
+            merged.Free()
+    if comm.Get_rank() == 0:
+        MPI.Close_port(port)
+    return comm, time.monotonic() - t0

@@ -1,0 +1,33 @@
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "yarn: needs a real YARN cluster (YARNAPP_TEST_YARN=1)")
+    config.addinivalue_line("markers", "slow: a multi-process job taking more than a few seconds")
+
+
+@pytest.fixture
+def yarnapp_home(tmp_path, monkeypatch):
+    """Every test gets its own local-engine home (applications, logs, stores)."""
+    home = tmp_path / "yarnapp-home"
+    monkeypatch.setenv("YARNAPP_HOME", str(home))
+    return home
+
+
+@pytest.fixture
+def cli(yarnapp_home):
+    """Run the real `yarnapp` console script; returns CompletedProcess."""
+    def run(*args, timeout=300, check=None):
+        proc = subprocess.run([sys.executable, "-m", "yarnapp.cli", *map(str, args)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+        if check is not None:
+            assert proc.returncode == check, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+        return proc
+    return run

@@ -1,0 +1,114 @@
+"""Bad job.yaml files: one clear line naming the file and field, non-zero exit, nothing started."""
+import os
+
+import pytest
+import yaml
+
+import conf
+from util import apps
+
+GOOD = {"name": "t", "groups": [{"name": "w", "instances": 1, "vcores": 1, "memory": "256 MiB"}],
+        "run": {"function": "training.hello:main"}}
+
+
+def _with(path, value):
+    """GOOD with the dotted `path` set to value (None deletes it)."""
+    job = yaml.safe_load(yaml.safe_dump(GOOD))
+    node, parts = job, path.split(".")
+    for p in parts[:-1]:
+        node = node[int(p)] if p.isdigit() else node[p]
+    last = parts[-1]
+    if value is _DELETE:
+        del node[last]
+    elif last.isdigit():
+        node[int(last)] = value
+    else:
+        node[last] = value
+    return job
+
+
+_DELETE = object()
+
+# (case id, job dict or raw text, field path expected in the message, words expected)
+CASES = [
+    ("unknown-top-key", _with("nmae", "x"), "nmae", "unknown field"),
+    ("unknown-group-key", _with("groups.0.vcorez", 2), "groups[0].vcorez", "unknown field"),
+    ("no-groups", _with("groups", []), "groups", "at least one"),
+    ("zero-instances", _with("groups.0.instances", 0), "groups[0].instances", "greater than or equal to 1"),
+    ("string-instances", _with("groups.0.instances", "3"), "groups[0].instances", "integer"),
+    ("memory-gigs", _with("groups.0.memory", "4 gigs"), "groups[0].memory", "cannot parse"),
+    ("memory-zero", _with("groups.0.memory", 0), "groups[0].memory", "more than 0"),
+    ("memory-negative", _with("groups.0.memory", "-1 GiB"), "groups[0].memory", "cannot parse"),
+    ("vcores-zero", _with("groups.0.vcores", 0), "groups[0].vcores", "greater than 0"),
+    ("negative-gpus", _with("groups.0.gpus", -1), "groups[0].gpus", "greater than or equal to 0"),
+    ("duplicate-groups", _with("groups", [GOOD["groups"][0], GOOD["groups"][0]]), "groups", "duplicate"),
+    ("bad-group-name", _with("groups.0.name", "Worker Group"), "groups[0].name", "lower-case"),
+    ("env-not-strings", _with("groups.0.env", {"A": 1}), "groups[0].env.A", "string"),
+    ("bad-function", _with("run.function", "no_colon"), "run.function", "module:function"),
+    ("function-and-script", _with("run.script", "x.py"), "run", "not both"),
+    ("negative-restarts", _with("max_restarts", -1), "max_restarts", "greater than or equal to 0"),
+    ("bad-backend", _with("backend", "k8s"), "backend", "local"),
+    ("bad-duration", _with("launcher", {"heartbeat_timeout": "soon"}), "launcher.heartbeat_timeout", "duration"),
+    ("training-missing", _with("run.function", "training.runner:main"), "training", "required"),
+    ("bad-strategy", dict(_with("run.function", "training.runner:main"),
+                          training={"strategy": "magic", "data": {"train": "/x"}}), "training.strategy", "allreduce"),
+    ("zero-batch", dict(_with("run.function", "training.runner:main"),
+                        training={"batch_size": 0, "data": {"train": "/x"}}), "training.batch_size", "1"),
+    ("shares-count", dict(_with("run.function", "training.runner:main"),
+                          training={"shares": [1, 2], "data": {"train": "/x"}}), "training.shares", "2 shares"),
+    ("not-a-mapping", "- just\n- a list\n", "", "mapping"),
+    ("yaml-syntax", "name: t\ngroups: [\n", ":", "not valid YAML"),
+    ("gpus-unavailable", _with("groups.0.gpus", 64), "groups[0].gpus", "this machine has"),
+    ("vcores-too-many", _with("groups.0.vcores", 4096), "groups[0].vcores", "this machine has"),
+]
+
+
+@pytest.mark.parametrize("case,job,field,words", CASES, ids=[c[0] for c in CASES])
+def test_bad_job_is_one_clear_line_and_starts_nothing(case, job, field, words, tmp_path, cli, yarnapp_home):
+    path = tmp_path / f"{case}.yaml"
+    path.write_text(job if isinstance(job, str) else yaml.safe_dump(job))
+    proc = cli("submit", path, "--wait", timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    line = lines[0]
+    assert line.startswith(f"Error: {path}"), line
+    assert field in line and words in line, line
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+    assert apps(yarnapp_home) == [], "an application was created for a bad job"
+
+
+def test_missing_job_file(cli, yarnapp_home, tmp_path):
+    proc = cli("submit", tmp_path / "nope.yaml")
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == f"Error: {tmp_path / 'nope.yaml'}: no such file"
+
+
+def test_bad_cli_argument_is_usage_error(cli):
+    proc = cli("submit")
+    assert proc.returncode == 2 and "usage:" in proc.stderr and "Traceback" not in proc.stderr
+    proc = cli("status", "app_that_does_not_exist")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().startswith("Error: no application 'app_that_does_not_exist'")
+
+
+def test_defaults_resolve_in_one_place():
+    job = conf.load_job(GOOD)
+    d = conf.defaults()
+    assert job.max_restarts == d["max_restarts"] and job.queue == d["queue"]
+    assert job.groups[0].gpus == d["group"]["gpus"] and job.groups[0].memory == 256
+    assert conf.load_job(GOOD, {"max_restarts": 7}).max_restarts == 7   # flag > job.yaml > defaults
+
+
+@pytest.mark.parametrize("text,mib", [("512 MiB", 512), ("2 GiB", 2048), ("4 GB", 3815), (1024, 1024),
+                                      ("1.5GiB", 1536), ("100000 KiB", 98)])
+def test_memory_units(text, mib):
+    assert conf.parse_memory_mib(text) == mib
+
+
+def test_every_example_validates():
+    names = [n for n in os.listdir(conf.EXAMPLES_DIR) if n.endswith(".yaml")]
+    assert "hello.yaml" in names
+    for n in names:
+        conf.load_job(os.path.join(conf.EXAMPLES_DIR, n))

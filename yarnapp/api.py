@@ -1,0 +1,115 @@
+"""The Python API (notebooks) and what the CLI is built on."""
+import logging
+import time
+
+import conf
+
+from . import backends
+from .backends.base import TERMINAL
+from .errors import JobFailed, YarnappError
+
+log = logging.getLogger(__name__)
+
+
+def backend_for(app_id):
+    """Applications ids tell their backend: YARN's are application_<cluster ts>_<n>."""
+    return backends.get("yarn" if str(app_id).startswith("application_") else "local")
+
+
+def load(job, where=None, **overrides):
+    """A validated JobSpec from a path, dict or JobSpec; raises YarnappError (one line)."""
+    try:
+        return conf.load_job(job, overrides)
+    except conf.JobError as e:
+        raise YarnappError(str(e)) from None
+
+
+def submit(job, backend=None, wait=False, progress=True, **overrides):
+    """Start a job; return its Run. `job` is a job.yaml path, a dict or a conf.JobSpec.
+
+    backend: 'local' or 'yarn' (default: the job's `backend`, else the defaults file's).
+    wait: block until it ends (showing progress), raising JobFailed if it fails.
+    overrides: top-level job fields, e.g. max_restarts=1.
+    """
+    spec = load(job, backend=backend, **overrides)
+    where = str(job) if isinstance(job, str) else "job"
+    be = backends.get(spec.backend)
+    app_id = be.submit(spec, where=where)
+    run = Run(app_id, be, spec)
+    if wait:
+        run.wait(progress=progress)
+        if run.state != "SUCCEEDED":
+            raise JobFailed(run.failure_message())
+    return run
+
+
+class Run:
+    """Handle of a submitted application: status(), wait(), logs(), kill()."""
+
+    def __init__(self, app_id, backend=None, spec=None):
+        self.app_id = app_id
+        self.backend = backend or backend_for(app_id)
+        self.spec = spec
+        self._last = None
+
+    def __repr__(self):
+        return f"Run({self.app_id!r}, state={self.state!r})"
+
+    def status(self):
+        self._last = self.backend.status(self.app_id)
+        return self._last
+
+    @property
+    def state(self):
+        return self.status()["state"]
+
+    @property
+    def final(self):
+        return self.status().get("final")
+
+    def logs(self, container=None):
+        return self.backend.logs(self.app_id, container)
+
+    def kill(self):
+        return self.backend.kill(self.app_id)
+
+    def wait(self, timeout=None, progress=False, interval=0.2):
+        """Block until the application ends; return its last status."""
+        from .progress import Progress
+        display = Progress(self) if progress else None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                st = self.status()
+                if display:
+                    display.update(st)
+                if st["state"] in TERMINAL:
+                    return st
+                if deadline and time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.app_id} still {st['state']} after {timeout:.0f}s")
+                time.sleep(interval)
+        finally:
+            if display:
+                display.close()
+
+    def failure_message(self):
+        st = self._last or self.status()
+        if st["state"] == "KILLED":
+            return f"{self.app_id} was killed"
+        f = st.get("failure") or {}
+        where = f" — log: {f['log']}" if f.get("log") else ""
+        attempts = f" after {f['attempts']} attempt(s)" if f.get("attempts") else ""
+        return (f"{self.app_id} FAILED{attempts}: {f.get('reason') or st.get('diagnostics') or 'unknown'}"
+                f"{where} (see `yarnapp logs {self.app_id} --container {f.get('container', '<id>')}`)")
+
+
+def status(app_id):
+    return Run(app_id).status()
+
+
+def list_apps(backend="local"):
+    return backends.get(backend).list()
+
+
+def kill(app_id):
+    return Run(app_id).kill()

@@ -1,0 +1,232 @@
+"""The local engine's application master: one detached process per application.
+
+It owns the containers (a process group and cgroups each) and the coordination
+store (a directory), writes `state.json` for clients in other shells, replaces a
+container that exits abnormally (as YARN/skein restart a service instance), and on
+SIGTERM (`yarnapp kill`) or at the end leaves no process of the application behind.
+
+    python -m yarnapp.backends.local.am APP_DIR
+"""
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+from launcher import agent as agent_mod, keys
+from launcher.store import FileStore
+
+from . import cgroups
+from .state import app_processes, write_state
+
+log = logging.getLogger("yarnapp.am")
+
+
+class Container:
+    def __init__(self, member, group, app):
+        self.id = member["container"]
+        self.member = member
+        self.group = group
+        self.app = app
+        self.dir = os.path.join(app.dir, "containers", self.id)
+        self.workdir = os.path.join(self.dir, "work")
+        self.log = os.path.join(self.dir, "container.log")
+        os.makedirs(self.workdir, exist_ok=True)
+        self.limits = cgroups.Limits(app.app_id, self.id, group.vcores, group.memory)
+        self.proc = None
+        self.attempts = 0
+        self.state = "NEW"
+        self.exit_code = None
+        self.exits = []
+
+    def start(self):
+        self.attempts += 1
+        env = dict(os.environ)
+        env.update(self.group.env)
+        env.update(YARNAPP_BACKEND="local", YARNAPP_APP_ID=self.app.app_id, YARNAPP_CONTAINER_ID=self.id,
+                   YARNAPP_GROUP=self.group.name, YARNAPP_JOB=os.path.join(self.app.dir, "job.json"),
+                   YARNAPP_SECRET=self.app.secret, YARNAPP_STORE=self.app.store.root,
+                   YARNAPP_APP_DIR=self.app.dir, YARNAPP_LOG=self.log, YARNAPP_ATTEMPT=str(self.attempts),
+                   PYTHONUNBUFFERED="1")
+        out = open(self.log, "ab")
+        out.write(f"==== {self.id} attempt {self.attempts} started {time.ctime()} "
+                  f"(resources: {self.limits.why}) ====\n".encode())
+        out.flush()
+        limits = self.limits
+
+        def setup():
+            agent_mod.die_with_parent()
+            limits.join()
+        self.proc = subprocess.Popen([sys.executable, "-m", "launcher.agent"], cwd=self.workdir, env=env,
+                                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                     start_new_session=True, preexec_fn=setup)
+        out.close()
+        self.state = "RUNNING"
+        log.info("started %s (attempt %d, pid %d)", self.id, self.attempts, self.proc.pid)
+
+    def kill(self, sig=signal.SIGKILL):
+        if self.proc and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        for pid in self.limits.pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def record(self):
+        return {"id": self.id, "group": self.group.name, "instance": self.member["instance"],
+                "rank": self.member["rank"], "state": self.state, "exit_code": self.exit_code,
+                "attempts": self.attempts, "pid": self.proc.pid if self.proc else None, "log": self.log,
+                "vcores": self.group.vcores, "memory_mib": self.group.memory, "gpus": self.group.gpus,
+                "resources": self.limits.why, "exits": self.exits}
+
+
+class ApplicationMaster:
+    def __init__(self, app_dir):
+        import conf
+        self.dir = app_dir
+        with open(os.path.join(app_dir, "job.json")) as f:
+            self.job = conf.load_job(json.load(f))
+        with open(os.path.join(app_dir, "app.json")) as f:
+            meta = json.load(f)
+        self.app_id = meta["app_id"]
+        self.secret = meta["secret"]
+        self.submitted = meta["submitted"]
+        self.store = FileStore(os.path.join(app_dir, "store"))
+        groups = {g.name: g for g in self.job.groups}
+        self.containers = [Container(m, groups[m["group"]], self) for m in self.job.ranks()]
+        self.state = "ACCEPTED"
+        self.diagnostics = ""
+        self.stopping = None
+        self.extra = {}
+
+    def save(self):
+        write_state(self.dir, {
+            "app_id": self.app_id, "name": self.job.name, "state": self.state, "am_pid": os.getpid(),
+            "submitted": self.submitted, "diagnostics": self.diagnostics,
+            "containers": [c.record() for c in self.containers], **self.extra})
+
+    def on_signal(self, signum, frame):
+        self.stopping = "KILLED"
+
+    def container_exited(self, c, rc):
+        self.store.release(c.id)
+        c.exit_code = rc
+        c.exits.append({"attempt": c.attempts, "exit_code": rc, "time": time.time()})
+        failed = self.store.get(keys.FAILED) is not None
+        if rc == 0:
+            c.state = "SUCCEEDED"
+            return
+        if rc == agent_mod.EXIT_APP_FAILED or failed or self.stopping:
+            c.state = "FAILED"
+            return
+        # The container itself died (not its rank): tell the world, then replace it.
+        gen = agent_mod.current_generation(self.store)
+        what = f"killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
+        self.store.put_if_absent(keys.abort(gen), json.dumps({
+            "container": c.id, "rank": c.member["rank"], "exit_code": rc, "generation": gen,
+            "reason": f"container {c.id} {what}", "log": c.log, "log_tail": agent_mod.log_tail(c.log),
+            "time": time.time()}))
+        if c.attempts <= self.job.max_restarts:
+            log.warning("container %s %s; replacing it", c.id, what)
+            c.start()
+        else:
+            c.state = "FAILED"
+
+    def run(self):
+        signal.signal(signal.SIGTERM, self.on_signal)
+        signal.signal(signal.SIGINT, self.on_signal)
+        for c in self.containers:
+            c.start()
+        self.state = "RUNNING"
+        self.save()
+        failed_since = None
+        while True:
+            changed = False
+            for c in self.containers:
+                if c.state == "RUNNING":
+                    rc = c.proc.poll()
+                    if rc is not None:
+                        self.container_exited(c, rc)
+                        changed = True
+            formed = self.store.get(keys.formed(0))
+            if formed and "world_formed_s" not in self.extra:
+                self.extra["world_formed_s"] = json.loads(formed)["time"] - self.submitted
+                changed = True
+            running = [c for c in self.containers if c.state == "RUNNING"]
+            if self.stopping:
+                break
+            if not running:
+                self.state = "SUCCEEDED" if all(c.state == "SUCCEEDED" for c in self.containers) else "FAILED"
+                break
+            if self.store.get(keys.FAILED) is not None or any(c.state == "FAILED" for c in self.containers):
+                failed_since = failed_since or time.monotonic()
+                if time.monotonic() - failed_since > 10:   # agents stop on their own; this is a backstop
+                    self.stopping = "FAILED"
+            if changed:
+                self.save()
+            time.sleep(0.05)
+        self.shutdown()
+
+    def shutdown(self):
+        if self.stopping:
+            self.state = self.stopping
+        for c in self.containers:
+            c.kill(signal.SIGTERM)
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline and any(c.proc and c.proc.poll() is None for c in self.containers):
+            time.sleep(0.05)
+        for c in self.containers:
+            c.kill(signal.SIGKILL)
+            if c.proc:
+                rc = c.proc.wait()
+                if c.state == "RUNNING":
+                    c.state, c.exit_code = ("KILLED" if self.stopping == "KILLED" else "FAILED"), rc
+        # Anything of this application that escaped its process group (it set up a
+        # session of its own) is found by its environment and ended too.
+        for p in app_processes(self.app_id, exclude=os.getpid()):
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        for c in self.containers:
+            c.limits.remove()
+        cgroups.Limits.remove_app(self.app_id)
+        failed = self.store.get(keys.FAILED)
+        if self.state == "FAILED":
+            cause = json.loads(failed) if failed else next(
+                ({"reason": f"container {c.id} exited with status {c.exit_code}", "container": c.id,
+                  "exit_code": c.exit_code, "log": c.log} for c in self.containers if c.state == "FAILED"), {})
+            self.extra["failure"] = cause
+            self.diagnostics = cause.get("reason", "")
+        elif self.state == "KILLED":
+            self.diagnostics = "killed by the user"
+        self.extra["finished"] = time.time()
+        self.save()
+        log.info("application %s %s", self.app_id, self.state)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s am %(levelname)s: %(message)s")
+    am = ApplicationMaster(argv[0])
+    try:
+        am.run()
+    except BaseException:
+        log.exception("application master crashed")
+        am.stopping = "FAILED"
+        am.diagnostics = "application master crashed; see am.log"
+        am.shutdown()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Resource enforcement for local containers, as YARN's LinuxContainerExecutor does:
+vcores become a CFS CPU quota and memory a hard limit, in cgroup v1 controllers.
+
+Where cgroups cannot be used (not root, no v1 hierarchy), `Limits.enforced` is False
+and `Limits.why` says so; the container still runs, unenforced, and status shows it.
+"""
+import logging
+import os
+import shutil
+
+log = logging.getLogger(__name__)
+
+ROOT = "/sys/fs/cgroup"
+PERIOD_US = 100_000
+
+
+class Limits:
+    def __init__(self, app_id, container, vcores, memory_mib):
+        self.paths = {}
+        self.enforced = False
+        self.why = ""
+        self.vcores, self.memory_mib = vcores, memory_mib
+        name = os.path.join("yarnapp", app_id, container)
+        cpu, mem = os.path.join(ROOT, "cpu"), os.path.join(ROOT, "memory")
+        if os.geteuid() != 0:
+            self.why = "not enforced: cgroups need root"
+            return
+        if not (os.path.isfile(os.path.join(cpu, "cpu.cfs_quota_us"))
+                and os.path.isfile(os.path.join(mem, "memory.limit_in_bytes"))):
+            self.why = "not enforced: no cgroup v1 cpu and memory controllers at /sys/fs/cgroup"
+            return
+        try:
+            for ctl, base in (("cpu", cpu), ("memory", mem)):
+                path = os.path.join(base, name)
+                os.makedirs(path, exist_ok=True)
+                self.paths[ctl] = path
+            _write(self.paths["cpu"], "cpu.cfs_period_us", PERIOD_US)
+            _write(self.paths["cpu"], "cpu.cfs_quota_us", int(round(vcores * PERIOD_US)))
+            _write(self.paths["memory"], "memory.limit_in_bytes", memory_mib * 2**20)
+            self.enforced = True
+            self.why = f"enforced: cpu quota {vcores:g} CPU, memory limit {memory_mib} MiB (cgroup v1)"
+        except OSError as e:
+            self.remove()
+            self.why = f"not enforced: cannot configure cgroups ({e.strerror})"
+
+    def join(self, pid=0):
+        """Move pid (0: the calling process) into the container's cgroups."""
+        for path in self.paths.values():
+            _write(path, "cgroup.procs", pid or os.getpid())
+
+    def pids(self):
+        out = set()
+        for path in self.paths.values():
+            try:
+                with open(os.path.join(path, "cgroup.procs")) as f:
+                    out.update(int(x) for x in f.read().split())
+            except OSError:
+                pass
+        return out
+
+    def remove(self):
+        for path in self.paths.values():
+            try:
+                os.rmdir(path)
+            except OSError as e:
+                log.warning("could not remove cgroup %s: %s", path, e.strerror)
+        self.paths = {}
+
+    @staticmethod
+    def remove_app(app_id):
+        """Remove the (empty) per-application cgroup directories."""
+        for ctl in ("cpu", "memory"):
+            path = os.path.join(ROOT, ctl, "yarnapp", app_id)
+            if os.path.isdir(path):
+                for d in sorted(os.listdir(path)):
+                    try:
+                        os.rmdir(os.path.join(path, d))
+                    except OSError:
+                        pass
+                try:
+                    os.rmdir(path)
+                except OSError:
+                    shutil.rmtree(path, ignore_errors=True)
+
+
+def _write(path, name, value):
+    with open(os.path.join(path, name), "w") as f:
+        f.write(str(value))

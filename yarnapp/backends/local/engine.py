@@ -1,0 +1,159 @@
+"""The embedded local engine, client side: submit starts a detached application
+master (am.py); status/logs/kill work from any shell through the app directory."""
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+from launcher import keys
+from launcher.store import FileStore
+
+from ...errors import YarnappError
+from ..base import TERMINAL, Backend
+from .state import app_processes, apps_dir, read_json
+
+log = logging.getLogger(__name__)
+
+
+def _new_app_id():
+    return time.strftime("app_%Y%m%d_%H%M%S_") + secrets.token_hex(3)
+
+
+def check_resources(job, where="job"):
+    """Refuse requests this machine can never satisfy (YARN would refuse them too)."""
+    cores = os.cpu_count() or 1
+    mem_mib = psutil.virtual_memory().total // 2**20
+    gpus = _gpu_count()
+    for i, g in enumerate(job.groups):
+        if g.vcores > cores:
+            raise YarnappError(f"{where}: groups[{i}].vcores: {g.vcores:g} requested but this machine has "
+                               f"{cores} cores; ask for at most {cores}")
+        if g.memory > mem_mib:
+            raise YarnappError(f"{where}: groups[{i}].memory: {g.memory} MiB requested but this machine has "
+                               f"{mem_mib} MiB; ask for less")
+        if g.gpus > gpus:
+            raise YarnappError(f"{where}: groups[{i}].gpus: {g.gpus} requested but this machine has {gpus}; "
+                               f"set gpus: 0 or submit to a cluster with --backend yarn")
+
+
+def _gpu_count():
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
+        return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+    except (OSError, subprocess.SubprocessError):
+        return 0
+
+
+class LocalBackend(Backend):
+    name = "local"
+
+    def __init__(self):
+        os.makedirs(apps_dir(), exist_ok=True)
+
+    def _dir(self, app_id):
+        d = os.path.join(apps_dir(), app_id)
+        if not os.path.isfile(os.path.join(d, "app.json")):
+            raise YarnappError(f"no application {app_id!r} on the local engine; `yarnapp list` shows them")
+        return d
+
+    def submit(self, job, where="job"):
+        check_resources(job, where)
+        app_id = _new_app_id()
+        d = os.path.join(apps_dir(), app_id)
+        os.makedirs(os.path.join(d, "containers"))
+        with open(os.path.join(d, "job.json"), "w") as f:
+            f.write(job.model_dump_json(indent=1))
+        submitted = time.time()
+        with open(os.path.join(d, "app.json"), "w") as f:
+            json.dump({"app_id": app_id, "secret": secrets.token_hex(16), "submitted": submitted,
+                       "name": job.name}, f)
+        FileStore(os.path.join(d, "store"))
+        env = dict(os.environ, YARNAPP_APP_ID=app_id, PYTHONUNBUFFERED="1")
+        with open(os.path.join(d, "am.log"), "ab") as out:
+            subprocess.Popen([sys.executable, "-m", "yarnapp.backends.local.am", d], env=env, cwd=d,
+                             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        log.info("submitted %s", app_id)
+        return app_id
+
+    def status(self, app_id):
+        d = self._dir(app_id)
+        meta = read_json(os.path.join(d, "app.json"))
+        st = read_json(os.path.join(d, "state.json")) or {
+            "app_id": app_id, "name": meta["name"], "state": "ACCEPTED", "containers": [],
+            "submitted": meta["submitted"], "diagnostics": ""}
+        if st["state"] not in TERMINAL and st.get("am_pid") and not psutil.pid_exists(st["am_pid"]):
+            st["state"], st["diagnostics"] = "FAILED", f"the application master died; see {d}/am.log"
+        store = FileStore(os.path.join(d, "store"))
+        st["progress"] = {int(k.rsplit("/", 1)[1]): json.loads(v)
+                          for k, v in store.get_prefix("progress/").items()}
+        final = store.get(keys.FINAL)
+        st["final"] = json.loads(final) if final else None
+        st["restarts"] = [json.loads(v) for v in store.get_prefix(keys.RESTARTS).values()]
+        tb = store.get(keys.TENSORBOARD)
+        st["tensorboard"] = tb.decode() if tb else None
+        st["app_dir"] = d
+        return st
+
+    def logs(self, app_id, container=None):
+        d = self._dir(app_id)
+        root = os.path.join(d, "containers")
+        names = sorted(os.listdir(root))
+        if container is not None:
+            if container not in names:
+                raise YarnappError(f"application {app_id} has no container {container!r}; "
+                                   f"it has {', '.join(names)}")
+            names = [container]
+        out = {}
+        for n in names:
+            try:
+                with open(os.path.join(root, n, "container.log"), errors="replace") as f:
+                    out[n] = f.read()
+            except FileNotFoundError:
+                out[n] = ""
+        return out
+
+    def log_paths(self, app_id):
+        d = self._dir(app_id)
+        return {n: os.path.join(d, "containers", n, "container.log")
+                for n in sorted(os.listdir(os.path.join(d, "containers")))}
+
+    def kill(self, app_id, timeout=15):
+        st = self.status(app_id)
+        am = st.get("am_pid")
+        if st["state"] not in TERMINAL and am and psutil.pid_exists(am):
+            os.kill(am, signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and psutil.pid_exists(am):
+                try:
+                    if psutil.Process(am).status() == psutil.STATUS_ZOMBIE:
+                        break
+                except psutil.Error:
+                    break
+                time.sleep(0.05)
+        # Backstop: nothing of the application may survive a kill.
+        for p in app_processes(app_id):
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        return self.status(app_id)
+
+    def list(self):
+        out = []
+        root = apps_dir()
+        for app_id in sorted(os.listdir(root), reverse=True):
+            if os.path.isfile(os.path.join(root, app_id, "app.json")):
+                st = self.status(app_id)
+                out.append({k: st.get(k) for k in ("app_id", "name", "state", "submitted", "diagnostics")})
+        return out
+
+    def remove(self, app_id):
+        shutil.rmtree(self._dir(app_id))

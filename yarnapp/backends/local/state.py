@@ -1,0 +1,54 @@
+"""The on-disk layout of a local application, shared by the AM and the client.
+
+    $YARNAPP_HOME/apps/<app_id>/
+        app.json        id, secret, submit time (written once by the client)
+        job.json        the resolved job spec
+        state.json      written by the AM on every change (atomic rename)
+        am.log          the AM's log
+        store/          the coordination store (launcher.store.FileStore)
+        containers/<id>/container.log, work/
+"""
+import json
+import os
+
+import psutil
+
+
+def home():
+    return os.environ.get("YARNAPP_HOME") or os.path.join(os.path.expanduser("~"), ".yarnapp")
+
+
+def apps_dir():
+    return os.path.join(home(), "apps")
+
+
+def write_state(app_dir, state):
+    tmp = os.path.join(app_dir, f".state.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(state, f, indent=1)
+    os.replace(tmp, os.path.join(app_dir, "state.json"))
+
+
+def read_json(path, default=None):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return default
+
+
+def app_processes(app_id, exclude=None):
+    """Every live process that belongs to the application (found by its environment)."""
+    marker = f"YARNAPP_APP_ID={app_id}".encode()
+    out = []
+    for p in psutil.process_iter(["pid"]):
+        if p.pid == exclude:
+            continue
+        try:
+            with open(f"/proc/{p.pid}/environ", "rb") as f:
+                if marker in f.read().split(b"\0"):
+                    if p.status() != psutil.STATUS_ZOMBIE:
+                        out.append(p)
+        except (OSError, psutil.Error):
+            continue
+    return out

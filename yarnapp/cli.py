@@ -1,0 +1,177 @@
+"""`yarnapp` command line. Expected errors print one `Error: ...` line and exit 1."""
+import argparse
+import json
+import logging
+import sys
+import time
+
+from . import api
+from .errors import YarnappError
+
+
+def _p(*a, **k):
+    print(*a, **k, flush=True)
+
+
+def cmd_submit(args):
+    spec = api.load(args.job, backend=args.backend, max_restarts=args.max_restarts)
+    t0 = time.time()
+    from . import backends
+    be = backends.get(spec.backend)
+    app_id = be.submit(spec, where=args.job)
+    run = api.Run(app_id, be, spec)
+    if not args.wait:
+        _p(app_id)
+        return 0
+    _p(f"submitted {app_id} to the {spec.backend} backend: {spec.world_size} ranks in "
+       f"{len(spec.groups)} groups ({', '.join(f'{g.instances}x{g.name}' for g in spec.groups)})")
+    try:
+        st = run.wait(progress=True)
+    except KeyboardInterrupt:
+        run.kill()
+        _p(f"interrupted: killed {app_id}")
+        return 130
+    took = time.time() - t0
+    if st.get("world_formed_s") is not None:
+        _p(f"world formed in {st['world_formed_s']:.2f}s after submit")
+    if st["state"] != "SUCCEEDED":
+        f = st.get("failure") or {}
+        if f.get("log_tail"):
+            _p(f"--- last lines of {f.get('container')}'s log ---\n{f['log_tail']}\n---", file=sys.stderr)
+        raise YarnappError(run.failure_message())
+    _p(f"{app_id} SUCCEEDED in {took:.1f}s")
+    if st.get("final"):
+        _p("final: " + " ".join(f"{k}={_fmt(v)}" for k, v in st["final"].items()))
+    return 0
+
+
+def _fmt(v):
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def cmd_status(args):
+    st = api.Run(args.app).status()
+    if args.json:
+        _p(json.dumps(st, indent=1, default=str))
+        return 0
+    _p(f"{st['app_id']}  {st['name']}  {st['state']}  {st.get('diagnostics') or ''}".rstrip())
+    if st.get("tensorboard"):
+        _p(f"tensorboard: {st['tensorboard']}")
+    for c in st.get("containers", []):
+        _p(f"  {c['id']:<14} rank {c['rank']:<3} {c['state']:<10} exit={c['exit_code']} "
+           f"attempts={c['attempts']}  {c['vcores']:g} vcores {c['memory_mib']} MiB  [{c['resources']}]")
+    for r in st.get("restarts") or []:
+        _p(f"  restart {r.get('generation')}: {r.get('reason')}")
+    p = (st.get("progress") or {}).get(0)
+    if p:
+        _p("  progress: " + " ".join(f"{k}={_fmt(v)}" for k, v in p.items() if k not in ("rank", "time")))
+    if st.get("final"):
+        _p("  final: " + " ".join(f"{k}={_fmt(v)}" for k, v in st["final"].items()))
+    return 0
+
+
+def cmd_logs(args):
+    run = api.Run(args.app)
+    if not args.follow:
+        for cid, text in run.logs(args.container).items():
+            _p(f"==> {cid} <==")
+            _p(text, end="" if text.endswith("\n") else "\n")
+        return 0
+    offsets = {}
+    while True:
+        for cid, text in run.logs(args.container).items():
+            new = text[offsets.get(cid, 0):]
+            if new:
+                for line in new.splitlines():
+                    _p(f"{cid}| {line}")
+                offsets[cid] = len(text)
+        if run.state in ("SUCCEEDED", "FAILED", "KILLED"):
+            return 0
+        time.sleep(0.5)
+
+
+def cmd_kill(args):
+    st = api.Run(args.app).kill()
+    _p(f"{args.app} {st['state']}")
+    return 0
+
+
+def cmd_list(args):
+    for a in api.list_apps(args.backend):
+        _p(f"{a['app_id']}  {a['name']:<16} {a['state']:<10} {a.get('diagnostics') or ''}".rstrip())
+    return 0
+
+
+def cmd_data_import(args):
+    from training import data
+    opts = {k: v for k, v in vars(args).items() if k in ("shards", "seed", "n_train", "n_test", "path")
+            and v is not None}
+    try:
+        summary = data.run_import(args.kind, args.uri, opts)
+    except data.DataError as e:
+        raise YarnappError(str(e)) from None
+    _p(json.dumps(summary))
+    return 0
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="yarnapp", description="Train CNNs on YARN or the embedded local engine.")
+    p.add_argument("-v", "--verbose", action="store_true", help="log what the client does")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("submit", help="start an application from a job.yaml")
+    s.add_argument("job", help="path of the job.yaml")
+    s.add_argument("--backend", choices=["local", "yarn"], help="overrides the job's backend")
+    s.add_argument("--max-restarts", type=int, help="overrides the job's max_restarts")
+    s.add_argument("--wait", action="store_true", help="show progress until it ends; non-zero exit if it fails")
+    s.set_defaults(fn=cmd_submit)
+
+    s = sub.add_parser("status", help="an application's state, containers, restarts and progress")
+    s.add_argument("app")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_status)
+
+    s = sub.add_parser("logs", help="container logs")
+    s.add_argument("app")
+    s.add_argument("--container", help="one container, e.g. worker_1")
+    s.add_argument("--follow", "-f", action="store_true", help="keep printing until the application ends")
+    s.set_defaults(fn=cmd_logs)
+
+    s = sub.add_parser("kill", help="stop an application; nothing of it keeps running")
+    s.add_argument("app")
+    s.set_defaults(fn=cmd_kill)
+
+    s = sub.add_parser("list", help="applications, newest first")
+    s.add_argument("--backend", default="local", choices=["local", "yarn"])
+    s.set_defaults(fn=cmd_list)
+
+    d = sub.add_parser("data", help="datasets").add_subparsers(dest="data_cmd", required=True, metavar="ACTION")
+    s = d.add_parser("import", help="write a dataset as Parquet shards to a URI")
+    s.add_argument("kind", choices=["digits", "synthetic-cifar", "arrays", "image-folder"])
+    s.add_argument("uri", help="destination: a path or any pyarrow URI (file://, hdfs://...)")
+    s.add_argument("--shards", type=int)
+    s.add_argument("--seed", type=int)
+    s.add_argument("--n-train", type=int, dest="n_train")
+    s.add_argument("--n-test", type=int, dest="n_test")
+    s.add_argument("--path", help="arrays: an .npz with x and y; image-folder: the folder")
+    s.set_defaults(fn=cmd_data_import)
+    return p
+
+
+def main(argv=None):
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.fn(args) or 0
+    except YarnappError as e:
+        print(f"Error: {e}", file=sys.stderr, flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

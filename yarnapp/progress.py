@@ -1,0 +1,45 @@
+"""Live progress of a run: a tqdm bar in a terminal, a widget in a notebook."""
+import sys
+
+from tqdm.auto import tqdm
+
+
+def _fmt(v):
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+class Progress:
+    def __init__(self, run, file=None):
+        self.run = run
+        self.file = file or sys.stderr
+        self.bar = None
+        self.said = set()
+
+    def say(self, key, text):
+        if key not in self.said:
+            self.said.add(key)
+            (self.bar.write if self.bar else lambda t: print(t, file=self.file))(text)
+
+    def update(self, st):
+        self.say("submitted", f"{self.run.app_id}: {len(st.get('containers') or []) or '...'} containers, "
+                              f"state {st['state']}")
+        if st.get("world_formed_s") is not None:
+            self.say("formed", f"world formed {st['world_formed_s']:.2f}s after submit "
+                               f"({len(st.get('containers', []))} ranks)")
+        for r in st.get("restarts") or []:
+            self.say(f"restart{r.get('generation')}", f"restart {r.get('generation')}: {r.get('reason')}")
+        p = (st.get("progress") or {}).get(0)
+        if p and "step" in p:
+            if self.bar is None:
+                self.bar = tqdm(total=p.get("total_steps"), desc=self.run.app_id, file=self.file,
+                                dynamic_ncols=True, leave=True)
+            self.bar.total = p.get("total_steps") or self.bar.total
+            self.bar.n = p["step"]
+            self.bar.set_postfix({k: _fmt(p[k]) for k in ("epoch", "loss", "accuracy", "samples_per_s")
+                                  if k in p} | {"restarts": len(st.get("restarts") or [])}, refresh=False)
+            self.bar.refresh()
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
