@@ -78,6 +78,23 @@ def _message(err):
     return f"{msg} (got {inp!r})" if kind.endswith("_type") or kind.startswith(("greater", "less", "too_")) else msg
 
 
+def absolutize(job, base):
+    """Make the job's local relative paths absolute against `base` (the submit directory),
+    since containers run in directories of their own. URIs with a scheme are kept."""
+    d = job.model_dump(mode="python")
+
+    def fix(v):
+        return v if v is None or "://" in v or os.path.isabs(v) else os.path.normpath(os.path.join(base, v))
+    if d["run"]["script"]:
+        d["run"]["script"] = fix(d["run"]["script"])
+    if d["training"]:
+        d["training"]["data"]["train"] = fix(d["training"]["data"]["train"])
+        d["training"]["data"]["test"] = fix(d["training"]["data"]["test"])
+    d["checkpoint"]["uri"] = fix(d["checkpoint"]["uri"])
+    d["tensorboard"]["logdir"] = fix(d["tensorboard"]["logdir"])
+    return JobSpec.model_validate(d)
+
+
 def load_job(source, overrides=None):
     """Return a validated JobSpec from a path, a dict or a JobSpec.
 

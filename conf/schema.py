@@ -84,7 +84,7 @@ class Training(Model):
     momentum: Annotated[float, Field(ge=0, lt=1)]
     weight_decay: Annotated[float, Field(ge=0)]
     seed: int
-    shares: Union[Literal["speed", "equal"], List[Annotated[float, Field(gt=0)]]]
+    shares: Union[Literal["speed", "equal", "vcores"], List[Annotated[float, Field(gt=0)]]]
     log_every: Annotated[int, Field(ge=1)]
     allreduce: AllReduce
     model_parallel: ModelParallel

@@ -12,6 +12,8 @@ import time
 
 import psutil
 
+import conf
+
 from launcher import keys
 from launcher.store import FileStore
 
@@ -65,6 +67,7 @@ class LocalBackend(Backend):
 
     def submit(self, job, where="job"):
         check_resources(job, where)
+        job = conf.absolutize(job, os.getcwd())
         app_id = _new_app_id()
         d = os.path.join(apps_dir(), app_id)
         os.makedirs(os.path.join(d, "containers"))

@@ -1,0 +1,94 @@
+"""Checkpoints that become visible only when complete, on any pyarrow URI.
+
+Layout under the job's checkpoint URI:
+
+    step-00000050.tmp-<gen>/rank-00000.pt ...   being written (never read)
+    step-00000050/rank-00000.pt ...             complete: renamed after every rank wrote
+    final/model.pt                              the trained model (rank 0)
+
+Every rank writes its own part (model/optimizer shard, RNG states, data position)
+into the temporary directory; after a barrier rank 0 renames it. A name is never
+overwritten (HDFS refuses to rename onto an existing path), so a checkpoint for a
+step that already exists is skipped. The last `keep` complete checkpoints are kept.
+"""
+import logging
+import random
+import re
+import time
+
+import numpy as np
+import torch
+
+from . import fsutil
+
+log = logging.getLogger(__name__)
+_COMPLETE = re.compile(r"^step-(\d{8})$")
+
+
+def rng_state():
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def set_rng_state(s):
+    torch.set_rng_state(s["torch"])
+    np.random.set_state(s["numpy"])
+    random.setstate(s["python"])
+
+
+class Checkpointer:
+    def __init__(self, uri, comm, keep=3, generation=0):
+        self.uri = uri
+        self.fs, self.root = fsutil.resolve(uri)
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.keep = keep
+        self.generation = generation
+        self.write_s = 0.0
+
+    def _dir(self, step, tmp=False):
+        return f"{self.root}/step-{step:08d}" + (f".tmp-{self.generation}" if tmp else "")
+
+    def complete_steps(self):
+        return sorted(int(m.group(1)) for n in fsutil.listdir(self.fs, self.root)
+                      if (m := _COMPLETE.match(n)))
+
+    def latest(self):
+        """(step, this rank's state) of the newest complete checkpoint, or (0, None)."""
+        steps = self.complete_steps() if self.rank == 0 else None
+        steps = self.comm.bcast(steps, root=0)
+        if not steps:
+            return 0, None
+        step = steps[-1]
+        data = fsutil.read_bytes(self.fs, f"{self._dir(step)}/rank-{self.rank:05d}.pt")
+        return step, fsutil.torch_load(data)
+
+    def save(self, step, state):
+        """Collective: every rank passes its own state; returns when the checkpoint is complete."""
+        t0 = time.perf_counter()
+        exists = self.comm.bcast(step in self.complete_steps() if self.rank == 0 else None, root=0)
+        if exists:
+            return False
+        tmp = self._dir(step, tmp=True)
+        fsutil.write_bytes(self.fs, f"{tmp}/rank-{self.rank:05d}.pt", fsutil.torch_bytes(state))
+        self.comm.Barrier()
+        if self.rank == 0:
+            self.fs.move(tmp, self._dir(step))
+            for old in self.complete_steps()[:-self.keep]:
+                self.fs.delete_dir(self._dir(old))
+            for n in fsutil.listdir(self.fs, self.root):
+                if ".tmp-" in n:                       # left by a generation that crashed mid-write
+                    self.fs.delete_dir(f"{self.root}/{n}")
+        self.comm.Barrier()
+        self.write_s += time.perf_counter() - t0
+        log.info("checkpoint step %d complete", step)
+        return True
+
+    def save_model(self, model):
+        if self.rank == 0 and model is not None:
+            fsutil.write_bytes(self.fs, f"{self.root}/final/model.pt",
+                               fsutil.torch_bytes({k: v.detach().cpu() for k, v in model.state_dict().items()}))
+
+
+def load_final(uri):
+    fs, root = fsutil.resolve(uri)
+    return fsutil.torch_load(fsutil.read_bytes(fs, f"{root}/final/model.pt"))

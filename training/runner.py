@@ -1,0 +1,180 @@
+"""The built-in training runner (`run.function: training.runner:main`).
+
+It owns the loop: data, model, strategy, epochs/steps, evaluation, metrics,
+checkpoints and TensorBoard. Strategies (training.strategies) own how the model and
+its gradients are spread over the world. On start it resumes from the newest
+complete checkpoint, so a restarted world continues exactly where it left off.
+"""
+import logging
+import math
+import time
+
+import numpy as np
+import torch
+
+from . import strategies
+from .checkpoint import Checkpointer, rng_state, set_rng_state
+from .data import Loader, ParquetDataset
+from .models import build_model
+from .tensorboard import TBLogger
+
+log = logging.getLogger(__name__)
+
+
+def make_optimizer_factory(spec):
+    def make(params):
+        if spec.optimizer == "adam":
+            return torch.optim.Adam(params, lr=spec.lr, weight_decay=spec.weight_decay)
+        return torch.optim.SGD(params, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay)
+    return make
+
+
+class Runner:
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.spec = spec = ctx.job.training
+        self.comm = ctx.comm
+        torch.set_num_threads(ctx.me.threads)
+        self.train = ParquetDataset(spec.data.train)
+        self.test = ParquetDataset(spec.data.test) if spec.data.test else None
+        torch.manual_seed(spec.seed)
+        model = build_model(spec.model, self.train.shape, self.train.num_classes, spec.model_options)
+        self.strategy = strategies.get(spec.strategy)(ctx, spec)
+        self.strategy.setup(model, make_optimizer_factory(spec))
+        self.ckpt = Checkpointer(ctx.checkpoint_uri, self.comm, ctx.job.checkpoint.keep, ctx.generation)
+        self.start_step, state = self.ckpt.latest()
+        if state is not None:
+            self.strategy.load_state_dict(state["strategy"])
+            set_rng_state(state["rng"])
+            log.info("resumed from the checkpoint of step %d", self.start_step)
+        self.lo, self.hi = self.strategy.batch_slice(spec.batch_size)
+        self.loader = Loader(self.train, spec.batch_size, self.lo, self.hi, spec.seed,
+                             start_step=self.start_step, prefetch=spec.data.prefetch, epochs=spec.epochs)
+        self.steps_per_epoch = self.loader.steps_per_epoch
+        self.total_steps = spec.epochs * self.steps_per_epoch
+        if spec.max_steps:
+            self.total_steps = min(self.total_steps, spec.max_steps)
+        self.groups = [r.group for r in ctx.ranks]
+        self.tb = None
+        if ctx.rank == 0:
+            self.tb = TBLogger(ctx.logdir, ctx.app_id, purge_step=self.start_step or None,
+                               sync_every=ctx.job.tensorboard.sync_every, hparams=self._hparams())
+        self.last_ckpt_time = time.monotonic()
+
+    def _hparams(self):
+        s = self.spec
+        return {"strategy": s.strategy, "model": s.model, "batch_size": s.batch_size, "lr": s.lr,
+                "optimizer": s.optimizer, "world_size": self.ctx.world_size, "seed": s.seed,
+                "groups": ",".join(f"{g.instances}x{g.name}({g.vcores:g}vc)" for g in self.ctx.job.groups)}
+
+    # -- pieces of the loop ----------------------------------------------------
+    def evaluate(self):
+        if self.test is None:
+            return {}
+        B = self.spec.batch_size
+        lo, hi = self.strategy.batch_slice(B)
+        loader = Loader(self.test, B, lo, hi, self.spec.seed, prefetch=0, drop_last=False, epochs=1)
+        sums = np.zeros(3)
+        for _, _, x, y in loader:
+            loss_sum, correct, n = self.strategy.eval_step(x, y)
+            sums += (loss_sum, correct, n)
+            self.ctx.heartbeat()
+        loader.close()
+        total = self.comm.allreduce(sums)
+        return {"loss": total[0] / max(total[2], 1), "accuracy": total[1] / max(total[2], 1)}
+
+    def checkpoint_due(self, step):
+        c = self.ctx.job.checkpoint
+        due = bool(c.every_steps and step % c.every_steps == 0)
+        if c.every_seconds and not due:
+            due = self.comm.bcast(time.monotonic() - self.last_ckpt_time >= c.every_seconds
+                                  if self.ctx.rank == 0 else None, root=0)
+        return due
+
+    def save(self, step):
+        self.ckpt.save(step, {"step": step, "strategy": self.strategy.state_dict(), "rng": rng_state()})
+        self.last_ckpt_time = time.monotonic()
+
+    def log_window(self, step, epoch, window):
+        """Aggregate the timings of the last steps over the world; rank 0 logs them."""
+        n = max(window["steps"], 1)
+        mine = np.array([window["compute"] / n, window["comm"] / n, window["wait"] / n, window["wall"] / n])
+        every = self.comm.gather(mine, root=0)
+        rec = {"step": step, "total_steps": self.total_steps, "epoch": epoch,
+               "loss": window["loss"] / n, "accuracy": window["correct"] / max(window["samples"], 1),
+               "samples_per_s": window["samples"] / max(window["wall"], 1e-9)}
+        if self.ctx.rank == 0:
+            scal = {"train/loss": rec["loss"], "train/accuracy": rec["accuracy"],
+                    "train/samples_per_s": rec["samples_per_s"], "train/lr": self.spec.lr,
+                    "train/epoch": epoch}
+            for g in dict.fromkeys(self.groups):
+                rows = np.array([every[r] for r, gg in enumerate(self.groups) if gg == g])
+                c, m, w, wall = rows.mean(axis=0)
+                scal.update({f"time/compute/{g}": c, f"time/comm/{g}": m, f"time/data_wait/{g}": w,
+                             f"time/step/{g}": wall, f"time/data_wait_pct/{g}": 100 * w / max(wall, 1e-9)})
+            for k in ("split", "last_conv_s"):
+                v = getattr(self.strategy, k, None)
+                if isinstance(v, (list, tuple)):
+                    scal.update({f"model_parallel/{k}/rank{r}": x for r, x in enumerate(v)})
+            self.tb.scalars(step, scal)
+        self.ctx.report(**rec)
+        return rec
+
+    # -- the loop -------------------------------------------------------------
+    def run(self):
+        ctx, spec = self.ctx, self.spec
+        step = self.start_step
+        t_start = time.perf_counter()
+        window = dict.fromkeys(("steps", "loss", "correct", "samples", "compute", "comm", "wait", "wall"), 0.0)
+        totals = dict.fromkeys(("samples", "wait", "wall"), 0.0)
+        ctx.report(step=step, total_steps=self.total_steps, epoch=step // self.steps_per_epoch)
+        t_prev = time.perf_counter()
+        rec = {}
+        for epoch, s, x, y in self.loader:
+            if step >= self.total_steps:
+                break
+            t_got = time.perf_counter()
+            st = self.strategy.train_step(x, y)
+            step += 1
+            t_done = time.perf_counter()
+            ctx.heartbeat()
+            wall = t_done - t_prev
+            for k, v in (("steps", 1), ("loss", st.loss), ("correct", st.correct), ("samples", st.samples),
+                         ("compute", st.compute_s), ("comm", st.comm_s), ("wait", t_got - t_prev), ("wall", wall)):
+                window[k] += v
+            totals["samples"] += st.samples
+            totals["wait"] += t_got - t_prev
+            totals["wall"] += wall
+            t_prev = t_done
+            if step % spec.log_every == 0 or step == self.total_steps:
+                rec = self.log_window(step, epoch, window)
+                window = dict.fromkeys(window, 0.0)
+            end_of_epoch = step % self.steps_per_epoch == 0
+            if end_of_epoch and step < self.total_steps:
+                ev = self.evaluate()
+                if self.tb and ev:
+                    self.tb.scalars(step, {f"eval/{k}": v for k, v in ev.items()})
+            if self.checkpoint_due(step) and step < self.total_steps:
+                self.save(step)
+            t_prev = time.perf_counter()
+        self.loader.close()
+        ev = self.evaluate()
+        train_time = time.perf_counter() - t_start
+        final = {"accuracy": ev.get("accuracy"), "loss": ev.get("loss"), "train_loss": rec.get("loss"),
+                 "steps": step, "samples_per_s": totals["samples"] / max(totals["wall"], 1e-9),
+                 "data_wait_pct": 100 * totals["wait"] / max(totals["wall"], 1e-9),
+                 "time_s": train_time, "resumed_from": self.start_step}
+        final = {k: v for k, v in final.items() if v is not None}
+        self.save(step)
+        self.ckpt.save_model(self.strategy.model_for_export())
+        if self.tb:
+            self.tb.scalars(step, {f"eval/{k}": v for k, v in ev.items()})
+            self.tb.close(final)
+        ctx.report(step=step, total_steps=self.total_steps, epoch=math.ceil(step / self.steps_per_epoch),
+                   **{k: v for k, v in final.items() if k in ("accuracy", "loss", "samples_per_s")})
+        ctx.final(**final)
+        return final
+
+
+def main(ctx):
+    return Runner(ctx).run()

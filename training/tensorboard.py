@@ -1,0 +1,67 @@
+"""TensorBoard event files for a run, written live (flushed as they are logged).
+
+Rank 0 writes; the run appears as `<logdir>/<app_id>` so runs of one experiment
+sit side by side. After a restart the writer purges events past the resumed step,
+so curves continue without duplicated steps. A logdir that is not local (hdfs://,
+s3://...) is written to a local cache and copied up every `sync_every` seconds and
+at the end.
+"""
+import logging
+import os
+import tempfile
+import threading
+import time
+
+import pyarrow.fs as pafs
+
+from . import fsutil
+
+log = logging.getLogger(__name__)
+
+
+class TBLogger:
+    def __init__(self, logdir, run_name, purge_step=None, sync_every=5.0, hparams=None):
+        from torch.utils.tensorboard import SummaryWriter
+        self.remote = None if fsutil.is_local(logdir) else logdir
+        base = fsutil.local_path(logdir) if self.remote is None else tempfile.mkdtemp(prefix="yarnapp-tb-")
+        self.local_dir = os.path.join(base, run_name)
+        self.run_name = run_name
+        self.writer = SummaryWriter(self.local_dir, purge_step=purge_step, flush_secs=1)
+        self.hparams = hparams or {}
+        if self.hparams:
+            self.writer.add_text("job", "\n".join(f"    {k}: {v}" for k, v in self.hparams.items()), 0)
+        self._stop = threading.Event()
+        self._thread = None
+        if self.remote:
+            self._thread = threading.Thread(target=self._sync_loop, args=(sync_every,), daemon=True)
+            self._thread.start()
+
+    def scalars(self, step, values, prefix=""):
+        for k, v in values.items():
+            if v is not None:
+                self.writer.add_scalar(prefix + k, float(v), step)
+        self.writer.flush()
+
+    def _sync(self):
+        fs, path = fsutil.resolve(self.remote)
+        dest = f"{path.rstrip('/')}/{self.run_name}"
+        fs.create_dir(dest, recursive=True)
+        pafs.copy_files(self.local_dir, dest, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+
+    def _sync_loop(self, every):
+        while not self._stop.wait(every):
+            try:
+                self._sync()
+            except Exception as e:  # a failed sync must not stop training; the next one retries
+                log.warning("TensorBoard sync to %s failed: %s", self.remote, e)
+
+    def close(self, final_metrics=None):
+        if final_metrics and self.hparams:
+            self.writer.add_hparams({k: v for k, v in self.hparams.items()
+                                     if isinstance(v, (int, float, str, bool))},
+                                    {f"hparam/{k}": v for k, v in final_metrics.items()
+                                     if isinstance(v, (int, float))}, run_name=".")
+        self.writer.close()
+        if self.remote:
+            self._stop.set()
+            self._sync()
