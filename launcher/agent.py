@@ -189,9 +189,13 @@ class Agent:
 
 def main():
     ident = identity.from_env()
+    store = store_mod.from_env()
+    if ident.rank < 0:
+        ident = ident.adopt(store)
+        os.environ["YARNAPP_CONTAINER_ID"] = ident.container   # the rank process takes this slot
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s agent {ident.container} %(levelname)s: %(message)s")
-    agent = Agent(ident, store_mod.from_env())
+    agent = Agent(ident, store)
 
     def on_term(signum, frame):
         agent.kill_child()

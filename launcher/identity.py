@@ -33,6 +33,22 @@ class Identity:
     def world_size(self):
         return self.job.world_size
 
+    def adopt(self, store):
+        """For a replacement container: take the slot of its group whose container is gone.
+
+        Returns a new Identity whose `container` is the slot's name (e.g. cpu_1 for a
+        skein replacement named cpu_2); the slot's alive key is claimed atomically.
+        """
+        from . import keys
+        for r in self.job.ranks():
+            if r["group"] == self.group and self.store_claim(store, keys.alive(r["container"])):
+                return dataclasses.replace(self, container=r["container"], instance=r["instance"], rank=r["rank"])
+        raise RuntimeError(f"container {self.container}: every slot of group {self.group} is taken")
+
+    @staticmethod
+    def store_claim(store, key):
+        return store.put_if_absent(key, json.dumps({"incarnation": "claimed"}), owned=True)
+
     def rank_info(self, rank=None):
         return self.job.ranks()[self.rank if rank is None else rank]
 
@@ -51,7 +67,9 @@ def from_env(environ=None):
     with open(env["YARNAPP_JOB"]) as f:
         job = conf.load_job(json.load(f))
     group, _, instance = container.rpartition("_")
-    rank = next(r["rank"] for r in job.ranks() if r["container"] == container)
+    # -1: a replacement container with a new instance number (skein numbers a
+    # restarted instance after the service's count); the agent adopts a free slot.
+    rank = next((r["rank"] for r in job.ranks() if r["container"] == container), -1)
     return Identity(backend=env.get("YARNAPP_BACKEND", "local"),
                     app_id=env.get("YARNAPP_APP_ID") or env.get("SKEIN_APPLICATION_ID", "unknown"),
                     container=container, group=group, instance=int(instance), rank=rank, job=job,

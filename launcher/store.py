@@ -18,7 +18,7 @@ class Store(abc.ABC):
         """Return the value (bytes) or default."""
 
     @abc.abstractmethod
-    def put_if_absent(self, key, value):
+    def put_if_absent(self, key, value, owned=False):
         """Set key only if it does not exist. Return True if this call set it."""
 
     @abc.abstractmethod
@@ -84,10 +84,12 @@ class FileStore(Store):
             self._own(key)
         os.replace(self._tmp(value), self._path(key))
 
-    def put_if_absent(self, key, value):
+    def put_if_absent(self, key, value, owned=False):
         tmp = self._tmp(value)
         try:
             os.link(tmp, self._path(key))
+            if owned:
+                self._own(key)
             return True
         except FileExistsError:
             return False
@@ -143,11 +145,16 @@ class SkeinStore(Store):
         self.app.kv.put(key, _b(value), owner=self.container if owned else None)
 
     def get(self, key, default=None):
-        return self.app.kv.get(key, default=default)
+        value = self.app.kv.get(key)
+        return default if value is None else value
 
-    def put_if_absent(self, key, value):
-        kv = self.app.kv
-        res = kv.transaction(conditions=[kv.missing(key)], on_success=[kv.put(key, _b(value))])
+    def put_if_absent(self, key, value, owned=False):
+        # skein.kv's module-level operations build a transaction; the store object's
+        # methods of the same names would run at once.
+        ops = self._skein.kv
+        owner = self.container if owned else None
+        res = self.app.kv.transaction(conditions=[ops.missing(key)],
+                                      on_success=[ops.put(key, _b(value), owner=owner)])
         return bool(res.succeeded)
 
     def get_prefix(self, prefix):

@@ -30,6 +30,8 @@ import tempfile
 
 import skein
 
+from launcher import keys
+
 from .. import packaging
 from ..errors import BackendUnavailable, YarnappError
 from .base import Backend
@@ -143,7 +145,7 @@ def app_record(report):
     start = report.start_time
     return {"app_id": report.id, "name": report.name, "state": app_state(report), "containers": [],
             "final": None, "restarts": [], "diagnostics": report.diagnostics or "", "progress": {},
-            "tensorboard": None, "world_formed_s": None,
+            "tensorboard": None, "world_formed_s": None, "failure": None,
             "submitted": start.timestamp() if start else None, "tracking_url": report.tracking_url}
 
 
@@ -167,14 +169,17 @@ def named_logs(logs):
     return out
 
 
-def _kv_fields(kv):
-    from launcher import keys
+def kv_fields(kv):
     out = {"progress": {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in kv.get_prefix("progress/").items()},
            "restarts": [json.loads(v) for v in kv.get_prefix(keys.RESTARTS).values()]}
     final = kv.get(keys.FINAL)
     out["final"] = json.loads(final) if final else None
+    failed = kv.get(keys.FAILED)
+    out["failure"] = json.loads(failed) if failed else None      # the root cause, first failure wins
     tb = kv.get(keys.TENSORBOARD)
     out["tensorboard"] = tb.decode() if tb else None
+    formed = sorted(k for k in kv.get_prefix(keys.ABORT_PREFIX) if k.endswith("/formed"))
+    out["world_formed_s"] = json.loads(kv.get(formed[-1])).get("seconds") if formed else None
     return out
 
 
@@ -246,6 +251,12 @@ class YarnBackend(Backend):
 
     def submit(self, job, where=None):
         check_job(job, where)
+        for field, value in (("checkpoint.uri", job.checkpoint.uri),
+                             ("tensorboard.logdir", job.tensorboard.logdir)):
+            if value is None:
+                log.warning("%s is unset: on YARN it defaults to a directory inside each container, which "
+                            "other containers cannot read and which is deleted with it; set it to shared "
+                            "storage (hdfs://...)", field)
         with tempfile.TemporaryDirectory(prefix="yarnapp-stage-") as staging:
             spec = build_spec(job, stage_files(job, staging))
             try:
@@ -264,7 +275,7 @@ class YarnBackend(Backend):
             app = self.client.connect(app_id, wait=False)
             containers = app.get_containers(states=list(skein.model.ContainerState))
             record["containers"] = [container_record(c) for c in containers]
-            record.update(_kv_fields(app.kv))
+            record.update(kv_fields(app.kv))
         except skein.exceptions.ConnectionError as e:   # finished between the two calls
             log.debug("status of %s from the report only: %s", app_id, e)
         return record

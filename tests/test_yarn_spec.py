@@ -1,0 +1,310 @@
+"""The YARN backend at its boundary: the generated skein ApplicationSpec, validated by
+skein's own model, the shipped environment (a real venv-pack run), and the backend's
+refusal to start without Hadoop. The real-cluster test runs only with YARNAPP_TEST_YARN=1."""
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+
+import pytest
+import skein
+
+import conf
+from launcher import keys
+from launcher.store import FileStore
+from yarnapp import packaging
+from yarnapp.backends import get as get_backend
+from yarnapp.backends.base import TERMINAL
+from yarnapp.backends.yarn import (YarnBackend, kv_fields, app_record, app_state, build_spec, check_job,
+                                   container_record, named_logs, stage_files)
+from yarnapp.errors import BackendUnavailable, YarnappError
+
+HELLO = os.path.join(conf.EXAMPLES_DIR, "hello.yaml")
+CONTRACT = ("YARNAPP_BACKEND", "YARNAPP_GROUP", "YARNAPP_JOB", "YARNAPP_SECRET")
+
+
+def three_groups(**environment):
+    return conf.load_job({
+        "name": "mixed", "queue": "ml", "backend": "yarn", "max_restarts": 2,
+        "groups": [
+            {"name": "gpu", "instances": 1, "memory": "8 GiB", "vcores": 4, "gpus": 1,
+             "node_label": "gpu", "env": {"NCCL_DEBUG": "WARN"}},
+            {"name": "cpu", "instances": 2, "memory": "4 GiB", "vcores": 2,
+             "env": {"OMP_PROC_BIND": "close"}},
+            {"name": "edge", "instances": 3, "memory": 1536, "vcores": 1, "node_label": "edge"},
+        ],
+        "run": {"function": "training.hello:main"},
+        "tensorboard": {"service": True},
+        "environment": {"packer": "none", **environment},
+    })
+
+
+def assert_skein_round_trips(spec):
+    """What skein itself would accept: YAML, JSON and the protobuf Client.submit sends."""
+    assert skein.ApplicationSpec.from_yaml(spec.to_yaml()).to_dict() == spec.to_dict()
+    assert skein.ApplicationSpec.from_json(spec.to_json()).to_dict() == spec.to_dict()
+    assert skein.ApplicationSpec.from_protobuf(spec.to_protobuf()).to_dict() == spec.to_dict()
+
+
+def test_spec_for_three_unequal_groups_with_cluster_python(tmp_path):
+    job = three_groups()
+    files = stage_files(job, str(tmp_path))
+    assert set(files) == {"job.json"}                   # packer: none ships no environment
+    assert files["job.json"].type == skein.FileType.FILE
+    assert files["job.json"].source == f"file://{tmp_path}/job.json"
+    with open(tmp_path / "job.json") as f:
+        assert conf.load_job(json.load(f)) == job       # what the container reloads is the job
+
+    spec = build_spec(job, files)
+    assert isinstance(spec, skein.ApplicationSpec)
+    assert (spec.name, spec.queue, spec.tags) == ("mixed", "ml", {"yarnapp"})
+    assert list(spec.services) == ["gpu", "cpu", "edge", "tensorboard"]
+
+    expected = {"gpu": (8192, 4, 1, 1, "gpu"), "cpu": (4096, 2, 0, 2, ""), "edge": (1536, 1, 0, 3, "edge")}
+    secrets = set()
+    for name, (memory, vcores, gpus, instances, label) in expected.items():
+        svc = spec.services[name]
+        r = svc.resources
+        assert (r.memory, r.vcores, r.gpus) == (memory, vcores, gpus)
+        assert type(r.vcores) is int
+        assert (svc.instances, svc.node_label, svc.max_restarts) == (instances, label, 2)
+        assert svc.allow_failures is False
+        assert {k: svc.env[k] for k in CONTRACT} == {
+            "YARNAPP_BACKEND": "yarn", "YARNAPP_GROUP": name, "YARNAPP_JOB": "job.json",
+            "YARNAPP_SECRET": svc.env["YARNAPP_SECRET"]}
+        secrets.add(svc.env["YARNAPP_SECRET"])
+        assert set(svc.files) == {"job.json"}
+        assert svc.files["job.json"].type == skein.FileType.FILE
+        assert svc.script.rstrip().splitlines()[-1] == "exec python3 -m launcher.agent"
+        assert "environment/" not in svc.script
+    assert spec.services["gpu"].env["NCCL_DEBUG"] == "WARN"
+    assert spec.services["cpu"].env["OMP_PROC_BIND"] == "close"
+    assert "NCCL_DEBUG" not in spec.services["cpu"].env
+
+    (secret,) = secrets                                  # one secret for the whole application
+    assert len(secret) == 32 and int(secret, 16) >= 0
+    assert build_spec(job, files).services["gpu"].env["YARNAPP_SECRET"] != secret
+
+    tb = spec.services["tensorboard"]
+    assert tb.instances == 1 and tb.allow_failures is True
+    assert tb.resources.vcores == 1 and tb.resources.gpus == 0
+    assert tb.script.rstrip().splitlines()[-1] == "exec python3 -m launcher.tensorboard_service"
+    assert tb.env["YARNAPP_SECRET"] == secret and "YARNAPP_GROUP" not in tb.env
+    assert_skein_round_trips(spec)
+
+
+def test_spec_ships_a_ready_archive_as_environment(tmp_path):
+    archive = tmp_path / "team-env.tar.gz"
+    archive.write_bytes(b"not unpacked by this test")
+    job = three_groups(archive=str(archive))
+    spec = build_spec(job, stage_files(job, str(tmp_path)))
+    for name in ("gpu", "cpu", "edge", "tensorboard"):
+        files = spec.services[name].files
+        assert set(files) == {"job.json", "environment"}
+        assert files["environment"].type == skein.FileType.ARCHIVE
+        assert files["environment"].source == f"file://{archive}"
+        assert files["job.json"].type == skein.FileType.FILE
+    assert spec.services["cpu"].script.rstrip().splitlines()[-1] == \
+        "exec environment/bin/python -m launcher.agent"
+    assert_skein_round_trips(spec)
+
+    remote = three_groups(archive="hdfs:///envs/team.tar.gz")   # a URI is referenced in place
+    files = stage_files(remote, str(tmp_path))
+    assert files["environment"].source == "hdfs:///envs/team.tar.gz"
+    assert files["environment"].type == skein.FileType.ARCHIVE
+
+
+def test_container_script_runs_the_agent_from_the_environment(tmp_path):
+    """Run the generated script with bash as a container would: cwd holds the localized files."""
+    archive = tmp_path / "env.tar.gz"
+    archive.write_bytes(b"")
+    job = three_groups(archive=str(archive))
+    svc = build_spec(job, stage_files(job, str(tmp_path))).services["cpu"]
+    work = tmp_path / "container"
+    (work / "environment" / "bin").mkdir(parents=True)
+    fake_python = work / "environment" / "bin" / "python"
+    fake_python.write_text('#!/bin/sh\necho "argv: $*"\necho "group: $YARNAPP_GROUP job: $YARNAPP_JOB"\n'
+                           'echo "path0: ${PATH%%:*}"\n')
+    fake_python.chmod(0o755)
+    env = {**os.environ, **svc.env, "SKEIN_CONTAINER_ID": "cpu_1", "CONTAINER_ID": "container_1_0001_01_000003"}
+    out = subprocess.run(["bash", "-c", svc.script], cwd=work, env=env, capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "yarnapp container cpu_1 (YARN container_1_0001_01_000003)",
+        "argv: -m launcher.agent",
+        "group: cpu job: job.json",
+        f"path0: {work}/environment/bin"]
+
+
+def test_fractional_vcores_are_refused_naming_the_field(tmp_path):
+    job = conf.load_job(HELLO)                          # small: vcores 0.5 (fine on the local engine)
+    with pytest.raises(YarnappError) as e:
+        build_spec(job, {"job.json": str(tmp_path / "job.json")})
+    assert str(e.value) == "groups[1].vcores: YARN allocates whole vcores; got 0.5 — use an integer"
+    with pytest.raises(YarnappError, match=r"^hello.yaml: groups\[1\]\.vcores: "):
+        check_job(job, where="hello.yaml")
+
+
+def test_names_and_env_the_contract_owns_are_refused():
+    job = three_groups()
+    renamed = conf.load_job({**job.model_dump(mode="json"),
+                             "groups": [{**job.groups[0].model_dump(), "name": "tensorboard"}]})
+    with pytest.raises(YarnappError, match=r"^groups\[0\]\.name: 'tensorboard' names the TensorBoard"):
+        check_job(renamed)
+    clash = conf.load_job({**job.model_dump(mode="json"),
+                           "groups": [{**job.groups[0].model_dump(), "env": {"YARNAPP_SECRET": "x"}}]})
+    with pytest.raises(YarnappError, match=r"^groups\[0\]\.env\.YARNAPP_SECRET: set by yarnapp"):
+        check_job(clash)
+
+
+@pytest.mark.skipif(shutil.which("yarn") is not None, reason="this machine has a YARN client")
+def test_backend_without_hadoop_is_unavailable_with_one_clear_line():
+    skein_dir_existed = os.path.exists(skein.properties.config_dir)
+    for make in (YarnBackend, lambda: get_backend("yarn")):
+        with pytest.raises(BackendUnavailable) as e:
+            make()
+        msg = str(e.value)
+        assert "\n" not in msg
+        assert "no `yarn` command on PATH" in msg and "backend: local" in msg
+    assert os.path.exists(skein.properties.config_dir) == skein_dir_existed   # no driver, no credentials made
+
+
+def _report(state, final="UNDEFINED", diagnostics=""):
+    usage = skein.model.ResourceUsageReport(memory_seconds=0, vcore_seconds=0, num_used_containers=0,
+                                            needed_resources=skein.Resources(0, 0),
+                                            reserved_resources=skein.Resources(0, 0),
+                                            used_resources=skein.Resources(0, 0))
+    return skein.model.ApplicationReport(
+        id="application_1_0007", name="mixed", user="u", queue="ml", tags={"yarnapp"}, host="", port=0,
+        tracking_url="", state=state, final_status=final, progress=0.1, usage=usage,
+        diagnostics=diagnostics, start_time=datetime.datetime(2024, 5, 1, 12, 0), finish_time=None)
+
+
+def test_skein_reports_become_backend_records():
+    assert app_state(_report("ACCEPTED")) == "NEW"
+    assert app_state(_report("RUNNING")) == "RUNNING"
+    assert app_state(_report("FINISHED", "SUCCEEDED")) == "SUCCEEDED"
+    assert app_state(_report("FINISHED", "FAILED")) == "FAILED"
+    assert app_state(_report("FINISHED", "UNDEFINED")) == "FAILED"
+    assert app_state(_report("KILLED", "KILLED")) == "KILLED"
+    rec = app_record(_report("FAILED", "FAILED", "cpu_1 failed"))
+    assert (rec["app_id"], rec["name"], rec["state"], rec["diagnostics"]) == \
+        ("application_1_0007", "mixed", "FAILED", "cpu_1 failed")
+    assert rec["submitted"] == datetime.datetime(2024, 5, 1, 12, 0).timestamp()
+
+    c = skein.model.Container(service_name="cpu", instance=1, state="FAILED",
+                              yarn_container_id="container_1_0007_01_000003",
+                              yarn_node_http_address="node3:8042", start_time=None, finish_time=None,
+                              exit_message="Exception from container-launch.\nExit code: 137")
+    rec = container_record(c)
+    assert (rec["id"], rec["group"], rec["instance"], rec["state"], rec["exit_code"]) == \
+        ("cpu_1", "cpu", 1, "FAILED", 137)
+    assert rec["log"].startswith("node3:8042/node/containerlogs/container_1_0007_01_000003/")
+
+    logs = skein.model.ApplicationLogs("application_1_0007", {
+        "container_1_0007_01_000001": "LogType:application.master.log\nstarted",
+        "container_1_0007_01_000002": "LogType:gpu.log\nyarnapp container gpu_0 (YARN x)\nrank 0",
+        "container_1_0007_01_000003": "LogType:cpu.log\nyarnapp container cpu_1 (YARN y)\nboom"})
+    named = named_logs(logs)
+    assert set(named) == {"master", "gpu_0", "cpu_1"}
+    assert named["cpu_1"].endswith("boom")
+
+
+def test_running_application_fields_come_from_the_coordination_keys(tmp_path):
+    """status() reads these through skein's kv; FileStore answers get/get_prefix the same way."""
+    store = FileStore(str(tmp_path / "store"))
+    store.put(keys.progress(1), json.dumps({"step": 7}))
+    store.put(keys.restart(0), json.dumps({"generation": 0, "reason": "rank 1 exited 1"}))
+    store.put(keys.formed(0), json.dumps({"seconds": 3.5}))
+    store.put(keys.formed(1), json.dumps({"seconds": 1.25}))
+    store.put(keys.TENSORBOARD, "http://node1:6006")
+    fields = kv_fields(store)
+    assert fields == {"progress": {1: {"step": 7}}, "restarts": [{"generation": 0, "reason": "rank 1 exited 1"}],
+                      "final": None, "failure": None, "tensorboard": "http://node1:6006",
+                      "world_formed_s": 1.25}
+    store.put(keys.FINAL, json.dumps({"accuracy": 0.9}))
+    store.put(keys.FAILED, json.dumps({"reason": "rank 2 exited 1", "container": "edge_0"}))
+    fields = kv_fields(store)
+    assert fields["final"] == {"accuracy": 0.9} and fields["failure"]["container"] == "edge_0"
+
+
+def _venv(path):
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, timeout=60)
+    (site,) = (path / "lib").glob("python*/site-packages")
+    return site
+
+
+def _fake_dist(site, name, version, direct_url=None):
+    info = site / f"{name}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "RECORD").write_text(f"{name}-{version}.dist-info/METADATA,,\n")
+    if direct_url:
+        (info / "direct_url.json").write_text(json.dumps(direct_url))
+
+
+def test_venv_pack_packs_a_real_venv_once_per_content(tmp_path):
+    venv, cache = tmp_path / "env", tmp_path / "cache"
+    site = _venv(venv)
+    t0 = time.monotonic()
+    path = packaging.pack_venv(str(venv), cache=str(cache))
+    assert time.monotonic() - t0 < 20
+    assert path.startswith(str(cache)) and path.endswith(".tar.gz")
+    with tarfile.open(path) as tar:
+        names = set(tar.getnames())
+    assert "bin/python" in names and "pyvenv.cfg" in names
+    assert os.listdir(cache) == [os.path.basename(path)]   # no temporary left behind
+
+    mtime = os.path.getmtime(path)
+    assert packaging.pack_venv(str(venv), cache=str(cache)) == path   # unchanged: cached
+    assert os.path.getmtime(path) == mtime
+
+    _fake_dist(site, "extra", "1.0")                       # installing something repacks
+    again = packaging.pack_venv(str(venv), cache=str(cache))
+    assert again != path and os.path.isfile(again)
+
+    _fake_dist(site, "yarnapp", "0.1.0", {"url": "file:///src/yarnapp", "dir_info": {"editable": True}})
+    with pytest.raises(YarnappError, match=r"editable installs .*yarnapp from file:///src/yarnapp.*pip install \."):
+        packaging.pack_venv(str(venv), cache=str(cache))
+
+
+def test_packing_failures_say_what_to_do(tmp_path):
+    with pytest.raises(YarnappError, match=r"is not a virtual environment .*environment\.archive"):
+        packaging.pack_venv(str(tmp_path), cache=str(tmp_path / "c"))
+    with pytest.raises(YarnappError, match=r"is not a conda environment"):
+        packaging.pack_conda(str(tmp_path), cache=str(tmp_path / "c"))
+    with pytest.raises(YarnappError, match=r"^environment\.archive: no such file"):
+        packaging.ready_archive(str(tmp_path / "missing.tar.gz"))
+    with pytest.raises(YarnappError, match=r"^environment\.archive: YARN unpacks only"):
+        packaging.ready_archive("hdfs:///envs/env.7z")
+    if sys.prefix == sys.base_prefix:                      # this interpreter is no venv: say so
+        with pytest.raises(YarnappError) as e:
+            packaging.environment_archive(conf.load_job(HELLO).environment)   # default packer: venv-pack
+        assert "is not one" in str(e.value) and "environment.archive" in str(e.value) \
+            and "packer: none" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.yarn
+@pytest.mark.skipif(os.environ.get("YARNAPP_TEST_YARN") != "1", reason="set YARNAPP_TEST_YARN=1 to use a real cluster")
+def test_hello_on_a_real_cluster():
+    """hello.yaml on YARN. Its 0.5-vcore group is raised to 1 (YARN allocates whole vcores).
+    The environment is YARNAPP_TEST_ENV_ARCHIVE when set, else this venv packed by venv-pack."""
+    raw = conf.resolve(conf.load_job(HELLO).model_dump(mode="json"))
+    raw["backend"] = "yarn"
+    raw["groups"] = [{**g, "vcores": 1} for g in raw["groups"]]
+    if os.environ.get("YARNAPP_TEST_ENV_ARCHIVE"):
+        raw["environment"]["archive"] = os.environ["YARNAPP_TEST_ENV_ARCHIVE"]
+    backend = get_backend("yarn")
+    app_id = backend.submit(conf.load_job(raw))
+    deadline = time.monotonic() + 600
+    while (st := backend.status(app_id))["state"] not in TERMINAL:
+        assert time.monotonic() < deadline, f"{app_id} still {st['state']} after 600 s"
+        time.sleep(2)
+    logs = backend.logs(app_id)
+    assert st["state"] == "SUCCEEDED", (st["diagnostics"], logs)
+    assert {"big_0", "small_0", "small_1"} <= set(logs)
