@@ -104,8 +104,12 @@ def cmd_list(args):
 
 def cmd_data_import(args):
     from training import data
-    opts = {k: v for k, v in vars(args).items() if k in ("shards", "seed", "n_train", "n_test", "path")
-            and v is not None}
+    opts = {k: v for k, v in vars(args).items() if k in ("shards", "seed", "n_train", "n_test", "path",
+                                                         "size", "mode") and v not in (None, False)}
+    if args.overwrite:
+        opts["overwrite"] = True
+    if args.kind == "image-folder" and "path" in opts:
+        opts["folder"] = opts.pop("path")
     try:
         summary = data.run_import(args.kind, args.uri, opts)
     except data.DataError as e:
@@ -153,7 +157,10 @@ def build_parser():
     s.add_argument("--seed", type=int)
     s.add_argument("--n-train", type=int, dest="n_train")
     s.add_argument("--n-test", type=int, dest="n_test")
-    s.add_argument("--path", help="arrays: an .npz with x and y; image-folder: the folder")
+    s.add_argument("--path", help="arrays: an .npz with x and y; image-folder: the folder (a subfolder per class)")
+    s.add_argument("--size", help="image-folder: resize to HxW, e.g. 32x32")
+    s.add_argument("--mode", choices=["RGB", "L"], help="image-folder: colour or grey")
+    s.add_argument("--overwrite", action="store_true", help="replace an existing dataset")
     s.set_defaults(fn=cmd_data_import)
     return p
 
