@@ -51,6 +51,17 @@ def current_generation(store):
     return gen
 
 
+def spent_restarts(store, upto):
+    """Aborted generations 0..upto that count against max_restarts: all but those whose
+    container the resource manager stopped (preemption, node decommission...)."""
+    n = 0
+    for g in range(upto + 1):
+        v = store.get(keys.abort(g))
+        if v is not None and not json.loads(v).get("external"):
+            n += 1
+    return n
+
+
 def log_tail(path, lines=20):
     try:
         with open(path, "rb") as f:
@@ -175,7 +186,7 @@ class Agent:
                 if self.store.put_if_absent(keys.abort(gen), json.dumps(reason)):
                     log.error("generation %d aborted: %s", gen, reason["reason"])
             cause = json.loads(self.store.get(keys.abort(gen)) or b"{}")
-            if self.store.get(keys.FAILED) is not None or gen >= self.job.max_restarts:
+            if self.store.get(keys.FAILED) is not None or spent_restarts(self.store, gen) > self.job.max_restarts:
                 first = json.loads(self.store.get(keys.abort(0)) or b"{}") or cause
                 first["attempts"] = gen + 1
                 self.store.put_if_absent(keys.FAILED, json.dumps(first))
@@ -198,8 +209,17 @@ def main():
     agent = Agent(ident, store)
 
     def on_term(signum, frame):
+        # The resource manager stops a container with SIGTERM (preemption, decommission,
+        # `yarnapp kill`): say so, so that this generation's end does not spend the budget.
         agent.kill_child()
-        os._exit(128 + signum)
+        try:
+            gen = current_generation(agent.store)
+            agent.store.put_if_absent(keys.abort(gen), json.dumps({
+                "container": ident.container, "rank": ident.rank, "exit_code": None, "external": True,
+                "generation": gen, "time": time.time(),
+                "reason": f"container {ident.container} was stopped by the resource manager (SIGTERM)"}))
+        finally:
+            os._exit(128 + signum)
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
     code = agent.run()

@@ -12,6 +12,7 @@ overwritten (HDFS refuses to rename onto an existing path), so a checkpoint for 
 step that already exists is skipped. The last `keep` complete checkpoints are kept.
 """
 import logging
+import os
 import random
 import re
 import time
@@ -70,6 +71,7 @@ class Checkpointer:
             return False
         tmp = self._dir(step, tmp=True)
         fsutil.write_bytes(self.fs, f"{tmp}/rank-{self.rank:05d}.pt", fsutil.torch_bytes(state))
+        _maybe_fault("crash_in_checkpoint", step, self.rank, self.generation)
         self.comm.Barrier()
         if self.rank == 0:
             self.fs.move(tmp, self._dir(step))
@@ -87,6 +89,14 @@ class Checkpointer:
         if self.rank == 0 and model is not None:
             fsutil.write_bytes(self.fs, f"{self.root}/final/model.pt",
                                fsutil.torch_bytes({k: v.detach().cpu() for k, v in model.state_dict().items()}))
+
+
+def _maybe_fault(kind, step, rank, generation):
+    """Fault injection for recovery tests and demos: YARNAPP_FAULT=KIND:STEP:RANK makes
+    that rank die at that point of generation 0 (set it in a group's `env`)."""
+    if generation == 0 and os.environ.get("YARNAPP_FAULT") == f"{kind}:{step}:{rank}":
+        log.error("fault injection: %s at step %d on rank %d", kind, step, rank)
+        os._exit(99)
 
 
 def load_final(uri):
