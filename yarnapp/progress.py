@@ -8,12 +8,25 @@ def _fmt(v):
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
+def _interactive(file):
+    """A terminal or a notebook: somewhere a redrawn bar makes sense."""
+    try:
+        from IPython import get_ipython
+        if get_ipython() is not None and "IPKernelApp" in get_ipython().config:
+            return True
+    except Exception:
+        pass
+    return hasattr(file, "isatty") and file.isatty()
+
+
 class Progress:
     def __init__(self, run, file=None):
         self.run = run
         self.file = file or sys.stderr
         self.bar = None
         self.said = set()
+        self.last = None
+        self.tty = _interactive(self.file)
 
     def say(self, key, text):
         if key not in self.said:
@@ -29,6 +42,15 @@ class Progress:
         for r in st.get("restarts") or []:
             self.say(f"restart{r.get('generation')}", f"restart {r.get('generation')}: {r.get('reason')}")
         p = (st.get("progress") or {}).get(0)
+        if p and "step" in p and not self.tty:
+            # Not a terminal (CI, a log file): one plain line per new progress record.
+            if p.get("time") != self.last:
+                self.last = p.get("time")
+                fields = " ".join(f"{k}={_fmt(p[k])}" for k in ("epoch", "loss", "accuracy", "samples_per_s")
+                                  if k in p)
+                print(f"step {p['step']}/{p.get('total_steps', '?')} {fields} "
+                      f"restarts={len(st.get('restarts') or [])}", file=self.file, flush=True)
+            return
         if p and "step" in p:
             if self.bar is None:
                 self.bar = tqdm(total=p.get("total_steps"), desc=self.run.app_id, file=self.file,
