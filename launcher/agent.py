@@ -30,7 +30,7 @@ import sys
 import time
 import uuid
 
-from . import identity, keys, store as store_mod
+from . import identity, keys, network, store as store_mod
 
 log = logging.getLogger("launcher.agent")
 
@@ -143,9 +143,11 @@ class Agent:
             if not formed and now - self.spawned > lj.rendezvous_timeout:
                 missing = [m["container"] for m in self.members if m["rank"] and
                            self.store.get(keys.joined(gen, m["rank"])) is None]
+                nodes = network.members_from(self.store)
+                missing = [f"{c} on {nodes[c]['node']} ({nodes[c]['addr']})" if c in nodes else c for c in missing]
                 return "own", {"container": self.ident.container, "rank": self.ident.rank, "exit_code": None,
                                "reason": f"world not formed within {lj.rendezvous_timeout:.0f}s; "
-                                         f"missing: {', '.join(missing) or 'none'}"}
+                                         f"missing: {', '.join(missing) or 'none'}" + self.network_note()}
             if formed:
                 try:
                     silent = time.time() - os.path.getmtime(self.heartbeat)
@@ -155,12 +157,19 @@ class Agent:
                     return "own", {"container": self.ident.container, "rank": self.ident.rank, "exit_code": None,
                                    "reason": f"rank {self.ident.rank} ({self.ident.container}) hung: "
                                              f"no progress for {silent:.1f}s (heartbeat_timeout "
-                                             f"{lj.heartbeat_timeout:g}s)"}
+                                             f"{lj.heartbeat_timeout:g}s)" + self.network_note()}
             lost = self.lost_member(gen)
             if lost:
                 return "own", {"container": lost[0], "rank": None, "exit_code": None,
                                "reason": f"lost {lost[0]}: {lost[1]}", "observed_by": self.ident.container}
             time.sleep(lj.poll_interval)
+
+    def network_note(self):
+        """On emulated nodes: "; <which node is unreachable>" when the world hangs or cannot
+        form because of the network (empty otherwise, and always on a shared host)."""
+        members = network.members_from(self.store)
+        why = network.diagnose(members, self.ident.container) if members else ""
+        return f"; network: {why}" if why else ""
 
     # -- the state machine --------------------------------------------------
     def run(self):
@@ -194,7 +203,8 @@ class Agent:
                 return EXIT_APP_FAILED if reason is None or reason.get("rank") != self.ident.rank \
                     else (reason.get("exit_code") or 1) if (reason.get("exit_code") or 0) > 0 else 1
             gen += 1
-            self.store.put_if_absent(keys.restart(gen), json.dumps({"generation": gen, **cause}))
+            self.store.put_if_absent(keys.restart(gen), json.dumps({**cause, "aborted_generation": gen - 1,
+                                                                    "generation": gen}))
             log.warning("RESTARTING as generation %d after: %s", gen, cause.get("reason"))
 
 
