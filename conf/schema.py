@@ -4,15 +4,17 @@ Every default lives in ``conf/defaults.yaml``; the models here declare no defaul
 their own, so the defaults file is the single place a default can be read or changed
 (``conf.load_job`` merges it under the user's file before validation).
 """
+import ipaddress
 from typing import Annotated, Dict, List, Literal, Optional, Union
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
                       model_validator)
 
-from .units import parse_duration_s, parse_memory_mib
+from .units import parse_duration_s, parse_memory_mib, parse_rate_bps
 
 MemoryMiB = Annotated[int, BeforeValidator(parse_memory_mib)]
 Seconds = Annotated[float, BeforeValidator(parse_duration_s)]
+BitsPerSecond = Annotated[float, BeforeValidator(parse_rate_bps)]
 Name = Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{0,30}$")]
 
 
@@ -20,6 +22,16 @@ def _module_function(value):
     if value is not None and (value.count(":") != 1 or not all(value.split(":"))):
         raise ValueError(f"expected 'package.module:function', got {value!r}")
     return value
+
+
+def _ipv4_subnet(value):
+    try:
+        net = ipaddress.IPv4Network(value)
+    except ValueError:
+        raise ValueError(f"{value!r} is not an IPv4 subnet such as 10.77.0.0/24") from None
+    if net.num_addresses < 4:
+        raise ValueError(f"{value!r} is too small for emulated nodes; use at most a /30")
+    return str(net)
 
 
 class Model(BaseModel):
@@ -115,6 +127,15 @@ class Launcher(Model):
     poll_interval: Seconds
 
 
+class Network(Model):
+    """Emulated nodes on the local engine: a network namespace per node (needs root)."""
+    nodes: Annotated[int, Field(ge=0)]
+    placement: Literal["spread", "by-group"]
+    bandwidth: Optional[BitsPerSecond]
+    latency: Optional[Seconds]
+    subnet: Annotated[str, AfterValidator(_ipv4_subnet)]
+
+
 class JobSpec(Model):
     name: Name
     queue: str
@@ -127,6 +148,7 @@ class JobSpec(Model):
     tensorboard: TensorBoard
     environment: Environment
     launcher: Launcher
+    network: Network
 
     @model_validator(mode="after")
     def _cross_checks(self):

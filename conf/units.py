@@ -1,4 +1,4 @@
-"""Parsing of the human-written quantities in a job.yaml: memory and durations.
+"""Parsing of the human-written quantities in a job.yaml: memory, durations, rates.
 
 Memory follows YARN and skein: a bare number is MiB; ``KiB/MiB/GiB/TiB`` are powers
 of 1024 and ``KB/MB/GB/TB`` powers of 1000. Anything else is rejected, so that
@@ -16,6 +16,10 @@ _MEM_UNITS = {
 _MEM_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 _DUR_UNITS = {"ms": 0.001, "s": 1, "": 1, "m": 60, "min": 60, "h": 3600}
 _DUR_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-z]*)\s*$")
+# Link rates are bits per second with decimal prefixes, as tc and NIC vendors write
+# them (100mbit, 1gbit, 10 Gbit/s). Bytes are refused: tc's "mbps" means megaBYTES.
+_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+_RATE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)(/s)?\s*$")
 
 
 def parse_memory_mib(value):
@@ -49,3 +53,20 @@ def parse_duration_s(value):
     if seconds <= 0:
         raise ValueError(f"must be more than 0 (got {value!r})")
     return seconds
+
+
+def parse_rate_bps(value):
+    """Return bits per second from a number or a string like ``100mbit``, ``10 Gbit/s``."""
+    if isinstance(value, bool):
+        raise ValueError("expected a rate such as 100mbit, 1gbit or 10gbit")
+    if isinstance(value, (int, float)):
+        bps = float(value)
+    else:
+        m = _RATE_RE.match(str(value))
+        unit = m.group(2).lower() if m else None
+        if not m or unit not in _RATE_UNITS:
+            raise ValueError(f"cannot parse {value!r} as a rate; write e.g. 100mbit, 1gbit or 10gbit (bits per second)")
+        bps = float(m.group(1)) * _RATE_UNITS[unit]
+    if bps <= 0:
+        raise ValueError(f"must be more than 0 (got {value!r})")
+    return bps

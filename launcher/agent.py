@@ -51,6 +51,15 @@ def current_generation(store):
     return gen
 
 
+def process_state(pid):
+    """The one-letter state of a process (R, S, D, T for stopped...), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def spent_restarts(store, upto):
     """Aborted generations 0..upto that count against max_restarts: all but those whose
     container the resource manager stopped (preemption, node decommission...)."""
@@ -124,6 +133,15 @@ class Agent:
         v = self.store.get(keys.incarnation(gen, m["rank"]))
         return v.decode() if v else None
 
+    def read_heartbeat(self, now):
+        """(phase, seconds since the rank's last heartbeat)."""
+        try:
+            with open(self.heartbeat) as f:
+                phase = f.read().split()[0]
+            return phase, time.time() - os.path.getmtime(self.heartbeat)
+        except (FileNotFoundError, IndexError):
+            return "setup", now - self.spawned
+
     def monitor(self, gen):
         """Watch one generation; return ("succeeded"|"own"|"other", reason dict)."""
         lj = self.job.launcher
@@ -135,7 +153,8 @@ class Agent:
             if rc is not None:
                 what = f"killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
                 return "own", {"container": self.ident.container, "rank": self.ident.rank,
-                               "exit_code": rc, "reason": f"rank {self.ident.rank} ({self.ident.container}) {what}"}
+                               "exit_code": rc,
+                               "reason": f"rank {self.ident.rank} ({self.ident.container}) {what}" + self.network_note()}
             if self.store.get(keys.FAILED) is not None or self.store.get(keys.abort(gen)) is not None:
                 return "other", None
             formed = self.store.get(keys.formed(gen)) is not None
@@ -149,15 +168,19 @@ class Agent:
                                "reason": f"world not formed within {lj.rendezvous_timeout:.0f}s; "
                                          f"missing: {', '.join(missing) or 'none'}" + self.network_note()}
             if formed:
-                try:
-                    silent = time.time() - os.path.getmtime(self.heartbeat)
-                except FileNotFoundError:
-                    silent = now - self.spawned
-                if silent > lj.heartbeat_timeout:
+                phase, silent = self.read_heartbeat(now)
+                limit = lj.heartbeat_timeout if phase == "train" else lj.rendezvous_timeout
+                stopped = process_state(self.child.pid) in ("T", "t")
+                # When one rank stops, the others soon block in a collective waiting for it
+                # and go silent too: a rank that is merely waiting gives the stopped one's
+                # agent a grace period to name the real culprit first.
+                if silent > limit + (0 if stopped else min(2.0, limit / 2)):
                     return "own", {"container": self.ident.container, "rank": self.ident.rank, "exit_code": None,
-                                   "reason": f"rank {self.ident.rank} ({self.ident.container}) hung: "
-                                             f"no progress for {silent:.1f}s (heartbeat_timeout "
-                                             f"{lj.heartbeat_timeout:g}s)" + self.network_note()}
+                                   "reason": f"rank {self.ident.rank} ({self.ident.container}) hung"
+                                             f"{' (process stopped)' if stopped else ''}: "
+                                             f"no progress for {silent:.1f}s in {phase} (limit {limit:g}s: "
+                                             f"launcher.{'heartbeat' if phase == 'train' else 'rendezvous'}"
+                                             f"_timeout)" + self.network_note()}
             lost = self.lost_member(gen)
             if lost:
                 return "own", {"container": lost[0], "rank": None, "exit_code": None,

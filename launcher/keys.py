@@ -52,6 +52,14 @@ def done(container):
     return f"done/{container}"
 
 
+NODE_PREFIX = "node/"
+
+
+def node(container):
+    """Where the local engine placed a container on emulated nodes: JSON {"node", "addr"}."""
+    return f"{NODE_PREFIX}{container}"
+
+
 FINAL = "final"            # rank 0's final metrics (JSON)
 FAILED = "failed"          # the application failed for good: JSON with the root cause
 RESTARTS = "restarts/"     # restarts/<gen> : JSON reason of each world restart

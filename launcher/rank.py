@@ -12,7 +12,7 @@ import runpy
 import sys
 import time
 
-from . import identity, keys, store as store_mod, world
+from . import identity, keys, network, store as store_mod, world
 
 log = logging.getLogger("launcher.rank")
 
@@ -39,15 +39,16 @@ def main(argv=None):
     store = store_mod.from_env()
     gen = args.generation
     with open(args.heartbeat, "w") as f:
-        f.write(str(time.time()))
+        f.write(f"setup {time.time()}")
 
+    net = network.configure()   # MPI over this container's own address (emulated nodes); else no-op
     comm, took = world.join(store, gen, ident.rank, ident.world_size, ident.secret,
                             timeout=ident.job.launcher.rendezvous_timeout,
                             aborted=lambda: store.get(keys.abort(gen)) is not None)
     assert comm.Get_rank() == ident.rank and comm.Get_size() == ident.world_size
     import socket
     info = comm.gather({"rank": ident.rank, "container": ident.container, "host": socket.gethostname(),
-                        "pid": os.getpid()}, root=0)
+                        "pid": os.getpid(), **(net or {})}, root=0)
     if ident.rank == 0:
         store.put(keys.formed(gen), json.dumps({"time": time.time(), "seconds": took, "members": info}))
     log.info("world generation %d formed: rank %d of %d in %.2fs", gen, ident.rank, ident.world_size, took)
@@ -59,7 +60,7 @@ def main(argv=None):
                      job=ident.job, app_id=ident.app_id, generation=gen, workdir=os.getcwd(),
                      checkpoint_uri=ident.checkpoint_uri, logdir=ident.logdir,
                      publish=store.put, heartbeat_path=args.heartbeat)
-    ctx.heartbeat()
+    ctx.heartbeat("setup")
     _call(ident.job, ctx)
     comm.Barrier()
     logging.shutdown()

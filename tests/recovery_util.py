@@ -48,7 +48,10 @@ def digits_job(tmp_path, data, name, strategy="allreduce", steps=40, every=10, m
         "training": {"strategy": strategy, "model": "digits_cnn",
                      "data": {"train": f"{data}/train", "test": f"{data}/test"},
                      "batch_size": 48, "epochs": 100, "max_steps": steps, "log_every": 1, "seed": 3,
-                     "lr": 0.05},
+                     "lr": 0.05,
+                     # a fixed kernel split: a measured one may differ between the runs compared
+                     "model_parallel": {"split": [2, 1, 1][:sum(instances)] if strategy == "conv_model_parallel"
+                                        else None}},
         "checkpoint": {"uri": str(tmp_path / name / "ckpt"), "every_steps": every},
         "tensorboard": {"logdir": str(tmp_path / name / "tb")},
         "launcher": {"heartbeat_timeout": heartbeat, "poll_interval": "100ms"},

@@ -45,11 +45,15 @@ class RunContext:
     def me(self):
         return self.ranks[self.rank]
 
-    def heartbeat(self):
-        """Tell the agent this rank is making progress (it declares silence a hang)."""
+    def heartbeat(self, phase="train"):
+        """Tell the agent this rank is making progress (it declares silence a hang).
+
+        phase "setup" (before the first step: imports, data, calibration) is held to
+        launcher.rendezvous_timeout; "train" to the shorter launcher.heartbeat_timeout.
+        """
         if self.heartbeat_path:
             with open(self.heartbeat_path, "w") as f:
-                f.write(str(time.time()))
+                f.write(f"{phase} {time.time()}")
 
     def report(self, **metrics):
         """Publish this rank's progress (shown by `yarnapp status`/`submit --wait`)."""

@@ -73,6 +73,15 @@ class Run:
     def kill(self):
         return self.backend.kill(self.app_id)
 
+    def tensorboard(self, port=0):
+        """Start TensorBoard on this application's logdir (its runs side by side with the
+        experiment's others); returns a handle with `.url` and `.stop()`. In a Jupyter
+        notebook it is also displayed inline."""
+        from . import tensorboard
+        tb = tensorboard.for_app(self.app_id, port=port, backend=self.backend)
+        tensorboard.show_in_notebook(tb)
+        return tb
+
     def wait(self, timeout=None, progress=False, interval=0.2):
         """Block until the application ends; return its last status."""
         from .progress import Progress

@@ -15,6 +15,8 @@ def _p(*a, **k):
 
 def cmd_submit(args):
     spec = api.load(args.job, backend=args.backend, max_restarts=args.max_restarts)
+    if args.nodes is not None:
+        spec = api.load(spec, network=dict(spec.network.model_dump(), nodes=args.nodes))
     t0 = time.time()
     from . import backends
     be = backends.get(spec.backend)
@@ -102,6 +104,51 @@ def cmd_list(args):
     return 0
 
 
+def cmd_tensorboard(args):
+    import signal
+    from . import tensorboard
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, interrupt)       # `kill` stops it as cleanly as Ctrl-C
+    tb = tensorboard.for_app(args.app, port=args.port)
+    try:
+        _p(tb.url)
+        _p(f"TensorBoard on {tb.logdir}; Ctrl-C stops it", file=sys.stderr)
+        rc = tb.wait()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        tb.stop()
+    raise YarnappError(f"TensorBoard exited with status {rc}")
+
+
+def cmd_netem(args):
+    """Fault injection on a running application's emulated nodes (local engine)."""
+    from .backends.local import netem
+    net = netem.for_app(args.app)
+    name = args.node.removeprefix("node")
+    if not name.isdigit():
+        raise YarnappError(f"--node: expected a node number or name such as 1 or node1, got {args.node!r}")
+    i = int(name)
+    if args.cut:
+        net.cut(i)
+        what = "link cut"
+    elif args.restore:
+        net.restore(i)
+        what = "link restored"
+    else:
+        import conf
+        try:
+            delay = None if args.latency in ("0", "none") else conf.parse_duration_s(args.latency)
+        except ValueError as e:
+            raise YarnappError(f"--latency: {e}") from None
+        net.set_latency(i, delay)
+        what = f"latency {args.latency}"
+    _p(f"{args.app} {net.node_name(i)} ({net.addr(i)}): {what}; link {'up' if net.link_up(i) else 'down'}")
+    return 0
+
+
 def cmd_data_import(args):
     from training import data
     opts = {k: v for k, v in vars(args).items() if k in ("shards", "seed", "n_train", "n_test", "path",
@@ -128,6 +175,7 @@ def build_parser():
     s.add_argument("--backend", choices=["local", "yarn"], help="overrides the job's backend")
     s.add_argument("--max-restarts", type=int, help="overrides the job's max_restarts")
     s.add_argument("--wait", action="store_true", help="show progress until it ends; non-zero exit if it fails")
+    s.add_argument("--nodes", type=int, help="overrides the job's network.nodes (emulated nodes; local engine, root)")
     s.set_defaults(fn=cmd_submit)
 
     s = sub.add_parser("status", help="an application's state, containers, restarts and progress")
@@ -148,6 +196,20 @@ def build_parser():
     s = sub.add_parser("list", help="applications, newest first")
     s.add_argument("--backend", default="local", choices=["local", "yarn"])
     s.set_defaults(fn=cmd_list)
+
+    s = sub.add_parser("tensorboard", help="serve an application's TensorBoard (every run of its logdir) until Ctrl-C")
+    s.add_argument("app", help="application id, or a logdir (path or URI) to serve directly")
+    s.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: a free one)")
+    s.set_defaults(fn=cmd_tensorboard)
+
+    s = sub.add_parser("netem", help="fault injection on a running application's emulated nodes")
+    s.add_argument("app")
+    s.add_argument("--node", required=True, help="node number or name, e.g. 1 or node1")
+    a = s.add_mutually_exclusive_group(required=True)
+    a.add_argument("--cut", action="store_true", help="take the node's link down (a partition)")
+    a.add_argument("--restore", action="store_true", help="bring the node's link back up")
+    a.add_argument("--latency", metavar="DELAY", help="one-way delay on the node's link, e.g. 50ms (0: none)")
+    s.set_defaults(fn=cmd_netem)
 
     d = sub.add_parser("data", help="datasets").add_subparsers(dest="data_cmd", required=True, metavar="ACTION")
     s = d.add_parser("import", help="write a dataset as Parquet shards to a URI")

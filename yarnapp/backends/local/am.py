@@ -17,10 +17,10 @@ import time
 
 import psutil
 
-from launcher import agent as agent_mod, keys
+from launcher import agent as agent_mod, keys, tensorboard_service
 from launcher.store import FileStore
 
-from . import cgroups
+from . import cgroups, netem
 from .state import app_processes, write_state
 
 log = logging.getLogger("yarnapp.am")
@@ -42,6 +42,7 @@ class Container:
         self.state = "NEW"
         self.exit_code = None
         self.exits = []
+        self.node = None          # index of its emulated node (job.yaml network:), else None
 
     def start(self):
         self.attempts += 1
@@ -57,10 +58,16 @@ class Container:
                   f"(resources: {self.limits.why}) ====\n".encode())
         out.flush()
         limits = self.limits
+        enter_node = None
+        if self.node is not None:     # emulated nodes: the container lives in its node's network namespace
+            env.update(self.app.network.container_env(self.node))
+            enter_node = self.app.network.enter(self.node)
 
         def setup():
             agent_mod.die_with_parent()
             limits.join()
+            if enter_node:
+                enter_node()
         self.proc = subprocess.Popen([sys.executable, "-m", "launcher.agent"], cwd=self.workdir, env=env,
                                      stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                      start_new_session=True, preexec_fn=setup)
@@ -85,7 +92,8 @@ class Container:
                 "rank": self.member["rank"], "state": self.state, "exit_code": self.exit_code,
                 "attempts": self.attempts, "pid": self.proc.pid if self.proc else None, "log": self.log,
                 "vcores": self.group.vcores, "memory_mib": self.group.memory, "gpus": self.group.gpus,
-                "resources": self.limits.why, "exits": self.exits}
+                "resources": self.limits.why, "exits": self.exits,
+                **(self.app.network.member(self.node) if self.node is not None else {})}
 
 
 class ApplicationMaster:
@@ -106,6 +114,8 @@ class ApplicationMaster:
         self.diagnostics = ""
         self.stopping = None
         self.extra = {}
+        self.network = None          # netem.Network of the emulated nodes, when the job has some
+        self.tensorboard = None      # the tensorboard.service process, when the job asks for one
 
     def save(self):
         write_state(self.dir, {
@@ -143,8 +153,13 @@ class ApplicationMaster:
     def run(self):
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
+        if not self.start_network():
+            self.stopping = "FAILED"
+            return self.shutdown()
         for c in self.containers:
             c.start()
+        if self.job.tensorboard.service:
+            self.tensorboard = tensorboard_service.start_local(self.dir, self.app_id, self.store.root)
         self.state = "RUNNING"
         self.save()
         failed_since = None
@@ -175,6 +190,37 @@ class ApplicationMaster:
             time.sleep(0.05)
         self.shutdown()
 
+    def start_network(self):
+        """Emulated nodes (job.yaml network:): build them, place every container on one and
+        publish where (launcher.keys.node). False, with the reason as the failure, if it fails."""
+        if not self.job.network.nodes:
+            return True
+        try:
+            netem.sweep_stale()
+            self.network = netem.Network.for_job(self.app_id, self.job)
+            placement = netem.place(self.job)
+            self.network.create()
+        except netem.NetemError as e:
+            log.error("cannot build the emulated network: %s", e)
+            self.store.put_if_absent(keys.FAILED, json.dumps({"reason": f"emulated network: {e}"}))
+            return False
+        for c in self.containers:
+            c.node = placement[c.id]
+            self.store.put(keys.node(c.id), json.dumps(self.network.member(c.node)))
+        self.extra["network"] = self.network.describe()
+        return True
+
+    def stop_network(self):
+        """Record what went over each node's link, then remove every namespace, veth and qdisc."""
+        if self.network is None:
+            return
+        try:
+            self.extra["network"]["counters"] = self.network.counters()
+        except (netem.NetemError, KeyError, ValueError, OSError) as e:
+            log.warning("could not read the emulated links' counters: %s", e)
+        removed = self.network.remove()
+        log.info("removed the emulated network: %s", " ".join(removed) or "nothing left")
+
     def shutdown(self):
         if self.stopping:
             self.state = self.stopping
@@ -189,6 +235,8 @@ class ApplicationMaster:
                 rc = c.proc.wait()
                 if c.state == "RUNNING":
                     c.state, c.exit_code = ("KILLED" if self.stopping == "KILLED" else "FAILED"), rc
+        if self.tensorboard:
+            tensorboard_service.stop_local(self.tensorboard, self.store)
         # Anything of this application that escaped its process group (it set up a
         # session of its own) is found by its environment and ended too.
         for p in app_processes(self.app_id, exclude=os.getpid()):
@@ -196,6 +244,10 @@ class ApplicationMaster:
                 p.kill()
             except psutil.Error:
                 pass
+        self.stop_network()
+        deadline = time.monotonic() + 5     # a SIGKILLed rank (torch) takes a moment to leave its cgroup
+        while time.monotonic() < deadline and any(c.limits.pids() for c in self.containers):
+            time.sleep(0.05)
         for c in self.containers:
             c.limits.remove()
         cgroups.Limits.remove_app(self.app_id)
@@ -225,6 +277,9 @@ def main(argv=None):
         am.diagnostics = "application master crashed; see am.log"
         am.shutdown()
         return 1
+    finally:
+        if am.network is not None:
+            netem.sweep(am.app_id)      # however the AM ends, no namespace of it stays
     return 0
 
 

@@ -19,6 +19,7 @@ from launcher.store import FileStore
 
 from ...errors import YarnappError
 from ..base import TERMINAL, Backend
+from . import cgroups, netem
 from .state import app_processes, apps_dir, read_json
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class LocalBackend(Backend):
 
     def submit(self, job, where="job"):
         check_resources(job, where)
+        netem.check(job, where)
         job = conf.absolutize(job, os.getcwd())
         app_id = _new_app_id()
         d = os.path.join(apps_dir(), app_id)
@@ -147,6 +149,9 @@ class LocalBackend(Backend):
                 p.kill()
             except psutil.Error:
                 pass
+        if netem.unavailable_reason() is None:
+            netem.sweep(app_id)       # its emulated nodes, should its AM have died without removing them
+        cgroups.Limits.remove_app(app_id)   # and its (now empty) cgroups, for the same reason
         return self.status(app_id)
 
     def list(self):

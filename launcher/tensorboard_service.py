@@ -1,0 +1,109 @@
+"""TensorBoard as a service of the application (job.yaml `tensorboard.service: true`).
+
+On YARN it is the skein service `tensorboard` (yarnapp.backends.yarn.build_spec); on
+the local engine the application master starts it once the containers run
+(`start_local`) and stops it at shutdown (`stop_local`). Either way it:
+
+    serves the application's logdir (tensorboard.logdir, else <app dir>/tensorboard;
+        a non-local URI is synced to a local cache every tensorboard.sync_every)
+    publishes `http://<host>:<port>` in the store under keys.TENSORBOARD (owned: it
+        vanishes with the service), which `yarnapp status` shows
+    runs until SIGTERM (exit 0) or until TensorBoard dies (exit 1: skein may restart
+        it; losing TensorBoard never fails the training)
+
+On YARN TensorBoard binds every interface of its node and the URL names the node;
+on the local engine it binds 127.0.0.1.
+
+    python -m launcher.tensorboard_service
+"""
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+from . import keys, store as store_mod
+
+log = logging.getLogger("launcher.tensorboard_service")
+
+LOCAL_ID = "tensorboard"      # its id in the local engine's store (owner of the URL key)
+
+
+def logdir(job, app_dir):
+    return job.tensorboard.logdir or os.path.join(app_dir, "tensorboard")
+
+
+def main():
+    import conf
+    from yarnapp.errors import YarnappError
+    from yarnapp.tensorboard import TensorBoard
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s tensorboard-service %(name)s: %(message)s")
+    with open(os.environ["YARNAPP_JOB"]) as f:
+        job = conf.load_job(json.load(f))
+    backend = os.environ.get("YARNAPP_BACKEND", "local")
+    where = logdir(job, os.environ.get("YARNAPP_APP_DIR") or os.getcwd())
+    if backend == "yarn" and job.tensorboard.logdir is None:
+        log.warning("tensorboard.logdir is unset: every container writes its events into a directory of its "
+                    "own, which this service cannot see; set it to shared storage (hdfs://...)")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        tb = TensorBoard(where, host="127.0.0.1" if backend == "local" else "0.0.0.0",
+                         sync_every=job.tensorboard.sync_every)
+    except YarnappError as e:
+        log.error("%s", e)
+        return 1
+    store = store_mod.from_env()
+    try:
+        store.put(keys.TENSORBOARD, tb.url.rstrip("/"), owned=True)
+        log.info("TensorBoard on %s at %s", where, tb.url)
+        while not stop.wait(0.5) and tb.alive:
+            pass
+        if not stop.is_set():
+            log.error("TensorBoard exited with status %s", tb.proc.returncode)
+            return 1
+        return 0
+    finally:
+        store.delete(keys.TENSORBOARD)
+        tb.stop()
+
+
+def start_local(app_dir, app_id, store_root):
+    """Start the service as a process of a local application (its application master calls this).
+
+    It carries YARNAPP_APP_ID, so the master's final sweep ends it whatever happens; its
+    log is `yarnapp logs APP --container tensorboard`.
+    """
+    from .agent import die_with_parent
+    log_dir = os.path.join(app_dir, "containers", LOCAL_ID)
+    os.makedirs(log_dir, exist_ok=True)
+    env = dict(os.environ, YARNAPP_BACKEND="local", YARNAPP_APP_ID=app_id, YARNAPP_CONTAINER_ID=LOCAL_ID,
+               YARNAPP_JOB=os.path.join(app_dir, "job.json"), YARNAPP_STORE=store_root,
+               YARNAPP_APP_DIR=app_dir, PYTHONUNBUFFERED="1")
+    with open(os.path.join(log_dir, "container.log"), "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "launcher.tensorboard_service"], cwd=log_dir, env=env,
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, preexec_fn=die_with_parent)
+
+
+def stop_local(proc, store, timeout=5.0):
+    """Stop a service start_local started: SIGTERM, then SIGKILL; its URL key goes with it."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)   # TensorBoard itself dies with it (PDEATHSIG)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    store.release(LOCAL_ID)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

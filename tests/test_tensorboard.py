@@ -1,0 +1,209 @@
+"""TensorBoard for applications: real jobs writing event files, real TensorBoard processes,
+read over HTTP while the job runs; nothing may be left running afterwards."""
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+import psutil
+import pytest
+
+import yarnapp
+from util import assert_nothing_left, write_job
+from yarnapp.backends.local.state import app_processes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WRITER = os.path.join(ROOT, "tests", "jobs", "tb_writer.py")
+TAG = "train/loss"
+
+
+def _job(path, steps=None, **extra):
+    return write_job(path, {
+        "name": "tbw", "groups": [{"name": "w", "instances": 1, "vcores": 1, "memory": "512 MiB"}],
+        "run": {"script": WRITER, "args": [str(steps)] if steps else []}, **extra})
+
+
+def _get(url):
+    """Parsed JSON at url, or None if nothing answers (or it has no such data yet)."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return json.load(r)
+    except (OSError, urllib.error.URLError, ValueError):
+        return None
+
+
+def _scalars(base, run, tag=TAG):
+    q = urllib.parse.urlencode({"run": run, "tag": tag})
+    return _get(f"{base.rstrip('/')}/data/plugin/scalars/scalars?{q}") or []
+
+
+def _until(what, fn, timeout=90, interval=0.3):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"gave up after {timeout}s waiting for {what}"
+        time.sleep(interval)
+
+
+def _answers(base):
+    return _get(base.rstrip("/") + "/data/runs") is not None
+
+
+def _gone(pids):
+    left = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                left.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return not left
+
+
+@pytest.mark.timeout(150)
+def test_cli_serves_a_running_job_live_beside_other_runs_and_leaves_nothing(cli, yarnapp_home, tmp_path):
+    logdir = tmp_path / "experiment"
+    tb_conf = {"tensorboard": {"logdir": str(logdir)}}
+    app = cli("submit", _job(tmp_path / "long.yaml", **tb_conf), check=0).stdout.strip()
+    other = cli("submit", _job(tmp_path / "short.yaml", steps=5, **tb_conf), check=0).stdout.strip()
+
+    proc = subprocess.Popen([sys.executable, "-m", "yarnapp.cli", "tensorboard", app], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 90)
+        assert ready, "`yarnapp tensorboard` printed no URL within 90s"
+        url = proc.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:"), (url, proc.stderr.read() if proc.poll() is not None else "")
+        children = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        assert any("tensorboard.main" in " ".join(psutil.Process(p).cmdline()) for p in children), children
+
+        # The loss of the running job, over HTTP, while it runs, and growing.
+        _until(f"{TAG} of {app}", lambda: len(_scalars(url, app)) >= 3)
+        n = len(_scalars(url, app))
+        assert yarnapp.status(app)["state"] == "RUNNING"
+        _until("new steps while the job runs", lambda: len(_scalars(url, app)) > n)
+        points = _scalars(url, app)
+        steps = [p[1] for p in points]
+        assert steps == list(range(len(steps))), steps
+        assert points[0][2] == pytest.approx(2.0) and points[-1][2] < points[0][2]
+        assert yarnapp.status(app)["state"] == "RUNNING"
+        # Runs of one experiment (same logdir) side by side.
+        _until("both runs", lambda: set(_get(url + "data/runs") or []) == {app, other})
+    finally:
+        cli("kill", app)
+        proc.send_signal(signal.SIGINT)             # Ctrl-C
+        try:
+            rc = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert rc == 0, proc.stderr.read()
+    assert _until("TensorBoard's processes to end", lambda: _gone(children), timeout=10)
+    assert not _answers(url)
+    assert yarnapp.status(app)["state"] == "KILLED"
+    assert_nothing_left(app)
+    assert yarnapp.Run(other).wait(timeout=60)["state"] == "SUCCEEDED"
+    assert_nothing_left(other)
+
+
+NOTEBOOK = """import urllib.request, yarnapp
+tb = yarnapp.Run({app!r}).tensorboard()
+print("URL", tb.url)
+print("RUNS", urllib.request.urlopen(tb.url + "data/runs").read().decode())
+tb.stop()
+"""
+
+
+@pytest.mark.timeout(150)
+def test_service_publishes_its_url_in_status_and_dies_with_the_application(cli, yarnapp_home, tmp_path):
+    app = cli("submit", _job(tmp_path / "svc.yaml", tensorboard={"service": True}), check=0).stdout.strip()
+    try:
+        url = _until("the service's URL in the store", lambda: yarnapp.status(app)["tensorboard"])
+        assert url.startswith("http://127.0.0.1:")
+        assert f"tensorboard: {url}" in cli("status", app, check=0).stdout.splitlines()
+        _until(f"{TAG} served by the service", lambda: len(_scalars(url, app)) >= 2)
+        assert yarnapp.status(app)["state"] == "RUNNING"
+        mine = [" ".join(p.cmdline()) for p in app_processes(app)]
+        assert any("launcher.tensorboard_service" in c for c in mine), mine
+        assert any("tensorboard.main" in c for c in mine), mine        # found by YARNAPP_APP_ID: swept at the end
+        assert "TensorBoard on" in yarnapp.Run(app).logs("tensorboard")["tensorboard"]
+    finally:
+        cli("kill", app)
+    assert_nothing_left(app)
+    assert not _answers(url)
+    assert yarnapp.status(app)["tensorboard"] is None
+
+    # After the end, Run.tensorboard() still serves the run, and in a notebook shows it inline.
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(NOTEBOOK.format(app=app))])
+    client = nbclient.NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": ROOT}})
+    client.execute()
+    outputs = nb.cells[0].outputs
+    printed = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    nb_url = printed.split("URL ", 1)[1].split()[0]
+    assert app in json.loads(printed.split("RUNS ", 1)[1].splitlines()[0])
+    html = [o["data"]["text/html"] for o in outputs if o.output_type == "display_data" and "text/html" in o.data]
+    assert html and "<iframe" in html[0] and nb_url in html[0], outputs
+    assert not _answers(nb_url)
+
+
+def test_mirror_copies_only_what_grew(tmp_path):
+    """A non-local logdir is mirrored; a local directory seen through pyarrow stands in for hdfs://."""
+    import pyarrow.fs as pafs
+
+    from training.tensorboard import TBLogger
+    from yarnapp.tensorboard import Mirror
+    remote = pafs.SubTreeFileSystem(str(tmp_path / "remote"), pafs.LocalFileSystem())
+    tb = TBLogger(str(tmp_path / "remote" / "logs"), "app_1")
+    tb.scalars(0, {"loss": 1.0})
+    mirror = Mirror(remote, "logs", str(tmp_path / "cache"))
+
+    def same():
+        src = tmp_path / "remote" / "logs" / "app_1"
+        dst = tmp_path / "cache" / "app_1"
+        return sorted(os.listdir(src)) == sorted(os.listdir(dst)) and all(
+            (src / f).read_bytes() == (dst / f).read_bytes() for f in os.listdir(src))
+    assert mirror.sync() > 0 and same()
+    before = sum(f.stat().st_size for f in (tmp_path / "cache" / "app_1").iterdir())
+    tb.scalars(1, {"loss": 0.5})
+    grew = mirror.sync()
+    assert grew > 0 and same()
+    assert grew < before                       # only the appended bytes were copied
+    assert mirror.sync() == 0                  # nothing changed, nothing copied
+    tb.close()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not shutil.which("chromium"), reason="needs chromium (apt-get install chromium)")
+def test_screenshot_shows_the_loss_curve(tmp_path):
+    from PIL import Image
+
+    from training.tensorboard import TBLogger
+    tb = TBLogger(str(tmp_path / "logs"), "app_shot")
+    for step in range(60):
+        tb.scalars(step, {TAG: 2.0 / (step + 1), "train/accuracy": 1 - 1 / (step + 1)})
+    tb.close()
+    out = tmp_path / "shot.png"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "docs", "screenshot.py"), str(tmp_path / "logs"),
+                           "--run", "app_shot", "-o", str(out)], capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert out.stat().st_size > 20_000
+    im = Image.open(out).convert("RGB")
+    assert im.size == (1400, 900)
+    assert len(im.getcolors(1 << 20)) > 50              # not a single colour
+    # Right of the sidebar and below the header, TensorBoard draws the first run's curve in
+    # deep orange (255, 112, 67); an empty chart has none of it.
+    w, h = im.size
+    chart = im.crop((int(w * 0.3), 100, w, h))
+    curve = sum(n for n, (r, g, b) in chart.getcolors(1 << 20) if r > 200 and 60 < g < 170 and b < 130)
+    assert curve > 300, curve
