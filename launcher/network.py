@@ -5,9 +5,9 @@ the network namespace of its node, with one interface and one address, and the
 engine tells it which: YARNAPP_NODE (node0, node1, ...) and YARNAPP_HOST_ADDR. The
 rank then makes MPI use exactly that, as it would on separate machines:
 
-    MPIR_CVAR_CH4_NETMOD=ofi   libfabric, not UCX: UCX advertises every interface and
-                               transport it finds (loopback, cma) and across namespaces
-                               MPI_Comm_connect fails with "Invalid port" after minutes
+    MPIR_CVAR_CH4_NETMOD=ofi   libfabric, not UCX (this wheel's default): with UCX,
+                               MPI_Comm_connect between two namespaces failed with
+                               "Invalid port" after ~3 minutes (measured)
     FI_PROVIDER=tcp            plain TCP sockets (libfabric picks tcp;ofi_rxm on top)
     FI_TCP_IFACE=<iface>       the interface that carries the container's own address;
                                the port name then holds that address, not 127.0.0.1 (the
@@ -20,8 +20,9 @@ Without YARNAPP_HOST_ADDR nothing is changed (the default, shared-host behaviour
 `configure` runs in the rank process before `world.join` imports mpi4py, so the
 settings are in place when MPI initializes.
 
-`unreachable` is the agent's diagnosis when the world hangs or cannot form: which
-members' addresses this container cannot reach over TCP (there is no ICMP here).
+`diagnose` is the agent's diagnosis when the world hangs or cannot form: which
+members' nodes this container cannot reach (a TCP connect to a reachable host gets an
+answer, accepted or refused, at once; a cut one never answers).
 """
 import errno
 import json
