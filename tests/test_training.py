@@ -1,0 +1,104 @@
+"""Ring all-reduce training end to end on real Parquet data, through the real CLI."""
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import yarnapp
+from recovery_util import final_weights, run_to_end
+from util import app_id_from, assert_nothing_left, write_job
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    from training.data import import_digits
+    d = tmp_path_factory.mktemp("data") / "digits"
+    import_digits(str(d))
+    return str(d)
+
+
+def _job(tmp_path, digits, name, groups, steps=20, shares="equal"):
+    return {"name": name, "groups": groups,
+            "training": {"strategy": "allreduce", "model": "digits_cnn", "batch_size": 48, "epochs": 100,
+                         "max_steps": steps, "log_every": 1, "seed": 11, "shares": shares,
+                         "data": {"train": f"{digits}/train", "test": f"{digits}/test"}},
+            "checkpoint": {"uri": str(tmp_path / name / "ckpt"), "every_steps": 1000},
+            "tensorboard": {"logdir": str(tmp_path / name / "tb")}}
+
+
+def _curve(job, tag="train/loss"):
+    tb = job["tensorboard"]["logdir"]
+    (run,) = os.listdir(tb)
+    acc = EventAccumulator(os.path.join(tb, run), size_guidance={"scalars": 0})
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+THREE = [{"name": "big", "instances": 1, "vcores": 1, "memory": "1 GiB"},
+         {"name": "small", "instances": 2, "vcores": 0.5, "memory": "1 GiB"}]
+
+
+def test_same_seed_is_bit_identical_and_one_rank_matches_three(tmp_path, digits, yarnapp_home):
+    a = _job(tmp_path, digits, "three-a", THREE, shares=[3, 1, 2])
+    b = _job(tmp_path, digits, "three-b", THREE, shares=[3, 1, 2])
+    one = _job(tmp_path, digits, "one", [{"name": "solo", "instances": 1, "vcores": 1, "memory": "1 GiB"}])
+    runs = [yarnapp.submit(j) for j in (a, b)]           # two at once: timing differs, results must not
+    for r in runs:
+        assert r.wait(timeout=600)["state"] == "SUCCEEDED", r.logs()
+        assert_nothing_left(r.app_id)
+    wa, wb = final_weights(a), final_weights(b)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    run_to_end(one)
+    curve3, curve1 = _curve(a), _curve(one)
+    assert [s for s, _ in curve3] == [s for s, _ in curve1] == list(range(1, 21))
+    for (s, l3), (_, l1) in zip(curve3, curve1):
+        assert l3 == pytest.approx(l1, rel=1e-4, abs=1e-5), (s, l3, l1)
+    w1 = final_weights(one)
+    assert all(torch.allclose(wa[k], w1[k], atol=1e-5) for k in wa)
+
+
+def test_digits_example_reaches_97_percent_and_logs_live(tmp_path, cli, yarnapp_home):
+    """conf/examples/digits.yaml as a user runs it; TensorBoard reads the loss while it runs."""
+    from yarnapp.tensorboard import TensorBoard
+    cli("data", "import", "digits", tmp_path / "data" / "digits", check=0)
+    text = open(os.path.join(ROOT, "conf", "examples", "digits.yaml")).read()
+    text = text.replace("data/digits", str(tmp_path / "data" / "digits"))
+    job = tmp_path / "digits.yaml"
+    job.write_text(text + f"\ntensorboard:\n  logdir: {tmp_path / 'tb'}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "yarnapp.cli", "submit", str(job), "--wait"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    live = None
+    with TensorBoard(str(tmp_path / "tb")) as tb:
+        deadline = time.monotonic() + 600
+        while live is None and proc.poll() is None and time.monotonic() < deadline:
+            for run in os.listdir(tmp_path / "tb") if os.path.isdir(tmp_path / "tb") else []:
+                q = urllib.parse.urlencode({"run": run, "tag": "train/loss"})
+                try:
+                    with urllib.request.urlopen(f"{tb.url}/data/plugin/scalars/scalars?{q}", timeout=5) as r:
+                        points = json.load(r)
+                    if points:
+                        live = (run, points)
+                except OSError:
+                    pass
+            time.sleep(0.5)
+        assert live is not None, "TensorBoard never served the run's loss while it ran"
+        assert proc.poll() is None, "the job ended before TensorBoard read its loss"
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out + err
+    final = dict(kv.split("=", 1) for kv in re.search(r"^final: (.*)$", out, re.M).group(1).split())
+    assert float(final["accuracy"]) >= 0.97, final
+    assert float(final["data_wait_pct"]) < 5, final
+    app = app_id_from(out)
+    assert live[0] == app
+    assert_nothing_left(app)

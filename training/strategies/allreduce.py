@@ -1,0 +1,247 @@
+"""Data parallelism with ring all-reduce: every rank holds the whole model.
+
+Rank r reads n_r rows of each global batch of B = sum_r n_r rows (`shares`: equal,
+proportional to measured speed, or given weights). It backpropagates its local mean
+loss L_r and contributes w_r = n_r / B times its gradient, so the summed gradient
+
+    g = sum_r (n_r / B) grad L_r = grad (1/B) sum_{i in batch} loss_i
+
+is the gradient of the mean loss over the global batch: every step equals the step
+one process would take on the whole batch, whatever the split. The gradients are
+reduced in buckets while backward runs (training.collectives.GradientReducer), in
+a fixed summation order, so a run is bit-identical to the next with the same seed
+and the same shares (measured 'speed' shares may differ from run to run).
+
+Parameters and buffers are broadcast from rank 0 at setup; floating buffers (e.g.
+BatchNorm running statistics, computed from local rows) are broadcast from rank 0
+again before every step, as torch DDP does, so all replicas stay identical.
+"""
+import logging
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from training import collectives
+from training.strategies.base import StepStats, Strategy
+
+log = logging.getLogger(__name__)
+
+SPEED_PROBE_ROWS = 16     # rows of the timed forward/backward passes behind shares: speed
+SPEED_PROBE_PASSES = 2    # timed passes (after one warm-up); the fastest counts
+
+
+def split_rows(total, weights):
+    """Integers n_r >= 0 with sum n_r = total and n_r ~ total * w_r / sum(w).
+
+    Largest remainder: floors first, then one more row to the largest remainders
+    (ties to the lower rank). Deterministic, so every rank computes the same split.
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    if w.ndim != 1 or len(w) == 0 or not np.all(w > 0) or not np.all(np.isfinite(w)):
+        raise ValueError(f"shares must be positive finite weights, got {list(weights)}")
+    exact = total * w / w.sum()
+    rows = np.floor(exact).astype(np.int64)
+    left = int(total - rows.sum())
+    order = sorted(range(len(w)), key=lambda r: (-(exact[r] - rows[r]), r))
+    for r in order[:left]:
+        rows[r] += 1
+    return [int(n) for n in rows]
+
+
+def measure_speed(model, example, passes=SPEED_PROBE_PASSES):
+    """Rows per second of forward + backward on `example` (a batch of inputs).
+
+    Leaves the model as it found it: parameters, gradients, buffers (BatchNorm
+    statistics) and the torch random state are restored afterwards.
+    """
+    buffers = [b.detach().clone() for b in model.buffers()]
+    grads = [p.grad for p in model.parameters()]
+    rng = torch.get_rng_state()
+    was_training = model.training
+    model.train()
+    best = float("inf")
+    try:
+        for i in range(passes + 1):
+            t = time.perf_counter()
+            out = model(example)
+            out.float().sum().backward()
+            dt = time.perf_counter() - t
+            if i:                                   # the first pass warms up
+                best = min(best, dt)
+            for p in model.parameters():
+                p.grad = None
+    finally:
+        with torch.no_grad():
+            for b, saved in zip(model.buffers(), buffers):
+                b.copy_(saved)
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g
+        torch.set_rng_state(rng)
+        model.train(was_training)
+    return len(example) / best
+
+
+class AllReduceStrategy(Strategy):
+    """Replicated model, batch split by `spec.shares`, gradients summed by all-reduce.
+
+    spec: conf Training (uses shares, allreduce.bucket_mb, allreduce.ring_threshold_kb).
+    `overlap` picks how bucket reductions progress during backward (see
+    collectives.GradientReducer): None chooses 'thread' when the rank's vcores leave
+    at least one core beyond its torch compute threads, else 'poll' (a communication
+    thread on a busy core only slows compute: benchmarks/README.md). Set it on the
+    instance before `setup` to compare.
+    """
+    name = "allreduce"
+    overlap = None
+
+    def __init__(self, ctx, spec):
+        super().__init__(ctx, spec)
+        self.model = None
+        self.optimizer = None
+        self.reducer = None
+        self.weights = None          # one share weight per rank
+        self._float_buffers = []
+
+    # -- setup ------------------------------------------------------------------------
+
+    def setup(self, model, make_optimizer, example_input=None):
+        """Make every rank's model rank 0's, build the optimizer, fix the shares.
+
+        example_input: a batch of inputs for shares 'speed' (default: random rows of
+        `model.input_shape` when the model declares one; without either the shares
+        follow the ranks' vcores).
+        """
+        self.model = model
+        self._broadcast_state()
+        self.optimizer = make_optimizer(model.parameters())
+        ar = self.spec.allreduce
+        overlap = self.overlap
+        if overlap is None:
+            spare = self.ctx.me.vcores - torch.get_num_threads()
+            overlap = "thread" if spare >= 1 else "poll"
+        self.reducer = collectives.GradientReducer(
+            model.parameters(), self.comm, bucket_mb=ar.bucket_mb,
+            ring_threshold_kb=ar.ring_threshold_kb, overlap=overlap)
+        self._float_buffers = [b for b in model.buffers() if b.is_floating_point()]
+        self.weights = self._share_weights(example_input)
+        log.info("allreduce strategy: rank %d of %d, shares %s, %d buckets, overlap=%s",
+                 self.rank, self.world_size, [round(w, 3) for w in self.weights],
+                 len(self.reducer.buckets), self.reducer.overlap)
+
+    def _broadcast_state(self):
+        """Parameters and buffers of rank 0 to every rank (in place, tensor by tensor)."""
+        if self.world_size == 1:
+            return
+        with torch.no_grad():
+            for t in list(self.model.parameters()) + list(self.model.buffers()):
+                if t.is_contiguous():
+                    self.comm.Bcast(collectives.as_buffer(t), root=0)
+                else:
+                    tmp = t.contiguous()
+                    self.comm.Bcast(collectives.as_buffer(tmp), root=0)
+                    t.copy_(tmp)
+
+    def _share_weights(self, example_input):
+        shares = self.spec.shares
+        if isinstance(shares, (list, tuple)):
+            if len(shares) != self.world_size:
+                raise ValueError(f"training.shares: {len(shares)} shares given for "
+                                 f"{self.world_size} ranks")
+            return [float(s) for s in shares]
+        if shares == "equal":
+            return [1.0] * self.world_size
+        if shares == "vcores":
+            return [float(r.vcores) for r in self.ctx.ranks]
+        if shares != "speed":
+            raise ValueError(f"training.shares: expected 'equal', 'speed' or a list, got {shares!r}")
+        if example_input is None and getattr(self.model, "input_shape", None) is not None:
+            gen = torch.Generator().manual_seed(self.rank)
+            example_input = torch.randn((SPEED_PROBE_ROWS, *self.model.input_shape), generator=gen)
+        if example_input is None:
+            log.warning("shares 'speed': no example input and the model declares no "
+                        "input_shape; splitting by vcores instead")
+            return [float(r.vcores) for r in self.ctx.ranks]
+        mine = measure_speed(self.model, example_input)
+        speeds = self.comm.allgather(mine)
+        log.info("measured speeds (rows/s): %s", [round(s, 1) for s in speeds])
+        return speeds
+
+    # -- per step ---------------------------------------------------------------------
+
+    def batch_slice(self, global_batch):
+        rows = split_rows(global_batch, self.weights)
+        lo = sum(rows[:self.rank])
+        return lo, lo + rows[self.rank]
+
+    def _sync_buffers(self):
+        for b in self._float_buffers:
+            self.comm.Bcast(collectives.as_buffer(b), root=0)
+
+    def train_step(self, x, y):
+        """One SGD step on the global batch: forward/backward on n_r rows, weighted sum."""
+        from mpi4py import MPI
+        t0 = time.perf_counter()
+        n_local = 0 if x is None else int(len(x))
+        tc = time.perf_counter()
+        total = np.array([n_local], dtype=np.int64)
+        self.comm.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
+        if self.world_size > 1 and self._float_buffers:
+            self._sync_buffers()
+        comm_s = time.perf_counter() - tc
+        global_batch = int(total[0])
+        if global_batch == 0:
+            raise ValueError("train_step: the global batch is empty on every rank")
+        self.model.train()
+        self.reducer.begin(n_local / global_batch)
+        loss_sum, correct = 0.0, 0
+        if n_local:
+            out = self.model(x)
+            loss = F.cross_entropy(out, y)
+            loss.backward()
+            loss_sum = float(loss.detach()) * n_local
+            correct = int((out.detach().argmax(1) == y).sum())
+        comm_s += self.reducer.finish()
+        self.optimizer.step()
+        tc = time.perf_counter()
+        scalars = np.array([loss_sum, correct], dtype=np.float64)
+        self.comm.Allreduce(MPI.IN_PLACE, scalars, op=MPI.SUM)
+        comm_s += time.perf_counter() - tc
+        return StepStats(loss=float(scalars[0] / global_batch), correct=int(round(scalars[1])),
+                         samples=global_batch, compute_s=time.perf_counter() - t0 - comm_s,
+                         comm_s=comm_s)
+
+    def eval_step(self, x, y):
+        """(summed loss, correct, rows) over this rank's rows; no communication."""
+        if x is None or len(x) == 0:
+            return 0.0, 0, 0
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                out = self.model(x)
+                loss_sum = float(F.cross_entropy(out, y, reduction="sum"))
+                correct = int((out.argmax(1) == y).sum())
+        finally:
+            self.model.train(was_training)
+        return loss_sum, correct, int(len(x))
+
+    # -- checkpoints and export -------------------------------------------------------
+
+    def state_dict(self):
+        """The whole model and optimizer (identical on every rank)."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state):
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def model_for_export(self):
+        return self.model if self.rank == 0 else None
+
+    def close(self):
+        """Release the reducer's hooks, thread and communicator."""
+        if self.reducer is not None:
+            self.reducer.close()
+            self.reducer = None
