@@ -133,6 +133,14 @@ class Agent:
         v = self.store.get(keys.incarnation(gen, m["rank"]))
         return v.decode() if v else None
 
+    def someone_else_failed(self, gen, grace=1.0):
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            if self.store.get(keys.abort(gen)) is not None or self.lost_member(gen):
+                return self.store.get(keys.abort(gen)) is not None
+            time.sleep(0.05)
+        return False
+
     def read_heartbeat(self, now):
         """(phase, seconds since the rank's last heartbeat)."""
         try:
@@ -150,6 +158,10 @@ class Agent:
             rc = self.child.poll()
             if rc == 0:
                 return "succeeded", None
+            if rc is not None and rc != -signal.SIGKILL and self.someone_else_failed(gen):
+                # A rank that lost a peer dies of MPI's fatal error (SIGABRT or an error
+                # exit) moments after the peer: the peer's agent names the root cause.
+                return "other", None
             if rc is not None:
                 what = f"killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
                 return "own", {"container": self.ident.container, "rank": self.ident.rank,

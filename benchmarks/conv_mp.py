@@ -1,0 +1,313 @@
+"""Conv-layer model parallelism: step time of the seed network on CIFAR-shaped input.
+
+    python benchmarks/conv_mp.py            # conv widths 256/768, batch 16 (a few minutes)
+    python benchmarks/conv_mp.py --quick    # 128/384, batch 16, fewer steps (about a minute)
+    python benchmarks/conv_mp.py --conv1 500 --conv2 1500   # the paper's widths (slow on CPU)
+
+Cases (each a real MPI world started with mpiexec; time per step = wall time of the
+timed steps between two barriers, divided by their number):
+    single 1x1        the plain single-process model, 1 thread (the baseline)
+    single 1x2        the plain model, 1 process with 2 threads
+    conv-mp 1r        the strategy on 1 rank, 1 thread (its overhead over the baseline)
+    conv-mp 2r equal  2 ranks x 1 thread, kernels split equally (target: speedup >= 1.7)
+    hetero equal      rank 1 throttled to half a core (cgroup CPU quota 50 ms / 100 ms),
+                      kernels split equally
+    hetero prop       the same world, split proportional to speed: measured by the strategy
+                      at start, then re-measured from the step times every 3 steps (9 extra
+                      warm-up steps let it settle); target: >= 1.25x faster than equal and
+                      within 10% of single 1x1 / 1.5
+
+The paper's widths are 500/1500; the default (256/768) and --quick (128/384) keep the
+same shape (conv2 = 3 x conv1) at a cost a 2-core machine can run in minutes; the share
+of the step spent in convolutions, which bounds the speedup, grows with the widths.
+
+Prints a table and writes benchmarks/results/conv_mp.json. The heterogeneous cases need
+root and a cgroup v1 cpu controller at /sys/fs/cgroup/cpu (or cgroup v2 with the cpu
+controller); they are skipped otherwise.
+"""
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+CGROUP_CPU = "/sys/fs/cgroup/cpu"
+CGROUP_V2 = "/sys/fs/cgroup"
+
+
+# -- inside the MPI world ---------------------------------------------------------------------
+
+def build_seed_model(conv1, conv2):
+    """The seed network (two conv layers, Marques et al.) from training.models when it is
+    there, else the same shape here: conv5x5(conv1)-ReLU-pool2-conv5x5(conv2)-ReLU-pool2-fc."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+    try:
+        from training.models import build_model
+    except ImportError:
+        build_model = None
+    if build_model is not None:
+        return build_model("seed_cnn", (3, 32, 32), 10, {"conv1": conv1, "conv2": conv2}), "training.models"
+
+    class SeedCNN(nn.Module):
+        input_shape = (3, 32, 32)
+
+        def __init__(self):
+            super().__init__()
+            self.conv1 = nn.Conv2d(3, conv1, 5, padding=2)
+            self.conv2 = nn.Conv2d(conv1, conv2, 5, padding=2)
+            self.fc = nn.Linear(conv2 * 8 * 8, 10)
+
+        def forward(self, x):
+            x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+            x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+            return self.fc(x.flatten(1))
+    return SeedCNN(), "benchmark-local SeedCNN"
+
+
+def worker(case):
+    """One case, on every rank of the world; rank 0 prints `RESULT {json}`."""
+    rank_env = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "-1"))  # MPICH, Open MPI
+    if case.get("cgroup") and case["throttle_rank"] == int(rank_env):
+        with open(os.path.join(case["cgroup"], "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+    import torch
+    import torch.nn.functional as F
+    from mpi4py import MPI
+    torch.set_num_threads(case["threads"])
+    comm = MPI.COMM_WORLD
+    rank, n = comm.Get_rank(), comm.Get_size()
+    torch.manual_seed(0)
+    model, source = build_seed_model(case["conv1"], case["conv2"])
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(case["batch"], 3, 32, 32, generator=g)
+    y = torch.randint(0, 10, (case["batch"],), generator=g)
+    result = {"model": source}
+
+    if case["kind"] == "single":
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+        def step():
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    else:
+        import conf
+        from training.context import RankInfo, RunContext
+        from training.strategies.conv_mp import ConvModelParallelStrategy
+        vcores = case["vcores"]
+        ranks = [RankInfo(rank=r, group="g", instance=r, container=f"g_{r}", vcores=vcores[r],
+                          memory_mib=1024, gpus=0) for r in range(n)]
+        ctx = RunContext(comm=comm, rank=rank, world_size=n, ranks=ranks, job=None, app_id="bench",
+                         generation=0, workdir="/tmp", checkpoint_uri="", logdir="")
+        job = conf.load_job({"name": "bench", "groups": [{"name": "g", "instances": n}],
+                             "training": {"strategy": "conv_model_parallel", "model": "seed_cnn",
+                                          "data": {"train": "file:///unused"}, "batch_size": case["batch"],
+                                          "model_parallel": {"split": case["split"],
+                                                             "recalibrate_every": case["recalibrate_every"]}}})
+        s = ConvModelParallelStrategy(ctx, job.training)
+        t0 = time.perf_counter()
+        s.setup(model, lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9))
+        stats = []
+
+        def step():
+            st = s.train_step(x if rank == 0 else None, y if rank == 0 else None)
+            stats.append((st.compute_s, st.comm_s, s.last_conv_s))
+        step()  # the first step also calibrates and shards where setup could not
+        result["setup_s"] = time.perf_counter() - t0
+        result["calibrated_split"] = s.layer_split
+
+    for _ in range(case["warmup"] + case.get("extra_warmup", 0)):
+        step()
+    comm.Barrier()
+    times = []
+    t0 = time.perf_counter()
+    for _ in range(case["steps"]):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    comm.Barrier()
+    result["step_s"] = (time.perf_counter() - t0) / case["steps"]
+    result["step_median_s"] = statistics.median(times)
+    if case["kind"] != "single" and rank == 0:
+        timed = stats[-case["steps"]:]
+        result["split"] = s.layer_split
+        result["speeds"] = s.speeds
+        result["compute_s"] = statistics.median(c for c, _, _ in timed)
+        result["comm_s"] = statistics.median(m for _, m, _ in timed)
+        result["conv_s_by_rank"] = [statistics.median(t[2][r] for t in timed) for r in range(n)]
+    if rank == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+# -- the driver -------------------------------------------------------------------------------
+
+def mpiexec():
+    """mpiexec and its flags. Open MPI binds each of up to 2 ranks to one core by default,
+    which would put both threads of the 1x2 case on one core: it gets --bind-to none,
+    the behaviour of MPICH's hydra."""
+    exe = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    if not exe:
+        raise SystemExit("mpiexec not found: pip install mpich")
+    version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
+    return [exe, "--bind-to", "none"] if "Open MPI" in version or "OpenRTE" in version else [exe]
+
+
+def run_case(ranks, case, timeout):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = str(case["threads"])
+    cmd = [*mpiexec(), "-n", str(ranks), sys.executable, os.path.abspath(__file__), "--worker", json.dumps(case)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"case {case['name']} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    out = json.loads(lines[-1][len("RESULT "):])
+    out["wall_s"] = time.perf_counter() - t0
+    return out
+
+
+def make_cgroup():
+    """A cgroup with a CPU quota of half a core (50 ms every 100 ms), or (None, why not).
+
+    cgroup v1 (cpu controller at /sys/fs/cgroup/cpu: cpu.cfs_period_us, cpu.cfs_quota_us),
+    else cgroup v2 (cpu.max) where the v2 hierarchy offers the cpu controller.
+    """
+    if os.geteuid() != 0:
+        return None, "not root"
+    name = f"yarnapp-bench-{os.getpid()}"
+    if os.path.isfile(os.path.join(CGROUP_CPU, "cpu.cfs_quota_us")):
+        path, files = os.path.join(CGROUP_CPU, name), {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "50000"}
+    elif "cpu" in _read(os.path.join(CGROUP_V2, "cgroup.subtree_control")).split():
+        path, files = os.path.join(CGROUP_V2, name), {"cpu.max": "50000 100000"}
+    else:
+        return None, f"no cgroup v1 cpu controller at {CGROUP_CPU} nor a v2 one at {CGROUP_V2}"
+    os.mkdir(path)
+    for fname, value in files.items():
+        with open(os.path.join(path, fname), "w") as f:
+            f.write(value)
+    return path, None
+
+
+def _read(path):
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def remove_cgroup(path):
+    for _ in range(50):   # the throttled rank may take a moment to exit
+        try:
+            os.rmdir(path)
+            return
+        except OSError:
+            time.sleep(0.1)
+    print(f"warning: could not remove {path}", file=sys.stderr)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="smaller layers, batch and step count")
+    p.add_argument("--conv1", type=int)
+    p.add_argument("--conv2", type=int)
+    p.add_argument("--batch", type=int)
+    p.add_argument("--steps", type=int)
+    p.add_argument("--warmup", type=int)
+    p.add_argument("--timeout", type=float, default=900, help="seconds per case")
+    p.add_argument("--out", default=os.path.join(HERE, "results", "conv_mp.json"))
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        worker(json.loads(a.worker))
+        return 0
+    size = dict(conv1=128, conv2=384, batch=16, steps=5, warmup=1) if a.quick else \
+        dict(conv1=256, conv2=768, batch=16, steps=6, warmup=2)
+    for k in size:
+        if getattr(a, k) is not None:
+            size[k] = getattr(a, k)
+    base = dict(size, cgroup=None, throttle_rank=None, split=None, recalibrate_every=0)
+    cases = [
+        ("single 1x1", 1, dict(kind="single", threads=1)),
+        ("single 1x2", 1, dict(kind="single", threads=2)),
+        ("conv-mp 1r", 1, dict(kind="mp", threads=1, vcores=[1.0], split=[1.0])),
+        ("conv-mp 2r equal", 2, dict(kind="mp", threads=1, vcores=[1.0, 1.0], split=[1.0, 1.0])),
+    ]
+    cgroup, why = make_cgroup()
+    if cgroup:
+        het = dict(kind="mp", threads=1, vcores=[1.0, 0.5], cgroup=cgroup, throttle_rank=1)
+        cases += [("hetero equal", 2, dict(het, split=[1.0, 1.0])),
+                  # measured at start, then re-measured from the step times every 3 steps
+                  # (9 extra warm-up steps let it settle)
+                  ("hetero prop", 2, dict(het, split=None, recalibrate_every=3, extra_warmup=9))]
+    else:
+        print(f"skipping the heterogeneous cases: {why}", file=sys.stderr)
+    load_before = os.getloadavg()
+    results = {}
+    try:
+        for name, ranks, extra in cases:
+            case = dict(base, name=name, **extra)
+            results[name] = dict(run_case(ranks, case, a.timeout), ranks=ranks, threads=case["threads"],
+                                 split_setting=case["split"])
+            print(f"  {name:18s} {results[name]['step_s']:.3f} s/step", file=sys.stderr, flush=True)
+    finally:
+        if cgroup:
+            remove_cgroup(cgroup)
+
+    single = results["single 1x1"]["step_s"]
+    mp1 = results["conv-mp 1r"]
+    f = mp1["conv_s_by_rank"][0] / mp1["step_s"]
+    summary = {
+        "speedup_2r": single / results["conv-mp 2r equal"]["step_s"],
+        "speedup_1x2_threads": single / results["single 1x2"]["step_s"],
+        "overhead_1r": mp1["step_s"] / single,
+        "conv_fraction_f": f,
+        "amdahl_bound_2": 1 / ((1 - f) + f / 2),
+    }
+    if "hetero prop" in results:
+        ideal = single / 1.5
+        summary.update({
+            "hetero_prop_over_equal": results["hetero equal"]["step_s"] / results["hetero prop"]["step_s"],
+            "hetero_ideal_s": ideal,
+            "hetero_prop_vs_ideal": results["hetero prop"]["step_s"] / ideal,
+        })
+    report = {"args": size, "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                                        "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+              "cases": results, "summary": summary}
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out, "w") as fh:
+        json.dump(report, fh, indent=2)
+
+    print(f"seed network {size['conv1']}/{size['conv2']} kernels, batch {size['batch']}, 3x32x32, "
+          f"{size['steps']} timed steps ({results['single 1x1']['model']})")
+    print(f"{'case':18s} {'ranks x thr':>11s} {'s/step':>8s} {'speedup':>8s} {'conv s/rank':>18s}  split")
+    for name, r in results.items():
+        conv = " ".join(f"{t:.3f}" for t in r.get("conv_s_by_rank", [])) or "-"
+        split = r.get("split") or "-"
+        print(f"{name:18s} {r['ranks']:>5d} x {r['threads']:<3d} {r['step_s']:8.3f} {single / r['step_s']:8.2f} "
+              f"{conv:>18s}  {split}")
+    print(f"2 ranks x 1 thread: speedup {summary['speedup_2r']:.2f} (target >= 1.7; Amdahl bound with "
+          f"conv share f={f:.2f}: {summary['amdahl_bound_2']:.2f}); 1 rank x 2 threads: "
+          f"{summary['speedup_1x2_threads']:.2f}")
+    if "hetero prop" in results:
+        hp = results["hetero prop"]
+        print(f"hetero prop: split measured at start {hp['calibrated_split']}, after recalibration {hp['split']}")
+        print(f"heterogeneous (1 + 0.5 core): proportional is {summary['hetero_prop_over_equal']:.2f}x faster "
+              f"than equal (target >= 1.25); {results['hetero prop']['step_s']:.3f} s vs ideal "
+              f"{summary['hetero_ideal_s']:.3f} s = single/1.5 ({100 * (summary['hetero_prop_vs_ideal'] - 1):+.1f}%,"
+              f" target within 10%)")
+    print(f"load average before/after: {load_before[0]:.2f} / {os.getloadavg()[0]:.2f} on {os.cpu_count()} cpus; "
+          f"written {os.path.relpath(a.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,315 @@
+"""Conv-layer model parallelism with a speed-proportional kernel split (Marques et al. 2018).
+
+Every rank builds the same full model (same seed); the chosen Conv2d layers
+(training.model_parallel.layers, default every distributable Conv2d) are replaced by
+DistributedConv2d, rank r owning split[layer][r] of each layer's kernels. The split
+comes from training.model_parallel.split (manual weights, one per rank, applied to
+every layer) or else from each rank's measured speed on the real layer shapes
+(training.calibrate), measured when the model is set up (or at the first step, when
+the model does not declare `input_shape`) and, every `recalibrate_every` steps,
+corrected by the conv times the ranks measured in training.
+
+Who holds what: rank 0, the master, runs the whole network and owns every parameter
+that is not distributed, plus its own kernel shards; the other ranks own only their
+shards. Every rank updates what it owns with its own optimizer; nothing is synchronised
+because nothing is replicated. The shards are taken from the master's model at setup,
+so they are exactly the single-process initialisation.
+
+The batch: only the master reads it (batch_slice is (0, B) there and (0, 0) elsewhere,
+where the runner may pass x=None); each distributed conv broadcasts its input, as in
+the paper. The master computes the loss and broadcasts (loss, correct, samples) at the
+end of the step, so StepStats agree on every rank.
+
+Per step (see training.model_parallel.ShardProtocol for the commands):
+    master:  forward (each distributed conv: Bcast X, own share, Gatherv Y), loss,
+             backward (each: Scatterv dY, own share, Reduce dX), END(loss, correct, n)
+    others:  serve() — run the commanded shares until END
+    all:     optimizer.step() on own parameters; gather per-layer conv seconds at the master
+"""
+import copy
+import logging
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from training.calibrate import conv_shapes, corrected_speeds, measure_speeds, proportional_split
+from training.model_parallel import DistributedConv2d, ShardProtocol, wait_politely, why_not_distributable
+
+from .base import Strategy, StepStats
+
+log = logging.getLogger(__name__)
+
+
+def _set_module(model, name, module):
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, module)
+
+
+class ConvModelParallelStrategy(Strategy):
+    name = "conv_model_parallel"
+    ROOT = 0
+
+    def __init__(self, ctx, spec):
+        super().__init__(ctx, spec)
+        use_gpu = ctx.me.gpus > 0 and torch.cuda.is_available()
+        self.device = torch.device("cuda") if use_gpu else torch.device("cpu")
+        self.is_master = self.rank == self.ROOT
+        self.model = None
+        self.optimizer = None
+        self.layers = {}            # name -> DistributedConv2d, in model order
+        self.protocol = None
+        # For TensorBoard (the runner logs list attributes per rank from the master):
+        self.split = None           # [rank] -> kernels owned over all distributed layers
+        self.last_conv_s = None     # master: [rank] -> conv seconds (forward + backward) of the last step
+        self.layer_split = None     # layer name -> kernels per rank (None until sharded)
+        self.speeds = None          # layer name -> kernels/s per rank, when measured
+        self.conv_s = 0.0           # this rank's conv seconds in the last step
+        self.steps = 0
+        self._window = None         # master: [rank, layer] conv seconds since the last (re)calibration
+        self._window_steps = 0
+
+    # -- setup -----------------------------------------------------------------------------
+
+    def setup(self, model, make_optimizer):
+        self.model = model
+        self.make_optimizer = make_optimizer
+        self.names = self._select_layers(model)
+        if self.is_master:
+            model.to(self.device)
+        mp = self.spec.model_parallel
+        if mp.split is not None:
+            if len(mp.split) != self.world_size:
+                raise ValueError(f"training.model_parallel.split: {len(mp.split)} weights for "
+                                 f"{self.world_size} ranks; give one per rank")
+            convs = dict(model.named_modules())
+            self._shard({n: proportional_split(convs[n].out_channels, mp.split) for n in self.names})
+        elif getattr(model, "input_shape", None) is not None:
+            self._shard(self._calibrated_split(tuple(model.input_shape)))
+        # else: sharded by the first train/eval step, once the batch shows the input shape
+
+    def _select_layers(self, model):
+        convs = {n: m for n, m in model.named_modules() if isinstance(m, nn.Conv2d)}
+        wanted = self.spec.model_parallel.layers
+        if wanted is None:
+            names = [n for n, m in convs.items() if why_not_distributable(m) is None]
+            for n in sorted(set(convs) - set(names)):
+                log.info("conv_model_parallel: not distributing %s: %s", n, why_not_distributable(convs[n]))
+        else:
+            unknown = [n for n in wanted if n not in convs]
+            if unknown:
+                raise ValueError(f"training.model_parallel.layers: {unknown} are not Conv2d layers of "
+                                 f"the model; its Conv2d layers are {sorted(convs)}")
+            names = [n for n in convs if n in set(wanted)]  # model order, duplicates dropped
+        if not names:
+            raise ValueError("conv_model_parallel: the model has no Conv2d layer to distribute; "
+                             "use the allreduce strategy for it")
+        return names
+
+    def _calibrated_split(self, sample_shape):
+        shapes = conv_shapes(self.model, sample_shape, self.spec.batch_size, self.names)
+        mine = measure_speeds(shapes, self.world_size, self.device, threads=self.ctx.me.threads)
+        every = self.comm.allgather(mine)
+        speeds = {s.name: [every[r][i] for r in range(self.world_size)] for i, s in enumerate(shapes)}
+        split = {s.name: proportional_split(s.out_channels, speeds[s.name]) for s in shapes}
+        self.speeds, split = self.comm.bcast((speeds, split), root=self.ROOT)
+        if self.is_master:
+            for name in self.names:
+                log.info("conv_model_parallel: %s speeds %s kernels/s -> split %s", name,
+                         [round(s, 1) for s in self.speeds[name]], split[name])
+        return split
+
+    def _ensure_sharded(self, x):
+        if self.layer_split is None:
+            sample_shape = self.comm.bcast(tuple(x.shape[1:]) if self.is_master else None, root=self.ROOT)
+            self._shard(self._calibrated_split(sample_shape))
+
+    def _shard(self, split):
+        """Collective: replace the chosen convs by DistributedConv2d with `split`."""
+        modules = dict(self.model.named_modules())
+        for name in self.names:
+            conv = modules[name]
+            layer = DistributedConv2d(conv, self.comm, split[name], root=self.ROOT).to(self.device)
+            layer.load_from_master(conv)
+            _set_module(self.model, name, layer)
+            self.layers[name] = layer
+        self.protocol = ShardProtocol(list(self.layers.values()), self.comm, root=self.ROOT)
+        self._set_split(split)
+        self._window = np.zeros((self.world_size, len(self.names)))
+        self._window_steps = 0
+        self.optimizer = self.make_optimizer(self._params())
+        log.info("conv_model_parallel rank %d: owns %s kernels on %s", self.rank,
+                 {n: layer.count for n, layer in self.layers.items()}, self.device)
+
+    def _set_split(self, split):
+        self.layer_split = {n: list(split[n]) for n in self.names}
+        self.split = [sum(self.layer_split[n][r] for n in self.names) for r in range(self.world_size)]
+
+    def _params(self):
+        """What this rank owns and updates: the master everything it holds, the others their shards."""
+        if self.is_master:
+            return list(self.model.parameters())
+        return [p for layer in self.layers.values() for p in layer.parameters()]
+
+    # -- steps -----------------------------------------------------------------------------
+
+    def batch_slice(self, global_batch):
+        return (0, global_batch) if self.is_master else (0, 0)
+
+    def train_step(self, x, y):
+        self._ensure_sharded(x)
+        t0 = time.perf_counter()
+        self._reset_timings()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.is_master:
+            self.model.train()
+            x, y = x.to(self.device), y.to(self.device)
+            out = self.model(x)
+            loss = F.cross_entropy(out, y)
+            loss.backward()
+            correct = (out.argmax(1) == y).sum().item()
+            payload = self.protocol.finish([loss.item(), correct, len(y)])
+        else:
+            payload = self.protocol.serve()
+        self.optimizer.step()
+        self._gather_times()
+        self.steps += 1
+        every = self.spec.model_parallel.recalibrate_every
+        if every and self.spec.model_parallel.split is None and self._window_steps >= every:
+            self.recalibrate()
+        comm_s = self._comm_s()
+        return StepStats(loss=float(payload[0]), correct=int(payload[1]), samples=int(payload[2]),
+                         compute_s=time.perf_counter() - t0 - comm_s, comm_s=comm_s)
+
+    def eval_step(self, x, y):
+        self._ensure_sharded(x)
+        if not self.is_master:
+            self.protocol.serve()
+            return 0.0, 0, 0
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                x, y = x.to(self.device), y.to(self.device)
+                out = self.model(x)
+                loss_sum = F.cross_entropy(out, y, reduction="sum").item()
+                correct = (out.argmax(1) == y).sum().item()
+        finally:
+            self.model.train()
+        self.protocol.finish([loss_sum, correct, len(y)])
+        return loss_sum, correct, len(y)
+
+    def _reset_timings(self):
+        self.protocol.timings.reset()
+        for layer in self.layers.values():
+            layer.timings.reset()
+
+    def _comm_s(self):
+        return self.protocol.timings.comm_s + sum(layer.timings.comm_s for layer in self.layers.values())
+
+    def _gather_times(self):
+        """Every rank's per-layer conv seconds of this step, at the master (for TensorBoard
+        and recalibration). The others wait politely: they may be throttled containers."""
+        from mpi4py import MPI
+        mine = np.array([layer.timings.conv_s for layer in self.layers.values()])
+        self.conv_s = float(mine.sum())
+        every = np.empty((self.world_size, len(mine))) if self.is_master else None
+        t0 = time.perf_counter()
+        req = self.comm.Igather([mine, MPI.DOUBLE], [every, MPI.DOUBLE] if self.is_master else None,
+                                root=self.ROOT)
+        if self.is_master:
+            req.Wait()
+        else:
+            wait_politely(req)
+        self.protocol.timings.comm_s += time.perf_counter() - t0
+        if self.is_master:
+            self.last_conv_s = every.sum(axis=1).tolist()
+            self._window += every
+        self._window_steps += 1
+
+    # -- recalibration ---------------------------------------------------------------------
+
+    def recalibrate(self):
+        """Collective: correct each rank's speeds by the conv times measured in training
+        since the last calibration (training.calibrate.corrected_speeds), re-split in
+        proportion, and reshard the layers whose split changed."""
+        split = None
+        if self.is_master:
+            seconds = {n: (self._window[:, i] / self._window_steps).tolist() for i, n in enumerate(self.names)}
+            speeds = self.speeds or {n: [float(c) for c in self.layer_split[n]] for n in self.names}
+            self.speeds = corrected_speeds(speeds, self.layer_split, seconds)
+            split = {n: proportional_split(self.layers[n].out_channels, self.speeds[n]) for n in self.names}
+        self.speeds, split = self.comm.bcast((self.speeds, split), root=self.ROOT)
+        self._window = np.zeros((self.world_size, len(self.names)))
+        self._window_steps = 0
+        if split != self.layer_split:
+            log.info("conv_model_parallel: recalibrated split %s -> %s", self.layer_split, split)
+            self._reshard(split)
+
+    def _reshard(self, split):
+        """Collective: move the shards and their optimizer state to `split`."""
+        state = self.optimizer.state_dict()
+        index = {id(p): i for i, p in enumerate(self._params())}
+        for name in self.names:
+            layer = self.layers[name]
+            old_split = layer.split
+            if split[name] == old_split:
+                continue
+            old, _ = layer.reshard(split[name])
+            for p in old:
+                entry = state["state"].get(index[id(p)], {})
+                for key in sorted(entry):
+                    value = entry[key]
+                    if torch.is_tensor(value) and value.shape == p.shape:
+                        entry[key] = layer.redistribute(value, old_split).to(value.device)
+        self._set_split(split)
+        self.optimizer = self.make_optimizer(self._params())
+        self.optimizer.load_state_dict(state)
+
+    # -- checkpoints and export ------------------------------------------------------------
+
+    def state_dict(self):
+        if self.is_master:
+            model = self.model.state_dict()
+        else:
+            model = {f"{n}.{k}": v for n, layer in self.layers.items() for k, v in layer.state_dict().items()}
+        return {"strategy": self.name, "rank": self.rank, "world_size": self.world_size,
+                "split": self.layer_split, "speeds": self.speeds, "steps": self.steps, "model": model,
+                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None}
+
+    def load_state_dict(self, state):
+        """Collective: every rank loads its own part (saved by the same rank of an equal world)."""
+        if state.get("world_size") != self.world_size or state.get("rank") != self.rank:
+            raise ValueError(f"conv_model_parallel: checkpoint of rank {state.get('rank')} of "
+                             f"{state.get('world_size')} cannot load on rank {self.rank} of {self.world_size}")
+        split = state["split"]
+        if split is not None and self.layer_split is None:
+            self._shard(split)
+        elif split is not None and split != self.layer_split:
+            self._reshard(split)  # values are overwritten below; this sets the shapes
+        if self.is_master:
+            self.model.load_state_dict(state["model"])
+        else:
+            for n, layer in self.layers.items():
+                prefix = f"{n}."
+                layer.load_state_dict({k[len(prefix):]: v for k, v in state["model"].items()
+                                       if k.startswith(prefix)})
+        if state["optimizer"] is not None and self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = state["steps"]
+        self.speeds = state.get("speeds")
+
+    def model_for_export(self):
+        """Collective: the full model with ordinary Conv2d layers, on the CPU, at the master."""
+        convs = {n: layer.to_conv2d() for n, layer in self.layers.items()}
+        if not self.is_master:
+            return None
+        for n, conv in convs.items():
+            _set_module(self.model, n, conv)
+        try:
+            export = copy.deepcopy(self.model).cpu()
+        finally:
+            for n, layer in self.layers.items():
+                _set_module(self.model, n, layer)
+        return export
