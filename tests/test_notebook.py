@@ -1,0 +1,156 @@
+"""The example notebook docs/examples/digits.ipynb, executed end to end in a real Jupyter
+kernel (nbclient + ipykernel): a real digits job on the local engine, its live progress,
+its final accuracy, TensorBoard inline; nothing may be left running afterwards."""
+import json
+import os
+import re
+import sys
+import time
+
+import psutil
+import pytest
+
+import yarnapp
+from util import apps, assert_nothing_left
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTEBOOK = os.path.join(ROOT, "docs", "examples", "digits.ipynb")
+KERNEL = "python3"          # the name the notebook's metadata asks for
+MIN_ACCURACY = 0.97         # 6 epochs reach 0.99 on the held-out digits
+FINAL = re.compile(r"final accuracy: ([0-9.]+)")
+
+
+@pytest.fixture
+def jupyter_env(tmp_path, monkeypatch):
+    """A `python3` kernelspec for this very interpreter in a temporary JUPYTER_PATH (so no
+    `ipykernel install` is needed and the kernel imports the yarnapp under test), with the
+    kernel's connection files, IPython profile and temporary files under tmp_path too."""
+    jupyter = tmp_path / "jupyter"
+    spec = jupyter / "kernels" / KERNEL
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "Python 3 (yarnapp tests)", "language": "python"}))
+    for name, var in (("jupyter", "JUPYTER_PATH"), ("runtime", "JUPYTER_RUNTIME_DIR"),
+                      ("ipython", "IPYTHONDIR"), ("tmp", "TMPDIR")):
+        (tmp_path / name).mkdir(exist_ok=True)
+        monkeypatch.setenv(var, str(tmp_path / name))
+    from jupyter_client.kernelspec import KernelSpecManager
+    assert KernelSpecManager().get_kernel_spec(KERNEL).argv[0] == sys.executable
+    return tmp_path
+
+
+def _outputs(cell):
+    """Everything a cell showed, as text: streams, results, displays (their text/plain)."""
+    parts = []
+    for o in cell.get("outputs", []):
+        if o.output_type == "stream":
+            parts.append(o.text)
+        elif o.output_type in ("execute_result", "display_data"):
+            parts.append(o.data.get("text/plain", ""))
+        elif o.output_type == "error":
+            parts.append("\n".join(o.traceback))
+    return "".join(parts)
+
+
+def _cell(nb, text):
+    cells = [c for c in nb.cells if c.cell_type == "code" and text in c.source]
+    assert len(cells) == 1, f"{len(cells)} code cells contain {text!r}"
+    return cells[0]
+
+
+def _left_behind(root):
+    """Live processes other than this one whose command line names a path under root
+    (the kernel: its connection file; TensorBoard: its logdir)."""
+    out = []
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        if p.pid == os.getpid() or p.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        if any(str(root) in arg for arg in p.info["cmdline"] or []):
+            out.append((p.pid, " ".join(p.info["cmdline"])))
+    return out
+
+
+def test_the_notebook_is_stored_clean():
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    nbformat.validate(nb)
+    assert nb.metadata.kernelspec.name == KERNEL
+    assert all(not c.get("outputs") and c.get("execution_count") is None
+               for c in nb.cells if c.cell_type == "code"), "store the notebook without outputs"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_digits_notebook_trains_shows_progress_and_tensorboard_and_leaves_nothing(jupyter_env, yarnapp_home):
+    tmp_path = jupyter_env
+    work = tmp_path / "work"                # the kernel's cwd: the notebook must not need the repository's
+    work.mkdir()
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    client = nbclient.NotebookClient(nb, kernel_name=KERNEL, timeout=600, startup_timeout=180,
+                                     resources={"metadata": {"path": str(work)}})
+    t0 = time.monotonic()
+    try:
+        client.execute()
+    except nbclient.exceptions.CellExecutionError as e:
+        pytest.fail(f"the notebook failed after {time.monotonic() - t0:.0f}s:\n{e}")
+    finally:
+        for app in apps(yarnapp_home):      # a failed run leaves nothing either
+            if yarnapp.status(app)["state"] not in ("SUCCEEDED", "FAILED", "KILLED"):
+                yarnapp.kill(app)
+    print(f"notebook executed in {time.monotonic() - t0:.1f}s")
+
+    [app] = apps(yarnapp_home)
+    st = yarnapp.status(app)
+    assert st["state"] == "SUCCEEDED", st
+
+    # The data went into a temporary directory, which the notebook removed at the end.
+    data_out = _outputs(_cell(nb, "import_digits("))
+    assert "1438 images" in data_out and "359 images" in data_out, data_out
+    assert not [p for p in os.listdir(tmp_path / "tmp") if p.startswith("yarnapp-digits-")]
+
+    # The job: the digits example as a dict, three containers of unequal size.
+    submitted = _outputs(_cell(nb, "yarnapp.submit(job)"))
+    assert f"Run('{app}'" in submitted, submitted
+    assert sorted(c["id"] for c in st["containers"]) == ["big_0", "small_0", "small_1"], st["containers"]
+
+    # Live progress up to the last step: a text bar (no ipywidgets) or a widget.
+    steps = st["final"]["steps"]
+    waited = _cell(nb, "run.wait(progress=True)")
+    shown = _outputs(waited)
+    widgets = [o for o in waited.outputs if o.output_type == "display_data"
+               and "application/vnd.jupyter.widget-view+json" in o.data]
+    if widgets:
+        state = nb.metadata.widgets["application/vnd.jupyter.widget-state+json"]["state"]
+        bars = [m["state"] for m in state.values() if m["model_name"] == "FloatProgressModel"]
+        assert any(b["value"] == b["max"] == steps for b in bars), bars
+    else:
+        assert f"{app}: 100%" in shown and f"{steps}/{steps}" in shown, shown[-2000:]
+    assert "world formed" in shown, shown[:2000]
+
+    # The final accuracy, as the notebook printed it, is the job's and is good.
+    printed = _outputs(_cell(nb, "run.final"))
+    found = FINAL.findall(printed)
+    assert found, printed
+    accuracy = float(found[-1])
+    assert accuracy == pytest.approx(st["final"]["accuracy"], abs=1e-4)
+    assert accuracy >= MIN_ACCURACY, printed
+
+    # TensorBoard inline: an IFrame on the URL it printed.
+    tb_cell = _cell(nb, "run.tensorboard()")
+    printed = "".join(o.text for o in tb_cell.outputs if o.output_type == "stream")
+    url = printed.strip().splitlines()[-1]
+    assert url.startswith("http://127.0.0.1:"), url
+    html = [o.data["text/html"] for o in tb_cell.outputs
+            if o.output_type == "display_data" and "text/html" in o.data]
+    assert html and "<iframe" in html[0] and f'src="{url}"' in html[0], tb_cell.outputs
+
+    assert f"{app}: nothing left running" in _outputs(_cell(nb, "app_processes(run.app_id)"))
+    assert_nothing_left(app)
+    deadline = time.monotonic() + 10         # the kernel (shut down by nbclient) and TensorBoard
+    while _left_behind(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _left_behind(tmp_path)
