@@ -40,7 +40,11 @@ class Runner:
         torch.manual_seed(spec.seed)
         model = build_model(spec.model, self.train.shape, self.train.num_classes, spec.model_options)
         self.strategy = strategies.get(spec.strategy)(ctx, spec)
-        self.strategy.setup(model, make_optimizer_factory(spec))
+        example = torch.from_numpy(self.train.images[:16]).float()   # real rows, for shares: speed
+        try:
+            self.strategy.setup(model, make_optimizer_factory(spec), example_input=example)
+        except TypeError:      # strategies that take no example input
+            self.strategy.setup(model, make_optimizer_factory(spec))
         self.ckpt = Checkpointer(ctx.checkpoint_uri, self.comm, ctx.job.checkpoint.keep, ctx.generation)
         self.start_step, state = self.ckpt.latest()
         if state is not None:
@@ -167,6 +171,8 @@ class Runner:
         final = {k: v for k, v in final.items() if v is not None}
         self.save(step)
         self.ckpt.save_model(self.strategy.model_for_export())
+        if hasattr(self.strategy, "close"):
+            self.strategy.close()
         if self.tb:
             self.tb.scalars(step, {f"eval/{k}": v for k, v in ev.items()})
             self.tb.close(final)

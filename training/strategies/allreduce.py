@@ -1,8 +1,9 @@
 """Data parallelism with ring all-reduce: every rank holds the whole model.
 
 Rank r reads n_r rows of each global batch of B = sum_r n_r rows (`shares`: equal,
-proportional to measured speed, or given weights). It backpropagates its local mean
-loss L_r and contributes w_r = n_r / B times its gradient, so the summed gradient
+proportional to vcores or to measured speed, or given weights; largest-remainder
+rounding, `split_rows`). It backpropagates its local mean loss L_r and contributes
+w_r = n_r / B times its gradient, so the summed gradient
 
     g = sum_r (n_r / B) grad L_r = grad (1/B) sum_{i in batch} loss_i
 
@@ -155,7 +156,8 @@ class AllReduceStrategy(Strategy):
         if shares == "vcores":
             return [float(r.vcores) for r in self.ctx.ranks]
         if shares != "speed":
-            raise ValueError(f"training.shares: expected 'equal', 'speed' or a list, got {shares!r}")
+            raise ValueError(f"training.shares: expected 'equal', 'vcores', 'speed' or a list, "
+                             f"got {shares!r}")
         if example_input is None and getattr(self.model, "input_shape", None) is not None:
             gen = torch.Generator().manual_seed(self.rank)
             example_input = torch.randn((SPEED_PROBE_ROWS, *self.model.input_shape), generator=gen)

@@ -1,0 +1,209 @@
+"""All-reduce time and bandwidth, 1 KiB .. 64 MiB: ours vs mpi4py Allreduce vs gloo.
+
+    python benchmarks/allreduce.py [--quick] [--ranks 2] [--transport shm|tcp] [--bind core]
+
+starts itself under `mpiexec -n RANKS` (MPICH, from the mpich wheel), then every rank
+times, for each message size, in interleaved trials:
+
+    ours   training.collectives.PreparedAllreduce on a float32 torch tensor, in place
+           (auto: persistent MPI_Allreduce below the ring threshold, the chunked ring
+           of persistent point-to-point requests from it up): what GradientReducer
+           runs for every bucket;
+    once   training.collectives.allreduce_ (the same algorithms, set up per call);
+    mpi    mpi4py comm.Allreduce(MPI.IN_PLACE, numpy float32 array);
+    gloo   torch.distributed.all_reduce on a gloo process group (file:// store) in
+           the same processes.
+
+Time per call = the slowest rank's time for `reps` back-to-back calls / reps; the
+median over trials is reported. Bandwidth = message bytes / time (algorithm
+bandwidth; the ring moves 2 (n-1)/n of it per rank). Prints a table and writes
+benchmarks/results/allreduce.json (or --out).
+
+--transport tcp makes MPICH send everything over TCP sockets (libfabric tcp provider,
+no shared memory), as ranks joined by the launcher's Connect/Accept do in production
+(launcher/network.py); gloo always uses TCP. The default (shm) is MPICH's
+shared-memory transport between ranks of one mpiexec.
+"""
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+CHILD_ENV = "YARNAPP_BENCH_CHILD"
+SIZES = [1 << k for k in range(10, 27, 2)]           # 1 KiB, 4 KiB, ..., 64 MiB
+TCP_ENV = {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
+QUICK_SIZES = [1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26]
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer sizes, trials and repetitions")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--transport", choices=("shm", "tcp"), default="shm",
+                   help="MPICH transport between the ranks (tcp: as launcher-joined ranks)")
+    p.add_argument("--bind", default=None, help="mpiexec -bind-to value, e.g. core (default: none)")
+    p.add_argument("--trials", type=int, default=None)
+    p.add_argument("--chunk-kb", type=int, default=None, help="ring chunk (default: the library's)")
+    p.add_argument("--threshold-kb", type=float, default=None, help="ring threshold (default: the library's)")
+    p.add_argument("--no-gloo", action="store_true")
+    p.add_argument("--out", default=os.path.join(HERE, "results", "allreduce.json"))
+    return p.parse_args(argv)
+
+
+def launch(argv, args):
+    """Re-run this script under mpiexec with args.ranks ranks (one thread each)."""
+    search = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    exe = shutil.which("mpiexec", path=search)
+    if not exe:
+        sys.exit("Error: mpiexec not found (pip install mpich)")
+    env = dict(os.environ, **{CHILD_ENV: "1", "OMP_NUM_THREADS": "1"})
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    if args.transport == "tcp":
+        env.update(TCP_ENV)
+    cmd = [exe, "-n", str(args.ranks)] + (["-bind-to", args.bind] if args.bind else [])
+    return subprocess.call(cmd + [sys.executable, os.path.abspath(__file__)] + argv, env=env)
+
+
+def reps_for(nbytes, quick):
+    budget = (1 << 25) if quick else (1 << 27)       # bytes moved per trial and contender
+    return int(min(200 if quick else 1000, max(3, budget // nbytes)))
+
+
+def bench(args):
+    import numpy as np
+    import torch
+    from mpi4py import MPI
+
+    from training import collectives
+
+    torch.set_num_threads(1)
+    comm = MPI.COMM_WORLD
+    rank, n = comm.Get_rank(), comm.Get_size()
+    chunk = (args.chunk_kb << 10) if args.chunk_kb else collectives.RING_CHUNK_BYTES
+    threshold = collectives.RING_THRESHOLD_BYTES
+    if args.threshold_kb is not None:
+        threshold = args.threshold_kb * 1024
+    workspace = np.empty(chunk // 4, np.float32)
+
+    dist = None
+    if not args.no_gloo:
+        import torch.distributed as dist
+        path = comm.bcast(tempfile.mktemp(prefix="gloo-store-") if rank == 0 else None, root=0)
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=n)
+
+    prepared = {}
+
+    def ours(t, a):
+        prepared[t.numel()].run()
+
+    def once(t, a):
+        collectives.allreduce_(t, comm, threshold_bytes=threshold, chunk_bytes=chunk, workspace=workspace)
+
+    def mpi(t, a):
+        comm.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
+
+    def gloo(t, a):
+        dist.all_reduce(t)
+
+    contenders = {"ours": ours, "once": once, "mpi": mpi}
+    if dist is not None:
+        contenders["gloo"] = gloo
+    sizes = QUICK_SIZES if args.quick else SIZES
+    trials = args.trials or (3 if args.quick else 5)
+    rows = []
+    for nbytes in sizes:
+        t = torch.zeros(nbytes // 4)              # zeros: sums stay finite, any count of reps
+        a = t.numpy()
+        prepared[t.numel()] = collectives.PreparedAllreduce(
+            t, comm, threshold_bytes=threshold, chunk_bytes=chunk, workspace=workspace)
+        reps = reps_for(nbytes, args.quick)
+        names = list(contenders)
+        times = {k: [] for k in names}
+        for name in names:                         # warm up (first-touch, connections)
+            contenders[name](t, a)
+        for trial in range(trials):
+            order = names[trial % len(names):] + names[:trial % len(names)]
+            for name in order:
+                fn = contenders[name]
+                comm.Barrier()
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    fn(t, a)
+                dt = (time.perf_counter() - t0) / reps
+                times[name].append(comm.allreduce(dt, op=MPI.MAX))
+        med = {k: float(np.median(v)) for k, v in times.items()}
+        row = {"bytes": nbytes, "reps": reps, "trials": trials,
+               "algorithm": collectives.choose_algorithm(nbytes, "auto", threshold)}
+        for k, v in med.items():
+            row[f"{k}_s"] = v
+            row[f"{k}_GBps"] = nbytes / v / 1e9
+        row["ours_vs_mpi"] = med["mpi"] / med["ours"]          # > 1: ours faster
+        row["once_vs_mpi"] = med["mpi"] / med["once"]
+        if "gloo" in med:
+            row["ours_vs_gloo"] = med["gloo"] / med["ours"]
+        rows.append(row)
+        prepared.pop(t.numel()).free()
+        if rank == 0:
+            print_row(row, header=len(rows) == 1)
+    if dist is not None:
+        dist.destroy_process_group()
+    return rows, {"ranks": n, "chunk_bytes": chunk, "threshold_bytes": threshold,
+                  "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
+                  "mpi4py": __import__("mpi4py").__version__, "torch": torch.__version__}
+
+
+def fmt_size(b):
+    return f"{b >> 20} MiB" if b >= 1 << 20 else f"{b >> 10} KiB"
+
+
+def print_row(r, header):
+    if header:
+        print(f"{'size':>8} {'alg':>4} | {'ours ms':>9} {'GB/s':>6} | {'once ms':>9} | "
+              f"{'mpi ms':>9} {'GB/s':>6} | "
+              f"{'gloo ms':>9} {'GB/s':>6} | {'ours/mpi':>8} {'ours/gloo':>9}")
+    g = (f"{r['gloo_s'] * 1e3:9.3f} {r['gloo_GBps']:6.2f}" if "gloo_s" in r else f"{'-':>9} {'-':>6}")
+    og = f"{r['ours_vs_gloo']:8.2f}x" if "ours_vs_gloo" in r else f"{'-':>9}"
+    print(f"{fmt_size(r['bytes']):>8} {r['algorithm']:>4} | {r['ours_s'] * 1e3:9.3f} {r['ours_GBps']:6.2f} | "
+          f"{r['once_s'] * 1e3:9.3f} | "
+          f"{r['mpi_s'] * 1e3:9.3f} {r['mpi_GBps']:6.2f} | {g} | {r['ours_vs_mpi']:7.2f}x {og}", flush=True)
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor()
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if os.environ.get(CHILD_ENV) != "1":
+        return launch(argv, args)
+    sys.path.insert(0, ROOT)
+    from mpi4py import MPI
+    t0 = time.time()
+    rows, meta = bench(args)
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        meta.update(quick=args.quick, bind=args.bind, transport=args.transport,
+                    host=platform.node(), cpu=cpu_model(), cpus=os.cpu_count(),
+                    wall_s=round(time.time() - t0, 1), date=time.strftime("%Y-%m-%d %H:%M:%S"),
+                    mpich_cvars={k: v for k, v in os.environ.items() if k.startswith("MPIR_CVAR_")},
+                    ratios="ours_vs_X = time_X / time_ours (> 1: ours faster)")
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

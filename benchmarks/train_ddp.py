@@ -1,0 +1,250 @@
+"""Training throughput: our AllReduceStrategy vs torch DDP (gloo), same model and data.
+
+    python benchmarks/train_ddp.py [--quick] [--ranks 2] [--models resnet,mlp]
+                                   [--overlap poll,thread,none] [--transport shm|tcp]
+
+starts itself under `mpiexec -n RANKS`; every rank uses 1 torch thread. For each
+model (built by training.models.build_model, seed 0) both contenders train on the
+same in-memory random batches (global batch --batch, split equally):
+
+    ours-<overlap>  training.strategies.allreduce.AllReduceStrategy (defaults.yaml
+                    bucket_mb / ring_threshold_kb), one per overlap mode asked for;
+    ddp             torch.nn.parallel.DistributedDataParallel over a gloo process
+                    group (file:// store) in the same processes, its default 25 MB
+                    buckets, SGD with the same lr and momentum.
+
+Default models: resnet (ResNet-20, 0.27M parameters, compute-heavy) and mlp (two
+4096-unit layers, 29M parameters = 116 MB of gradients, communication-heavy), both on
+3x32x32 inputs. --transport tcp sends MPICH's traffic over TCP sockets, as between
+launcher-joined ranks (see benchmarks/allreduce.py). Rounds interleave the
+contenders; a round is `--steps` steps timed between barriers; samples/s is the
+median over rounds. Prints a table and writes
+benchmarks/results/train_ddp.json (or --out).
+"""
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+CHILD_ENV = "YARNAPP_BENCH_CHILD"
+TCP_ENV = {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
+INPUT_SHAPE = (3, 32, 32)
+NUM_CLASSES = 10
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer rounds and steps")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--models", default="resnet,mlp", help="comma-separated build_model names")
+    p.add_argument("--overlap", default="poll", help="our overlap modes to time: poll,thread,none")
+    p.add_argument("--batch", type=int, default=64, help="global batch (rows)")
+    p.add_argument("--steps", type=int, default=None, help="steps per round")
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--transport", choices=("shm", "tcp"), default="shm",
+                   help="MPICH transport between the ranks (tcp: as launcher-joined ranks)")
+    p.add_argument("--bind", default=None, help="mpiexec -bind-to value, e.g. core (default: none)")
+    p.add_argument("--out", default=os.path.join(HERE, "results", "train_ddp.json"))
+    return p.parse_args(argv)
+
+
+def launch(argv, args):
+    """Re-run this script under mpiexec with args.ranks ranks (one thread each)."""
+    search = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    exe = shutil.which("mpiexec", path=search)
+    if not exe:
+        sys.exit("Error: mpiexec not found (pip install mpich)")
+    env = dict(os.environ, **{CHILD_ENV: "1", "OMP_NUM_THREADS": "1"})
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    if args.transport == "tcp":
+        env.update(TCP_ENV)
+    cmd = [exe, "-n", str(args.ranks)] + (["-bind-to", args.bind] if args.bind else [])
+    return subprocess.call(cmd + [sys.executable, os.path.abspath(__file__)] + argv, env=env)
+
+
+def make_model(name):
+    import torch
+
+    from training.models import build_model
+    torch.manual_seed(0)
+    return build_model(name, INPUT_SHAPE, NUM_CLASSES, {})
+
+
+def make_context(comm):
+    from training.context import RankInfo, RunContext
+    n = comm.Get_size()
+    ranks = [RankInfo(rank=r, group="bench", instance=r, container=f"bench_{r}", vcores=1.0,
+                      memory_mib=1024, gpus=0) for r in range(n)]
+    wd = tempfile.mkdtemp(prefix="bench-")
+    return RunContext(comm=comm, rank=comm.Get_rank(), world_size=n, ranks=ranks, job=None,
+                      app_id="bench", generation=0, workdir=wd, checkpoint_uri="file://" + wd,
+                      logdir=wd)
+
+
+def make_spec(world_size):
+    try:
+        import conf
+    except ImportError:      # conf needs pydantic; without it, read the same defaults file
+        from types import SimpleNamespace
+
+        import yaml
+        with open(os.path.join(ROOT, "conf", "defaults.yaml")) as f:
+            t = yaml.safe_load(f)["training"]
+        return SimpleNamespace(**{**t, "allreduce": SimpleNamespace(**t["allreduce"])})
+    job = conf.load_job({"name": "bench", "groups": [{"name": "w", "instances": world_size}],
+                         "training": {"data": {"train": "file:///unused"}}})
+    return job.training
+
+
+class Ours:
+    def __init__(self, name, ctx, spec, overlap):
+        from training.strategies.allreduce import AllReduceStrategy
+        import torch
+        self.s = AllReduceStrategy(ctx, spec)
+        self.s.overlap = overlap
+        self.s.setup(make_model(name), lambda p: torch.optim.SGD(p, lr=spec.lr, momentum=spec.momentum))
+        self.comm_s = 0.0
+
+    def step(self, x, y):
+        st = self.s.train_step(x, y)
+        self.comm_s += st.comm_s
+
+    def close(self):
+        self.s.close()
+
+
+class DDP:
+    def __init__(self, name, ctx, spec):
+        import torch
+        from torch.nn.parallel import DistributedDataParallel
+        self.model = DistributedDataParallel(make_model(name))
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=spec.lr, momentum=spec.momentum)
+        self.comm_s = float("nan")
+
+    def step(self, x, y):
+        import torch.nn.functional as F
+        self.opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(self.model(x), y)
+        loss.backward()
+        self.opt.step()
+        loss.item()
+
+    def close(self):
+        pass
+
+
+def bench(args):
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    torch.set_num_threads(1)
+    comm = MPI.COMM_WORLD
+    rank, n = comm.Get_rank(), comm.Get_size()
+    path = comm.bcast(tempfile.mktemp(prefix="gloo-store-") if rank == 0 else None, root=0)
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=n)
+    ctx, spec = make_context(comm), make_spec(n)
+    steps = args.steps or (3 if args.quick else 8)
+    rounds = args.rounds or (3 if args.quick else 5)
+    per_rank = args.batch // n
+    g = torch.Generator().manual_seed(1234)
+    batches = [(torch.randn(args.batch, *INPUT_SHAPE, generator=g),
+                torch.randint(0, NUM_CLASSES, (args.batch,), generator=g)) for _ in range(4)]
+    batches = [(x[rank * per_rank:(rank + 1) * per_rank].contiguous(),
+                y[rank * per_rank:(rank + 1) * per_rank].contiguous()) for x, y in batches]
+    rows = []
+    for name in args.models.split(","):
+        contenders = {f"ours-{o}": Ours(name, ctx, spec, o) for o in args.overlap.split(",")}
+        contenders["ddp"] = DDP(name, ctx, spec)
+        params = sum(p.numel() for p in make_model(name).parameters())
+        names = list(contenders)
+        for c in contenders.values():            # warm up: first-touch, allocator, connections
+            for x, y in batches[:2]:
+                c.step(x, y)
+            c.comm_s = 0.0 if c.comm_s == c.comm_s else c.comm_s
+        rates = {k: [] for k in names}
+        for rnd in range(rounds):
+            order = names[rnd % len(names):] + names[:rnd % len(names)]
+            for k in order:
+                c = contenders[k]
+                comm.Barrier()
+                t0 = time.perf_counter()
+                for i in range(steps):
+                    c.step(*batches[i % len(batches)])
+                comm.Barrier()
+                dt = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+                rates[k].append(args.batch * steps / dt)
+        row = {"model": name, "params": params, "grad_MB": params * 4 / 1e6, "batch": args.batch,
+               "steps_per_round": steps, "rounds": rounds}
+        for k in names:
+            row[f"{k}_samples_per_s"] = float(np.median(rates[k]))
+            if k.startswith("ours"):
+                total_steps = steps * rounds
+                row[f"{k}_comm_ms_per_step"] = 1e3 * contenders[k].comm_s / total_steps
+        for k in names:
+            if k != "ddp":
+                row[f"{k}_vs_ddp"] = row[f"{k}_samples_per_s"] / row["ddp_samples_per_s"]
+        rows.append(row)
+        if rank == 0:
+            print_row(row, names, header=len(rows) == 1)
+        for c in contenders.values():
+            c.close()
+    dist.destroy_process_group()
+    return rows, {"ranks": n, "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+                  "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
+                  "bucket_mb": spec.allreduce.bucket_mb,
+                  "ring_threshold_kb": spec.allreduce.ring_threshold_kb}
+
+
+def print_row(r, names, header):
+    if header:
+        print(f"{'model':>8} {'params':>8} | " + " | ".join(f"{k + ' samples/s':>22}" for k in names)
+              + " | ours/ddp")
+    cells = []
+    for k in names:
+        extra = f" (comm {r[f'{k}_comm_ms_per_step']:.1f} ms)" if f"{k}_comm_ms_per_step" in r else ""
+        cells.append(f"{r[f'{k}_samples_per_s']:>8.1f}{extra:>14}")
+    ratios = " ".join(f"{r[f'{k}_vs_ddp']:.2f}x" for k in names if k != "ddp")
+    print(f"{r['model']:>8} {r['params'] / 1e6:>7.2f}M | " + " | ".join(cells) + f" | {ratios}", flush=True)
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor()
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if os.environ.get(CHILD_ENV) != "1":
+        return launch(argv, args)
+    sys.path.insert(0, ROOT)
+    from mpi4py import MPI
+    t0 = time.time()
+    rows, meta = bench(args)
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        meta.update(quick=args.quick, bind=args.bind, transport=args.transport,
+                    host=platform.node(), cpu=cpu_model(), cpus=os.cpu_count(),
+                    wall_s=round(time.time() - t0, 1), date=time.strftime("%Y-%m-%d %H:%M:%S"),
+                    mpich_cvars={k: v for k, v in os.environ.items() if k.startswith("MPIR_CVAR_")},
+                    load_avg=os.getloadavg())
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
