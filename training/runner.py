@@ -5,6 +5,7 @@ checkpoints and TensorBoard. Strategies (training.strategies) own how the model 
 its gradients are spread over the world. On start it resumes from the newest
 complete checkpoint, so a restarted world continues exactly where it left off.
 """
+import inspect
 import logging
 import math
 import time
@@ -40,11 +41,10 @@ class Runner:
         torch.manual_seed(spec.seed)
         model = build_model(spec.model, self.train.shape, self.train.num_classes, spec.model_options)
         self.strategy = strategies.get(spec.strategy)(ctx, spec)
-        example = torch.from_numpy(self.train.images[:16]).float()   # real rows, for shares: speed
-        try:
-            self.strategy.setup(model, make_optimizer_factory(spec), example_input=example)
-        except TypeError:      # strategies that take no example input
-            self.strategy.setup(model, make_optimizer_factory(spec))
+        extra = {}
+        if "example_input" in inspect.signature(self.strategy.setup).parameters:   # for shares: speed
+            extra["example_input"] = torch.from_numpy(self.train.images[:16]).float()
+        self.strategy.setup(model, make_optimizer_factory(spec), **extra)
         self.ckpt = Checkpointer(ctx.checkpoint_uri, self.comm, ctx.job.checkpoint.keep, ctx.generation)
         self.start_step, state = self.ckpt.latest()
         if state is not None:

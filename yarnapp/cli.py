@@ -165,6 +165,25 @@ def cmd_data_import(args):
     return 0
 
 
+def cmd_plan(args):
+    """Predicted step time and speedup of every strategy for a job (training.planner)."""
+    spec = api.load(args.job)
+    from training import planner   # imports torch: only for this command
+    try:
+        opts = planner.parse_options(measure=args.measure, bandwidth=args.bandwidth, latency=args.latency,
+                                     machines=args.machines, gpu_speed=args.gpu_speed, quick=args.quick,
+                                     input_shape=args.input_shape, classes=args.classes)
+        plan = planner.plan_job(spec, opts)
+        _p(planner.format_table(plan))
+        if args.json:
+            _p(f"written {planner.write_json(plan, args.json)}")
+        if args.png:
+            _p(f"written {planner.write_png(plan, args.png)}")
+    except (ValueError, OSError) as e:      # PlanError, ModelError: one line each
+        raise YarnappError(str(e)) from None
+    return 0
+
+
 def build_parser():
     p = argparse.ArgumentParser(prog="yarnapp", description="Train CNNs on YARN or the embedded local engine.")
     p.add_argument("-v", "--verbose", action="store_true", help="log what the client does")
@@ -210,6 +229,21 @@ def build_parser():
     a.add_argument("--restore", action="store_true", help="bring the node's link back up")
     a.add_argument("--latency", metavar="DELAY", help="one-way delay on the node's link, e.g. 50ms (0: none)")
     s.set_defaults(fn=cmd_netem)
+
+    s = sub.add_parser("plan", help="predict each strategy's step time and speedup for a job; recommend one")
+    s.add_argument("job", help="path of the job.yaml")
+    s.add_argument("--measure", action="store_true", help="measure the link with an MPI ping-pong (2 processes)")
+    s.add_argument("--bandwidth", help="link rate(s), e.g. 1gbit or 1gbit,10gbit (simulated clusters use all)")
+    s.add_argument("--latency", help="one-way link latency with --bandwidth, e.g. 0.05ms (default 0.05ms)")
+    s.add_argument("--machines", default="1,2,4,8,16", help="simulated cluster sizes (default 1,2,4,8,16)")
+    s.add_argument("--gpu-speed", type=float, dest="gpu_speed",
+                   help="also simulate one GPU this many times faster than rank 0's container, plus CPUs")
+    s.add_argument("--quick", action="store_true", help="time each layer once (fast, noisier)")
+    s.add_argument("--input-shape", dest="input_shape", help="CxHxW when the job's data cannot be read")
+    s.add_argument("--classes", type=int, help="classes when the job's data cannot be read (default 10)")
+    s.add_argument("--png", help="write a plot of predicted speedup against machines")
+    s.add_argument("--json", help="write the whole plan as JSON")
+    s.set_defaults(fn=cmd_plan)
 
     d = sub.add_parser("data", help="datasets").add_subparsers(dest="data_cmd", required=True, metavar="ACTION")
     s = d.add_parser("import", help="write a dataset as Parquet shards to a URI")
