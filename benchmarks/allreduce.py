@@ -25,20 +25,16 @@ no shared memory), as ranks joined by the launcher's Connect/Accept do in produc
 shared-memory transport between ranks of one mpiexec.
 """
 import argparse
-import json
 import os
-import platform
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
+import common
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-CHILD_ENV = "YARNAPP_BENCH_CHILD"
 SIZES = [1 << k for k in range(10, 27, 2)]           # 1 KiB, 4 KiB, ..., 64 MiB
-TCP_ENV = {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
 QUICK_SIZES = [1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26]
 
 
@@ -56,19 +52,6 @@ def parse_args(argv):
     p.add_argument("--out", default=os.path.join(HERE, "results", "allreduce.json"))
     return p.parse_args(argv)
 
-
-def launch(argv, args):
-    """Re-run this script under mpiexec with args.ranks ranks (one thread each)."""
-    search = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    exe = shutil.which("mpiexec", path=search)
-    if not exe:
-        sys.exit("Error: mpiexec not found (pip install mpich)")
-    env = dict(os.environ, **{CHILD_ENV: "1", "OMP_NUM_THREADS": "1"})
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
-    if args.transport == "tcp":
-        env.update(TCP_ENV)
-    cmd = [exe, "-n", str(args.ranks)] + (["-bind-to", args.bind] if args.bind else [])
-    return subprocess.call(cmd + [sys.executable, os.path.abspath(__file__)] + argv, env=env)
 
 
 def reps_for(nbytes, quick):
@@ -175,33 +158,20 @@ def print_row(r, header):
           f"{r['mpi_s'] * 1e3:9.3f} {r['mpi_GBps']:6.2f} | {g} | {r['ours_vs_mpi']:7.2f}x {og}", flush=True)
 
 
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return platform.processor()
-
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    if os.environ.get(CHILD_ENV) != "1":
-        return launch(argv, args)
+    if not common.is_child():
+        return common.relaunch(__file__, argv, args.ranks, args.transport, args.bind)
     sys.path.insert(0, ROOT)
     from mpi4py import MPI
     t0 = time.time()
     rows, meta = bench(args)
     if MPI.COMM_WORLD.Get_rank() == 0:
-        meta.update(quick=args.quick, bind=args.bind, transport=args.transport,
-                    host=platform.node(), cpu=cpu_model(), cpus=os.cpu_count(),
-                    wall_s=round(time.time() - t0, 1), date=time.strftime("%Y-%m-%d %H:%M:%S"),
-                    mpich_cvars={k: v for k, v in os.environ.items() if k.startswith("MPIR_CVAR_")},
-                    ratios="ours_vs_X = time_X / time_ours (> 1: ours faster)")
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-        print(f"wrote {args.out}")
+        meta.update(common.machine_meta(), quick=args.quick, bind=args.bind, transport=args.transport,
+                    wall_s=round(time.time() - t0, 1), ratios="ours_vs_X = time_X / time_ours (> 1: ours faster)")
+        common.write_results(args.out, meta, rows)
     return 0
 
 

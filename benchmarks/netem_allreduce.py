@@ -28,12 +28,13 @@ Needs root; everything it creates is removed at the end, however it ends.
 import argparse
 import json
 import os
-import platform
 import secrets
 import subprocess
 import sys
 import tempfile
 import time
+
+import common
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -190,14 +191,10 @@ def main(argv=None):
             print(f"100 Mbit/s link, 16 MiB all-reduce: {row['mpi_bps'] / 1e6:.1f} Mbit/s = {frac:.2f} of the "
                   f"link rate ({frac / PAYLOAD:.2f} of the ~{PAYLOAD * 100:.0f} Mbit/s TCP can carry): "
                   f"{'within' if frac >= 0.8 else 'NOT within'} 20%")
-    meta.update(host=platform.node(), cpus=os.cpu_count(), least_reps=args.reps, wall_s=round(time.time() - t0, 1),
-                date=time.strftime("%Y-%m-%d %H:%M:%S"), payload_fraction=PAYLOAD,
-                load_avg=os.getloadavg(),
+    meta.update(common.machine_meta(), least_reps=args.reps, wall_s=round(time.time() - t0, 1),
+                payload_fraction=PAYLOAD,
                 bandwidth="message bytes / time; with 2 ranks each link direction carries one message")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    print(f"wrote {args.out}")
+    common.write_results(args.out, meta, rows)
     return 0
 
 
