@@ -26,6 +26,7 @@ setup(
         "tqdm>=4.60",
         "psutil>=5.9",
         "matplotlib>=3.7",
+        "mtkahypar>=1.7",      # hypergraph partitioner of the hypergraph strategy
     ],
     extras_require={
         "test": ["pytest>=7", "pytest-timeout>=2", "nbclient>=0.9", "nbformat>=5.9", "ipykernel>=6"],

@@ -84,7 +84,7 @@ class ModelParallel(Model):
 
 class Training(Model):
     """The built-in runner's configuration (run.function = training.runner:main)."""
-    strategy: Literal["allreduce", "conv_model_parallel", "ps_central", "ps_sharded"]
+    strategy: Literal["allreduce", "conv_model_parallel", "ps_central", "ps_sharded", "hypergraph"]
     model: str
     model_options: Dict[str, Union[int, float, str, bool, List[int]]]
     data: Data

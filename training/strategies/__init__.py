@@ -9,6 +9,7 @@ _REGISTRY = {
     "conv_model_parallel": "training.strategies.conv_mp:ConvModelParallelStrategy",
     "ps_central": "training.strategies.ps:CentralPSStrategy",
     "ps_sharded": "training.strategies.ps:ShardedPSStrategy",
+    "hypergraph": "training.strategies.hypergraph:HypergraphStrategy",
 }
 
 
