@@ -8,21 +8,24 @@ def _fmt(v):
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def _interactive(file):
-    """A terminal or a notebook: somewhere a redrawn bar makes sense."""
+def _in_notebook():
     try:
         from IPython import get_ipython
-        if get_ipython() is not None and "IPKernelApp" in get_ipython().config:
-            return True
+        return get_ipython() is not None and "IPKernelApp" in get_ipython().config
     except Exception:
-        pass
-    return hasattr(file, "isatty") and file.isatty()
+        return False
+
+
+def _interactive(file):
+    """A terminal or a notebook: somewhere a redrawn bar makes sense."""
+    return _in_notebook() or (hasattr(file, "isatty") and file.isatty())
 
 
 class Progress:
     def __init__(self, run, file=None):
         self.run = run
-        self.file = file or sys.stderr
+        # In a notebook stderr renders red: messages and the bar go to stdout there.
+        self.file = file or (sys.stdout if _in_notebook() else sys.stderr)
         self.bar = None
         self.said = set()
         self.last = None
@@ -31,7 +34,10 @@ class Progress:
     def say(self, key, text):
         if key not in self.said:
             self.said.add(key)
-            (self.bar.write if self.bar else lambda t: print(t, file=self.file))(text)
+            if self.bar:
+                self.bar.write(text, file=self.file)
+            else:
+                print(text, file=self.file, flush=True)
 
     def update(self, st):
         self.say("submitted", f"{self.run.app_id}: {len(st.get('containers') or []) or '...'} containers, "
