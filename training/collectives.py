@@ -49,6 +49,16 @@ OVERLAP_MODES = ("poll", "thread", "none")
 _TAG = 7311                         # point-to-point tag of ring messages
 
 
+def mpi_datatype(dtype):
+    """The MPI datatype of a float32/float64 torch dtype (what model-parallel layers send)."""
+    from mpi4py import MPI
+    if dtype == torch.float32:
+        return MPI.FLOAT
+    if dtype == torch.float64:
+        return MPI.DOUBLE
+    raise TypeError(f"MPI transfers here support float32 and float64 tensors, not {dtype}")
+
+
 def as_buffer(x):
     """The 1-D numpy view of a tensor's memory (no copy), for use as an MPI buffer.
 

@@ -32,6 +32,8 @@ import time
 
 import numpy as np
 import torch
+
+from training.collectives import mpi_datatype
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -43,13 +45,6 @@ def _mpi():
     return MPI
 
 
-def _mpi_type(dtype):
-    MPI = _mpi()
-    if dtype == torch.float32:
-        return MPI.FLOAT
-    if dtype == torch.float64:
-        return MPI.DOUBLE
-    raise TypeError(f"model-parallel layers support float32 and float64 tensors, not {dtype}")
 
 
 def _host(t):
@@ -142,7 +137,7 @@ class _BroadcastFromMaster(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, root, shape, dtype, device, timings):
         ctx.comm, ctx.root, ctx.timings = comm, root, timings
-        mpi_type = _mpi_type(dtype)
+        mpi_type = mpi_datatype(dtype)
         if comm.Get_rank() == root:
             out = x.contiguous()
             host = _host(out)
@@ -158,7 +153,7 @@ class _BroadcastFromMaster(torch.autograd.Function):
     def backward(ctx, grad):
         comm, root = ctx.comm, ctx.root
         g = _host(grad)
-        mpi_type = _mpi_type(g.dtype)
+        mpi_type = mpi_datatype(g.dtype)
         if comm.Get_rank() == root:
             with _Clock(ctx.timings, "comm_s"):
                 comm.Reduce(_mpi().IN_PLACE, [_np(g), mpi_type], op=_mpi().SUM, root=root)
@@ -186,7 +181,7 @@ def broadcast_from_master(x, comm, root=0, device=None, timings=None):
         meta[1] = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else -1
         meta[2:2 + x.dim() + 1] = [x.dim(), *x.shape]
         if meta[1] < 0:
-            _mpi_type(x.dtype)  # raises the explanatory TypeError
+            mpi_datatype(x.dtype)  # raises the explanatory TypeError
     with _Clock(timings, "comm_s"):
         comm.Bcast([meta, MPI.INT64_T], root=root)
     needs_grad, dtype = bool(meta[0]), _DTYPES[int(meta[1])]
@@ -216,7 +211,7 @@ class _GatherChannelsToMaster(torch.autograd.Function):
         n, c = y.shape[0], y.shape[1]
         plane = int(np.prod(y.shape[2:], dtype=np.int64))
         total, rank = sum(counts), comm.Get_rank()
-        mpi_type = _mpi_type(y.dtype)
+        mpi_type = mpi_datatype(y.dtype)
         if rank != root:
             send_t = _plane_type(mpi_type, n, plane, c)
             try:
@@ -244,7 +239,7 @@ class _GatherChannelsToMaster(torch.autograd.Function):
         comm, counts, root = ctx.comm, ctx.counts, ctx.root
         n, c = ctx.shape[0], ctx.shape[1]
         plane = int(np.prod(ctx.shape[2:], dtype=np.int64))
-        mpi_type = _mpi_type(grad.dtype)
+        mpi_type = mpi_datatype(grad.dtype)
         rank = comm.Get_rank()
         if rank == root:
             g = _host(grad)
@@ -281,7 +276,7 @@ def gather_rows_to_master(t, comm, counts, root=0):
     """concat_r t_r along dim 0 at the root (None elsewhere): full weights from shards."""
     t = _host(t)
     row = int(np.prod(t.shape[1:], dtype=np.int64))
-    mpi_type = _mpi_type(t.dtype)
+    mpi_type = mpi_datatype(t.dtype)
     if comm.Get_rank() == root:
         out = torch.empty((sum(counts), *t.shape[1:]), dtype=t.dtype)
         comm.Gatherv([_np(t), mpi_type],
@@ -295,7 +290,7 @@ def gather_rows_to_master(t, comm, counts, root=0):
 def scatter_rows_from_master(full, comm, counts, row_shape, dtype, root=0):
     """This rank's rows [off_r, off_r + c_r) of the root's `full` (ignored elsewhere)."""
     row = int(np.prod(row_shape, dtype=np.int64))
-    mpi_type = _mpi_type(dtype)
+    mpi_type = mpi_datatype(dtype)
     mine = torch.empty((counts[comm.Get_rank()], *row_shape), dtype=dtype)
     if comm.Get_rank() == root:
         full = _host(full)

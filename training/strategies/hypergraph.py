@@ -46,6 +46,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from training.collectives import mpi_datatype
+
 from training.partition import (EPSILON, PartitionError, build_hypergraph, evaluate, hypergraph_partition,
                                 layer_chain)
 
@@ -56,18 +58,8 @@ log = logging.getLogger(__name__)
 ROOT = 0
 
 
-def _mpi():
-    from mpi4py import MPI
-    return MPI
 
 
-def _mpi_type(dtype):
-    MPI = _mpi()
-    if dtype == torch.float32:
-        return MPI.FLOAT
-    if dtype == torch.float64:
-        return MPI.DOUBLE
-    raise TypeError(f"the hypergraph strategy supports float32 and float64 models, not {dtype}")
 
 
 @dataclasses.dataclass
@@ -137,7 +129,7 @@ class Counters:
 
 def _alltoallv(comm, sendbuf, scounts, sdispls, recvbuf, rcounts, rdispls, dtype, counters):
     t0 = time.perf_counter()
-    mtype = _mpi_type(dtype)
+    mtype = mpi_datatype(dtype)
     comm.Alltoallv([sendbuf.numpy(), (scounts, sdispls), mtype], [recvbuf.numpy(), (rcounts, rdispls), mtype])
     counters.comm_s += time.perf_counter() - t0
     counters.sent_bytes += int(sum(scounts)) * sendbuf.element_size()
@@ -362,7 +354,7 @@ class HypergraphStrategy(Strategy):
         with torch.no_grad():
             for p in self.model.parameters():
                 host = p.detach().contiguous().cpu()
-                self.comm.Bcast([host.numpy(), _mpi_type(host.dtype)], root=ROOT)
+                self.comm.Bcast([host.numpy(), mpi_datatype(host.dtype)], root=ROOT)
                 p.copy_(host.to(p.device))
 
     def _capacities(self):
