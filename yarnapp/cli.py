@@ -238,7 +238,7 @@ def build_parser():
     s.add_argument("--machines", default="1,2,4,8,16", help="simulated cluster sizes (default 1,2,4,8,16)")
     s.add_argument("--gpu-speed", type=float, dest="gpu_speed",
                    help="also simulate one GPU this many times faster than rank 0's container, plus CPUs")
-    s.add_argument("--quick", action="store_true", help="time each layer once (fast, noisier)")
+    s.add_argument("--quick", action="store_true", help="time each layer briefly (fast, noisier)")
     s.add_argument("--input-shape", dest="input_shape", help="CxHxW when the job's data cannot be read")
     s.add_argument("--classes", type=int, help="classes when the job's data cannot be read (default 10)")
     s.add_argument("--png", help="write a plot of predicted speedup against machines")

@@ -34,6 +34,13 @@ class Limits:
                 path = os.path.join(base, name)
                 os.makedirs(path, exist_ok=True)
                 self.paths[ctl] = path
+            # CFS weights: a container weighs as its vcores, and the parent directories
+            # as the whole machine, so that all containers together do not compete with
+            # other processes as if they were a single one (cgroup v1's default 1024).
+            top = os.path.join(cpu, "yarnapp")
+            for parent in (top, os.path.dirname(self.paths["cpu"])):
+                _write(parent, "cpu.shares", 1024 * (os.cpu_count() or 1))
+            _write(self.paths["cpu"], "cpu.shares", max(2, int(1024 * vcores)))
             _write(self.paths["cpu"], "cpu.cfs_period_us", PERIOD_US)
             _write(self.paths["cpu"], "cpu.cfs_quota_us", int(round(vcores * PERIOD_US)))
             _write(self.paths["memory"], "memory.limit_in_bytes", memory_mib * 2**20)

@@ -1,0 +1,208 @@
+"""The planner: seed formulas against hand-computed values, predictions of synthetic
+profiles, a real (tiny) measurement, the link ping-pong, and `yarnapp plan` end to end."""
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from training import planner
+from training.planner import Device, Layer, Link, Profile
+
+# -- seed 4 (Šlampa 2017) and seed 1 (Marques et al. 2018) formulas ------------------------
+
+
+def test_seed4_step_times_by_hand():
+    # c = 0.1 s per |W| transfer, g = 1 s of gradient compute
+    assert planner.ring_allreduce_s(4, 0.1, 1.0) == pytest.approx(1.0 + 2 * 3 / 4 * 0.1)      # 1.15
+    assert planner.central_ps_s(3, 0.1, 1.0) == pytest.approx((1.4, 1.6))                    # (n+1)c+g, 2nc+g
+    assert planner.sharded_ps_s(4, 0.1, 1.0) == pytest.approx(1.15)                          # 2c(n-1)/n + g
+    assert planner.sharded_ps_s(1, 0.1, 1.0) == 1.0 and planner.ring_allreduce_s(1, 0.1, 1.0) == 1.0
+    # the central server's worst case grows linearly in n, the sharded one stays below 2c + g
+    assert planner.central_ps_s(16, 0.1, 1.0)[1] == pytest.approx(4.2)
+    assert planner.sharded_ps_s(16, 0.1, 1.0) == pytest.approx(1.1875)
+
+
+def test_seed1_bound_by_hand():
+    assert planner.amdahl_bound(0.8, 4) == pytest.approx(2.5)            # 1 / (0.2 + 0.2)
+    assert planner.amdahl_bound(0.9, 4) == pytest.approx(1 / 0.325)       # 3.0769
+    assert planner.amdahl_bound(1.0, 7) == pytest.approx(7.0)
+    assert planner.amdahl_bound(0.6, 1) == pytest.approx(1.0)
+    assert planner.proportional_s([1.0, 2.0]) == pytest.approx(2 / 3)     # 1 / (1 + 1/2)
+
+
+def test_quota_step_by_hand():
+    # The docstring's example: one rank at q = 1/2, a 35 ms full-speed step, 18 ms of its own.
+    assert planner.quota_step_s([(0.5, 0.018, 0.035)], 0.035) == pytest.approx(0.1 / (1 + 0.032 / 0.035))
+    # Two throttled ranks: full pace only while both run, q = 1/4 of the time.
+    assert planner.quota_step_s([(0.5, 0.01, 0.025)] * 2, 0.025) == pytest.approx(0.1 / (1 + 0.015 / 0.025))
+    assert planner.quota_step_s([(1.0, 0.02, 0.03)], 0.03) == 0.03                 # no quota
+    assert planner.quota_step_s([(0.5, 0.01, 0.01)], 0.04) == 0.04                 # busy <= q*step
+    assert planner.quota_step_s([(0.1, 0.02, 0.05)], 0.05) == pytest.approx(0.2)   # q*P < work
+
+
+# -- predictions from synthetic profiles (no timing involved) -----------------------------
+
+def _conv(name, seconds, kernels, in_bytes=0, out_bytes=0, needs=True, params=0):
+    return Layer(name=name, kind="conv", seconds=seconds, params=params, param_bytes=4 * params,
+                 in_bytes=in_bytes, out_bytes=out_bytes, out_channels=kernels,
+                 needs_input_grad=needs, distributable=True)
+
+
+def _profile(step=0.1, opt=0.01, param_bytes=4_000_000, layers=(), intercept=0.0):
+    return Profile(device="cpu", threads=1, batch=64, layers=list(layers), step_s=step,
+                   intercept_s=intercept, optimizer_s=opt, params=param_bytes // 4, param_bytes=param_bytes)
+
+
+def test_data_parallel_predictions_by_hand():
+    prof = _profile()
+    devs = [Device("cpu", prof)] * 4
+    link = Link(latency_s=0.0, bandwidth_Bps=1e8)          # c = 4e6 / 1e8 = 0.04 s
+    ring = planner.predict_allreduce(devs, link, 64)
+    assert ring["split"] == [16, 16, 16, 16]
+    assert ring["step_s"] == pytest.approx(0.025 + 0.01 + 2 * 3 / 4 * 0.04)   # g + o + ring
+    assert ring["speedup"] == pytest.approx(0.11 / 0.095)
+    central = planner.predict_central_ps(devs, link, 64)
+    assert central["step_s"] == pytest.approx(0.025 + 2 * 3 * 0.04 + 0.01)    # g + 2(n-1)c + o_0
+    assert central["bounds"] == pytest.approx([0.025 + 4 * 0.04 + 0.01, 0.275])
+    sharded = planner.predict_sharded_ps(devs, link, 64)
+    assert sharded["step_s"] == pytest.approx(0.025 + 2 * 0.04 * 3 / 4 + 0.01 / 4)
+
+
+def test_shares_and_quota_shape_the_data_parallel_step():
+    prof = _profile(opt=0.0, param_bytes=4)
+    free = Link(0.0, 1e15)
+    big, small = Device("big", prof, vcores=1.0), Device("small", prof, vcores=0.5, quota=0.5)
+    # vcores shares: 43 / 21 rows; the small rank computes 21 rows at half speed
+    p = planner.predict_allreduce([big, small], free, 64, "vcores")
+    assert p["split"] == [43, 21]
+    assert p["compute_s"] == pytest.approx(max(0.1 * 43 / 64, 2 * 0.1 * 21 / 64))
+    # and, busy-waiting under its quota, it holds the job to the quota bound
+    full = 0.1 * 43 / 64
+    assert p["full_speed_step_s"] == pytest.approx(full)
+    assert p["step_s"] == pytest.approx(planner.quota_step_s([(0.5, 0.1 * 21 / 64, full)], full))
+    # equal shares on a simulated 2x faster device: the slow one bounds the compute
+    fast = Device("gpu", prof, speed=2.0)
+    q = planner.predict_allreduce([fast, Device("cpu", prof)], free, 64, "equal")
+    assert q["compute_s"] == pytest.approx(0.05) and q["speedup"] == pytest.approx(0.05 / 0.05)
+    r = planner.predict_allreduce([fast, Device("cpu", prof)], free, 64, "speed")
+    assert r["split"] == [43, 21] and r["step_s"] < q["step_s"]
+
+
+def test_conv_model_parallel_reaches_the_bound_on_a_free_network():
+    layers = [_conv("conv1", 0.03, 8), _conv("conv2", 0.05, 16)]
+    prof = _profile(step=0.1, opt=0.0, layers=layers)
+    free = Link(0.0, 1e15)
+    p = planner.predict_conv_mp([Device("a", prof), Device("b", prof)], free, ["conv1", "conv2"])
+    assert p["split"] == {"conv1": [4, 4], "conv2": [8, 8]}
+    assert p["step_s"] == pytest.approx(0.02 + 0.04)                 # rest + half of the convs
+    assert p["conv_fraction"] == pytest.approx(0.8)
+    assert p["bound"] == pytest.approx(1 / (0.2 + 0.4))
+    assert p["speedup"] == pytest.approx(p["bound"])                 # S = 1/((1-f)+f/k)
+
+
+def test_conv_model_parallel_heterogeneous_split_and_communication_by_hand():
+    layers = [_conv("conv1", 0.03, 8, in_bytes=100_000, out_bytes=1_000_000, needs=False),
+              _conv("conv2", 0.05, 16, in_bytes=1_000_000, out_bytes=2_000_000, needs=True)]
+    prof = _profile(step=0.1, opt=0.0, layers=layers)
+    devs = [Device("fast", prof), Device("slow", prof, speed=0.5)]
+    p = planner.predict_conv_mp(devs, Link(0.0, 1e15), ["conv1", "conv2"])
+    # kernels in proportion to speed (2:1), rounded by largest remainder
+    assert p["split"] == {"conv1": [5, 3], "conv2": [11, 5]}
+    conv = max(5 / 8 * 0.03, 3 / 8 * 0.06) + max(11 / 16 * 0.05, 5 / 16 * 0.1)
+    assert p["step_s"] == pytest.approx(0.02 + conv)
+    assert p["conv_ideal_s"] == pytest.approx(0.03 / 1.5 + 0.05 / 1.5)
+    assert p["bound"] == pytest.approx(1 / (0.2 + 0.8 / 1.5))        # k = (1 + 1/2) / 1
+    # with a 1 GB/s link: Bcast X, Gatherv/Scatterv of the slow rank's channels, Reduce dX
+    q = planner.predict_conv_mp(devs, Link(0.0, 1e9), ["conv1", "conv2"])
+    comm1 = 100_000 / 1e9 + 2 * (3 / 8) * 1_000_000 / 1e9
+    comm2 = 1_000_000 / 1e9 + 2 * (5 / 16) * 2_000_000 / 1e9 + 1_000_000 / 1e9
+    assert q["comm_s"] == pytest.approx(comm1 + comm2)
+    assert q["step_s"] == pytest.approx(p["step_s"] + comm1 + comm2)
+    # a layer with fewer kernels than ranks cannot be split
+    assert planner.predict_conv_mp([Device("a", prof)] * 9, Link(0.0, 1e9), ["conv1"]) is None
+
+
+# -- real measurements ---------------------------------------------------------------------
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.relu = nn.ReLU()
+        self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
+        self.pool = nn.MaxPool2d(2)
+        self.fc = nn.Linear(16 * 4 * 4, 10)
+
+    def forward(self, x):
+        x = self.pool(self.relu(self.conv2(self.relu(self.conv1(x)))))
+        return self.fc(x.flatten(1))
+
+
+def test_measure_profile_of_a_real_model():
+    torch.manual_seed(0)
+    model = Tiny()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    prof = planner.measure_profile(model, (3, 8, 8), 16, lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                   threads=1, min_time=0.0)
+    assert [lay.name for lay in prof.layers] == ["conv1", "relu", "conv2", "relu", "pool", "fc"]
+    conv1, conv2 = prof.layer("conv1")[0], prof.layer("conv2")[0]
+    assert (conv1.out_channels, conv2.out_channels) == (8, 16)
+    assert not conv1.needs_input_grad and conv2.needs_input_grad     # conv1 reads the data
+    assert conv2.in_bytes == 16 * 8 * 8 * 8 * 4 and conv2.out_bytes == 16 * 16 * 8 * 8 * 4
+    assert prof.params == sum(p.numel() for p in model.parameters())
+    assert all(lay.seconds > 0 for lay in prof.layers) and prof.optimizer_s > 0
+    assert sum(lay.seconds for lay in prof.layers) <= prof.step_s * (1 + 1e-9)
+    assert prof.fwd_bwd_s(0) == 0.0 and prof.fwd_bwd_s(16) == pytest.approx(prof.step_s)
+    assert 0 <= prof.intercept_s <= prof.step_s
+    assert planner.conv_layers_of(prof) == ["conv1", "conv2"]
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())   # left untouched
+
+
+def test_measure_link_with_a_real_ping_pong():
+    link = planner.measure_link(trials=2)
+    assert 0 < link.latency_s < 0.01
+    assert link.bandwidth_Bps > 1e7                     # shared memory: far above 10 MB/s
+    assert link.seconds(1 << 20) > link.seconds(8)
+
+
+# -- yarnapp plan ----------------------------------------------------------------------------
+
+def test_cli_plan_prints_a_table_and_writes_png_and_json(cli, tmp_path):
+    png, js = tmp_path / "plan.png", tmp_path / "plan.json"
+    proc = cli("plan", "conf/examples/digits.yaml", "--bandwidth", "1gbit,10gbit", "--quick",
+               "--gpu-speed", "8", "--png", png, "--json", js, check=0, timeout=120)
+    out = proc.stdout
+    for name in planner.STRATEGIES:
+        assert name in out
+    assert "recommended:" in out and "1 Gbit/s" in out and "latency 50.0 us" in out
+    plan = json.loads(js.read_text())
+    assert plan["link"]["bandwidth_bps"] == 1e9
+    assert [d["quota"] for d in plan["devices"]] == [1.0, 0.5, 0.5]
+    assert plan["recommended"]["strategy"] in planner.STRATEGIES
+    ring = plan["strategies"]["allreduce"]
+    assert ring["split"] == [32, 16, 16]                          # shares: vcores
+    assert ring["comm_s"] == pytest.approx(2 * 2 / 3 * plan["model"]["param_bytes"] * 8 / 1e9
+                                           + 2 * 2 * 50e-6 + 2 * 2 * 50e-6, rel=1e-3)
+    conv = plan["strategies"]["conv_model_parallel"]
+    assert conv["split"]["conv2"] == [32, 16, 16] and 0 < conv["conv_fraction"] < 1
+    assert {(r["cluster"], r["bandwidth_bps"], r["machines"]) for r in plan["scaling"]} == {
+        (c, b, m) for c in ("cpu", "gpu+cpu") for b in (1e9, 1e10) for m in (1, 2, 4, 8, 16)}
+    one = [r for r in plan["scaling"] if r["machines"] == 1 and r["cluster"] == "cpu"][0]
+    assert all(math.isclose(v["speedup"], 1.0, rel_tol=1e-6) for v in one["strategies"].values())
+
+    import matplotlib.image
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    img = matplotlib.image.imread(str(png))
+    assert img.shape[0] >= 400 and img.shape[1] >= 1000            # two panels
+    colours = {tuple(px) for px in (img[::4, ::4, :3] * 255).astype(int).reshape(-1, 3).tolist()}
+    assert len(colours) > 50, "the plot looks blank"
+
+
+def test_cli_plan_errors_are_one_line(cli):
+    proc = cli("plan", "conf/examples/hello.yaml", "--bandwidth", "1gbit", check=1)
+    assert proc.stderr.startswith("Error: ") and "training section" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    proc = cli("plan", "conf/examples/digits.yaml", "--bandwidth", "fast", check=1)
+    assert proc.stderr.startswith("Error: ") and "cannot parse 'fast' as a rate" in proc.stderr

@@ -1,0 +1,968 @@
+"""Predicted step time and speedup of every strategy for a job (seed 4's model, seed 1's bound).
+
+What is measured (on this machine, in this process, unless given):
+    per layer l of the job's model at the job's batch B, forward + backward seconds
+    t_l (median of repeated runs; where they add up to more than the whole model's
+    time they are scaled down to it, keeping their proportions), the whole model's
+    forward + backward with the loss t(B) and t(B/4) (an affine fit
+    t(b) = a + (t(B) − a) b / B gives the time of a share of b rows), and one optimizer
+    step o over all |W| parameter bytes, for each thread count the groups use (a rank
+    runs k = ceil(vcores) threads). A fractional vcore is emulated by scaling: a
+    container of v vcores running k threads gets the quota q = v/k of k cores, so its
+    times are the k-thread times / q;
+    the link: one-way time of m bytes t(m) = α + m/β, fitted to an MPI ping-pong between
+    two processes (α from 8-byte messages, β from cache-cold 4 MiB ones), or given.
+
+Notation: n ranks (rank 0 first), g_r = t_r(n_r) the compute of rank r's share of n_r
+rows (shares: equal | vcores | speed | list, split as the strategies split them),
+g = max_r g_r (the slowest share), o_r rank r's optimizer step, c = α + |W|/β.
+
+    ring all-reduce  T = g + max_r o_r + 2(n−1)/n·|W|/β + 2(n−1)α          (+ 2⌈log2 n⌉α
+                     for the two small all-reduces of rows and loss in every step)
+    central PS       seed 4: (m+1)c + g ≤ T ≤ 2mc + g for m workers talking to the server;
+                     rank 0 is server and worker, so m = n−1; our server receives the m
+                     gradients one after another and then sends m copies of W, with no
+                     overlap, so T = g + 2(n−1)c + o_0 (the upper bound)   (+ 2⌈log2 n⌉α)
+    sharded PS       T = g + 2(n−1)/n·|W|/β + 2α + max_r o_r / n            (+ 2⌈log2 n⌉α)
+    conv-layer MP    (rank 0 the master; distributed convs l with C_l kernels split c_r,l,
+                     by default proportional to the speed 1/t_r,l, `proportional_split`)
+                     T = (t_0(B) − Σ_l t_0,l) + Σ_l [max_r (c_r,l/C_l) t_r,l + comm_l]
+                         + o_0 (1 − Σ_l (|W_l|/|W|)(1 − c_0,l/C_l)) + (2L + 2)⌈log2 n⌉α
+                     comm_l = bcast(|X_l|) + 2(1 − c_0,l/C_l)|Y_l|/β + 5⌈log2 n⌉α
+                              [+ reduce(|X_l|) where an earlier layer needs dX]
+                     bcast(v) = reduce(v) = min(⌈log2 n⌉(α + v/β),
+                                                2(n−1)/n·v/β + (⌈log2 n⌉ + n − 1)α)
+                     (binomial tree, or scatter + all-gather, whichever MPI would pick)
+    CPU quotas       a rank with q < 1 busy-waits in MPI and so spends its quota also
+                     while it waits; the step is raised to `quota_step_s` (the job runs
+                     at full pace only while every throttled rank has quota left)
+    the bound        S ≤ 1 / ((1 − f) + f/k)  (seed 1), f = Σ_l t_0,l / (t_0(B) + o_0)
+                     the distributed convs' share of one device's step; k = Σ_r s_r / s_0
+                     with s_r = 1/t_r(B) (k = n for equal devices)
+    speedup          S = T_1 / T,  T_1 = t_0(B) + o_0 (rank 0's container alone, whole batch)
+
+Simulated clusters (more machines, other bandwidths, GPU/CPU mixes as in the seed
+thesis) use the same formulas with devices of a given speed factor: a machine like
+rank 0's container (speed 1) and, with `gpu_speed`, a GPU = a device whose times are
+rank 0's divided by gpu_speed, as the master of n−1 such CPUs.
+
+The plan is a JSON-ready dict (`plan_job`); `format_table` and `write_png` present it.
+Not modelled: overlap of the ring's buckets with backward (the ring's time is added
+after compute), the conv strategy's own per-layer overheads (its explicit backward, the
+copies around Gatherv/Scatterv, the servers' polite polling), other load on the machine.
+"""
+import contextlib
+import copy
+import dataclasses
+import json
+import logging
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from training.calibrate import proportional_split
+from training.model_parallel import why_not_distributable
+from training.models import build_model
+from training.strategies.allreduce import split_rows
+
+log = logging.getLogger(__name__)
+
+STRATEGIES = ("allreduce", "ps_central", "ps_sharded", "conv_model_parallel")
+DEFAULT_LATENCY_S = 50e-6          # a given --bandwidth without --latency: a LAN's one-way delay
+DEFAULT_INPUT = {"digits_cnn": (1, 8, 8)}   # models whose data could not be read
+FALLBACK_INPUT = (3, 32, 32)
+QUICK_MIN_TIME = 0.02              # --quick: seconds each timed item runs (default 0.1)
+
+
+class PlanError(ValueError):
+    """A plan that cannot be made. str() is one line saying what to give instead."""
+
+
+# ----------------------------------------------------------------------------------------
+# Seed formulas (pure; c = communication of one |W| transfer, g = gradient compute)
+# ----------------------------------------------------------------------------------------
+
+def ring_allreduce_s(n, c, g):
+    """Ring all-reduce step: g + 2(n−1)/n · c."""
+    return g + 2 * (n - 1) / n * c
+
+
+def central_ps_s(n, c, g):
+    """Seed 4's central parameter server with n workers: (best, worst) = ((n+1)c + g, 2nc + g)."""
+    return (n + 1) * c + g, 2 * n * c + g
+
+
+def sharded_ps_s(n, c, g):
+    """Seed 4's sharded ("distributed") server, a shard on every worker: 2c(n−1)/n + g."""
+    return 2 * c * (n - 1) / n + g
+
+
+def amdahl_bound(f, k):
+    """Seed 1's bound on the speedup of distributing a share f of the work over k devices:
+    S ≤ 1 / ((1 − f) + f / k)."""
+    return 1.0 / ((1.0 - f) + f / k)
+
+
+def proportional_s(seconds):
+    """Time of work split in proportion to speed over devices that take `seconds` each for
+    all of it: 1 / Σ_r (1 / t_r)  (every device then finishes at the same time)."""
+    return 1.0 / sum(1.0 / t for t in seconds)
+
+
+def _log2(n):
+    return math.ceil(math.log2(n)) if n > 1 else 0
+
+
+# ----------------------------------------------------------------------------------------
+# The link
+# ----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One-way time of m bytes: latency_s + m / bandwidth_Bps."""
+    latency_s: float
+    bandwidth_Bps: float          # bytes per second
+    source: str = "given"
+
+    @property
+    def bandwidth_bps(self):
+        return 8.0 * self.bandwidth_Bps
+
+    def seconds(self, nbytes):
+        return self.latency_s + nbytes / self.bandwidth_Bps
+
+    def as_dict(self):
+        return {"latency_s": self.latency_s, "bandwidth_bps": self.bandwidth_bps, "source": self.source}
+
+
+def link_from_rate(bps, latency_s=None, source="given"):
+    """A Link of `bps` bits per second (and DEFAULT_LATENCY_S unless given)."""
+    return Link(DEFAULT_LATENCY_S if latency_s is None else float(latency_s), float(bps) / 8.0, source)
+
+
+_PINGPONG = r'''
+import json, time
+import numpy as np
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+rank = comm.Get_rank()
+out = {}
+for size, reps, pool in SIZES:
+    bufs = [np.ones(size, np.uint8) for _ in range(pool)]
+    trials = []
+    for trial in range(TRIALS + 1):
+        comm.Barrier()
+        t = time.perf_counter()
+        for i in range(reps):
+            buf = bufs[i % pool]
+            if rank == 0:
+                comm.Send(buf, 1, 5); comm.Recv(buf, 1, 5)
+            else:
+                comm.Recv(buf, 0, 5); comm.Send(buf, 0, 5)
+        if trial:                                   # the first trial warms up
+            trials.append((time.perf_counter() - t) / reps / 2)
+    out[size] = min(trials)
+if rank == 0:
+    print("PINGPONG " + json.dumps(out), flush=True)
+'''
+
+
+def _mpiexec():
+    exe = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    if not exe:
+        raise PlanError("mpiexec not found (pip install mpich); give the link with --bandwidth instead")
+    return exe
+
+
+def measure_link(small=8, large=4 << 20, pool=16, trials=8, timeout=120):
+    """The link between two MPI processes started by mpiexec on this machine.
+
+    One-way time (half a round trip) of a ping-pong of `small` and `large` messages,
+    the fastest of `trials` trials (the link's capacity: a busy CPU only ever slows a
+    trial down): α = t(small), β = (large − small) / (t(large) − t(small)). The large
+    messages cycle through `pool` buffers, so that, like a step's activations and
+    gradients, they are not in the cache when they are sent (on one machine a cached
+    4 MiB ping-pong runs ~4x faster than a cold one).
+    """
+    code = _PINGPONG.replace("SIZES", repr([(small, 200, 1), (large, pool, pool)])).replace("TRIALS", str(trials))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    try:
+        proc = subprocess.run([_mpiexec(), "-n", "2", sys.executable, "-c", code], env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise PlanError(f"the MPI ping-pong did not finish in {timeout}s; give the link with --bandwidth") from None
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PINGPONG ")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise PlanError(f"the MPI ping-pong failed ({tail}); give the link with --bandwidth")
+    t = {int(k): v for k, v in json.loads(lines[-1][len("PINGPONG "):]).items()}
+    alpha = t[small]
+    beta = (large - small) / max(t[large] - t[small], 1e-12)
+    return Link(alpha, beta, "measured (MPI ping-pong, 2 processes)")
+
+
+# ----------------------------------------------------------------------------------------
+# Compute: per-layer profile of the model on this machine
+# ----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Layer:
+    """One leaf module call at batch B: forward + backward seconds and its tensors."""
+    name: str
+    kind: str                     # "conv" (nn.Conv2d), "linear" or "other"
+    seconds: float
+    params: int
+    param_bytes: int
+    in_bytes: int                 # |X| of the call
+    out_bytes: int                # |Y|
+    out_channels: int             # convs: kernels C; else 0
+    needs_input_grad: bool        # an earlier layer needs dX
+    distributable: bool           # a conv DistributedConv2d can split
+
+
+@dataclasses.dataclass
+class Profile:
+    """Compute of one model at batch `batch` with `threads` threads on `device` (seconds)."""
+    device: str
+    threads: int
+    batch: int
+    layers: list
+    step_s: float                 # t(B): whole forward + loss + backward
+    intercept_s: float            # a of the affine fit t(b) = a + (t(B) − a) b / B
+    optimizer_s: float            # one optimizer step over every parameter
+    params: int
+    param_bytes: int
+
+    def fwd_bwd_s(self, rows):
+        """t(rows): 0 for no rows, else the affine fit."""
+        if rows <= 0:
+            return 0.0
+        return self.intercept_s + (self.step_s - self.intercept_s) * rows / self.batch
+
+    def layer(self, name):
+        found = [lay for lay in self.layers if lay.name == name]
+        if not found:
+            raise PlanError(f"layer {name!r} is not called in the model's forward pass")
+        return found
+
+    def as_dict(self):
+        return dataclasses.asdict(self)
+
+
+@contextlib.contextmanager
+def _num_threads(n):
+    before = torch.get_num_threads()
+    torch.set_num_threads(int(n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _timed(fn, min_time, min_reps, sync=None):
+    """Median seconds of fn() over at least min_reps runs and min_time seconds (after a warm-up).
+    fn may return a callable run untimed before the next repetition (resetting state)."""
+    reset = fn()
+    if callable(reset):
+        reset()
+    times, start = [], time.perf_counter()
+    while len(times) < min_reps or time.perf_counter() - start < min_time:
+        t = time.perf_counter()
+        reset = fn()
+        if sync:
+            sync()
+        times.append(time.perf_counter() - t)
+        if callable(reset):
+            reset()
+    return statistics.median(times)
+
+
+def _leaf_calls(model, x, y):
+    """[(name, module, input tensor, output shape)] of every leaf module call of one
+    forward pass on x, in call order (the input keeps its requires_grad flag)."""
+    calls = []
+
+    def hook(name):
+        def record(module, args, output):
+            inp = args[0] if args and torch.is_tensor(args[0]) else None
+            if inp is not None and torch.is_tensor(output):
+                calls.append((name, module, inp.detach().requires_grad_(inp.requires_grad), tuple(output.shape)))
+        return record
+
+    handles = [m.register_forward_hook(hook(name)) for name, m in model.named_modules()
+               if name and not list(m.children())]
+    try:
+        F.cross_entropy(model(x), y)
+    finally:
+        for h in handles:
+            h.remove()
+    return calls
+
+
+def _time_layer(module, inp, min_time, min_reps, sync):
+    """Forward + backward seconds of one module on a copy of its recorded input."""
+    x0 = torch.randn_like(inp).requires_grad_(inp.requires_grad)
+    params = [p for p in module.parameters() if p.requires_grad]
+    probe = module(x0.clone() if x0.requires_grad else x0)
+    grad = torch.randn_like(probe) if probe.requires_grad else None
+
+    def once():
+        out = module(x0.clone() if x0.requires_grad else x0)
+        if grad is not None:
+            out.backward(grad)
+
+        def reset():
+            for p in params:
+                p.grad = None
+            x0.grad = None
+        return reset
+    return _timed(once, min_time, min_reps, sync)
+
+
+def measure_profile(model, sample_shape, batch, make_optimizer, threads=1, device="cpu",
+                    min_time=0.1, min_reps=3):
+    """The Profile of `model` on inputs (batch, *sample_shape) with `threads` threads.
+
+    Works on a copy (the model, its gradients and buffers are left as they are). Each
+    item (every leaf module call, the whole model at B and at B/4, the optimizer step)
+    is timed for at least `min_time` seconds and `min_reps` runs; the median counts.
+    """
+    dev = torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else None
+    probe = copy.deepcopy(model).to(dev).train()
+    num_classes = _num_classes(probe, sample_shape, dev)
+    g = torch.Generator().manual_seed(0)
+    small = max(1, batch // 4)
+
+    def data(rows):
+        x = torch.randn((rows, *sample_shape), generator=g).to(dev)
+        return x, torch.randint(0, num_classes, (rows,), generator=g).to(dev)
+
+    params = [p for p in probe.parameters() if p.requires_grad]
+    with _num_threads(threads):
+        x, y = data(batch)
+        layers = []
+        for name, module, inp, out_shape in _leaf_calls(probe, x, y):
+            seconds = _time_layer(module, inp, min_time, min_reps, sync)
+            own = [p for p in module.parameters() if p.requires_grad]
+            is_conv = isinstance(module, nn.Conv2d)
+            layers.append(Layer(
+                name=name, kind="conv" if is_conv else "linear" if isinstance(module, nn.Linear) else "other",
+                seconds=seconds, params=sum(p.numel() for p in own),
+                param_bytes=sum(p.numel() * p.element_size() for p in own),
+                in_bytes=inp.numel() * inp.element_size(),
+                out_bytes=math.prod(out_shape) * inp.element_size(),
+                out_channels=module.out_channels if is_conv else 0,
+                needs_input_grad=bool(inp.requires_grad),
+                distributable=is_conv and why_not_distributable(module) is None))
+
+        def whole(xb, yb):
+            def once():
+                F.cross_entropy(probe(xb), yb).backward()
+                return lambda: [setattr(p, "grad", None) for p in params]
+            return once
+        step_s = _timed(whole(x, y), min_time, min_reps, sync)
+        xs, ys = data(small)
+        small_s = _timed(whole(xs, ys), min_time, min_reps, sync)
+        optimizer = make_optimizer(params)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        optimizer_s = _timed(optimizer.step, min_time, min_reps, sync)
+    # Layers timed one by one add up to a little more or less than the whole model (timer
+    # noise; the loss and autograd's bookkeeping belong to no layer). More: scale them down
+    # to the whole, keeping their proportions; less: the remainder runs on the master.
+    total = sum(lay.seconds for lay in layers)
+    if total > step_s:
+        for lay in layers:
+            lay.seconds *= step_s / total
+    if small < batch:   # t(b) = a + k b through (small, t_small) and (B, t_B)
+        intercept = (small_s * batch - step_s * small) / (batch - small)
+    else:
+        intercept = 0.0
+    intercept = min(max(intercept, 0.0), step_s)
+    return Profile(device=dev.type, threads=int(threads), batch=int(batch), layers=layers,
+                   step_s=step_s, intercept_s=intercept, optimizer_s=optimizer_s,
+                   params=sum(p.numel() for p in params),
+                   param_bytes=sum(p.numel() * p.element_size() for p in params))
+
+
+def _num_classes(model, sample_shape, dev):
+    with torch.no_grad():
+        out = model(torch.zeros((1, *sample_shape), device=dev))
+    return int(out.shape[1])
+
+
+# ----------------------------------------------------------------------------------------
+# Devices and predictions
+# ----------------------------------------------------------------------------------------
+
+QUOTA_PERIOD_S = 0.1     # the CFS period of a vcore quota (yarnapp.backends.local.cgroups.PERIOD_US)
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """A rank's compute: the Profile's seconds divided by speed × quota.
+
+    speed: a device factor (1 for the profile's own device; a simulated GPU's factor);
+    quota: v/k for a container of v vcores running k threads (< 1: CPU-throttled)."""
+    name: str
+    profile: Profile
+    speed: float = 1.0
+    vcores: float = 1.0
+    quota: float = 1.0
+
+    @property
+    def factor(self):
+        return self.speed * self.quota
+
+    def fwd_bwd_s(self, rows):
+        return self.profile.fwd_bwd_s(rows) / self.factor
+
+    def layer_s(self, name):
+        return sum(lay.seconds for lay in self.profile.layer(name)) / self.factor
+
+    def optimizer_s(self, fraction=1.0):
+        return self.profile.optimizer_s * fraction / self.factor
+
+    def unthrottled(self):
+        return dataclasses.replace(self, quota=1.0)
+
+    @property
+    def step_s(self):
+        """The whole batch on this device alone: forward, backward, optimizer."""
+        return self.fwd_bwd_s(self.profile.batch) + self.optimizer_s()
+
+
+def quota_step_s(ranks, full_step_s, period_s=QUOTA_PERIOD_S):
+    """The step CPU quotas allow to ranks that busy-wait (MPI polls while it waits).
+
+    ranks: (quota q_r, work_r, busy_r) of every rank. A rank limited to q_r of its cores
+    runs q_r·P of every CFS period P and then sleeps until the next. It burns quota
+    whenever it is busy: computing its own work (work_r per step at full speed) or
+    waiting for the others inside a blocking MPI call; busy_r is its busy time per step
+    when every rank runs at full speed (the whole step, full_step_s, for a data-parallel
+    rank; only the conv phases for a model-parallel worker, which sleeps while the master
+    runs the rest). Where busy_r ≤ q_r·full_step_s for every rank the quotas never bite.
+    Otherwise the job runs at full pace only while every throttled rank runs: the
+    periods of different cgroups are not aligned, so for a fraction q = Π q_r of the
+    time. Per period that gives (q·P − work)/busy steps, after the work the last rank
+    owed when it was stopped; while one sleeps the others finish at most the step in
+    progress. So
+
+        N = 1 + (q·P − work) / busy steps per period,    step = max(full_step_s, P / N),
+
+    (work, busy: the largest over the throttled ranks), and where q·P < work (a step
+    spans periods) step = work / q. One throttled rank of q = 1/2, a 35 ms step and 18 ms
+    of its own work: N = 1 + (50 − 18)/35 = 1.91, 52 ms a step (not 35).
+    """
+    bitten = [(q, w, b) for q, w, b in ranks if q < 1.0 and b > q * full_step_s]
+    if not bitten:
+        return full_step_s
+    q = math.prod(q for q, _, _ in bitten)
+    work = max(w for _, w, _ in bitten)
+    busy = max(b for _, _, b in bitten)
+    if q * period_s < work:
+        return max(full_step_s, work / q)
+    return max(full_step_s, period_s / (1.0 + (q * period_s - work) / busy))
+
+
+def share_weights(devices, shares):
+    """One weight per rank for `shares` (equal | vcores | speed | a list), as the strategies
+    weigh them; 'speed' is rows per second of each device's forward + backward."""
+    n = len(devices)
+    if isinstance(shares, (list, tuple)):
+        if len(shares) != n:
+            raise PlanError(f"training.shares: {len(shares)} shares given for {n} ranks")
+        return [float(s) for s in shares]
+    if shares == "equal":
+        return [1.0] * n
+    if shares == "vcores":
+        return [float(d.vcores) for d in devices]
+    if shares == "speed":
+        return [1.0 / d.fwd_bwd_s(d.profile.batch) for d in devices]
+    raise PlanError(f"training.shares: expected equal, vcores, speed or a list, got {shares!r}")
+
+
+def _prediction(strategy, devices, step_s, compute_s, comm_s, split, **extra):
+    single = devices[0].step_s
+    return dict({"strategy": strategy, "ranks": len(devices), "step_s": step_s, "compute_s": compute_s,
+                 "comm_s": comm_s, "speedup": single / step_s, "split": split}, **extra)
+
+
+def _data_parallel(strategy, devices, link, batch, shares, period_s):
+    """Step of a data-parallel strategy: its seed formula on the throttled devices, raised to
+    the quota bound of every throttled rank (which is busy for the whole step)."""
+    n, w = len(devices), devices[0].profile.param_bytes
+    rows = split_rows(batch, share_weights(devices, shares))
+    lg, a, bw = _log2(n), link.latency_s, link.bandwidth_Bps
+
+    def times(devs):
+        """(compute of the slowest share g, optimizer on the critical path, communication)."""
+        g = max(d.fwd_bwd_s(r) for d, r in zip(devs, rows))
+        if strategy == "allreduce":
+            opt = max(d.optimizer_s() for d in devs)
+            comm = 2 * (n - 1) / n * w / bw + 2 * (n - 1) * a
+        elif strategy == "ps_central":
+            opt = devs[0].optimizer_s()
+            comm = central_ps_s(n - 1, link.seconds(w), 0.0)[1]
+        else:
+            opt = max(d.optimizer_s(1.0 / n) for d in devs)
+            comm = sharded_ps_s(n, w / bw, 0.0) + 2 * a
+        comm = comm + 2 * lg * a if n > 1 else 0.0
+        return g, opt, comm
+
+    g, opt, comm = times(devices)
+    step = g + opt + comm
+    extra = {}
+    if any(d.quota < 1.0 for d in devices):
+        full = [d.unthrottled() for d in devices]
+        full_step = sum(times(full))
+        ranks = [(d.quota, f.fwd_bwd_s(r) + f.optimizer_s(1.0 / n if strategy == "ps_sharded" else 1.0),
+                  full_step) for d, f, r in zip(devices, full, rows)]
+        step = max(step, quota_step_s(ranks, full_step, period_s))
+        extra["full_speed_step_s"] = full_step
+    if strategy == "ps_central" and n > 1:
+        best, worst = central_ps_s(n - 1, link.seconds(w), g)
+        extra["bounds"] = [best + opt, worst + opt]
+    return _prediction(strategy, devices, step, g + opt, comm, rows, **extra)
+
+
+def predict_allreduce(devices, link, batch, shares="equal", period_s=QUOTA_PERIOD_S):
+    """Ring all-reduce: g + max_r o_r + 2(n−1)/n·|W|/β + 2(n−1)α + 2⌈log2 n⌉α."""
+    return _data_parallel("allreduce", devices, link, batch, shares, period_s)
+
+
+def predict_central_ps(devices, link, batch, shares="equal", period_s=QUOTA_PERIOD_S):
+    """Central server on rank 0 with m = n−1 remote workers: g + 2mc + o_0 (seed 4's upper
+    bound; `bounds` holds both of seed 4's, (m+1)c + g and 2mc + g, plus o_0)."""
+    return _data_parallel("ps_central", devices, link, batch, shares, period_s)
+
+
+def predict_sharded_ps(devices, link, batch, shares="equal", period_s=QUOTA_PERIOD_S):
+    """Sharded server: g + 2(n−1)/n·|W|/β + 2α + max_r o_r / n."""
+    return _data_parallel("ps_sharded", devices, link, batch, shares, period_s)
+
+
+def _bcast_s(nbytes, n, link):
+    """MPI broadcast (or reduce) of nbytes over n ranks: tree or scatter + all-gather."""
+    if n <= 1:
+        return 0.0
+    a, b, lg = link.latency_s, link.bandwidth_Bps, _log2(n)
+    return min(lg * (a + nbytes / b), 2 * (n - 1) / n * nbytes / b + (lg + n - 1) * a)
+
+
+def conv_layers_of(profile, names=None):
+    """The distributed convs: `names` (training.model_parallel.layers) or every distributable one."""
+    convs = [lay for lay in profile.layers if lay.kind == "conv"]
+    if names is not None:
+        known = {lay.name for lay in convs}
+        unknown = [x for x in names if x not in known]
+        if unknown:
+            raise PlanError(f"training.model_parallel.layers: {unknown} are not Conv2d layers of the "
+                            f"model; its Conv2d layers are {sorted(known)}")
+        return list(dict.fromkeys(x for x in (lay.name for lay in convs) if x in set(names)))
+    return list(dict.fromkeys(lay.name for lay in convs if lay.distributable))
+
+
+def conv_fraction(device, names):
+    """f: the distributed convs' share of one device's whole step (seed 1's bound)."""
+    return sum(device.layer_s(x) for x in names) / device.step_s
+
+
+def _conv_split(devices, names, split):
+    """{layer: kernels per rank}: `split` weights, else in proportion to the devices' speed on
+    each layer; None where a layer has fewer kernels than there are ranks."""
+    out = {}
+    for name in names:
+        kernels = devices[0].profile.layer(name)[0].out_channels
+        weights = split if split is not None else [1.0 / d.layer_s(name) for d in devices]
+        try:
+            out[name] = proportional_split(kernels, weights)
+        except ValueError:
+            return None
+    return out
+
+
+def _conv_times(devices, link, names, layer_split):
+    """(rest on the master, [conv phase of each layer], communication, master's optimizer)."""
+    n, master = len(devices), devices[0]
+    prof = master.profile
+    lg, a, b = _log2(n), link.latency_s, link.bandwidth_Bps
+    rest = max(0.0, master.fwd_bwd_s(prof.batch) - sum(master.layer_s(x) for x in names))
+    phases, comm, moved = [], 0.0, 0.0
+    for name in names:
+        calls, counts = prof.layer(name), layer_split[name]
+        kernels = sum(counts)
+        conv = max(c / kernels * d.layer_s(name) for c, d in zip(counts, devices))
+        away = 1.0 - counts[0] / kernels
+        moved += calls[0].param_bytes * away
+        layer_comm = 0.0
+        if n > 1:
+            for call in calls:
+                layer_comm += _bcast_s(call.in_bytes, n, link) + 2 * away * call.out_bytes / b + 5 * lg * a
+                if call.needs_input_grad:
+                    layer_comm += _bcast_s(call.in_bytes, n, link)
+        phases.append(conv + layer_comm)
+        comm += layer_comm
+    if n > 1:
+        comm += (2 * len(names) + 2) * lg * a
+    opt = master.optimizer_s(1.0 - moved / prof.param_bytes)
+    return rest, phases, comm, opt
+
+
+def predict_conv_mp(devices, link, names, split=None, period_s=QUOTA_PERIOD_S):
+    """Conv-layer model parallelism, rank 0 the master (formula in the module docstring),
+    raised to the quota bound of throttled ranks (a worker is busy only in the conv phases).
+
+    split: kernel weights, one per rank (training.model_parallel.split), else each
+    layer's kernels in proportion to the devices' speed on it. Returns None where a
+    layer has fewer kernels than there are ranks (it cannot be split).
+    """
+    layer_split = _conv_split(devices, names, split)
+    if layer_split is None:
+        return None
+    n, master = len(devices), devices[0]
+    B = master.profile.batch
+    rest, phases, comm, opt = _conv_times(devices, link, names, layer_split)
+    protocol = (2 * len(names) + 2) * _log2(n) * link.latency_s if n > 1 else 0.0
+    step = rest + sum(phases) + opt + protocol
+    conv_s = sum(phases) - (comm - protocol)
+    extra = {}
+    if any(d.quota < 1.0 for d in devices):
+        full = [d.unthrottled() for d in devices]
+        f_rest, f_phases, f_comm, f_opt = _conv_times(full, link, names, layer_split)
+        full_step = f_rest + sum(f_phases) + f_opt + protocol
+        ranks = []
+        for r, (d, f) in enumerate(zip(devices, full)):
+            own = sum(c[r] / sum(c) * f.layer_s(x) for x, c in layer_split.items())
+            if r == 0:      # the master: the rest of the network too, and never asleep
+                ranks.append((d.quota, own + f_rest + f_opt, full_step))
+            else:           # a worker sleeps (politely) while the master runs the rest
+                ranks.append((d.quota, own, sum(f_phases)))
+        step = max(step, quota_step_s(ranks, full_step, period_s))
+        extra["full_speed_step_s"] = full_step
+    speeds = [1.0 / d.fwd_bwd_s(B) for d in devices]
+    f = conv_fraction(master, names)
+    k = sum(speeds) / speeds[0]
+    ideal = sum(proportional_s([d.layer_s(x) for d in devices]) for x in names)
+    return _prediction("conv_model_parallel", devices, step, rest + conv_s + opt, comm, layer_split,
+                       conv_s=conv_s, conv_ideal_s=ideal, rest_s=rest, conv_fraction=f,
+                       effective_devices=k, bound=amdahl_bound(f, k), **extra)
+
+
+def predict_all(devices, link, batch, shares="equal", conv_names=None, conv_split=None,
+                period_s=QUOTA_PERIOD_S):
+    """{strategy: prediction} for one cluster (devices[0] = rank 0, the master/server)."""
+    names = conv_names if conv_names is not None else conv_layers_of(devices[0].profile)
+    return {"allreduce": predict_allreduce(devices, link, batch, shares, period_s),
+            "ps_central": predict_central_ps(devices, link, batch, shares, period_s),
+            "ps_sharded": predict_sharded_ps(devices, link, batch, shares, period_s),
+            "conv_model_parallel": predict_conv_mp(devices, link, names, conv_split, period_s) if names else None}
+
+
+# ----------------------------------------------------------------------------------------
+# A job's plan
+# ----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+    """How to plan. The job's link is measured (MPI ping-pong) with measure_link, else the
+    first of `bandwidths_bps` (with latency_s, default DEFAULT_LATENCY_S), else the job's
+    network.bandwidth, else measured; the simulated clusters use every bandwidth given."""
+    measure_link: bool = False
+    bandwidths_bps: tuple = ()        # simulated clusters (and the job unless measured)
+    latency_s: float = None
+    machines: tuple = (1, 2, 4, 8, 16)
+    gpu_speed: float = None           # simulated GPU = rank 0's device × this speed
+    min_time: float = 0.1             # seconds each timed item runs (at least 3 runs)
+    input_shape: tuple = None         # (C, H, W) when the job's data cannot be read
+    num_classes: int = None
+
+
+def parse_options(measure=False, bandwidth=None, latency=None, machines=None, gpu_speed=None,
+                  quick=False, input_shape=None, classes=None):
+    """PlanOptions from command-line strings: bandwidth '1gbit[,10gbit]', latency '0.05ms',
+    machines '1,2,4', input_shape '1x8x8'."""
+    from conf.units import parse_duration_s, parse_rate_bps
+
+    def items(text):
+        return [s.strip() for s in str(text).split(",") if s.strip()]
+    try:
+        bws = tuple(parse_rate_bps(b) for b in items(bandwidth)) if bandwidth else ()
+        lat = parse_duration_s(latency) if latency else None
+        mach = tuple(int(m) for m in items(machines)) if machines else PlanOptions.machines
+        shape = tuple(int(s) for s in str(input_shape).lower().split("x")) if input_shape else None
+    except ValueError as e:
+        raise PlanError(f"plan options: {e}") from None
+    if any(m < 1 for m in mach) or not mach:
+        raise PlanError(f"--machines: expected positive integers such as 1,2,4,8,16, got {machines!r}")
+    if shape is not None and len(shape) != 3:
+        raise PlanError(f"--input-shape: expected CxHxW such as 3x32x32, got {input_shape!r}")
+    if gpu_speed is not None and gpu_speed <= 0:
+        raise PlanError(f"--gpu-speed: must be > 0, got {gpu_speed}")
+    return PlanOptions(measure_link=bool(measure), bandwidths_bps=bws, latency_s=lat, machines=mach,
+                       gpu_speed=gpu_speed, min_time=QUICK_MIN_TIME if quick else PlanOptions.min_time,
+                       input_shape=shape, num_classes=classes)
+
+
+def _input_of(spec, options):
+    """((C, H, W), classes, where from) of the job's data, or the options', or a default."""
+    if options.input_shape:
+        return tuple(options.input_shape), options.num_classes or 10, "given"
+    try:
+        from training.data import ParquetDataset
+        ds = ParquetDataset(spec.data.train)
+        return tuple(ds.shape), int(ds.num_classes), spec.data.train
+    except Exception as e:  # noqa: BLE001 - any unreadable dataset falls back to an assumption
+        shape = DEFAULT_INPUT.get(spec.model, FALLBACK_INPUT)
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return shape, options.num_classes or 10, f"assumed (data not readable: {why})"
+
+
+def _job_link(job, options):
+    if options.measure_link:
+        return measure_link()
+    if options.bandwidths_bps:
+        return link_from_rate(options.bandwidths_bps[0], options.latency_s)
+    if job.network.bandwidth:
+        return link_from_rate(job.network.bandwidth, options.latency_s or job.network.latency,
+                              "the job's network.bandwidth")
+    return measure_link()
+
+
+def _make_optimizer_for(spec):
+    from training.runner import make_optimizer_factory
+    return make_optimizer_factory(spec)
+
+
+def job_devices(job, profile_for, gpu_speed=None):
+    """One Device per rank of `job`, in rank order. profile_for(threads, device) -> Profile.
+
+    A group with GPUs is measured on CUDA when this machine has it; otherwise its device
+    is rank 0-like CPU time divided by gpu_speed (an assumption, named in the device)."""
+    devices = []
+    for g in job.groups:
+        k = max(1, math.ceil(g.vcores))
+        if g.gpus and torch.cuda.is_available():
+            dev = Device(f"{g.name} (cuda)", profile_for(k, "cuda"), vcores=g.vcores)
+        elif g.gpus and gpu_speed:
+            dev = Device(f"{g.name} (gpu ~ cpu x{gpu_speed:g}, assumed)", profile_for(k, "cpu"),
+                         speed=gpu_speed, vcores=g.vcores)
+        else:
+            dev = Device(f"{g.name} ({g.vcores:g} vcores, {k} thread{'s' if k > 1 else ''})",
+                         profile_for(k, "cpu"), vcores=g.vcores, quota=min(1.0, g.vcores / k))
+        devices += [dev] * g.instances
+    return devices
+
+
+def _rounded(d):
+    if isinstance(d, float):
+        return float(f"{d:.6g}")
+    if isinstance(d, dict):
+        return {k: _rounded(v) for k, v in d.items()}
+    if isinstance(d, (list, tuple)):
+        return [_rounded(v) for v in d]
+    return d
+
+
+def plan_job(job, options=PlanOptions()):
+    """The plan of a conf.JobSpec with a training section: a JSON-ready dict with the
+    measured profiles and link, the prediction of every strategy for the job's own
+    containers, the recommendation, and the simulated clusters."""
+    spec = job.training
+    if spec is None:
+        raise PlanError("the job has no training section: the planner predicts the built-in runner's strategies")
+    shape, classes, shape_from = _input_of(spec, options)
+    torch.manual_seed(spec.seed)
+    model = build_model(spec.model, shape, classes, spec.model_options)
+    make_opt = _make_optimizer_for(spec)
+    profiles = {}
+
+    def profile_for(threads, device):
+        key = (device, threads)
+        if key not in profiles:
+            profiles[key] = measure_profile(model, shape, spec.batch_size, make_opt, threads, device,
+                                            min_time=options.min_time, min_reps=3)
+        return profiles[key]
+
+    devices = job_devices(job, profile_for, options.gpu_speed)
+    link = _job_link(job, options)
+    ref = devices[0]
+    names = conv_layers_of(ref.profile, spec.model_parallel.layers)
+    B = spec.batch_size
+    preds = predict_all(devices, link, B, spec.shares, names, spec.model_parallel.split)
+    # The data-parallel strategies also with speed-proportional shares, for the recommendation.
+    speed_preds = {k: f(devices, link, B, "speed") for k, f in (("allreduce", predict_allreduce),
+                                                                   ("ps_central", predict_central_ps),
+                                                                   ("ps_sharded", predict_sharded_ps))}
+    candidates = [(p["step_s"], k, p, "the job's shares") for k, p in preds.items() if p]
+    candidates += [(p["step_s"], k, p, "shares: speed") for k, p in speed_preds.items()]
+    _, best, best_p, how = min(candidates, key=lambda c: c[0])
+    if best == "conv_model_parallel":
+        why = f"kernels per rank {best_p['split']}"
+    else:
+        why = f"rows per rank {best_p['split']} ({how})"
+    f = conv_fraction(ref, names) if names else 0.0
+    plan = {
+        "job": job.name,
+        "model": {"name": spec.model, "options": dict(spec.model_options), "input_shape": list(shape),
+                  "input_from": shape_from, "classes": classes, "batch": B,
+                  "params": ref.profile.params, "param_bytes": ref.profile.param_bytes,
+                  "conv_layers": names, "conv_fraction": f},
+        "link": link.as_dict(),
+        "devices": [{"rank": r, "name": d.name, "speed": d.speed, "quota": d.quota, "vcores": d.vcores,
+                     "threads": d.profile.threads, "device": d.profile.device,
+                     "step_s": d.step_s} for r, d in enumerate(devices)],
+        "profiles": [p.as_dict() for p in profiles.values()],
+        "shares": spec.shares,
+        "single_s": ref.step_s,
+        "strategies": preds,
+        "speed_shares": speed_preds,
+        "recommended": {"strategy": best, "step_s": best_p["step_s"], "speedup": best_p["speedup"],
+                        "split": best_p["split"], "why": why},
+        "bound": preds["conv_model_parallel"]["bound"] if preds["conv_model_parallel"] else None,
+        "scaling": simulate(ref, link, B, names, options),
+    }
+    return _rounded(plan)
+
+
+def simulate(ref, link, batch, names, options):
+    """Predictions for clusters of m machines like `ref` (speed 1) for every m in
+    options.machines and every bandwidth (options.bandwidths_bps, else the job's link),
+    and, with options.gpu_speed, for one GPU (ref × gpu_speed, the master) plus m−1 CPUs
+    (data-parallel shares and kernels proportional to speed)."""
+    rates = options.bandwidths_bps or (link.bandwidth_bps,)
+    latency = options.latency_s if options.latency_s is not None else link.latency_s
+    kinds = [("cpu", None)] + ([("gpu+cpu", options.gpu_speed)] if options.gpu_speed else [])
+    out = []
+    for kind, gpu in kinds:
+        for bps in rates:
+            lk = Link(latency, bps / 8.0, link.source if bps == link.bandwidth_bps else "given")
+            for m in options.machines:
+                devs = [ref] * m
+                if gpu:
+                    devs = [dataclasses.replace(ref, name=f"gpu (x{gpu:g})", speed=ref.speed * gpu)] + [ref] * (m - 1)
+                preds = predict_all(devs, lk, batch, "speed", names, None)
+                out.append({"cluster": kind, "machines": m, "bandwidth_bps": bps,
+                            "strategies": {k: (None if p is None else {"step_s": p["step_s"], "speedup": p["speedup"]})
+                                           for k, p in preds.items()},
+                            "bound": preds["conv_model_parallel"]["bound"] if preds["conv_model_parallel"] else None})
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# Presentation
+# ----------------------------------------------------------------------------------------
+
+def _rate(bps):
+    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bps >= scale:
+            return f"{bps / scale:.3g} {unit}"
+    return f"{bps:.3g} bit/s"
+
+
+def _split_text(strategy, split):
+    if split is None:
+        return "-"
+    if strategy == "conv_model_parallel":
+        return "kernels " + " ".join(f"{k}:{'/'.join(map(str, v))}" for k, v in split.items())
+    return "rows " + "/".join(map(str, split))
+
+
+def format_table(plan):
+    """The plan as text: the job's predictions, the recommendation, the simulated clusters."""
+    m, lk = plan["model"], plan["link"]
+    lines = [f"plan for job {plan['job']!r}: {m['name']}, batch {m['batch']}, {m['params']:,} parameters "
+             f"({m['param_bytes'] / 2**20:.2f} MiB), input {'x'.join(map(str, m['input_shape']))} "
+             f"({m['input_from']})",
+             f"link: {_rate(lk['bandwidth_bps'])}, latency {lk['latency_s'] * 1e6:.1f} us ({lk['source']})",
+             "ranks: " + "; ".join(f"{d['rank']} {d['name']} step {d['step_s'] * 1e3:.1f} ms" for d in plan["devices"]),
+             f"distributed convs {m['conv_layers']}: share of a step f = {m['conv_fraction']:.2f}; "
+             f"rank 0 alone: {plan['single_s'] * 1e3:.1f} ms/step",
+             "",
+             f"{'strategy':21s} {'compute ms':>10s} {'comm ms':>9s} {'step ms':>9s} {'speedup':>8s}  split / notes"]
+    for name in STRATEGIES:
+        p = plan["strategies"].get(name)
+        if p is None:
+            lines.append(f"{name:21s} {'n/a':>10s}")
+            continue
+        note = _split_text(name, p["split"])
+        if p.get("full_speed_step_s") and p["step_s"] > p["compute_s"] + p["comm_s"] * (1 + 1e-9):
+            note += f"; quota-bound (unthrottled {p['full_speed_step_s'] * 1e3:.1f} ms)"
+        if p.get("bounds"):
+            note += f"; seed 4 before quotas {p['bounds'][0] * 1e3:.1f}..{p['bounds'][1] * 1e3:.1f} ms"
+        if name == "conv_model_parallel":
+            note += f"; bound S <= {p['bound']:.2f}"
+        lines.append(f"{name:21s} {p['compute_s'] * 1e3:10.2f} {p['comm_s'] * 1e3:9.3f} {p['step_s'] * 1e3:9.2f} "
+                     f"{p['speedup']:8.2f}  {note}")
+    for name, p in plan["speed_shares"].items():
+        lines.append(f"{name + ' (speed)':21s} {p['compute_s'] * 1e3:10.2f} {p['comm_s'] * 1e3:9.3f} "
+                     f"{p['step_s'] * 1e3:9.2f} {p['speedup']:8.2f}  {_split_text(name, p['split'])}")
+    r = plan["recommended"]
+    lines += ["", f"recommended: {r['strategy']} ({r['why']}): {r['step_s'] * 1e3:.2f} ms/step, "
+                  f"speedup {r['speedup']:.2f}", ""]
+    if plan["scaling"]:
+        lines.append(f"{'cluster':8s} {'bandwidth':>11s} {'machines':>8s} " +
+                     " ".join(f"{s[:12]:>12s}" for s in STRATEGIES) + f" {'bound':>6s}")
+        for row in plan["scaling"]:
+            cells = [f"{row['strategies'][s]['speedup']:12.2f}" if row["strategies"][s] else f"{'n/a':>12s}"
+                     for s in STRATEGIES]
+            bound = f"{row['bound']:6.2f}" if row["bound"] else f"{'-':>6s}"
+            lines.append(f"{row['cluster']:8s} {_rate(row['bandwidth_bps']):>11s} {row['machines']:8d} "
+                         + " ".join(cells) + " " + bound)
+        lines.append("(speedup over one machine like rank 0's container; gpu+cpu: over the GPU alone)")
+    return "\n".join(lines)
+
+
+def write_png(plan, path):
+    """Predicted speedup against the number of machines, per strategy and bandwidth (and the
+    conv bound), one panel per simulated cluster kind; matplotlib's Agg canvas (no display)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    kinds = list(dict.fromkeys(r["cluster"] for r in plan["scaling"]))
+    if not kinds:
+        raise PlanError("nothing to plot: no simulated clusters")
+    fig = Figure(figsize=(6.5 * len(kinds), 4.8))
+    FigureCanvasAgg(fig)
+    colors = dict(zip(STRATEGIES, ("tab:blue", "tab:red", "tab:orange", "tab:green")))
+    styles = ["-", "--", ":", "-."]
+    for i, kind in enumerate(kinds):
+        ax = fig.add_subplot(1, len(kinds), i + 1)
+        rows = [r for r in plan["scaling"] if r["cluster"] == kind]
+        rates = list(dict.fromkeys(r["bandwidth_bps"] for r in rows))
+        for j, bps in enumerate(rates):
+            sel = sorted((r for r in rows if r["bandwidth_bps"] == bps), key=lambda r: r["machines"])
+            for s in STRATEGIES:
+                pts = [(r["machines"], r["strategies"][s]["speedup"]) for r in sel if r["strategies"][s]]
+                if pts:
+                    ax.plot(*zip(*pts), styles[j % len(styles)], color=colors[s], marker="o", markersize=3,
+                            label=f"{s} @ {_rate(bps)}")
+        bound = sorted({(r["machines"], r["bound"]) for r in rows if r["bound"]})
+        if bound:
+            ax.plot(*zip(*bound), color="gray", linewidth=1, label="conv bound 1/((1-f)+f/k)")
+        ms = sorted({r["machines"] for r in rows})
+        ax.set_ylim(bottom=0)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ms, [str(m) for m in ms])
+        ax.set_xlabel("machines")
+        ax.set_ylabel("predicted speedup")
+        ax.set_title(f"{plan['model']['name']}, batch {plan['model']['batch']}: {kind}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def write_json(plan, path):
+    with open(path, "w") as f:
+        json.dump(plan, f, indent=1)
+    return path
