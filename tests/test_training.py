@@ -29,6 +29,7 @@ def digits(tmp_path_factory):
 
 
 def _job(tmp_path, digits, name, groups, steps=20, shares="equal"):
+    """A digits job; steps=None trains whole epochs."""
     return {"name": name, "groups": groups,
             "training": {"strategy": "allreduce", "model": "digits_cnn", "batch_size": 48, "epochs": 100,
                          "max_steps": steps, "log_every": 1, "seed": 11, "shares": shares,
@@ -102,3 +103,14 @@ def test_digits_example_reaches_97_percent_and_logs_live(tmp_path, cli, yarnapp_
     app = app_id_from(out)
     assert live[0] == app
     assert_nothing_left(app)
+
+
+def test_digits_with_conv_model_parallel_on_three_ranks(tmp_path, digits, yarnapp_home):
+    """The seed method end to end: kernels split by measured speed over 1 + 0.5 + 0.5 vcores."""
+    job = _job(tmp_path, digits, "convmp", THREE, steps=None)
+    job["training"].update(strategy="conv_model_parallel", epochs=6, batch_size=64, lr=0.05, log_every=10)
+    run, st = run_to_end(job)
+    assert st["final"]["accuracy"] >= 0.97, st["final"]
+    split = _curve(job, "model_parallel/split/rank0"), _curve(job, "model_parallel/split/rank1")
+    assert split[0][-1][1] > split[1][-1][1]        # the 1-vcore master holds more kernels than a 0.5
+    assert_nothing_left(run.app_id)

@@ -830,8 +830,22 @@ def plan_job(job, options=PlanOptions()):
                         "split": best_p["split"], "why": why},
         "bound": preds["conv_model_parallel"]["bound"] if preds["conv_model_parallel"] else None,
         "scaling": simulate(ref, link, B, names, options),
+        "volumes": _volumes(model, shape, [d.speed for d in devices], B),
     }
     return _rounded(plan)
+
+
+def _volumes(model, shape, capacities, batch):
+    """Communication volume and balance per method (training.partition; Eserol 2019):
+    hypergraph partition, conv-layer split, pipeline, data parallelism. None (with the
+    reason) for a model the partitioner cannot take, or a single rank."""
+    if len(capacities) < 2:
+        return {"note": "one rank: nothing to partition"}
+    from .partition import PartitionError, partition_report
+    try:
+        return {"rows": partition_report(model, shape, capacities, batch)}
+    except PartitionError as e:
+        return {"note": f"no volume report: {e}"}
 
 
 def simulate(ref, link, batch, names, options):
@@ -906,6 +920,16 @@ def format_table(plan):
     for name, p in plan["speed_shares"].items():
         lines.append(f"{name + ' (speed)':21s} {p['compute_s'] * 1e3:10.2f} {p['comm_s'] * 1e3:9.3f} "
                      f"{p['step_s'] * 1e3:9.2f} {p['speedup']:8.2f}  {_split_text(name, p['split'])}")
+    vol = plan.get("volumes") or {}
+    if vol.get("rows"):
+        lines += ["", f"{'partition':14s} {'KB/sample':>10s} {'max rank KB':>11s} {'imbalance':>9s} "
+                      f"{'vs data parallel':>16s}"]
+        for row in vol["rows"]:
+            lines.append(f"{row['method']:14s} {row['volume_bytes_per_sample'] / 1e3:10.1f} "
+                         f"{row['max_rank_bytes_per_sample'] / 1e3:11.1f} {row['imbalance']:9.3f} "
+                         f"{100 * row['reduction_vs_data_parallel']:+15.1f}%")
+    elif vol.get("note"):
+        lines += ["", vol["note"]]
     r = plan["recommended"]
     lines += ["", f"recommended: {r['strategy']} ({r['why']}): {r['step_s'] * 1e3:.2f} ms/step, "
                   f"speedup {r['speedup']:.2f}", ""]
