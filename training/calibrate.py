@@ -92,7 +92,7 @@ def _input_shapes(model, names, x):
 
 
 @contextlib.contextmanager
-def _threads(n):
+def num_threads(n):
     if n is None:
         yield
         return
@@ -124,7 +124,7 @@ def measure_speed(shape, share, device="cpu", threads=None, min_time=0.3, work=4
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    with _threads(threads):
+    with num_threads(threads):
         once()  # warm-up: allocator, kernel selection
         reps, t0 = 0, time.perf_counter()
         while True:

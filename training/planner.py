@@ -51,7 +51,6 @@ Not modelled: overlap of the ring's buckets with backward (the ring's time is ad
 after compute), the conv strategy's own per-layer overheads (its explicit backward, the
 copies around Gatherv/Scatterv, the servers' polite polling), other load on the machine.
 """
-import contextlib
 import copy
 import dataclasses
 import json
@@ -68,7 +67,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training.calibrate import proportional_split
+from training.calibrate import num_threads, proportional_split
 from training.model_parallel import why_not_distributable
 from training.models import build_model
 from training.strategies.allreduce import split_rows
@@ -257,14 +256,6 @@ class Profile:
         return dataclasses.asdict(self)
 
 
-@contextlib.contextmanager
-def _num_threads(n):
-    before = torch.get_num_threads()
-    torch.set_num_threads(int(n))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _timed(fn, min_time, min_reps, sync=None):
@@ -347,7 +338,7 @@ def measure_profile(model, sample_shape, batch, make_optimizer, threads=1, devic
         return x, torch.randint(0, num_classes, (rows,), generator=g).to(dev)
 
     params = [p for p in probe.parameters() if p.requires_grad]
-    with _num_threads(threads):
+    with num_threads(threads):
         x, y = data(batch)
         layers = []
         for name, module, inp, out_shape in _leaf_calls(probe, x, y):

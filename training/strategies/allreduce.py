@@ -181,20 +181,25 @@ class AllReduceStrategy(Strategy):
         for b in self._float_buffers:
             self.comm.Bcast(collectives.as_buffer(b), root=0)
 
-    def train_step(self, x, y):
-        """One SGD step on the global batch: forward/backward on n_r rows, weighted sum."""
+    def _start_step(self, x):
+        """(rows here, rows in the global batch, seconds of communication): the batch
+        size is agreed on (a rank may have none) and float buffers synchronised."""
         from mpi4py import MPI
-        t0 = time.perf_counter()
         n_local = 0 if x is None else int(len(x))
         tc = time.perf_counter()
         total = np.array([n_local], dtype=np.int64)
         self.comm.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
         if self.world_size > 1 and self._float_buffers:
             self._sync_buffers()
-        comm_s = time.perf_counter() - tc
-        global_batch = int(total[0])
-        if global_batch == 0:
+        if int(total[0]) == 0:
             raise ValueError("train_step: the global batch is empty on every rank")
+        return n_local, int(total[0]), time.perf_counter() - tc
+
+    def train_step(self, x, y):
+        """One SGD step on the global batch: forward/backward on n_r rows, weighted sum."""
+        from mpi4py import MPI
+        t0 = time.perf_counter()
+        n_local, global_batch, comm_s = self._start_step(x)
         self.model.train()
         self.reducer.begin(n_local / global_batch)
         loss_sum, correct = 0.0, 0

@@ -144,16 +144,7 @@ class _ParameterServer(AllReduceStrategy):
         """One step on the global batch: forward/backward on n_r rows, the exchange."""
         from mpi4py import MPI
         t0 = time.perf_counter()
-        n_local = 0 if x is None else int(len(x))
-        tc = time.perf_counter()
-        total = np.array([n_local], dtype=np.int64)
-        self.comm.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
-        if self.world_size > 1 and self._float_buffers:
-            self._sync_buffers()
-        comm_s = time.perf_counter() - tc
-        global_batch = int(total[0])
-        if global_batch == 0:
-            raise ValueError("train_step: the global batch is empty on every rank")
+        n_local, global_batch, comm_s = self._start_step(x)
         self.model.train()
         for p in self.params:
             p.grad = None
