@@ -31,3 +31,12 @@ def cli(yarnapp_home):
             assert proc.returncode == check, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
         return proc
     return run
+
+
+@pytest.fixture(scope="session")
+def digits(tmp_path_factory):
+    """scikit-learn's digits imported once as Parquet (train/ and test/ under the path)."""
+    from training.data import import_digits
+    d = tmp_path_factory.mktemp("data") / "digits"
+    import_digits(str(d))
+    return str(d)

@@ -473,14 +473,6 @@ def test_misconfigurations_are_refused(world):
 # Training
 # ---------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    from training.data import import_digits
-    d = tmp_path_factory.mktemp("data") / "digits"
-    import_digits(str(d))
-    return str(d)
-
-
 @pytest.mark.slow
 def test_digits_on_three_unequal_ranks_reaches_97_percent(tmp_path, digits, yarnapp_home):
     from recovery_util import final_weights, run_to_end

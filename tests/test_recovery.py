@@ -18,14 +18,6 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    from training.data import import_digits
-    d = tmp_path_factory.mktemp("data") / "digits"
-    import_digits(str(d))
-    return str(d)
-
-
-@pytest.fixture(scope="module")
 def reference(tmp_path_factory, digits):
     """Uninterrupted runs, one per strategy, computed once."""
     home = tmp_path_factory.mktemp("home")

@@ -14,18 +14,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import yarnapp
 from recovery_util import final_weights, run_to_end
-from util import app_id_from, assert_nothing_left, write_job
+from util import app_id_from, assert_nothing_left
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    from training.data import import_digits
-    d = tmp_path_factory.mktemp("data") / "digits"
-    import_digits(str(d))
-    return str(d)
 
 
 def _job(tmp_path, digits, name, groups, steps=20, shares="equal"):
