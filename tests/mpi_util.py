@@ -40,6 +40,15 @@ def run_mpi(n, code, timeout=120, env=None, check=True):
     return proc
 
 
+def mpi_result(n, code, timeout=120):
+    """Run `code` on n ranks; return the JSON that rank 0 printed as `RESULT {...}`."""
+    import json
+    proc = run_mpi(n, code, timeout=timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, proc.stdout + proc.stderr
+    return json.loads(lines[-1][len("RESULT "):])
+
+
 def make_ctx(comm=None, job=None, vcores=None, workdir=None):
     """A RunContext over a real communicator, as the launcher would build it."""
     from mpi4py import MPI

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from mpi_util import run_mpi
+from mpi_util import mpi_result, run_mpi
 from training.calibrate import corrected_speeds, proportional_split
 
 TOL = 1e-5
@@ -239,10 +239,7 @@ if rank == 0:
 
 
 def _world(n):
-    proc = run_mpi(n, WORLD, timeout=180)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert lines, proc.stdout + proc.stderr
-    return json.loads(lines[-1][len("RESULT "):])
+    return mpi_result(n, WORLD, timeout=180)
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])

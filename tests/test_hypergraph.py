@@ -8,7 +8,6 @@ single-process reference that rank 0 computes from the same weights and data; th
 tests assert the differences it reports. The last test trains digits on 3 ranks
 through the local engine.
 """
-import json
 import re
 
 import numpy as np
@@ -17,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mpi_util import run_mpi
+from mpi_util import mpi_result
 from training import partition as P
 
 TOL = 1e-5
@@ -408,10 +407,7 @@ if rank == 0:
 
 
 def _world(n):
-    proc = run_mpi(n, WORLD, timeout=240)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert lines, proc.stdout + proc.stderr
-    return json.loads(lines[-1][len("RESULT "):])
+    return mpi_result(n, WORLD, timeout=240)
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])

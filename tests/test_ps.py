@@ -6,11 +6,10 @@ with momentum and weight decay and Adam. Every rank also trains the single-proce
 reference on the whole batch from the same initial weights and reports its largest
 difference; rank 0 collects them and prints one RESULT line the tests assert on.
 """
-import json
 
 import pytest
 
-from mpi_util import run_mpi
+from mpi_util import mpi_result
 
 TOL = 1e-5
 
@@ -164,10 +163,7 @@ if rank == 0:
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
 def world(request):
-    proc = run_mpi(request.param, WORLD, timeout=240)
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert line, proc.stdout + proc.stderr
-    return request.param, json.loads(line[-1][len("RESULT "):])
+    return request.param, mpi_result(request.param, WORLD, timeout=240)
 
 
 @pytest.mark.parametrize("strategy", ["ps_central", "ps_sharded"])
