@@ -195,22 +195,18 @@ class AllReduceStrategy(Strategy):
             raise ValueError("train_step: the global batch is empty on every rank")
         return n_local, int(total[0]), time.perf_counter() - tc
 
-    def train_step(self, x, y):
-        """One SGD step on the global batch: forward/backward on n_r rows, weighted sum."""
+    def _forward_backward(self, x, y, n_local):
+        """Backward of this rank's mean loss; returns (summed loss, correct) of its rows."""
+        if not n_local:
+            return 0.0, 0
+        out = self.model(x)
+        loss = F.cross_entropy(out, y)
+        loss.backward()
+        return float(loss.detach()) * n_local, int((out.detach().argmax(1) == y).sum())
+
+    def _finish_step(self, t0, comm_s, loss_sum, correct, global_batch):
+        """Sum loss and correct counts over the world; the step's StepStats."""
         from mpi4py import MPI
-        t0 = time.perf_counter()
-        n_local, global_batch, comm_s = self._start_step(x)
-        self.model.train()
-        self.reducer.begin(n_local / global_batch)
-        loss_sum, correct = 0.0, 0
-        if n_local:
-            out = self.model(x)
-            loss = F.cross_entropy(out, y)
-            loss.backward()
-            loss_sum = float(loss.detach()) * n_local
-            correct = int((out.detach().argmax(1) == y).sum())
-        comm_s += self.reducer.finish()
-        self.optimizer.step()
         tc = time.perf_counter()
         scalars = np.array([loss_sum, correct], dtype=np.float64)
         self.comm.Allreduce(MPI.IN_PLACE, scalars, op=MPI.SUM)
@@ -218,6 +214,17 @@ class AllReduceStrategy(Strategy):
         return StepStats(loss=float(scalars[0] / global_batch), correct=int(round(scalars[1])),
                          samples=global_batch, compute_s=time.perf_counter() - t0 - comm_s,
                          comm_s=comm_s)
+
+    def train_step(self, x, y):
+        """One SGD step on the global batch: forward/backward on n_r rows, weighted sum."""
+        t0 = time.perf_counter()
+        n_local, global_batch, comm_s = self._start_step(x)
+        self.model.train()
+        self.reducer.begin(n_local / global_batch)
+        loss_sum, correct = self._forward_backward(x, y, n_local)
+        comm_s += self.reducer.finish()
+        self.optimizer.step()
+        return self._finish_step(t0, comm_s, loss_sum, correct, global_batch)
 
     def eval_step(self, x, y):
         """(summed loss, correct, rows) over this rank's rows; no communication."""

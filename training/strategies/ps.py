@@ -46,11 +46,9 @@ import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from training.collectives import as_buffer
 from training.strategies.allreduce import AllReduceStrategy
-from training.strategies.base import StepStats
 
 log = logging.getLogger(__name__)
 
@@ -142,28 +140,15 @@ class _ParameterServer(AllReduceStrategy):
 
     def train_step(self, x, y):
         """One step on the global batch: forward/backward on n_r rows, the exchange."""
-        from mpi4py import MPI
         t0 = time.perf_counter()
         n_local, global_batch, comm_s = self._start_step(x)
         self.model.train()
         for p in self.params:
             p.grad = None
-        loss_sum, correct = 0.0, 0
-        if n_local:
-            out = self.model(x)
-            loss = F.cross_entropy(out, y)
-            loss.backward()
-            loss_sum = float(loss.detach()) * n_local
-            correct = int((out.detach().argmax(1) == y).sum())
+        loss_sum, correct = self._forward_backward(x, y, n_local)
         self._pack_gradients(n_local / global_batch)
         comm_s += self._exchange()
-        tc = time.perf_counter()
-        scalars = np.array([loss_sum, correct], dtype=np.float64)
-        self.comm.Allreduce(MPI.IN_PLACE, scalars, op=MPI.SUM)
-        comm_s += time.perf_counter() - tc
-        return StepStats(loss=float(scalars[0] / global_batch), correct=int(round(scalars[1])),
-                         samples=global_batch, compute_s=time.perf_counter() - t0 - comm_s,
-                         comm_s=comm_s)
+        return self._finish_step(t0, comm_s, loss_sum, correct, global_batch)
 
     # -- checkpoints ------------------------------------------------------------------
 
