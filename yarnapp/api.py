@@ -32,15 +32,18 @@ def submit(job, backend=None, wait=False, progress=True, **overrides):
     overrides: top-level job fields, e.g. max_restarts=1.
     """
     spec = load(job, backend=backend, **overrides)
-    where = str(job) if isinstance(job, str) else "job"
-    be = backends.get(spec.backend)
-    app_id = be.submit(spec, where=where)
-    run = Run(app_id, be, spec)
+    run = start(spec, where=str(job) if isinstance(job, str) else "job")
     if wait:
         run.wait(progress=progress)
         if run.state != "SUCCEEDED":
             raise JobFailed(run.failure_message())
     return run
+
+
+def start(spec, where="job"):
+    """Start a validated JobSpec on its backend; `where` names its source in errors."""
+    be = backends.get(spec.backend)
+    return Run(be.submit(spec, where=where), be, spec)
 
 
 class Run:

@@ -18,10 +18,8 @@ def cmd_submit(args):
     if args.nodes is not None:
         spec = api.load(spec, network=dict(spec.network.model_dump(), nodes=args.nodes))
     t0 = time.time()
-    from . import backends
-    be = backends.get(spec.backend)
-    app_id = be.submit(spec, where=args.job)
-    run = api.Run(app_id, be, spec)
+    run = api.start(spec, where=args.job)
+    app_id = run.app_id
     if not args.wait:
         _p(app_id)
         return 0
