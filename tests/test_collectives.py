@@ -1,4 +1,6 @@
 """Ring all-reduce and data-parallel gradients, in real MPI worlds of 1, 2 and 3 ranks."""
+import json
+
 import pytest
 import torch
 
@@ -7,9 +9,11 @@ from mpi_util import run_mpi
 COLLECTIVES = """
 import numpy as np, torch
 from mpi4py import MPI
+from training import collectives
 from training.collectives import PreparedAllreduce, allreduce_
 comm = MPI.COMM_WORLD
 r, n = comm.Get_rank(), comm.Get_size()
+collectives.set_polite(POLITE)   # a throttled rank's waits sleep: same sums, same bits
 # small, odd, not divisible by 2 or 3, fewer elements than ranks, several ring chunks
 def data(rank, count):
     return np.random.default_rng(1000 * rank + count).standard_normal(count).astype(np.float32)
@@ -176,8 +180,46 @@ print("TRAINING OK", rank)
 
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_allreduce_matches_numpy_sum(n):
-    proc = run_mpi(n, COLLECTIVES, timeout=120)
+    proc = run_mpi(n, "POLITE = False\n" + COLLECTIVES, timeout=120)
     assert proc.stdout.count("COLLECTIVES OK") == n
+
+
+def test_polite_waits_give_the_same_sums():
+    proc = run_mpi(3, "POLITE = True\n" + COLLECTIVES, timeout=120)
+    assert proc.stdout.count("COLLECTIVES OK") == 3
+
+
+WAIT_CPU = """
+import json, time, numpy as np
+from mpi4py import MPI
+from training import collectives
+comm = MPI.COMM_WORLD
+out = {}
+for polite in (False, True):
+    buf = np.zeros(1 << 16, np.float32)
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        time.sleep(0.6)                       # the peer waits 0.6 s for this message
+        comm.Send(buf + 1, dest=1)
+    else:
+        wall, cpu = time.perf_counter(), time.process_time()
+        collectives.wait(comm.Irecv(buf, source=0), polite=polite)
+        out[str(polite)] = [time.perf_counter() - wall, time.process_time() - cpu]
+        assert buf[0] == 1
+if comm.Get_rank() == 1:
+    print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def test_a_polite_wait_sleeps_instead_of_spinning():
+    """MPICH spins in MPI_Wait (a 0.5-vcore rank would burn its quota waiting); the polite
+    wait of a throttled rank leaves the CPU to others."""
+    proc = run_mpi(2, WAIT_CPU, timeout=60)
+    res = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+    (spin_wall, spin_cpu), (polite_wall, polite_cpu) = res["False"], res["True"]
+    assert spin_wall > 0.5 and polite_wall > 0.5
+    assert spin_cpu > 0.5 * spin_wall, res          # the plain wait burnt the CPU
+    assert polite_cpu < 0.25 * polite_wall, res     # the polite one mostly slept
 
 
 @pytest.mark.parametrize("n", [1, 2])

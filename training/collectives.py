@@ -47,6 +47,53 @@ RING_CHUNK_BYTES = 1 << 20          # measured best of 64 KiB..4 MiB (benchmarks
 ALGORITHMS = ("auto", "mpi", "ring")
 OVERLAP_MODES = ("poll", "thread", "none")
 _TAG = 7311                         # point-to-point tag of ring messages
+SPIN_S = 2e-4                       # a polite wait spins this long before it sleeps
+MAX_PAUSE_S = 200e-6                # ... and then sleeps at most this long between tests
+
+_polite = False
+
+
+def set_polite(flag):
+    """Make every wait of this module (and of the strategies) sleep once it has spun SPIN_S.
+
+    MPICH busy-polls inside blocking calls. That is right for a rank with a core of its
+    own, and wrong for one throttled by a CPU quota (a 0.5-vcore container): it burns
+    its quota spinning while it waits for the others, is then stopped by the scheduler,
+    and every other rank waits for it in the next exchange. The runner turns this on
+    for a rank whose vcores are fewer than its threads (`RunContext.throttled`).
+    """
+    global _polite
+    _polite = bool(flag)
+
+
+def polite():
+    return _polite
+
+
+def wait(reqs, polite=None):
+    """Complete one MPI request or a list of them.
+
+    Not polite: MPI_Waitall (MPICH spins). Polite (the module setting, or `polite=True`):
+    test for SPIN_S (while the peers are present, a pipelined transfer completes in this
+    phase at full speed), then sleep between tests, 20 µs doubling up to MAX_PAUSE_S.
+    """
+    mpi = _mpi()
+    many = isinstance(reqs, (list, tuple))
+    if not (_polite if polite is None else polite):
+        if many:
+            mpi.Request.Waitall(reqs)
+        else:
+            reqs.Wait()
+        return
+    test = (lambda: mpi.Request.Testall(reqs)) if many else reqs.Test
+    deadline = time.perf_counter() + SPIN_S
+    while time.perf_counter() < deadline:
+        if test():
+            return
+    pause = 20e-6
+    while not test():
+        time.sleep(pause)
+        pause = min(pause * 2, MAX_PAUSE_S)
 
 
 def mpi_datatype(dtype):
@@ -203,12 +250,12 @@ class PreparedAllreduce:
             raise RuntimeError("PreparedAllreduce.run() while a start() is still in flight")
         if self._coll is not None:
             self._coll.Start()
-            self._coll.Wait()
+            wait(self._coll)
             return
         mpi = _mpi()
         for reqs, add_into, recv in self._pairs:
             mpi.Prequest.Startall(reqs)
-            mpi.Request.Waitall(reqs)
+            wait(reqs)
             if add_into is not None:
                 np.add(add_into, recv, out=add_into)
 
@@ -246,14 +293,13 @@ class PreparedAllreduce:
         """Block until the sum is in the buffer."""
         if self._i is None:
             return
-        mpi = _mpi()
         if self._coll is not None:
-            self._coll.Wait()
+            wait(self._coll)
             self._i = None
             return
         while self._i is not None:
             reqs, add_into, recv = self._pairs[self._i]
-            mpi.Request.Waitall(reqs)
+            wait(reqs)
             self._finish_exchange(add_into, recv)
 
     def _finish_exchange(self, add_into, recv):

@@ -25,6 +25,11 @@ class RankInfo:
         """Compute threads for this rank: its vcores, rounded up, at least 1."""
         return max(1, int(-(-self.vcores // 1)))
 
+    @property
+    def throttled(self):
+        """A CPU quota below one core per thread (e.g. 0.5 vcore): waits should sleep."""
+        return self.vcores < self.threads
+
 
 @dataclasses.dataclass
 class RunContext:

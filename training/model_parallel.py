@@ -33,7 +33,7 @@ import time
 import numpy as np
 import torch
 
-from training.collectives import mpi_datatype
+from training.collectives import mpi_datatype, wait
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -102,26 +102,6 @@ def _plane_type(mpi_type, samples, plane, channels):
     return out
 
 
-def wait_politely(req):
-    """Wait for an MPI request without spinning a whole core.
-
-    MPICH busy-polls inside blocking calls. A rank throttled by a cgroup CPU quota (a
-    0.5-vcore container) would burn its quota spinning while the master runs the rest of
-    the network, and then be throttled when its convolution starts. Waits that can be
-    long (the master's next command) therefore poll with a growing sleep; the bulk
-    transfers that follow a command use ordinary blocking calls, where both sides are
-    already present (sleep-polling there would stall MPICH's pipelined copies).
-    """
-    deadline = time.perf_counter() + 50e-6
-    while time.perf_counter() < deadline:
-        if req.Test():
-            return
-    pause = 20e-6
-    while not req.Test():
-        time.sleep(pause)
-        pause = min(pause * 2, 500e-6)
-
-
 # ---------------------------------------------------------------------------------------
 # Paired communication functions
 # ---------------------------------------------------------------------------------------
@@ -144,7 +124,7 @@ class _BroadcastFromMaster(torch.autograd.Function):
         else:
             host = torch.empty(shape, dtype=dtype)
         with _Clock(timings, "comm_s"):
-            comm.Bcast([_np(host), mpi_type], root=root)
+            wait(comm.Ibcast([_np(host), mpi_type], root=root))
         if comm.Get_rank() == root:
             return out
         return host.to(device)
@@ -156,10 +136,10 @@ class _BroadcastFromMaster(torch.autograd.Function):
         mpi_type = mpi_datatype(g.dtype)
         if comm.Get_rank() == root:
             with _Clock(ctx.timings, "comm_s"):
-                comm.Reduce(_mpi().IN_PLACE, [_np(g), mpi_type], op=_mpi().SUM, root=root)
+                wait(comm.Ireduce(_mpi().IN_PLACE, [_np(g), mpi_type], op=_mpi().SUM, root=root))
             return g.to(grad.device), None, None, None, None, None, None
         with _Clock(ctx.timings, "comm_s"):
-            comm.Reduce([_np(g), mpi_type], None, op=_mpi().SUM, root=root)
+            wait(comm.Ireduce([_np(g), mpi_type], None, op=_mpi().SUM, root=root))
         return None, None, None, None, None, None, None
 
 
@@ -216,7 +196,7 @@ class _GatherChannelsToMaster(torch.autograd.Function):
             send_t = _plane_type(mpi_type, n, plane, c)
             try:
                 with _Clock(timings, "comm_s"):
-                    comm.Gatherv([_np(_host(y)), c, send_t], None, root=root)
+                    wait(comm.Igatherv([_np(_host(y)), c, send_t], None, root=root))
             finally:
                 send_t.Free()
             return y.new_empty(0)
@@ -229,7 +209,7 @@ class _GatherChannelsToMaster(torch.autograd.Function):
         recv_t = _plane_type(mpi_type, n, plane, total)
         try:
             with _Clock(timings, "comm_s"):
-                comm.Gatherv(_mpi().IN_PLACE, [_np(out), (list(counts), offsets(counts)), recv_t], root=root)
+                wait(comm.Igatherv(_mpi().IN_PLACE, [_np(out), (list(counts), offsets(counts)), recv_t], root=root))
         finally:
             recv_t.Free()
         return out.to(y.device)
@@ -246,7 +226,7 @@ class _GatherChannelsToMaster(torch.autograd.Function):
             send_t = _plane_type(mpi_type, n, plane, sum(counts))
             try:
                 with _Clock(ctx.timings, "comm_s"):
-                    comm.Scatterv([_np(g), (list(counts), offsets(counts)), send_t], _mpi().IN_PLACE, root=root)
+                    wait(comm.Iscatterv([_np(g), (list(counts), offsets(counts)), send_t], _mpi().IN_PLACE, root=root))
             finally:
                 send_t.Free()
             off = offsets(counts)[rank]
@@ -255,7 +235,7 @@ class _GatherChannelsToMaster(torch.autograd.Function):
         recv_t = _plane_type(mpi_type, n, plane, c)
         try:
             with _Clock(ctx.timings, "comm_s"):
-                comm.Scatterv(None, [_np(mine), c, recv_t], root=root)
+                wait(comm.Iscatterv(None, [_np(mine), c, recv_t], root=root))
         finally:
             recv_t.Free()
         return mine.to(ctx.device), None, None, None, None
@@ -548,7 +528,7 @@ class ShardProtocol:
 
     def _send(self, header):
         with _Clock(self.timings, "comm_s"):
-            self.comm.Ibcast([header, _mpi().DOUBLE], root=self.root).Wait()
+            wait(self.comm.Ibcast([header, _mpi().DOUBLE], root=self.root))
 
     def _before(self, index):
         def hook(module, args):
@@ -582,7 +562,7 @@ class ShardProtocol:
         header = np.zeros(self._HEADER)
         while True:
             with _Clock(self.timings, "comm_s"):
-                wait_politely(self.comm.Ibcast([header, MPI.DOUBLE], root=self.root))
+                wait(self.comm.Ibcast([header, MPI.DOUBLE], root=self.root), polite=True)
             op, index, call = header[0], int(header[1]), int(header[2])
             if op == self.FORWARD:
                 with torch.set_grad_enabled(bool(header[3])):

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import torch
 
-from . import strategies
+from . import collectives, strategies
 from .checkpoint import Checkpointer, rng_state, set_rng_state
 from .data import Loader, ParquetDataset
 from .models import build_model
@@ -36,6 +36,7 @@ class Runner:
         self.spec = spec = ctx.job.training
         self.comm = ctx.comm
         torch.set_num_threads(ctx.me.threads)
+        collectives.set_polite(ctx.me.throttled)
         self.train = ParquetDataset(spec.data.train)
         self.test = ParquetDataset(spec.data.test) if spec.data.test else None
         torch.manual_seed(spec.seed)

@@ -178,8 +178,8 @@ class AllReduceStrategy(Strategy):
         return lo, lo + rows[self.rank]
 
     def _sync_buffers(self):
-        for b in self._float_buffers:
-            self.comm.Bcast(collectives.as_buffer(b), root=0)
+        collectives.wait([self.comm.Ibcast(collectives.as_buffer(b), root=0)
+                          for b in self._float_buffers])
 
     def _start_step(self, x):
         """(rows here, rows in the global batch, seconds of communication): the batch
@@ -188,7 +188,7 @@ class AllReduceStrategy(Strategy):
         n_local = 0 if x is None else int(len(x))
         tc = time.perf_counter()
         total = np.array([n_local], dtype=np.int64)
-        self.comm.Allreduce(MPI.IN_PLACE, total, op=MPI.SUM)
+        collectives.wait(self.comm.Iallreduce(MPI.IN_PLACE, total, op=MPI.SUM))
         if self.world_size > 1 and self._float_buffers:
             self._sync_buffers()
         if int(total[0]) == 0:
@@ -209,7 +209,7 @@ class AllReduceStrategy(Strategy):
         from mpi4py import MPI
         tc = time.perf_counter()
         scalars = np.array([loss_sum, correct], dtype=np.float64)
-        self.comm.Allreduce(MPI.IN_PLACE, scalars, op=MPI.SUM)
+        collectives.wait(self.comm.Iallreduce(MPI.IN_PLACE, scalars, op=MPI.SUM))
         comm_s += time.perf_counter() - tc
         return StepStats(loss=float(scalars[0] / global_batch), correct=int(round(scalars[1])),
                          samples=global_batch, compute_s=time.perf_counter() - t0 - comm_s,

@@ -36,7 +36,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from training.calibrate import conv_shapes, corrected_speeds, measure_speeds, proportional_split
-from training.model_parallel import DistributedConv2d, ShardProtocol, wait_politely, why_not_distributable
+from training.collectives import wait
+from training.model_parallel import DistributedConv2d, ShardProtocol, why_not_distributable
 
 from .base import Strategy, StepStats
 
@@ -218,10 +219,7 @@ class ConvModelParallelStrategy(Strategy):
         t0 = time.perf_counter()
         req = self.comm.Igather([mine, MPI.DOUBLE], [every, MPI.DOUBLE] if self.is_master else None,
                                 root=self.ROOT)
-        if self.is_master:
-            req.Wait()
-        else:
-            wait_politely(req)
+        wait(req, polite=None if self.is_master else True)
         self.protocol.timings.comm_s += time.perf_counter() - t0
         if self.is_master:
             self.last_conv_s = every.sum(axis=1).tolist()

@@ -47,7 +47,7 @@ import time
 import numpy as np
 import torch
 
-from training.collectives import as_buffer
+from training.collectives import as_buffer, wait
 from training.strategies.allreduce import AllReduceStrategy
 
 log = logging.getLogger(__name__)
@@ -181,7 +181,6 @@ class CentralPSStrategy(_ParameterServer):
 
     def _exchange(self):
         """g = sum_r g_r at the server (rank order), W updated there, W sent to every rank."""
-        from mpi4py import MPI
         comm_s = 0.0
         grad, flat = as_buffer(self.grad), as_buffer(self.flat)
         if self.rank == self.SERVER:
@@ -190,7 +189,7 @@ class CentralPSStrategy(_ParameterServer):
                 if q == self.SERVER:
                     continue
                 tc = time.perf_counter()
-                self.pcomm.Recv(recv, source=q, tag=_TAG_GRAD)
+                wait(self.pcomm.Irecv(recv, source=q, tag=_TAG_GRAD))
                 comm_s += time.perf_counter() - tc
                 np.add(grad, recv, out=grad)
             off = 0
@@ -199,14 +198,13 @@ class CentralPSStrategy(_ParameterServer):
                 off += p.numel()
             self.optimizer.step()
             tc = time.perf_counter()
-            reqs = [self.pcomm.Isend(flat, dest=q, tag=_TAG_PARAMS)
-                    for q in range(self.world_size) if q != self.SERVER]
-            MPI.Request.Waitall(reqs)
+            wait([self.pcomm.Isend(flat, dest=q, tag=_TAG_PARAMS)
+                  for q in range(self.world_size) if q != self.SERVER])
             comm_s += time.perf_counter() - tc
         else:
             tc = time.perf_counter()
-            self.pcomm.Send(grad, dest=self.SERVER, tag=_TAG_GRAD)
-            self.pcomm.Recv(flat, source=self.SERVER, tag=_TAG_PARAMS)
+            wait(self.pcomm.Isend(grad, dest=self.SERVER, tag=_TAG_GRAD))
+            wait(self.pcomm.Irecv(flat, source=self.SERVER, tag=_TAG_PARAMS))
             comm_s += time.perf_counter() - tc
         return comm_s
 
@@ -244,14 +242,13 @@ class ShardedPSStrategy(_ParameterServer):
 
     def _exchange(self):
         """g[S_r] = sum_q g_q[S_r] (rank order), S_r updated here, all-gathered point to point."""
-        from mpi4py import MPI
         n, r, b = self.world_size, self.rank, self.bounds
         grad, flat = as_buffer(self.grad), as_buffer(self.flat)
         others = [(r + k) % n for k in range(1, n)]     # staggered: rank r starts with r+1
         tc = time.perf_counter()
         reqs = [self.pcomm.Irecv(self._recv[q], source=q, tag=_TAG_GRAD) for q in others]
         reqs += [self.pcomm.Isend(grad[b[s]:b[s + 1]], dest=s, tag=_TAG_GRAD) for s in others]
-        MPI.Request.Waitall(reqs)
+        wait(reqs)
         comm_s = time.perf_counter() - tc
         acc = as_buffer(self.shard_grad)
         parts = [grad[b[r]:b[r + 1]] if q == r else self._recv[q] for q in range(n)]
@@ -264,7 +261,7 @@ class ShardedPSStrategy(_ParameterServer):
         tc = time.perf_counter()
         reqs = [self.pcomm.Irecv(flat[b[q]:b[q + 1]], source=q, tag=_TAG_PARAMS) for q in others]
         reqs += [self.pcomm.Isend(flat[b[r]:b[r + 1]], dest=s, tag=_TAG_PARAMS) for s in others]
-        MPI.Request.Waitall(reqs)
+        wait(reqs)
         return comm_s + time.perf_counter() - tc
 
     def state_dict(self):
