@@ -85,3 +85,36 @@ def join(store, gen, rank, size, secret, timeout, aborted=lambda: False):
     if comm.Get_rank() == 0:
         MPI.Close_port(port)
     return comm, time.monotonic() - t0
+
+
+# -- worlds of plain processes on this machine (the planner's link probe, benchmarks) ---------
+
+LOCAL_WORLD_ENV = "YARNAPP_LOCAL_WORLD"     # "<store dir>:<rank>:<size>" for join_local()
+
+
+def spawn_local(argv, size, env=None, **popen_kw):
+    """Start `size` processes running `argv`, each told (LOCAL_WORLD_ENV) how to join one
+    world with `join_local()`: singletons joined through a FileStore in a fresh directory,
+    exactly as the containers of an application join, so they talk as the ranks of a job
+    on one host do (over the network module, not shared memory). Returns (processes,
+    store directory); the caller waits for the processes and removes the directory."""
+    import os
+    import subprocess
+    import tempfile
+    root = tempfile.mkdtemp(prefix="yarnapp-world-")
+    procs = []
+    for rank in range(size):
+        e = dict(os.environ if env is None else env)
+        e[LOCAL_WORLD_ENV] = f"{root}:{rank}:{size}"
+        procs.append(subprocess.Popen(argv, env=e, **popen_kw))
+    return procs, root
+
+
+def join_local(timeout=120):
+    """In a process started by spawn_local: (comm, rank, size) of the joined world."""
+    import os
+
+    from .store import FileStore
+    root, rank, size = os.environ[LOCAL_WORLD_ENV].rsplit(":", 2)
+    comm, _ = join(FileStore(root), 0, int(rank), int(size), "local", timeout)
+    return comm, int(rank), int(size)
