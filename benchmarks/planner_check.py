@@ -8,13 +8,15 @@
 For every world size n (2 and 3): the containers of a job with a group `big`
 (1 × 1 vcore) and a group `small` ((n−1) × 0.5 vcore), shares 'vcores', kernels
 split by the same weights. The planner (training.planner, the code behind `yarnapp
-plan`) measures the link once per world size with its MPI ping-pong and, right before
-each run (so that both see the machine as loaded as it is then), the model layer by
-layer in this process, and predicts the strategy's step time. Then the strategy runs
-for real: `mpiexec -n n` (MPICH's shared-memory transport), every rank
+plan`) measures the link once per world size with its ping-pong of two joined ranks
+and, right before each run (so that both see the machine as loaded as it is then), the
+model layer by layer in this process, and predicts the strategy's step time. Then the
+strategy runs for real: n processes joined into one world as the engine's containers
+join (launcher.world.spawn_local: MPI singletons, Connect/Accept), every rank
 in its own cgroup with the CPU quota of its vcores as the local engine sets it
 (100 ms CFS period; see make_cgroups for why not under the engine's parent), ceil(vcores) torch
-threads, a RunContext like the launcher's, the strategy from the registry, a fixed
+threads, polite waits where throttled (as training.runner sets them), a RunContext like
+the launcher's, the strategy from the registry, a fixed
 random batch; measured step time = wall time of the timed steps between two barriers
 / their number, after warm-up steps. The timed steps last about `--seconds` by the
 prediction (at least 5 steps): a 0.5-vcore rank runs 50 ms of every 100 ms CFS period,
@@ -61,23 +63,22 @@ def job_dict(ranks, model, options, batch, strategy="allreduce"):
 
 def worker(case):
     """One strategy on every rank; rank 0 prints `RESULT {json}`."""
-    rank_env = int(os.environ.get("PMI_RANK", "-1"))
+    from launcher.world import LOCAL_WORLD_ENV, join_local
     if case["cgroups"]:
-        join_cgroup(case["cgroups"][rank_env])
+        join_cgroup(case["cgroups"][int(os.environ[LOCAL_WORLD_ENV].split(":")[-2])])
     import torch
-    from mpi4py import MPI
 
     import conf
-    from training import strategies
+    from training import collectives, strategies
     from training.context import RankInfo, RunContext
     from training.models import build_model
     from training.runner import make_optimizer_factory
-    comm = MPI.COMM_WORLD
-    rank, n = comm.Get_rank(), comm.Get_size()
+    comm, rank, n = join_local()
     job = conf.load_job(job_dict(n, case["model"], case["options"], case["batch"], case["strategy"]))
     spec = job.training
     ranks = [RankInfo(**r) for r in job.ranks()]
     torch.set_num_threads(ranks[rank].threads)
+    collectives.set_polite(ranks[rank].throttled and not case["spin"])   # as training.runner does
     ctx = RunContext(comm=comm, rank=rank, world_size=n, ranks=ranks, job=job, app_id="plancheck",
                      generation=0, workdir="/tmp", checkpoint_uri="", logdir="")
     torch.manual_seed(spec.seed)
@@ -115,13 +116,6 @@ def worker(case):
 
 
 # -- the driver -------------------------------------------------------------------------------
-
-def mpiexec():
-    exe = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    if not exe:
-        raise SystemExit("mpiexec not found: pip install mpich")
-    return exe
-
 
 def make_cgroups(vcores, tag, shares=None):
     """One top-level cgroup v1 cpu group per entry of `vcores` with that CFS quota (the
@@ -181,12 +175,24 @@ def run_strategy(ranks, case, cgroups, timeout):
     case = dict(case, cgroups=cgroups)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
-    cmd = [mpiexec(), "-n", str(ranks), sys.executable, os.path.abspath(__file__), "--worker", json.dumps(case)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{case['strategy']} on {ranks} ranks failed ({proc.returncode}):\n"
-                           f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    from launcher.world import spawn_local
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(case)]
+    procs, store = spawn_local(cmd, ranks, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    outs = []
+    try:
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            outs.append(p.communicate(timeout=max(1, deadline - time.monotonic())))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        shutil.rmtree(store, ignore_errors=True)
+    lines = [ln for ln in outs[0][0].splitlines() if ln.startswith("RESULT ")]
+    if any(p.returncode for p in procs) or not lines:
+        raise RuntimeError(f"{case['strategy']} on {ranks} ranks failed ({[p.returncode for p in procs]}):\n"
+                           + "\n".join(o[-2000:] + e[-2000:] for o, e in outs))
     return json.loads(lines[-1][len("RESULT "):])
 
 
@@ -217,6 +223,8 @@ def parse_args(argv):
                    help="give the ranks (and the planner's measurement) cpu.shares = SHARES x vcores "
                         f"(default {RESERVE_SHARES}): their vcores are then theirs on a machine busy with "
                         "other work, as a YARN node reserves them; still capped by the quota")
+    p.add_argument("--spin", action="store_true",
+                   help="throttled ranks wait as MPICH does (spinning), to compare with polite waits")
     p.add_argument("--timeout", type=float, default=600, help="seconds per run")
     p.add_argument("--out", default=os.path.join(HERE, "results", "planner_check.json"))
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -234,7 +242,8 @@ def main(argv=None):
     warmup = a.warmup if a.warmup is not None else 2
     names = [s for s in a.strategies.split(",") if s]
     meta = dict(common.machine_meta(), args=dict(size, steps=a.steps, seconds=seconds, warmup=warmup,
-                                                 reserve_shares=a.reserve), links={}, throttled={})
+                                                 reserve_shares=a.reserve, spin=a.spin),
+                links={}, throttled={})
     rows = []
     from training import planner
     for ranks in [int(r) for r in a.ranks.split(",")]:
@@ -250,7 +259,7 @@ def main(argv=None):
                 join_cgroup(CGROUP_CPU)
                 remove_cgroups(link_cg)
         print(f"{ranks} ranks: link {link.bandwidth_Bps / 1e9:.2f} GB/s, {link.latency_s * 1e6:.2f} us "
-              "(MPI ping-pong)", file=sys.stderr, flush=True)
+              "(ping-pong of 2 joined ranks)", file=sys.stderr, flush=True)
         # One cgroup per rank, and one of 1 vcore for the planner's in-process measurement.
         cgroups, why = make_cgroups([1.0] + [0.5] * (ranks - 1) + [1.0], f"{os.getpid()}-{ranks}", a.reserve)
         if why:
@@ -268,7 +277,7 @@ def main(argv=None):
                         join_cgroup(CGROUP_CPU)
                 pred = plan["strategies"][name]
                 steps = a.steps or max(5, min(500, math.ceil(seconds / pred["step_s"])))
-                case = dict(size, strategy=name, steps=steps, warmup=warmup)
+                case = dict(size, strategy=name, steps=steps, warmup=warmup, spin=a.spin)
                 load = os.getloadavg()[0]
                 got = run_strategy(ranks, case, cgroups[:-1] if cgroups else None, a.timeout)
                 err = (pred["step_s"] - got["step_s"]) / got["step_s"]

@@ -32,16 +32,6 @@ def test_seed1_bound_by_hand():
     assert planner.proportional_s([1.0, 2.0]) == pytest.approx(2 / 3)     # 1 / (1 + 1/2)
 
 
-def test_quota_step_by_hand():
-    # The docstring's example: one rank at q = 1/2, a 35 ms full-speed step, 18 ms of its own.
-    assert planner.quota_step_s([(0.5, 0.018, 0.035)], 0.035) == pytest.approx(0.1 / (1 + 0.032 / 0.035))
-    # Two throttled ranks: full pace only while both run, q = 1/4 of the time.
-    assert planner.quota_step_s([(0.5, 0.01, 0.025)] * 2, 0.025) == pytest.approx(0.1 / (1 + 0.015 / 0.025))
-    assert planner.quota_step_s([(1.0, 0.02, 0.03)], 0.03) == 0.03                 # no quota
-    assert planner.quota_step_s([(0.5, 0.01, 0.01)], 0.04) == 0.04                 # busy <= q*step
-    assert planner.quota_step_s([(0.1, 0.02, 0.05)], 0.05) == pytest.approx(0.2)   # q*P < work
-
-
 # -- predictions from synthetic profiles (no timing involved) -----------------------------
 
 def _conv(name, seconds, kernels, in_bytes=0, out_bytes=0, needs=True, params=0):
@@ -78,10 +68,8 @@ def test_shares_and_quota_shape_the_data_parallel_step():
     p = planner.predict_allreduce([big, small], free, 64, "vcores")
     assert p["split"] == [43, 21]
     assert p["compute_s"] == pytest.approx(max(0.1 * 43 / 64, 2 * 0.1 * 21 / 64))
-    # and, busy-waiting under its quota, it holds the job to the quota bound
-    full = 0.1 * 43 / 64
-    assert p["full_speed_step_s"] == pytest.approx(full)
-    assert p["step_s"] == pytest.approx(planner.quota_step_s([(0.5, 0.1 * 21 / 64, full)], full))
+    # its waits sleep (no quota spent waiting), so the step is compute + communication
+    assert p["step_s"] == pytest.approx(p["compute_s"] + p["comm_s"])
     # equal shares on a simulated 2x faster device: the slow one bounds the compute
     fast = Device("gpu", prof, speed=2.0)
     q = planner.predict_allreduce([fast, Device("cpu", prof)], free, 64, "equal")

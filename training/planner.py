@@ -11,7 +11,8 @@ What is measured (on this machine, in this process, unless given):
     container of v vcores running k threads gets the quota q = v/k of k cores, so its
     times are the k-thread times / q;
     the link: one-way time of m bytes t(m) = α + m/β, fitted to an MPI ping-pong between
-    two processes (α from 8-byte messages, β from cache-cold 4 MiB ones), or given.
+    two processes joined as two containers' ranks are (α from 8-byte messages, β from
+    cache-cold 4 MiB ones), or given.
 
 Notation: n ranks (rank 0 first), g_r = t_r(n_r) the compute of rank r's share of n_r
 rows (shares: equal | vcores | speed | list, split as the strategies split them),
@@ -33,9 +34,9 @@ g = max_r g_r (the slowest share), o_r rank r's optimizer step, c = α + |W|/β.
                      bcast(v) = reduce(v) = min(⌈log2 n⌉(α + v/β),
                                                 2(n−1)/n·v/β + (⌈log2 n⌉ + n − 1)α)
                      (binomial tree, or scatter + all-gather, whichever MPI would pick)
-    CPU quotas       a rank with q < 1 busy-waits in MPI and so spends its quota also
-                     while it waits; the step is raised to `quota_step_s` (the job runs
-                     at full pace only while every throttled rank has quota left)
+    CPU quotas       a rank with q < 1 computes at q of its speed (its times / q); it
+                     spends no quota while it waits, because a throttled rank's waits
+                     sleep (training.collectives.set_polite)
     the bound        S ≤ 1 / ((1 − f) + f/k)  (seed 1), f = Σ_l t_0,l / (t_0(B) + o_0)
                      the distributed convs' share of one device's step; k = Σ_r s_r / s_0
                      with s_r = 1/t_r(B) (k = n for equal devices)
@@ -150,9 +151,8 @@ def link_from_rate(bps, latency_s=None, source="given"):
 _PINGPONG = r'''
 import json, time
 import numpy as np
-from mpi4py import MPI
-comm = MPI.COMM_WORLD
-rank = comm.Get_rank()
+from launcher.world import join_local
+comm, rank, _ = join_local()
 out = {}
 for size, reps, pool in SIZES:
     bufs = [np.ones(size, np.uint8) for _ in range(pool)]
@@ -174,38 +174,45 @@ if rank == 0:
 '''
 
 
-def _mpiexec():
-    exe = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    if not exe:
-        raise PlanError("mpiexec not found (pip install mpich); give the link with --bandwidth instead")
-    return exe
-
-
 def measure_link(small=8, large=4 << 20, pool=16, trials=8, timeout=120):
-    """The link between two MPI processes started by mpiexec on this machine.
+    """The link between two ranks of a job on this machine.
 
-    One-way time (half a round trip) of a ping-pong of `small` and `large` messages,
-    the fastest of `trials` trials (the link's capacity: a busy CPU only ever slows a
-    trial down): α = t(small), β = (large − small) / (t(large) − t(small)). The large
-    messages cycle through `pool` buffers, so that, like a step's activations and
-    gradients, they are not in the cache when they are sent (on one machine a cached
+    Two processes join one world exactly as two containers of the local engine do
+    (MPI singletons through launcher.world, so over MPICH's network module, not shared
+    memory), and time a ping-pong: one-way time (half a round trip) of `small` and
+    `large` messages, the fastest of `trials` trials (the link's capacity: a busy CPU
+    only ever slows a trial down): α = t(small), β = (large − small) / (t(large) − t(small)).
+    The large messages cycle through `pool` buffers, so that, like a step's activations
+    and gradients, they are not in the cache when they are sent (on one machine a cached
     4 MiB ping-pong runs ~4x faster than a cold one).
     """
+    from launcher.world import spawn_local
     code = _PINGPONG.replace("SIZES", repr([(small, 200, 1), (large, pool, pool)])).replace("TRIALS", str(trials))
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    procs, store = spawn_local([sys.executable, "-c", code], 2, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    outs = []
     try:
-        proc = subprocess.run([_mpiexec(), "-n", "2", sys.executable, "-c", code], env=env,
-                              capture_output=True, text=True, timeout=timeout)
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout))
     except subprocess.TimeoutExpired:
         raise PlanError(f"the MPI ping-pong did not finish in {timeout}s; give the link with --bandwidth") from None
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PINGPONG ")]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        shutil.rmtree(store, ignore_errors=True)
+    lines = [ln for ln in outs[0][0].splitlines() if ln.startswith("PINGPONG ")]
+    if any(p.returncode != 0 for p in procs) or not lines:
+        tail = next((e.strip().splitlines()[-1] for _, e in outs if e.strip()), "no output")
         raise PlanError(f"the MPI ping-pong failed ({tail}); give the link with --bandwidth")
     t = {int(k): v for k, v in json.loads(lines[-1][len("PINGPONG "):]).items()}
     alpha = t[small]
     beta = (large - small) / max(t[large] - t[small], 1e-12)
-    return Link(alpha, beta, "measured (MPI ping-pong, 2 processes)")
+    return Link(alpha, beta, "measured (ping-pong of 2 joined ranks on this machine)")
 
 
 # ----------------------------------------------------------------------------------------
@@ -395,9 +402,6 @@ def _num_classes(model, sample_shape, dev):
 # Devices and predictions
 # ----------------------------------------------------------------------------------------
 
-QUOTA_PERIOD_S = 0.1     # the CFS period of a vcore quota (yarnapp.backends.local.cgroups.PERIOD_US)
-
-
 @dataclasses.dataclass(frozen=True)
 class Device:
     """A rank's compute: the Profile's seconds divided by speed × quota.
@@ -423,46 +427,10 @@ class Device:
     def optimizer_s(self, fraction=1.0):
         return self.profile.optimizer_s * fraction / self.factor
 
-    def unthrottled(self):
-        return dataclasses.replace(self, quota=1.0)
-
     @property
     def step_s(self):
         """The whole batch on this device alone: forward, backward, optimizer."""
         return self.fwd_bwd_s(self.profile.batch) + self.optimizer_s()
-
-
-def quota_step_s(ranks, full_step_s, period_s=QUOTA_PERIOD_S):
-    """The step CPU quotas allow to ranks that busy-wait (MPI polls while it waits).
-
-    ranks: (quota q_r, work_r, busy_r) of every rank. A rank limited to q_r of its cores
-    runs q_r·P of every CFS period P and then sleeps until the next. It burns quota
-    whenever it is busy: computing its own work (work_r per step at full speed) or
-    waiting for the others inside a blocking MPI call; busy_r is its busy time per step
-    when every rank runs at full speed (the whole step, full_step_s, for a data-parallel
-    rank; only the conv phases for a model-parallel worker, which sleeps while the master
-    runs the rest). Where busy_r ≤ q_r·full_step_s for every rank the quotas never bite.
-    Otherwise the job runs at full pace only while every throttled rank runs: the
-    periods of different cgroups are not aligned, so for a fraction q = Π q_r of the
-    time. Per period that gives (q·P − work)/busy steps, after the work the last rank
-    owed when it was stopped; while one sleeps the others finish at most the step in
-    progress. So
-
-        N = 1 + (q·P − work) / busy steps per period,    step = max(full_step_s, P / N),
-
-    (work, busy: the largest over the throttled ranks), and where q·P < work (a step
-    spans periods) step = work / q. One throttled rank of q = 1/2, a 35 ms step and 18 ms
-    of its own work: N = 1 + (50 − 18)/35 = 1.91, 52 ms a step (not 35).
-    """
-    bitten = [(q, w, b) for q, w, b in ranks if q < 1.0 and b > q * full_step_s]
-    if not bitten:
-        return full_step_s
-    q = math.prod(q for q, _, _ in bitten)
-    work = max(w for _, w, _ in bitten)
-    busy = max(b for _, _, b in bitten)
-    if q * period_s < work:
-        return max(full_step_s, work / q)
-    return max(full_step_s, period_s / (1.0 + (q * period_s - work) / busy))
 
 
 def share_weights(devices, shares):
@@ -488,58 +456,45 @@ def _prediction(strategy, devices, step_s, compute_s, comm_s, split, **extra):
                  "comm_s": comm_s, "speedup": single / step_s, "split": split}, **extra)
 
 
-def _data_parallel(strategy, devices, link, batch, shares, period_s):
-    """Step of a data-parallel strategy: its seed formula on the throttled devices, raised to
-    the quota bound of every throttled rank (which is busy for the whole step)."""
+def _data_parallel(strategy, devices, link, batch, shares):
+    """Step of a data-parallel strategy: its seed formula on the (throttled) devices."""
     n, w = len(devices), devices[0].profile.param_bytes
     rows = split_rows(batch, share_weights(devices, shares))
     lg, a, bw = _log2(n), link.latency_s, link.bandwidth_Bps
 
-    def times(devs):
-        """(compute of the slowest share g, optimizer on the critical path, communication)."""
-        g = max(d.fwd_bwd_s(r) for d, r in zip(devs, rows))
-        if strategy == "allreduce":
-            opt = max(d.optimizer_s() for d in devs)
-            comm = 2 * (n - 1) / n * w / bw + 2 * (n - 1) * a
-        elif strategy == "ps_central":
-            opt = devs[0].optimizer_s()
-            comm = central_ps_s(n - 1, link.seconds(w), 0.0)[1]
-        else:
-            opt = max(d.optimizer_s(1.0 / n) for d in devs)
-            comm = sharded_ps_s(n, w / bw, 0.0) + 2 * a
-        comm = comm + 2 * lg * a if n > 1 else 0.0
-        return g, opt, comm
-
-    g, opt, comm = times(devices)
+    g = max(d.fwd_bwd_s(r) for d, r in zip(devices, rows))      # the slowest share
+    if strategy == "allreduce":
+        opt = max(d.optimizer_s() for d in devices)
+        comm = 2 * (n - 1) / n * w / bw + 2 * (n - 1) * a
+    elif strategy == "ps_central":
+        opt = devices[0].optimizer_s()
+        comm = central_ps_s(n - 1, link.seconds(w), 0.0)[1]
+    else:
+        opt = max(d.optimizer_s(1.0 / n) for d in devices)
+        comm = sharded_ps_s(n, w / bw, 0.0) + 2 * a
+    comm = comm + 2 * lg * a if n > 1 else 0.0
     step = g + opt + comm
     extra = {}
-    if any(d.quota < 1.0 for d in devices):
-        full = [d.unthrottled() for d in devices]
-        full_step = sum(times(full))
-        ranks = [(d.quota, f.fwd_bwd_s(r) + f.optimizer_s(1.0 / n if strategy == "ps_sharded" else 1.0),
-                  full_step) for d, f, r in zip(devices, full, rows)]
-        step = max(step, quota_step_s(ranks, full_step, period_s))
-        extra["full_speed_step_s"] = full_step
     if strategy == "ps_central" and n > 1:
         best, worst = central_ps_s(n - 1, link.seconds(w), g)
         extra["bounds"] = [best + opt, worst + opt]
     return _prediction(strategy, devices, step, g + opt, comm, rows, **extra)
 
 
-def predict_allreduce(devices, link, batch, shares="equal", period_s=QUOTA_PERIOD_S):
+def predict_allreduce(devices, link, batch, shares="equal"):
     """Ring all-reduce: g + max_r o_r + 2(n−1)/n·|W|/β + 2(n−1)α + 2⌈log2 n⌉α."""
-    return _data_parallel("allreduce", devices, link, batch, shares, period_s)
+    return _data_parallel("allreduce", devices, link, batch, shares)
 
 
-def predict_central_ps(devices, link, batch, shares="equal", period_s=QUOTA_PERIOD_S):
+def predict_central_ps(devices, link, batch, shares="equal"):
     """Central server on rank 0 with m = n−1 remote workers: g + 2mc + o_0 (seed 4's upper
     bound; `bounds` holds both of seed 4's, (m+1)c + g and 2mc + g, plus o_0)."""
-    return _data_parallel("ps_central", devices, link, batch, shares, period_s)
+    return _data_parallel("ps_central", devices, link, batch, shares)
 
 
-def predict_sharded_ps(devices, link, batch, shares="equal", period_s=QUOTA_PERIOD_S):
+def predict_sharded_ps(devices, link, batch, shares="equal"):
     """Sharded server: g + 2(n−1)/n·|W|/β + 2α + max_r o_r / n."""
-    return _data_parallel("ps_sharded", devices, link, batch, shares, period_s)
+    return _data_parallel("ps_sharded", devices, link, batch, shares)
 
 
 def _bcast_s(nbytes, n, link):
@@ -609,9 +564,8 @@ def _conv_times(devices, link, names, layer_split):
     return rest, phases, comm, opt
 
 
-def predict_conv_mp(devices, link, names, split=None, period_s=QUOTA_PERIOD_S):
-    """Conv-layer model parallelism, rank 0 the master (formula in the module docstring),
-    raised to the quota bound of throttled ranks (a worker is busy only in the conv phases).
+def predict_conv_mp(devices, link, names, split=None):
+    """Conv-layer model parallelism, rank 0 the master (formula in the module docstring).
 
     split: kernel weights, one per rank (training.model_parallel.split), else each
     layer's kernels in proportion to the devices' speed on it. Returns None where a
@@ -626,37 +580,22 @@ def predict_conv_mp(devices, link, names, split=None, period_s=QUOTA_PERIOD_S):
     protocol = (2 * len(names) + 2) * _log2(n) * link.latency_s if n > 1 else 0.0
     step = rest + sum(phases) + opt + protocol
     conv_s = sum(phases) - (comm - protocol)
-    extra = {}
-    if any(d.quota < 1.0 for d in devices):
-        full = [d.unthrottled() for d in devices]
-        f_rest, f_phases, f_comm, f_opt = _conv_times(full, link, names, layer_split)
-        full_step = f_rest + sum(f_phases) + f_opt + protocol
-        ranks = []
-        for r, (d, f) in enumerate(zip(devices, full)):
-            own = sum(c[r] / sum(c) * f.layer_s(x) for x, c in layer_split.items())
-            if r == 0:      # the master: the rest of the network too, and never asleep
-                ranks.append((d.quota, own + f_rest + f_opt, full_step))
-            else:           # a worker sleeps (politely) while the master runs the rest
-                ranks.append((d.quota, own, sum(f_phases)))
-        step = max(step, quota_step_s(ranks, full_step, period_s))
-        extra["full_speed_step_s"] = full_step
     speeds = [1.0 / d.fwd_bwd_s(B) for d in devices]
     f = conv_fraction(master, names)
     k = sum(speeds) / speeds[0]
     ideal = sum(proportional_s([d.layer_s(x) for d in devices]) for x in names)
     return _prediction("conv_model_parallel", devices, step, rest + conv_s + opt, comm, layer_split,
                        conv_s=conv_s, conv_ideal_s=ideal, rest_s=rest, conv_fraction=f,
-                       effective_devices=k, bound=amdahl_bound(f, k), **extra)
+                       effective_devices=k, bound=amdahl_bound(f, k))
 
 
-def predict_all(devices, link, batch, shares="equal", conv_names=None, conv_split=None,
-                period_s=QUOTA_PERIOD_S):
+def predict_all(devices, link, batch, shares="equal", conv_names=None, conv_split=None):
     """{strategy: prediction} for one cluster (devices[0] = rank 0, the master/server)."""
     names = conv_names if conv_names is not None else conv_layers_of(devices[0].profile)
-    return {"allreduce": predict_allreduce(devices, link, batch, shares, period_s),
-            "ps_central": predict_central_ps(devices, link, batch, shares, period_s),
-            "ps_sharded": predict_sharded_ps(devices, link, batch, shares, period_s),
-            "conv_model_parallel": predict_conv_mp(devices, link, names, conv_split, period_s) if names else None}
+    return {"allreduce": predict_allreduce(devices, link, batch, shares),
+            "ps_central": predict_central_ps(devices, link, batch, shares),
+            "ps_sharded": predict_sharded_ps(devices, link, batch, shares),
+            "conv_model_parallel": predict_conv_mp(devices, link, names, conv_split) if names else None}
 
 
 # ----------------------------------------------------------------------------------------
@@ -900,8 +839,6 @@ def format_table(plan):
             lines.append(f"{name:21s} {'n/a':>10s}")
             continue
         note = _split_text(name, p["split"])
-        if p.get("full_speed_step_s") and p["step_s"] > p["compute_s"] + p["comm_s"] * (1 + 1e-9):
-            note += f"; quota-bound (unthrottled {p['full_speed_step_s'] * 1e3:.1f} ms)"
         if p.get("bounds"):
             note += f"; seed 4 before quotas {p['bounds'][0] * 1e3:.1f}..{p['bounds'][1] * 1e3:.1f} ms"
         if name == "conv_model_parallel":
