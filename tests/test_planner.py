@@ -145,6 +145,16 @@ def test_measure_profile_of_a_real_model():
     assert prof.fwd_bwd_s(0) == 0.0 and prof.fwd_bwd_s(16) == pytest.approx(prof.step_s)
     assert 0 <= prof.intercept_s <= prof.step_s
     assert planner.conv_layers_of(prof) == ["conv1", "conv2"]
+    # the rows and kernel shares ranks will really get are timed as such, not interpolated
+    fit = prof.fwd_bwd_s(5)
+    planner.measure_rows(prof, model, (3, 8, 8), [5, 11, 0], min_time=0.0)
+    assert sorted(prof.rows_s) == [5, 11] and prof.fwd_bwd_s(5) == prof.rows_s[5] > 0
+    assert prof.fwd_bwd_s(5) != fit and prof.fwd_bwd_s(7) > 0           # 7: still the fit
+    planner.measure_shares(prof, model, (3, 8, 8), {"conv2": [12, 4]}, min_time=0.0)
+    assert sorted(prof.shares_s) == ["conv2/12", "conv2/4"]
+    assert prof.share_s("conv2", 4) == prof.shares_s["conv2/4"] > 0
+    assert prof.share_s("conv1", 4) == pytest.approx(prof.layer("conv1")[0].seconds / 2)   # not measured
+    assert prof.share_s("conv2", 0) == 0.0
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())   # left untouched
 
 

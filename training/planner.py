@@ -246,12 +246,27 @@ class Profile:
     optimizer_s: float            # one optimizer step over every parameter
     params: int
     param_bytes: int
+    rows_s: dict = dataclasses.field(default_factory=dict)     # {rows: t(rows)} measured
+    shares_s: dict = dataclasses.field(default_factory=dict)   # {"layer/kernels": seconds} measured
 
     def fwd_bwd_s(self, rows):
-        """t(rows): 0 for no rows, else the affine fit."""
+        """t(rows): 0 for no rows, measured where it was (measure_rows), else the affine fit."""
         if rows <= 0:
             return 0.0
+        if rows in self.rows_s:
+            return self.rows_s[rows]
         return self.intercept_s + (self.step_s - self.intercept_s) * rows / self.batch
+
+    def share_s(self, name, kernels):
+        """Forward + backward of `kernels` of layer `name`'s kernels: measured where it was
+        (measure_shares), else that fraction of the whole layer's time."""
+        if kernels <= 0:
+            return 0.0
+        key = f"{name}/{kernels}"
+        if key in self.shares_s:
+            return self.shares_s[key]
+        calls = self.layer(name)
+        return kernels / calls[0].out_channels * sum(lay.seconds for lay in calls)
 
     def layer(self, name):
         found = [lay for lay in self.layers if lay.name == name]
@@ -266,7 +281,8 @@ class Profile:
 
 
 def _timed(fn, min_time, min_reps, sync=None):
-    """Median seconds of fn() over at least min_reps runs and min_time seconds (after a warm-up).
+    """Mean seconds of fn() over at least min_reps runs and min_time seconds (after a warm-up):
+    the mean, because a step time is predicted as the mean of many (a job's throughput).
     fn may return a callable run untimed before the next repetition (resetting state)."""
     reset = fn()
     if callable(reset):
@@ -280,7 +296,7 @@ def _timed(fn, min_time, min_reps, sync=None):
         times.append(time.perf_counter() - t)
         if callable(reset):
             reset()
-    return statistics.median(times)
+    return statistics.fmean(times)
 
 
 def _leaf_calls(model, x, y):
@@ -331,7 +347,7 @@ def measure_profile(model, sample_shape, batch, make_optimizer, threads=1, devic
 
     Works on a copy (the model, its gradients and buffers are left as they are). Each
     item (every leaf module call, the whole model at B and at B/4, the optimizer step)
-    is timed for at least `min_time` seconds and `min_reps` runs; the median counts.
+    is timed for at least `min_time` seconds and `min_reps` runs; the mean counts.
     """
     dev = torch.device(device)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else None
@@ -392,6 +408,57 @@ def measure_profile(model, sample_shape, batch, make_optimizer, threads=1, devic
                    param_bytes=sum(p.numel() * p.element_size() for p in params))
 
 
+def measure_rows(profile, model, sample_shape, rows, min_time=0.1, min_reps=3):
+    """Add t(r) for each row count r in `rows` to profile.rows_s (whole forward + loss +
+    backward at exactly the rows a rank will get: the time per row is not constant, so
+    the affine fit through B and B/4 can be 10% off at other counts)."""
+    dev = torch.device(profile.device)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else None
+    probe = copy.deepcopy(model).to(dev).train()
+    params = [p for p in probe.parameters() if p.requires_grad]
+    num_classes = _num_classes(probe, sample_shape, dev)
+    g = torch.Generator().manual_seed(0)
+    with num_threads(profile.threads):
+        for r in sorted({int(r) for r in rows if r > 0} - set(profile.rows_s)):
+            x = torch.randn((r, *sample_shape), generator=g).to(dev)
+            y = torch.randint(0, num_classes, (r,), generator=g).to(dev)
+
+            def once():
+                F.cross_entropy(probe(x), y).backward()
+                return lambda: [setattr(p, "grad", None) for p in params]
+            profile.rows_s[r] = _timed(once, min_time, min_reps, sync)
+    return profile
+
+
+def measure_shares(profile, model, sample_shape, layer_split, min_time=0.1, min_reps=3):
+    """Add the forward + backward seconds of every share in `layer_split` ({layer: kernels
+    per rank}) to profile.shares_s: a conv of that many kernels on the layer's real input,
+    as DistributedConv2d runs it (a small share is slower per kernel than the whole layer)."""
+    dev = torch.device(profile.device)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else None
+    probe = copy.deepcopy(model).to(dev).train()
+    num_classes = _num_classes(probe, sample_shape, dev)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn((profile.batch, *sample_shape), generator=g).to(dev)
+    y = torch.randint(0, num_classes, (profile.batch,), generator=g).to(dev)
+    calls = {}
+    for name, module, inp, _ in _leaf_calls(probe, x, y):
+        calls.setdefault(name, []).append((module, inp))
+    with num_threads(profile.threads):
+        for name, counts in layer_split.items():
+            for c in sorted(set(counts)):
+                key = f"{name}/{c}"
+                if c <= 0 or key in profile.shares_s or name not in calls:
+                    continue
+                total = 0.0
+                for module, inp in calls[name]:
+                    part = nn.Conv2d(module.in_channels, c, module.kernel_size, module.stride, module.padding,
+                                     module.dilation, bias=module.bias is not None).to(dev)
+                    total += _time_layer(part, inp, min_time, min_reps, sync)
+                profile.shares_s[key] = total
+    return profile
+
+
 def _num_classes(model, sample_shape, dev):
     with torch.no_grad():
         out = model(torch.zeros((1, *sample_shape), device=dev))
@@ -423,6 +490,9 @@ class Device:
 
     def layer_s(self, name):
         return sum(lay.seconds for lay in self.profile.layer(name)) / self.factor
+
+    def share_s(self, name, kernels):
+        return self.profile.share_s(name, kernels) / self.factor
 
     def optimizer_s(self, fraction=1.0):
         return self.profile.optimizer_s * fraction / self.factor
@@ -547,7 +617,7 @@ def _conv_times(devices, link, names, layer_split):
     for name in names:
         calls, counts = prof.layer(name), layer_split[name]
         kernels = sum(counts)
-        conv = max(c / kernels * d.layer_s(name) for c, d in zip(counts, devices))
+        conv = max(d.share_s(name, c) for c, d in zip(counts, devices))
         away = 1.0 - counts[0] / kernels
         moved += calls[0].param_bytes * away
         layer_comm = 0.0
@@ -728,6 +798,15 @@ def plan_job(job, options=PlanOptions()):
     ref = devices[0]
     names = conv_layers_of(ref.profile, spec.model_parallel.layers)
     B = spec.batch_size
+    # Time what the ranks will really run: their row counts and their kernel shares.
+    rows = set()
+    for shares in (spec.shares, "speed"):
+        rows.update(split_rows(B, share_weights(devices, shares)))
+    layer_split = _conv_split(devices, names, spec.model_parallel.split) if names else None
+    for prof in profiles.values():
+        measure_rows(prof, model, shape, rows, min_time=options.min_time)
+        if layer_split:
+            measure_shares(prof, model, shape, layer_split, min_time=options.min_time)
     preds = predict_all(devices, link, B, spec.shares, names, spec.model_parallel.split)
     # The data-parallel strategies also with speed-proportional shares, for the recommendation.
     speed_preds = {k: f(devices, link, B, "speed") for k, f in (("allreduce", predict_allreduce),
