@@ -96,7 +96,7 @@ def worker(case):
         s.train_step(xs, ys)
     comm.Barrier()
     times = []
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for _ in range(case["steps"]):
         t = time.perf_counter()
         st = s.train_step(xs, ys)
@@ -104,7 +104,8 @@ def worker(case):
         stats.append((st.compute_s, st.comm_s))
     comm.Barrier()
     wall = (time.perf_counter() - t0) / case["steps"]
-    mine = [statistics.median(c for c, _ in stats), statistics.median(m for _, m in stats)]
+    cpu = (time.process_time() - cpu0) / case["steps"]
+    mine = [statistics.median(c for c, _ in stats), statistics.median(m for _, m in stats), cpu]
     every = comm.gather(mine, root=0)
     if hasattr(s, "close"):
         s.close()
@@ -112,6 +113,7 @@ def worker(case):
         print("RESULT " + json.dumps({"step_s": wall, "step_median_s": statistics.median(times),
                                       "compute_s_by_rank": [e[0] for e in every],
                                       "comm_s_by_rank": [e[1] for e in every],
+                                      "cpu_s_by_rank": [e[2] for e in every],
                                       "rows_rank0": hi - lo}), flush=True)
 
 
@@ -253,13 +255,15 @@ def main(argv=None):
         try:
             if link_cg:
                 join_cgroup(link_cg[0])
-            link = planner.measure_link()
+            import conf
+            job = conf.load_job(job_dict(ranks, size["model"], size["options"], size["batch"]))
+            link = planner.measure_link(**planner.local_load(job))
         finally:
             if link_cg:
                 join_cgroup(CGROUP_CPU)
                 remove_cgroups(link_cg)
         print(f"{ranks} ranks: link {link.bandwidth_Bps / 1e9:.2f} GB/s, {link.latency_s * 1e6:.2f} us "
-              "(ping-pong of 2 joined ranks)", file=sys.stderr, flush=True)
+              f"({link.source})", file=sys.stderr, flush=True)
         # One cgroup per rank, and one of 1 vcore for the planner's in-process measurement.
         cgroups, why = make_cgroups([1.0] + [0.5] * (ranks - 1) + [1.0], f"{os.getpid()}-{ranks}", a.reserve)
         if why:

@@ -63,6 +63,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -149,10 +150,21 @@ def link_from_rate(bps, latency_s=None, source="given"):
 
 
 _PINGPONG = r'''
-import json, time
+import json, statistics, time
 import numpy as np
 from launcher.world import join_local
+from training import collectives
 comm, rank, _ = join_local()
+collectives.set_polite(rank == 1 and POLITE)
+wait = collectives.wait
+
+
+def work():                                     # a rank computes between its messages
+    t = time.perf_counter()
+    while time.perf_counter() - t < WORK:
+        pass
+
+
 out = {}
 for size, reps, pool in SIZES:
     bufs = [np.ones(size, np.uint8) for _ in range(pool)]
@@ -163,18 +175,50 @@ for size, reps, pool in SIZES:
         for i in range(reps):
             buf = bufs[i % pool]
             if rank == 0:
-                comm.Send(buf, 1, 5); comm.Recv(buf, 1, 5)
+                work(); wait(comm.Isend(buf, 1, 5)); wait(comm.Irecv(buf, 1, 5))
             else:
-                comm.Recv(buf, 0, 5); comm.Send(buf, 0, 5)
+                wait(comm.Irecv(buf, 0, 5)); work(); wait(comm.Isend(buf, 0, 5))
         if trial:                                   # the first trial warms up
-            trials.append((time.perf_counter() - t) / reps / 2)
-    out[size] = min(trials)
+            trials.append(((time.perf_counter() - t) / reps - 2 * WORK) / 2)
+    out[size] = min(trials) if not LOADED else statistics.median(trials)
 if rank == 0:
     print("PINGPONG " + json.dumps(out), flush=True)
 '''
 
 
-def measure_link(small=8, large=4 << 20, pool=16, trials=8, timeout=120):
+def _pingpong(sizes, trials, timeout, busy=0, polite=False):
+    """{size: one-way seconds} of a ping-pong between two joined ranks (measure_link)."""
+    from launcher.world import spawn_local
+    code = (_PINGPONG.replace("SIZES", repr(sizes)).replace("TRIALS", str(trials))
+            .replace("POLITE", repr(bool(polite))).replace("LOADED", repr(busy > 0))
+            .replace("WORK", "1e-3" if busy else "0.0"))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+    procs, store, outs = [], None, []
+    try:
+        procs, store = spawn_local([sys.executable, "-c", code], 2, env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout))
+    except subprocess.TimeoutExpired:
+        raise PlanError(f"the MPI ping-pong did not finish in {timeout}s; give the link with --bandwidth") from None
+    finally:
+        for p in procs + hogs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        if store:
+            shutil.rmtree(store, ignore_errors=True)
+    lines = [ln for ln in outs[0][0].splitlines() if ln.startswith("PINGPONG ")]
+    if any(p.returncode != 0 for p in procs) or not lines:
+        tail = next((e.strip().splitlines()[-1] for _, e in outs if e.strip()), "no output")
+        raise PlanError(f"the MPI ping-pong failed ({tail}); give the link with --bandwidth")
+    return {int(k): v for k, v in json.loads(lines[-1][len("PINGPONG "):]).items()}
+
+
+def measure_link(small=8, large=4 << 20, pool=16, trials=8, timeout=120, busy=0, polite=False):
     """The link between two ranks of a job on this machine.
 
     Two processes join one world exactly as two containers of the local engine do
@@ -185,34 +229,23 @@ def measure_link(small=8, large=4 << 20, pool=16, trials=8, timeout=120):
     The large messages cycle through `pool` buffers, so that, like a step's activations
     and gradients, they are not in the cache when they are sent (on one machine a cached
     4 MiB ping-pong runs ~4x faster than a cold one).
+
+    busy > 0 (the job has more ranks on this machine than it has cores): α is measured
+    again while `busy` other processes keep the CPUs busy, each side computing 1 ms
+    between its messages and the second one waiting politely if `polite` (as a throttled
+    rank does); the median trial counts. That α is what one synchronisation costs when
+    the scheduler must first give a waiting rank a CPU back (measured here: ~0.6 ms
+    polite, ~1.8 ms spinning, instead of ~2 us unloaded); β stays the capacity.
     """
-    from launcher.world import spawn_local
-    code = _PINGPONG.replace("SIZES", repr([(small, 200, 1), (large, pool, pool)])).replace("TRIALS", str(trials))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    procs, store = spawn_local([sys.executable, "-c", code], 2, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=timeout))
-    except subprocess.TimeoutExpired:
-        raise PlanError(f"the MPI ping-pong did not finish in {timeout}s; give the link with --bandwidth") from None
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        shutil.rmtree(store, ignore_errors=True)
-    lines = [ln for ln in outs[0][0].splitlines() if ln.startswith("PINGPONG ")]
-    if any(p.returncode != 0 for p in procs) or not lines:
-        tail = next((e.strip().splitlines()[-1] for _, e in outs if e.strip()), "no output")
-        raise PlanError(f"the MPI ping-pong failed ({tail}); give the link with --bandwidth")
-    t = {int(k): v for k, v in json.loads(lines[-1][len("PINGPONG "):]).items()}
+    t = _pingpong([(small, 200, 1), (large, pool, pool)], trials, timeout)
     alpha = t[small]
     beta = (large - small) / max(t[large] - t[small], 1e-12)
-    return Link(alpha, beta, "measured (ping-pong of 2 joined ranks on this machine)")
+    if not busy:
+        return Link(alpha, beta, "measured (ping-pong of 2 joined ranks on this machine)")
+    loaded = _pingpong([(small, 100, 1)], trials, timeout, busy, polite)[small]
+    return Link(max(alpha, loaded), beta,
+                f"measured (ping-pong of 2 joined ranks on this machine; latency with {busy} "
+                f"busy process{'es' if busy > 1 else ''}{', polite' if polite else ''})")
 
 
 # ----------------------------------------------------------------------------------------
@@ -248,6 +281,7 @@ class Profile:
     param_bytes: int
     rows_s: dict = dataclasses.field(default_factory=dict)     # {rows: t(rows)} measured
     shares_s: dict = dataclasses.field(default_factory=dict)   # {"layer/kernels": seconds} measured
+    idle_s: float = 0.0           # rows_s and shares_s timed after this long an idle pause each
 
     def fwd_bwd_s(self, rows):
         """t(rows): 0 for no rows, measured where it was (measure_rows), else the affine fit."""
@@ -280,15 +314,17 @@ class Profile:
 
 
 
-def _timed(fn, min_time, min_reps, sync=None):
+def _timed(fn, min_time, min_reps, sync=None, idle_s=0.0):
     """Mean seconds of fn() over at least min_reps runs and min_time seconds (after a warm-up):
     the mean, because a step time is predicted as the mean of many (a job's throughput).
     fn may return a callable run untimed before the next repetition (resetting state)."""
     reset = fn()
     if callable(reset):
         reset()
-    times, start = [], time.perf_counter()
-    while len(times) < min_reps or time.perf_counter() - start < min_time:
+    times = []
+    while len(times) < min_reps or sum(times) < min_time:
+        if idle_s:
+            time.sleep(idle_s)
         t = time.perf_counter()
         reset = fn()
         if sync:
@@ -321,7 +357,7 @@ def _leaf_calls(model, x, y):
     return calls
 
 
-def _time_layer(module, inp, min_time, min_reps, sync):
+def _time_layer(module, inp, min_time, min_reps, sync, idle_s=0.0):
     """Forward + backward seconds of one module on a copy of its recorded input."""
     x0 = torch.randn_like(inp).requires_grad_(inp.requires_grad)
     params = [p for p in module.parameters() if p.requires_grad]
@@ -338,7 +374,7 @@ def _time_layer(module, inp, min_time, min_reps, sync):
                 p.grad = None
             x0.grad = None
         return reset
-    return _timed(once, min_time, min_reps, sync)
+    return _timed(once, min_time, min_reps, sync, idle_s)
 
 
 def measure_profile(model, sample_shape, batch, make_optimizer, threads=1, device="cpu",
@@ -426,7 +462,7 @@ def measure_rows(profile, model, sample_shape, rows, min_time=0.1, min_reps=3):
             def once():
                 F.cross_entropy(probe(x), y).backward()
                 return lambda: [setattr(p, "grad", None) for p in params]
-            profile.rows_s[r] = _timed(once, min_time, min_reps, sync)
+            profile.rows_s[r] = _timed(once, min_time, min_reps, sync, profile.idle_s)
     return profile
 
 
@@ -454,9 +490,22 @@ def measure_shares(profile, model, sample_shape, layer_split, min_time=0.1, min_
                 for module, inp in calls[name]:
                     part = nn.Conv2d(module.in_channels, c, module.kernel_size, module.stride, module.padding,
                                      module.dilation, bias=module.bias is not None).to(dev)
-                    total += _time_layer(part, inp, min_time, min_reps, sync)
+                    total += _time_layer(part, inp, min_time, min_reps, sync, profile.idle_s)
                 profile.shares_s[key] = total
     return profile
+
+
+IDLE_S = 0.02    # the pause before each run of an idle profile: about half a step of waiting
+
+
+def idle_profile(profile, idle_s=IDLE_S):
+    """A copy of `profile` whose rows and shares will be timed after `idle_s` of sleep each.
+
+    A rank that sleeps while it waits (a throttled rank; a conv-MP worker while the master
+    runs the rest of the network) computes with cold caches and a CPU the host may have
+    given away: measured here, 11 rows of seed_cnn took 21.8 ms of CPU after 20 ms pauses
+    against 17.9 ms back to back. measure_rows/measure_shares fill it."""
+    return dataclasses.replace(profile, rows_s={}, shares_s={}, idle_s=float(idle_s))
 
 
 def _num_classes(model, sample_shape, dev):
@@ -480,19 +529,25 @@ class Device:
     speed: float = 1.0
     vcores: float = 1.0
     quota: float = 1.0
+    idle: Optional[Profile] = None    # rows and shares timed after idle pauses (`idle_profile`)
 
     @property
     def factor(self):
         return self.speed * self.quota
 
+    def _after_idle(self, waits):
+        return self.idle if waits and self.idle is not None else self.profile
+
     def fwd_bwd_s(self, rows):
-        return self.profile.fwd_bwd_s(rows) / self.factor
+        """A throttled rank waits politely (it sleeps), so it computes after idle pauses."""
+        return self._after_idle(self.quota < 1.0).fwd_bwd_s(rows) / self.factor
 
     def layer_s(self, name):
         return sum(lay.seconds for lay in self.profile.layer(name)) / self.factor
 
-    def share_s(self, name, kernels):
-        return self.profile.share_s(name, kernels) / self.factor
+    def share_s(self, name, kernels, worker=False):
+        """A conv-MP worker sleeps while the master runs the rest of the network."""
+        return self._after_idle(worker or self.quota < 1.0).share_s(name, kernels) / self.factor
 
     def optimizer_s(self, fraction=1.0):
         return self.profile.optimizer_s * fraction / self.factor
@@ -617,7 +672,7 @@ def _conv_times(devices, link, names, layer_split):
     for name in names:
         calls, counts = prof.layer(name), layer_split[name]
         kernels = sum(counts)
-        conv = max(d.share_s(name, c) for c, d in zip(counts, devices))
+        conv = max(d.share_s(name, c, worker=r > 0) for r, (c, d) in enumerate(zip(counts, devices)))
         away = 1.0 - counts[0] / kernels
         moved += calls[0].param_bytes * away
         layer_comm = 0.0
@@ -727,15 +782,23 @@ def _input_of(spec, options):
         return shape, options.num_classes or 10, f"assumed (data not readable: {why})"
 
 
+def local_load(job):
+    """{busy, polite} for measure_link: how many more ranks than cores this machine runs
+    for the job on the local engine, and whether a throttled rank waits politely."""
+    ranks = [r for g in job.groups for r in [g] * g.instances]
+    busy = max(0, len(ranks) - (os.cpu_count() or 1)) if job.backend == "local" else 0
+    return {"busy": busy, "polite": any(g.vcores < max(1, math.ceil(g.vcores)) for g in ranks)}
+
+
 def _job_link(job, options):
     if options.measure_link:
-        return measure_link()
+        return measure_link(**local_load(job))
     if options.bandwidths_bps:
         return link_from_rate(options.bandwidths_bps[0], options.latency_s)
     if job.network.bandwidth:
         return link_from_rate(job.network.bandwidth, options.latency_s or job.network.latency,
                               "the job's network.bandwidth")
-    return measure_link()
+    return measure_link(**local_load(job))
 
 
 def _make_optimizer_for(spec):
@@ -803,10 +866,19 @@ def plan_job(job, options=PlanOptions()):
     for shares in (spec.shares, "speed"):
         rows.update(split_rows(B, share_weights(devices, shares)))
     layer_split = _conv_split(devices, names, spec.model_parallel.split) if names else None
-    for prof in profiles.values():
+    idle = {}
+    for key, prof in profiles.items():
         measure_rows(prof, model, shape, rows, min_time=options.min_time)
         if layer_split:
             measure_shares(prof, model, shape, layer_split, min_time=options.min_time)
+        users = [d for d in devices if d.profile is prof]
+        if any(d.quota < 1.0 for d in users) or (layer_split and len(devices) > 1):
+            idle[key] = cold = idle_profile(prof)
+            measure_rows(cold, model, shape, rows, min_time=options.min_time)
+            if layer_split:
+                measure_shares(cold, model, shape, layer_split, min_time=options.min_time)
+    by_id = {id(p): idle.get(k) for k, p in profiles.items()}
+    devices = [dataclasses.replace(d, idle=by_id.get(id(d.profile))) for d in devices]
     preds = predict_all(devices, link, B, spec.shares, names, spec.model_parallel.split)
     # The data-parallel strategies also with speed-proportional shares, for the recommendation.
     speed_preds = {k: f(devices, link, B, "speed") for k, f in (("allreduce", predict_allreduce),
