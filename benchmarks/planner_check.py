@@ -4,6 +4,7 @@
     python benchmarks/planner_check.py --quick    # ~1.5 s of steps per run
     python benchmarks/planner_check.py --reserve  # the ranks' vcores reserved on a busy machine
     python benchmarks/planner_check.py --ranks 2 --strategies allreduce,ps_central
+    python benchmarks/planner_check.py --reserve --repeat 3   # medians of 3 interleaved runs
 
 For every world size n (2 and 3): the containers of a job with a group `big`
 (1 × 1 vcore) and a group `small` ((n−1) × 0.5 vcore), shares 'vcores', kernels
@@ -27,6 +28,7 @@ Prints predicted, measured and error % per strategy and world size (target: with
 the quotas; without them every rank runs unthrottled and the error says little.
 """
 import argparse
+import copy
 import json
 import math
 import os
@@ -94,6 +96,17 @@ def worker(case):
     stats = []
     for _ in range(case["warmup"]):
         s.train_step(xs, ys)
+    # CPU seconds of this rank's own forward + backward (its rows, the whole model) here,
+    # to tell the strategy's own CPU per step (cpu_s_by_rank) from the model's
+    probe_x = xs if xs is not None and len(xs) and spec.strategy != "conv_model_parallel" else None
+    cpu_fb = 0.0
+    if probe_x is not None:
+        import torch.nn.functional as F
+        plain = copy.deepcopy(model)
+        c0 = time.process_time()
+        for _ in range(5):
+            F.cross_entropy(plain(probe_x), ys).backward()
+        cpu_fb = (time.process_time() - c0) / 5
     comm.Barrier()
     times = []
     t0, cpu0 = time.perf_counter(), time.process_time()
@@ -105,7 +118,7 @@ def worker(case):
     comm.Barrier()
     wall = (time.perf_counter() - t0) / case["steps"]
     cpu = (time.process_time() - cpu0) / case["steps"]
-    mine = [statistics.median(c for c, _ in stats), statistics.median(m for _, m in stats), cpu]
+    mine = [statistics.median(c for c, _ in stats), statistics.median(m for _, m in stats), cpu, cpu_fb]
     every = comm.gather(mine, root=0)
     if hasattr(s, "close"):
         s.close()
@@ -114,6 +127,7 @@ def worker(case):
                                       "compute_s_by_rank": [e[0] for e in every],
                                       "comm_s_by_rank": [e[1] for e in every],
                                       "cpu_s_by_rank": [e[2] for e in every],
+                                      "cpu_fwd_bwd_s_by_rank": [e[3] for e in every],
                                       "rows_rank0": hi - lo}), flush=True)
 
 
@@ -225,6 +239,8 @@ def parse_args(argv):
                    help="give the ranks (and the planner's measurement) cpu.shares = SHARES x vcores "
                         f"(default {RESERVE_SHARES}): their vcores are then theirs on a machine busy with "
                         "other work, as a YARN node reserves them; still capped by the quota")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs of every case, interleaved; the table shows the medians (default 1)")
     p.add_argument("--spin", action="store_true",
                    help="throttled ranks wait as MPICH does (spinning), to compare with polite waits")
     p.add_argument("--timeout", type=float, default=600, help="seconds per run")
@@ -244,9 +260,9 @@ def main(argv=None):
     warmup = a.warmup if a.warmup is not None else 2
     names = [s for s in a.strategies.split(",") if s]
     meta = dict(common.machine_meta(), args=dict(size, steps=a.steps, seconds=seconds, warmup=warmup,
-                                                 reserve_shares=a.reserve, spin=a.spin),
+                                                 reserve_shares=a.reserve, spin=a.spin, repeat=a.repeat),
                 links={}, throttled={})
-    rows = []
+    rows, runs = [], []
     from training import planner
     for ranks in [int(r) for r in a.ranks.split(",")]:
         # The link, measured in a cgroup of its own (no quota, the reserved shares) so that a
@@ -264,13 +280,15 @@ def main(argv=None):
                 remove_cgroups(link_cg)
         print(f"{ranks} ranks: link {link.bandwidth_Bps / 1e9:.2f} GB/s, {link.latency_s * 1e6:.2f} us "
               f"({link.source})", file=sys.stderr, flush=True)
-        # One cgroup per rank, and one of 1 vcore for the planner's in-process measurement.
-        cgroups, why = make_cgroups([1.0] + [0.5] * (ranks - 1) + [1.0], f"{os.getpid()}-{ranks}", a.reserve)
+        # One cgroup per rank, and one for the planner's in-process measurement: no quota (its
+        # co-runners, planner.co_runners, start in it and must not share one core with it),
+        # the reserved shares.
+        cgroups, why = make_cgroups([1.0] + [0.5] * (ranks - 1) + [-1], f"{os.getpid()}-{ranks}", a.reserve)
         if why:
             print(f"warning: ranks run unthrottled ({why})", file=sys.stderr)
         meta["links"][ranks], meta["throttled"][ranks] = link.as_dict(), cgroups is not None
         try:
-            for name in names:
+            for rep, name in [(r, n) for r in range(a.repeat) for n in names]:
                 # Predicted right before the run, so both see the machine as loaded as it is now.
                 if cgroups:
                     join_cgroup(cgroups[-1])
@@ -285,7 +303,7 @@ def main(argv=None):
                 load = os.getloadavg()[0]
                 got = run_strategy(ranks, case, cgroups[:-1] if cgroups else None, a.timeout)
                 err = (pred["step_s"] - got["step_s"]) / got["step_s"]
-                rows.append({"ranks": ranks, "strategy": name, "predicted_s": pred["step_s"],
+                runs.append({"ranks": ranks, "strategy": name, "repeat": rep, "predicted_s": pred["step_s"],
                              "measured_s": got["step_s"], "error": err, "steps": steps, "loadavg": load,
                              "single_s": plan["single_s"], "predicted": pred, "measured": got})
                 print(f"  {ranks} ranks {name:20s} predicted {pred['step_s'] * 1e3:7.1f} ms  measured "
@@ -293,11 +311,18 @@ def main(argv=None):
                       f"load {load:.1f})", file=sys.stderr, flush=True)
         finally:
             remove_cgroups(cgroups)
+    # One row per case: the medians over the repeats of the prediction and of the measurement.
+    for key in dict.fromkeys((r["ranks"], r["strategy"]) for r in runs):
+        mine = [r for r in runs if (r["ranks"], r["strategy"]) == key]
+        p, m = statistics.median(r["predicted_s"] for r in mine), statistics.median(r["measured_s"] for r in mine)
+        rows.append({"ranks": key[0], "strategy": key[1], "predicted_s": p, "measured_s": m,
+                     "error": (p - m) / m, "repeats": len(mine), "runs": mine})
     within = [abs(r["error"]) <= TARGET for r in rows]
     meta["load_avg_after"] = os.getloadavg()
     meta["summary"] = {"within_15pct": sum(within), "cases": len(rows),
                        "max_abs_error": max((abs(r["error"]) for r in rows), default=None)}
-    print(f"{size['model']} {size['options']}, batch {size['batch']}, ~{seconds:g} s of timed steps per run; "
+    print(f"{size['model']} {size['options']}, batch {size['batch']}, ~{seconds:g} s of timed steps per run, "
+          f"median of {a.repeat} run{'s' if a.repeat > 1 else ''} per case; "
           f"ranks: big 1 vcore + (n-1) small 0.5 vcore, shares vcores")
     print(f"{'ranks':>5s} {'strategy':20s} {'predicted ms':>12s} {'measured ms':>12s} {'error':>8s}")
     for r in rows:

@@ -2,17 +2,26 @@
 
 What is measured (on this machine, in this process, unless given):
     per layer l of the job's model at the job's batch B, forward + backward seconds
-    t_l (median of repeated runs; where they add up to more than the whole model's
+    t_l (mean of repeated runs; where they add up to more than the whole model's
     time they are scaled down to it, keeping their proportions), the whole model's
     forward + backward with the loss t(B) and t(B/4) (an affine fit
-    t(b) = a + (t(B) − a) b / B gives the time of a share of b rows), and one optimizer
-    step o over all |W| parameter bytes, for each thread count the groups use (a rank
-    runs k = ceil(vcores) threads). A fractional vcore is emulated by scaling: a
-    container of v vcores running k threads gets the quota q = v/k of k cores, so its
-    times are the k-thread times / q;
+    t(b) = a + (t(B) − a) b / B for row counts not measured), and one optimizer step o
+    over all |W| parameter bytes, for each thread count the groups use (a rank runs
+    k = ceil(vcores) threads). Then what the ranks will really run: t(n_r) at every
+    rank's row count, and each conv share (c kernels of layer l) as a conv of c kernels
+    on the layer's input, because neither is proportional (here 16 rows took 2x 8 rows'
+    time, and 21 of conv1's 32 kernels 5x 11 of them). A rank that sleeps while it waits
+    (a throttled rank; a conv-MP worker) is timed after 20 ms pauses (`idle_profile`:
+    ~20% slower than back to back). On the local engine the ranks share this machine, so
+    all of this is timed beside min(n, cores) − 1 co-runners training the same model
+    (`co_runners`). A fractional vcore is emulated by scaling: a container of v vcores
+    running k threads gets the quota q = v/k of k cores, so its times are the k-thread
+    times / q;
     the link: one-way time of m bytes t(m) = α + m/β, fitted to an MPI ping-pong between
     two processes joined as two containers' ranks are (α from 8-byte messages, β from
-    cache-cold 4 MiB ones), or given.
+    cache-cold 4 MiB ones), or given. Where the job has more ranks on this machine than
+    cores, α is measured with the CPUs busy (`measure_link(busy=...)`): every
+    synchronisation then waits for the scheduler, ~0.6 ms instead of ~2 us.
 
 Notation: n ranks (rank 0 first), g_r = t_r(n_r) the compute of rank r's share of n_r
 rows (shares: equal | vcores | speed | list, split as the strategies split them),
@@ -49,15 +58,18 @@ rank 0's divided by gpu_speed, as the master of n−1 such CPUs.
 
 The plan is a JSON-ready dict (`plan_job`); `format_table` and `write_png` present it.
 Not modelled: overlap of the ring's buckets with backward (the ring's time is added
-after compute), the conv strategy's own per-layer overheads (its explicit backward, the
-copies around Gatherv/Scatterv, the servers' polite polling), other load on the machine.
+after compute), the strategies' own CPU per step beyond the model's (the conv strategy's
+copies around Gatherv/Scatterv, derived-datatype packing, the protocol's Python; on a
+throttled rank it counts twice), the CFS period's stalls, other load on the machine.
 """
+import contextlib
 import copy
 import dataclasses
 import json
 import logging
 import math
 import os
+import select
 import shutil
 import statistics
 import subprocess
@@ -316,7 +328,8 @@ class Profile:
 
 def _timed(fn, min_time, min_reps, sync=None, idle_s=0.0):
     """Mean seconds of fn() over at least min_reps runs and min_time seconds (after a warm-up):
-    the mean, because a step time is predicted as the mean of many (a job's throughput).
+    the mean, because a step time is predicted as the mean of many (a job's throughput);
+    runs over 3x the median (a one-off stall of the machine) are left out.
     fn may return a callable run untimed before the next repetition (resetting state)."""
     reset = fn()
     if callable(reset):
@@ -332,7 +345,8 @@ def _timed(fn, min_time, min_reps, sync=None, idle_s=0.0):
         times.append(time.perf_counter() - t)
         if callable(reset):
             reset()
-    return statistics.fmean(times)
+    typical = statistics.median(times)
+    return statistics.fmean([t for t in times if t <= 3 * typical])   # not a one-off stall
 
 
 def _leaf_calls(model, x, y):
@@ -836,6 +850,63 @@ def _rounded(d):
     return d
 
 
+_CO_RUNNER = r'''
+import json, sys
+import torch
+import torch.nn.functional as F
+from training.models import build_model
+a = json.loads(sys.argv[1])
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = build_model(a["model"], tuple(a["shape"]), a["classes"], a["options"])
+x = torch.randn(a["rows"], *a["shape"])
+y = torch.randint(0, a["classes"], (a["rows"],))
+F.cross_entropy(model(x), y).backward()
+print("READY", flush=True)
+while True:
+    F.cross_entropy(model(x), y).backward()
+'''
+
+
+@contextlib.contextmanager
+def co_runners(job, shape, classes, timeout=60):
+    """While the job's ranks are measured, the other ranks' work runs beside them.
+
+    On the local engine the ranks share this machine: a rank computes while up to
+    min(ranks, cores) − 1 others compute on the other cores, and shares memory bandwidth
+    and caches with them (measured here: the same forward + backward 2-20% slower with a
+    second one running). So the profile is timed with that many co-runners: processes
+    training the job's model on B/n rows in a loop. Elsewhere (YARN) nothing is started."""
+    spec = job.training
+    n = sum(g.instances for g in job.groups)
+    count = min(n, os.cpu_count() or 1) - 1 if job.backend == "local" else 0
+    if count <= 0:
+        yield []
+        return
+    args = json.dumps({"model": spec.model, "shape": list(shape), "classes": classes,
+                       "options": dict(spec.model_options), "rows": max(1, spec.batch_size // n)})
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    procs = [subprocess.Popen([sys.executable, "-c", _CO_RUNNER, args], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True) for _ in range(count)]
+    try:
+        deadline, ready = time.monotonic() + timeout, []
+        for p in procs:
+            if select.select([p.stdout], [], [], max(0.0, deadline - time.monotonic()))[0] \
+                    and p.stdout.readline().strip() == "READY":
+                ready.append(p)
+        if len(ready) < len(procs):
+            log.warning("planner: %d of %d co-runners did not start; measuring without them",
+                        len(procs) - len(ready), len(procs))
+        yield ready
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+            p.stdout.close()
+
+
 def plan_job(job, options=PlanOptions()):
     """The plan of a conf.JobSpec with a training section: a JSON-ready dict with the
     measured profiles and link, the prediction of every strategy for the job's own
@@ -856,27 +927,28 @@ def plan_job(job, options=PlanOptions()):
                                             min_time=options.min_time, min_reps=3)
         return profiles[key]
 
-    devices = job_devices(job, profile_for, options.gpu_speed)
     link = _job_link(job, options)
-    ref = devices[0]
-    names = conv_layers_of(ref.profile, spec.model_parallel.layers)
     B = spec.batch_size
-    # Time what the ranks will really run: their row counts and their kernel shares.
-    rows = set()
-    for shares in (spec.shares, "speed"):
-        rows.update(split_rows(B, share_weights(devices, shares)))
-    layer_split = _conv_split(devices, names, spec.model_parallel.split) if names else None
-    idle = {}
-    for key, prof in profiles.items():
-        measure_rows(prof, model, shape, rows, min_time=options.min_time)
-        if layer_split:
-            measure_shares(prof, model, shape, layer_split, min_time=options.min_time)
-        users = [d for d in devices if d.profile is prof]
-        if any(d.quota < 1.0 for d in users) or (layer_split and len(devices) > 1):
-            idle[key] = cold = idle_profile(prof)
-            measure_rows(cold, model, shape, rows, min_time=options.min_time)
+    with co_runners(job, shape, classes):
+        devices = job_devices(job, profile_for, options.gpu_speed)
+        ref = devices[0]
+        names = conv_layers_of(ref.profile, spec.model_parallel.layers)
+        # Time what the ranks will really run: their row counts and their kernel shares.
+        rows = set()
+        for shares in (spec.shares, "speed"):
+            rows.update(split_rows(B, share_weights(devices, shares)))
+        layer_split = _conv_split(devices, names, spec.model_parallel.split) if names else None
+        idle = {}
+        for key, prof in profiles.items():
+            measure_rows(prof, model, shape, rows, min_time=options.min_time)
             if layer_split:
-                measure_shares(cold, model, shape, layer_split, min_time=options.min_time)
+                measure_shares(prof, model, shape, layer_split, min_time=options.min_time)
+            users = [d for d in devices if d.profile is prof]
+            if any(d.quota < 1.0 for d in users) or (layer_split and len(devices) > 1):
+                idle[key] = cold = idle_profile(prof)
+                measure_rows(cold, model, shape, rows, min_time=options.min_time)
+                if layer_split:
+                    measure_shares(cold, model, shape, layer_split, min_time=options.min_time)
     by_id = {id(p): idle.get(k) for k, p in profiles.items()}
     devices = [dataclasses.replace(d, idle=by_id.get(id(d.profile))) for d in devices]
     preds = predict_all(devices, link, B, spec.shares, names, spec.model_parallel.split)
