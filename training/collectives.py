@@ -248,14 +248,15 @@ class PreparedAllreduce:
         """Reduce now (blocking)."""
         if self._i is not None:
             raise RuntimeError("PreparedAllreduce.run() while a start() is still in flight")
-        if self._coll is not None:
+        if self._coll is not None:      # (the plain Wait inline: this runs in microseconds)
             self._coll.Start()
-            wait(self._coll)
+            self._coll.Wait() if not _polite else wait(self._coll)
             return
         mpi = _mpi()
+        waitall = mpi.Request.Waitall if not _polite else wait
         for reqs, add_into, recv in self._pairs:
             mpi.Prequest.Startall(reqs)
-            wait(reqs)
+            waitall(reqs)
             if add_into is not None:
                 np.add(add_into, recv, out=add_into)
 
@@ -294,12 +295,13 @@ class PreparedAllreduce:
         if self._i is None:
             return
         if self._coll is not None:
-            wait(self._coll)
+            self._coll.Wait() if not _polite else wait(self._coll)
             self._i = None
             return
+        waitall = _mpi().Request.Waitall if not _polite else wait
         while self._i is not None:
             reqs, add_into, recv = self._pairs[self._i]
-            wait(reqs)
+            waitall(reqs)
             self._finish_exchange(add_into, recv)
 
     def _finish_exchange(self, add_into, recv):
