@@ -169,6 +169,9 @@ def test_measure_link_with_a_real_ping_pong():
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     loaded = planner.measure_link(trials=2, busy=os.cpu_count() - 1, polite=True)
     assert loaded.latency_s > 5 * link.latency_s and "busy process" in loaded.source
+    # simulated clusters (a machine per rank) get the idle latency, not this machine's contention
+    assert loaded.between_machines().latency_s == loaded.idle_latency_s < loaded.latency_s
+    assert link.between_machines() is link
     assert {p.pid for p in psutil.Process().children(recursive=True)} == before
     import conf
     job = conf.load_job({"name": "t", "groups": [{"name": "a", "instances": os.cpu_count() + 1, "vcores": 0.5}],

@@ -144,10 +144,18 @@ class Link:
     latency_s: float
     bandwidth_Bps: float          # bytes per second
     source: str = "given"
+    idle_latency_s: Optional[float] = None   # where latency_s was measured with the CPUs busy
 
     @property
     def bandwidth_bps(self):
         return 8.0 * self.bandwidth_Bps
+
+    def between_machines(self):
+        """The link as separate machines would see it: without this machine's CPU contention
+        (simulated clusters put every rank on a machine of its own)."""
+        if self.idle_latency_s is None:
+            return self
+        return Link(self.idle_latency_s, self.bandwidth_Bps, self.source + "; idle latency")
 
     def seconds(self, nbytes):
         return self.latency_s + nbytes / self.bandwidth_Bps
@@ -257,7 +265,7 @@ def measure_link(small=8, large=4 << 20, pool=16, trials=8, timeout=120, busy=0,
     loaded = _pingpong([(small, 100, 1)], trials, timeout, busy, polite)[small]
     return Link(max(alpha, loaded), beta,
                 f"measured (ping-pong of 2 joined ranks on this machine; latency with {busy} "
-                f"busy process{'es' if busy > 1 else ''}{', polite' if polite else ''})")
+                f"busy process{'es' if busy > 1 else ''}{', polite' if polite else ''})", idle_latency_s=alpha)
 
 
 # ----------------------------------------------------------------------------------------
@@ -982,7 +990,7 @@ def plan_job(job, options=PlanOptions()):
         "recommended": {"strategy": best, "step_s": best_p["step_s"], "speedup": best_p["speedup"],
                         "split": best_p["split"], "why": why},
         "bound": preds["conv_model_parallel"]["bound"] if preds["conv_model_parallel"] else None,
-        "scaling": simulate(ref, link, B, names, options),
+        "scaling": simulate(ref, link.between_machines(), B, names, options),
         "volumes": _volumes(model, shape, [d.speed for d in devices], B),
     }
     return _rounded(plan)
