@@ -60,14 +60,10 @@ def set_polite(flag):
     own, and wrong for one throttled by a CPU quota (a 0.5-vcore container): it burns
     its quota spinning while it waits for the others, is then stopped by the scheduler,
     and every other rank waits for it in the next exchange. The runner turns this on
-    for a rank whose vcores are fewer than its threads (`RunContext.throttled`).
+    for a rank whose vcores are fewer than its threads (`RankInfo.throttled`).
     """
     global _polite
     _polite = bool(flag)
-
-
-def polite():
-    return _polite
 
 
 def wait(reqs, polite=None):
