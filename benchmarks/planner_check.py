@@ -32,9 +32,7 @@ import copy
 import json
 import math
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 
@@ -191,24 +189,13 @@ def run_strategy(ranks, case, cgroups, timeout):
     case = dict(case, cgroups=cgroups)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
-    from launcher.world import spawn_local
+    from launcher.world import run_local
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(case)]
-    procs, store = spawn_local(cmd, ranks, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    outs = []
-    try:
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            outs.append(p.communicate(timeout=max(1, deadline - time.monotonic())))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        shutil.rmtree(store, ignore_errors=True)
-    lines = [ln for ln in outs[0][0].splitlines() if ln.startswith("RESULT ")]
-    if any(p.returncode for p in procs) or not lines:
-        raise RuntimeError(f"{case['strategy']} on {ranks} ranks failed ({[p.returncode for p in procs]}):\n"
-                           + "\n".join(o[-2000:] + e[-2000:] for o, e in outs))
+    outs = run_local(cmd, ranks, env=env, timeout=timeout)
+    lines = [ln for ln in outs[0][1].splitlines() if ln.startswith("RESULT ")]
+    if any(rc for rc, _, _ in outs) or not lines:
+        raise RuntimeError(f"{case['strategy']} on {ranks} ranks failed ({[rc for rc, _, _ in outs]}):\n"
+                           + "\n".join(o[-2000:] + e[-2000:] for _, o, e in outs))
     return json.loads(lines[-1][len("RESULT "):])
 
 

@@ -110,6 +110,28 @@ def spawn_local(argv, size, env=None, **popen_kw):
     return procs, root
 
 
+def run_local(argv, size, env=None, timeout=600):
+    """spawn_local, wait for every process (at most `timeout` seconds in all; then the
+    rest are killed and subprocess.TimeoutExpired is raised) and remove the store.
+    Returns [(returncode, stdout, stderr)] in rank order."""
+    import shutil
+    import subprocess
+    import time
+    procs, root = spawn_local(argv, size, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, outs = time.monotonic() + timeout, []
+        for p in procs:
+            out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            outs.append((p.returncode, out, err))
+        return outs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def join_local(timeout=120):
     """In a process started by spawn_local: (comm, rank, size) of the joined world."""
     import os

@@ -70,7 +70,6 @@ import logging
 import math
 import os
 import select
-import shutil
 import statistics
 import subprocess
 import sys
@@ -208,7 +207,7 @@ if rank == 0:
 
 def _pingpong(sizes, trials, timeout, busy=0, polite=False):
     """{size: one-way seconds} of a ping-pong between two joined ranks (measure_link)."""
-    from launcher.world import spawn_local
+    from launcher.world import run_local
     code = (_PINGPONG.replace("SIZES", repr(sizes)).replace("TRIALS", str(trials))
             .replace("POLITE", repr(bool(polite))).replace("LOADED", repr(busy > 0))
             .replace("WORK", "1e-3" if busy else "0.0"))
@@ -216,24 +215,17 @@ def _pingpong(sizes, trials, timeout, busy=0, polite=False):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
-    procs, store, outs = [], None, []
     try:
-        procs, store = spawn_local([sys.executable, "-c", code], 2, env=env, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True)
-        for p in procs:
-            outs.append(p.communicate(timeout=timeout))
+        outs = run_local([sys.executable, "-c", code], 2, env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
         raise PlanError(f"the MPI ping-pong did not finish in {timeout}s; give the link with --bandwidth") from None
     finally:
-        for p in procs + hogs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        if store:
-            shutil.rmtree(store, ignore_errors=True)
-    lines = [ln for ln in outs[0][0].splitlines() if ln.startswith("PINGPONG ")]
-    if any(p.returncode != 0 for p in procs) or not lines:
-        tail = next((e.strip().splitlines()[-1] for _, e in outs if e.strip()), "no output")
+        for h in hogs:
+            h.kill()
+            h.wait()
+    lines = [ln for ln in outs[0][1].splitlines() if ln.startswith("PINGPONG ")]
+    if any(rc != 0 for rc, _, _ in outs) or not lines:
+        tail = next((e.strip().splitlines()[-1] for _, _, e in outs if e.strip()), "no output")
         raise PlanError(f"the MPI ping-pong failed ({tail}); give the link with --bandwidth")
     return {int(k): v for k, v in json.loads(lines[-1][len("PINGPONG "):]).items()}
 
