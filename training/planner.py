@@ -391,6 +391,32 @@ def _time_layer(module, inp, min_time, min_reps, sync, idle_s=0.0):
     return _timed(once, min_time, min_reps, sync, idle_s)
 
 
+class _Probe:
+    """What every measurement times: a training copy of the model on `device` (the model
+    itself is left as it is) and random batches of its input shape (seeded: the same
+    batches every time)."""
+
+    def __init__(self, model, sample_shape, device):
+        self.dev = torch.device(device)
+        self.sync = (lambda: torch.cuda.synchronize(self.dev)) if self.dev.type == "cuda" else None
+        self.model = copy.deepcopy(model).to(self.dev).train()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.shape = tuple(sample_shape)
+        self.num_classes = _num_classes(self.model, sample_shape, self.dev)
+        self._g = torch.Generator().manual_seed(0)
+
+    def data(self, rows):
+        x = torch.randn((rows, *self.shape), generator=self._g).to(self.dev)
+        return x, torch.randint(0, self.num_classes, (rows,), generator=self._g).to(self.dev)
+
+    def whole(self, x, y):
+        """One forward + loss + backward of the whole model, for _timed (gradients reset after)."""
+        def once():
+            F.cross_entropy(self.model(x), y).backward()
+            return lambda: [setattr(p, "grad", None) for p in self.params]
+        return once
+
+
 def measure_profile(model, sample_shape, batch, make_optimizer, threads=1, device="cpu",
                     min_time=0.1, min_reps=3):
     """The Profile of `model` on inputs (batch, *sample_shape) with `threads` threads.
@@ -399,22 +425,13 @@ def measure_profile(model, sample_shape, batch, make_optimizer, threads=1, devic
     item (every leaf module call, the whole model at B and at B/4, the optimizer step)
     is timed for at least `min_time` seconds and `min_reps` runs; the mean counts.
     """
-    dev = torch.device(device)
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else None
-    probe = copy.deepcopy(model).to(dev).train()
-    num_classes = _num_classes(probe, sample_shape, dev)
-    g = torch.Generator().manual_seed(0)
+    pr = _Probe(model, sample_shape, device)
+    dev, sync, params = pr.dev, pr.sync, pr.params
     small = max(1, batch // 4)
-
-    def data(rows):
-        x = torch.randn((rows, *sample_shape), generator=g).to(dev)
-        return x, torch.randint(0, num_classes, (rows,), generator=g).to(dev)
-
-    params = [p for p in probe.parameters() if p.requires_grad]
     with num_threads(threads):
-        x, y = data(batch)
+        x, y = pr.data(batch)
         layers = []
-        for name, module, inp, out_shape in _leaf_calls(probe, x, y):
+        for name, module, inp, out_shape in _leaf_calls(pr.model, x, y):
             seconds = _time_layer(module, inp, min_time, min_reps, sync)
             own = [p for p in module.parameters() if p.requires_grad]
             is_conv = isinstance(module, nn.Conv2d)
@@ -428,14 +445,8 @@ def measure_profile(model, sample_shape, batch, make_optimizer, threads=1, devic
                 needs_input_grad=bool(inp.requires_grad),
                 distributable=is_conv and why_not_distributable(module) is None))
 
-        def whole(xb, yb):
-            def once():
-                F.cross_entropy(probe(xb), yb).backward()
-                return lambda: [setattr(p, "grad", None) for p in params]
-            return once
-        step_s = _timed(whole(x, y), min_time, min_reps, sync)
-        xs, ys = data(small)
-        small_s = _timed(whole(xs, ys), min_time, min_reps, sync)
+        step_s = _timed(pr.whole(x, y), min_time, min_reps, sync)
+        small_s = _timed(pr.whole(*pr.data(small)), min_time, min_reps, sync)
         optimizer = make_optimizer(params)
         for p in params:
             p.grad = torch.randn_like(p)
@@ -462,21 +473,10 @@ def measure_rows(profile, model, sample_shape, rows, min_time=0.1, min_reps=3):
     """Add t(r) for each row count r in `rows` to profile.rows_s (whole forward + loss +
     backward at exactly the rows a rank will get: the time per row is not constant, so
     the affine fit through B and B/4 can be 10% off at other counts)."""
-    dev = torch.device(profile.device)
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else None
-    probe = copy.deepcopy(model).to(dev).train()
-    params = [p for p in probe.parameters() if p.requires_grad]
-    num_classes = _num_classes(probe, sample_shape, dev)
-    g = torch.Generator().manual_seed(0)
+    pr = _Probe(model, sample_shape, profile.device)
     with num_threads(profile.threads):
         for r in sorted({int(r) for r in rows if r > 0} - set(profile.rows_s)):
-            x = torch.randn((r, *sample_shape), generator=g).to(dev)
-            y = torch.randint(0, num_classes, (r,), generator=g).to(dev)
-
-            def once():
-                F.cross_entropy(probe(x), y).backward()
-                return lambda: [setattr(p, "grad", None) for p in params]
-            profile.rows_s[r] = _timed(once, min_time, min_reps, sync, profile.idle_s)
+            profile.rows_s[r] = _timed(pr.whole(*pr.data(r)), min_time, min_reps, pr.sync, profile.idle_s)
     return profile
 
 
@@ -484,15 +484,9 @@ def measure_shares(profile, model, sample_shape, layer_split, min_time=0.1, min_
     """Add the forward + backward seconds of every share in `layer_split` ({layer: kernels
     per rank}) to profile.shares_s: a conv of that many kernels on the layer's real input,
     as DistributedConv2d runs it (a small share is slower per kernel than the whole layer)."""
-    dev = torch.device(profile.device)
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else None
-    probe = copy.deepcopy(model).to(dev).train()
-    num_classes = _num_classes(probe, sample_shape, dev)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn((profile.batch, *sample_shape), generator=g).to(dev)
-    y = torch.randint(0, num_classes, (profile.batch,), generator=g).to(dev)
+    pr = _Probe(model, sample_shape, profile.device)
     calls = {}
-    for name, module, inp, _ in _leaf_calls(probe, x, y):
+    for name, module, inp, _ in _leaf_calls(pr.model, *pr.data(profile.batch)):
         calls.setdefault(name, []).append((module, inp))
     with num_threads(profile.threads):
         for name, counts in layer_split.items():
@@ -503,8 +497,8 @@ def measure_shares(profile, model, sample_shape, layer_split, min_time=0.1, min_
                 total = 0.0
                 for module, inp in calls[name]:
                     part = nn.Conv2d(module.in_channels, c, module.kernel_size, module.stride, module.padding,
-                                     module.dilation, bias=module.bias is not None).to(dev)
-                    total += _time_layer(part, inp, min_time, min_reps, sync, profile.idle_s)
+                                     module.dilation, bias=module.bias is not None).to(pr.dev)
+                    total += _time_layer(part, inp, min_time, min_reps, pr.sync, profile.idle_s)
                 profile.shares_s[key] = total
     return profile
 
