@@ -33,6 +33,24 @@ def relaunch(script, argv, ranks, transport="shm", bind=None):
     return subprocess.call(cmd + [sys.executable, os.path.abspath(script)] + list(argv), env=env)
 
 
+def mpi_main(script, argv, parse_args, bench, **meta_extra):
+    """main() of a benchmark that runs itself under `mpiexec -n args.ranks`: relaunch, then
+    on every rank `bench(args) -> (rows, meta)`; rank 0 writes args.out."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if not is_child():
+        return relaunch(script, argv, args.ranks, args.transport, args.bind)
+    sys.path.insert(0, ROOT)
+    from mpi4py import MPI
+    t0 = time.time()
+    rows, meta = bench(args)
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        meta.update(machine_meta(), quick=args.quick, bind=args.bind, transport=args.transport,
+                    wall_s=round(time.time() - t0, 1), **meta_extra)
+        write_results(args.out, meta, rows)
+    return 0
+
+
 def cpu_model():
     try:
         with open("/proc/cpuinfo") as f:

@@ -201,19 +201,7 @@ def print_row(r, names, header):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
-    if not common.is_child():
-        return common.relaunch(__file__, argv, args.ranks, args.transport, args.bind)
-    sys.path.insert(0, ROOT)
-    from mpi4py import MPI
-    t0 = time.time()
-    rows, meta = bench(args)
-    if MPI.COMM_WORLD.Get_rank() == 0:
-        meta.update(common.machine_meta(), quick=args.quick, bind=args.bind, transport=args.transport,
-                    wall_s=round(time.time() - t0, 1))
-        common.write_results(args.out, meta, rows)
-    return 0
+    return common.mpi_main(__file__, argv, parse_args, bench)
 
 
 if __name__ == "__main__":
