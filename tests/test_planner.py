@@ -66,11 +66,17 @@ def test_shares_and_quota_shape_the_data_parallel_step():
     free = Link(0.0, 1e15)
     big, small = Device("big", prof, vcores=1.0), Device("small", prof, vcores=0.5, quota=0.5)
     # vcores shares: 43 / 21 rows; the small rank computes 21 rows at half speed
-    p = planner.predict_allreduce([big, small], free, 64, "vcores")
+    asleep = planner.Scheduling(wait_cpu=0.0)
+    p = planner.predict_allreduce([big, small], free, 64, "vcores", asleep)
     assert p["split"] == [43, 21]
-    assert p["compute_s"] == pytest.approx(max(0.1 * 43 / 64, 2 * 0.1 * 21 / 64))
-    # its waits sleep (no quota spent waiting), so the step is compute + communication
+    assert p["rank_s"] == pytest.approx([0.1 * 43 / 64, 2 * 0.1 * 21 / 64])
+    # waits that cost no CPU: the step is the slowest rank's compute + communication
+    assert p["compute_s"] == pytest.approx(max(p["rank_s"]))
     assert p["step_s"] == pytest.approx(p["compute_s"] + p["comm_s"])
+    # waits that burn 10% of a CPU use up the small rank's quota while it waits for the
+    # big one (quota_sim): the step gets longer
+    q = planner.predict_allreduce([big, small], free, 64, "vcores", planner.Scheduling(wait_cpu=0.1))
+    assert q["step_s"] > 1.01 * p["step_s"]
     # equal shares on a simulated 2x faster device: the slow one bounds the compute
     fast = Device("gpu", prof, speed=2.0)
     q = planner.predict_allreduce([fast, Device("cpu", prof)], free, 64, "equal")

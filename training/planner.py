@@ -43,9 +43,17 @@ g = max_r g_r (the slowest share), o_r rank r's optimizer step, c = α + |W|/β.
                      bcast(v) = reduce(v) = min(⌈log2 n⌉(α + v/β),
                                                 2(n−1)/n·v/β + (⌈log2 n⌉ + n − 1)α)
                      (binomial tree, or scatter + all-gather, whichever MPI would pick)
-    CPU quotas       a rank with q < 1 computes at q of its speed (its times / q); it
-                     spends no quota while it waits, because a throttled rank's waits
-                     sleep (training.collectives.set_polite)
+    CPU quotas       a rank with q < 1 computes at q of its speed on average (its
+    and shared cores times / q), but not evenly: CFS runs it at full speed until it has
+                     spent q·P of CPU in the period P, then stops it; quota unused at a
+                     period's end is lost, and its waits cost CPU (a polite wait,
+                     training.collectives.set_polite, burns ~10% of one: measure_wait_cpu).
+                     On the local engine the ranks also share this machine's cores. So
+                     each strategy's step (its phases, each ended by a synchronisation:
+                     compute | exchange | optimizer for the data-parallel ones, every
+                     conv layer | the rest | the optimizer for conv-MP) is played out
+                     under the ranks' quotas and cores (training.quota_sim); without
+                     either it is the formula above ("formula_s" in the plan)
     the bound        S ≤ 1 / ((1 − f) + f/k)  (seed 1), f = Σ_l t_0,l / (t_0(B) + o_0)
                      the distributed convs' share of one device's step; k = Σ_r s_r / s_0
                      with s_r = 1/t_r(B) (k = n for equal devices)
@@ -58,9 +66,9 @@ rank 0's divided by gpu_speed, as the master of n−1 such CPUs.
 
 The plan is a JSON-ready dict (`plan_job`); `format_table` and `write_png` present it.
 Not modelled: overlap of the ring's buckets with backward (the ring's time is added
-after compute), the strategies' own CPU per step beyond the model's (the conv strategy's
-copies around Gatherv/Scatterv, derived-datatype packing, the protocol's Python; on a
-throttled rank it counts twice), the CFS period's stalls, other load on the machine.
+after compute), the strategies' own CPU per step beyond the model's and the waits' (the
+conv strategy's copies around Gatherv/Scatterv, derived-datatype packing, the protocol's
+Python; on a throttled rank it counts twice), other load on the machine.
 """
 import contextlib
 import copy
@@ -80,6 +88,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from training import quota_sim
 from training.calibrate import num_threads, proportional_split
 from training.model_parallel import why_not_distributable
 from training.models import build_model
@@ -205,29 +214,74 @@ if rank == 0:
 '''
 
 
-def _pingpong(sizes, trials, timeout, busy=0, polite=False):
-    """{size: one-way seconds} of a ping-pong between two joined ranks (measure_link)."""
+def _run_pair(code, tag, timeout, what):
+    """Run `code` on two joined ranks (launcher.world.run_local); rank 0's `TAG {json}` line."""
     from launcher.world import run_local
-    code = (_PINGPONG.replace("SIZES", repr(sizes)).replace("TRIALS", str(trials))
-            .replace("POLITE", repr(bool(polite))).replace("LOADED", repr(busy > 0))
-            .replace("WORK", "1e-3" if busy else "0.0"))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
     try:
         outs = run_local([sys.executable, "-c", code], 2, env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise PlanError(f"the MPI ping-pong did not finish in {timeout}s; give the link with --bandwidth") from None
+        raise PlanError(f"the MPI {what} did not finish in {timeout}s; give the link with --bandwidth") from None
+    lines = [ln for ln in outs[0][1].splitlines() if ln.startswith(tag + " ")]
+    if any(rc != 0 for rc, _, _ in outs) or not lines:
+        tail = next((e.strip().splitlines()[-1] for _, _, e in outs if e.strip()), "no output")
+        raise PlanError(f"the MPI {what} failed ({tail}); give the link with --bandwidth")
+    return json.loads(lines[-1][len(tag) + 1:])
+
+
+def _pingpong(sizes, trials, timeout, busy=0, polite=False):
+    """{size: one-way seconds} of a ping-pong between two joined ranks (measure_link)."""
+    code = (_PINGPONG.replace("SIZES", repr(sizes)).replace("TRIALS", str(trials))
+            .replace("POLITE", repr(bool(polite))).replace("LOADED", repr(busy > 0))
+            .replace("WORK", "1e-3" if busy else "0.0"))
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+    try:
+        out = _run_pair(code, "PINGPONG", timeout, "ping-pong")
     finally:
         for h in hogs:
             h.kill()
             h.wait()
-    lines = [ln for ln in outs[0][1].splitlines() if ln.startswith("PINGPONG ")]
-    if any(rc != 0 for rc, _, _ in outs) or not lines:
-        tail = next((e.strip().splitlines()[-1] for _, _, e in outs if e.strip()), "no output")
-        raise PlanError(f"the MPI ping-pong failed ({tail}); give the link with --bandwidth")
-    return {int(k): v for k, v in json.loads(lines[-1][len("PINGPONG "):]).items()}
+    return {int(k): v for k, v in out.items()}
+
+
+_WAIT_CPU = r'''
+import json, time
+import numpy as np
+from launcher.world import join_local
+from training import collectives
+comm, rank, _ = join_local()
+collectives.set_polite(True)
+buf, cpu, wall = np.zeros(8, np.uint8), 0.0, 0.0
+for late in LATE:
+    comm.Barrier()
+    if rank == 0:
+        t = time.perf_counter()
+        while time.perf_counter() - t < late:
+            pass
+        collectives.wait(comm.Isend(buf, 1, 5))
+        comm.Recv(buf, 1, 6)
+    else:
+        c, t = time.process_time(), time.perf_counter()
+        collectives.wait(comm.Irecv(buf, 0, 5))
+        cpu, wall = cpu + time.process_time() - c, wall + time.perf_counter() - t
+        comm.Send(buf, 0, 6)
+comm.Barrier()
+if rank == 0:
+    print("WAITCPU " + json.dumps(comm.recv(source=1)), flush=True)
+else:
+    comm.send(cpu / wall, dest=0)
+'''
+
+
+def measure_wait_cpu(late=(0.005, 0.01, 0.02), repeat=10, timeout=60):
+    """The fraction of a CPU a polite wait (training.collectives.wait, as throttled ranks
+    and conv-MP workers wait) burns while its message is late: two joined ranks, one
+    computing `late` seconds before it sends, the other waiting and counting its own CPU
+    seconds. ~0.1 here: after its 0.2 ms spin it still wakes every ~0.2 ms to test."""
+    code = _WAIT_CPU.replace("LATE", repr(list(late) * repeat))
+    return float(_run_pair(code, "WAITCPU", timeout, "wait probe"))
 
 
 def measure_link(small=8, large=4 << 20, pool=16, trials=8, timeout=120, busy=0, polite=False):
@@ -531,7 +585,9 @@ class Device:
     """A rank's compute: the Profile's seconds divided by speed × quota.
 
     speed: a device factor (1 for the profile's own device; a simulated GPU's factor);
-    quota: v/k for a container of v vcores running k threads (< 1: CPU-throttled)."""
+    quota: v/k for a container of v vcores running k threads (< 1: CPU-throttled).
+    `full=True` gives the times at full speed (÷ speed only): what the rank computes
+    between two stops of its quota (quota_sim)."""
     name: str
     profile: Profile
     speed: float = 1.0
@@ -546,24 +602,51 @@ class Device:
     def _after_idle(self, waits):
         return self.idle if waits and self.idle is not None else self.profile
 
-    def fwd_bwd_s(self, rows):
+    def _per(self, full):
+        return self.speed if full else self.factor
+
+    def fwd_bwd_s(self, rows, full=False):
         """A throttled rank waits politely (it sleeps), so it computes after idle pauses."""
-        return self._after_idle(self.quota < 1.0).fwd_bwd_s(rows) / self.factor
+        return self._after_idle(self.quota < 1.0).fwd_bwd_s(rows) / self._per(full)
 
     def layer_s(self, name):
         return sum(lay.seconds for lay in self.profile.layer(name)) / self.factor
 
-    def share_s(self, name, kernels, worker=False):
+    def share_s(self, name, kernels, worker=False, full=False):
         """A conv-MP worker sleeps while the master runs the rest of the network."""
-        return self._after_idle(worker or self.quota < 1.0).share_s(name, kernels) / self.factor
+        return self._after_idle(worker or self.quota < 1.0).share_s(name, kernels) / self._per(full)
 
-    def optimizer_s(self, fraction=1.0):
-        return self.profile.optimizer_s * fraction / self.factor
+    def optimizer_s(self, fraction=1.0, full=False):
+        return self.profile.optimizer_s * fraction / self._per(full)
+
+    def sim_rank(self, sched, polite=False):
+        """This device as quota_sim sees it: a polite rank (throttled, or a conv-MP
+        worker) burns sched.wait_cpu of its speed while it waits, any other spins."""
+        return quota_sim.Rank(quota=self.quota, threads=self.profile.threads, weight=self.vcores,
+                              wait_cpu=sched.wait_cpu if polite or self.quota < 1.0 else 1.0)
 
     @property
     def step_s(self):
         """The whole batch on this device alone: forward, backward, optimizer."""
         return self.fwd_bwd_s(self.profile.batch) + self.optimizer_s()
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheduling:
+    """How the ranks get their CPUs: `cores` they share (the local engine: this
+    machine's; None: each container has its own, as on YARN), the CFS period of their
+    quotas, and `wait_cpu`, the fraction of a CPU a polite wait burns
+    (`measure_wait_cpu`; ~0.1 measured here)."""
+    cores: Optional[int] = None
+    wait_cpu: float = 0.1
+    period_s: float = quota_sim.PERIOD_S
+
+    def step_s(self, devices, phases, syncs, polite=()):
+        """quota_sim's mean step of `devices` running `phases` (full-speed seconds per
+        rank) each ended by the synchronisation in `syncs`; polite: ranks that wait
+        politely whatever their quota."""
+        ranks = [d.sim_rank(self, r in polite) for r, d in enumerate(devices)]
+        return quota_sim.step_s(phases, syncs, ranks, self.cores, self.period_s)
 
 
 def share_weights(devices, shares):
@@ -589,45 +672,51 @@ def _prediction(strategy, devices, step_s, compute_s, comm_s, split, **extra):
                  "comm_s": comm_s, "speedup": single / step_s, "split": split}, **extra)
 
 
-def _data_parallel(strategy, devices, link, batch, shares):
-    """Step of a data-parallel strategy: its seed formula on the (throttled) devices."""
+def _data_parallel(strategy, devices, link, batch, shares, sched=Scheduling()):
+    """Step of a data-parallel strategy: its seed formula on the (throttled) devices,
+    played out under their quotas (quota_sim) where any is throttled or cores are shared."""
     n, w = len(devices), devices[0].profile.param_bytes
     rows = split_rows(batch, share_weights(devices, shares))
     lg, a, bw = _log2(n), link.latency_s, link.bandwidth_Bps
 
     g = max(d.fwd_bwd_s(r) for d, r in zip(devices, rows))      # the slowest share
     if strategy == "allreduce":
-        opt = max(d.optimizer_s() for d in devices)
+        opt_part = [1.0] * n
         comm = 2 * (n - 1) / n * w / bw + 2 * (n - 1) * a
     elif strategy == "ps_central":
-        opt = devices[0].optimizer_s()
+        opt_part = [1.0] + [0.0] * (n - 1)
         comm = central_ps_s(n - 1, link.seconds(w), 0.0)[1]
     else:
-        opt = max(d.optimizer_s(1.0 / n) for d in devices)
+        opt_part = [1.0 / n] * n
         comm = sharded_ps_s(n, w / bw, 0.0) + 2 * a
+    opt = max(d.optimizer_s(f) for d, f in zip(devices, opt_part) if f)
     comm = comm + 2 * lg * a if n > 1 else 0.0
-    step = g + opt + comm
-    extra = {}
+    # compute, the exchange (every rank waits for it), the optimizer, the next step's
+    # row count all-reduce (a barrier)
+    step = sched.step_s(devices, [[d.fwd_bwd_s(r, full=True) for d, r in zip(devices, rows)],
+                                  [d.optimizer_s(f, full=True) for d, f in zip(devices, opt_part)]],
+                        [comm, 0.0])
+    extra = {"rank_s": [d.fwd_bwd_s(r) for d, r in zip(devices, rows)], "formula_s": g + opt + comm}
     if strategy == "ps_central" and n > 1:
         best, worst = central_ps_s(n - 1, link.seconds(w), g)
         extra["bounds"] = [best + opt, worst + opt]
-    return _prediction(strategy, devices, step, g + opt, comm, rows, **extra)
+    return _prediction(strategy, devices, step, step - comm, comm, rows, **extra)
 
 
-def predict_allreduce(devices, link, batch, shares="equal"):
+def predict_allreduce(devices, link, batch, shares="equal", sched=Scheduling()):
     """Ring all-reduce: g + max_r o_r + 2(n−1)/n·|W|/β + 2(n−1)α + 2⌈log2 n⌉α."""
-    return _data_parallel("allreduce", devices, link, batch, shares)
+    return _data_parallel("allreduce", devices, link, batch, shares, sched)
 
 
-def predict_central_ps(devices, link, batch, shares="equal"):
+def predict_central_ps(devices, link, batch, shares="equal", sched=Scheduling()):
     """Central server on rank 0 with m = n−1 remote workers: g + 2mc + o_0 (seed 4's upper
     bound; `bounds` holds both of seed 4's, (m+1)c + g and 2mc + g, plus o_0)."""
-    return _data_parallel("ps_central", devices, link, batch, shares)
+    return _data_parallel("ps_central", devices, link, batch, shares, sched)
 
 
-def predict_sharded_ps(devices, link, batch, shares="equal"):
+def predict_sharded_ps(devices, link, batch, shares="equal", sched=Scheduling()):
     """Sharded server: g + 2(n−1)/n·|W|/β + 2α + max_r o_r / n."""
-    return _data_parallel("ps_sharded", devices, link, batch, shares)
+    return _data_parallel("ps_sharded", devices, link, batch, shares, sched)
 
 
 def _bcast_s(nbytes, n, link):
@@ -671,16 +760,17 @@ def _conv_split(devices, names, split):
 
 
 def _conv_times(devices, link, names, layer_split):
-    """(rest on the master, [conv phase of each layer], communication, master's optimizer)."""
+    """(rest on the master, [(each rank's full-speed share, comm) per layer], the
+    communication in all, the fraction of the master's optimizer step it still runs)."""
     n, master = len(devices), devices[0]
     prof = master.profile
     lg, a, b = _log2(n), link.latency_s, link.bandwidth_Bps
     rest = max(0.0, master.fwd_bwd_s(prof.batch) - sum(master.layer_s(x) for x in names))
-    phases, comm, moved = [], 0.0, 0.0
+    layers, comm, moved = [], 0.0, 0.0
     for name in names:
         calls, counts = prof.layer(name), layer_split[name]
         kernels = sum(counts)
-        conv = max(d.share_s(name, c, worker=r > 0) for r, (c, d) in enumerate(zip(counts, devices)))
+        shares = [d.share_s(name, c, worker=r > 0, full=True) for r, (c, d) in enumerate(zip(counts, devices))]
         away = 1.0 - counts[0] / kernels
         moved += calls[0].param_bytes * away
         layer_comm = 0.0
@@ -689,16 +779,16 @@ def _conv_times(devices, link, names, layer_split):
                 layer_comm += _bcast_s(call.in_bytes, n, link) + 2 * away * call.out_bytes / b + 5 * lg * a
                 if call.needs_input_grad:
                     layer_comm += _bcast_s(call.in_bytes, n, link)
-        phases.append(conv + layer_comm)
+        layers.append((shares, layer_comm))
         comm += layer_comm
     if n > 1:
         comm += (2 * len(names) + 2) * lg * a
-    opt = master.optimizer_s(1.0 - moved / prof.param_bytes)
-    return rest, phases, comm, opt
+    return rest, layers, comm, 1.0 - moved / prof.param_bytes
 
 
-def predict_conv_mp(devices, link, names, split=None):
-    """Conv-layer model parallelism, rank 0 the master (formula in the module docstring).
+def predict_conv_mp(devices, link, names, split=None, sched=Scheduling()):
+    """Conv-layer model parallelism, rank 0 the master (formula in the module docstring),
+    played out under the ranks' quotas (quota_sim; the workers wait politely).
 
     split: kernel weights, one per rank (training.model_parallel.split), else each
     layer's kernels in proportion to the devices' speed on it. Returns None where a
@@ -709,26 +799,33 @@ def predict_conv_mp(devices, link, names, split=None):
         return None
     n, master = len(devices), devices[0]
     B = master.profile.batch
-    rest, phases, comm, opt = _conv_times(devices, link, names, layer_split)
+    rest, layers, comm, opt_part = _conv_times(devices, link, names, layer_split)
     protocol = (2 * len(names) + 2) * _log2(n) * link.latency_s if n > 1 else 0.0
-    step = rest + sum(phases) + opt + protocol
-    conv_s = sum(phases) - (comm - protocol)
+    idle = [0.0] * (n - 1)
+    # each layer's shares and its exchanges; the rest of the network on the master (its
+    # speed: rest is at its quota already); the master's optimizer and the step's protocol
+    phases = [shares for shares, _ in layers] + [[rest * master.quota] + idle,
+                                                 [master.optimizer_s(opt_part, full=True)] + idle]
+    step = sched.step_s(devices, phases, [c for _, c in layers] + [0.0, protocol], polite=range(1, n))
+    conv_s = sum(max(d.share_s(x, c, worker=r > 0) for r, (c, d) in enumerate(zip(layer_split[x], devices)))
+                 for x in names)
     speeds = [1.0 / d.fwd_bwd_s(B) for d in devices]
     f = conv_fraction(master, names)
     k = sum(speeds) / speeds[0]
     ideal = sum(proportional_s([d.layer_s(x) for d in devices]) for x in names)
-    return _prediction("conv_model_parallel", devices, step, rest + conv_s + opt, comm, layer_split,
-                       conv_s=conv_s, conv_ideal_s=ideal, rest_s=rest, conv_fraction=f,
+    formula = rest + conv_s + comm + master.optimizer_s(opt_part)
+    return _prediction("conv_model_parallel", devices, step, step - comm, comm, layer_split,
+                       formula_s=formula, conv_s=conv_s, conv_ideal_s=ideal, rest_s=rest, conv_fraction=f,
                        effective_devices=k, bound=amdahl_bound(f, k))
 
 
-def predict_all(devices, link, batch, shares="equal", conv_names=None, conv_split=None):
+def predict_all(devices, link, batch, shares="equal", conv_names=None, conv_split=None, sched=Scheduling()):
     """{strategy: prediction} for one cluster (devices[0] = rank 0, the master/server)."""
     names = conv_names if conv_names is not None else conv_layers_of(devices[0].profile)
-    return {"allreduce": predict_allreduce(devices, link, batch, shares),
-            "ps_central": predict_central_ps(devices, link, batch, shares),
-            "ps_sharded": predict_sharded_ps(devices, link, batch, shares),
-            "conv_model_parallel": predict_conv_mp(devices, link, names, conv_split) if names else None}
+    return {"allreduce": predict_allreduce(devices, link, batch, shares, sched),
+            "ps_central": predict_central_ps(devices, link, batch, shares, sched),
+            "ps_sharded": predict_sharded_ps(devices, link, batch, shares, sched),
+            "conv_model_parallel": predict_conv_mp(devices, link, names, conv_split, sched) if names else None}
 
 
 # ----------------------------------------------------------------------------------------
@@ -748,6 +845,7 @@ class PlanOptions:
     min_time: float = 0.1             # seconds each timed item runs (at least 3 runs)
     input_shape: tuple = None         # (C, H, W) when the job's data cannot be read
     num_classes: int = None
+    wait_cpu: float = None            # CPU fraction of a polite wait (default: measure_wait_cpu)
 
 
 def parse_options(measure=False, bandwidth=None, latency=None, machines=None, gpu_speed=None,
@@ -807,6 +905,17 @@ def _job_link(job, options):
         return link_from_rate(job.network.bandwidth, options.latency_s or job.network.latency,
                               "the job's network.bandwidth")
     return measure_link(**local_load(job))
+
+
+def _job_scheduling(job, devices, options):
+    """The Scheduling of the job's ranks: on the local engine they share this machine's
+    cores; a polite wait's CPU is measured where any rank waits politely (a throttled
+    rank, or a conv-MP worker), unless given."""
+    cores = (os.cpu_count() or 1) if job.backend == "local" else None
+    wait_cpu = options.wait_cpu
+    if wait_cpu is None:
+        wait_cpu = measure_wait_cpu() if len(devices) > 1 else Scheduling.wait_cpu
+    return Scheduling(cores=cores, wait_cpu=wait_cpu)
 
 
 def _make_optimizer_for(spec):
@@ -945,11 +1054,12 @@ def plan_job(job, options=PlanOptions()):
                     measure_shares(cold, model, shape, layer_split, min_time=options.min_time)
     by_id = {id(p): idle.get(k) for k, p in profiles.items()}
     devices = [dataclasses.replace(d, idle=by_id.get(id(d.profile))) for d in devices]
-    preds = predict_all(devices, link, B, spec.shares, names, spec.model_parallel.split)
+    sched = _job_scheduling(job, devices, options)
+    preds = predict_all(devices, link, B, spec.shares, names, spec.model_parallel.split, sched)
     # The data-parallel strategies also with speed-proportional shares, for the recommendation.
-    speed_preds = {k: f(devices, link, B, "speed") for k, f in (("allreduce", predict_allreduce),
-                                                                   ("ps_central", predict_central_ps),
-                                                                   ("ps_sharded", predict_sharded_ps))}
+    speed_preds = {k: f(devices, link, B, "speed", sched) for k, f in (("allreduce", predict_allreduce),
+                                                                          ("ps_central", predict_central_ps),
+                                                                          ("ps_sharded", predict_sharded_ps))}
     candidates = [(p["step_s"], k, p, "the job's shares") for k, p in preds.items() if p]
     candidates += [(p["step_s"], k, p, "shares: speed") for k, p in speed_preds.items()]
     _, best, best_p, how = min(candidates, key=lambda c: c[0])
@@ -965,6 +1075,7 @@ def plan_job(job, options=PlanOptions()):
                   "params": ref.profile.params, "param_bytes": ref.profile.param_bytes,
                   "conv_layers": names, "conv_fraction": f},
         "link": link.as_dict(),
+        "scheduling": dataclasses.asdict(sched),
         "devices": [{"rank": r, "name": d.name, "speed": d.speed, "quota": d.quota, "vcores": d.vcores,
                      "threads": d.profile.threads, "device": d.profile.device,
                      "step_s": d.step_s} for r, d in enumerate(devices)],
@@ -1038,6 +1149,14 @@ def _split_text(strategy, split):
     return "rows " + "/".join(map(str, split))
 
 
+def _scheduling_text(sc):
+    if not sc:
+        return "cpus: each rank has its own cores"
+    cores = f"the ranks share {sc['cores']} cores" if sc["cores"] else "each rank has its own cores"
+    return (f"cpus: {cores}; CFS period {sc['period_s'] * 1e3:g} ms; a polite wait burns "
+            f"{100 * sc['wait_cpu']:.0f}% of a CPU")
+
+
 def format_table(plan):
     """The plan as text: the job's predictions, the recommendation, the simulated clusters."""
     m, lk = plan["model"], plan["link"]
@@ -1046,6 +1165,7 @@ def format_table(plan):
              f"({m['input_from']})",
              f"link: {_rate(lk['bandwidth_bps'])}, latency {lk['latency_s'] * 1e6:.1f} us ({lk['source']})",
              "ranks: " + "; ".join(f"{d['rank']} {d['name']} step {d['step_s'] * 1e3:.1f} ms" for d in plan["devices"]),
+             _scheduling_text(plan.get("scheduling")),
              f"distributed convs {m['conv_layers']}: share of a step f = {m['conv_fraction']:.2f}; "
              f"rank 0 alone: {plan['single_s'] * 1e3:.1f} ms/step",
              "",
