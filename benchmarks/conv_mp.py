@@ -4,8 +4,9 @@
     python benchmarks/conv_mp.py --quick    # 128/384, batch 16, fewer steps (about a minute)
     python benchmarks/conv_mp.py --conv1 500 --conv2 1500   # the paper's widths (slow on CPU)
 
-Cases (each a real MPI world started with mpiexec; time per step = wall time of the
-timed steps between two barriers, divided by their number):
+Cases (each a real MPI world of processes joined as the engine's containers join,
+launcher.world.run_local; a throttled rank waits politely, as training.runner makes it;
+time per step = wall time of the timed steps between two barriers / their number):
     single 1x1        the plain single-process model, 1 thread (the baseline)
     single 1x2        the plain model, 1 process with 2 threads
     conv-mp 1r        the strategy on 1 rank, 1 thread (its overhead over the baseline)
@@ -29,9 +30,7 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 
@@ -73,16 +72,14 @@ def build_seed_model(conv1, conv2):
 
 def worker(case):
     """One case, on every rank of the world; rank 0 prints `RESULT {json}`."""
-    rank_env = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "-1"))  # MPICH, Open MPI
-    if case.get("cgroup") and case["throttle_rank"] == int(rank_env):
+    from launcher.world import LOCAL_WORLD_ENV, join_local
+    if case.get("cgroup") and case["throttle_rank"] == int(os.environ[LOCAL_WORLD_ENV].split(":")[-2]):
         with open(os.path.join(case["cgroup"], "cgroup.procs"), "w") as f:
             f.write(str(os.getpid()))
     import torch
     import torch.nn.functional as F
-    from mpi4py import MPI
     torch.set_num_threads(case["threads"])
-    comm = MPI.COMM_WORLD
-    rank, n = comm.Get_rank(), comm.Get_size()
+    comm, rank, n = join_local()
     torch.manual_seed(0)
     model, source = build_seed_model(case["conv1"], case["conv2"])
     g = torch.Generator().manual_seed(1)
@@ -102,8 +99,10 @@ def worker(case):
         from training.context import RankInfo, RunContext
         from training.strategies.conv_mp import ConvModelParallelStrategy
         vcores = case["vcores"]
+        from training import collectives
         ranks = [RankInfo(rank=r, group="g", instance=r, container=f"g_{r}", vcores=vcores[r],
                           memory_mib=1024, gpus=0) for r in range(n)]
+        collectives.set_polite(ranks[rank].throttled)        # as training.runner does
         ctx = RunContext(comm=comm, rank=rank, world_size=n, ranks=ranks, job=None, app_id="bench",
                          generation=0, workdir="/tmp", checkpoint_uri="", logdir="")
         job = conf.load_job({"name": "bench", "groups": [{"name": "g", "instances": n}],
@@ -148,27 +147,20 @@ def worker(case):
 
 # -- the driver -------------------------------------------------------------------------------
 
-def mpiexec():
-    """mpiexec and its flags. Open MPI binds each of up to 2 ranks to one core by default,
-    which would put both threads of the 1x2 case on one core: it gets --bind-to none,
-    the behaviour of MPICH's hydra."""
-    exe = shutil.which("mpiexec", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    if not exe:
-        raise SystemExit("mpiexec not found: pip install mpich")
-    version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
-    return [exe, "--bind-to", "none"] if "Open MPI" in version or "OpenRTE" in version else [exe]
-
-
 def run_case(ranks, case, timeout):
+    """The case on `ranks` processes joined into one world as the engine's containers join
+    (launcher.world.run_local: MPI singletons, Connect/Accept)."""
+    from launcher.world import run_local
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = str(case["threads"])
-    cmd = [*mpiexec(), "-n", str(ranks), sys.executable, os.path.abspath(__file__), "--worker", json.dumps(case)]
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(case)]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"case {case['name']} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    outs = run_local(cmd, ranks, env=env, timeout=timeout)
+    lines = [ln for ln in outs[0][1].splitlines() if ln.startswith("RESULT ")]
+    if any(rc for rc, _, _ in outs) or not lines:
+        raise RuntimeError(f"case {case['name']} failed ({[rc for rc, _, _ in outs]}):\n"
+                           + "\n".join(o[-2000:] + e[-2000:] for _, o, e in outs))
     out = json.loads(lines[-1][len("RESULT "):])
     out["wall_s"] = time.perf_counter() - t0
     return out

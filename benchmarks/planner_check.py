@@ -199,14 +199,16 @@ def run_strategy(ranks, case, cgroups, timeout):
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def predict(ranks, size, link, quick):
+def predict(ranks, size, link, probes, quick):
     """The planner's plan for the world of `ranks`: the model measured layer by layer here
-    and now, the link as measured before (its ping-pong)."""
+    and now; the link, the polite wait's CPU and the conv-MP worker's as measured before
+    for this world size (`probes`)."""
     import conf
     from training import planner
     job = conf.load_job(job_dict(ranks, size["model"], size["options"], size["batch"]))
     opts = planner.PlanOptions(bandwidths_bps=(link.bandwidth_bps,), latency_s=link.latency_s, machines=(1,),
-                               input_shape=size["input_shape"], num_classes=10, min_time=0.05 if quick else 0.2)
+                               input_shape=size["input_shape"], num_classes=10, min_time=0.05 if quick else 0.2,
+                               wait_cpu=probes["wait_cpu"], worker_s=probes["worker_s"])
     return planner.plan_job(job, opts)
 
 
@@ -261,12 +263,20 @@ def main(argv=None):
             import conf
             job = conf.load_job(job_dict(ranks, size["model"], size["options"], size["batch"]))
             link = planner.measure_link(**planner.local_load(job))
+            from training.models import build_model, conv_layers
+            convs = [name for name, _ in conv_layers(build_model(size["model"], size["input_shape"], 10,
+                                                                 size["options"]))]
+            probes = {"wait_cpu": planner.measure_wait_cpu(),
+                      "worker_s": planner.measure_worker_cpu(size["model"], size["options"], size["input_shape"],
+                                                             10, size["batch"], convs)}
         finally:
             if link_cg:
                 join_cgroup(CGROUP_CPU)
                 remove_cgroups(link_cg)
         print(f"{ranks} ranks: link {link.bandwidth_Bps / 1e9:.2f} GB/s, {link.latency_s * 1e6:.2f} us "
-              f"({link.source})", file=sys.stderr, flush=True)
+              f"({link.source}); polite wait {probes['wait_cpu'][0] * 1e3:.2f} ms + "
+              f"{100 * probes['wait_cpu'][1]:.0f}% CPU; conv-MP worker's own CPU {probes['worker_s'] * 1e3:.2f} ms/step",
+              file=sys.stderr, flush=True)
         # One cgroup per rank, and one for the planner's in-process measurement: no quota (its
         # co-runners, planner.co_runners, start in it and must not share one core with it),
         # the reserved shares.
@@ -274,13 +284,14 @@ def main(argv=None):
         if why:
             print(f"warning: ranks run unthrottled ({why})", file=sys.stderr)
         meta["links"][ranks], meta["throttled"][ranks] = link.as_dict(), cgroups is not None
+        meta.setdefault("probes", {})[ranks] = probes
         try:
             for rep, name in [(r, n) for r in range(a.repeat) for n in names]:
                 # Predicted right before the run, so both see the machine as loaded as it is now.
                 if cgroups:
                     join_cgroup(cgroups[-1])
                 try:
-                    plan = predict(ranks, size, link, a.quick)
+                    plan = predict(ranks, size, link, probes, a.quick)
                 finally:
                     if cgroups:
                         join_cgroup(CGROUP_CPU)

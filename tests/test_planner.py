@@ -66,7 +66,7 @@ def test_shares_and_quota_shape_the_data_parallel_step():
     free = Link(0.0, 1e15)
     big, small = Device("big", prof, vcores=1.0), Device("small", prof, vcores=0.5, quota=0.5)
     # vcores shares: 43 / 21 rows; the small rank computes 21 rows at half speed
-    asleep = planner.Scheduling(wait_cpu=0.0)
+    asleep = planner.Scheduling(wait_s=0.0, wait_cpu=0.0)
     p = planner.predict_allreduce([big, small], free, 64, "vcores", asleep)
     assert p["split"] == [43, 21]
     assert p["rank_s"] == pytest.approx([0.1 * 43 / 64, 2 * 0.1 * 21 / 64])
@@ -75,8 +75,12 @@ def test_shares_and_quota_shape_the_data_parallel_step():
     assert p["step_s"] == pytest.approx(p["compute_s"] + p["comm_s"])
     # waits that burn 10% of a CPU use up the small rank's quota while it waits for the
     # big one (quota_sim): the step gets longer
-    q = planner.predict_allreduce([big, small], free, 64, "vcores", planner.Scheduling(wait_cpu=0.1))
+    q = planner.predict_allreduce([big, small], free, 64, "vcores", planner.Scheduling(wait_s=0.0, wait_cpu=0.1))
     assert q["step_s"] > 1.01 * p["step_s"]
+    # and each of its 4 waits a step (rows, loss, the ring's 2 exchanges) costs it 1 ms
+    r = planner.predict_allreduce([big, small], free, 64, "vcores", planner.Scheduling(wait_s=1e-3, wait_cpu=0.0),
+                                  ring_threshold_kb=0.0)
+    assert r["step_s"] == pytest.approx(2 * (0.1 * 21 / 64 + 4e-3), rel=0.02)
     # equal shares on a simulated 2x faster device: the slow one bounds the compute
     fast = Device("gpu", prof, speed=2.0)
     q = planner.predict_allreduce([fast, Device("cpu", prof)], free, 64, "equal")
@@ -183,6 +187,14 @@ def test_measure_link_with_a_real_ping_pong():
     job = conf.load_job({"name": "t", "groups": [{"name": "a", "instances": os.cpu_count() + 1, "vcores": 0.5}],
                          "training": {"data": {"train": "file:///x"}}})
     assert planner.local_load(job) == {"busy": 1, "polite": True}
+
+
+def test_measure_wait_cpu_with_real_polite_waits():
+    # a polite wait costs a fixed part (its spin, the first short sleeps) and a part per
+    # second it lasts (a wake-up every ~0.2 ms): far less than a spinning wait's whole CPU
+    a, r = planner.measure_wait_cpu(late=(0.002, 0.01, 0.03), repeat=4)
+    assert 0 < a < 2e-3
+    assert 0 < r < 0.5
 
 
 # -- yarnapp plan ----------------------------------------------------------------------------

@@ -17,6 +17,11 @@ def test_a_throttled_rank_alone_runs_at_its_quota():
     # 20 ms of work per step at 0.5 of a core: 2.5 steps per 100 ms period, 40 ms each
     assert step_s([[0.02]], [0.0], [HALF]) == pytest.approx(0.04, rel=0.02)
     assert step_s([[0.02]], [0.0], [Rank(quota=0.25, wait_cpu=0.0)]) == pytest.approx(0.08, rel=0.02)
+    # ten waits a step at 1 ms of CPU each: 30 ms of its quota a step
+    waiting = Rank(quota=0.5, wait_cpu=0.0, wait_s=1e-3)
+    assert step_s([[0.02]], [0.0], [waiting], waits=[10]) == pytest.approx(0.06, rel=0.02)
+    # without a quota the waits' CPU delays nothing
+    assert step_s([[0.02]], [0.0], [Rank(wait_cpu=0.0, wait_s=1e-3)], waits=[10]) == pytest.approx(0.02)
 
 
 def test_waiting_spends_a_polite_ranks_quota():

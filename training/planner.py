@@ -253,7 +253,7 @@ from launcher.world import join_local
 from training import collectives
 comm, rank, _ = join_local()
 collectives.set_polite(True)
-buf, cpu, wall = np.zeros(8, np.uint8), 0.0, 0.0
+buf, out = np.zeros(8, np.uint8), {}
 for late in LATE:
     comm.Barrier()
     if rank == 0:
@@ -265,23 +265,31 @@ for late in LATE:
     else:
         c, t = time.process_time(), time.perf_counter()
         collectives.wait(comm.Irecv(buf, 0, 5))
-        cpu, wall = cpu + time.process_time() - c, wall + time.perf_counter() - t
+        cpu, wall = out.setdefault(str(late), [0.0, 0.0, 0])[:2]
+        out[str(late)] = [cpu + time.process_time() - c, wall + time.perf_counter() - t, out[str(late)][2] + 1]
         comm.Send(buf, 0, 6)
 comm.Barrier()
 if rank == 0:
     print("WAITCPU " + json.dumps(comm.recv(source=1)), flush=True)
 else:
-    comm.send(cpu / wall, dest=0)
+    comm.send(out, dest=0)
 '''
 
 
-def measure_wait_cpu(late=(0.005, 0.01, 0.02), repeat=10, timeout=60):
-    """The fraction of a CPU a polite wait (training.collectives.wait, as throttled ranks
-    and conv-MP workers wait) burns while its message is late: two joined ranks, one
-    computing `late` seconds before it sends, the other waiting and counting its own CPU
-    seconds. ~0.1 here: after its 0.2 ms spin it still wakes every ~0.2 ms to test."""
+def measure_wait_cpu(late=(0.002, 0.005, 0.02), repeat=10, timeout=60):
+    """(a, r): what a polite wait (training.collectives.wait, as throttled ranks and conv-MP
+    workers wait) costs in CPU: a seconds for every wait (its 0.2 ms spin, the first short
+    sleeps) plus r seconds per second it lasts (a wake-up every ~0.2 ms to test). Two
+    joined ranks, one computing `late` seconds before it sends, the other waiting and
+    counting its own CPU seconds; a line fitted through the mean of each `late`.
+    Measured here: a ~0.3 ms, r ~0.1."""
     code = _WAIT_CPU.replace("LATE", repr(list(late) * repeat))
-    return float(_run_pair(code, "WAITCPU", timeout, "wait probe"))
+    out = _run_pair(code, "WAITCPU", timeout, "wait probe")
+    points = [(wall / k, cpu / k) for cpu, wall, k in out.values()]
+    mw, mc = statistics.fmean(w for w, _ in points), statistics.fmean(c for _, c in points)
+    r = sum((w - mw) * (c - mc) for w, c in points) / max(sum((w - mw) ** 2 for w, _ in points), 1e-18)
+    r = min(max(r, 0.0), 1.0)
+    return max(0.0, mc - r * mw), r
 
 
 def measure_link(small=8, large=4 << 20, pool=16, trials=8, timeout=120, busy=0, polite=False):
@@ -312,6 +320,75 @@ def measure_link(small=8, large=4 << 20, pool=16, trials=8, timeout=120, busy=0,
     return Link(max(alpha, loaded), beta,
                 f"measured (ping-pong of 2 joined ranks on this machine; latency with {busy} "
                 f"busy process{'es' if busy > 1 else ''}{', polite' if polite else ''})", idle_latency_s=alpha)
+
+
+_WORKER_CPU = r'''
+import json, time
+import torch
+from training import collectives
+spent = [0.0]
+_wait = collectives.wait
+
+
+def wait(reqs, polite=None):                    # every wait of the strategy, CPU counted
+    c = time.process_time()
+    try:
+        return _wait(reqs, polite)
+    finally:
+        spent[0] += time.process_time() - c
+
+
+collectives.wait = wait                         # before the strategy's modules bind it
+import conf
+from launcher.world import join_local
+from training.context import RankInfo, RunContext
+from training.models import build_model
+from training.strategies.conv_mp import ConvModelParallelStrategy
+a = json.loads(ARGS)
+comm, rank, n = join_local()
+torch.set_num_threads(1)
+collectives.set_polite(rank == 1)               # the worker waits as a throttled one does
+job = conf.load_job({"name": "probe", "groups": [{"name": "g", "instances": n}],
+                     "training": {"strategy": "conv_model_parallel", "model": a["model"],
+                                  "model_options": a["options"], "data": {"train": "file:///unused"},
+                                  "batch_size": a["batch"],
+                                  "model_parallel": {"split": [1.0] * n, "layers": a["layers"]}}})
+ranks = [RankInfo(rank=r, group="g", instance=r, container=f"g_{r}", vcores=1.0, memory_mib=1024, gpus=0)
+         for r in range(n)]
+ctx = RunContext(comm=comm, rank=rank, world_size=n, ranks=ranks, job=job, app_id="probe", generation=0,
+                 workdir="/tmp", checkpoint_uri="", logdir="")
+torch.manual_seed(0)
+model = build_model(a["model"], tuple(a["shape"]), a["classes"], a["options"])
+s = ConvModelParallelStrategy(ctx, job.training)
+s.setup(model, lambda ps: torch.optim.SGD(ps, lr=0.01))
+x = torch.randn(a["batch"], *a["shape"]) if rank == 0 else None
+y = torch.randint(0, a["classes"], (a["batch"],)) if rank == 0 else None
+for _ in range(3):
+    s.train_step(x, y)
+comm.Barrier()
+spent[0], conv, c0 = 0.0, 0.0, time.process_time()
+for _ in range(a["steps"]):
+    s.train_step(x, y)
+    conv += sum(layer.timings.conv_s for layer in s.layers.values())
+cpu = time.process_time() - c0
+if rank == 0:
+    print("WORKERCPU " + json.dumps(comm.recv(source=1)), flush=True)
+elif rank == 1:
+    comm.send({"cpu": cpu, "conv": conv, "waits": spent[0], "steps": a["steps"]}, dest=0)
+'''
+
+
+def measure_worker_cpu(model_name, options, sample_shape, classes, batch, layers, steps=10, timeout=120):
+    """Seconds of CPU a conv-MP worker spends per step besides its conv shares and its
+    waits: the protocol's Python, autograd around the shares, the MPI calls, its
+    optimizer. The real strategy (training.strategies.conv_mp) on two joined ranks,
+    kernels split equally, the worker waiting politely; its CPU per step minus the time
+    of its shares (their own clock) and the CPU inside its waits. ~3 ms a step here for
+    seed_cnn (two layers), as much as a fifth of a 0.5-vcore worker's budget."""
+    args = {"model": model_name, "options": dict(options), "shape": list(sample_shape), "classes": int(classes),
+            "batch": int(batch), "layers": list(layers), "steps": int(steps)}
+    out = _run_pair(_WORKER_CPU.replace("ARGS", repr(json.dumps(args))), "WORKERCPU", timeout, "conv-MP probe")
+    return max(0.0, (out["cpu"] - out["conv"] - out["waits"]) / out["steps"])
 
 
 # ----------------------------------------------------------------------------------------
@@ -622,8 +699,10 @@ class Device:
     def sim_rank(self, sched, polite=False):
         """This device as quota_sim sees it: a polite rank (throttled, or a conv-MP
         worker) burns sched.wait_cpu of its speed while it waits, any other spins."""
+        polite = polite or self.quota < 1.0
         return quota_sim.Rank(quota=self.quota, threads=self.profile.threads, weight=self.vcores,
-                              wait_cpu=sched.wait_cpu if polite or self.quota < 1.0 else 1.0)
+                              wait_cpu=sched.wait_cpu if polite else 1.0,
+                              wait_s=sched.wait_s if polite else 0.0)
 
     @property
     def step_s(self):
@@ -635,18 +714,19 @@ class Device:
 class Scheduling:
     """How the ranks get their CPUs: `cores` they share (the local engine: this
     machine's; None: each container has its own, as on YARN), the CFS period of their
-    quotas, and `wait_cpu`, the fraction of a CPU a polite wait burns
-    (`measure_wait_cpu`; ~0.1 measured here)."""
+    quotas, and what a polite wait costs in CPU: `wait_s` for each wait plus `wait_cpu`
+    of a CPU while it lasts (`measure_wait_cpu`; here ~0.3 ms and ~0.1)."""
     cores: Optional[int] = None
+    wait_s: float = 0.3e-3
     wait_cpu: float = 0.1
     period_s: float = quota_sim.PERIOD_S
 
-    def step_s(self, devices, phases, syncs, polite=()):
+    def step_s(self, devices, phases, syncs, waits, polite=()):
         """quota_sim's mean step of `devices` running `phases` (full-speed seconds per
-        rank) each ended by the synchronisation in `syncs`; polite: ranks that wait
-        politely whatever their quota."""
+        rank) each ended by the synchronisation in `syncs`, with waits[k] waits in phase
+        k; `polite`: ranks that wait politely whatever their quota (conv-MP workers)."""
         ranks = [d.sim_rank(self, r in polite) for r, d in enumerate(devices)]
-        return quota_sim.step_s(phases, syncs, ranks, self.cores, self.period_s)
+        return quota_sim.step_s(phases, syncs, ranks, self.cores, self.period_s, waits=waits)
 
 
 def share_weights(devices, shares):
@@ -672,7 +752,8 @@ def _prediction(strategy, devices, step_s, compute_s, comm_s, split, **extra):
                  "comm_s": comm_s, "speedup": single / step_s, "split": split}, **extra)
 
 
-def _data_parallel(strategy, devices, link, batch, shares, sched=Scheduling()):
+def _data_parallel(strategy, devices, link, batch, shares, sched=Scheduling(), bucket_mb=4.0,
+                   ring_threshold_kb=256.0):
     """Step of a data-parallel strategy: its seed formula on the (throttled) devices,
     played out under their quotas (quota_sim) where any is throttled or cores are shared."""
     n, w = len(devices), devices[0].profile.param_bytes
@@ -692,10 +773,17 @@ def _data_parallel(strategy, devices, link, batch, shares, sched=Scheduling()):
     opt = max(d.optimizer_s(f) for d, f in zip(devices, opt_part) if f)
     comm = comm + 2 * lg * a if n > 1 else 0.0
     # compute, the exchange (every rank waits for it), the optimizer, the next step's
-    # row count all-reduce (a barrier)
+    # row count all-reduce (a barrier); a rank's waits in a step: the row count and the
+    # loss all-reduces, and the exchange's (each gradient bucket's, or one send and one
+    # receive)
+    if strategy == "allreduce":
+        buckets = max(1, math.ceil(w / (bucket_mb * 2**20)))
+        exchange = buckets * (2 * (n - 1) if w / buckets >= ring_threshold_kb * 1024 else 1)
+    else:
+        exchange = 2
     step = sched.step_s(devices, [[d.fwd_bwd_s(r, full=True) for d, r in zip(devices, rows)],
                                   [d.optimizer_s(f, full=True) for d, f in zip(devices, opt_part)]],
-                        [comm, 0.0])
+                        [comm, 0.0], [2 + exchange if n > 1 else 0, 0])
     extra = {"rank_s": [d.fwd_bwd_s(r) for d, r in zip(devices, rows)], "formula_s": g + opt + comm}
     if strategy == "ps_central" and n > 1:
         best, worst = central_ps_s(n - 1, link.seconds(w), g)
@@ -703,9 +791,11 @@ def _data_parallel(strategy, devices, link, batch, shares, sched=Scheduling()):
     return _prediction(strategy, devices, step, step - comm, comm, rows, **extra)
 
 
-def predict_allreduce(devices, link, batch, shares="equal", sched=Scheduling()):
-    """Ring all-reduce: g + max_r o_r + 2(n−1)/n·|W|/β + 2(n−1)α + 2⌈log2 n⌉α."""
-    return _data_parallel("allreduce", devices, link, batch, shares, sched)
+def predict_allreduce(devices, link, batch, shares="equal", sched=Scheduling(), bucket_mb=4.0,
+                      ring_threshold_kb=256.0):
+    """Ring all-reduce: g + max_r o_r + 2(n−1)/n·|W|/β + 2(n−1)α + 2⌈log2 n⌉α (bucket_mb,
+    ring_threshold_kb: training.allreduce's, for the number of waits per step)."""
+    return _data_parallel("allreduce", devices, link, batch, shares, sched, bucket_mb, ring_threshold_kb)
 
 
 def predict_central_ps(devices, link, batch, shares="equal", sched=Scheduling()):
@@ -786,13 +876,15 @@ def _conv_times(devices, link, names, layer_split):
     return rest, layers, comm, 1.0 - moved / prof.param_bytes
 
 
-def predict_conv_mp(devices, link, names, split=None, sched=Scheduling()):
+def predict_conv_mp(devices, link, names, split=None, sched=Scheduling(), worker_s=0.0):
     """Conv-layer model parallelism, rank 0 the master (formula in the module docstring),
     played out under the ranks' quotas (quota_sim; the workers wait politely).
 
     split: kernel weights, one per rank (training.model_parallel.split), else each
-    layer's kernels in proportion to the devices' speed on it. Returns None where a
-    layer has fewer kernels than there are ranks (it cannot be split).
+    layer's kernels in proportion to the devices' speed on it. worker_s: a worker's CPU
+    per step besides its shares and waits (measure_worker_cpu), spread over the layers
+    by their calls. Returns None where a layer has fewer kernels than there are ranks
+    (it cannot be split).
     """
     layer_split = _conv_split(devices, names, split)
     if layer_split is None:
@@ -802,11 +894,19 @@ def predict_conv_mp(devices, link, names, split=None, sched=Scheduling()):
     rest, layers, comm, opt_part = _conv_times(devices, link, names, layer_split)
     protocol = (2 * len(names) + 2) * _log2(n) * link.latency_s if n > 1 else 0.0
     idle = [0.0] * (n - 1)
-    # each layer's shares and its exchanges; the rest of the network on the master (its
+    calls = [len(master.profile.layer(x)) for x in names]
+    layers = [([t + (worker_s * c / sum(calls) / d.speed if r else 0.0)
+                for r, (t, d) in enumerate(zip(shares, devices))], comm_l)
+              for (shares, comm_l), c in zip(layers, calls)]
+    # each layer's shares (and the workers' protocol) and its exchanges; the rest of the network on the master (its
     # speed: rest is at its quota already); the master's optimizer and the step's protocol
     phases = [shares for shares, _ in layers] + [[rest * master.quota] + idle,
                                                  [master.optimizer_s(opt_part, full=True)] + idle]
-    step = sched.step_s(devices, phases, [c for _, c in layers] + [0.0, protocol], polite=range(1, n))
+    # a worker's waits: per call of a layer, the command, X's broadcast and the gather in
+    # forward, the command and the scatter in backward (and dX's reduce where needed);
+    # the step's end and the gather of conv times
+    waits = [sum(5 + call.needs_input_grad for call in master.profile.layer(x)) for x in names] + [0, 2]
+    step = sched.step_s(devices, phases, [c for _, c in layers] + [0.0, protocol], waits, polite=range(1, n))
     conv_s = sum(max(d.share_s(x, c, worker=r > 0) for r, (c, d) in enumerate(zip(layer_split[x], devices)))
                  for x in names)
     speeds = [1.0 / d.fwd_bwd_s(B) for d in devices]
@@ -819,13 +919,16 @@ def predict_conv_mp(devices, link, names, split=None, sched=Scheduling()):
                        effective_devices=k, bound=amdahl_bound(f, k))
 
 
-def predict_all(devices, link, batch, shares="equal", conv_names=None, conv_split=None, sched=Scheduling()):
-    """{strategy: prediction} for one cluster (devices[0] = rank 0, the master/server)."""
+def predict_all(devices, link, batch, shares="equal", conv_names=None, conv_split=None, sched=Scheduling(),
+                allreduce=None, worker_s=0.0):
+    """{strategy: prediction} for one cluster (devices[0] = rank 0, the master/server);
+    allreduce: {bucket_mb, ring_threshold_kb} of the job; worker_s: predict_conv_mp's."""
     names = conv_names if conv_names is not None else conv_layers_of(devices[0].profile)
-    return {"allreduce": predict_allreduce(devices, link, batch, shares, sched),
+    return {"allreduce": predict_allreduce(devices, link, batch, shares, sched, **(allreduce or {})),
             "ps_central": predict_central_ps(devices, link, batch, shares, sched),
             "ps_sharded": predict_sharded_ps(devices, link, batch, shares, sched),
-            "conv_model_parallel": predict_conv_mp(devices, link, names, conv_split, sched) if names else None}
+            "conv_model_parallel": predict_conv_mp(devices, link, names, conv_split, sched, worker_s) if names
+            else None}
 
 
 # ----------------------------------------------------------------------------------------
@@ -845,7 +948,8 @@ class PlanOptions:
     min_time: float = 0.1             # seconds each timed item runs (at least 3 runs)
     input_shape: tuple = None         # (C, H, W) when the job's data cannot be read
     num_classes: int = None
-    wait_cpu: float = None            # CPU fraction of a polite wait (default: measure_wait_cpu)
+    wait_cpu: tuple = None            # (a, r) of a polite wait (default: measure_wait_cpu)
+    worker_s: float = None            # a conv-MP worker's own CPU per step (default: measure_worker_cpu)
 
 
 def parse_options(measure=False, bandwidth=None, latency=None, machines=None, gpu_speed=None,
@@ -912,10 +1016,13 @@ def _job_scheduling(job, devices, options):
     cores; a polite wait's CPU is measured where any rank waits politely (a throttled
     rank, or a conv-MP worker), unless given."""
     cores = (os.cpu_count() or 1) if job.backend == "local" else None
-    wait_cpu = options.wait_cpu
-    if wait_cpu is None:
-        wait_cpu = measure_wait_cpu() if len(devices) > 1 else Scheduling.wait_cpu
-    return Scheduling(cores=cores, wait_cpu=wait_cpu)
+    if options.wait_cpu is not None:
+        wait_s, wait_cpu = options.wait_cpu
+    elif len(devices) > 1:
+        wait_s, wait_cpu = measure_wait_cpu()
+    else:
+        wait_s, wait_cpu = Scheduling.wait_s, Scheduling.wait_cpu
+    return Scheduling(cores=cores, wait_s=wait_s, wait_cpu=wait_cpu)
 
 
 def _make_optimizer_for(spec):
@@ -1055,11 +1162,16 @@ def plan_job(job, options=PlanOptions()):
     by_id = {id(p): idle.get(k) for k, p in profiles.items()}
     devices = [dataclasses.replace(d, idle=by_id.get(id(d.profile))) for d in devices]
     sched = _job_scheduling(job, devices, options)
-    preds = predict_all(devices, link, B, spec.shares, names, spec.model_parallel.split, sched)
+    ar = {"bucket_mb": spec.allreduce.bucket_mb, "ring_threshold_kb": spec.allreduce.ring_threshold_kb}
+    worker_s = options.worker_s
+    if worker_s is None:
+        worker_s = measure_worker_cpu(spec.model, spec.model_options, shape, classes, B, names) \
+            if names and len(devices) > 1 else 0.0
+    preds = predict_all(devices, link, B, spec.shares, names, spec.model_parallel.split, sched, ar, worker_s)
     # The data-parallel strategies also with speed-proportional shares, for the recommendation.
-    speed_preds = {k: f(devices, link, B, "speed", sched) for k, f in (("allreduce", predict_allreduce),
-                                                                          ("ps_central", predict_central_ps),
-                                                                          ("ps_sharded", predict_sharded_ps))}
+    speed_preds = {"allreduce": predict_allreduce(devices, link, B, "speed", sched, **ar),
+                   "ps_central": predict_central_ps(devices, link, B, "speed", sched),
+                   "ps_sharded": predict_sharded_ps(devices, link, B, "speed", sched)}
     candidates = [(p["step_s"], k, p, "the job's shares") for k, p in preds.items() if p]
     candidates += [(p["step_s"], k, p, "shares: speed") for k, p in speed_preds.items()]
     _, best, best_p, how = min(candidates, key=lambda c: c[0])
@@ -1075,7 +1187,7 @@ def plan_job(job, options=PlanOptions()):
                   "params": ref.profile.params, "param_bytes": ref.profile.param_bytes,
                   "conv_layers": names, "conv_fraction": f},
         "link": link.as_dict(),
-        "scheduling": dataclasses.asdict(sched),
+        "scheduling": dict(dataclasses.asdict(sched), conv_worker_s=worker_s),
         "devices": [{"rank": r, "name": d.name, "speed": d.speed, "quota": d.quota, "vcores": d.vcores,
                      "threads": d.profile.threads, "device": d.profile.device,
                      "step_s": d.step_s} for r, d in enumerate(devices)],
@@ -1087,7 +1199,7 @@ def plan_job(job, options=PlanOptions()):
         "recommended": {"strategy": best, "step_s": best_p["step_s"], "speedup": best_p["speedup"],
                         "split": best_p["split"], "why": why},
         "bound": preds["conv_model_parallel"]["bound"] if preds["conv_model_parallel"] else None,
-        "scaling": simulate(ref, link.between_machines(), B, names, options),
+        "scaling": simulate(ref, link.between_machines(), B, names, options, worker_s),
         "volumes": _volumes(model, shape, [d.speed for d in devices], B),
     }
     return _rounded(plan)
@@ -1106,7 +1218,7 @@ def _volumes(model, shape, capacities, batch):
         return {"note": f"no volume report: {e}"}
 
 
-def simulate(ref, link, batch, names, options):
+def simulate(ref, link, batch, names, options, worker_s=0.0):
     """Predictions for clusters of m machines like `ref` (speed 1) for every m in
     options.machines and every bandwidth (options.bandwidths_bps, else the job's link),
     and, with options.gpu_speed, for one GPU (ref × gpu_speed, the master) plus m−1 CPUs
@@ -1122,7 +1234,7 @@ def simulate(ref, link, batch, names, options):
                 devs = [ref] * m
                 if gpu:
                     devs = [dataclasses.replace(ref, name=f"gpu (x{gpu:g})", speed=ref.speed * gpu)] + [ref] * (m - 1)
-                preds = predict_all(devs, lk, batch, "speed", names, None)
+                preds = predict_all(devs, lk, batch, "speed", names, None, worker_s=worker_s)
                 out.append({"cluster": kind, "machines": m, "bandwidth_bps": bps,
                             "strategies": {k: (None if p is None else {"step_s": p["step_s"], "speedup": p["speedup"]})
                                            for k, p in preds.items()},
@@ -1153,8 +1265,10 @@ def _scheduling_text(sc):
     if not sc:
         return "cpus: each rank has its own cores"
     cores = f"the ranks share {sc['cores']} cores" if sc["cores"] else "each rank has its own cores"
-    return (f"cpus: {cores}; CFS period {sc['period_s'] * 1e3:g} ms; a polite wait burns "
-            f"{100 * sc['wait_cpu']:.0f}% of a CPU")
+    worker = (f"; a conv-MP worker's own CPU {sc['conv_worker_s'] * 1e3:.2f} ms/step"
+              if sc.get("conv_worker_s") else "")
+    return (f"cpus: {cores}; CFS period {sc['period_s'] * 1e3:g} ms; a polite wait costs "
+            f"{sc['wait_s'] * 1e3:.2f} ms of CPU + {100 * sc['wait_cpu']:.0f}% of one while it lasts{worker}")
 
 
 def format_table(plan):

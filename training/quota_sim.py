@@ -29,11 +29,13 @@ class Rank:
     """quota: fraction of its full speed per period (vcores / threads; 1 = no quota);
     threads: the cores it uses at full speed; weight: its cpu.shares (vcores);
     wait_cpu: fraction of its full speed it burns while it waits (1: spins; a polite
-    rank's measured fraction; 0: blocks)."""
+    rank's measured fraction; 0: blocks); wait_s: what each of its waits costs besides
+    (full-speed seconds of its quota)."""
     quota: float = 1.0
     threads: int = 1
     weight: float = 1.0
     wait_cpu: float = 1.0
+    wait_s: float = 0.0
 
 
 def _shares(want, weights, cores):
@@ -56,12 +58,13 @@ def _shares(want, weights, cores):
 
 
 def step_s(phases, syncs, ranks: Sequence[Rank], cores: Optional[float] = None,
-           period_s=PERIOD_S, periods=40, offsets=None):
+           period_s=PERIOD_S, periods=40, offsets=None, waits=None):
     """Mean seconds per step.
 
     phases[k][r]: seconds rank r computes in phase k at its full speed (0: it waits);
     syncs[k]: seconds of the synchronisation that ends phase k (every rank waits), which
     starts once every rank has finished phase k and is not stopped by its quota;
+    waits[k]: how many waits a rank has in phase k (each costs its quota rank.wait_s);
     ranks: one Rank each; cores: the cores they share (None: each has its own);
     the mean is taken over the steps that end after the first period, within `periods`
     periods (and at least 8 steps); offsets: where each rank's period starts (default
@@ -87,6 +90,10 @@ def step_s(phases, syncs, ranks: Sequence[Rank], cores: Optional[float] = None,
     while t < horizon or len(ends) < 9:
         if sync_end is None and all(rem[r] <= _EPS and not stopped[r] for r in range(n)):
             sync_end = t + syncs[k]            # every rank is done and can take part
+            for r in range(n):                 # ... and pays for its waits of the phase
+                if ranks[r].quota < 1.0 and waits:
+                    used[r] += waits[k] * ranks[r].wait_s
+                    stopped[r] = used[r] >= budget[r] - _EPS
         if sync_end is not None and t >= sync_end - _EPS:
             sync_end = None
             k = (k + 1) % len(phases)
