@@ -197,6 +197,13 @@ def test_measure_wait_cpu_with_real_polite_waits():
     assert 0 < r < 0.5
 
 
+def test_measure_worker_cpu_runs_the_real_strategy_on_two_ranks():
+    # what a conv-MP worker spends per step besides its shares and waits: the protocol's
+    # Python, autograd, the MPI calls; some, and far below a step
+    own = planner.measure_worker_cpu("digits_cnn", {}, (1, 8, 8), 10, 16, ["conv1", "conv2"], steps=8)
+    assert 0 < own < 0.05
+
+
 # -- yarnapp plan ----------------------------------------------------------------------------
 
 def test_cli_plan_prints_a_table_and_writes_png_and_json(cli, tmp_path):

@@ -14,14 +14,19 @@ What is measured (on this machine, in this process, unless given):
     (a throttled rank; a conv-MP worker) is timed after 20 ms pauses (`idle_profile`:
     ~20% slower than back to back). On the local engine the ranks share this machine, so
     all of this is timed beside min(n, cores) − 1 co-runners training the same model
-    (`co_runners`). A fractional vcore is emulated by scaling: a container of v vcores
-    running k threads gets the quota q = v/k of k cores, so its times are the k-thread
-    times / q;
+    (`co_runners`). A container of v vcores running k threads gets the quota q = v/k of
+    k cores (see "CPU quotas" below);
     the link: one-way time of m bytes t(m) = α + m/β, fitted to an MPI ping-pong between
     two processes joined as two containers' ranks are (α from 8-byte messages, β from
     cache-cold 4 MiB ones), or given. Where the job has more ranks on this machine than
     cores, α is measured with the CPUs busy (`measure_link(busy=...)`): every
-    synchronisation then waits for the scheduler, ~0.6 ms instead of ~2 us.
+    synchronisation then waits for the scheduler, ~0.6 ms instead of ~2 us;
+    what waiting costs a rank that waits politely (throttled ranks, conv-MP workers):
+    a + r·wait seconds of CPU per wait (`measure_wait_cpu`: ~0.3 ms and ~0.1 here), and
+    what a conv-MP worker spends per step besides its shares and waits (the protocol's
+    Python, autograd, MPI calls: `measure_worker_cpu`, the real strategy on two joined
+    ranks, ~3 ms a step for seed_cnn here). Both matter only where CPU is scarce: on a
+    0.5-vcore rank they come out of its quota.
 
 Notation: n ranks (rank 0 first), g_r = t_r(n_r) the compute of rank r's share of n_r
 rows (shares: equal | vcores | speed | list, split as the strategies split them),
@@ -66,9 +71,9 @@ rank 0's divided by gpu_speed, as the master of n−1 such CPUs.
 
 The plan is a JSON-ready dict (`plan_job`); `format_table` and `write_png` present it.
 Not modelled: overlap of the ring's buckets with backward (the ring's time is added
-after compute), the strategies' own CPU per step beyond the model's and the waits' (the
-conv strategy's copies around Gatherv/Scatterv, derived-datatype packing, the protocol's
-Python; on a throttled rank it counts twice), other load on the machine.
+after compute), the data-parallel strategies' own CPU per step beyond the model's and
+the waits' (hooks, bucket copies: ~0.5 ms a step here), the conv-MP master's protocol
+CPU, other load on the machine.
 """
 import contextlib
 import copy
@@ -366,29 +371,30 @@ y = torch.randint(0, a["classes"], (a["batch"],)) if rank == 0 else None
 for _ in range(3):
     s.train_step(x, y)
 comm.Barrier()
-spent[0], conv, c0 = 0.0, 0.0, time.process_time()
+own = []
 for _ in range(a["steps"]):
+    spent[0], c0 = 0.0, time.process_time()
     s.train_step(x, y)
-    conv += sum(layer.timings.conv_s for layer in s.layers.values())
-cpu = time.process_time() - c0
+    own.append(time.process_time() - c0 - sum(layer.timings.conv_s for layer in s.layers.values()) - spent[0])
 if rank == 0:
     print("WORKERCPU " + json.dumps(comm.recv(source=1)), flush=True)
 elif rank == 1:
-    comm.send({"cpu": cpu, "conv": conv, "waits": spent[0], "steps": a["steps"]}, dest=0)
+    comm.send(sorted(own)[len(own) // 2], dest=0)
 '''
 
 
-def measure_worker_cpu(model_name, options, sample_shape, classes, batch, layers, steps=10, timeout=120):
+def measure_worker_cpu(model_name, options, sample_shape, classes, batch, layers, steps=20, timeout=120):
     """Seconds of CPU a conv-MP worker spends per step besides its conv shares and its
     waits: the protocol's Python, autograd around the shares, the MPI calls, its
     optimizer. The real strategy (training.strategies.conv_mp) on two joined ranks,
     kernels split equally, the worker waiting politely; its CPU per step minus the time
     of its shares (their own clock) and the CPU inside its waits. ~3 ms a step here for
-    seed_cnn (two layers), as much as a fifth of a 0.5-vcore worker's budget."""
+    seed_cnn (two layers), as much as a fifth of a 0.5-vcore worker's budget. The median
+    over `steps` steps (a one-off stall of the machine does not count)."""
     args = {"model": model_name, "options": dict(options), "shape": list(sample_shape), "classes": int(classes),
             "batch": int(batch), "layers": list(layers), "steps": int(steps)}
-    out = _run_pair(_WORKER_CPU.replace("ARGS", repr(json.dumps(args))), "WORKERCPU", timeout, "conv-MP probe")
-    return max(0.0, (out["cpu"] - out["conv"] - out["waits"]) / out["steps"])
+    return max(0.0, float(_run_pair(_WORKER_CPU.replace("ARGS", repr(json.dumps(args))), "WORKERCPU", timeout,
+                                    "conv-MP probe")))
 
 
 # ----------------------------------------------------------------------------------------
