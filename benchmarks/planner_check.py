@@ -254,14 +254,15 @@ def main(argv=None):
     rows, runs = [], []
     from training import planner
     for ranks in [int(r) for r in a.ranks.split(",")]:
-        # The link and the probes of waiting and of the conv-MP worker (again for every world
-        # size: the machine drifts), measured in a cgroup of their own (no quota, the reserved
-        # shares) so that a busy machine slows them no more than it slows the ranks.
+        # The link, measured in a cgroup of its own (no quota, the reserved shares) so that a
+        # busy machine slows the ping-pong no more than it slows the ranks.
         link_cg, _ = make_cgroups([-1], f"{os.getpid()}-{ranks}-link", a.reserve and a.reserve * 2)
         try:
             if link_cg:
                 join_cgroup(link_cg[0])
-            link = planner.measure_link()
+            import conf
+            job = conf.load_job(job_dict(ranks, size["model"], size["options"], size["batch"]))
+            link = planner.measure_link(**planner.local_load(job))
             from training.models import build_model, conv_layers
             convs = [name for name, _ in conv_layers(build_model(size["model"], size["input_shape"], 10,
                                                                  size["options"]))]

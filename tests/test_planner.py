@@ -2,6 +2,7 @@
 profiles, a real (tiny) measurement, the link ping-pong, and `yarnapp plan` end to end."""
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -173,6 +174,19 @@ def test_measure_link_with_a_real_ping_pong():
     assert 0 < link.latency_s < 0.01
     assert link.bandwidth_Bps > 1e7                     # shared memory: far above 10 MB/s
     assert link.seconds(1 << 20) > link.seconds(8)
+    # more ranks than cores: a synchronisation waits for the scheduler (and no hog is left)
+    import psutil
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    loaded = planner.measure_link(trials=2, busy=os.cpu_count() - 1, polite=True)
+    assert loaded.latency_s > 5 * link.latency_s and "busy process" in loaded.source
+    # simulated clusters (a machine per rank) get the idle latency, not this machine's contention
+    assert loaded.between_machines().latency_s == loaded.idle_latency_s < loaded.latency_s
+    assert link.between_machines() is link
+    assert {p.pid for p in psutil.Process().children(recursive=True)} == before
+    import conf
+    job = conf.load_job({"name": "t", "groups": [{"name": "a", "instances": os.cpu_count() + 1, "vcores": 0.5}],
+                         "training": {"data": {"train": "file:///x"}}})
+    assert planner.local_load(job) == {"busy": 1, "polite": True}
 
 
 def test_measure_wait_cpu_with_real_polite_waits():

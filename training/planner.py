@@ -18,7 +18,9 @@ What is measured (on this machine, in this process, unless given):
     k cores (see "CPU quotas" below);
     the link: one-way time of m bytes t(m) = α + m/β, fitted to an MPI ping-pong between
     two processes joined as two containers' ranks are (α from 8-byte messages, β from
-    cache-cold 4 MiB ones), or given;
+    cache-cold 4 MiB ones), or given. Where the job has more ranks on this machine than
+    cores, α is measured with the CPUs busy (`measure_link(busy=...)`): every
+    synchronisation then waits for the scheduler, ~0.6 ms instead of ~2 us;
     what waiting costs a rank that waits politely (throttled ranks, conv-MP workers):
     a + r·wait seconds of CPU per wait (`measure_wait_cpu`: ~0.3 ms and ~0.1 here), and
     what a conv-MP worker spends per step besides its shares and waits (the protocol's
@@ -155,10 +157,18 @@ class Link:
     latency_s: float
     bandwidth_Bps: float          # bytes per second
     source: str = "given"
+    idle_latency_s: Optional[float] = None   # where latency_s was measured with the CPUs busy
 
     @property
     def bandwidth_bps(self):
         return 8.0 * self.bandwidth_Bps
+
+    def between_machines(self):
+        """The link as separate machines would see it: without this machine's CPU contention
+        (simulated clusters put every rank on a machine of its own)."""
+        if self.idle_latency_s is None:
+            return self
+        return Link(self.idle_latency_s, self.bandwidth_Bps, self.source + "; idle latency")
 
     def seconds(self, nbytes):
         return self.latency_s + nbytes / self.bandwidth_Bps
@@ -178,7 +188,16 @@ import numpy as np
 from launcher.world import join_local
 from training import collectives
 comm, rank, _ = join_local()
+collectives.set_polite(rank == 1 and POLITE)
 wait = collectives.wait
+
+
+def work():                                     # a rank computes between its messages
+    t = time.perf_counter()
+    while time.perf_counter() - t < WORK:
+        pass
+
+
 out = {}
 for size, reps, pool in SIZES:
     bufs = [np.ones(size, np.uint8) for _ in range(pool)]
@@ -189,12 +208,12 @@ for size, reps, pool in SIZES:
         for i in range(reps):
             buf = bufs[i % pool]
             if rank == 0:
-                wait(comm.Isend(buf, 1, 5)); wait(comm.Irecv(buf, 1, 5))
+                work(); wait(comm.Isend(buf, 1, 5)); wait(comm.Irecv(buf, 1, 5))
             else:
-                wait(comm.Irecv(buf, 0, 5)); wait(comm.Isend(buf, 0, 5))
+                wait(comm.Irecv(buf, 0, 5)); work(); wait(comm.Isend(buf, 0, 5))
         if trial:                                   # the first trial warms up
-            trials.append((time.perf_counter() - t) / reps / 2)
-    out[size] = min(trials)
+            trials.append(((time.perf_counter() - t) / reps - 2 * WORK) / 2)
+    out[size] = min(trials) if not LOADED else statistics.median(trials)
 if rank == 0:
     print("PINGPONG " + json.dumps(out), flush=True)
 '''
@@ -217,29 +236,19 @@ def _run_pair(code, tag, timeout, what):
     return json.loads(lines[-1][len(tag) + 1:])
 
 
-def _pingpong(sizes, trials, timeout):
+def _pingpong(sizes, trials, timeout, busy=0, polite=False):
     """{size: one-way seconds} of a ping-pong between two joined ranks (measure_link)."""
-    code = _PINGPONG.replace("SIZES", repr(sizes)).replace("TRIALS", str(trials))
-    return {int(k): v for k, v in _run_pair(code, "PINGPONG", timeout, "ping-pong").items()}
-
-
-def measure_link(small=8, large=4 << 20, pool=16, trials=8, timeout=120):
-    """The link between two ranks of a job on this machine.
-
-    Two processes join one world exactly as two containers of the local engine do
-    (MPI singletons through launcher.world, so over MPICH's network module, not shared
-    memory), and time a ping-pong: one-way time (half a round trip) of `small` and
-    `large` messages, the fastest of `trials` trials (the link's capacity: a busy CPU
-    only ever slows a trial down): α = t(small), β = (large − small) / (t(large) − t(small)).
-    The large messages cycle through `pool` buffers, so that, like a step's activations
-    and gradients, they are not in the cache when they are sent (on one machine a cached
-    4 MiB ping-pong runs ~4x faster than a cold one). Where the job's ranks share this
-    machine's cores, quota_sim plays that sharing out; the link stays the link.
-    """
-    t = _pingpong([(small, 200, 1), (large, pool, pool)], trials, timeout)
-    alpha = t[small]
-    beta = (large - small) / max(t[large] - t[small], 1e-12)
-    return Link(alpha, beta, "measured (ping-pong of 2 joined ranks on this machine)")
+    code = (_PINGPONG.replace("SIZES", repr(sizes)).replace("TRIALS", str(trials))
+            .replace("POLITE", repr(bool(polite))).replace("LOADED", repr(busy > 0))
+            .replace("WORK", "1e-3" if busy else "0.0"))
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+    try:
+        out = _run_pair(code, "PINGPONG", timeout, "ping-pong")
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    return {int(k): v for k, v in out.items()}
 
 
 _WAIT_CPU = r'''
@@ -286,6 +295,36 @@ def measure_wait_cpu(late=(0.002, 0.005, 0.02), repeat=10, timeout=60):
     r = sum((w - mw) * (c - mc) for w, c in points) / max(sum((w - mw) ** 2 for w, _ in points), 1e-18)
     r = min(max(r, 0.0), 1.0)
     return max(0.0, mc - r * mw), r
+
+
+def measure_link(small=8, large=4 << 20, pool=16, trials=8, timeout=120, busy=0, polite=False):
+    """The link between two ranks of a job on this machine.
+
+    Two processes join one world exactly as two containers of the local engine do
+    (MPI singletons through launcher.world, so over MPICH's network module, not shared
+    memory), and time a ping-pong: one-way time (half a round trip) of `small` and
+    `large` messages, the fastest of `trials` trials (the link's capacity: a busy CPU
+    only ever slows a trial down): α = t(small), β = (large − small) / (t(large) − t(small)).
+    The large messages cycle through `pool` buffers, so that, like a step's activations
+    and gradients, they are not in the cache when they are sent (on one machine a cached
+    4 MiB ping-pong runs ~4x faster than a cold one).
+
+    busy > 0 (the job has more ranks on this machine than it has cores): α is measured
+    again while `busy` other processes keep the CPUs busy, each side computing 1 ms
+    between its messages and the second one waiting politely if `polite` (as a throttled
+    rank does); the median trial counts. That α is what one synchronisation costs when
+    the scheduler must first give a waiting rank a CPU back (measured here: ~0.6 ms
+    polite, ~1.8 ms spinning, instead of ~2 us unloaded); β stays the capacity.
+    """
+    t = _pingpong([(small, 200, 1), (large, pool, pool)], trials, timeout)
+    alpha = t[small]
+    beta = (large - small) / max(t[large] - t[small], 1e-12)
+    if not busy:
+        return Link(alpha, beta, "measured (ping-pong of 2 joined ranks on this machine)")
+    loaded = _pingpong([(small, 100, 1)], trials, timeout, busy, polite)[small]
+    return Link(max(alpha, loaded), beta,
+                f"measured (ping-pong of 2 joined ranks on this machine; latency with {busy} "
+                f"busy process{'es' if busy > 1 else ''}{', polite' if polite else ''})", idle_latency_s=alpha)
 
 
 _WORKER_CPU = r'''
@@ -959,15 +998,23 @@ def _input_of(spec, options):
         return shape, options.num_classes or 10, f"assumed (data not readable: {why})"
 
 
+def local_load(job):
+    """{busy, polite} for measure_link: how many more ranks than cores this machine runs
+    for the job on the local engine, and whether a throttled rank waits politely."""
+    ranks = [r for g in job.groups for r in [g] * g.instances]
+    busy = max(0, len(ranks) - (os.cpu_count() or 1)) if job.backend == "local" else 0
+    return {"busy": busy, "polite": any(g.vcores < max(1, math.ceil(g.vcores)) for g in ranks)}
+
+
 def _job_link(job, options):
     if options.measure_link:
-        return measure_link()
+        return measure_link(**local_load(job))
     if options.bandwidths_bps:
         return link_from_rate(options.bandwidths_bps[0], options.latency_s)
     if job.network.bandwidth:
         return link_from_rate(job.network.bandwidth, options.latency_s or job.network.latency,
                               "the job's network.bandwidth")
-    return measure_link()
+    return measure_link(**local_load(job))
 
 
 def _job_scheduling(job, devices, options):
@@ -1158,7 +1205,7 @@ def plan_job(job, options=PlanOptions()):
         "recommended": {"strategy": best, "step_s": best_p["step_s"], "speedup": best_p["speedup"],
                         "split": best_p["split"], "why": why},
         "bound": preds["conv_model_parallel"]["bound"] if preds["conv_model_parallel"] else None,
-        "scaling": simulate(ref, link, B, names, options, worker_s),
+        "scaling": simulate(ref, link.between_machines(), B, names, options, worker_s),
         "volumes": _volumes(model, shape, [d.speed for d in devices], B),
     }
     return _rounded(plan)
