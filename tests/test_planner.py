@@ -178,7 +178,7 @@ def test_measure_link_with_a_real_ping_pong():
     import psutil
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     loaded = planner.measure_link(trials=2, busy=os.cpu_count() - 1, polite=True)
-    assert loaded.latency_s > 5 * link.latency_s and "busy process" in loaded.source
+    assert loaded.latency_s > 5 * link.latency_s and "100% busy" in loaded.source
     # simulated clusters (a machine per rank) get the idle latency, not this machine's contention
     assert loaded.between_machines().latency_s == loaded.idle_latency_s < loaded.latency_s
     assert link.between_machines() is link
@@ -186,7 +186,7 @@ def test_measure_link_with_a_real_ping_pong():
     import conf
     job = conf.load_job({"name": "t", "groups": [{"name": "a", "instances": os.cpu_count() + 1, "vcores": 0.5}],
                          "training": {"data": {"train": "file:///x"}}})
-    assert planner.local_load(job) == {"busy": 1, "polite": True}
+    assert planner.local_load(job) == {"busy": 1, "polite": True, "duty": 0.5}
 
 
 def test_measure_wait_cpu_with_real_polite_waits():

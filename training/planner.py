@@ -236,12 +236,24 @@ def _run_pair(code, tag, timeout, what):
     return json.loads(lines[-1][len(tag) + 1:])
 
 
-def _pingpong(sizes, trials, timeout, busy=0, polite=False):
+_HOG = r'''
+import time
+while True:                         # DUTY of every millisecond busy, the rest asleep
+    t = time.perf_counter()
+    while time.perf_counter() - t < DUTY * 1e-3:
+        pass
+    if DUTY < 1:
+        time.sleep((1 - DUTY) * 1e-3)
+'''
+
+
+def _pingpong(sizes, trials, timeout, busy=0, polite=False, duty=1.0):
     """{size: one-way seconds} of a ping-pong between two joined ranks (measure_link)."""
     code = (_PINGPONG.replace("SIZES", repr(sizes)).replace("TRIALS", str(trials))
             .replace("POLITE", repr(bool(polite))).replace("LOADED", repr(busy > 0))
             .replace("WORK", "1e-3" if busy else "0.0"))
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+    hog = _HOG.replace("DUTY", repr(float(duty)))
+    hogs = [subprocess.Popen([sys.executable, "-c", hog]) for _ in range(busy)]
     try:
         out = _run_pair(code, "PINGPONG", timeout, "ping-pong")
     finally:
@@ -297,7 +309,7 @@ def measure_wait_cpu(late=(0.002, 0.005, 0.02), repeat=10, timeout=60):
     return max(0.0, mc - r * mw), r
 
 
-def measure_link(small=8, large=4 << 20, pool=16, trials=8, timeout=120, busy=0, polite=False):
+def measure_link(small=8, large=4 << 20, pool=16, trials=8, timeout=120, busy=0, polite=False, duty=1.0):
     """The link between two ranks of a job on this machine.
 
     Two processes join one world exactly as two containers of the local engine do
@@ -310,21 +322,25 @@ def measure_link(small=8, large=4 << 20, pool=16, trials=8, timeout=120, busy=0,
     4 MiB ping-pong runs ~4x faster than a cold one).
 
     busy > 0 (the job has more ranks on this machine than it has cores): α is measured
-    again while `busy` other processes keep the CPUs busy, each side computing 1 ms
-    between its messages and the second one waiting politely if `polite` (as a throttled
-    rank does); the median trial counts. That α is what one synchronisation costs when
-    the scheduler must first give a waiting rank a CPU back (measured here: ~0.6 ms
-    polite, ~1.8 ms spinning, instead of ~2 us unloaded); β stays the capacity.
+    again while `busy` other processes stand for the ranks beyond the cores, each busy
+    `duty` of the time (their vcores: a 0.5-vcore rank computes at most half the time),
+    each side computing 1 ms between its messages and the second one waiting politely if
+    `polite` (as a throttled rank does); the median trial counts. That α is what one
+    synchronisation costs when the scheduler must first give a waiting rank a CPU back
+    (measured here with fully busy processes: ~0.6 ms polite, ~1.8 ms spinning, instead
+    of ~2 us unloaded); β stays the capacity. The sharing of the cores itself (how fast
+    each rank computes) is quota_sim's.
     """
     t = _pingpong([(small, 200, 1), (large, pool, pool)], trials, timeout)
     alpha = t[small]
     beta = (large - small) / max(t[large] - t[small], 1e-12)
     if not busy:
         return Link(alpha, beta, "measured (ping-pong of 2 joined ranks on this machine)")
-    loaded = _pingpong([(small, 100, 1)], trials, timeout, busy, polite)[small]
+    loaded = _pingpong([(small, 100, 1)], trials, timeout, busy, polite, duty)[small]
     return Link(max(alpha, loaded), beta,
                 f"measured (ping-pong of 2 joined ranks on this machine; latency with {busy} "
-                f"busy process{'es' if busy > 1 else ''}{', polite' if polite else ''})", idle_latency_s=alpha)
+                f"process{'es' if busy > 1 else ''} {100 * duty:.0f}% busy{', polite' if polite else ''})",
+                idle_latency_s=alpha)
 
 
 _WORKER_CPU = r'''
@@ -999,11 +1015,14 @@ def _input_of(spec, options):
 
 
 def local_load(job):
-    """{busy, polite} for measure_link: how many more ranks than cores this machine runs
-    for the job on the local engine, and whether a throttled rank waits politely."""
+    """{busy, polite, duty} for measure_link: how many more ranks than cores this machine
+    runs for the job on the local engine, whether a throttled rank waits politely, and how
+    busy those extra ranks keep a CPU (their vcores, the last ranks', at most 1 each)."""
     ranks = [r for g in job.groups for r in [g] * g.instances]
     busy = max(0, len(ranks) - (os.cpu_count() or 1)) if job.backend == "local" else 0
-    return {"busy": busy, "polite": any(g.vcores < max(1, math.ceil(g.vcores)) for g in ranks)}
+    extra = ranks[len(ranks) - busy:] if busy else []
+    duty = statistics.fmean(min(1.0, g.vcores) for g in extra) if extra else 1.0
+    return {"busy": busy, "polite": any(g.vcores < max(1, math.ceil(g.vcores)) for g in ranks), "duty": duty}
 
 
 def _job_link(job, options):
