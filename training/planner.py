@@ -19,8 +19,9 @@ What is measured (on this machine, in this process, unless given):
     the link: one-way time of m bytes t(m) = α + m/β, fitted to an MPI ping-pong between
     two processes joined as two containers' ranks are (α from 8-byte messages, β from
     cache-cold 4 MiB ones), or given. Where the job has more ranks on this machine than
-    cores, α is measured with the CPUs busy (`measure_link(busy=...)`): every
-    synchronisation then waits for the scheduler, ~0.6 ms instead of ~2 us;
+    cores, α is measured beside processes standing for the extra ranks, each as busy as
+    their vcores (`measure_link(busy=..., duty=...)`): a waiting rank must then first get
+    a CPU back, 0.1-0.2 ms per synchronisation beside a 0.5-vcore one instead of ~2 us;
     what waiting costs a rank that waits politely (throttled ranks, conv-MP workers):
     a + r·wait seconds of CPU per wait (`measure_wait_cpu`: ~0.3 ms and ~0.1 here), and
     what a conv-MP worker spends per step besides its shares and waits (the protocol's
