@@ -363,9 +363,25 @@ def wait(reqs, polite=None):                    # every wait of the strategy, CP
 collectives.wait = wait                         # before the strategy's modules bind it
 import conf
 from launcher.world import join_local
+from training import model_parallel
 from training.context import RankInfo, RunContext
 from training.models import build_model
 from training.strategies.conv_mp import ConvModelParallelStrategy
+shard = [0.0]
+
+
+def counted(f):                                 # the shares' own compute, in CPU seconds
+    def run(*args):
+        c = time.process_time()
+        try:
+            return f(*args)
+        finally:
+            shard[0] += time.process_time() - c
+    return run
+
+
+model_parallel._ShardConv2d.forward = staticmethod(counted(model_parallel._ShardConv2d.forward))
+model_parallel._ShardConv2d.backward = staticmethod(counted(model_parallel._ShardConv2d.backward))
 a = json.loads(ARGS)
 comm, rank, n = join_local()
 torch.set_num_threads(1)
@@ -390,9 +406,9 @@ for _ in range(3):
 comm.Barrier()
 own = []
 for _ in range(a["steps"]):
-    spent[0], c0 = 0.0, time.process_time()
+    spent[0], shard[0], c0 = 0.0, 0.0, time.process_time()
     s.train_step(x, y)
-    own.append(time.process_time() - c0 - sum(layer.timings.conv_s for layer in s.layers.values()) - spent[0])
+    own.append(time.process_time() - c0 - shard[0] - spent[0])
 if rank == 0:
     print("WORKERCPU " + json.dumps(comm.recv(source=1)), flush=True)
 elif rank == 1:
@@ -404,10 +420,10 @@ def measure_worker_cpu(model_name, options, sample_shape, classes, batch, layers
     """Seconds of CPU a conv-MP worker spends per step besides its conv shares and its
     waits: the protocol's Python, autograd around the shares, the MPI calls, its
     optimizer. The real strategy (training.strategies.conv_mp) on two joined ranks,
-    kernels split equally, the worker waiting politely; its CPU per step minus the time
-    of its shares (their own clock) and the CPU inside its waits. ~3 ms a step here for
-    seed_cnn (two layers), as much as a fifth of a 0.5-vcore worker's budget. The median
-    over `steps` steps (a one-off stall of the machine does not count)."""
+    kernels split equally, the worker waiting politely; its CPU per step minus the CPU of
+    its shares and of its waits (CPU time: a busy machine does not make it negative).
+    ~3 ms a step here for seed_cnn (two layers), as much as a fifth of a 0.5-vcore
+    worker's budget. The median over `steps` steps (a one-off stall does not count)."""
     args = {"model": model_name, "options": dict(options), "shape": list(sample_shape), "classes": int(classes),
             "batch": int(batch), "layers": list(layers), "steps": int(steps)}
     return max(0.0, float(_run_pair(_WORKER_CPU.replace("ARGS", repr(json.dumps(args))), "WORKERCPU", timeout,
