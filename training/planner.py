@@ -937,8 +937,9 @@ def predict_conv_mp(devices, link, names, split=None, sched=Scheduling(), worker
     layers = [([t + (worker_s * c / sum(calls) / d.speed if r else 0.0)
                 for r, (t, d) in enumerate(zip(shares, devices))], comm_l)
               for (shares, comm_l), c in zip(layers, calls)]
-    # each layer's shares (and the workers' protocol) and its exchanges; the rest of the network on the master (its
-    # speed: rest is at its quota already); the master's optimizer and the step's protocol
+    # each layer's shares (and the workers' protocol) and its exchanges; the rest of the
+    # network on the master (at full speed: rest is at its quota already); the master's
+    # optimizer and the step's protocol
     phases = [shares for shares, _ in layers] + [[rest * master.quota] + idle,
                                                  [master.optimizer_s(opt_part, full=True)] + idle]
     # a worker's waits: per call of a layer, the command, X's broadcast and the gather in

@@ -20,7 +20,8 @@ formulas' own answer.
 import dataclasses
 from typing import Optional, Sequence
 
-PERIOD_S = 0.1          # the CFS period the local engine sets (cpu.cfs_period_us = 100000)
+PERIOD_S = 0.1          # the CFS period the local engine sets: yarnapp/backends/local/cgroups.py
+                        # PERIOD_US (training does not import the client side)
 _EPS = 1e-12
 
 
