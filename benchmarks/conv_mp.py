@@ -96,20 +96,18 @@ def worker(case):
             opt.step()
     else:
         import conf
-        from training.context import RankInfo, RunContext
-        from training.strategies.conv_mp import ConvModelParallelStrategy
-        vcores = case["vcores"]
         from training import collectives
-        ranks = [RankInfo(rank=r, group="g", instance=r, container=f"g_{r}", vcores=vcores[r],
-                          memory_mib=1024, gpus=0) for r in range(n)]
-        collectives.set_polite(ranks[rank].throttled)        # as training.runner does
-        ctx = RunContext(comm=comm, rank=rank, world_size=n, ranks=ranks, job=None, app_id="bench",
-                         generation=0, workdir="/tmp", checkpoint_uri="", logdir="")
-        job = conf.load_job({"name": "bench", "groups": [{"name": "g", "instances": n}],
+        from training.context import RunContext
+        from training.strategies.conv_mp import ConvModelParallelStrategy
+        job = conf.load_job({"name": "bench",
+                             "groups": [{"name": f"r{r}", "instances": 1, "vcores": v}
+                                        for r, v in enumerate(case["vcores"][:n])],
                              "training": {"strategy": "conv_model_parallel", "model": "seed_cnn",
                                           "data": {"train": "file:///unused"}, "batch_size": case["batch"],
                                           "model_parallel": {"split": case["split"],
                                                              "recalibrate_every": case["recalibrate_every"]}}})
+        ctx = RunContext.offline(comm, job, "bench")
+        collectives.set_polite(ctx.me.throttled)        # as training.runner does
         s = ConvModelParallelStrategy(ctx, job.training)
         t0 = time.perf_counter()
         s.setup(model, lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9))

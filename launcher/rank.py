@@ -53,9 +53,8 @@ def main(argv=None):
         store.put(keys.formed(gen), json.dumps({"time": time.time(), "seconds": took, "members": info}))
     log.info("world generation %d formed: rank %d of %d in %.2fs", gen, ident.rank, ident.world_size, took)
 
-    from training.context import RankInfo, RunContext
-    ranks = [RankInfo(**{k: r[k] for k in ("rank", "group", "instance", "container", "vcores",
-                                            "memory_mib", "gpus")}) for r in ident.job.ranks()]
+    from training.context import RunContext, rank_infos
+    ranks = rank_infos(ident.job)
     ctx = RunContext(comm=comm, rank=ident.rank, world_size=ident.world_size, ranks=ranks,
                      job=ident.job, app_id=ident.app_id, generation=gen, workdir=os.getcwd(),
                      checkpoint_uri=ident.checkpoint_uri, logdir=ident.logdir,

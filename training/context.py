@@ -31,6 +31,12 @@ class RankInfo:
         return self.vcores < self.threads
 
 
+def rank_infos(job):
+    """One RankInfo per rank of conf.JobSpec `job`, in rank order (JobSpec.ranks)."""
+    fields = [f.name for f in dataclasses.fields(RankInfo)]
+    return [RankInfo(**{k: r[k] for k in fields}) for r in job.ranks()]
+
+
 @dataclasses.dataclass
 class RunContext:
     comm: Any                    # mpi4py intracommunicator of the whole world
@@ -45,6 +51,13 @@ class RunContext:
     logdir: str
     publish: Optional[Callable[[str, bytes], None]] = None   # store writer (set by the launcher)
     heartbeat_path: Optional[str] = None
+
+    @classmethod
+    def offline(cls, comm, job, app_id="offline", workdir="/tmp"):
+        """A context for driving a strategy outside the launcher (the planner's probes,
+        benchmarks): the ranks of conf.JobSpec `job` on `comm`, no checkpoints or logs."""
+        return cls(comm=comm, rank=comm.Get_rank(), world_size=comm.Get_size(), ranks=rank_infos(job), job=job,
+                   app_id=app_id, generation=0, workdir=workdir, checkpoint_uri="", logdir="")
 
     @property
     def me(self):
