@@ -44,3 +44,12 @@ def test_ranks_share_the_cores_in_proportion_to_their_weights():
     # weights 2:1:1 on 2 cores: the heavy rank has a core, the others half of one each
     heavy = Rank(weight=2.0)
     assert step_s([[0.01, 0.01, 0.01]], [0.0], [heavy, FREE, FREE], cores=2) == pytest.approx(0.02)
+
+
+def test_a_waits_cpu_takes_core_time_where_cores_are_shared():
+    # three ranks of 10 ms on 2 cores whose 2 waits a step cost 1 ms of CPU each (polite
+    # ranks' spin and first sleeps): 36 ms of CPU per step on 2 cores, not 30
+    polite = Rank(wait_cpu=0.0, wait_s=1e-3)
+    assert step_s([[0.01, 0.01, 0.01]], [0.0], [polite] * 3, cores=2, waits=[2]) == pytest.approx(0.018)
+    # with a core each they overlap the waiting and delay nothing (the formula)
+    assert step_s([[0.01, 0.01, 0.01]], [0.0], [polite] * 3, cores=3, waits=[2]) == pytest.approx(0.01)

@@ -31,7 +31,8 @@ class Rank:
     threads: the cores it uses at full speed; weight: its cpu.shares (vcores);
     wait_cpu: fraction of its full speed it burns while it waits (1: spins; a polite
     rank's measured fraction; 0: blocks); wait_s: what each of its waits costs besides
-    (full-speed seconds of its quota)."""
+    (full-speed seconds of CPU, run like its compute: they take its quota and, on shared
+    cores, a core's time)."""
     quota: float = 1.0
     threads: int = 1
     weight: float = 1.0
@@ -65,7 +66,8 @@ def step_s(phases, syncs, ranks: Sequence[Rank], cores: Optional[float] = None,
     phases[k][r]: seconds rank r computes in phase k at its full speed (0: it waits);
     syncs[k]: seconds of the synchronisation that ends phase k (every rank waits), which
     starts once every rank has finished phase k and is not stopped by its quota;
-    waits[k]: how many waits a rank has in phase k (each costs its quota rank.wait_s);
+    waits[k]: how many waits a rank has in phase k (each costs it rank.wait_s of CPU, run
+    at the end of its compute in the phase);
     ranks: one Rank each; cores: the cores they share (None: each has its own);
     the mean is taken over the steps that end after the first period, within `periods`
     periods (and at least 8 steps); offsets: where each rank's period starts (default
@@ -85,20 +87,19 @@ def step_s(phases, syncs, ranks: Sequence[Rank], cores: Optional[float] = None,
     used = [0.0] * n
     stopped = [False] * n
     weights = [rk.weight for rk in ranks]
-    k, rem, sync_end = 0, list(phases[0]), None
+    def demand(k):                              # a rank's full-speed seconds in phase k
+        return [phases[k][r] + (waits[k] * ranks[r].wait_s if waits else 0.0) for r in range(n)]
+
+    k, rem, sync_end = 0, demand(0), None
     t, ends = 0.0, []
     horizon = max(periods * period_s, 10 * closed)
     while t < horizon or len(ends) < 9:
         if sync_end is None and all(rem[r] <= _EPS and not stopped[r] for r in range(n)):
             sync_end = t + syncs[k]            # every rank is done and can take part
-            for r in range(n):                 # ... and pays for its waits of the phase
-                if ranks[r].quota < 1.0 and waits:
-                    used[r] += waits[k] * ranks[r].wait_s
-                    stopped[r] = used[r] >= budget[r] - _EPS
         if sync_end is not None and t >= sync_end - _EPS:
             sync_end = None
             k = (k + 1) % len(phases)
-            rem = list(phases[k])
+            rem = demand(k)
             if k == 0:
                 ends.append(t)
             continue
