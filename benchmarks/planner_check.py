@@ -70,17 +70,15 @@ def worker(case):
 
     import conf
     from training import collectives, strategies
-    from training.context import RankInfo, RunContext
+    from training.context import RunContext
     from training.models import build_model
     from training.runner import make_optimizer_factory
     comm, rank, n = join_local()
     job = conf.load_job(job_dict(n, case["model"], case["options"], case["batch"], case["strategy"]))
     spec = job.training
-    ranks = [RankInfo(**r) for r in job.ranks()]
-    torch.set_num_threads(ranks[rank].threads)
-    collectives.set_polite(ranks[rank].throttled and not case["spin"])   # as training.runner does
-    ctx = RunContext(comm=comm, rank=rank, world_size=n, ranks=ranks, job=job, app_id="plancheck",
-                     generation=0, workdir="/tmp", checkpoint_uri="", logdir="")
+    ctx = RunContext.offline(comm, job, "plancheck")
+    torch.set_num_threads(ctx.me.threads)
+    collectives.set_polite(ctx.me.throttled and not case["spin"])   # as training.runner does
     torch.manual_seed(spec.seed)
     shape = tuple(case["input_shape"])
     model = build_model(spec.model, shape, 10, spec.model_options)
@@ -201,14 +199,14 @@ def run_strategy(ranks, case, cgroups, timeout):
 
 def predict(ranks, size, link, probes, quick):
     """The planner's plan for the world of `ranks`: the model measured layer by layer here
-    and now; the link, the polite wait's CPU and the conv-MP worker's as measured before
-    for this world size (`probes`)."""
+    and now; the link, the polite wait's CPU and the strategies' own CPU as measured
+    before for this world size (`probes`)."""
     import conf
     from training import planner
     job = conf.load_job(job_dict(ranks, size["model"], size["options"], size["batch"]))
     opts = planner.PlanOptions(bandwidths_bps=(link.bandwidth_bps,), latency_s=link.latency_s, machines=(1,),
                                input_shape=size["input_shape"], num_classes=10, min_time=0.05 if quick else 0.2,
-                               wait_cpu=probes["wait_cpu"], worker_s=probes["worker_s"])
+                               wait_cpu=probes["wait_cpu"], strategy_cpu=probes["strategy_cpu"])
     return planner.plan_job(job, opts)
 
 
@@ -267,15 +265,16 @@ def main(argv=None):
             convs = [name for name, _ in conv_layers(build_model(size["model"], size["input_shape"], 10,
                                                                  size["options"]))]
             probes = {"wait_cpu": planner.measure_wait_cpu(),
-                      "worker_s": planner.measure_worker_cpu(size["model"], size["options"], size["input_shape"],
-                                                             10, size["batch"], convs)}
+                      "strategy_cpu": planner.measure_strategy_cpu(size["model"], size["options"],
+                                                                   size["input_shape"], 10, size["batch"], convs)}
         finally:
             if link_cg:
                 join_cgroup(CGROUP_CPU)
                 remove_cgroups(link_cg)
         print(f"{ranks} ranks: link {link.bandwidth_Bps / 1e9:.2f} GB/s, {link.latency_s * 1e6:.2f} us "
               f"({link.source}); polite wait {probes['wait_cpu'][0] * 1e3:.2f} ms + "
-              f"{100 * probes['wait_cpu'][1]:.0f}% CPU; conv-MP worker's own CPU {probes['worker_s'] * 1e3:.2f} ms/step",
+              f"{100 * probes['wait_cpu'][1]:.0f}% CPU; strategies' own CPU per step, rank 0 / others: "
+              + ", ".join(f"{k} {1e3 * (v[0] or 0):.2f}/{1e3 * v[1]:.2f} ms" for k, v in probes["strategy_cpu"].items()),
               file=sys.stderr, flush=True)
         # One cgroup per rank, and one for the planner's in-process measurement: no quota (its
         # co-runners, planner.co_runners, start in it and must not share one core with it),

@@ -81,6 +81,12 @@ def test_shares_and_quota_shape_the_data_parallel_step():
     r = planner.predict_allreduce([big, small], free, 64, "vcores", planner.Scheduling(wait_s=1e-3, wait_cpu=0.0),
                                   ring_threshold_kb=0.0)
     assert r["step_s"] == pytest.approx(2 * (0.1 * 21 / 64 + 4e-3), rel=0.02)
+    # the strategy's own CPU (hooks, copies: measure_strategy_cpu), 2 ms a step on the
+    # small rank, comes out of its quota too: it computes 4 ms longer at half speed, and
+    # the step is its compute; rank 0's 1 ms has room
+    o = planner.predict_allreduce([big, small], free, 64, "vcores", asleep, own=(1e-3, 2e-3))
+    assert o["rank_s"] == pytest.approx([0.1 * 43 / 64 + 1e-3, 2 * (0.1 * 21 / 64 + 2e-3)])
+    assert o["step_s"] == pytest.approx(o["rank_s"][1], rel=0.01) and o["step_s"] > p["step_s"] + 2e-3
     # equal shares on a simulated 2x faster device: the slow one bounds the compute
     fast = Device("gpu", prof, speed=2.0)
     q = planner.predict_allreduce([fast, Device("cpu", prof)], free, 64, "equal")
@@ -197,11 +203,15 @@ def test_measure_wait_cpu_with_real_polite_waits():
     assert 0 < r < 0.5
 
 
-def test_measure_worker_cpu_runs_the_real_strategy_on_two_ranks():
-    # what a conv-MP worker spends per step besides its shares and waits: the protocol's
-    # Python, autograd, the MPI calls; some, and far below a step
-    own = planner.measure_worker_cpu("digits_cnn", {}, (1, 8, 8), 10, 16, ["conv1", "conv2"], steps=8)
-    assert 0 < own < 0.05
+def test_measure_strategy_cpu_runs_every_strategy_on_two_ranks():
+    # what each strategy spends per step beyond the model, its shares, the optimizer and
+    # the waits (hooks, copies, the conv-MP protocol's Python, MPI calls): some, far below
+    # a step; the conv-MP master's is not measured
+    own = planner.measure_strategy_cpu("digits_cnn", {}, (1, 8, 8), 10, 16, ["conv1", "conv2"], steps=8)
+    assert set(own) == set(planner.STRATEGIES)
+    assert own["conv_model_parallel"][0] is None and 0 < own["conv_model_parallel"][1] < 0.05
+    for name in ("allreduce", "ps_central", "ps_sharded"):
+        assert all(0 <= v < 0.05 for v in own[name]) and sum(own[name]) > 0, (name, own[name])
 
 
 # -- yarnapp plan ----------------------------------------------------------------------------

@@ -24,14 +24,17 @@ What is measured (on this machine, in this process, unless given):
     a CPU back, 0.1-0.2 ms per synchronisation beside a 0.5-vcore one instead of ~2 us;
     what waiting costs a rank that waits politely (throttled ranks, conv-MP workers):
     a + r·wait seconds of CPU per wait (`measure_wait_cpu`: ~0.3 ms and ~0.1 here), and
-    what a conv-MP worker spends per step besides its shares and waits (the protocol's
-    Python, autograd, MPI calls: `measure_worker_cpu`, the real strategy on two joined
-    ranks, ~3 ms a step for seed_cnn here). Both matter only where CPU is scarce: on a
-    0.5-vcore rank they come out of its quota.
+    what each strategy spends per step on rank 0 and on the others beyond the model, its
+    conv shares, the optimizer and the waits (gradient hooks, bucket copies, the
+    server's sums, the conv-MP protocol's Python and autograd, MPI calls:
+    `measure_strategy_cpu`, every strategy run for real on two joined ranks; for seed_cnn
+    here ~0.5-1 ms a step data-parallel, ~3 ms a conv-MP worker). Both matter most where
+    CPU is scarce: on a 0.5-vcore rank they come out of its quota.
 
-Notation: n ranks (rank 0 first), g_r = t_r(n_r) the compute of rank r's share of n_r
-rows (shares: equal | vcores | speed | list, split as the strategies split them),
-g = max_r g_r (the slowest share), o_r rank r's optimizer step, c = α + |W|/β.
+Notation: n ranks (rank 0 first), g_r = t_r(n_r) + u_r the compute of rank r's share of
+n_r rows (shares: equal | vcores | speed | list, split as the strategies split them) plus
+the strategy's own CPU u_r, g = max_r g_r (the slowest share), o_r rank r's optimizer
+step, c = α + |W|/β.
 
     ring all-reduce  T = g + max_r o_r + 2(n−1)/n·|W|/β + 2(n−1)α          (+ 2⌈log2 n⌉α
                      for the two small all-reduces of rows and loss in every step)
@@ -72,9 +75,8 @@ rank 0's divided by gpu_speed, as the master of n−1 such CPUs.
 
 The plan is a JSON-ready dict (`plan_job`); `format_table` and `write_png` present it.
 Not modelled: overlap of the ring's buckets with backward (the ring's time is added
-after compute), the data-parallel strategies' own CPU per step beyond the model's and
-the waits' (hooks, bucket copies: ~0.5 ms a step here), the conv-MP master's protocol
-CPU, other load on the machine.
+after compute), the conv-MP master's protocol CPU, a server's own CPU growing with its
+workers (it is measured with one), other load on the machine.
 """
 import contextlib
 import copy
@@ -344,8 +346,8 @@ def measure_link(small=8, large=4 << 20, pool=16, trials=8, timeout=120, busy=0,
                 idle_latency_s=alpha)
 
 
-_WORKER_CPU = r'''
-import json, time
+_STRATEGY_CPU = r"""
+import json, statistics, time
 import torch
 from training import collectives
 spent = [0.0]
@@ -360,74 +362,94 @@ def wait(reqs, polite=None):                    # every wait of the strategy, CP
         spent[0] += time.process_time() - c
 
 
-collectives.wait = wait                         # before the strategy's modules bind it
+collectives.wait = wait                         # before the strategies' modules bind it
 import conf
 from launcher.world import join_local
-from training import model_parallel
-from training.context import RankInfo, RunContext
+from training import model_parallel, strategies
+from training.context import RunContext
 from training.models import build_model
-from training.strategies.conv_mp import ConvModelParallelStrategy
-shard = [0.0]
+from training.runner import make_optimizer_factory
+from training.collectives import GradientReducer
+from training.strategies.allreduce import AllReduceStrategy
+counted_s, hooks_s = [0.0], [0.0]               # what the planner times itself (the model's forward +
+                                                # backward, conv shares, the optimizer); gradient hooks
 
 
-def counted(f):                                 # the shares' own compute, in CPU seconds
-    def run(*args):
+def counted(f, into=counted_s):
+    def run(*args, **kwargs):
         c = time.process_time()
         try:
-            return f(*args)
+            return f(*args, **kwargs)
         finally:
-            shard[0] += time.process_time() - c
+            into[0] += time.process_time() - c
     return run
 
 
 model_parallel._ShardConv2d.forward = staticmethod(counted(model_parallel._ShardConv2d.forward))
 model_parallel._ShardConv2d.backward = staticmethod(counted(model_parallel._ShardConv2d.backward))
+AllReduceStrategy._forward_backward = counted(AllReduceStrategy._forward_backward)   # and the PS ones
+GradientReducer._on_grad = counted(GradientReducer._on_grad, hooks_s)                # run in backward
 a = json.loads(ARGS)
 comm, rank, n = join_local()
 torch.set_num_threads(1)
-collectives.set_polite(rank == 1)               # the worker waits as a throttled one does
-job = conf.load_job({"name": "probe", "groups": [{"name": "g", "instances": n}],
-                     "training": {"strategy": "conv_model_parallel", "model": a["model"],
-                                  "model_options": a["options"], "data": {"train": "file:///unused"},
-                                  "batch_size": a["batch"],
-                                  "model_parallel": {"split": [1.0] * n, "layers": a["layers"]}}})
-ranks = [RankInfo(rank=r, group="g", instance=r, container=f"g_{r}", vcores=1.0, memory_mib=1024, gpus=0)
-         for r in range(n)]
-ctx = RunContext(comm=comm, rank=rank, world_size=n, ranks=ranks, job=job, app_id="probe", generation=0,
-                 workdir="/tmp", checkpoint_uri="", logdir="")
-torch.manual_seed(0)
-model = build_model(a["model"], tuple(a["shape"]), a["classes"], a["options"])
-s = ConvModelParallelStrategy(ctx, job.training)
-s.setup(model, lambda ps: torch.optim.SGD(ps, lr=0.01))
-x = torch.randn(a["batch"], *a["shape"]) if rank == 0 else None
-y = torch.randint(0, a["classes"], (a["batch"],)) if rank == 0 else None
-for _ in range(3):
-    s.train_step(x, y)
-comm.Barrier()
-own = []
-for _ in range(a["steps"]):
-    spent[0], shard[0], c0 = 0.0, 0.0, time.process_time()
-    s.train_step(x, y)
-    own.append(time.process_time() - c0 - shard[0] - spent[0])
+polite = rank > 0                               # the second rank waits as a throttled one does
+collectives.set_polite(polite)
+g = torch.Generator().manual_seed(1)
+x = torch.randn(a["batch"], *a["shape"], generator=g)
+y = torch.randint(0, a["classes"], (a["batch"],), generator=g)
+own = {}
+for name in a["strategies"]:
+    job = conf.load_job({"name": "probe", "groups": [{"name": "g", "instances": n}],
+                         "training": {"strategy": name, "model": a["model"], "model_options": a["options"],
+                                      "data": {"train": "file:///unused"}, "batch_size": a["batch"],
+                                      "model_parallel": {"split": [1.0] * n, "layers": a["layers"]}}})
+    torch.manual_seed(0)
+    model = build_model(a["model"], tuple(a["shape"]), a["classes"], a["options"])
+    s = strategies.get(name)(RunContext.offline(comm, job, "probe"), job.training)
+    s.setup(model, make_optimizer_factory(job.training))
+    if getattr(s, "optimizer", None) is not None:
+        s.optimizer.step = counted(s.optimizer.step)
+    lo, hi = s.batch_slice(a["batch"])
+    xs, ys = (x[lo:hi], y[lo:hi]) if hi > lo else (None, None)
+    for _ in range(3):
+        s.train_step(xs, ys)
+    comm.Barrier()
+    steps = []
+    for _ in range(a["steps"]):
+        spent[0], counted_s[0], hooks_s[0], c0 = 0.0, 0.0, 0.0, time.process_time()
+        s.train_step(xs, ys)
+        steps.append(time.process_time() - c0 - counted_s[0] + hooks_s[0] - spent[0])
+    own[name] = None if name == "conv_model_parallel" and rank == 0 else statistics.median(steps)
+    if hasattr(s, "close"):
+        s.close()
+    comm.Barrier()
+every = comm.gather(own, root=0)
 if rank == 0:
-    print("WORKERCPU " + json.dumps(comm.recv(source=1)), flush=True)
-elif rank == 1:
-    comm.send(sorted(own)[len(own) // 2], dest=0)
-'''
+    print("STRATEGYCPU " + json.dumps({k: [e[k] for e in every] for k in own}), flush=True)
+"""
 
 
-def measure_worker_cpu(model_name, options, sample_shape, classes, batch, layers, steps=20, timeout=120):
-    """Seconds of CPU a conv-MP worker spends per step besides its conv shares and its
-    waits: the protocol's Python, autograd around the shares, the MPI calls, its
-    optimizer. The real strategy (training.strategies.conv_mp) on two joined ranks,
-    kernels split equally, the worker waiting politely; its CPU per step minus the CPU of
-    its shares and of its waits (CPU time: a busy machine does not make it negative).
-    ~3 ms a step here for seed_cnn (two layers), as much as a fifth of a 0.5-vcore
-    worker's budget. The median over `steps` steps (a one-off stall does not count)."""
+def measure_strategy_cpu(model_name, options, sample_shape, classes, batch, layers, strategies=STRATEGIES,
+                         steps=20, timeout=180):
+    """{strategy: [rank 0's, a worker's]} seconds of CPU a rank spends per step beyond
+    what the planner times and counts itself: the model's forward + backward on its rows
+    (the profile), conv shares, the optimizer, the waits (measure_wait_cpu). That is the
+    strategy's own work: gradient hooks and bucket copies, packing a flat gradient,
+    summing the server's gradients, the conv-MP protocol's Python and autograd, the MPI
+    calls. Every strategy runs for real on two joined ranks (batch split equally, the
+    second rank waiting politely as a throttled one does, one thread each); per step its
+    CPU time minus what it spent in the model's forward + backward (less the gradient
+    hooks run inside it), its conv shares, the optimizer and its waits; the median over
+    `steps` steps. CPU time throughout: a busy machine slows the probe but does not
+    change what it counts. Here, seed_cnn: ~0.5-1 ms for the data-parallel strategies
+    (more on the ring's rank 0), ~3 ms for a conv-MP worker (None for the master, whose
+    protocol is not modelled); on a 0.5-vcore rank that comes out of its quota."""
+    strategies = [k for k in strategies if k != "conv_model_parallel" or layers]
     args = {"model": model_name, "options": dict(options), "shape": list(sample_shape), "classes": int(classes),
-            "batch": int(batch), "layers": list(layers), "steps": int(steps)}
-    return max(0.0, float(_run_pair(_WORKER_CPU.replace("ARGS", repr(json.dumps(args))), "WORKERCPU", timeout,
-                                    "conv-MP probe")))
+            "batch": int(batch), "layers": list(layers or []), "steps": int(steps), "strategies": strategies}
+    code = _STRATEGY_CPU.replace("ARGS", repr(json.dumps(args)))
+    out = _run_pair(code, "STRATEGYCPU", timeout, "strategy probe")
+    return {k: [None if v is None else max(0.0, float(v)) for v in vs] for k, vs in out.items()}
 
 
 # ----------------------------------------------------------------------------------------
@@ -792,14 +814,17 @@ def _prediction(strategy, devices, step_s, compute_s, comm_s, split, **extra):
 
 
 def _data_parallel(strategy, devices, link, batch, shares, sched=Scheduling(), bucket_mb=4.0,
-                   ring_threshold_kb=256.0):
+                   ring_threshold_kb=256.0, own=(0.0, 0.0)):
     """Step of a data-parallel strategy: its seed formula on the (throttled) devices,
-    played out under their quotas (quota_sim) where any is throttled or cores are shared."""
+    played out under their quotas (quota_sim) where any is throttled or cores are shared.
+    own: the strategy's own CPU seconds per step on rank 0 and on every other rank
+    (measure_strategy_cpu), added to each rank's compute."""
     n, w = len(devices), devices[0].profile.param_bytes
     rows = split_rows(batch, share_weights(devices, shares))
     lg, a, bw = _log2(n), link.latency_s, link.bandwidth_Bps
-
-    g = max(d.fwd_bwd_s(r) for d, r in zip(devices, rows))      # the slowest share
+    mine = [own[0] if r == 0 else own[1] for r in range(n)] if n > 1 else [0.0]
+    rank_s = [d.fwd_bwd_s(r) + o / d.quota for d, r, o in zip(devices, rows, mine)]
+    g = max(rank_s)                                             # the slowest share
     if strategy == "allreduce":
         opt_part = [1.0] * n
         comm = 2 * (n - 1) / n * w / bw + 2 * (n - 1) * a
@@ -820,10 +845,10 @@ def _data_parallel(strategy, devices, link, batch, shares, sched=Scheduling(), b
         exchange = buckets * (2 * (n - 1) if w / buckets >= ring_threshold_kb * 1024 else 1)
     else:
         exchange = 2
-    step = sched.step_s(devices, [[d.fwd_bwd_s(r, full=True) for d, r in zip(devices, rows)],
+    step = sched.step_s(devices, [[d.fwd_bwd_s(r, full=True) + o for d, r, o in zip(devices, rows, mine)],
                                   [d.optimizer_s(f, full=True) for d, f in zip(devices, opt_part)]],
                         [comm, 0.0], [2 + exchange if n > 1 else 0, 0])
-    extra = {"rank_s": [d.fwd_bwd_s(r) for d, r in zip(devices, rows)], "formula_s": g + opt + comm}
+    extra = {"rank_s": rank_s, "formula_s": g + opt + comm}
     if strategy == "ps_central" and n > 1:
         best, worst = central_ps_s(n - 1, link.seconds(w), g)
         extra["bounds"] = [best + opt, worst + opt]
@@ -831,21 +856,22 @@ def _data_parallel(strategy, devices, link, batch, shares, sched=Scheduling(), b
 
 
 def predict_allreduce(devices, link, batch, shares="equal", sched=Scheduling(), bucket_mb=4.0,
-                      ring_threshold_kb=256.0):
+                      ring_threshold_kb=256.0, own=(0.0, 0.0)):
     """Ring all-reduce: g + max_r o_r + 2(n−1)/n·|W|/β + 2(n−1)α + 2⌈log2 n⌉α (bucket_mb,
-    ring_threshold_kb: training.allreduce's, for the number of waits per step)."""
-    return _data_parallel("allreduce", devices, link, batch, shares, sched, bucket_mb, ring_threshold_kb)
+    ring_threshold_kb: training.allreduce's, for the number of waits per step; own:
+    _data_parallel's)."""
+    return _data_parallel("allreduce", devices, link, batch, shares, sched, bucket_mb, ring_threshold_kb, own)
 
 
-def predict_central_ps(devices, link, batch, shares="equal", sched=Scheduling()):
+def predict_central_ps(devices, link, batch, shares="equal", sched=Scheduling(), own=(0.0, 0.0)):
     """Central server on rank 0 with m = n−1 remote workers: g + 2mc + o_0 (seed 4's upper
     bound; `bounds` holds both of seed 4's, (m+1)c + g and 2mc + g, plus o_0)."""
-    return _data_parallel("ps_central", devices, link, batch, shares, sched)
+    return _data_parallel("ps_central", devices, link, batch, shares, sched, own=own)
 
 
-def predict_sharded_ps(devices, link, batch, shares="equal", sched=Scheduling()):
+def predict_sharded_ps(devices, link, batch, shares="equal", sched=Scheduling(), own=(0.0, 0.0)):
     """Sharded server: g + 2(n−1)/n·|W|/β + 2α + max_r o_r / n."""
-    return _data_parallel("ps_sharded", devices, link, batch, shares, sched)
+    return _data_parallel("ps_sharded", devices, link, batch, shares, sched, own=own)
 
 
 def _bcast_s(nbytes, n, link):
@@ -921,7 +947,7 @@ def predict_conv_mp(devices, link, names, split=None, sched=Scheduling(), worker
 
     split: kernel weights, one per rank (training.model_parallel.split), else each
     layer's kernels in proportion to the devices' speed on it. worker_s: a worker's CPU
-    per step besides its shares and waits (measure_worker_cpu), spread over the layers
+    per step besides its shares and waits (measure_strategy_cpu), spread over the layers
     by their calls. Returns None where a layer has fewer kernels than there are ranks
     (it cannot be split).
     """
@@ -960,15 +986,25 @@ def predict_conv_mp(devices, link, names, split=None, sched=Scheduling(), worker
 
 
 def predict_all(devices, link, batch, shares="equal", conv_names=None, conv_split=None, sched=Scheduling(),
-                allreduce=None, worker_s=0.0):
+                allreduce=None, own=None):
     """{strategy: prediction} for one cluster (devices[0] = rank 0, the master/server);
-    allreduce: {bucket_mb, ring_threshold_kb} of the job; worker_s: predict_conv_mp's."""
+    allreduce: {bucket_mb, ring_threshold_kb} of the job; own: {strategy: [rank 0's, the
+    others']} CPU seconds of the strategy's own per step (measure_strategy_cpu; none: 0)."""
     names = conv_names if conv_names is not None else conv_layers_of(devices[0].profile)
-    return {"allreduce": predict_allreduce(devices, link, batch, shares, sched, **(allreduce or {})),
-            "ps_central": predict_central_ps(devices, link, batch, shares, sched),
-            "ps_sharded": predict_sharded_ps(devices, link, batch, shares, sched),
-            "conv_model_parallel": predict_conv_mp(devices, link, names, conv_split, sched, worker_s) if names
-            else None}
+    own = own_cpu(own)
+    return {"allreduce": predict_allreduce(devices, link, batch, shares, sched, **(allreduce or {}),
+                                           own=own["allreduce"]),
+            "ps_central": predict_central_ps(devices, link, batch, shares, sched, own["ps_central"]),
+            "ps_sharded": predict_sharded_ps(devices, link, batch, shares, sched, own["ps_sharded"]),
+            "conv_model_parallel": predict_conv_mp(devices, link, names, conv_split, sched,
+                                                   own["conv_model_parallel"][1]) if names else None}
+
+
+def own_cpu(measured=None):
+    """{strategy: (rank 0's, the others')} own CPU seconds per step: `measured`
+    (measure_strategy_cpu's) where it has them, else 0 (None counts as 0)."""
+    measured = measured or {}
+    return {k: tuple(float(v or 0.0) for v in measured.get(k) or (0.0, 0.0)) for k in STRATEGIES}
 
 
 # ----------------------------------------------------------------------------------------
@@ -989,7 +1025,7 @@ class PlanOptions:
     input_shape: tuple = None         # (C, H, W) when the job's data cannot be read
     num_classes: int = None
     wait_cpu: tuple = None            # (a, r) of a polite wait (default: measure_wait_cpu)
-    worker_s: float = None            # a conv-MP worker's own CPU per step (default: measure_worker_cpu)
+    strategy_cpu: dict = None         # the strategies' own CPU per step (default: measure_strategy_cpu)
 
 
 def parse_options(measure=False, bandwidth=None, latency=None, machines=None, gpu_speed=None,
@@ -1206,15 +1242,16 @@ def plan_job(job, options=PlanOptions()):
     devices = [dataclasses.replace(d, idle=by_id.get(id(d.profile))) for d in devices]
     sched = _job_scheduling(job, devices, options)
     ar = {"bucket_mb": spec.allreduce.bucket_mb, "ring_threshold_kb": spec.allreduce.ring_threshold_kb}
-    worker_s = options.worker_s
-    if worker_s is None:
-        worker_s = measure_worker_cpu(spec.model, spec.model_options, shape, classes, B, names) \
-            if names and len(devices) > 1 else 0.0
-    preds = predict_all(devices, link, B, spec.shares, names, spec.model_parallel.split, sched, ar, worker_s)
+    own = options.strategy_cpu
+    if own is None:
+        own = measure_strategy_cpu(spec.model, spec.model_options, shape, classes, B, names) \
+            if len(devices) > 1 else {}
+    preds = predict_all(devices, link, B, spec.shares, names, spec.model_parallel.split, sched, ar, own)
     # The data-parallel strategies also with speed-proportional shares, for the recommendation.
-    speed_preds = {"allreduce": predict_allreduce(devices, link, B, "speed", sched, **ar),
-                   "ps_central": predict_central_ps(devices, link, B, "speed", sched),
-                   "ps_sharded": predict_sharded_ps(devices, link, B, "speed", sched)}
+    mine = own_cpu(own)
+    speed_preds = {"allreduce": predict_allreduce(devices, link, B, "speed", sched, **ar, own=mine["allreduce"]),
+                   "ps_central": predict_central_ps(devices, link, B, "speed", sched, mine["ps_central"]),
+                   "ps_sharded": predict_sharded_ps(devices, link, B, "speed", sched, mine["ps_sharded"])}
     candidates = [(p["step_s"], k, p, "the job's shares") for k, p in preds.items() if p]
     candidates += [(p["step_s"], k, p, "shares: speed") for k, p in speed_preds.items()]
     _, best, best_p, how = min(candidates, key=lambda c: c[0])
@@ -1230,7 +1267,7 @@ def plan_job(job, options=PlanOptions()):
                   "params": ref.profile.params, "param_bytes": ref.profile.param_bytes,
                   "conv_layers": names, "conv_fraction": f},
         "link": link.as_dict(),
-        "scheduling": dict(dataclasses.asdict(sched), conv_worker_s=worker_s),
+        "scheduling": dict(dataclasses.asdict(sched), strategy_cpu=own_cpu(own)),
         "devices": [{"rank": r, "name": d.name, "speed": d.speed, "quota": d.quota, "vcores": d.vcores,
                      "threads": d.profile.threads, "device": d.profile.device,
                      "step_s": d.step_s} for r, d in enumerate(devices)],
@@ -1242,7 +1279,7 @@ def plan_job(job, options=PlanOptions()):
         "recommended": {"strategy": best, "step_s": best_p["step_s"], "speedup": best_p["speedup"],
                         "split": best_p["split"], "why": why},
         "bound": preds["conv_model_parallel"]["bound"] if preds["conv_model_parallel"] else None,
-        "scaling": simulate(ref, link.between_machines(), B, names, options, worker_s),
+        "scaling": simulate(ref, link.between_machines(), B, names, options, own),
         "volumes": _volumes(model, shape, [d.speed for d in devices], B),
     }
     return _rounded(plan)
@@ -1261,7 +1298,7 @@ def _volumes(model, shape, capacities, batch):
         return {"note": f"no volume report: {e}"}
 
 
-def simulate(ref, link, batch, names, options, worker_s=0.0):
+def simulate(ref, link, batch, names, options, own=None):
     """Predictions for clusters of m machines like `ref` (speed 1) for every m in
     options.machines and every bandwidth (options.bandwidths_bps, else the job's link),
     and, with options.gpu_speed, for one GPU (ref × gpu_speed, the master) plus m−1 CPUs
@@ -1277,7 +1314,7 @@ def simulate(ref, link, batch, names, options, worker_s=0.0):
                 devs = [ref] * m
                 if gpu:
                     devs = [dataclasses.replace(ref, name=f"gpu (x{gpu:g})", speed=ref.speed * gpu)] + [ref] * (m - 1)
-                preds = predict_all(devs, lk, batch, "speed", names, None, worker_s=worker_s)
+                preds = predict_all(devs, lk, batch, "speed", names, None, own=own)
                 out.append({"cluster": kind, "machines": m, "bandwidth_bps": bps,
                             "strategies": {k: (None if p is None else {"step_s": p["step_s"], "speedup": p["speedup"]})
                                            for k, p in preds.items()},
@@ -1308,8 +1345,10 @@ def _scheduling_text(sc):
     if not sc:
         return "cpus: each rank has its own cores"
     cores = f"the ranks share {sc['cores']} cores" if sc["cores"] else "each rank has its own cores"
-    worker = (f"; a conv-MP worker's own CPU {sc['conv_worker_s'] * 1e3:.2f} ms/step"
-              if sc.get("conv_worker_s") else "")
+    own = sc.get("strategy_cpu") or {}
+    worker = ("; the strategies' own CPU per step, rank 0 / others: "
+              + ", ".join(f"{k} {v[0] * 1e3:.2f}/{v[1] * 1e3:.2f} ms" for k, v in own.items())) if any(
+        any(v) for v in own.values()) else ""
     return (f"cpus: {cores}; CFS period {sc['period_s'] * 1e3:g} ms; a polite wait costs "
             f"{sc['wait_s'] * 1e3:.2f} ms of CPU + {100 * sc['wait_cpu']:.0f}% of one while it lasts{worker}")
 
