@@ -69,7 +69,23 @@ def worker(case):
     import torch
 
     import conf
-    from training import collectives, strategies
+    from training import collectives
+    counted = {"waits": 0.0, "shares": 0.0}     # CPU seconds of a step in waits and conv shares
+
+    def counting(f, key):
+        def run(*args, **kwargs):
+            c = time.process_time()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                counted[key] += time.process_time() - c
+        return run
+
+    collectives.wait = counting(collectives.wait, "waits")   # before the strategies bind it
+    from training import model_parallel, strategies
+    for name in ("forward", "backward"):
+        setattr(model_parallel._ShardConv2d, name,
+                staticmethod(counting(getattr(model_parallel._ShardConv2d, name), "shares")))
     from training.context import RunContext
     from training.models import build_model
     from training.runner import make_optimizer_factory
@@ -107,14 +123,16 @@ def worker(case):
     times = []
     t0, cpu0 = time.perf_counter(), time.process_time()
     for _ in range(case["steps"]):
+        counted.update(waits=0.0, shares=0.0)
         t = time.perf_counter()
         st = s.train_step(xs, ys)
         times.append(time.perf_counter() - t)
-        stats.append((st.compute_s, st.comm_s))
+        stats.append((st.compute_s, st.comm_s, counted["waits"], counted["shares"]))
     comm.Barrier()
     wall = (time.perf_counter() - t0) / case["steps"]
     cpu = (time.process_time() - cpu0) / case["steps"]
-    mine = [statistics.median(c for c, _ in stats), statistics.median(m for _, m in stats), cpu, cpu_fb]
+    mine = [statistics.median(st[0] for st in stats), statistics.median(st[1] for st in stats), cpu, cpu_fb,
+            statistics.median(st[2] for st in stats), statistics.median(st[3] for st in stats)]
     every = comm.gather(mine, root=0)
     if hasattr(s, "close"):
         s.close()
@@ -124,6 +142,8 @@ def worker(case):
                                       "comm_s_by_rank": [e[1] for e in every],
                                       "cpu_s_by_rank": [e[2] for e in every],
                                       "cpu_fwd_bwd_s_by_rank": [e[3] for e in every],
+                                      "cpu_waits_s_by_rank": [e[4] for e in every],
+                                      "cpu_shares_s_by_rank": [e[5] for e in every],
                                       "rows_rank0": hi - lo}), flush=True)
 
 

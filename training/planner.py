@@ -980,8 +980,9 @@ def predict_conv_mp(devices, link, names, split=None, sched=Scheduling(), worker
     k = sum(speeds) / speeds[0]
     ideal = sum(proportional_s([d.layer_s(x) for d in devices]) for x in names)
     formula = rest + conv_s + comm + master.optimizer_s(opt_part)
+    rank_s = [sum(p[r] for p in phases) / d.quota for r, d in enumerate(devices)]   # each one's compute
     return _prediction("conv_model_parallel", devices, step, step - comm, comm, layer_split,
-                       formula_s=formula, conv_s=conv_s, conv_ideal_s=ideal, rest_s=rest, conv_fraction=f,
+                       rank_s=rank_s, formula_s=formula, conv_s=conv_s, conv_ideal_s=ideal, rest_s=rest, conv_fraction=f,
                        effective_devices=k, bound=amdahl_bound(f, k))
 
 
