@@ -1268,7 +1268,7 @@ def plan_job(job, options=PlanOptions()):
                   "params": ref.profile.params, "param_bytes": ref.profile.param_bytes,
                   "conv_layers": names, "conv_fraction": f},
         "link": link.as_dict(),
-        "scheduling": dict(dataclasses.asdict(sched), strategy_cpu=own_cpu(own)),
+        "scheduling": dict(dataclasses.asdict(sched), strategy_cpu=own),
         "devices": [{"rank": r, "name": d.name, "speed": d.speed, "quota": d.quota, "vcores": d.vcores,
                      "threads": d.profile.threads, "device": d.profile.device,
                      "step_s": d.step_s} for r, d in enumerate(devices)],
@@ -1347,9 +1347,9 @@ def _scheduling_text(sc):
         return "cpus: each rank has its own cores"
     cores = f"the ranks share {sc['cores']} cores" if sc["cores"] else "each rank has its own cores"
     own = sc.get("strategy_cpu") or {}
+    ms = lambda v: "-" if v is None else f"{v * 1e3:.2f}"    # noqa: E731  (None: not measured)
     worker = ("; the strategies' own CPU per step, rank 0 / others: "
-              + ", ".join(f"{k} {v[0] * 1e3:.2f}/{v[1] * 1e3:.2f} ms" for k, v in own.items())) if any(
-        any(v) for v in own.values()) else ""
+              + ", ".join(f"{k} {ms(v[0])}/{ms(v[1])} ms" for k, v in own.items())) if own else ""
     return (f"cpus: {cores}; CFS period {sc['period_s'] * 1e3:g} ms; a polite wait costs "
             f"{sc['wait_s'] * 1e3:.2f} ms of CPU + {100 * sc['wait_cpu']:.0f}% of one while it lasts{worker}")
 
