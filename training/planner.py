@@ -285,8 +285,7 @@ for late in LATE:
     else:
         c, t = time.process_time(), time.perf_counter()
         collectives.wait(comm.Irecv(buf, 0, 5))
-        cpu, wall = out.setdefault(str(late), [0.0, 0.0, 0])[:2]
-        out[str(late)] = [cpu + time.process_time() - c, wall + time.perf_counter() - t, out[str(late)][2] + 1]
+        out.setdefault(str(late), []).append([time.process_time() - c, time.perf_counter() - t])
         comm.Send(buf, 0, 6)
 comm.Barrier()
 if rank == 0:
@@ -301,11 +300,11 @@ def measure_wait_cpu(late=(0.002, 0.005, 0.02), repeat=10, timeout=60):
     workers wait) costs in CPU: a seconds for every wait (its 0.2 ms spin, the first short
     sleeps) plus r seconds per second it lasts (a wake-up every ~0.2 ms to test). Two
     joined ranks, one computing `late` seconds before it sends, the other waiting and
-    counting its own CPU seconds; a line fitted through the mean of each `late`.
-    Measured here: a ~0.3 ms, r ~0.1."""
+    counting its own CPU seconds; a line fitted through the median of each `late` (a
+    stall of the machine in one wait does not tilt it). Measured here: a ~0.25 ms, r ~0.1."""
     code = _WAIT_CPU.replace("LATE", repr(list(late) * repeat))
     out = _run_pair(code, "WAITCPU", timeout, "wait probe")
-    points = [(wall / k, cpu / k) for cpu, wall, k in out.values()]
+    points = [(statistics.median(w for _, w in xs), statistics.median(c for c, _ in xs)) for xs in out.values()]
     mw, mc = statistics.fmean(w for w, _ in points), statistics.fmean(c for _, c in points)
     r = sum((w - mw) * (c - mc) for w, c in points) / max(sum((w - mw) ** 2 for w, _ in points), 1e-18)
     r = min(max(r, 0.0), 1.0)
