@@ -75,8 +75,8 @@ rank 0's divided by gpu_speed, as the master of n−1 such CPUs.
 
 The plan is a JSON-ready dict (`plan_job`); `format_table` and `write_png` present it.
 Not modelled: overlap of the ring's buckets with backward (the ring's time is added
-after compute), the conv-MP master's protocol CPU, a server's own CPU growing with its
-workers (it is measured with one), other load on the machine.
+after compute), a server's own CPU growing with its workers (it is measured with one),
+other load on the machine.
 """
 import contextlib
 import copy
@@ -370,6 +370,7 @@ from training.models import build_model
 from training.runner import make_optimizer_factory
 from training.collectives import GradientReducer
 from training.strategies.allreduce import AllReduceStrategy
+from training.strategies.conv_mp import ConvModelParallelStrategy
 counted_s, hooks_s = [0.0], [0.0]               # what the planner times itself (the model's forward +
                                                 # backward, conv shares, the optimizer); gradient hooks
 
@@ -388,6 +389,30 @@ model_parallel._ShardConv2d.forward = staticmethod(counted(model_parallel._Shard
 model_parallel._ShardConv2d.backward = staticmethod(counted(model_parallel._ShardConv2d.backward))
 AllReduceStrategy._forward_backward = counted(AllReduceStrategy._forward_backward)   # and the PS ones
 GradientReducer._on_grad = counted(GradientReducer._on_grad, hooks_s)                # run in backward
+protocol_s, depth = [0.0], [0]                  # the conv-MP master's protocol, less its shares and waits
+
+
+def protocol(f):
+    def run(*args, **kwargs):
+        if depth[0]:
+            return f(*args, **kwargs)
+        depth[0], c, inner = 1, time.process_time(), counted_s[0] + spent[0]
+        try:
+            return f(*args, **kwargs)
+        finally:
+            depth[0] = 0
+            protocol_s[0] += time.process_time() - c - (counted_s[0] + spent[0] - inner)
+    return run
+
+
+for cls, names in ((model_parallel.DistributedConv2d, ["forward"]),
+                   (model_parallel.ShardProtocol, ["_send", "finish"]),
+                   (ConvModelParallelStrategy, ["_gather_times"])):
+    for fn in names:
+        setattr(cls, fn, protocol(getattr(cls, fn)))
+for cls in (model_parallel._GatherChannelsToMaster, model_parallel._BroadcastFromMaster,
+            model_parallel._AnnounceBackward):
+    cls.backward = staticmethod(protocol(cls.backward))
 a = json.loads(ARGS)
 comm, rank, n = join_local()
 torch.set_num_threads(1)
@@ -413,12 +438,13 @@ for name in a["strategies"]:
     for _ in range(3):
         s.train_step(xs, ys)
     comm.Barrier()
-    steps = []
+    steps, master = [], name == "conv_model_parallel" and rank == 0
     for _ in range(a["steps"]):
-        spent[0], counted_s[0], hooks_s[0], c0 = 0.0, 0.0, 0.0, time.process_time()
+        spent[0], counted_s[0], hooks_s[0], protocol_s[0], c0 = 0.0, 0.0, 0.0, 0.0, time.process_time()
         s.train_step(xs, ys)
-        steps.append(time.process_time() - c0 - counted_s[0] + hooks_s[0] - spent[0])
-    own[name] = None if name == "conv_model_parallel" and rank == 0 else statistics.median(steps)
+        steps.append(protocol_s[0] if master else
+                     time.process_time() - c0 - counted_s[0] + hooks_s[0] - spent[0])
+    own[name] = statistics.median(steps)
     if hasattr(s, "close"):
         s.close()
     comm.Barrier()
@@ -438,17 +464,20 @@ def measure_strategy_cpu(model_name, options, sample_shape, classes, batch, laye
     calls. Every strategy runs for real on two joined ranks (batch split equally, the
     second rank waiting politely as a throttled one does, one thread each); per step its
     CPU time minus what it spent in the model's forward + backward (less the gradient
-    hooks run inside it), its conv shares, the optimizer and its waits; the median over
-    `steps` steps. CPU time throughout: a busy machine slows the probe but does not
-    change what it counts. Here, seed_cnn: ~0.5-1 ms for the data-parallel strategies
-    (more on the ring's rank 0), ~3 ms for a conv-MP worker (None for the master, whose
-    protocol is not modelled); on a 0.5-vcore rank that comes out of its quota."""
+    hooks run inside it), its conv shares, the optimizer and its waits; for the conv-MP
+    master (whose step also runs the rest of the network, which the profile has), the
+    CPU of its protocol alone: the distributed layers' forward, the backward of their
+    broadcast and gather, its commands to the workers, less its shares and waits inside
+    them. The median over `steps` steps; CPU time throughout: a busy machine slows the
+    probe but does not change what it counts. Here, seed_cnn: ~0.5-1 ms for the
+    data-parallel strategies, ~3 ms for a conv-MP worker; on a 0.5-vcore rank that
+    comes out of its quota."""
     strategies = [k for k in strategies if k != "conv_model_parallel" or layers]
     args = {"model": model_name, "options": dict(options), "shape": list(sample_shape), "classes": int(classes),
             "batch": int(batch), "layers": list(layers or []), "steps": int(steps), "strategies": strategies}
     code = _STRATEGY_CPU.replace("ARGS", repr(json.dumps(args)))
     out = _run_pair(code, "STRATEGYCPU", timeout, "strategy probe")
-    return {k: [None if v is None else max(0.0, float(v)) for v in vs] for k, vs in out.items()}
+    return {k: [max(0.0, float(v)) for v in vs] for k, vs in out.items()}
 
 
 # ----------------------------------------------------------------------------------------
@@ -940,14 +969,14 @@ def _conv_times(devices, link, names, layer_split):
     return rest, layers, comm, 1.0 - moved / prof.param_bytes
 
 
-def predict_conv_mp(devices, link, names, split=None, sched=Scheduling(), worker_s=0.0):
+def predict_conv_mp(devices, link, names, split=None, sched=Scheduling(), own=(0.0, 0.0)):
     """Conv-layer model parallelism, rank 0 the master (formula in the module docstring),
     played out under the ranks' quotas (quota_sim; the workers wait politely).
 
     split: kernel weights, one per rank (training.model_parallel.split), else each
-    layer's kernels in proportion to the devices' speed on it. worker_s: a worker's CPU
-    per step besides its shares and waits (measure_strategy_cpu), spread over the layers
-    by their calls. Returns None where a layer has fewer kernels than there are ranks
+    layer's kernels in proportion to the devices' speed on it. own: the master's protocol
+    CPU per step and a worker's CPU per step besides its shares and waits
+    (measure_strategy_cpu), spread over the layers by their calls. Returns None where a layer has fewer kernels than there are ranks
     (it cannot be split).
     """
     layer_split = _conv_split(devices, names, split)
@@ -959,8 +988,7 @@ def predict_conv_mp(devices, link, names, split=None, sched=Scheduling(), worker
     protocol = (2 * len(names) + 2) * _log2(n) * link.latency_s if n > 1 else 0.0
     idle = [0.0] * (n - 1)
     calls = [len(master.profile.layer(x)) for x in names]
-    layers = [([t + (worker_s * c / sum(calls) / d.speed if r else 0.0)
-                for r, (t, d) in enumerate(zip(shares, devices))], comm_l)
+    layers = [([t + (own[0] if r == 0 else own[1]) * c / sum(calls) for r, t in enumerate(shares)], comm_l)
               for (shares, comm_l), c in zip(layers, calls)]
     # each layer's shares (and the workers' protocol) and its exchanges; the rest of the
     # network on the master (at full speed: rest is at its quota already); the master's
@@ -997,7 +1025,7 @@ def predict_all(devices, link, batch, shares="equal", conv_names=None, conv_spli
             "ps_central": predict_central_ps(devices, link, batch, shares, sched, own["ps_central"]),
             "ps_sharded": predict_sharded_ps(devices, link, batch, shares, sched, own["ps_sharded"]),
             "conv_model_parallel": predict_conv_mp(devices, link, names, conv_split, sched,
-                                                   own["conv_model_parallel"][1]) if names else None}
+                                                   own["conv_model_parallel"]) if names else None}
 
 
 def own_cpu(measured=None):
