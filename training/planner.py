@@ -988,7 +988,8 @@ def predict_conv_mp(devices, link, names, split=None, sched=Scheduling(), own=(0
     protocol = (2 * len(names) + 2) * _log2(n) * link.latency_s if n > 1 else 0.0
     idle = [0.0] * (n - 1)
     calls = [len(master.profile.layer(x)) for x in names]
-    layers = [([t + (own[0] if r == 0 else own[1]) * c / sum(calls) for r, t in enumerate(shares)], comm_l)
+    mine = [own[0] if r == 0 else own[1] for r in range(n)] if n > 1 else [0.0]   # one rank: no protocol
+    layers = [([t + o * c / sum(calls) for t, o in zip(shares, mine)], comm_l)
               for (shares, comm_l), c in zip(layers, calls)]
     # each layer's shares (and the workers' protocol) and its exchanges; the rest of the
     # network on the master (at full speed: rest is at its quota already); the master's
