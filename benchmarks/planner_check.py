@@ -293,7 +293,8 @@ def main(argv=None):
                 remove_cgroups(link_cg)
         print(f"{ranks} ranks: link {link.bandwidth_Bps / 1e9:.2f} GB/s, {link.latency_s * 1e6:.2f} us "
               f"({link.source}); polite wait {probes['wait_cpu'][0] * 1e3:.2f} ms + "
-              f"{100 * probes['wait_cpu'][1]:.0f}% CPU; strategies' own CPU per step, rank 0 / others: "
+              f"{100 * probes['wait_cpu'][1]:.0f}% CPU + {probes['wait_cpu'][2] * 1e12:.0f} us/MB; "
+              "strategies' own CPU per step, rank 0 / others: "
               + ", ".join(f"{k} {'-' if v[0] is None else f'{1e3 * v[0]:.2f}'}/{1e3 * v[1]:.2f} ms"
                           for k, v in probes["strategy_cpu"].items()),
               file=sys.stderr, flush=True)

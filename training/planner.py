@@ -23,7 +23,8 @@ What is measured (on this machine, in this process, unless given):
     their vcores (`measure_link(busy=..., duty=...)`): a waiting rank must then first get
     a CPU back, 0.1-0.2 ms per synchronisation beside a 0.5-vcore one instead of ~2 us;
     what waiting costs a rank that waits politely (throttled ranks, conv-MP workers):
-    a + r·wait seconds of CPU per wait (`measure_wait_cpu`: ~0.3 ms and ~0.1 here), and
+    a + r·wait + b·bytes received seconds of CPU per wait (`measure_wait_cpu`: ~0.3 ms,
+    ~0.1 and ~0.5 ms per MB here: MPI copies a message inside the wait), and
     what each strategy spends per step on rank 0 and on the others beyond the model, its
     conv shares, the optimizer and the waits (gradient hooks, bucket copies, the
     server's sums, the conv-MP protocol's Python and autograd, MPI calls:
@@ -273,20 +274,22 @@ from launcher.world import join_local
 from training import collectives
 comm, rank, _ = join_local()
 collectives.set_polite(True)
-buf, out = np.zeros(8, np.uint8), {}
-for late in LATE:
-    comm.Barrier()
+small, big, out = np.zeros(8, np.uint8), np.zeros(BIG, np.uint8), {}
+for late, key in [(x, str(x)) for x in LATE] + [(0.005, "big")] * REPEAT:
+    comm.Barrier()                              # "big": a collective, as the strategies move data
     if rank == 0:
         t = time.perf_counter()
         while time.perf_counter() - t < late:
             pass
-        collectives.wait(comm.Isend(buf, 1, 5))
-        comm.Recv(buf, 1, 6)
+        collectives.wait(comm.Ibcast(big, root=0) if key == "big" else comm.Isend(small, 1, 5))
+        if key != "big":
+            comm.Recv(small, 1, 6)
     else:
         c, t = time.process_time(), time.perf_counter()
-        collectives.wait(comm.Irecv(buf, 0, 5))
-        out.setdefault(str(late), []).append([time.process_time() - c, time.perf_counter() - t])
-        comm.Send(buf, 0, 6)
+        collectives.wait(comm.Ibcast(big, root=0) if key == "big" else comm.Irecv(small, 0, 5))
+        out.setdefault(key, []).append([time.process_time() - c, time.perf_counter() - t])
+        if key != "big":
+            comm.Send(small, 0, 6)
 comm.Barrier()
 if rank == 0:
     print("WAITCPU " + json.dumps(comm.recv(source=1)), flush=True)
@@ -295,20 +298,28 @@ else:
 '''
 
 
-def measure_wait_cpu(late=(0.002, 0.005, 0.02), repeat=10, timeout=60):
-    """(a, r): what a polite wait (training.collectives.wait, as throttled ranks and conv-MP
-    workers wait) costs in CPU: a seconds for every wait (its 0.2 ms spin, the first short
-    sleeps) plus r seconds per second it lasts (a wake-up every ~0.2 ms to test). Two
-    joined ranks, one computing `late` seconds before it sends, the other waiting and
-    counting its own CPU seconds; a line fitted through the median of each `late` (a
-    stall of the machine in one wait does not tilt it). Measured here: a ~0.25 ms, r ~0.1."""
-    code = _WAIT_CPU.replace("LATE", repr(list(late) * repeat))
+def measure_wait_cpu(late=(0.002, 0.005, 0.02), repeat=10, timeout=60, big=512 << 10):
+    """(a, r, b): what a polite wait (training.collectives.wait, as throttled ranks and
+    conv-MP workers wait) costs in CPU: a seconds for every wait (its 0.2 ms spin, the
+    first short sleeps) plus r seconds per second it lasts (a wake-up every ~0.2 ms to
+    test) plus b seconds per byte it receives (MPI copies the message inside the wait).
+    Two joined ranks, one computing `late` seconds before it sends 8 bytes, the other
+    waiting and counting its own CPU seconds; a line fitted through the median of each
+    `late` (a stall of the machine in one wait does not tilt it); then a broadcast of
+    `big` bytes after 5 ms (the strategies move data in collectives), whose median CPU
+    beyond the line is b·big. Measured here: a ~0.25 ms, r ~0.1,
+    b ~0.4 ns (0.4 ms per MB)."""
+    code = (_WAIT_CPU.replace("LATE", repr(list(late) * repeat)).replace("REPEAT", str(int(repeat)))
+            .replace("BIG", str(int(big))))
     out = _run_pair(code, "WAITCPU", timeout, "wait probe")
+    large = out.pop("big")
     points = [(statistics.median(w for _, w in xs), statistics.median(c for c, _ in xs)) for xs in out.values()]
     mw, mc = statistics.fmean(w for w, _ in points), statistics.fmean(c for _, c in points)
     r = sum((w - mw) * (c - mc) for w, c in points) / max(sum((w - mw) ** 2 for w, _ in points), 1e-18)
     r = min(max(r, 0.0), 1.0)
-    return max(0.0, mc - r * mw), r
+    a = max(0.0, mc - r * mw)
+    extra = statistics.median(c for c, _ in large) - (a + r * statistics.median(w for _, w in large))
+    return a, r, max(0.0, extra / big)
 
 
 def measure_link(small=8, large=4 << 20, pool=16, trials=8, timeout=120, busy=0, polite=False, duty=1.0):
@@ -804,10 +815,12 @@ class Scheduling:
     """How the ranks get their CPUs: `cores` they share (the local engine: this
     machine's; None: each container has its own, as on YARN), the CFS period of their
     quotas, and what a polite wait costs in CPU: `wait_s` for each wait plus `wait_cpu`
-    of a CPU while it lasts (`measure_wait_cpu`; here ~0.3 ms and ~0.1)."""
+    of a CPU while it lasts plus `byte_s` per byte it receives (`measure_wait_cpu`; here
+    ~0.3 ms, ~0.1 and ~0.5 ns)."""
     cores: Optional[int] = None
     wait_s: float = 0.3e-3
     wait_cpu: float = 0.1
+    byte_s: float = 0.0
     period_s: float = quota_sim.PERIOD_S
 
     def step_s(self, devices, phases, syncs, waits, polite=()):
@@ -873,7 +886,12 @@ def _data_parallel(strategy, devices, link, batch, shares, sched=Scheduling(), b
         exchange = buckets * (2 * (n - 1) if w / buckets >= ring_threshold_kb * 1024 else 1)
     else:
         exchange = 2
-    step = sched.step_s(devices, [[d.fwd_bwd_s(r, full=True) + o for d, r, o in zip(devices, rows, mine)],
+    # what a rank receives in the exchange: a polite one copies it inside its waits
+    got = ([2 * (n - 1) / n * w] * n if strategy != "ps_central" else [(n - 1) * w] + [w] * (n - 1)) \
+        if n > 1 else [0.0]
+    copies = [b * sched.byte_s if d.quota < 1.0 else 0.0 for d, b in zip(devices, got)]
+    step = sched.step_s(devices, [[d.fwd_bwd_s(r, full=True) + o + c
+                                   for d, r, o, c in zip(devices, rows, mine, copies)],
                                   [d.optimizer_s(f, full=True) for d, f in zip(devices, opt_part)]],
                         [comm, 0.0], [2 + exchange if n > 1 else 0, 0])
     extra = {"rank_s": rank_s, "formula_s": g + opt + comm}
@@ -989,8 +1007,13 @@ def predict_conv_mp(devices, link, names, split=None, sched=Scheduling(), own=(0
     idle = [0.0] * (n - 1)
     calls = [len(master.profile.layer(x)) for x in names]
     mine = [own[0] if r == 0 else own[1] for r in range(n)] if n > 1 else [0.0]   # one rank: no protocol
-    layers = [([t + o * c / sum(calls) for t, o in zip(shares, mine)], comm_l)
-              for (shares, comm_l), c in zip(layers, calls)]
+    # a worker copies what it receives and sends inside its (polite) waits: X, its share
+    # of Y and of dY, and dX where it is needed
+    copied = [[sum(call.in_bytes * (1 + call.needs_input_grad) + 2 * c / sum(layer_split[x]) * call.out_bytes
+                   for call in master.profile.layer(x)) * sched.byte_s if r else 0.0
+               for r, c in enumerate(layer_split[x])] for x in names]
+    layers = [([t + o * c / sum(calls) + b for t, o, b in zip(shares, mine, copy_l)], comm_l)
+              for (shares, comm_l), c, copy_l in zip(layers, calls, copied)]
     # each layer's shares (and the workers' protocol) and its exchanges; the rest of the
     # network on the master (at full speed: rest is at its quota already); the master's
     # optimizer and the step's protocol
@@ -1053,7 +1076,7 @@ class PlanOptions:
     min_time: float = 0.1             # seconds each timed item runs (at least 3 runs)
     input_shape: tuple = None         # (C, H, W) when the job's data cannot be read
     num_classes: int = None
-    wait_cpu: tuple = None            # (a, r) of a polite wait (default: measure_wait_cpu)
+    wait_cpu: tuple = None            # (a, r[, b]) of a polite wait (default: measure_wait_cpu)
     strategy_cpu: dict = None         # the strategies' own CPU per step (default: measure_strategy_cpu)
 
 
@@ -1125,12 +1148,12 @@ def _job_scheduling(job, devices, options):
     rank, or a conv-MP worker), unless given."""
     cores = (os.cpu_count() or 1) if job.backend == "local" else None
     if options.wait_cpu is not None:
-        wait_s, wait_cpu = options.wait_cpu
+        costs = tuple(options.wait_cpu)
     elif len(devices) > 1:
-        wait_s, wait_cpu = measure_wait_cpu()
+        costs = measure_wait_cpu()
     else:
-        wait_s, wait_cpu = Scheduling.wait_s, Scheduling.wait_cpu
-    return Scheduling(cores=cores, wait_s=wait_s, wait_cpu=wait_cpu)
+        costs = (Scheduling.wait_s, Scheduling.wait_cpu)
+    return Scheduling(cores, *costs)
 
 
 def _make_optimizer_for(spec):
@@ -1379,7 +1402,8 @@ def _scheduling_text(sc):
     worker = ("; the strategies' own CPU per step, rank 0 / others: "
               + ", ".join(f"{k} {ms(v[0])}/{ms(v[1])} ms" for k, v in own.items())) if own else ""
     return (f"cpus: {cores}; CFS period {sc['period_s'] * 1e3:g} ms; a polite wait costs "
-            f"{sc['wait_s'] * 1e3:.2f} ms of CPU + {100 * sc['wait_cpu']:.0f}% of one while it lasts{worker}")
+            f"{sc['wait_s'] * 1e3:.2f} ms of CPU + {100 * sc['wait_cpu']:.0f}% of one while it lasts + "
+            f"{sc.get('byte_s', 0) * 1e12:.0f} us per MB it receives{worker}")
 
 
 def format_table(plan):
