@@ -24,7 +24,7 @@ What is measured (on this machine, in this process, unless given):
     a CPU back, 0.1-0.2 ms per synchronisation beside a 0.5-vcore one instead of ~2 us;
     what waiting costs a rank that waits politely (throttled ranks, conv-MP workers):
     a + r·wait + b·bytes received seconds of CPU per wait (`measure_wait_cpu`: ~0.3 ms,
-    ~0.1 and ~0.5 ms per MB here: MPI copies a message inside the wait), and
+    ~0.1 and 0.15-0.7 ms per MB here: MPI copies a message inside the wait), and
     what each strategy spends per step on rank 0 and on the others beyond the model, its
     conv shares, the optimizer and the waits (gradient hooks, bucket copies, the
     server's sums, the conv-MP protocol's Python and autograd, MPI calls:
@@ -308,7 +308,7 @@ def measure_wait_cpu(late=(0.002, 0.005, 0.02), repeat=10, timeout=60, big=512 <
     `late` (a stall of the machine in one wait does not tilt it); then a broadcast of
     `big` bytes after 5 ms (the strategies move data in collectives), whose median CPU
     beyond the line is b·big. Measured here: a ~0.25 ms, r ~0.1,
-    b ~0.4 ns (0.4 ms per MB)."""
+    b 0.15-0.7 ns (0.15-0.7 ms per MB; noisy)."""
     code = (_WAIT_CPU.replace("LATE", repr(list(late) * repeat)).replace("REPEAT", str(int(repeat)))
             .replace("BIG", str(int(big))))
     out = _run_pair(code, "WAITCPU", timeout, "wait probe")
@@ -816,7 +816,7 @@ class Scheduling:
     machine's; None: each container has its own, as on YARN), the CFS period of their
     quotas, and what a polite wait costs in CPU: `wait_s` for each wait plus `wait_cpu`
     of a CPU while it lasts plus `byte_s` per byte it receives (`measure_wait_cpu`; here
-    ~0.3 ms, ~0.1 and ~0.5 ns)."""
+    ~0.3 ms, ~0.1 and ~0.15-0.7 ns)."""
     cores: Optional[int] = None
     wait_s: float = 0.3e-3
     wait_cpu: float = 0.1
@@ -863,7 +863,7 @@ def _data_parallel(strategy, devices, link, batch, shares, sched=Scheduling(), b
     n, w = len(devices), devices[0].profile.param_bytes
     rows = split_rows(batch, share_weights(devices, shares))
     lg, a, bw = _log2(n), link.latency_s, link.bandwidth_Bps
-    mine = [own[0] if r == 0 else own[1] for r in range(n)] if n > 1 else [0.0]
+    mine = _per_rank(own, n)
     rank_s = [d.fwd_bwd_s(r) + o / d.quota for d, r, o in zip(devices, rows, mine)]
     g = max(rank_s)                                             # the slowest share
     if strategy == "allreduce":
@@ -994,7 +994,8 @@ def predict_conv_mp(devices, link, names, split=None, sched=Scheduling(), own=(0
     split: kernel weights, one per rank (training.model_parallel.split), else each
     layer's kernels in proportion to the devices' speed on it. own: the master's protocol
     CPU per step and a worker's CPU per step besides its shares and waits
-    (measure_strategy_cpu), spread over the layers by their calls. Returns None where a layer has fewer kernels than there are ranks
+    (measure_strategy_cpu), spread over the layers by their calls. Returns None where a
+    layer has fewer kernels than there are ranks
     (it cannot be split).
     """
     layer_split = _conv_split(devices, names, split)
@@ -1006,7 +1007,7 @@ def predict_conv_mp(devices, link, names, split=None, sched=Scheduling(), own=(0
     protocol = (2 * len(names) + 2) * _log2(n) * link.latency_s if n > 1 else 0.0
     idle = [0.0] * (n - 1)
     calls = [len(master.profile.layer(x)) for x in names]
-    mine = [own[0] if r == 0 else own[1] for r in range(n)] if n > 1 else [0.0]   # one rank: no protocol
+    mine = _per_rank(own, n)
     # a worker copies what it receives and sends inside its (polite) waits: X, its share
     # of Y and of dY, and dX where it is needed
     copied = [[sum(call.in_bytes * (1 + call.needs_input_grad) + 2 * c / sum(layer_split[x]) * call.out_bytes
@@ -1050,6 +1051,12 @@ def predict_all(devices, link, batch, shares="equal", conv_names=None, conv_spli
             "ps_sharded": predict_sharded_ps(devices, link, batch, shares, sched, own["ps_sharded"]),
             "conv_model_parallel": predict_conv_mp(devices, link, names, conv_split, sched,
                                                    own["conv_model_parallel"]) if names else None}
+
+
+def _per_rank(own, n):
+    """One own-CPU figure per rank from (rank 0's, the others'); a single rank has none
+    (no exchange, no protocol)."""
+    return [own[0] if r == 0 else own[1] for r in range(n)] if n > 1 else [0.0]
 
 
 def own_cpu(measured=None):
@@ -1298,9 +1305,9 @@ def plan_job(job, options=PlanOptions()):
     if own is None:
         own = measure_strategy_cpu(spec.model, spec.model_options, shape, classes, B, names) \
             if len(devices) > 1 else {}
-    preds = predict_all(devices, link, B, spec.shares, names, spec.model_parallel.split, sched, ar, own)
-    # The data-parallel strategies also with speed-proportional shares, for the recommendation.
     mine = own_cpu(own)
+    preds = predict_all(devices, link, B, spec.shares, names, spec.model_parallel.split, sched, ar, mine)
+    # The data-parallel strategies also with speed-proportional shares, for the recommendation.
     speed_preds = {"allreduce": predict_allreduce(devices, link, B, "speed", sched, **ar, own=mine["allreduce"]),
                    "ps_central": predict_central_ps(devices, link, B, "speed", sched, mine["ps_central"]),
                    "ps_sharded": predict_sharded_ps(devices, link, B, "speed", sched, mine["ps_sharded"])}
