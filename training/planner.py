@@ -24,7 +24,7 @@ What is measured (on this machine, in this process, unless given):
     a CPU back, 0.1-0.2 ms per synchronisation beside a 0.5-vcore one instead of ~2 us;
     what waiting costs a rank that waits politely (throttled ranks, conv-MP workers):
     a + r·wait + b·bytes received seconds of CPU per wait (`measure_wait_cpu`: ~0.3 ms,
-    ~0.1 and 0.15-0.7 ms per MB here: MPI copies a message inside the wait), and
+    ~0.1 and ~0.2 ms per MB here: MPI copies a message inside the wait), and
     what each strategy spends per step on rank 0 and on the others beyond the model, its
     conv shares, the optimizer and the waits (gradient hooks, bucket copies, the
     server's sums, the conv-MP protocol's Python and autograd, MPI calls:
@@ -274,21 +274,29 @@ from launcher.world import join_local
 from training import collectives
 comm, rank, _ = join_local()
 collectives.set_polite(True)
-small, big, out = np.zeros(8, np.uint8), np.zeros(BIG, np.uint8), {}
-for late, key in [(x, str(x)) for x in LATE] + [(0.005, "big")] * REPEAT:
-    comm.Barrier()                              # "big": a collective, as the strategies move data
+small, out = np.zeros(8, np.uint8), {}
+pool = {n: [np.zeros(n, np.uint8) for _ in range(4)] for n in SIZES}    # cold, as a step's tensors
+plan = [(x, str(x)) for x in LATE] + [(0.005, n) for n in SIZES] * BCASTS
+for i, (late, key) in enumerate(plan):
+    comm.Barrier()
     if rank == 0:
         t = time.perf_counter()
         while time.perf_counter() - t < late:
             pass
-        collectives.wait(comm.Ibcast(big, root=0) if key == "big" else comm.Isend(small, 1, 5))
-        if key != "big":
-            comm.Recv(small, 1, 6)
+    if isinstance(key, int):                    # a collective, as the strategies move data
+        c, t = time.process_time(), time.perf_counter()
+        collectives.wait(comm.Ibcast(pool[key][i % 4], root=0))
+        key = "b%d" % key
+    elif rank == 0:
+        collectives.wait(comm.Isend(small, 1, 5))
+        comm.Recv(small, 1, 6)
+        continue
     else:
         c, t = time.process_time(), time.perf_counter()
-        collectives.wait(comm.Ibcast(big, root=0) if key == "big" else comm.Irecv(small, 0, 5))
+        collectives.wait(comm.Irecv(small, 0, 5))
+    if rank == 1:
         out.setdefault(key, []).append([time.process_time() - c, time.perf_counter() - t])
-        if key != "big":
+        if not key.startswith("b"):
             comm.Send(small, 0, 6)
 comm.Barrier()
 if rank == 0:
@@ -298,28 +306,34 @@ else:
 '''
 
 
-def measure_wait_cpu(late=(0.002, 0.005, 0.02), repeat=10, timeout=60, big=512 << 10):
+def _slope(points):
+    """The least-squares slope through (x, y) points."""
+    mx, my = statistics.fmean(x for x, _ in points), statistics.fmean(y for _, y in points)
+    return sum((x - mx) * (y - my) for x, y in points) / max(sum((x - mx) ** 2 for x, _ in points), 1e-18)
+
+
+def measure_wait_cpu(late=(0.002, 0.005, 0.02), repeat=10, timeout=60, sizes=(8, 256 << 10, 1 << 20),
+                     bcasts=20):
     """(a, r, b): what a polite wait (training.collectives.wait, as throttled ranks and
     conv-MP workers wait) costs in CPU: a seconds for every wait (its 0.2 ms spin, the
     first short sleeps) plus r seconds per second it lasts (a wake-up every ~0.2 ms to
     test) plus b seconds per byte it receives (MPI copies the message inside the wait).
     Two joined ranks, one computing `late` seconds before it sends 8 bytes, the other
     waiting and counting its own CPU seconds; a line fitted through the median of each
-    `late` (a stall of the machine in one wait does not tilt it); then a broadcast of
-    `big` bytes after 5 ms (the strategies move data in collectives), whose median CPU
-    beyond the line is b·big. Measured here: a ~0.25 ms, r ~0.1,
-    b 0.15-0.7 ns (0.15-0.7 ms per MB; noisy)."""
-    code = (_WAIT_CPU.replace("LATE", repr(list(late) * repeat)).replace("REPEAT", str(int(repeat)))
-            .replace("BIG", str(int(big))))
+    `late` (a stall of the machine in one wait does not tilt it) gives a and r. Then
+    broadcasts of each of `sizes` bytes after 5 ms (the strategies move data in
+    collectives), interleaved, `bcasts` of each, from buffers not in the cache (a step's
+    activations are not): b is the slope, over the sizes, of the median CPU beyond r·wait.
+    Measured here: a ~0.25 ms, r ~0.1, b 0.1-0.25 ns (0.1-0.25 ms per MB)."""
+    code = (_WAIT_CPU.replace("LATE", repr(list(late) * repeat)).replace("SIZES", repr(list(sizes)))
+            .replace("BCASTS", str(int(bcasts))))
     out = _run_pair(code, "WAITCPU", timeout, "wait probe")
-    large = out.pop("big")
+    sent = {int(k[1:]): out.pop(k) for k in list(out) if k.startswith("b")}
     points = [(statistics.median(w for _, w in xs), statistics.median(c for c, _ in xs)) for xs in out.values()]
-    mw, mc = statistics.fmean(w for w, _ in points), statistics.fmean(c for _, c in points)
-    r = sum((w - mw) * (c - mc) for w, c in points) / max(sum((w - mw) ** 2 for w, _ in points), 1e-18)
-    r = min(max(r, 0.0), 1.0)
-    a = max(0.0, mc - r * mw)
-    extra = statistics.median(c for c, _ in large) - (a + r * statistics.median(w for _, w in large))
-    return a, r, max(0.0, extra / big)
+    r = min(max(_slope(points), 0.0), 1.0)
+    a = statistics.fmean(c for _, c in points) - r * statistics.fmean(w for w, _ in points)
+    b = _slope([(n, statistics.median(c - r * w for c, w in xs)) for n, xs in sent.items()])
+    return max(0.0, a), r, max(0.0, b)
 
 
 def measure_link(small=8, large=4 << 20, pool=16, trials=8, timeout=120, busy=0, polite=False, duty=1.0):
@@ -816,7 +830,7 @@ class Scheduling:
     machine's; None: each container has its own, as on YARN), the CFS period of their
     quotas, and what a polite wait costs in CPU: `wait_s` for each wait plus `wait_cpu`
     of a CPU while it lasts plus `byte_s` per byte it receives (`measure_wait_cpu`; here
-    ~0.3 ms, ~0.1 and ~0.15-0.7 ns)."""
+    ~0.3 ms, ~0.1 and ~0.2 ns)."""
     cores: Optional[int] = None
     wait_s: float = 0.3e-3
     wait_cpu: float = 0.1
