@@ -10,8 +10,10 @@ fresh submit's time to its first step, the least such a restart costs.
 Prints a table and writes benchmarks/results/recovery.json.
 """
 import argparse
+import atexit
 import json
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -65,6 +67,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     from training.data import import_digits
     tmp = tempfile.mkdtemp(prefix="yarnapp-recovery-")
+    atexit.register(shutil.rmtree, tmp, True)
     os.environ.setdefault("YARNAPP_HOME", os.path.join(tmp, "home"))
     import_digits(os.path.join(tmp, "digits"))
     rows = [once(__import__("pathlib").Path(tmp), os.path.join(tmp, "digits"), i) for i in range(args.repeat)]

@@ -22,7 +22,9 @@ median over rounds. Prints a table and writes
 benchmarks/results/train_ddp.json (or --out).
 """
 import argparse
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -66,6 +68,7 @@ def make_context(comm):
     ranks = [RankInfo(rank=r, group="bench", instance=r, container=f"bench_{r}", vcores=1.0,
                       memory_mib=1024, gpus=0) for r in range(n)]
     wd = tempfile.mkdtemp(prefix="bench-")
+    atexit.register(shutil.rmtree, wd, True)
     return RunContext(comm=comm, rank=comm.Get_rank(), world_size=n, ranks=ranks, job=None,
                       app_id="bench", generation=0, workdir=wd, checkpoint_uri="file://" + wd,
                       logdir=wd)

@@ -4,6 +4,7 @@
 CompletedProcess; inside, `from mpi_util import make_ctx` gives a RunContext over
 MPI.COMM_WORLD (this directory is put on PYTHONPATH).
 """
+import atexit
 import os
 import shutil
 import subprocess
@@ -59,7 +60,10 @@ def make_ctx(comm=None, job=None, vcores=None, workdir=None):
     vcores = vcores or [1.0] * n
     ranks = [RankInfo(rank=r, group="g", instance=r, container=f"g_{r}", vcores=vcores[r],
                       memory_mib=1024, gpus=0) for r in range(n)]
-    wd = workdir or tempfile.mkdtemp(prefix=f"rank{comm.Get_rank()}_")
+    wd = workdir
+    if wd is None:                              # this rank's own, gone when it exits
+        wd = tempfile.mkdtemp(prefix=f"rank{comm.Get_rank()}_")
+        atexit.register(shutil.rmtree, wd, True)
     return RunContext(comm=comm, rank=comm.Get_rank(), world_size=n, ranks=ranks, job=job,
                       app_id="test", generation=0, workdir=wd,
                       checkpoint_uri="file://" + os.path.join(wd, "ckpt"),
