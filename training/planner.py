@@ -374,30 +374,9 @@ _STRATEGY_CPU = r"""
 import json, statistics, time
 import torch
 from training import collectives
-spent = [0.0]
-_wait = collectives.wait
-
-
-def wait(reqs, polite=None):                    # every wait of the strategy, CPU counted
-    c = time.process_time()
-    try:
-        return _wait(reqs, polite)
-    finally:
-        spent[0] += time.process_time() - c
-
-
-collectives.wait = wait                         # before the strategies' modules bind it
-import conf
-from launcher.world import join_local
-from training import model_parallel, strategies
-from training.context import RunContext
-from training.models import build_model
-from training.runner import make_optimizer_factory
-from training.collectives import GradientReducer
-from training.strategies.allreduce import AllReduceStrategy
-from training.strategies.conv_mp import ConvModelParallelStrategy
-counted_s, hooks_s = [0.0], [0.0]               # what the planner times itself (the model's forward +
-                                                # backward, conv shares, the optimizer); gradient hooks
+spent, counted_s, hooks_s = [0.0], [0.0], [0.0]  # CPU in waits; in what the planner times itself (the
+                                                # model's forward + backward, conv shares, the
+                                                # optimizer); in gradient hooks
 
 
 def counted(f, into=counted_s):
@@ -410,6 +389,16 @@ def counted(f, into=counted_s):
     return run
 
 
+collectives.wait = counted(collectives.wait, spent)   # every wait, before the strategies' modules bind it
+import conf
+from launcher.world import join_local
+from training import model_parallel, strategies
+from training.context import RunContext
+from training.models import build_model
+from training.runner import make_optimizer_factory
+from training.collectives import GradientReducer
+from training.strategies.allreduce import AllReduceStrategy
+from training.strategies.conv_mp import ConvModelParallelStrategy
 model_parallel._ShardConv2d.forward = staticmethod(counted(model_parallel._ShardConv2d.forward))
 model_parallel._ShardConv2d.backward = staticmethod(counted(model_parallel._ShardConv2d.backward))
 AllReduceStrategy._forward_backward = counted(AllReduceStrategy._forward_backward)   # and the PS ones
@@ -1048,8 +1037,8 @@ def predict_conv_mp(devices, link, names, split=None, sched=Scheduling(), own=(0
     formula = rest + conv_s + comm + master.optimizer_s(opt_part)
     rank_s = [sum(p[r] for p in phases) / d.quota for r, d in enumerate(devices)]   # each one's compute
     return _prediction("conv_model_parallel", devices, step, step - comm, comm, layer_split,
-                       rank_s=rank_s, formula_s=formula, conv_s=conv_s, conv_ideal_s=ideal, rest_s=rest, conv_fraction=f,
-                       effective_devices=k, bound=amdahl_bound(f, k))
+                       rank_s=rank_s, formula_s=formula, conv_s=conv_s, conv_ideal_s=ideal, rest_s=rest,
+                       conv_fraction=f, effective_devices=k, bound=amdahl_bound(f, k))
 
 
 def predict_all(devices, link, batch, shares="equal", conv_names=None, conv_split=None, sched=Scheduling(),
