@@ -5,6 +5,7 @@ import os
 import yaml
 from pydantic import ValidationError
 
+from .errors import YarnappError
 from .schema import JobSpec, container_id  # noqa: F401
 from .units import parse_duration_s, parse_memory_mib  # noqa: F401
 
@@ -13,7 +14,7 @@ EXAMPLES_DIR = os.path.join(os.path.dirname(__file__), "examples")
 _TEMPLATES = ("group", "training")
 
 
-class JobError(ValueError):
+class JobError(YarnappError, ValueError):
     """A job.yaml that cannot run. str() is one line naming the file and field."""
 
 

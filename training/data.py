@@ -36,6 +36,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from conf.errors import YarnappError
+
 log = logging.getLogger(__name__)
 
 IMAGE = "image"
@@ -45,7 +47,7 @@ FORMAT = 1
 _IMPORT_HINT = "import one with `yarnapp data import KIND URI`"
 
 
-class DataError(ValueError):
+class DataError(YarnappError, ValueError):
     """A dataset that cannot be read or written. str() is one line naming the URI or file."""
 
 

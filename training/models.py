@@ -20,10 +20,12 @@ import logging
 
 from torch import nn
 
+from conf.errors import YarnappError
+
 log = logging.getLogger(__name__)
 
 
-class ModelError(ValueError):
+class ModelError(YarnappError, ValueError):
     """A model that cannot be built. str() is one line naming the model and the fix."""
 
 

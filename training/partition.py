@@ -61,6 +61,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from conf.errors import YarnappError
+
 log = logging.getLogger(__name__)
 
 EPSILON = 0.03                 # default allowed imbalance (KaHyPar's customary 3 %)
@@ -69,7 +71,7 @@ LOSS_FLOPS_PER_CLASS = 5       # softmax + cross-entropy, forward and backward, 
 METHODS = ("hypergraph", "conv_split", "pipeline", "data_parallel")
 
 
-class PartitionError(ValueError):
+class PartitionError(YarnappError, ValueError):
     """A model or a request the partitioner cannot handle. str() names the op and the fix."""
 
 

@@ -97,6 +97,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conf.errors import YarnappError
 from training import quota_sim
 from training.calibrate import num_threads, proportional_split
 from training.model_parallel import why_not_distributable
@@ -112,7 +113,7 @@ FALLBACK_INPUT = (3, 32, 32)
 QUICK_MIN_TIME = 0.02              # --quick: seconds each timed item runs (default 0.1)
 
 
-class PlanError(ValueError):
+class PlanError(YarnappError, ValueError):
     """A plan that cannot be made. str() is one line saying what to give instead."""
 
 

@@ -1,8 +1,6 @@
-"""One exception root for the client. The CLI prints `Error: <message>` and exits 1."""
-
-
-class YarnappError(Exception):
-    """Expected failures: bad input, unknown application, unreachable cluster..."""
+"""The client's errors. Their root, YarnappError, is conf.errors.YarnappError: the one
+root of every package (the CLI prints `Error: <message>` and exits 1)."""
+from conf.errors import YarnappError  # noqa: F401  (re-exported: the client's root)
 
 
 class JobFailed(YarnappError):
