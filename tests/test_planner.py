@@ -260,3 +260,27 @@ def test_cli_plan_errors_are_one_line(cli):
     assert len(proc.stderr.strip().splitlines()) == 1
     proc = cli("plan", "conf/examples/digits.yaml", "--bandwidth", "fast", check=1)
     assert proc.stderr.startswith("Error: ") and "cannot parse 'fast' as a rate" in proc.stderr
+
+
+# -- the predictions from fixed measurements (a regression guard) ---------------------------
+
+REGRESSION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "planner_regression.json")
+
+
+def _regression_cases():
+    with open(REGRESSION) as f:
+        return {c["name"]: c for c in json.load(f)["jobs"]}
+
+
+@pytest.mark.parametrize("name", sorted(_regression_cases()))
+def test_predictions_from_fixed_measurements_are_unchanged(name):
+    """The same measured profiles, link, waits and strategies' CPU give the very plan the
+    planner gave when the fixture was recorded (tests/data/planner_regression.json)."""
+    import conf
+    case = _regression_cases()[name]
+    o = case["options"]
+    options = planner.PlanOptions(bandwidths_bps=tuple(o.get("bandwidths_bps", ())), latency_s=o.get("latency_s"),
+                                  machines=tuple(o["machines"]), gpu_speed=o.get("gpu_speed"))
+    plan = planner.plan_from(conf.load_job(case["job"]), planner.Measured.from_dict(case["measured"]), options)
+    plan.pop("volumes")
+    assert json.loads(json.dumps(plan)) == case["plan"]

@@ -1259,10 +1259,42 @@ def co_runners(job, shape, classes, timeout=60):
             p.stdout.close()
 
 
-def plan_job(job, options=PlanOptions()):
-    """The plan of a conf.JobSpec with a training section: a JSON-ready dict with the
-    measured profiles and link, the prediction of every strategy for the job's own
-    containers, the recommendation, and the simulated clusters."""
+@dataclasses.dataclass
+class Measured:
+    """What plan_job measures on this machine for a job (or is given): the input, the
+    model's profiles per (device, threads) and their idle copies, the link, how the
+    ranks get their CPUs and what a polite wait costs, and the strategies' own CPU."""
+    input_shape: tuple
+    classes: int
+    input_from: str
+    profiles: dict                # {(device, threads): Profile}
+    idle: dict                    # {(device, threads): Profile timed after idle pauses}
+    link: Link
+    scheduling: Scheduling
+    strategy_cpu: dict            # {strategy: [rank 0's, the others']} seconds per step
+
+    def as_dict(self):
+        return {"input_shape": list(self.input_shape), "classes": self.classes, "input_from": self.input_from,
+                "profiles": [p.as_dict() for p in self.profiles.values()],
+                "idle": [p.as_dict() for p in self.idle.values()],
+                "link": dict(dataclasses.asdict(self.link)), "scheduling": dataclasses.asdict(self.scheduling),
+                "strategy_cpu": self.strategy_cpu}
+
+    @classmethod
+    def from_dict(cls, d):
+        def profile(p):
+            p = dict(p, layers=[Layer(**lay) for lay in p["layers"]],
+                     rows_s={int(k): v for k, v in p["rows_s"].items()})
+            return Profile(**p)
+        profiles = [profile(p) for p in d["profiles"]]
+        idle = [profile(p) for p in d["idle"]]
+        return cls(tuple(d["input_shape"]), int(d["classes"]), d["input_from"],
+                   {(p.device, p.threads): p for p in profiles}, {(p.device, p.threads): p for p in idle},
+                   Link(**d["link"]), Scheduling(**d["scheduling"]), d["strategy_cpu"])
+
+
+def measure_job(job, options=PlanOptions()):
+    """Measure what the plan of conf.JobSpec `job` needs on this machine (Measured)."""
     spec = job.training
     if spec is None:
         raise PlanError("the job has no training section: the planner predicts the built-in runner's strategies")
@@ -1301,14 +1333,35 @@ def plan_job(job, options=PlanOptions()):
                 measure_rows(cold, model, shape, rows, min_time=options.min_time)
                 if layer_split:
                     measure_shares(cold, model, shape, layer_split, min_time=options.min_time)
-    by_id = {id(p): idle.get(k) for k, p in profiles.items()}
-    devices = [dataclasses.replace(d, idle=by_id.get(id(d.profile))) for d in devices]
     sched = _job_scheduling(job, devices, options)
-    ar = {"bucket_mb": spec.allreduce.bucket_mb, "ring_threshold_kb": spec.allreduce.ring_threshold_kb}
     own = options.strategy_cpu
     if own is None:
         own = measure_strategy_cpu(spec.model, spec.model_options, shape, classes, B, names) \
             if len(devices) > 1 else {}
+    return Measured(shape, classes, shape_from, profiles, idle, link, sched, own)
+
+
+def plan_job(job, options=PlanOptions()):
+    """The plan of a conf.JobSpec with a training section: a JSON-ready dict with the
+    measured profiles and link, the prediction of every strategy for the job's own
+    containers, the recommendation, and the simulated clusters."""
+    return plan_from(job, measure_job(job, options), options)
+
+
+def plan_from(job, measured, options=PlanOptions()):
+    """The plan of `job` from what was measured for it (Measured): no measurement here."""
+    spec = job.training
+    shape, classes = measured.input_shape, measured.classes
+    torch.manual_seed(spec.seed)
+    model = build_model(spec.model, shape, classes, spec.model_options)
+    profiles, link, sched, own = measured.profiles, measured.link, measured.scheduling, measured.strategy_cpu
+    B = spec.batch_size
+    devices = job_devices(job, lambda threads, device: profiles[(device, threads)], options.gpu_speed)
+    ref = devices[0]     # rank 0's device as timed back to back: single_s, f, the simulated machines
+    devices = [dataclasses.replace(d, idle=measured.idle.get((d.profile.device, d.profile.threads)))
+               for d in devices]
+    names = conv_layers_of(ref.profile, spec.model_parallel.layers)
+    ar = {"bucket_mb": spec.allreduce.bucket_mb, "ring_threshold_kb": spec.allreduce.ring_threshold_kb}
     mine = own_cpu(own)
     preds = predict_all(devices, link, B, spec.shares, names, spec.model_parallel.split, sched, ar, mine)
     # The data-parallel strategies also with speed-proportional shares, for the recommendation.
@@ -1326,7 +1379,7 @@ def plan_job(job, options=PlanOptions()):
     plan = {
         "job": job.name,
         "model": {"name": spec.model, "options": dict(spec.model_options), "input_shape": list(shape),
-                  "input_from": shape_from, "classes": classes, "batch": B,
+                  "input_from": measured.input_from, "classes": classes, "batch": B,
                   "params": ref.profile.params, "param_bytes": ref.profile.param_bytes,
                   "conv_layers": names, "conv_fraction": f},
         "link": link.as_dict(),
