@@ -102,10 +102,10 @@ def worker(case):
         job = conf.load_job({"name": "bench",
                              "groups": [{"name": f"r{r}", "instances": 1, "vcores": v}
                                         for r, v in enumerate(case["vcores"][:n])],
-                             "training": {"strategy": "conv_model_parallel", "model": "seed_cnn",
-                                          "data": {"train": "file:///unused"}, "batch_size": case["batch"],
-                                          "model_parallel": {"split": case["split"],
-                                                             "recalibrate_every": case["recalibrate_every"]}}})
+                             "training": {"strategy": {"name": "conv_model_parallel", "split": case["split"],
+                                                       "recalibrate_every": case["recalibrate_every"]},
+                                          "model": "seed_cnn", "data": {"train": "file:///unused"},
+                                          "batch_size": case["batch"]}})
         ctx = RunContext.offline(comm, job, "bench")
         collectives.set_polite(ctx.me.throttled)        # as training.runner does
         s = ConvModelParallelStrategy(ctx, job.training)

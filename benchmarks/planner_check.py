@@ -54,9 +54,9 @@ def job_dict(ranks, model, options, batch, strategy="allreduce"):
         groups.append({"name": "small", "instances": ranks - 1, "vcores": 0.5, "memory": "2 GiB"})
     vcores = [1.0] + [0.5] * (ranks - 1)
     return {"name": "plancheck", "groups": groups,
-            "training": {"strategy": strategy, "model": model, "model_options": options,
-                         "data": {"train": "file:///nonexistent"}, "batch_size": batch,
-                         "shares": "vcores", "model_parallel": {"split": vcores}}}
+            "training": {"strategy": {"name": strategy, "split": vcores} if strategy == "conv_model_parallel"
+                         else strategy, "model": model, "model_options": options,
+                         "data": {"train": "file:///nonexistent"}, "batch_size": batch, "shares": "vcores"}}
 
 
 # -- inside the MPI world ---------------------------------------------------------------------
@@ -101,16 +101,16 @@ def worker(case):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(spec.batch_size, *shape, generator=g)
     y = torch.randint(0, 10, (spec.batch_size,), generator=g)
-    s = strategies.get(spec.strategy)(ctx, spec)
+    s = strategies.get(spec.strategy.name)(ctx, spec)
     s.setup(model, make_optimizer_factory(spec))
     lo, hi = s.batch_slice(spec.batch_size)
-    xs, ys = (x[lo:hi], y[lo:hi]) if hi > lo or spec.strategy != "conv_model_parallel" else (None, None)
+    xs, ys = (x[lo:hi], y[lo:hi]) if hi > lo or spec.strategy.name != "conv_model_parallel" else (None, None)
     stats = []
     for _ in range(case["warmup"]):
         s.train_step(xs, ys)
     # CPU seconds of this rank's own forward + backward (its rows, the whole model) here,
     # to tell the strategy's own CPU per step (cpu_s_by_rank) from the model's
-    probe_x = xs if xs is not None and len(xs) and spec.strategy != "conv_model_parallel" else None
+    probe_x = xs if xs is not None and len(xs) and spec.strategy.name != "conv_model_parallel" else None
     cpu_fb = 0.0
     if probe_x is not None:
         import torch.nn.functional as F
@@ -223,7 +223,7 @@ def predict(ranks, size, link, probes, quick):
     before for this world size (`probes`)."""
     import conf
     from training import planner
-    job = conf.load_job(job_dict(ranks, size["model"], size["options"], size["batch"]))
+    job = conf.load_job(job_dict(ranks, size["model"], size["options"], size["batch"], "conv_model_parallel"))
     opts = planner.PlanOptions(bandwidths_bps=(link.bandwidth_bps,), latency_s=link.latency_s, machines=(1,),
                                input_shape=size["input_shape"], num_classes=10, min_time=0.05 if quick else 0.2,
                                wait_cpu=probes["wait_cpu"], strategy_cpu=probes["strategy_cpu"])

@@ -83,7 +83,8 @@ def make_spec(world_size):
         import yaml
         with open(os.path.join(ROOT, "conf", "defaults.yaml")) as f:
             t = yaml.safe_load(f)["training"]
-        return SimpleNamespace(**{**t, "allreduce": SimpleNamespace(**t["allreduce"])})
+        strategy = dict(yaml.safe_load(open(os.path.join(ROOT, "conf", "defaults.yaml")))["strategies"]["allreduce"])
+        return SimpleNamespace(**{**t, "strategy": SimpleNamespace(name="allreduce", **strategy)})
     job = conf.load_job({"name": "bench", "groups": [{"name": "w", "instances": world_size}],
                          "training": {"data": {"train": "file:///unused"}}})
     return job.training
@@ -186,8 +187,8 @@ def bench(args):
     dist.destroy_process_group()
     return rows, {"ranks": n, "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                   "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
-                  "bucket_mb": spec.allreduce.bucket_mb,
-                  "ring_threshold_kb": spec.allreduce.ring_threshold_kb}
+                  "bucket_mb": spec.strategy.bucket_mb,
+                  "ring_threshold_kb": spec.strategy.ring_threshold_kb}
 
 
 def print_row(r, names, header):

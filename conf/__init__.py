@@ -6,12 +6,12 @@ import yaml
 from pydantic import ValidationError
 
 from .errors import YarnappError
-from .schema import JobSpec, container_id  # noqa: F401
+from .schema import JobSpec, StrategyConfig, container_id, strategy_fields, strategy_names  # noqa: F401
 from .units import parse_duration_s, parse_memory_mib  # noqa: F401
 
 DEFAULTS_PATH = os.path.join(os.path.dirname(__file__), "defaults.yaml")
 EXAMPLES_DIR = os.path.join(os.path.dirname(__file__), "examples")
-_TEMPLATES = ("group", "training")
+_TEMPLATES = ("group", "training", "strategies")
 
 
 class JobError(YarnappError, ValueError):
@@ -45,6 +45,7 @@ def resolve(raw, overrides=None):
                          for g in job["groups"]]
     if isinstance(job.get("training"), dict):
         job["training"] = _merge(templates["training"], job["training"])
+        job["training"]["strategy"] = _strategy_block(job["training"]["strategy"], templates["strategies"])
     else:
         job.setdefault("training", None)
     for k, v in (overrides or {}).items():
@@ -53,8 +54,48 @@ def resolve(raw, overrides=None):
     return job
 
 
+def _strategy_block(value, defaults):
+    """training.strategy as a block: a bare name becomes {name: NAME}; the named strategy's
+    defaults are merged under it (an unknown or missing name is left for the schema to refuse)."""
+    if isinstance(value, str):
+        value = {"name": value}
+    if isinstance(value, dict) and isinstance(value.get("name"), str) and value["name"] in defaults:
+        return _merge(dict(defaults[value["name"]] or {}, name=value["name"]), value)
+    return value
+
+
+def strategy_config(name, job=None):
+    """The configuration of strategy `name` (a conf.schema StrategyConfig): the job's own
+    training.strategy where `job` runs that strategy, else the strategy's defaults."""
+    if job is not None and job.training is not None and job.training.strategy.name == name:
+        return job.training.strategy
+    if name not in strategy_names():
+        raise JobError(f"unknown strategy {name!r}; choose one of {', '.join(strategy_names())}")
+    from pydantic import TypeAdapter
+    return TypeAdapter(StrategyConfig).validate_python(_strategy_block(name, defaults()["strategies"]))
+
+
+def offline_job(vcores=(1.0,), name="offline", gpus=None, **training):
+    """A validated JobSpec for driving strategies outside an application (tests, benchmarks,
+    the planner's probes): one rank per entry of `vcores` (consecutive equal entries form
+    one group, g0, g1, ...; `gpus` one count per group), and a training section of the
+    given fields over the defaults (data.train defaults to a path nothing reads)."""
+    groups = []
+    for v in vcores:
+        if groups and groups[-1]["vcores"] == v:
+            groups[-1]["instances"] += 1
+        else:
+            groups.append({"name": f"g{len(groups)}", "instances": 1, "vcores": v})
+    for g, count in zip(groups, gpus or ()):
+        g["gpus"] = count
+    training.setdefault("data", {"train": "file:///unused"})
+    return load_job({"name": name, "groups": groups, "training": training})
+
+
 def _path(loc):
     out = ""
+    if tuple(loc[:2]) == ("training", "strategy") and len(loc) > 2 and loc[2] in strategy_names():
+        loc = tuple(loc[:2]) + tuple(loc[3:])     # the union's tag is no field
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
@@ -66,7 +107,17 @@ def _path(loc):
 
 
 def _message(err):
-    kind, msg, inp = err["type"], err["msg"], err.get("input")
+    kind, msg, inp, loc = err["type"], err["msg"], err.get("input"), tuple(err["loc"])
+    if tuple(loc[:2]) == ("training", "strategy"):
+        if kind == "extra_forbidden" and len(loc) > 3:
+            fields = strategy_fields(loc[2])
+            have = f"its fields are {', '.join(fields)}" if fields else "it has no fields of its own"
+            return f"not a field of strategy {loc[2]}; {have} (see docs/job-reference.md)"
+        if kind in ("union_tag_invalid", "union_tag_not_found"):
+            got = f"got {inp.get('name')!r}; " if kind == "union_tag_invalid" else ""
+            return f"{got}give a strategy name: {' | '.join(strategy_names())}, or a block with name: and its fields"
+        if kind == "model_attributes_type":
+            return f"give a strategy name ({' | '.join(strategy_names())}) or a block with name: and its fields"
     if kind == "extra_forbidden":
         return "unknown field; remove it or check its spelling (see docs/job-reference.md)"
     if kind == "too_short":

@@ -5,6 +5,7 @@ their own, so the defaults file is the single place a default can be read or cha
 (``conf.load_job`` merges it under the user's file before validation).
 """
 import ipaddress
+import typing
 from typing import Annotated, Dict, List, Literal, Optional, Union
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
@@ -71,20 +72,62 @@ class Data(Model):
     prefetch: Annotated[int, Field(ge=0)]
 
 
+# -- the strategies: one model each, tagged by `name` ------------------------------------------
+# `training.strategy` is one of these (a bare name in a job.yaml takes that strategy's
+# defaults: conf/defaults.yaml `strategies:`). Each strategy's implementation, registered
+# under the same name, is training.strategies.<package>; tests/test_strategy_names.py
+# checks that every name is here, in the registry, the defaults, the docs and the planner.
+
 class AllReduce(Model):
+    """Ring all-reduce data parallelism (training.strategies.allreduce)."""
+    name: Literal["allreduce"]
     bucket_mb: Annotated[float, Field(gt=0)]
     ring_threshold_kb: Annotated[float, Field(ge=0)]
 
 
-class ModelParallel(Model):
+class CentralPS(Model):
+    """A central parameter server on rank 0 (training.strategies.ps)."""
+    name: Literal["ps_central"]
+
+
+class ShardedPS(Model):
+    """A parameter server sharded over every rank (training.strategies.ps)."""
+    name: Literal["ps_sharded"]
+
+
+class ConvModelParallel(Model):
+    """Conv-layer model parallelism (training.strategies.conv_mp)."""
+    name: Literal["conv_model_parallel"]
     layers: Optional[List[str]]
     split: Optional[List[Annotated[float, Field(gt=0)]]]
     recalibrate_every: Annotated[int, Field(ge=0)]
 
 
+class Hypergraph(Model):
+    """Hypergraph-partitioned model parallelism (training.strategies.hypergraph)."""
+    name: Literal["hypergraph"]
+    capacities: Optional[List[Annotated[float, Field(gt=0)]]]
+    epsilon: Annotated[float, Field(gt=0, lt=1)]
+
+
+STRATEGY_CONFIGS = (AllReduce, ConvModelParallel, CentralPS, ShardedPS, Hypergraph)
+StrategyConfig = Annotated[Union[STRATEGY_CONFIGS], Field(discriminator="name")]
+
+
+def strategy_names():
+    """Every strategy's name, in STRATEGY_CONFIGS order."""
+    return [typing.get_args(c.model_fields["name"].annotation)[0] for c in STRATEGY_CONFIGS]
+
+
+def strategy_fields(name):
+    """The fields of strategy `name`'s own block (besides `name`)."""
+    cfg = next(c for c in STRATEGY_CONFIGS if typing.get_args(c.model_fields["name"].annotation)[0] == name)
+    return [f for f in cfg.model_fields if f != "name"]
+
+
 class Training(Model):
     """The built-in runner's configuration (run.function = training.runner:main)."""
-    strategy: Literal["allreduce", "conv_model_parallel", "ps_central", "ps_sharded", "hypergraph"]
+    strategy: StrategyConfig
     model: str
     model_options: Dict[str, Union[int, float, str, bool, List[int]]]
     data: Data
@@ -98,8 +141,6 @@ class Training(Model):
     seed: int
     shares: Union[Literal["speed", "equal", "vcores"], List[Annotated[float, Field(gt=0)]]]
     log_every: Annotated[int, Field(ge=1)]
-    allreduce: AllReduce
-    model_parallel: ModelParallel
 
 
 class Checkpoint(Model):
@@ -162,6 +203,11 @@ class JobSpec(Model):
         if self.training and isinstance(self.training.shares, list) and len(self.training.shares) != self.world_size:
             raise ValueError(f"training.shares: {len(self.training.shares)} shares given for "
                              f"{self.world_size} ranks")
+        for field in ("split", "capacities"):       # one weight per rank (conv-MP, hypergraph)
+            weights = getattr(self.training.strategy, field, None) if self.training else None
+            if weights is not None and len(weights) != self.world_size:
+                raise ValueError(f"training.strategy.{field}: {len(weights)} weights given for "
+                                 f"{self.world_size} ranks; give one per rank")
         return self
 
     @property

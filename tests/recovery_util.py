@@ -45,13 +45,12 @@ def digits_job(tmp_path, data, name, strategy="allreduce", steps=40, every=10, m
         "groups": [{"name": "big", "instances": instances[0], "vcores": 1, "memory": "1 GiB", "env": env or {}},
                    {"name": "small", "instances": instances[1], "vcores": 0.5, "memory": "1 GiB",
                     "env": env or {}}][: 2 if instances[1] else 1],
-        "training": {"strategy": strategy, "model": "digits_cnn",
+        # a fixed kernel split: a measured one may differ between the runs compared
+        "training": {"strategy": {"name": strategy, "split": [2, 1, 1][:sum(instances)]}
+                     if strategy == "conv_model_parallel" else strategy, "model": "digits_cnn",
                      "data": {"train": f"{data}/train", "test": f"{data}/test"},
                      "batch_size": 48, "epochs": 100, "max_steps": steps, "log_every": 1, "seed": 3,
-                     "lr": 0.05,
-                     # a fixed kernel split: a measured one may differ between the runs compared
-                     "model_parallel": {"split": [2, 1, 1][:sum(instances)] if strategy == "conv_model_parallel"
-                                        else None}},
+                     "lr": 0.05},
         "checkpoint": {"uri": str(tmp_path / name / "ckpt"), "every_steps": every},
         "tensorboard": {"logdir": str(tmp_path / name / "tb")},
         "launcher": {"heartbeat_timeout": heartbeat, "poll_interval": "100ms"},

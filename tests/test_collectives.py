@@ -82,8 +82,8 @@ class Net(nn.Module):
 def spec(shares, bucket_mb, threshold_kb):
     job = conf.load_job({"name": "t", "groups": [{"name": "w", "instances": n}],
                          "training": {"data": {"train": "file:///unused"}, "shares": shares,
-                                      "allreduce": {"bucket_mb": bucket_mb,
-                                                    "ring_threshold_kb": threshold_kb}}})
+                                      "strategy": {"name": "allreduce", "bucket_mb": bucket_mb,
+                                                   "ring_threshold_kb": threshold_kb}}})
     return job.training
 
 def make_opt(params):

@@ -61,12 +61,13 @@ def sgd(params):
 
 
 def spec(split=WEIGHTS, recalibrate_every=0, layers=None):
-    mp = {"split": split, "recalibrate_every": recalibrate_every, "layers": layers}
+    mp = {"name": "conv_model_parallel", "recalibrate_every": recalibrate_every, "layers": layers}
     job = conf.load_job({"name": "t", "groups": [{"name": "g", "instances": n}],
-                         "training": {"strategy": "conv_model_parallel", "model": "small",
-                                      "data": {"train": "file:///unused"}, "batch_size": 6,
-                                      "model_parallel": mp}})
-    return job.training
+                         "training": {"strategy": mp, "model": "small",
+                                      "data": {"train": "file:///unused"}, "batch_size": 6}})
+    # set after validation: a split of another length is refused by the schema, and the
+    # strategy must refuse it too when given one
+    return job.training.model_copy(update={"strategy": job.training.strategy.model_copy(update={"split": split})})
 
 
 def maxdiff(a, b):
@@ -337,9 +338,9 @@ torch.backends.cudnn.allow_tf32 = False          # compare fp32 with fp32
 comm = MPI.COMM_WORLD
 rank = comm.Get_rank()
 spec = conf.load_job({"name": "t", "groups": [{"name": "g", "instances": 2}],
-                      "training": {"strategy": "conv_model_parallel", "model": "seed_cnn",
-                                   "data": {"train": "file:///unused"}, "batch_size": 8,
-                                   "model_parallel": {"split": [3.0, 1.0]}}}).training
+                      "training": {"strategy": {"name": "conv_model_parallel", "split": [3.0, 1.0]},
+                                   "model": "seed_cnn", "data": {"train": "file:///unused"},
+                                   "batch_size": 8}}).training
 sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)
 out = {}
 for gpus in ([0, 1], [1, 0], [1, 1]):           # worker, master, both on the GPU

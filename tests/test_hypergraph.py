@@ -260,9 +260,9 @@ def sgd(params):
 def spec(shares=CAPS, split=None):
     job = conf.load_job({"name": "t", "groups": [{"name": "g", "instances": n}],
                          "training": {"strategy": "hypergraph", "model": "small", "seed": 0,
-                                      "data": {"train": "file:///unused"}, "batch_size": B,
-                                      "shares": shares, "model_parallel": {"split": split}}})
-    return job.training
+                                      "data": {"train": "file:///unused"}, "batch_size": B, "shares": shares}})
+    t = job.training        # capacities set after validation: the strategy must refuse a wrong count too
+    return t.model_copy(update={"strategy": t.strategy.model_copy(update={"capacities": split})})
 
 
 def maxdiff(a, b):

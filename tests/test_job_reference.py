@@ -28,14 +28,26 @@ def _is_list(annotation):
     return any(_is_list(a) for a in typing.get_args(annotation) if typing.get_origin(annotation) is not dict)
 
 
+def _tag(model):
+    """The `name` of a member of a tagged union (the strategies), else None."""
+    field = model.model_fields.get("name")
+    args = typing.get_args(field.annotation) if field else ()
+    return args[0] if field and typing.get_origin(field.annotation) is typing.Literal else None
+
+
 def schema_fields(model=JobSpec, prefix=""):
-    """{dotted path: annotation} of every field, recursively; list items are `name[].field`."""
+    """{dotted path: annotation} of every field, recursively; list items are `name[].field`,
+    the fields of a tagged union's member `name[tag].field` (its tag `name` is not a field)."""
     out = {}
     for name, field in model.model_fields.items():
         path = prefix + name
+        if name == "name" and _tag(model) is not None:
+            continue
         out[path] = field.annotation
         for sub in _models(field.annotation):
-            out.update(schema_fields(sub, path + ("[]." if _is_list(field.annotation) else ".")))
+            tag = _tag(sub)
+            sep = f"[{tag}]." if tag else "[]." if _is_list(field.annotation) else "."
+            out.update(schema_fields(sub, path + sep))
     return out
 
 
@@ -55,7 +67,7 @@ def documented():
 def defaults():
     """{dotted path: default value} as conf/defaults.yaml gives them (templates in place)."""
     d = conf.defaults()
-    group, training = d.pop("group"), d.pop("training")
+    group, training, strategies = d.pop("group"), d.pop("training"), d.pop("strategies")
     out = {}
 
     def walk(node, prefix):
@@ -67,6 +79,8 @@ def defaults():
     walk(d, "")
     walk(group, "groups[].")
     walk(training, "training.")
+    for name, fields in strategies.items():
+        walk(fields or {}, f"training.strategy[{name}].")
     return out
 
 
@@ -77,8 +91,9 @@ def _cell(value):
 
 def test_schema_walk_sees_nested_and_list_fields():
     fields = schema_fields()
-    for path in ("name", "groups", "groups[].vcores", "training", "training.data.train",
-                 "training.allreduce.bucket_mb", "training.model_parallel.split", "tensorboard.service"):
+    for path in ("name", "groups", "groups[].vcores", "training", "training.data.train", "training.strategy",
+                 "training.strategy[allreduce].bucket_mb", "training.strategy[conv_model_parallel].split",
+                 "training.strategy[hypergraph].capacities", "tensorboard.service"):
         assert path in fields, path
 
 
@@ -116,7 +131,9 @@ def test_example_jobs_use_only_documented_fields(example):
         for k, v in node.items():
             path = prefix + k
             yield path
-            if isinstance(v, dict) and path not in ("training.model_options", "groups[].env"):
+            if path == "training.strategy" and isinstance(v, dict):     # a block: NAME's fields
+                yield from (f"{path}[{v['name']}].{k}" for k in v if k != "name")
+            elif isinstance(v, dict) and path not in ("training.model_options", "groups[].env"):
                 yield from paths(v, path + ".")
             elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
                 for item in v:

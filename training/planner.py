@@ -97,6 +97,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import conf
 from conf.errors import YarnappError
 from training import quota_sim
 from training.calibrate import num_threads, proportional_split
@@ -439,9 +440,10 @@ y = torch.randint(0, a["classes"], (a["batch"],), generator=g)
 own = {}
 for name in a["strategies"]:
     job = conf.load_job({"name": "probe", "groups": [{"name": "g", "instances": n}],
-                         "training": {"strategy": name, "model": a["model"], "model_options": a["options"],
-                                      "data": {"train": "file:///unused"}, "batch_size": a["batch"],
-                                      "model_parallel": {"split": [1.0] * n, "layers": a["layers"]}}})
+                         "training": {"strategy": {"name": name, "split": [1.0] * n, "layers": a["layers"]}
+                                      if name == "conv_model_parallel" else name, "model": a["model"],
+                                      "model_options": a["options"], "data": {"train": "file:///unused"},
+                                      "batch_size": a["batch"]}})
     torch.manual_seed(0)
     model = build_model(a["model"], tuple(a["shape"]), a["classes"], a["options"])
     s = strategies.get(name)(RunContext.offline(comm, job, "probe"), job.training)
@@ -1316,12 +1318,13 @@ def measure_job(job, options=PlanOptions()):
     with co_runners(job, shape, classes):
         devices = job_devices(job, profile_for, options.gpu_speed)
         ref = devices[0]
-        names = conv_layers_of(ref.profile, spec.model_parallel.layers)
+        conv = conf.strategy_config("conv_model_parallel", job)
+        names = conv_layers_of(ref.profile, conv.layers)
         # Time what the ranks will really run: their row counts and their kernel shares.
         rows = set()
         for shares in (spec.shares, "speed"):
             rows.update(split_rows(B, share_weights(devices, shares)))
-        layer_split = _conv_split(devices, names, spec.model_parallel.split) if names else None
+        layer_split = _conv_split(devices, names, conv.split) if names else None
         idle = {}
         for key, prof in profiles.items():
             measure_rows(prof, model, shape, rows, min_time=options.min_time)
@@ -1360,10 +1363,11 @@ def plan_from(job, measured, options=PlanOptions()):
     ref = devices[0]     # rank 0's device as timed back to back: single_s, f, the simulated machines
     devices = [dataclasses.replace(d, idle=measured.idle.get((d.profile.device, d.profile.threads)))
                for d in devices]
-    names = conv_layers_of(ref.profile, spec.model_parallel.layers)
-    ar = {"bucket_mb": spec.allreduce.bucket_mb, "ring_threshold_kb": spec.allreduce.ring_threshold_kb}
+    conv, allreduce = conf.strategy_config("conv_model_parallel", job), conf.strategy_config("allreduce", job)
+    names = conv_layers_of(ref.profile, conv.layers)
+    ar = {"bucket_mb": allreduce.bucket_mb, "ring_threshold_kb": allreduce.ring_threshold_kb}
     mine = own_cpu(own)
-    preds = predict_all(devices, link, B, spec.shares, names, spec.model_parallel.split, sched, ar, mine)
+    preds = predict_all(devices, link, B, spec.shares, names, conv.split, sched, ar, mine)
     # The data-parallel strategies also with speed-proportional shares, for the recommendation.
     speed_preds = {"allreduce": predict_allreduce(devices, link, B, "speed", sched, **ar, own=mine["allreduce"]),
                    "ps_central": predict_central_ps(devices, link, B, "speed", sched, mine["ps_central"]),

@@ -41,7 +41,7 @@ class Runner:
         self.test = ParquetDataset(spec.data.test) if spec.data.test else None
         torch.manual_seed(spec.seed)
         model = build_model(spec.model, self.train.shape, self.train.num_classes, spec.model_options)
-        self.strategy = strategies.get(spec.strategy)(ctx, spec)
+        self.strategy = strategies.get(spec.strategy.name)(ctx, spec)
         extra = {}
         if "example_input" in inspect.signature(self.strategy.setup).parameters:   # for shares: speed
             extra["example_input"] = torch.from_numpy(self.train.images[:16]).float()
@@ -68,7 +68,7 @@ class Runner:
 
     def _hparams(self):
         s = self.spec
-        return {"strategy": s.strategy, "model": s.model, "batch_size": s.batch_size, "lr": s.lr,
+        return {"strategy": s.strategy.name, "model": s.model, "batch_size": s.batch_size, "lr": s.lr,
                 "optimizer": s.optimizer, "world_size": self.ctx.world_size, "seed": s.seed,
                 "groups": ",".join(f"{g.instances}x{g.name}({g.vcores:g}vc)" for g in self.ctx.job.groups)}
 

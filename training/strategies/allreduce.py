@@ -87,7 +87,7 @@ def measure_speed(model, example, passes=SPEED_PROBE_PASSES):
 class AllReduceStrategy(Strategy):
     """Replicated model, batch split by `spec.shares`, gradients summed by all-reduce.
 
-    spec: conf Training (uses shares, allreduce.bucket_mb, allreduce.ring_threshold_kb).
+    spec: conf Training (uses shares; its strategy block: bucket_mb, ring_threshold_kb).
     `overlap` picks how bucket reductions progress during backward (see
     collectives.GradientReducer): None chooses 'thread' when the rank's vcores leave
     at least one core beyond its torch compute threads, else 'poll' (a communication
@@ -117,7 +117,7 @@ class AllReduceStrategy(Strategy):
         self.model = model
         self._broadcast_state()
         self.optimizer = make_optimizer(model.parameters())
-        ar = self.spec.allreduce
+        ar = self.config
         overlap = self.overlap
         if overlap is None:
             spare = self.ctx.me.vcores - torch.get_num_threads()

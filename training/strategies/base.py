@@ -29,6 +29,7 @@ class Strategy(abc.ABC):
     def __init__(self, ctx, spec):
         self.ctx = ctx
         self.spec = spec
+        self.config = spec.strategy      # this strategy's own fields (conf.schema StrategyConfig)
         self.comm = ctx.comm
         self.rank = ctx.rank
         self.world_size = ctx.world_size

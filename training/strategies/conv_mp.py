@@ -1,9 +1,9 @@
 """Conv-layer model parallelism with a speed-proportional kernel split (Marques et al. 2018).
 
 Every rank builds the same full model (same seed); the chosen Conv2d layers
-(training.model_parallel.layers, default every distributable Conv2d) are replaced by
+(training.strategy's `layers`, default every distributable Conv2d) are replaced by
 DistributedConv2d, rank r owning split[layer][r] of each layer's kernels. The split
-comes from training.model_parallel.split (manual weights, one per rank, applied to
+comes from the strategy's `split` (manual weights, one per rank, applied to
 every layer) or else from each rank's measured speed on the real layer shapes
 (training.calibrate), measured when the model is set up (or at the first step, when
 the model does not declare `input_shape`) and, every `recalibrate_every` steps,
@@ -80,10 +80,10 @@ class ConvModelParallelStrategy(Strategy):
         self.names = self._select_layers(model)
         if self.is_master:
             model.to(self.device)
-        mp = self.spec.model_parallel
+        mp = self.config
         if mp.split is not None:
             if len(mp.split) != self.world_size:
-                raise ValueError(f"training.model_parallel.split: {len(mp.split)} weights for "
+                raise ValueError(f"training.strategy.split: {len(mp.split)} weights for "
                                  f"{self.world_size} ranks; give one per rank")
             convs = dict(model.named_modules())
             self._shard({n: proportional_split(convs[n].out_channels, mp.split) for n in self.names})
@@ -93,7 +93,7 @@ class ConvModelParallelStrategy(Strategy):
 
     def _select_layers(self, model):
         convs = {n: m for n, m in model.named_modules() if isinstance(m, nn.Conv2d)}
-        wanted = self.spec.model_parallel.layers
+        wanted = self.config.layers
         if wanted is None:
             names = [n for n, m in convs.items() if why_not_distributable(m) is None]
             for n in sorted(set(convs) - set(names)):
@@ -101,7 +101,7 @@ class ConvModelParallelStrategy(Strategy):
         else:
             unknown = [n for n in wanted if n not in convs]
             if unknown:
-                raise ValueError(f"training.model_parallel.layers: {unknown} are not Conv2d layers of "
+                raise ValueError(f"training.strategy.layers: {unknown} are not Conv2d layers of "
                                  f"the model; its Conv2d layers are {sorted(convs)}")
             names = [n for n in convs if n in set(wanted)]  # model order, duplicates dropped
         if not names:
@@ -177,8 +177,8 @@ class ConvModelParallelStrategy(Strategy):
         self.optimizer.step()
         self._gather_times()
         self.steps += 1
-        every = self.spec.model_parallel.recalibrate_every
-        if every and self.spec.model_parallel.split is None and self._window_steps >= every:
+        every = self.config.recalibrate_every
+        if every and self.config.split is None and self._window_steps >= every:
             self.recalibrate()
         comm_s = self._comm_s()
         return StepStats(loss=float(payload[0]), correct=int(payload[1]), samples=int(payload[2]),

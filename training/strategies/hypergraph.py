@@ -3,7 +3,7 @@
 The model is traced into a chain of unit layers (training.partition.layer_chain: conv
 output channels, linear neurons, the loss) and its hypergraph is partitioned onto the
 ranks by Mt-KaHyPar in proportion to their capacities s_r (training.partition): unit v
-goes to rank Π(v). Capacities: training.model_parallel.split when given (one weight per
+goes to rank Π(v). Capacities: the strategy's `capacities` when given (one weight per
 rank), else training.shares ('equal', 'vcores', 'speed': rows/s of forward + backward
 measured on each rank, or a list). Rank 0 partitions; the parts are broadcast.
 
@@ -321,7 +321,6 @@ class PartitionedModel(torch.nn.Module):
 class HypergraphStrategy(Strategy):
     """The strategy of the runner (see the module docstring); registry name "hypergraph"."""
     name = "hypergraph"
-    epsilon = EPSILON          # allowed imbalance of the partition
 
     def __init__(self, ctx, spec):
         super().__init__(ctx, spec)
@@ -358,12 +357,12 @@ class HypergraphStrategy(Strategy):
                 p.copy_(host.to(p.device))
 
     def _capacities(self):
-        mp, shares = self.spec.model_parallel, self.spec.shares
-        given = mp.split if mp.split is not None else (shares if isinstance(shares, (list, tuple)) else None)
+        caps, shares = self.config.capacities, self.spec.shares
+        given = caps if caps is not None else (shares if isinstance(shares, (list, tuple)) else None)
         if given is not None:
             if len(given) != self.world_size:
                 raise ValueError(f"hypergraph strategy: {len(given)} capacities for {self.world_size} ranks "
-                                 "(training.model_parallel.split or training.shares); give one per rank")
+                                 "(training.strategy.capacities or training.shares); give one per rank")
             return [float(s) for s in given]
         if shares == "equal":
             return [1.0] * self.world_size
@@ -389,7 +388,8 @@ class HypergraphStrategy(Strategy):
             self.capacities = self._capacities()
             if self.rank == ROOT:
                 hg = build_hypergraph(chain)
-                parts, info = hypergraph_partition(hg, self.capacities, self.epsilon, seed=self.spec.seed)
+                parts, info = hypergraph_partition(hg, self.capacities, self.config.epsilon,
+                                                         seed=self.spec.seed)
                 self.predicted = evaluate(hg, parts, self.capacities)
                 log.info("hypergraph: %d units onto capacities %s: %.0f bytes per sample (forward + "
                          "backward), imbalance %.3f, %.2f s", hg.num_vertices, self.capacities,
