@@ -98,7 +98,7 @@ def worker(case):
         import conf
         from training import collectives
         from training.context import RunContext
-        from training.strategies.conv_mp import ConvModelParallelStrategy
+        from training.strategies.conv_mp.strategy import ConvModelParallelStrategy
         job = conf.load_job({"name": "bench",
                              "groups": [{"name": f"r{r}", "instances": 1, "vcores": v}
                                         for r, v in enumerate(case["vcores"][:n])],

@@ -26,7 +26,7 @@ def case_main(args):
 
     from training.context import RankInfo, RunContext
     from training.models import build_model
-    from training.strategies.conv_mp import ConvModelParallelStrategy
+    from training.strategies.conv_mp.strategy import ConvModelParallelStrategy
     comm = MPI.COMM_WORLD
     rank, n = comm.Get_rank(), comm.Get_size()
     torch.set_num_threads(args.cpu_threads if rank else 2)

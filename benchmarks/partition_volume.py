@@ -20,8 +20,9 @@ and, for the two model-parallel baselines, the hypergraph partition constrained 
 their own imbalance ("HP@same balance"; the baseline is also given to the partitioner
 as a start, and the volume it finds without that start is shown as [fresh]). Also: the
 hypergraph volume for ε in 0.01..0.3 (the balance–volume trade-off), and — unless
---quick — bytes actually sent by training.strategies.hypergraph in one real step under
-mpiexec against the volume the partition predicts.
+--quick — bytes actually sent by training.strategies.hypergraph in one real step on
+ranks joined as containers join (training.probes.run_argv) against the volume the
+partition predicts.
 
 Prints a table and writes benchmarks/results/partition_volume.json.
 """
@@ -29,7 +30,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 
@@ -56,10 +56,11 @@ def networks(quick):
 def worker(case):
     import torch
     import torch.nn.functional as F
-    from mpi4py import MPI
+    from launcher.world import join_local
     from training import partition as P
-    from training.strategies.hypergraph import PartitionedModel
-    comm = MPI.COMM_WORLD
+    from training.probes import report
+    from training.strategies.hypergraph.execution import PartitionedModel
+    comm, rank, _ = join_local()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = networks(False)[case["network"]]()
@@ -83,23 +84,17 @@ def worker(case):
     seconds = time.perf_counter() - t0
     sent = comm.allreduce(net.counters.sent_bytes)
     comm_s = comm.gather(net.counters.comm_s, root=0)
-    if comm.Get_rank() == 0:
-        predicted = 2 * case["batch"] * P.evaluate(hg, parts, EQUAL[comm.Get_size()])["forward_bytes_per_sample"]
-        print("RESULT " + json.dumps({"sent_bytes": int(sent), "predicted_bytes": float(predicted),
-                                      "step_s": seconds, "comm_s": comm_s}), flush=True)
+    predicted = 2 * case["batch"] * P.evaluate(hg, parts, EQUAL[comm.Get_size()])["forward_bytes_per_sample"]
+    report(rank, {"sent_bytes": int(sent), "predicted_bytes": float(predicted), "step_s": seconds,
+                  "comm_s": comm_s})
 
 
 def execute(network, k, batch, timeout=600):
-    from tests.mpi_util import mpiexec
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")
-    case = {"network": network, "batch": batch}
-    proc = subprocess.run([mpiexec(), "-n", str(k), sys.executable, os.path.abspath(__file__), "--worker",
-                           json.dumps(case)], env=env, capture_output=True, text=True, timeout=timeout)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"mpiexec -n {k} {network} failed:\n{proc.stdout}\n{proc.stderr}")
-    return {"network": network, "k": k, "batch": batch, **json.loads(lines[-1][len("RESULT "):])}
+    """One real step on k ranks joined as containers join (training.probes.run)."""
+    from training import probes
+    argv = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps({"network": network, "batch": batch})]
+    result = probes.run_argv(argv, k, timeout=timeout)
+    return {"network": network, "k": k, "batch": batch, **result}
 
 
 # -- the table ---------------------------------------------------------------------------------

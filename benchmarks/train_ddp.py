@@ -92,7 +92,7 @@ def make_spec(world_size):
 
 class Ours:
     def __init__(self, name, ctx, spec, overlap):
-        from training.strategies.allreduce import AllReduceStrategy
+        from training.strategies.allreduce.strategy import AllReduceStrategy
         import torch
         self.s = AllReduceStrategy(ctx, spec)
         self.s.overlap = overlap

@@ -77,17 +77,15 @@ def strategy_config(name, job=None):
 
 def offline_job(vcores=(1.0,), name="offline", gpus=None, **training):
     """A validated JobSpec for driving strategies outside an application (tests, benchmarks,
-    the planner's probes): one rank per entry of `vcores` (consecutive equal entries form
-    one group, g0, g1, ...; `gpus` one count per group), and a training section of the
+    the planner's probes): one rank per entry of `vcores` (and of `gpus`, default none;
+    consecutive ranks alike form one group, g0, g1, ...), and a training section of the
     given fields over the defaults (data.train defaults to a path nothing reads)."""
     groups = []
-    for v in vcores:
-        if groups and groups[-1]["vcores"] == v:
+    for v, count in zip(vcores, gpus or [0] * len(vcores)):
+        if groups and (groups[-1]["vcores"], groups[-1]["gpus"]) == (v, count):
             groups[-1]["instances"] += 1
         else:
-            groups.append({"name": f"g{len(groups)}", "instances": 1, "vcores": v})
-    for g, count in zip(groups, gpus or ()):
-        g["gpus"] = count
+            groups.append({"name": f"g{len(groups)}", "instances": 1, "vcores": v, "gpus": count})
     training.setdefault("data", {"train": "file:///unused"})
     return load_job({"name": name, "groups": groups, "training": training})
 

@@ -1,251 +1,23 @@
 """Conv-layer model parallelism: exact equivalence with the single-process model.
 
-Each MPI world (2 and 3 ranks) is started once (module fixtures) and runs every check
-of the distributed layers and of the strategy; rank 0 also trains the single-process
+Each MPI world (2 and 3 ranks, joined as containers join) is started once (module
+fixtures) and runs every check of the distributed layers and of the strategy
+(tests/ranks/conv_mp.py); rank 0 also trains the single-process
 reference from the same initial weights on the same data and reports the largest
 differences, which the tests below assert. proportional_split is tested in-process.
 """
-import json
-
 import pytest
 import torch
 
-from mpi_util import mpi_result, run_mpi
-from training.calibrate import corrected_speeds, proportional_split
+import worlds
+from training.strategies.conv_mp.calibrate import corrected_speeds, proportional_split
 
 TOL = 1e-5
-
-WORLD = r'''
-import copy, io, json
-import numpy as np
-import torch, torch.nn as nn, torch.nn.functional as F
-from mpi4py import MPI
-import conf
-from mpi_util import make_ctx
-from training.model_parallel import DistributedConv2d, ShardProtocol
-from training.strategies.conv_mp import ConvModelParallelStrategy
-
-comm = MPI.COMM_WORLD
-rank, n = comm.Get_rank(), comm.Get_size()
-torch.set_num_threads(1)
-WEIGHTS = {2: [3.0, 1.0], 3: [5.0, 2.0, 1.0]}[n]     # uneven: conv1 (8) -> [6,2] / [5,2,1]
-
-
-class SmallCNN(nn.Module):
-    input_shape = (3, 12, 12)
-
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
-        self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
-        self.fc = nn.Linear(16 * 3 * 3, 10)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        return self.fc(x.flatten(1))
-
-
-def fresh(seed=0):
-    torch.manual_seed(seed)
-    return SmallCNN()
-
-
-def data(step, batch=6):
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(batch, 3, 12, 12, generator=g), torch.randint(0, 10, (batch,), generator=g)
-
-
-def sgd(params):
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-3)
-
-
-def spec(split=WEIGHTS, recalibrate_every=0, layers=None):
-    mp = {"name": "conv_model_parallel", "recalibrate_every": recalibrate_every, "layers": layers}
-    job = conf.load_job({"name": "t", "groups": [{"name": "g", "instances": n}],
-                         "training": {"strategy": mp, "model": "small",
-                                      "data": {"train": "file:///unused"}, "batch_size": 6}})
-    # set after validation: a split of another length is refused by the schema, and the
-    # strategy must refuse it too when given one
-    return job.training.model_copy(update={"strategy": job.training.strategy.model_copy(update={"split": split})})
-
-
-def maxdiff(a, b):
-    return float((a.detach().double() - b.detach().double()).abs().max())
-
-
-def params_diff(model, ref):
-    """Largest difference over every parameter of two full models (master only)."""
-    got, want = dict(model.named_parameters()), dict(ref.named_parameters())
-    assert got.keys() == want.keys(), (got.keys(), want.keys())
-    return max(maxdiff(got[k], want[k]) for k in want)
-
-
-out = {}
-
-# 0. Misconfigurations are refused with a message that names the fix, on every rank.
-def refused(fn):
-    try:
-        fn()
-    except (ValueError, TypeError) as e:
-        return str(e)
-    return None
-
-conv = nn.Conv2d(3, 8, 3)
-errors = [refused(lambda: DistributedConv2d(conv, comm, [8] + [0] * n)),
-          refused(lambda: DistributedConv2d(conv, comm, [7] + [0] * (n - 1))),
-          refused(lambda: DistributedConv2d(nn.Conv2d(4, 8, 3, groups=2), comm, [4] + [4 // (n - 1)] * (n - 1))),
-          refused(lambda: ConvModelParallelStrategy(make_ctx(), spec(split=[1.0] * (n + 1))).setup(fresh(), sgd)),
-          refused(lambda: ConvModelParallelStrategy(make_ctx(), spec(layers=["conv1", "fc"])).setup(fresh(), sgd))]
-out["errors"] = comm.gather(errors, root=0)
-
-# 1. The layers alone: forward output, loss and every gradient against one process.
-ref = fresh()
-model = copy.deepcopy(ref)
-splits = {"conv1": {2: [6, 2], 3: [5, 2, 1]}[n], "conv2": {2: [9, 7], 3: [0, 10, 6]}[n]}  # rank 0 may own 0
-for name in ("conv1", "conv2"):
-    setattr(model, name, DistributedConv2d(getattr(ref, name), comm, splits[name]))
-layers = [model.conv1, model.conv2]
-protocol = ShardProtocol(layers, comm)
-x, y = data(0)
-if rank == 0:
-    logits = model(x)
-    loss = F.cross_entropy(logits, y)
-    loss.backward()
-    protocol.finish([loss.item()])
-    ref_logits = ref(x)
-    ref_loss = F.cross_entropy(ref_logits, y)
-    ref_loss.backward()
-    out["layers_forward"] = maxdiff(logits, ref_logits)
-    out["layers_loss"] = abs(loss.item() - ref_loss.item())
-    out["layers_fc_grad"] = max(maxdiff(model.fc.weight.grad, ref.fc.weight.grad),
-                                maxdiff(model.fc.bias.grad, ref.fc.bias.grad))
-    out["layers_shapes"] = [list(model.conv1.weight.shape), list(model.conv2.weight.shape)]
-    payload = [loss.item()]
-else:
-    payload = protocol.serve()
-out["layers_payload"] = comm.gather(float(payload[0]), root=0)
-grads = {}
-for name, layer in (("conv1", model.conv1), ("conv2", model.conv2)):
-    gw, gb = layer.gather_full((layer.weight.grad, layer.bias.grad))
-    w, b = layer.gather_full()
-    if rank == 0:
-        r = getattr(ref, name)
-        grads[name] = max(maxdiff(gw, r.weight.grad), maxdiff(gb, r.bias.grad))
-        out[f"layers_{name}_init"] = max(maxdiff(w, r.weight), maxdiff(b, r.bias))
-        out[f"layers_{name}_gw_norm"] = float(r.weight.grad.norm())
-out["layers_conv_grads"] = grads
-out["rank_shards"] = comm.gather([model.conv1.count, model.conv2.count], root=0)
-
-# 2. The strategy: a few SGD steps (momentum, weight decay) equal the single-process run.
-def make(strategy_spec, seed=0):
-    s = ConvModelParallelStrategy(make_ctx(), strategy_spec)
-    s.setup(fresh(seed), sgd)
-    return s
-
-s = make(spec())
-ref = fresh()
-ref_opt = sgd(ref.parameters())
-losses, ref_losses = [], []
-for step in range(3):
-    x, y = data(step)
-    lo, hi = s.batch_slice(6)
-    stats = s.train_step(x[lo:hi] if rank == 0 else None, y[lo:hi] if rank == 0 else None)
-    losses.append([stats.loss, stats.correct, stats.samples, stats.compute_s, stats.comm_s])
-    if rank == 0:
-        ref_opt.zero_grad()
-        logits = ref(x)
-        l = F.cross_entropy(logits, y)
-        l.backward()
-        ref_opt.step()
-        ref_losses.append([l.item(), int((logits.argmax(1) == y).sum())])
-all_losses = comm.gather(losses, root=0)
-out["strategy_split"] = comm.gather([s.layer_split, s.split], root=0)
-out["strategy_slices"] = comm.gather(list(s.batch_slice(6)), root=0)
-buf = io.BytesIO()
-torch.save(s.state_dict(), buf)             # a checkpoint: serialised, as the runner writes it
-export = s.model_for_export()
-if rank == 0:
-    out["strategy_losses"] = all_losses
-    out["ref_losses"] = ref_losses
-    out["strategy_weights"] = params_diff(export, ref)
-    out["export_types"] = [type(export.conv1).__name__, type(export.conv2).__name__]
-    out["last_conv_s"] = s.last_conv_s                  # every rank's, gathered at the master
-out["conv_s"] = comm.gather(s.conv_s, root=0)
-
-# 3. eval_step agrees with the reference's summed loss and correct count.
-x, y = data(10)
-ev = s.eval_step(x if rank == 0 else None, y if rank == 0 else None)
-if rank == 0:
-    with torch.no_grad():
-        logits = ref(x)
-        out["eval"] = [ev[0], F.cross_entropy(logits, y, reduction="sum").item(),
-                       ev[1], int((logits.argmax(1) == y).sum()), ev[2]]
-evs = comm.gather(list(ev), root=0)
-if rank == 0:
-    out["eval_workers"] = evs[1:]
-
-# 4. Checkpoint: a fresh strategy loading the state continues exactly like the original.
-x, y = data(3)
-s.train_step(x if rank == 0 else None, y if rank == 0 else None)
-continued = s.model_for_export()
-t = make(spec(), seed=1)                     # different init: everything must come from the state
-buf.seek(0)
-t.load_state_dict(torch.load(buf, weights_only=True))
-t.train_step(x if rank == 0 else None, y if rank == 0 else None)
-resumed = t.model_for_export()
-if rank == 0:
-    out["resume"] = params_diff(resumed, continued)
-out["resume_split"] = t.layer_split == s.layer_split
-
-# 5. Resharding mid-run (what recalibration does) keeps the run exact, momentum included.
-s2 = make(spec())
-ref = fresh()
-ref_opt = sgd(ref.parameters())
-new_split = {"conv1": [1] * (n - 1) + [8 - (n - 1)], "conv2": [16 - (n - 1)] + [1] * (n - 1)}
-for step in range(3):
-    if step == 1:
-        s2._reshard(new_split)
-    x, y = data(step)
-    s2.train_step(x if rank == 0 else None, y if rank == 0 else None)
-    if rank == 0:
-        ref_opt.zero_grad()
-        F.cross_entropy(ref(x), y).backward()
-        ref_opt.step()
-export = s2.model_for_export()
-if rank == 0:
-    out["reshard"] = params_diff(export, ref)
-out["reshard_split"] = comm.gather(s2.layer_split, root=0)
-
-# 6. Calibrated split (no manual split): measured speeds, split agreed by every rank, exact.
-s3 = make(spec(split=None, recalibrate_every=2))
-ref = fresh()
-ref_opt = sgd(ref.parameters())
-for step in range(2):
-    x, y = data(step)
-    s3.train_step(x if rank == 0 else None, y if rank == 0 else None)
-    if rank == 0:
-        ref_opt.zero_grad()
-        F.cross_entropy(ref(x), y).backward()
-        ref_opt.step()
-export = s3.model_for_export()
-out["calibrated_split"] = comm.gather(s3.layer_split, root=0)
-out["calibrated_speeds"] = comm.gather(s3.speeds, root=0)
-if rank == 0:
-    out["calibrated"] = params_diff(export, ref)
-
-if rank == 0:
-    print("RESULT " + json.dumps(out))
-'''
-
-
-def _world(n):
-    return mpi_result(n, WORLD, timeout=180)
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
 def world(request):
-    return request.param, _world(request.param)
+    return request.param, worlds.run("conv_mp", request.param, timeout=180)
 
 
 def test_layers_forward_backward_equal_single_process(world):
@@ -325,60 +97,10 @@ def test_calibrated_split(world):
     assert r["calibrated"] < TOL
 
 
-GPU_WORLD = r'''
-import copy, dataclasses, json
-import torch, torch.nn.functional as F
-from mpi4py import MPI
-import conf
-from mpi_util import make_ctx
-from training.models import build_model
-from training.strategies.conv_mp import ConvModelParallelStrategy
-
-torch.backends.cudnn.allow_tf32 = False          # compare fp32 with fp32
-comm = MPI.COMM_WORLD
-rank = comm.Get_rank()
-spec = conf.load_job({"name": "t", "groups": [{"name": "g", "instances": 2}],
-                      "training": {"strategy": {"name": "conv_model_parallel", "split": [3.0, 1.0]},
-                                   "model": "seed_cnn", "data": {"train": "file:///unused"},
-                                   "batch_size": 8}}).training
-sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)
-out = {}
-for gpus in ([0, 1], [1, 0], [1, 1]):           # worker, master, both on the GPU
-    ctx = make_ctx()
-    ctx.ranks = [dataclasses.replace(info, gpus=g) for info, g in zip(ctx.ranks, gpus)]
-    torch.manual_seed(0)
-    model = build_model("seed_cnn", (3, 16, 16), 10, {"conv1": 8, "conv2": 16, "kernel": 3})
-    ref = copy.deepcopy(model)
-    ref_opt = sgd(ref.parameters())
-    s = ConvModelParallelStrategy(ctx, spec)
-    s.setup(model, sgd)
-    worst = 0.0
-    for step in range(3):
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
-        st = s.train_step(x if rank == 0 else None, y if rank == 0 else None)
-        if rank == 0:
-            ref_opt.zero_grad()
-            loss = F.cross_entropy(ref(x), y)
-            loss.backward()
-            ref_opt.step()
-            worst = max(worst, abs(st.loss - loss.item()))
-    export = s.model_for_export()
-    devices = comm.gather(s.device.type, root=0)
-    if rank == 0:
-        weights = max(float((p - q).abs().max()) for p, q in zip(export.parameters(), ref.parameters()))
-        out[str(gpus)] = {"devices": devices, "loss": worst, "weights": weights}
-if rank == 0:
-    print("RESULT " + json.dumps(out))
-'''
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_ranks_equal_single_process():
     """Ranks on the GPU stage through host memory; the run stays equal to the CPU one."""
-    proc = run_mpi(2, GPU_WORLD, timeout=180)
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    results = json.loads(line[len("RESULT "):])
+    results = worlds.run("conv_mp_gpu", 2, timeout=180)
     expected = {"[0, 1]": ["cpu", "cuda"], "[1, 0]": ["cuda", "cpu"], "[1, 1]": ["cuda", "cuda"]}
     assert {k: v["devices"] for k, v in results.items()} == expected
     for r in results.values():

@@ -8,8 +8,16 @@ import pytest
 import torch
 from torch import nn
 
+import conf
 from training import planner
-from training.planner import Device, Layer, Link, Profile
+from training.planner import Case, Device, Layer, Link, Profile
+
+
+def predict(name, devices, link, batch=64, shares="equal", sched=planner.Scheduling(), conv_layers=(), own=None,
+            **config):
+    """A strategy's cost model on one cluster, with its default configuration but `config`."""
+    cfg = conf.strategy_config(name).model_copy(update=config)
+    return planner.predict(name, Case(devices, link, batch, shares, sched, tuple(conv_layers), own or {}), cfg)
 
 # -- seed 4 (Šlampa 2017) and seed 1 (Marques et al. 2018) formulas ------------------------
 
@@ -50,14 +58,14 @@ def test_data_parallel_predictions_by_hand():
     prof = _profile()
     devs = [Device("cpu", prof)] * 4
     link = Link(latency_s=0.0, bandwidth_Bps=1e8)          # c = 4e6 / 1e8 = 0.04 s
-    ring = planner.predict_allreduce(devs, link, 64)
+    ring = predict("allreduce", devs, link, 64)
     assert ring["split"] == [16, 16, 16, 16]
     assert ring["step_s"] == pytest.approx(0.025 + 0.01 + 2 * 3 / 4 * 0.04)   # g + o + ring
     assert ring["speedup"] == pytest.approx(0.11 / 0.095)
-    central = planner.predict_central_ps(devs, link, 64)
+    central = predict("ps_central", devs, link, 64)
     assert central["step_s"] == pytest.approx(0.025 + 2 * 3 * 0.04 + 0.01)    # g + 2(n-1)c + o_0
     assert central["bounds"] == pytest.approx([0.025 + 4 * 0.04 + 0.01, 0.275])
-    sharded = planner.predict_sharded_ps(devs, link, 64)
+    sharded = predict("ps_sharded", devs, link, 64)
     assert sharded["step_s"] == pytest.approx(0.025 + 2 * 0.04 * 3 / 4 + 0.01 / 4)
 
 
@@ -67,7 +75,7 @@ def test_shares_and_quota_shape_the_data_parallel_step():
     big, small = Device("big", prof, vcores=1.0), Device("small", prof, vcores=0.5, quota=0.5)
     # vcores shares: 43 / 21 rows; the small rank computes 21 rows at half speed
     asleep = planner.Scheduling(wait_s=0.0, wait_cpu=0.0)
-    p = planner.predict_allreduce([big, small], free, 64, "vcores", asleep)
+    p = predict("allreduce", [big, small], free, 64, "vcores", asleep)
     assert p["split"] == [43, 21]
     assert p["rank_s"] == pytest.approx([0.1 * 43 / 64, 2 * 0.1 * 21 / 64])
     # waits that cost no CPU: the step is the slowest rank's compute + communication
@@ -75,23 +83,23 @@ def test_shares_and_quota_shape_the_data_parallel_step():
     assert p["step_s"] == pytest.approx(p["compute_s"] + p["comm_s"])
     # waits that burn 10% of a CPU use up the small rank's quota while it waits for the
     # big one (quota_sim): the step gets longer
-    q = planner.predict_allreduce([big, small], free, 64, "vcores", planner.Scheduling(wait_s=0.0, wait_cpu=0.1))
+    q = predict("allreduce", [big, small], free, 64, "vcores", planner.Scheduling(wait_s=0.0, wait_cpu=0.1))
     assert q["step_s"] > 1.01 * p["step_s"]
     # and each of its 4 waits a step (rows, loss, the ring's 2 exchanges) costs it 1 ms
-    r = planner.predict_allreduce([big, small], free, 64, "vcores", planner.Scheduling(wait_s=1e-3, wait_cpu=0.0),
-                                  ring_threshold_kb=0.0)
+    r = predict("allreduce", [big, small], free, 64, "vcores", planner.Scheduling(wait_s=1e-3, wait_cpu=0.0),
+                ring_threshold_kb=0.0)
     assert r["step_s"] == pytest.approx(2 * (0.1 * 21 / 64 + 4e-3), rel=0.02)
     # the strategy's own CPU (hooks, copies: measure_strategy_cpu), 2 ms a step on the
     # small rank, comes out of its quota too: it computes 4 ms longer at half speed, and
     # the step is its compute; rank 0's 1 ms has room
-    o = planner.predict_allreduce([big, small], free, 64, "vcores", asleep, own=(1e-3, 2e-3))
+    o = predict("allreduce", [big, small], free, 64, "vcores", asleep, own={"allreduce": (1e-3, 2e-3)})
     assert o["rank_s"] == pytest.approx([0.1 * 43 / 64 + 1e-3, 2 * (0.1 * 21 / 64 + 2e-3)])
     assert o["step_s"] == pytest.approx(o["rank_s"][1], rel=0.01) and o["step_s"] > p["step_s"] + 2e-3
     # equal shares on a simulated 2x faster device: the slow one bounds the compute
     fast = Device("gpu", prof, speed=2.0)
-    q = planner.predict_allreduce([fast, Device("cpu", prof)], free, 64, "equal")
+    q = predict("allreduce", [fast, Device("cpu", prof)], free, 64, "equal")
     assert q["compute_s"] == pytest.approx(0.05) and q["speedup"] == pytest.approx(0.05 / 0.05)
-    r = planner.predict_allreduce([fast, Device("cpu", prof)], free, 64, "speed")
+    r = predict("allreduce", [fast, Device("cpu", prof)], free, 64, "speed")
     assert r["split"] == [43, 21] and r["step_s"] < q["step_s"]
 
 
@@ -99,7 +107,7 @@ def test_conv_model_parallel_reaches_the_bound_on_a_free_network():
     layers = [_conv("conv1", 0.03, 8), _conv("conv2", 0.05, 16)]
     prof = _profile(step=0.1, opt=0.0, layers=layers)
     free = Link(0.0, 1e15)
-    p = planner.predict_conv_mp([Device("a", prof), Device("b", prof)], free, ["conv1", "conv2"])
+    p = predict("conv_model_parallel", [Device("a", prof), Device("b", prof)], free, conv_layers=["conv1", "conv2"])
     assert p["split"] == {"conv1": [4, 4], "conv2": [8, 8]}
     assert p["step_s"] == pytest.approx(0.02 + 0.04)                 # rest + half of the convs
     assert p["conv_fraction"] == pytest.approx(0.8)
@@ -112,7 +120,7 @@ def test_conv_model_parallel_heterogeneous_split_and_communication_by_hand():
               _conv("conv2", 0.05, 16, in_bytes=1_000_000, out_bytes=2_000_000, needs=True)]
     prof = _profile(step=0.1, opt=0.0, layers=layers)
     devs = [Device("fast", prof), Device("slow", prof, speed=0.5)]
-    p = planner.predict_conv_mp(devs, Link(0.0, 1e15), ["conv1", "conv2"])
+    p = predict("conv_model_parallel", devs, Link(0.0, 1e15), conv_layers=["conv1", "conv2"])
     # kernels in proportion to speed (2:1), rounded by largest remainder
     assert p["split"] == {"conv1": [5, 3], "conv2": [11, 5]}
     conv = max(5 / 8 * 0.03, 3 / 8 * 0.06) + max(11 / 16 * 0.05, 5 / 16 * 0.1)
@@ -120,13 +128,13 @@ def test_conv_model_parallel_heterogeneous_split_and_communication_by_hand():
     assert p["conv_ideal_s"] == pytest.approx(0.03 / 1.5 + 0.05 / 1.5)
     assert p["bound"] == pytest.approx(1 / (0.2 + 0.8 / 1.5))        # k = (1 + 1/2) / 1
     # with a 1 GB/s link: Bcast X, Gatherv/Scatterv of the slow rank's channels, Reduce dX
-    q = planner.predict_conv_mp(devs, Link(0.0, 1e9), ["conv1", "conv2"])
+    q = predict("conv_model_parallel", devs, Link(0.0, 1e9), conv_layers=["conv1", "conv2"])
     comm1 = 100_000 / 1e9 + 2 * (3 / 8) * 1_000_000 / 1e9
     comm2 = 1_000_000 / 1e9 + 2 * (5 / 16) * 2_000_000 / 1e9 + 1_000_000 / 1e9
     assert q["comm_s"] == pytest.approx(comm1 + comm2)
     assert q["step_s"] == pytest.approx(p["step_s"] + comm1 + comm2)
     # a layer with fewer kernels than ranks cannot be split
-    assert planner.predict_conv_mp([Device("a", prof)] * 9, Link(0.0, 1e9), ["conv1"]) is None
+    assert predict("conv_model_parallel", [Device("a", prof)] * 9, Link(0.0, 1e9), conv_layers=["conv1"]) is None
 
 
 # -- real measurements ---------------------------------------------------------------------
@@ -161,7 +169,8 @@ def test_measure_profile_of_a_real_model():
     assert sum(lay.seconds for lay in prof.layers) <= prof.step_s * (1 + 1e-9)
     assert prof.fwd_bwd_s(0) == 0.0 and prof.fwd_bwd_s(16) == pytest.approx(prof.step_s)
     assert 0 <= prof.intercept_s <= prof.step_s
-    assert planner.conv_layers_of(prof) == ["conv1", "conv2"]
+    from training.strategies.conv_mp.cost import conv_layers_of
+    assert conv_layers_of(prof) == ["conv1", "conv2"]
     # the rows and kernel shares ranks will really get are timed as such, not interpolated
     fit = prof.fwd_bwd_s(5)
     planner.measure_rows(prof, model, (3, 8, 8), [5, 11, 0], min_time=0.0)
@@ -210,7 +219,7 @@ def test_measure_strategy_cpu_runs_every_strategy_on_two_ranks():
     # the waits (hooks, copies, the conv-MP protocol's Python, MPI calls): some, far below
     # a step, on the master (its protocol) and on the worker of conv-MP alike
     own = planner.measure_strategy_cpu("digits_cnn", {}, (1, 8, 8), 10, 16, ["conv1", "conv2"], steps=8)
-    assert set(own) == set(planner.STRATEGIES)
+    assert set(own) == set(planner.modelled())
     assert all(0 < v < 0.05 for v in own["conv_model_parallel"]), own["conv_model_parallel"]
     for name in ("allreduce", "ps_central", "ps_sharded"):
         assert all(0 <= v < 0.05 for v in own[name]) and sum(own[name]) > 0, (name, own[name])
@@ -223,13 +232,15 @@ def test_cli_plan_prints_a_table_and_writes_png_and_json(cli, tmp_path):
     proc = cli("plan", "conf/examples/digits.yaml", "--bandwidth", "1gbit,10gbit", "--quick",
                "--gpu-speed", "8", "--png", png, "--json", js, check=0, timeout=120)
     out = proc.stdout
-    for name in planner.STRATEGIES:
+    from training import strategies
+    for name in strategies.names():
         assert name in out
+    assert "seed 4" not in out and "best/worst case" in out     # the method, not where it comes from
     assert "recommended:" in out and "1 Gbit/s" in out and "latency 50.0 us" in out
     plan = json.loads(js.read_text())
     assert plan["link"]["bandwidth_bps"] == 1e9
     assert [d["quota"] for d in plan["devices"]] == [1.0, 0.5, 0.5]
-    assert plan["recommended"]["strategy"] in planner.STRATEGIES
+    assert plan["recommended"]["strategy"] in planner.modelled()
     # Eserol 2019's comparison: volume per sample and balance of every way to split the model
     methods = [r["method"] for r in plan["volumes"]["rows"]]
     assert methods == ["hypergraph", "conv_split", "pipeline", "data_parallel"]

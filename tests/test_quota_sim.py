@@ -1,7 +1,7 @@
 """quota_sim: the step of synchronising ranks under CFS quotas and on shared cores."""
 import pytest
 
-from training.quota_sim import Rank, step_s
+from training.perf.quota_sim import Rank, step_s
 
 FREE = Rank()                       # no quota, spins while it waits
 HALF = Rank(quota=0.5, weight=0.5, wait_cpu=0.0)

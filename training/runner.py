@@ -5,7 +5,6 @@ checkpoints and TensorBoard. Strategies (training.strategies) own how the model 
 its gradients are spread over the world. On start it resumes from the newest
 complete checkpoint, so a restarted world continues exactly where it left off.
 """
-import inspect
 import logging
 import math
 import time
@@ -42,10 +41,8 @@ class Runner:
         torch.manual_seed(spec.seed)
         model = build_model(spec.model, self.train.shape, self.train.num_classes, spec.model_options)
         self.strategy = strategies.get(spec.strategy.name)(ctx, spec)
-        extra = {}
-        if "example_input" in inspect.signature(self.strategy.setup).parameters:   # for shares: speed
-            extra["example_input"] = torch.from_numpy(self.train.images[:16]).float()
-        self.strategy.setup(model, make_optimizer_factory(spec), **extra)
+        example = torch.from_numpy(self.train.images[:16]).float()    # e.g. for shares: speed
+        self.strategy.setup(model, make_optimizer_factory(spec), example_input=example)
         self.ckpt = Checkpointer(ctx.checkpoint_uri, self.comm, ctx.job.checkpoint.keep, ctx.generation)
         self.start_step, state = self.ckpt.latest()
         if state is not None:
@@ -117,10 +114,7 @@ class Runner:
                 c, m, w, wall = rows.mean(axis=0)
                 scal.update({f"time/compute/{g}": c, f"time/comm/{g}": m, f"time/data_wait/{g}": w,
                              f"time/step/{g}": wall, f"time/data_wait_pct/{g}": 100 * w / max(wall, 1e-9)})
-            for k in ("split", "last_conv_s"):
-                v = getattr(self.strategy, k, None)
-                if isinstance(v, (list, tuple)):
-                    scal.update({f"model_parallel/{k}/rank{r}": x for r, x in enumerate(v)})
+            scal.update(self.strategy.scalars())
             self.tb.scalars(step, scal)
         self.ctx.report(**rec)
         return rec
@@ -172,8 +166,7 @@ class Runner:
         final = {k: v for k, v in final.items() if v is not None}
         self.save(step)
         self.ckpt.save_model(self.strategy.model_for_export())
-        if hasattr(self.strategy, "close"):
-            self.strategy.close()
+        self.strategy.close()
         if self.tb:
             self.tb.scalars(step, {f"eval/{k}": v for k, v in ev.items()})
             self.tb.close(final)

@@ -2,13 +2,24 @@
 how the model, its gradients and its batch are spread over the world).
 
 The runner calls, in order:
-    s = Strategy(ctx, spec)              # ctx: training.context.RunContext; spec: conf Training
-    s.setup(model, make_optimizer)       # make_optimizer(params) -> torch.optim.Optimizer
+    s = Strategy(ctx, spec)              # ctx: training.context.RunContext; spec: conf Training,
+                                         # whose `strategy` is this strategy's own block (s.config)
+    s.setup(model, make_optimizer, example_input)   # make_optimizer(params) -> torch.optim.Optimizer;
+                                         # example_input: a few rows of the data (or None)
     lo, hi = s.batch_slice(global_batch) # rows of each global batch this rank must read
     stats = s.train_step(x, y)           # x, y: this rank's rows (or None where the strategy
                                          # broadcasts from rank 0); returns a StepStats
+    s.scalars()                          # rank 0, every log_every steps: its own TensorBoard scalars
     loss_sum, correct, n = s.eval_step(x, y)   # summed over this rank's rows; runner reduces
     s.state_dict() / s.load_state_dict(d)      # this rank's part, for checkpoints
+    s.model_for_export()                 # the full model on rank 0, at the end
+    s.close()                            # hooks, threads, communicators released
+
+A strategy counts its own work in training.cputime (the model's forward + backward,
+its conv shares, the optimizer; the collectives count their waits), and
+`own_cpu_s` says which of a step's CPU is the strategy's own (its hooks, copies,
+protocol, MPI calls): what the planner's strategy probe reads to predict its cost
+(training.strategies.<name>.cost).
 """
 import abc
 import dataclasses
@@ -35,8 +46,11 @@ class Strategy(abc.ABC):
         self.world_size = ctx.world_size
 
     @abc.abstractmethod
-    def setup(self, model, make_optimizer):
-        ...
+    def setup(self, model, make_optimizer, example_input=None):
+        """Take the model (built alike on every rank from the same seed) and build the
+        optimizer(s) over what this rank owns. example_input: a batch of inputs of the
+        job's data, for whatever the strategy measures at setup (None: it makes its own
+        from model.input_shape, or waits for the first step's batch)."""
 
     @abc.abstractmethod
     def batch_slice(self, global_batch):
@@ -61,3 +75,18 @@ class Strategy(abc.ABC):
     def model_for_export(self):
         """The full trained model on rank 0 (None elsewhere), for saving at the end."""
         return None
+
+    def scalars(self):
+        """{TensorBoard tag: value} of this strategy's own state, logged by rank 0 beside
+        the runner's timings (e.g. each rank's share of the kernels)."""
+        return {}
+
+    def own_cpu_s(self, step_cpu_s, counted):
+        """The CPU seconds of a step that were the strategy's own, from the step's CPU time
+        `step_cpu_s` and training.cputime's `counted` seconds of it: all but the model's
+        forward + backward, the conv shares, the optimizer and the waits, which the
+        planner times (or models) itself."""
+        return step_cpu_s - counted["model"] - counted["share"] - counted["optimizer"] - counted["wait"]
+
+    def close(self):
+        """Release what the strategy holds beyond the model (hooks, threads, communicators)."""

@@ -47,8 +47,9 @@ import time
 import numpy as np
 import torch
 
+from training import cputime
 from training.collectives import as_buffer, wait
-from training.strategies.allreduce import AllReduceStrategy
+from training.strategies.allreduce.strategy import AllReduceStrategy
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +197,8 @@ class CentralPSStrategy(_ParameterServer):
             for p in self.params:
                 p.grad = self.grad[off:off + p.numel()].view_as(p)
                 off += p.numel()
-            self.optimizer.step()
+            with cputime.counting("optimizer"):
+                self.optimizer.step()
             tc = time.perf_counter()
             wait([self.pcomm.Isend(flat, dest=q, tag=_TAG_PARAMS)
                   for q in range(self.world_size) if q != self.SERVER])
@@ -256,7 +258,8 @@ class ShardedPSStrategy(_ParameterServer):
         for part in parts[1:]:
             np.add(acc, part, out=acc)
         self.shard.grad = self.shard_grad
-        self.optimizer.step()
+        with cputime.counting("optimizer"):
+            self.optimizer.step()
         self.shard.grad = None
         tc = time.perf_counter()
         reqs = [self.pcomm.Irecv(flat[b[q]:b[q + 1]], source=q, tag=_TAG_PARAMS) for q in others]

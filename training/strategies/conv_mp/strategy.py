@@ -5,7 +5,7 @@ Every rank builds the same full model (same seed); the chosen Conv2d layers
 DistributedConv2d, rank r owning split[layer][r] of each layer's kernels. The split
 comes from the strategy's `split` (manual weights, one per rank, applied to
 every layer) or else from each rank's measured speed on the real layer shapes
-(training.calibrate), measured when the model is set up (or at the first step, when
+(training.strategies.conv_mp.calibrate), measured when the model is set up (or at the first step, when
 the model does not declare `input_shape`) and, every `recalibrate_every` steps,
 corrected by the conv times the ranks measured in training.
 
@@ -20,7 +20,7 @@ where the runner may pass x=None); each distributed conv broadcasts its input, a
 the paper. The master computes the loss and broadcasts (loss, correct, samples) at the
 end of the step, so StepStats agree on every rank.
 
-Per step (see training.model_parallel.ShardProtocol for the commands):
+Per step (see training.strategies.conv_mp.protocol.ShardProtocol for the commands):
     master:  forward (each distributed conv: Bcast X, own share, Gatherv Y), loss,
              backward (each: Scatterv dY, own share, Reduce dX), END(loss, correct, n)
     others:  serve() — run the commanded shares until END
@@ -35,11 +35,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from training.calibrate import conv_shapes, corrected_speeds, measure_speeds, proportional_split
+from training import cputime
 from training.collectives import wait
-from training.model_parallel import DistributedConv2d, ShardProtocol, why_not_distributable
+from training.strategies.base import StepStats, Strategy
 
-from .base import Strategy, StepStats
+from .calibrate import conv_shapes, corrected_speeds, measure_speeds, proportional_split
+from .layers import DistributedConv2d, why_not_distributable
+from .protocol import ShardProtocol
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +64,7 @@ class ConvModelParallelStrategy(Strategy):
         self.optimizer = None
         self.layers = {}            # name -> DistributedConv2d, in model order
         self.protocol = None
-        # For TensorBoard (the runner logs list attributes per rank from the master):
+        # For TensorBoard (scalars()):
         self.split = None           # [rank] -> kernels owned over all distributed layers
         self.last_conv_s = None     # master: [rank] -> conv seconds (forward + backward) of the last step
         self.layer_split = None     # layer name -> kernels per rank (None until sharded)
@@ -74,7 +76,10 @@ class ConvModelParallelStrategy(Strategy):
 
     # -- setup -----------------------------------------------------------------------------
 
-    def setup(self, model, make_optimizer):
+    def setup(self, model, make_optimizer, example_input=None):
+        """Shard the chosen convs: by the manual split, else by speeds calibrated on the
+        model's input_shape, else at the first step (its batch gives the shape).
+        example_input is not used: calibration makes inputs of the layers' own shapes."""
         self.model = model
         self.make_optimizer = make_optimizer
         self.names = self._select_layers(model)
@@ -174,7 +179,8 @@ class ConvModelParallelStrategy(Strategy):
             payload = self.protocol.finish([loss.item(), correct, len(y)])
         else:
             payload = self.protocol.serve()
-        self.optimizer.step()
+        with cputime.counting("optimizer"):
+            self.optimizer.step()
         self._gather_times()
         self.steps += 1
         every = self.config.recalibrate_every
@@ -212,6 +218,10 @@ class ConvModelParallelStrategy(Strategy):
     def _gather_times(self):
         """Every rank's per-layer conv seconds of this step, at the master (for TensorBoard
         and recalibration). The others wait politely: they may be throttled containers."""
+        with cputime.counting("protocol"):
+            self._gather_times_now()
+
+    def _gather_times_now(self):
         from mpi4py import MPI
         mine = np.array([layer.timings.conv_s for layer in self.layers.values()])
         self.conv_s = float(mine.sum())
@@ -226,11 +236,27 @@ class ConvModelParallelStrategy(Strategy):
             self._window += every
         self._window_steps += 1
 
+    def scalars(self):
+        """Each rank's kernels (over all distributed layers) and conv seconds of the last step."""
+        out = {}
+        for key, values in (("split", self.split), ("last_conv_s", self.last_conv_s)):
+            out.update({f"model_parallel/{key}/rank{r}": v for r, v in enumerate(values or ())})
+        return out
+
+    def own_cpu_s(self, step_cpu_s, counted):
+        """A worker's: all but its shares, the optimizer and its waits (Strategy's); the
+        master's: its protocol alone (the distributed layers' forward, the backward of their
+        communication, its commands, less the shares and waits inside them), since the
+        rest of its step is the model the planner times as a whole."""
+        if self.is_master:
+            return counted["protocol"]
+        return super().own_cpu_s(step_cpu_s, counted)
+
     # -- recalibration ---------------------------------------------------------------------
 
     def recalibrate(self):
         """Collective: correct each rank's speeds by the conv times measured in training
-        since the last calibration (training.calibrate.corrected_speeds), re-split in
+        since the last calibration (calibrate.corrected_speeds), re-split in
         proportion, and reshard the layers whose split changed."""
         split = None
         if self.is_master:

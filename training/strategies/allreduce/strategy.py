@@ -24,65 +24,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from training import collectives
+from training import collectives, cputime
 from training.strategies.base import StepStats, Strategy
+from training.strategies.shares import SPEED_PROBE_ROWS, measure_speed, split_rows
 
 log = logging.getLogger(__name__)
-
-SPEED_PROBE_ROWS = 16     # rows of the timed forward/backward passes behind shares: speed
-SPEED_PROBE_PASSES = 2    # timed passes (after one warm-up); the fastest counts
-
-
-def split_rows(total, weights):
-    """Integers n_r >= 0 with sum n_r = total and n_r ~ total * w_r / sum(w).
-
-    Largest remainder: floors first, then one more row to the largest remainders
-    (ties to the lower rank). Deterministic, so every rank computes the same split.
-    """
-    w = np.asarray(weights, dtype=np.float64)
-    if w.ndim != 1 or len(w) == 0 or not np.all(w > 0) or not np.all(np.isfinite(w)):
-        raise ValueError(f"shares must be positive finite weights, got {list(weights)}")
-    exact = total * w / w.sum()
-    rows = np.floor(exact).astype(np.int64)
-    left = int(total - rows.sum())
-    order = sorted(range(len(w)), key=lambda r: (-(exact[r] - rows[r]), r))
-    for r in order[:left]:
-        rows[r] += 1
-    return [int(n) for n in rows]
-
-
-def measure_speed(model, example, passes=SPEED_PROBE_PASSES):
-    """Rows per second of forward + backward on `example` (a batch of inputs).
-
-    Leaves the model as it found it: parameters, gradients, buffers (BatchNorm
-    statistics) and the torch random state are restored afterwards.
-    """
-    buffers = [b.detach().clone() for b in model.buffers()]
-    grads = [p.grad for p in model.parameters()]
-    rng = torch.get_rng_state()
-    was_training = model.training
-    model.train()
-    best = float("inf")
-    try:
-        for i in range(passes + 1):
-            t = time.perf_counter()
-            out = model(example)
-            out.float().sum().backward()
-            dt = time.perf_counter() - t
-            if i:                                   # the first pass warms up
-                best = min(best, dt)
-            for p in model.parameters():
-                p.grad = None
-    finally:
-        with torch.no_grad():
-            for b, saved in zip(model.buffers(), buffers):
-                b.copy_(saved)
-        for p, g in zip(model.parameters(), grads):
-            p.grad = g
-        torch.set_rng_state(rng)
-        model.train(was_training)
-    return len(example) / best
-
 
 class AllReduceStrategy(Strategy):
     """Replicated model, batch split by `spec.shares`, gradients summed by all-reduce.
@@ -199,10 +145,11 @@ class AllReduceStrategy(Strategy):
         """Backward of this rank's mean loss; returns (summed loss, correct) of its rows."""
         if not n_local:
             return 0.0, 0
-        out = self.model(x)
-        loss = F.cross_entropy(out, y)
-        loss.backward()
-        return float(loss.detach()) * n_local, int((out.detach().argmax(1) == y).sum())
+        with cputime.counting("model"):
+            out = self.model(x)
+            loss = F.cross_entropy(out, y)
+            loss.backward()
+            return float(loss.detach()) * n_local, int((out.detach().argmax(1) == y).sum())
 
     def _finish_step(self, t0, comm_s, loss_sum, correct, global_batch):
         """Sum loss and correct counts over the world; the step's StepStats."""
@@ -223,7 +170,8 @@ class AllReduceStrategy(Strategy):
         self.reducer.begin(n_local / global_batch)
         loss_sum, correct = self._forward_backward(x, y, n_local)
         comm_s += self.reducer.finish()
-        self.optimizer.step()
+        with cputime.counting("optimizer"):
+            self.optimizer.step()
         return self._finish_step(t0, comm_s, loss_sum, correct, global_batch)
 
     def eval_step(self, x, y):

@@ -22,7 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from training.model_parallel import conv_padding
+from .layers import conv_padding
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,232 @@
+"""Conv-layer model parallelism against single-process training (tests/test_conv_mp.py):
+the distributed layers, the strategy's steps, evaluation, checkpoints, resharding and
+the calibrated split, on 2 or 3 ranks; rank 0 reports the largest differences."""
+import copy
+import io
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import conf
+from launcher.world import join_local
+from training.context import RunContext
+from training.probes import report
+from training.strategies.conv_mp.layers import DistributedConv2d
+from training.strategies.conv_mp.protocol import ShardProtocol
+from training.strategies.conv_mp.strategy import ConvModelParallelStrategy
+
+comm, rank, n = join_local()
+torch.set_num_threads(1)
+WEIGHTS = {2: [3.0, 1.0], 3: [5.0, 2.0, 1.0]}[n]     # uneven: conv1 (8) -> [6,2] / [5,2,1]
+
+
+class SmallCNN(nn.Module):
+    input_shape = (3, 12, 12)
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
+        self.fc = nn.Linear(16 * 3 * 3, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc(x.flatten(1))
+
+
+def fresh(seed=0):
+    torch.manual_seed(seed)
+    return SmallCNN()
+
+
+def data(step, batch=6):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(batch, 3, 12, 12, generator=g), torch.randint(0, 10, (batch,), generator=g)
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-3)
+
+
+JOB = conf.offline_job([1.0] * n, strategy="conv_model_parallel", model="small", batch_size=6)
+
+
+def make_ctx():
+    return RunContext.offline(comm, JOB)
+
+
+def spec(split=WEIGHTS, recalibrate_every=0, layers=None):
+    """The training section with this conv-MP block; set after validation: a split of
+    another length is refused by the schema, and the strategy must refuse it too."""
+    block = JOB.training.strategy.model_copy(update={"split": split, "recalibrate_every": recalibrate_every,
+                                                     "layers": layers})
+    return JOB.training.model_copy(update={"strategy": block})
+
+
+def maxdiff(a, b):
+    return float((a.detach().double() - b.detach().double()).abs().max())
+
+
+def params_diff(model, ref):
+    """Largest difference over every parameter of two full models (master only)."""
+    got, want = dict(model.named_parameters()), dict(ref.named_parameters())
+    assert got.keys() == want.keys(), (got.keys(), want.keys())
+    return max(maxdiff(got[k], want[k]) for k in want)
+
+
+out = {}
+
+# 0. Misconfigurations are refused with a message that names the fix, on every rank.
+def refused(fn):
+    try:
+        fn()
+    except (ValueError, TypeError) as e:
+        return str(e)
+    return None
+
+conv = nn.Conv2d(3, 8, 3)
+errors = [refused(lambda: DistributedConv2d(conv, comm, [8] + [0] * n)),
+          refused(lambda: DistributedConv2d(conv, comm, [7] + [0] * (n - 1))),
+          refused(lambda: DistributedConv2d(nn.Conv2d(4, 8, 3, groups=2), comm, [4] + [4 // (n - 1)] * (n - 1))),
+          refused(lambda: ConvModelParallelStrategy(make_ctx(), spec(split=[1.0] * (n + 1))).setup(fresh(), sgd)),
+          refused(lambda: ConvModelParallelStrategy(make_ctx(), spec(layers=["conv1", "fc"])).setup(fresh(), sgd))]
+out["errors"] = comm.gather(errors, root=0)
+
+# 1. The layers alone: forward output, loss and every gradient against one process.
+ref = fresh()
+model = copy.deepcopy(ref)
+splits = {"conv1": {2: [6, 2], 3: [5, 2, 1]}[n], "conv2": {2: [9, 7], 3: [0, 10, 6]}[n]}  # rank 0 may own 0
+for name in ("conv1", "conv2"):
+    setattr(model, name, DistributedConv2d(getattr(ref, name), comm, splits[name]))
+layers = [model.conv1, model.conv2]
+protocol = ShardProtocol(layers, comm)
+x, y = data(0)
+if rank == 0:
+    logits = model(x)
+    loss = F.cross_entropy(logits, y)
+    loss.backward()
+    protocol.finish([loss.item()])
+    ref_logits = ref(x)
+    ref_loss = F.cross_entropy(ref_logits, y)
+    ref_loss.backward()
+    out["layers_forward"] = maxdiff(logits, ref_logits)
+    out["layers_loss"] = abs(loss.item() - ref_loss.item())
+    out["layers_fc_grad"] = max(maxdiff(model.fc.weight.grad, ref.fc.weight.grad),
+                                maxdiff(model.fc.bias.grad, ref.fc.bias.grad))
+    out["layers_shapes"] = [list(model.conv1.weight.shape), list(model.conv2.weight.shape)]
+    payload = [loss.item()]
+else:
+    payload = protocol.serve()
+out["layers_payload"] = comm.gather(float(payload[0]), root=0)
+grads = {}
+for name, layer in (("conv1", model.conv1), ("conv2", model.conv2)):
+    gw, gb = layer.gather_full((layer.weight.grad, layer.bias.grad))
+    w, b = layer.gather_full()
+    if rank == 0:
+        r = getattr(ref, name)
+        grads[name] = max(maxdiff(gw, r.weight.grad), maxdiff(gb, r.bias.grad))
+        out[f"layers_{name}_init"] = max(maxdiff(w, r.weight), maxdiff(b, r.bias))
+        out[f"layers_{name}_gw_norm"] = float(r.weight.grad.norm())
+out["layers_conv_grads"] = grads
+out["rank_shards"] = comm.gather([model.conv1.count, model.conv2.count], root=0)
+
+# 2. The strategy: a few SGD steps (momentum, weight decay) equal the single-process run.
+def make(strategy_spec, seed=0):
+    s = ConvModelParallelStrategy(make_ctx(), strategy_spec)
+    s.setup(fresh(seed), sgd)
+    return s
+
+s = make(spec())
+ref = fresh()
+ref_opt = sgd(ref.parameters())
+losses, ref_losses = [], []
+for step in range(3):
+    x, y = data(step)
+    lo, hi = s.batch_slice(6)
+    stats = s.train_step(x[lo:hi] if rank == 0 else None, y[lo:hi] if rank == 0 else None)
+    losses.append([stats.loss, stats.correct, stats.samples, stats.compute_s, stats.comm_s])
+    if rank == 0:
+        ref_opt.zero_grad()
+        logits = ref(x)
+        l = F.cross_entropy(logits, y)
+        l.backward()
+        ref_opt.step()
+        ref_losses.append([l.item(), int((logits.argmax(1) == y).sum())])
+all_losses = comm.gather(losses, root=0)
+out["strategy_split"] = comm.gather([s.layer_split, s.split], root=0)
+out["strategy_slices"] = comm.gather(list(s.batch_slice(6)), root=0)
+buf = io.BytesIO()
+torch.save(s.state_dict(), buf)             # a checkpoint: serialised, as the runner writes it
+export = s.model_for_export()
+if rank == 0:
+    out["strategy_losses"] = all_losses
+    out["ref_losses"] = ref_losses
+    out["strategy_weights"] = params_diff(export, ref)
+    out["export_types"] = [type(export.conv1).__name__, type(export.conv2).__name__]
+    out["last_conv_s"] = s.last_conv_s                  # every rank's, gathered at the master
+out["conv_s"] = comm.gather(s.conv_s, root=0)
+
+# 3. eval_step agrees with the reference's summed loss and correct count.
+x, y = data(10)
+ev = s.eval_step(x if rank == 0 else None, y if rank == 0 else None)
+if rank == 0:
+    with torch.no_grad():
+        logits = ref(x)
+        out["eval"] = [ev[0], F.cross_entropy(logits, y, reduction="sum").item(),
+                       ev[1], int((logits.argmax(1) == y).sum()), ev[2]]
+evs = comm.gather(list(ev), root=0)
+if rank == 0:
+    out["eval_workers"] = evs[1:]
+
+# 4. Checkpoint: a fresh strategy loading the state continues exactly like the original.
+x, y = data(3)
+s.train_step(x if rank == 0 else None, y if rank == 0 else None)
+continued = s.model_for_export()
+t = make(spec(), seed=1)                     # different init: everything must come from the state
+buf.seek(0)
+t.load_state_dict(torch.load(buf, weights_only=True))
+t.train_step(x if rank == 0 else None, y if rank == 0 else None)
+resumed = t.model_for_export()
+if rank == 0:
+    out["resume"] = params_diff(resumed, continued)
+out["resume_split"] = t.layer_split == s.layer_split
+
+# 5. Resharding mid-run (what recalibration does) keeps the run exact, momentum included.
+s2 = make(spec())
+ref = fresh()
+ref_opt = sgd(ref.parameters())
+new_split = {"conv1": [1] * (n - 1) + [8 - (n - 1)], "conv2": [16 - (n - 1)] + [1] * (n - 1)}
+for step in range(3):
+    if step == 1:
+        s2._reshard(new_split)
+    x, y = data(step)
+    s2.train_step(x if rank == 0 else None, y if rank == 0 else None)
+    if rank == 0:
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+export = s2.model_for_export()
+if rank == 0:
+    out["reshard"] = params_diff(export, ref)
+out["reshard_split"] = comm.gather(s2.layer_split, root=0)
+
+# 6. Calibrated split (no manual split): measured speeds, split agreed by every rank, exact.
+s3 = make(spec(split=None, recalibrate_every=2))
+ref = fresh()
+ref_opt = sgd(ref.parameters())
+for step in range(2):
+    x, y = data(step)
+    s3.train_step(x if rank == 0 else None, y if rank == 0 else None)
+    if rank == 0:
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+export = s3.model_for_export()
+out["calibrated_split"] = comm.gather(s3.layer_split, root=0)
+out["calibrated_speeds"] = comm.gather(s3.speeds, root=0)
+if rank == 0:
+    out["calibrated"] = params_diff(export, ref)
+
+report(rank, out)

@@ -1,0 +1,150 @@
+"""The plan presented: a table (`yarnapp plan`), a PNG of the simulated clusters, JSON.
+
+It speaks of the methods by name (training.strategies' titles: "ring all-reduce",
+"central parameter server, best/worst case", ...), not of the seeds they come from.
+"""
+import json
+
+from training import strategies as registry
+from training.perf.model import PlanError
+
+
+def _modelled():
+    return [name for name in registry.names() if registry.entry(name).cost]
+
+
+def _rate(bps):
+    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bps >= scale:
+            return f"{bps / scale:.3g} {unit}"
+    return f"{bps:.3g} bit/s"
+
+
+def _split_text(strategy, split):
+    if split is None:
+        return "-"
+    if isinstance(split, dict):          # {layer: kernels per rank}
+        return "kernels " + " ".join(f"{k}:{'/'.join(map(str, v))}" for k, v in split.items())
+    return "rows " + "/".join(map(str, split))
+
+
+def _scheduling_text(sc):
+    if not sc:
+        return "cpus: each rank has its own cores"
+    cores = f"the ranks share {sc['cores']} cores" if sc["cores"] else "each rank has its own cores"
+    own = sc.get("strategy_cpu") or {}
+    ms = lambda v: "-" if v is None else f"{v * 1e3:.2f}"    # noqa: E731  (None: not measured)
+    worker = ("; the strategies' own CPU per step, rank 0 / others: "
+              + ", ".join(f"{k} {ms(v[0])}/{ms(v[1])} ms" for k, v in own.items())) if own else ""
+    return (f"cpus: {cores}; CFS period {sc['period_s'] * 1e3:g} ms; a polite wait costs "
+            f"{sc['wait_s'] * 1e3:.2f} ms of CPU + {100 * sc['wait_cpu']:.0f}% of one while it lasts + "
+            f"{sc.get('byte_s', 0) * 1e12:.0f} us per MB it receives{worker}")
+
+
+def format_table(plan):
+    """The plan as text: the job's predictions, the recommendation, the simulated clusters."""
+    m, lk = plan["model"], plan["link"]
+    lines = [f"plan for job {plan['job']!r}: {m['name']}, batch {m['batch']}, {m['params']:,} parameters "
+             f"({m['param_bytes'] / 2**20:.2f} MiB), input {'x'.join(map(str, m['input_shape']))} "
+             f"({m['input_from']})",
+             f"link: {_rate(lk['bandwidth_bps'])}, latency {lk['latency_s'] * 1e6:.1f} us ({lk['source']})",
+             "ranks: " + "; ".join(f"{d['rank']} {d['name']} step {d['step_s'] * 1e3:.1f} ms" for d in plan["devices"]),
+             _scheduling_text(plan.get("scheduling")),
+             f"distributed convs {m['conv_layers']}: share of a step f = {m['conv_fraction']:.2f}; "
+             f"rank 0 alone: {plan['single_s'] * 1e3:.1f} ms/step",
+             "",
+             f"{'strategy':21s} {'compute ms':>10s} {'comm ms':>9s} {'step ms':>9s} {'speedup':>8s}  split / notes"]
+    for name in registry.names():
+        title = registry.entry(name).title
+        if name not in plan["strategies"]:
+            lines.append(f"{name:21s} {'n/a':>10s} {'':9s} {'':9s} {'':8s}  {title}: no step-time model"
+                         + ("; its volume is in the partition table" if (plan.get("volumes") or {}).get("rows")
+                            else ""))
+            continue
+        p = plan["strategies"][name]
+        if p is None:
+            lines.append(f"{name:21s} {'n/a':>10s} {'':9s} {'':9s} {'':8s}  {title}: cannot run here "
+                         "(a layer has fewer kernels than there are ranks, or no conv layer to distribute)")
+            continue
+        note = f"{title}; {_split_text(name, p['split'])}"
+        if p.get("bounds"):
+            note += f"; best/worst case before quotas {p['bounds'][0] * 1e3:.1f}..{p['bounds'][1] * 1e3:.1f} ms"
+        if p.get("bound"):
+            note += f"; bound S <= {p['bound']:.2f}"
+        lines.append(f"{name:21s} {p['compute_s'] * 1e3:10.2f} {p['comm_s'] * 1e3:9.3f} {p['step_s'] * 1e3:9.2f} "
+                     f"{p['speedup']:8.2f}  {note}")
+    for name, p in plan["speed_shares"].items():
+        lines.append(f"{name + ' (speed)':21s} {p['compute_s'] * 1e3:10.2f} {p['comm_s'] * 1e3:9.3f} "
+                     f"{p['step_s'] * 1e3:9.2f} {p['speedup']:8.2f}  {_split_text(name, p['split'])}")
+    vol = plan.get("volumes") or {}
+    if vol.get("rows"):
+        lines += ["", f"{'partition':14s} {'KB/sample':>10s} {'max rank KB':>11s} {'imbalance':>9s} "
+                      f"{'vs data parallel':>16s}"]
+        for row in vol["rows"]:
+            lines.append(f"{row['method']:14s} {row['volume_bytes_per_sample'] / 1e3:10.1f} "
+                         f"{row['max_rank_bytes_per_sample'] / 1e3:11.1f} {row['imbalance']:9.3f} "
+                         f"{100 * row['reduction_vs_data_parallel']:+15.1f}%")
+    elif vol.get("note"):
+        lines += ["", vol["note"]]
+    r = plan["recommended"]
+    lines += ["", f"recommended: {r['strategy']} ({registry.entry(r['strategy']).title}; {r['why']}): "
+                  f"{r['step_s'] * 1e3:.2f} ms/step, "
+                  f"speedup {r['speedup']:.2f}", ""]
+    if plan["scaling"]:
+        names = [s for s in _modelled() if s in plan["scaling"][0]["strategies"]]
+        lines.append(f"{'cluster':8s} {'bandwidth':>11s} {'machines':>8s} " +
+                     " ".join(f"{s[:12]:>12s}" for s in names) + f" {'bound':>6s}")
+        for row in plan["scaling"]:
+            cells = [f"{row['strategies'][s]['speedup']:12.2f}" if row["strategies"][s] else f"{'n/a':>12s}"
+                     for s in names]
+            bound = f"{row['bound']:6.2f}" if row["bound"] else f"{'-':>6s}"
+            lines.append(f"{row['cluster']:8s} {_rate(row['bandwidth_bps']):>11s} {row['machines']:8d} "
+                         + " ".join(cells) + " " + bound)
+        lines.append("(speedup over one machine like rank 0's container; gpu+cpu: over the GPU alone)")
+    return "\n".join(lines)
+
+
+def write_png(plan, path):
+    """Predicted speedup against the number of machines, per strategy and bandwidth (and the
+    conv bound), one panel per simulated cluster kind; matplotlib's Agg canvas (no display)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    kinds = list(dict.fromkeys(r["cluster"] for r in plan["scaling"]))
+    if not kinds:
+        raise PlanError("nothing to plot: no simulated clusters")
+    fig = Figure(figsize=(6.5 * len(kinds), 4.8))
+    FigureCanvasAgg(fig)
+    colors = dict(zip(_modelled(), ("tab:blue", "tab:red", "tab:orange", "tab:green", "tab:purple")))
+    styles = ["-", "--", ":", "-."]
+    for i, kind in enumerate(kinds):
+        ax = fig.add_subplot(1, len(kinds), i + 1)
+        rows = [r for r in plan["scaling"] if r["cluster"] == kind]
+        rates = list(dict.fromkeys(r["bandwidth_bps"] for r in rows))
+        for j, bps in enumerate(rates):
+            sel = sorted((r for r in rows if r["bandwidth_bps"] == bps), key=lambda r: r["machines"])
+            for s in colors:
+                pts = [(r["machines"], r["strategies"][s]["speedup"]) for r in sel if r["strategies"][s]]
+                if pts:
+                    ax.plot(*zip(*pts), styles[j % len(styles)], color=colors[s], marker="o", markersize=3,
+                            label=f"{s} @ {_rate(bps)}")
+        bound = sorted({(r["machines"], r["bound"]) for r in rows if r["bound"]})
+        if bound:
+            ax.plot(*zip(*bound), color="gray", linewidth=1, label="conv bound 1/((1-f)+f/k)")
+        ms = sorted({r["machines"] for r in rows})
+        ax.set_ylim(bottom=0)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ms, [str(m) for m in ms])
+        ax.set_xlabel("machines")
+        ax.set_ylabel("predicted speedup")
+        ax.set_title(f"{plan['model']['name']}, batch {plan['model']['batch']}: {kind}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def write_json(plan, path):
+    with open(path, "w") as f:
+        json.dump(plan, f, indent=1)
+    return path

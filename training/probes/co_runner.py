@@ -1,0 +1,25 @@
+"""The job's model trained in a loop, one thread, on `rows` random rows: the work of another
+rank on this machine, while the planner measures (training.planner.job.co_runners).
+Prints READY once it has run a step, then runs until killed."""
+import torch
+import torch.nn.functional as F
+
+from training.models import build_model
+from training.probes import arguments
+
+
+def main():
+    a = arguments()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = build_model(a["model"], tuple(a["shape"]), a["classes"], a["options"])
+    x = torch.randn(a["rows"], *a["shape"])
+    y = torch.randint(0, a["classes"], (a["rows"],))
+    F.cross_entropy(model(x), y).backward()
+    print("READY", flush=True)
+    while True:
+        F.cross_entropy(model(x), y).backward()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""The cost model of conv-layer model parallelism (seed 1: Marques et al. 2018), and the
+bound on its speedup.
+
+Rank 0 is the master; distributed convs l with C_l kernels split c_r,l, by default in
+proportion to the speed 1/t_r,l (training.strategies.conv_mp.calibrate.proportional_split);
+t_0(B) the master's forward + backward of the whole batch, t_r,l rank r's time of layer l,
+o_0 the master's optimizer step, α + m/β the link's one-way time of m bytes:
+
+    T = (t_0(B) − Σ_l t_0,l) + Σ_l [max_r (c_r,l/C_l) t_r,l + comm_l]
+        + o_0 (1 − Σ_l (|W_l|/|W|)(1 − c_0,l/C_l)) + (2L + 2)⌈log2 n⌉α
+    comm_l = bcast(|X_l|) + 2(1 − c_0,l/C_l)|Y_l|/β + 5⌈log2 n⌉α
+             [+ reduce(|X_l|) where an earlier layer needs dX]
+    bcast(v) = reduce(v) = min(⌈log2 n⌉(α + v/β), 2(n−1)/n·v/β + (⌈log2 n⌉ + n − 1)α)
+             (binomial tree, or scatter + all-gather, whichever MPI would pick)
+
+played out under the ranks' CPU quotas and shared cores (training.perf.quota_sim: a
+phase per conv layer, the rest of the network, the optimizer; the workers wait
+politely, and copy what they receive inside their waits). The shares' times are the
+measured times of convs of that many kernels (a small share is slower per kernel).
+
+    the bound   S ≤ 1 / ((1 − f) + f/k)  (seed 1), f = Σ_l t_0,l / (t_0(B) + o_0) the
+                distributed convs' share of one device's step; k = Σ_r s_r / s_0 with
+                s_r = 1/t_r(B) (k = n for equal devices)
+"""
+from training.perf.formulas import amdahl_bound, log2, proportional_s
+from training.perf.model import PlanError, per_rank, prediction
+
+from .calibrate import proportional_split
+
+
+def _bcast_s(nbytes, n, link):
+    """MPI broadcast (or reduce) of nbytes over n ranks: tree or scatter + all-gather."""
+    if n <= 1:
+        return 0.0
+    a, b, lg = link.latency_s, link.bandwidth_Bps, log2(n)
+    return min(lg * (a + nbytes / b), 2 * (n - 1) / n * nbytes / b + (lg + n - 1) * a)
+
+
+def conv_layers_of(profile, names=None):
+    """The distributed convs: `names` (the strategy's `layers`) or every distributable one."""
+    convs = [lay for lay in profile.layers if lay.kind == "conv"]
+    if names is not None:
+        known = {lay.name for lay in convs}
+        unknown = [x for x in names if x not in known]
+        if unknown:
+            raise PlanError(f"training.strategy.layers: {unknown} are not Conv2d layers of the "
+                            f"model; its Conv2d layers are {sorted(known)}")
+        return list(dict.fromkeys(x for x in (lay.name for lay in convs) if x in set(names)))
+    return list(dict.fromkeys(lay.name for lay in convs if lay.distributable))
+
+
+def conv_fraction(device, names):
+    """f: the distributed convs' share of one device's whole step (seed 1's bound)."""
+    return sum(device.layer_s(x) for x in names) / device.step_s
+
+
+def conv_split(devices, names, split):
+    """{layer: kernels per rank}: `split` weights, else in proportion to the devices' speed on
+    each layer; None where a layer has fewer kernels than there are ranks."""
+    out = {}
+    for name in names:
+        kernels = devices[0].profile.layer(name)[0].out_channels
+        weights = split if split is not None else [1.0 / d.layer_s(name) for d in devices]
+        try:
+            out[name] = proportional_split(kernels, weights)
+        except ValueError:
+            return None
+    return out
+
+
+def _conv_times(devices, link, names, layer_split):
+    """(rest on the master, [(each rank's full-speed share, comm) per layer], the
+    communication in all, the fraction of the master's optimizer step it still runs)."""
+    n, master = len(devices), devices[0]
+    prof = master.profile
+    lg, a, b = log2(n), link.latency_s, link.bandwidth_Bps
+    rest = max(0.0, master.fwd_bwd_s(prof.batch) - sum(master.layer_s(x) for x in names))
+    layers, comm, moved = [], 0.0, 0.0
+    for name in names:
+        calls, counts = prof.layer(name), layer_split[name]
+        kernels = sum(counts)
+        shares = [d.share_s(name, c, worker=r > 0, full=True) for r, (c, d) in enumerate(zip(counts, devices))]
+        away = 1.0 - counts[0] / kernels
+        moved += calls[0].param_bytes * away
+        layer_comm = 0.0
+        if n > 1:
+            for call in calls:
+                layer_comm += _bcast_s(call.in_bytes, n, link) + 2 * away * call.out_bytes / b + 5 * lg * a
+                if call.needs_input_grad:
+                    layer_comm += _bcast_s(call.in_bytes, n, link)
+        layers.append((shares, layer_comm))
+        comm += layer_comm
+    if n > 1:
+        comm += (2 * len(names) + 2) * lg * a
+    return rest, layers, comm, 1.0 - moved / prof.param_bytes
+
+
+def predict(case, config):
+    """Conv-layer model parallelism over case.conv_layers, rank 0 the master (module
+    docstring), played out under the ranks' quotas (quota_sim; the workers wait politely).
+
+    config.split: kernel weights, one per rank, else each layer's kernels in proportion
+    to the devices' speed on it. The strategy's own CPU (case.own_cpu): the master's
+    protocol CPU per step and a worker's CPU per step besides its shares and waits,
+    spread over the layers by their calls. None where there is no conv layer to
+    distribute, or a layer has fewer kernels than there are ranks (it cannot be split).
+    """
+    devices, link, names, sched = case.devices, case.link, list(case.conv_layers), case.sched
+    if not names:
+        return None
+    own = case.own_cpu("conv_model_parallel")
+    layer_split = conv_split(devices, names, config.split)
+    if layer_split is None:
+        return None
+    n, master = len(devices), devices[0]
+    B = master.profile.batch
+    rest, layers, comm, opt_part = _conv_times(devices, link, names, layer_split)
+    protocol = (2 * len(names) + 2) * log2(n) * link.latency_s if n > 1 else 0.0
+    idle = [0.0] * (n - 1)
+    calls = [len(master.profile.layer(x)) for x in names]
+    mine = per_rank(own, n)
+    # a worker copies what it receives and sends inside its (polite) waits: X, its share
+    # of Y and of dY, and dX where it is needed
+    copied = [[sum(call.in_bytes * (1 + call.needs_input_grad) + 2 * c / sum(layer_split[x]) * call.out_bytes
+                   for call in master.profile.layer(x)) * sched.byte_s if r else 0.0
+               for r, c in enumerate(layer_split[x])] for x in names]
+    layers = [([t + o * c / sum(calls) + b for t, o, b in zip(shares, mine, copy_l)], comm_l)
+              for (shares, comm_l), c, copy_l in zip(layers, calls, copied)]
+    # each layer's shares (and the workers' protocol) and its exchanges; the rest of the
+    # network on the master (at full speed: rest is at its quota already); the master's
+    # optimizer and the step's protocol
+    phases = [shares for shares, _ in layers] + [[rest * master.quota] + idle,
+                                                 [master.optimizer_s(opt_part, full=True)] + idle]
+    # a worker's waits: per call of a layer, the command, X's broadcast and the gather in
+    # forward, the command and the scatter in backward (and dX's reduce where needed);
+    # the step's end and the gather of conv times
+    waits = [sum(5 + call.needs_input_grad for call in master.profile.layer(x)) for x in names] + [0, 2]
+    step = sched.step_s(devices, phases, [c for _, c in layers] + [0.0, protocol], waits, polite=range(1, n))
+    conv_s = sum(max(d.share_s(x, c, worker=r > 0) for r, (c, d) in enumerate(zip(layer_split[x], devices)))
+                 for x in names)
+    speeds = [1.0 / d.fwd_bwd_s(B) for d in devices]
+    f = conv_fraction(master, names)
+    k = sum(speeds) / speeds[0]
+    ideal = sum(proportional_s([d.layer_s(x) for d in devices]) for x in names)
+    formula = rest + conv_s + comm + master.optimizer_s(opt_part)
+    rank_s = [sum(p[r] for p in phases) / d.quota for r, d in enumerate(devices)]   # each one's compute
+    return prediction("conv_model_parallel", devices, step, step - comm, comm, layer_split,
+                       rank_s=rank_s, formula_s=formula, conv_s=conv_s, conv_ideal_s=ideal, rest_s=rest,
+                       conv_fraction=f, effective_devices=k, bound=amdahl_bound(f, k))
