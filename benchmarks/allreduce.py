@@ -1,8 +1,10 @@
 """All-reduce time and bandwidth, 1 KiB .. 64 MiB: ours vs mpi4py Allreduce vs gloo.
 
-    python benchmarks/allreduce.py [--quick] [--ranks 2] [--transport shm|tcp] [--bind core]
+    python benchmarks/allreduce.py [--quick] [--ranks 2]
 
-starts itself under `mpiexec -n RANKS` (MPICH, from the mpich wheel), then every rank
+starts itself on RANKS processes joined as an application's containers join
+(common.relaunch: launcher.world.spawn_local, MPI singletons connected through a store,
+so MPICH talks over its network module as the product's ranks do), then every rank
 times, for each message size, in interleaved trials:
 
     ours   training.collectives.PreparedAllreduce on a float32 torch tensor, in place
@@ -18,11 +20,7 @@ Time per call = the slowest rank's time for `reps` back-to-back calls / reps; th
 median over trials is reported. Bandwidth = message bytes / time (algorithm
 bandwidth; the ring moves 2 (n-1)/n of it per rank). Prints a table and writes
 benchmarks/results/allreduce.json (or --out).
-
---transport tcp makes MPICH send everything over TCP sockets (libfabric tcp provider,
-no shared memory), as ranks joined by the launcher's Connect/Accept do in production
-(launcher/network.py); gloo always uses TCP. The default (shm) is MPICH's
-shared-memory transport between ranks of one mpiexec.
+gloo uses TCP.
 """
 import argparse
 import os
@@ -42,9 +40,6 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer sizes, trials and repetitions")
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--transport", choices=("shm", "tcp"), default="shm",
-                   help="MPICH transport between the ranks (tcp: as launcher-joined ranks)")
-    p.add_argument("--bind", default=None, help="mpiexec -bind-to value, e.g. core (default: none)")
     p.add_argument("--trials", type=int, default=None)
     p.add_argument("--chunk-kb", type=int, default=None, help="ring chunk (default: the library's)")
     p.add_argument("--threshold-kb", type=float, default=None, help="ring threshold (default: the library's)")
@@ -59,7 +54,7 @@ def reps_for(nbytes, quick):
     return int(min(200 if quick else 1000, max(3, budget // nbytes)))
 
 
-def bench(args):
+def bench(args, comm):
     import numpy as np
     import torch
     from mpi4py import MPI
@@ -67,7 +62,6 @@ def bench(args):
     from training import collectives
 
     torch.set_num_threads(1)
-    comm = MPI.COMM_WORLD
     rank, n = comm.Get_rank(), comm.Get_size()
     chunk = (args.chunk_kb << 10) if args.chunk_kb else collectives.RING_CHUNK_BYTES
     threshold = collectives.RING_THRESHOLD_BYTES

@@ -1,51 +1,61 @@
-"""What every benchmark needs: relaunching itself under mpiexec, describing the
-machine it ran on, and writing its results as JSON beside the printed table."""
+"""What every benchmark needs: relaunching itself on ranks joined as an application's
+containers join, describing the machine it ran on, and writing its results as JSON
+beside the printed table."""
 import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 CHILD_ENV = "YARNAPP_BENCH_CHILD"
-# MPICH over TCP sockets (libfabric tcp, no shared memory), as launcher-joined ranks talk.
-TCP_ENV = {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
 
 
 def is_child():
     return os.environ.get(CHILD_ENV) == "1"
 
 
-def relaunch(script, argv, ranks, transport="shm", bind=None):
-    """Re-run `script` under `mpiexec -n ranks` (one thread per rank); return its exit code."""
-    search = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    exe = shutil.which("mpiexec", path=search)
-    if not exe:
-        sys.exit("Error: mpiexec not found (pip install mpich)")
-    env = dict(os.environ, **{CHILD_ENV: "1", "OMP_NUM_THREADS": "1"})
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
-    if transport == "tcp":
-        env.update(TCP_ENV)
-    cmd = [exe, "-n", str(ranks)] + (["-bind-to", bind] if bind else [])
-    return subprocess.call(cmd + [sys.executable, os.path.abspath(script)] + list(argv), env=env)
+def relaunch(script, argv, ranks):
+    """Re-run `script` on `ranks` processes that join one world as an application's
+    containers join (launcher.world.spawn_local: MPI singletons connected through a store,
+    over MPICH's network module, as the product's ranks talk), one thread each; rank 0's
+    output goes to this terminal. Returns the worst exit code."""
+    sys.path.insert(0, ROOT)
+    from launcher.world import spawn_local
+    from training import probes
+    env = probes.environment(**{CHILD_ENV: "1"})
+    procs, store = spawn_local([sys.executable, os.path.abspath(script)] + list(argv), ranks, env=env)
+    try:
+        return max(p.wait() for p in procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        shutil.rmtree(store, ignore_errors=True)
+
+
+def world():
+    """In a relaunched benchmark: (comm, rank, size) of the joined world."""
+    from launcher.world import join_local
+    return join_local()
 
 
 def mpi_main(script, argv, parse_args, bench, **meta_extra):
-    """main() of a benchmark that runs itself under `mpiexec -n args.ranks`: relaunch, then
-    on every rank `bench(args) -> (rows, meta)`; rank 0 writes args.out."""
+    """main() of a benchmark that runs on args.ranks joined ranks: relaunch, then on every
+    rank `bench(args, comm) -> (rows, meta)`; rank 0 writes args.out."""
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if not is_child():
-        return relaunch(script, argv, args.ranks, args.transport, args.bind)
+        return relaunch(script, argv, args.ranks)
     sys.path.insert(0, ROOT)
-    from mpi4py import MPI
+    comm, rank, _ = world()
     t0 = time.time()
-    rows, meta = bench(args)
-    if MPI.COMM_WORLD.Get_rank() == 0:
-        meta.update(machine_meta(), quick=args.quick, bind=args.bind, transport=args.transport,
+    rows, meta = bench(args, comm)
+    if rank == 0:
+        meta.update(machine_meta(), quick=args.quick, world="joined singletons (launcher.world.spawn_local)",
                     wall_s=round(time.time() - t0, 1), **meta_extra)
         write_results(args.out, meta, rows)
     return 0

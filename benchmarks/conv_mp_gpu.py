@@ -1,20 +1,18 @@
 """The seed's CPU+GPU case: a GPU rank and a CPU rank split the seed network's conv
 kernels by measured speed, against the GPU alone (same strategy code, 1 rank).
 
-    mpiexec -n 1 python benchmarks/conv_mp_gpu.py --case gpu
-    mpiexec -n 2 python benchmarks/conv_mp_gpu.py --case gpu+cpu
-    python benchmarks/conv_mp_gpu.py --all     # runs both under mpiexec, prints the table
-Writes benchmarks/results/conv_mp_gpu.json. Rank 0 is the GPU rank (when CUDA is
-present); rank 1 computes on the CPU with --cpu-threads threads.
+    python benchmarks/conv_mp_gpu.py --all     # runs both cases, prints the table
+
+Each case runs on ranks joined as an application's containers join (1 rank "gpu", 2
+ranks "gpu+cpu"; training.probes.run_argv). Writes benchmarks/results/conv_mp_gpu.json.
+Rank 0 is the GPU rank (when CUDA is present); rank 1 computes on the CPU with
+--cpu-threads threads.
 """
 import argparse
 import json
 import os
-import shutil
-import subprocess
 import sys
 import time
-import types
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -22,20 +20,18 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 def case_main(args):
     import torch
-    from mpi4py import MPI
 
-    from training.context import RankInfo, RunContext
+    import conf
+    from launcher.world import join_local
+    from training.context import RunContext
     from training.models import build_model
+    from training.probes import report
     from training.strategies.conv_mp.strategy import ConvModelParallelStrategy
-    comm = MPI.COMM_WORLD
-    rank, n = comm.Get_rank(), comm.Get_size()
+    comm, rank, n = join_local()
     torch.set_num_threads(args.cpu_threads if rank else 2)
-    ranks = [RankInfo(rank=r, group="gpu" if r == 0 else "cpu", instance=0, container=f"c_{r}",
-                      vcores=args.cpu_threads, memory_mib=4096, gpus=1 if r == 0 else 0) for r in range(n)]
-    ctx = RunContext(comm=comm, rank=rank, world_size=n, ranks=ranks, job=None, app_id="bench",
-                     generation=0, workdir="/tmp", checkpoint_uri="", logdir="")
-    spec = types.SimpleNamespace(batch_size=args.batch, model_parallel=types.SimpleNamespace(
-        layers=None, split=None, recalibrate_every=0))
+    job = conf.offline_job([float(args.cpu_threads)] * n, gpus=[1] + [0] * (n - 1), name="bench",
+                           strategy="conv_model_parallel", model="seed_cnn", batch_size=args.batch)
+    ctx, spec = RunContext.offline(comm, job, "bench"), job.training
     torch.manual_seed(0)
     model = build_model("seed_cnn", (3, 32, 32), 10, {"conv1": args.conv1, "conv2": args.conv2})
     s = ConvModelParallelStrategy(ctx, spec)
@@ -51,26 +47,21 @@ def case_main(args):
         s.train_step(x if rank == 0 else None, y if rank == 0 else None)
     comm.Barrier()
     step = (time.perf_counter() - t0) / args.steps
-    if rank == 0:
-        print("RESULT " + json.dumps({"case": args.case, "step_s": step, "split": s.layer_split,
-                                      "speeds": getattr(s, "speeds", None), "device": str(s.device),
-                                      "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}),
-              flush=True)
+    report(rank, {"case": args.case, "step_s": step, "split": s.layer_split, "speeds": s.speeds,
+                  "device": str(s.device),
+                  "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None})
 
 
 def run_all(args):
-    mpiexec = shutil.which("mpiexec")
-    extra = ["--allow-run-as-root", "--oversubscribe", "--bind-to", "none"] if "Open MPI" in subprocess.run(
-        [mpiexec, "--version"], capture_output=True, text=True).stdout else []
+    from training import probes
     out = {}
     for case, n in (("gpu", 1), ("gpu+cpu", 2)):
-        cmd = [mpiexec, *extra, "-n", str(n), sys.executable, __file__, "--case", case,
+        cmd = [sys.executable, os.path.abspath(__file__), "--case", case,
                *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("case", "all")]]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        if line is None:
-            raise SystemExit(f"{case} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-        out[case] = json.loads(line[7:])
+        try:
+            out[case] = probes.run_argv(cmd, n, timeout=args.timeout)
+        except probes.ProbeError as e:
+            raise SystemExit(f"{case} failed: {e}\n{getattr(e, 'output', '')}") from None
     ratio = out["gpu"]["step_s"] / out["gpu+cpu"]["step_s"]
     print(f"{'case':<10} {'step s':>9}  split (kernels per rank, per layer)")
     for case, r in out.items():

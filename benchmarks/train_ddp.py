@@ -1,9 +1,10 @@
 """Training throughput: our AllReduceStrategy vs torch DDP (gloo), same model and data.
 
     python benchmarks/train_ddp.py [--quick] [--ranks 2] [--models resnet,mlp]
-                                   [--overlap poll,thread,none] [--transport shm|tcp]
+                                   [--overlap poll,thread,none]
 
-starts itself under `mpiexec -n RANKS`; every rank uses 1 torch thread. For each
+starts itself on RANKS ranks joined as an application's containers join
+(common.relaunch); every rank uses 1 torch thread. For each
 model (built by training.models.build_model, seed 0) both contenders train on the
 same in-memory random batches (global batch --batch, split equally):
 
@@ -15,16 +16,13 @@ same in-memory random batches (global batch --batch, split equally):
 
 Default models: resnet (ResNet-20, 0.27M parameters, compute-heavy) and mlp (two
 4096-unit layers, 29M parameters = 116 MB of gradients, communication-heavy), both on
-3x32x32 inputs. --transport tcp sends MPICH's traffic over TCP sockets, as between
-launcher-joined ranks (see benchmarks/allreduce.py). Rounds interleave the
+3x32x32 inputs. Rounds interleave the
 contenders; a round is `--steps` steps timed between barriers; samples/s is the
 median over rounds. Prints a table and writes
 benchmarks/results/train_ddp.json (or --out).
 """
 import argparse
-import atexit
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -46,9 +44,6 @@ def parse_args(argv):
     p.add_argument("--batch", type=int, default=64, help="global batch (rows)")
     p.add_argument("--steps", type=int, default=None, help="steps per round")
     p.add_argument("--rounds", type=int, default=None)
-    p.add_argument("--transport", choices=("shm", "tcp"), default="shm",
-                   help="MPICH transport between the ranks (tcp: as launcher-joined ranks)")
-    p.add_argument("--bind", default=None, help="mpiexec -bind-to value, e.g. core (default: none)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "train_ddp.json"))
     return p.parse_args(argv)
 
@@ -63,31 +58,12 @@ def make_model(name):
 
 
 def make_context(comm):
-    from training.context import RankInfo, RunContext
-    n = comm.Get_size()
-    ranks = [RankInfo(rank=r, group="bench", instance=r, container=f"bench_{r}", vcores=1.0,
-                      memory_mib=1024, gpus=0) for r in range(n)]
-    wd = tempfile.mkdtemp(prefix="bench-")
-    atexit.register(shutil.rmtree, wd, True)
-    return RunContext(comm=comm, rank=comm.Get_rank(), world_size=n, ranks=ranks, job=None,
-                      app_id="bench", generation=0, workdir=wd, checkpoint_uri="file://" + wd,
-                      logdir=wd)
-
-
-def make_spec(world_size):
-    try:
-        import conf
-    except ImportError:      # conf needs pydantic; without it, read the same defaults file
-        from types import SimpleNamespace
-
-        import yaml
-        with open(os.path.join(ROOT, "conf", "defaults.yaml")) as f:
-            t = yaml.safe_load(f)["training"]
-        strategy = dict(yaml.safe_load(open(os.path.join(ROOT, "conf", "defaults.yaml")))["strategies"]["allreduce"])
-        return SimpleNamespace(**{**t, "strategy": SimpleNamespace(name="allreduce", **strategy)})
-    job = conf.load_job({"name": "bench", "groups": [{"name": "w", "instances": world_size}],
-                         "training": {"data": {"train": "file:///unused"}}})
-    return job.training
+    """The RunContext and training section of a job of 1-vcore ranks with defaults.yaml's
+    allreduce settings (RunContext.offline over conf.offline_job)."""
+    import conf
+    from training.context import RunContext
+    job = conf.offline_job([1.0] * comm.Get_size(), name="bench", strategy="allreduce")
+    return RunContext.offline(comm, job, "bench"), job.training
 
 
 class Ours:
@@ -127,18 +103,17 @@ class DDP:
         pass
 
 
-def bench(args):
+def bench(args, comm):
     import numpy as np
     import torch
     import torch.distributed as dist
     from mpi4py import MPI
 
     torch.set_num_threads(1)
-    comm = MPI.COMM_WORLD
     rank, n = comm.Get_rank(), comm.Get_size()
     path = comm.bcast(tempfile.mktemp(prefix="gloo-store-") if rank == 0 else None, root=0)
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=n)
-    ctx, spec = make_context(comm), make_spec(n)
+    ctx, spec = make_context(comm)
     steps = args.steps or (3 if args.quick else 8)
     rounds = args.rounds or (3 if args.quick else 5)
     per_rank = args.batch // n
