@@ -57,12 +57,12 @@ def main(argv=None):
                 for name in STRATEGIES:
                     # a short run sizes the timed run to ~`seconds`
                     steps = 5 if probe is None else max(5, min(500, math.ceil(seconds / probe)))
-                    case = dict(size, strategy=name, steps=steps, warmup=2)
-                    got = pc.run_strategy(ranks, case, cgroups, a.timeout)
+                    case = dict(size, vcores=[1.0] + [0.5] * (ranks - 1), strategy=name, steps=steps, warmup=2)
+                    got = pc.run_strategy(case, cgroups, a.timeout)
                     if probe is None:
                         probe = got["step_s"]
                         case["steps"] = max(5, min(500, math.ceil(seconds / probe)))
-                        got = pc.run_strategy(ranks, case, cgroups, a.timeout)
+                        got = pc.run_strategy(case, cgroups, a.timeout)
                     rec = {"model": model, "ranks": ranks, "strategy": name, "steps": case["steps"],
                            "step_s": got["step_s"], "samples_per_s": size["batch"] / got["step_s"],
                            "comm_s_rank0": got["comm_s_by_rank"][0],
