@@ -58,7 +58,8 @@ def mpi_main(script, argv, parse_args, bench, **meta_extra):
         meta.update(machine_meta(), quick=args.quick, world="joined singletons (launcher.world.spawn_local)",
                     wall_s=round(time.time() - t0, 1), **meta_extra)
         write_results(args.out, meta, rows)
-    return 0
+    from training.probes import finish
+    finish(comm)
 
 
 def cpu_model():

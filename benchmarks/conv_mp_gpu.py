@@ -25,7 +25,7 @@ def case_main(args):
     from launcher.world import join_local
     from training.context import RunContext
     from training.models import build_model
-    from training.probes import report
+    from training.probes import finish, report
     from training.strategies.conv_mp.strategy import ConvModelParallelStrategy
     comm, rank, n = join_local()
     torch.set_num_threads(args.cpu_threads if rank else 2)
@@ -50,6 +50,7 @@ def case_main(args):
     report(rank, {"case": args.case, "step_s": step, "split": s.layer_split, "speeds": s.speeds,
                   "device": str(s.device),
                   "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None})
+    finish(comm)
 
 
 def run_all(args):

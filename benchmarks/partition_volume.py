@@ -58,7 +58,7 @@ def worker(case):
     import torch.nn.functional as F
     from launcher.world import join_local
     from training import partition as P
-    from training.probes import report
+    from training.probes import finish, report
     from training.strategies.hypergraph.execution import PartitionedModel
     comm, rank, _ = join_local()
     torch.set_num_threads(1)
@@ -87,6 +87,7 @@ def worker(case):
     predicted = 2 * case["batch"] * P.evaluate(hg, parts, EQUAL[comm.Get_size()])["forward_bytes_per_sample"]
     report(rank, {"sent_bytes": int(sent), "predicted_bytes": float(predicted), "step_s": seconds,
                   "comm_s": comm_s})
+    finish(comm)
 
 
 def execute(network, k, batch, timeout=600):

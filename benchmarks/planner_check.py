@@ -96,7 +96,7 @@ def worker(case):
     from training import collectives, cputime, strategies
     from training.context import RunContext
     from training.models import build_model
-    from training.probes import report
+    from training.probes import finish, report
     from training.runner import make_optimizer_factory
     comm, rank, n = join_local()
     job = conf.load_job(job_dict(case, case["strategy"]))
@@ -153,6 +153,7 @@ def worker(case):
                       "cpu_s_by_rank": [e[2] for e in every], "cpu_fwd_bwd_s_by_rank": [e[3] for e in every],
                       "cpu_waits_s_by_rank": [e[4] for e in every], "cpu_shares_s_by_rank": [e[5] for e in every],
                       "rows_rank0": hi - lo})
+    finish(comm)
 
 
 # -- the driver -------------------------------------------------------------------------------

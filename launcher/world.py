@@ -96,8 +96,11 @@ def spawn_local(argv, size, env=None, **popen_kw):
     """Start `size` processes running `argv`, each told (LOCAL_WORLD_ENV) how to join one
     world with `join_local()`: singletons joined through a FileStore in a fresh directory,
     exactly as the containers of an application join, so they talk as the ranks of a job
-    on one host do (over the network module, not shared memory). Returns (processes,
-    store directory); the caller waits for the processes and removes the directory."""
+    on one host do (over the network module, not shared memory). Each is a session of
+    its own, as the local engine starts containers: where the kernel groups the CPU by
+    session (autogroup), every rank gets its share, not one share for all of them.
+    Returns (processes, store directory); the caller waits for the processes and removes
+    the directory."""
     import os
     import subprocess
     import tempfile
@@ -106,7 +109,7 @@ def spawn_local(argv, size, env=None, **popen_kw):
     for rank in range(size):
         e = dict(os.environ if env is None else env)
         e[LOCAL_WORLD_ENV] = f"{root}:{rank}:{size}"
-        procs.append(subprocess.Popen(argv, env=e, **popen_kw))
+        procs.append(subprocess.Popen(argv, env=e, **{"start_new_session": True, **popen_kw}))
     return procs, root
 
 

@@ -22,7 +22,7 @@ from launcher.world import join_local
 from training import collectives
 from training.collectives import PreparedAllreduce, allreduce_
 from training.context import RunContext
-from training.probes import arguments, report
+from training.probes import arguments, finish, report
 from training.strategies.allreduce.strategy import AllReduceStrategy
 
 
@@ -226,6 +226,7 @@ def main():
         else:
             raise ValueError(f"unknown check {check!r}")
     report(rank, out)
+    finish(comm)
 
 
 if __name__ == "__main__":

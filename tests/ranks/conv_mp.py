@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import conf
 from launcher.world import join_local
 from training.context import RunContext
-from training.probes import report
+from training.probes import finish, report
 from training.strategies.conv_mp.layers import DistributedConv2d
 from training.strategies.conv_mp.protocol import ShardProtocol
 from training.strategies.conv_mp.strategy import ConvModelParallelStrategy
@@ -230,3 +230,4 @@ if rank == 0:
     out["calibrated"] = params_diff(export, ref)
 
 report(rank, out)
+finish(comm)

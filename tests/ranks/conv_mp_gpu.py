@@ -9,7 +9,7 @@ import conf
 from launcher.world import join_local
 from training.context import RunContext
 from training.models import build_model
-from training.probes import report
+from training.probes import finish, report
 from training.strategies.conv_mp.strategy import ConvModelParallelStrategy
 
 torch.backends.cudnn.allow_tf32 = False          # compare fp32 with fp32
@@ -49,3 +49,4 @@ for gpus in ([0, 1], [1, 0], [1, 1]):           # worker, master, both on the GP
         weights = max(float((p - q).abs().max()) for p, q in zip(export.parameters(), ref.parameters()))
         out[str(gpus)] = {"devices": devices, "loss": worst, "weights": weights}
 report(rank, out)
+finish(comm)

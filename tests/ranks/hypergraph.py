@@ -9,7 +9,7 @@ import conf
 from launcher.world import join_local
 from training import partition as P
 from training.context import RunContext
-from training.probes import report
+from training.probes import finish, report
 from training.strategies.hypergraph.execution import PartitionedModel
 from training.strategies.hypergraph.strategy import HypergraphStrategy
 
@@ -207,3 +207,4 @@ def dropout():
 out["errors"] = comm.gather([refused(bad_caps), refused(dropout)], root=0)
 
 report(rank, out)
+finish(comm)

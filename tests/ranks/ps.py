@@ -11,7 +11,7 @@ import conf
 from launcher.world import join_local
 from training import strategies
 from training.context import RunContext
-from training.probes import report
+from training.probes import finish, report
 
 comm, rank, n = join_local()
 torch.set_num_threads(1)
@@ -141,3 +141,4 @@ for strategy in ("ps_central", "ps_sharded"):
     s.close()
 
 report(rank, out)
+finish(comm)

@@ -153,7 +153,9 @@ def co_runners(job, shape, classes, timeout=60):
     args = json.dumps({"model": spec.model, "shape": list(shape), "classes": classes,
                        "options": dict(spec.model_options), "rows": max(1, spec.batch_size // n)})
     procs = [subprocess.Popen([sys.executable, "-m", "training.probes.co_runner", args], env=probes.environment(),
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for _ in range(count)]
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                              start_new_session=True)        # each a session, as a rank's container is
+             for _ in range(count)]
     try:
         deadline, ready = time.monotonic() + timeout, []
         for p in procs:
@@ -169,7 +171,6 @@ def co_runners(job, shape, classes, timeout=60):
             p.kill()
             p.wait()
             p.stdout.close()
-
 
 
 @dataclasses.dataclass

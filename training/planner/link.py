@@ -24,7 +24,8 @@ def _pingpong(sizes, trials, timeout, busy=0, polite=False, duty=1.0):
     args = {"sizes": [list(s) for s in sizes], "trials": int(trials), "polite": bool(polite),
             "loaded": busy > 0, "work": 1e-3 if busy else 0.0}
     hogs = [subprocess.Popen([sys.executable, "-m", "training.probes.hog", repr(float(duty))],
-                             env=probes.environment()) for _ in range(busy)]
+                             env=probes.environment(), start_new_session=True)     # as a rank's container is
+            for _ in range(busy)]
     try:
         out = run_probe("training.probes.pingpong", args, "ping-pong", timeout)
     finally:

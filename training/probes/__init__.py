@@ -4,7 +4,8 @@ A probe is a module run with `python -m MODULE ARGS_JSON` on `size` processes th
 one MPI world as the containers of an application join (launcher.world.spawn_local /
 join_local: MPI singletons connected through a store, so they talk over the network
 module as a job's ranks do, not over shared memory). Rank 0 prints one line
-`RESULT {json}`; `run` starts them, waits, and returns that JSON.
+`RESULT {json}` (`report`), every rank ends with `finish(comm)`; `run` starts them,
+waits, and returns that JSON.
 
 The planner's probes (training.planner measures with them):
     pingpong      one-way times of messages between two ranks (the link)
@@ -36,6 +37,16 @@ def report(rank, result):
     """In a probe: rank 0 prints the one line `run` returns."""
     if rank == 0:
         print(TAG + json.dumps(result), flush=True)
+
+
+def finish(comm):
+    """In a probe, at its end: once every rank is done (a Barrier), exit without
+    MPI_Finalize's disconnect handshake between singleton-joined processes (seconds per
+    world), as launcher.rank does."""
+    comm.Barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def environment(extra_paths=(), **env):

@@ -12,7 +12,7 @@ import numpy as np
 
 from launcher.world import join_local
 from training import collectives
-from training.probes import arguments, report
+from training.probes import arguments, finish, report
 
 
 def main():
@@ -43,6 +43,7 @@ def main():
                 trials.append(((time.perf_counter() - t) / reps - 2 * work_s) / 2)
         out[size] = min(trials) if not a["loaded"] else statistics.median(trials)
     report(rank, out)
+    finish(comm)
 
 
 if __name__ == "__main__":

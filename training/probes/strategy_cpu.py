@@ -17,7 +17,7 @@ from launcher.world import join_local
 from training import collectives, cputime, strategies
 from training.context import RunContext
 from training.models import build_model
-from training.probes import arguments, report
+from training.probes import arguments, finish, report
 from training.runner import make_optimizer_factory
 
 
@@ -60,6 +60,7 @@ def main():
         comm.Barrier()
     every = comm.gather(own, root=0)
     report(rank, {k: [e[k] for e in every] for k in own} if rank == 0 else None)
+    finish(comm)
 
 
 if __name__ == "__main__":

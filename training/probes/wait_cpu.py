@@ -12,7 +12,7 @@ import numpy as np
 
 from launcher.world import join_local
 from training import collectives
-from training.probes import arguments, report
+from training.probes import arguments, finish, report
 
 
 def main():
@@ -48,6 +48,7 @@ def main():
         report(rank, comm.recv(source=1))
     else:
         comm.send(out, dest=0)
+    finish(comm)
 
 
 if __name__ == "__main__":
