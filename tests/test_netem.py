@@ -269,3 +269,28 @@ def test_netem_command_errors_in_one_line(cli, yarnapp_home, tmp_path):
     proc = cli("netem", app, "--node", "0", "--cut")
     assert proc.returncode == 1 and "has no emulated nodes" in proc.stderr, proc.stderr
     assert_nothing_left(app)
+
+
+@needs_netns
+def test_a_ddp_script_across_two_nodes_gets_local_ranks_per_host(yarnapp_home, tmp_path, nothing_of_the_network_left):
+    """torch.distributed's contract follows the hosts: LOCAL_RANK counts the application's
+    containers on the same (emulated) node, GROUP_RANK is the node's index, MASTER_ADDR is
+    rank 0's own address, and gloo trains over the links."""
+    out = tmp_path / "out"
+    out.mkdir()
+    job = {"name": "ddp-nodes", "max_restarts": 0,
+           "groups": [{"name": "a", "instances": 2, "vcores": 0.5, "memory": "2 GiB"},
+                      {"name": "b", "instances": 1, "vcores": 0.5, "memory": "2 GiB"}],
+           "network": {"nodes": 2, "placement": "spread"},
+           "run": {"script": os.path.join(ROOT, "tests", "jobs", "ddp_train.py"),
+                   "args": ["--out", str(out), "--epochs", "1"]}}
+    run = yarnapp.submit(job)
+    st = run.wait(timeout=300)
+    assert st["state"] == "SUCCEEDED", run.logs()
+    envs = [json.loads((out / f"rank{r}.json").read_text())["env"] for r in range(3)]
+    nodes = {c["rank"]: c["node"] for c in st["containers"]}     # spread: rank r on node r mod 2
+    assert nodes == {0: "node0", 1: "node1", 2: "node0"}, nodes
+    assert [(e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"], e["GROUP_RANK"]) for e in envs] == \
+        [("0", "2", "0"), ("0", "1", "1"), ("1", "2", "0")]
+    rank0_addr = next(c["addr"] for c in st["containers"] if c["rank"] == 0)
+    assert {e["MASTER_ADDR"] for e in envs} == {rank0_addr} and rank0_addr != "127.0.0.1"
