@@ -30,7 +30,7 @@ import sys
 import time
 import uuid
 
-from . import identity, keys, network, store as store_mod
+from . import identity, keys, memory, network, store as store_mod
 
 log = logging.getLogger("launcher.agent")
 
@@ -95,6 +95,8 @@ class Agent:
         self.heartbeat = os.path.abspath(f".heartbeat.{ident.container}")
         self.log_path = os.environ.get("YARNAPP_LOG", "")
         self.members = ident.job.ranks()
+        self.cgroup = memory.own_cgroup()          # to tell a memory kill from any SIGKILL
+        self.group_index = next(i for i, g in enumerate(ident.job.groups) if g.name == ident.group)
 
     # -- the rank process -------------------------------------------------
     def spawn(self, gen):
@@ -108,6 +110,7 @@ class Agent:
             os.unlink(self.heartbeat)
         except FileNotFoundError:
             pass
+        self.memory_before = memory.state(self.cgroup)
         self.child = subprocess.Popen([sys.executable, "-m", "launcher.rank", "--generation", str(gen),
                                        "--heartbeat", self.heartbeat], env=env, preexec_fn=die_with_parent)
         self.spawned = time.monotonic()
@@ -170,6 +173,10 @@ class Agent:
                 return "other", None
             if rc is not None:
                 what = f"killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
+                oom = memory.killed_for_memory(self.memory_before, memory.state(self.cgroup),
+                                               self.ident.container, self.group_index)
+                if oom:
+                    what = f"was killed by the kernel: {oom}"
                 err = self.rank_error(gen, self.ident.rank) or {}
                 line = f": {err['error']}" if err.get("error") else ""
                 return "own", {"container": self.ident.container, "rank": self.ident.rank,

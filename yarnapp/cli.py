@@ -58,8 +58,9 @@ def cmd_status(args):
     if st.get("tensorboard"):
         _p(f"tensorboard: {st['tensorboard']}")
     for c in st.get("containers", []):
+        peak = f" (peak {c['memory_peak_mib']} MiB)" if c.get("memory_peak_mib") else ""
         _p(f"  {c['id']:<14} rank {c['rank']:<3} {c['state']:<10} exit={c['exit_code']} "
-           f"attempts={c['attempts']}  {c['vcores']:g} vcores {c['memory_mib']} MiB  [{c['resources']}]")
+           f"attempts={c['attempts']}  {c['vcores']:g} vcores {c['memory_mib']} MiB{peak}  [{c['resources']}]")
     for r in st.get("restarts") or []:
         _p(f"  restart {r.get('generation')}: {r.get('reason')}")
     p = (st.get("progress") or {}).get(0)

@@ -18,7 +18,7 @@ import time
 
 import psutil
 
-from launcher import agent as agent_mod, keys, tensorboard_service
+from launcher import agent as agent_mod, keys, memory, tensorboard_service
 from launcher.store import FileStore
 
 from . import cgroups, netem
@@ -47,9 +47,16 @@ class Container:
         self.exit_code = None
         self.exits = []
         self.node = None          # index of its emulated node (job.yaml network:), else None
+        self.memory = None        # its memory cgroup's latest state (memory.state)
+        self.memory_start = None  # ... and when its current attempt started
+        self.group_index = next(i for i, g in enumerate(app.job.groups) if g.name == group.name)
+
+    def memory_state(self):
+        return memory.state(self.limits.paths.get("memory"))
 
     def start(self):
         self.attempts += 1
+        self.memory = self.memory_start = self.memory_state()
         env = dict(os.environ)
         env.update(self.group.env)
         env.update(YARNAPP_BACKEND="local", YARNAPP_APP_ID=self.app.app_id, YARNAPP_CONTAINER_ID=self.id,
@@ -97,6 +104,7 @@ class Container:
                 "attempts": self.attempts, "pid": self.proc.pid if self.proc else None, "log": self.log,
                 "vcores": self.group.vcores, "memory_mib": self.group.memory, "gpus": self.group.gpus,
                 "resources": self.limits.why, "exits": self.exits,
+                "memory_peak_mib": memory.mib(self.memory["peak"]) if self.memory else None,
                 **(self.app.network.member(self.node) if self.node is not None else {})}
 
 
@@ -135,6 +143,7 @@ class ApplicationMaster:
         c.exit_code = rc
         c.exits.append({"attempt": c.attempts, "exit_code": rc, "time": time.time()})
         failed = self.store.get(keys.FAILED) is not None
+        c.memory = c.memory_state() or c.memory
         if rc == 0:
             c.state = "SUCCEEDED"
             return
@@ -144,6 +153,9 @@ class ApplicationMaster:
         # The container itself died (not its rank): tell the world, then replace it.
         gen = agent_mod.current_generation(self.store)
         what = f"killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
+        oom = memory.killed_for_memory(c.memory_start, c.memory, c.id, c.group_index)
+        if oom:
+            what = f"was killed by the kernel: {oom}"
         self.store.put_if_absent(keys.abort(gen), json.dumps({
             "container": c.id, "rank": c.member["rank"], "exit_code": rc, "generation": gen,
             "reason": f"container {c.id} {what}", "log": c.log, "log_tail": agent_mod.log_tail(c.log),
@@ -253,6 +265,7 @@ class ApplicationMaster:
         while time.monotonic() < deadline and any(c.limits.pids() for c in self.containers):
             time.sleep(0.05)
         for c in self.containers:
+            c.memory = c.memory_state() or c.memory       # its peak, before the cgroup goes
             c.limits.remove()
         cgroups.Limits.remove_app(self.app_id)
         failed = self.store.get(keys.FAILED)
