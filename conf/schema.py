@@ -150,6 +150,7 @@ class JobSpec(Model):
     run: Run
     training: Optional[Training]
     max_restarts: Annotated[int, Field(ge=0)]
+    am_attempts: Annotated[int, Field(ge=1)]
     checkpoint: Checkpoint
     tensorboard: TensorBoard
     environment: Environment

@@ -36,7 +36,7 @@ log = logging.getLogger("launcher.agent")
 
 EXIT_APP_FAILED = 3      # this container is fine; the application failed elsewhere
 _PR_SET_PDEATHSIG = 1
-SETUP_GRACE_S = 15.0     # after a peer failed in setup, how long a rank in setup may take to fail
+SETUP_GRACE_S = 8.0      # after a peer failed in setup, how long a rank in setup may take to fail
                          # the same way on its own (ranks start seconds apart on a busy host)
 NOT_RETRIED = ("every rank failed the same way before training started, so it was not retried "
                "(a restart would fail the same way)")

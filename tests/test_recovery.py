@@ -113,3 +113,36 @@ def test_a_rank_that_always_fails_spends_the_budget_then_fails(tmp_path, cli, ya
     assert [r["generation"] for r in st["restarts"]] == [1, 2]
     assert "restart 1" in cli("status", app).stdout
     assert_nothing_left(app)
+
+
+def test_a_killed_application_master_is_restarted_and_training_resumes_bit_identically(
+        reference, digits, tmp_path, yarnapp_home):
+    """The local engine's answer to YARN's AM attempts: the supervisor starts a new master,
+    which starts every container again; the world's new generation resumes from the newest
+    complete checkpoint, spending no restart of max_restarts."""
+    job = dict(digits_job(tmp_path, digits, "am-killed"), max_restarts=0, am_attempts=2)
+    run = yarnapp.submit(job)
+    wait_step(run, rank=0, step=random.Random("am-kill").randint(12, 30))
+    am = run.status()["am_pid"]
+    os.kill(am, signal.SIGKILL)
+    st = run.wait(timeout=600)
+    assert st["state"] == "SUCCEEDED", (st.get("diagnostics"), run.logs())
+    assert [a["attempt"] for a in st["am_attempts"]] == [1, 2] and st["am_attempts"][0]["exit_code"] == -9
+    assert [r["generation"] for r in st["restarts"]] == [1]
+    assert "the application master died (attempt 1)" in st["restarts"][0]["reason"]
+    assert st["final"]["resumed_from"] >= 10
+    assert _equal(final_weights(job), reference["allreduce"])
+    assert_nothing_left(run.app_id)
+
+
+def test_with_no_attempts_left_a_killed_master_fails_the_application_naming_it(digits, tmp_path, yarnapp_home):
+    job = dict(digits_job(tmp_path, digits, "am-once", steps=400), am_attempts=1)
+    run = yarnapp.submit(job)
+    wait_step(run, rank=0, step=5)
+    os.kill(run.status()["am_pid"], signal.SIGKILL)
+    st = run.wait(timeout=120)
+    assert st["state"] == "FAILED"
+    assert "the application master (attempt 1, pid" in st["diagnostics"] and "killed by signal 9" in st["diagnostics"]
+    assert "no application master attempts left (am_attempts: 1)" in st["diagnostics"]
+    assert "FAILED" in run.failure_message() and "application master" in run.failure_message()
+    assert_nothing_left(run.app_id)

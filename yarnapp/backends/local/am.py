@@ -109,7 +109,8 @@ class Container:
 
 
 class ApplicationMaster:
-    def __init__(self, app_dir):
+    def __init__(self, app_dir, attempt=1):
+        self.attempt = attempt       # > 1: a previous attempt died (the supervisor restarted us)
         import conf
         self.dir = app_dir
         with open(os.path.join(app_dir, "job.json")) as f:
@@ -166,9 +167,28 @@ class ApplicationMaster:
         else:
             c.state = "FAILED"
 
+    def take_over(self):
+        """Attempt n > 1: the previous master died, and its containers with it. Their owned
+        keys go (as YARN releases a dead container's), and the world's generation they were
+        in ends as not the job's fault (it spends no restart), so the new containers form
+        the next one and training resumes from the newest complete checkpoint."""
+        for c in self.containers:
+            self.store.release(c.id)
+        gen = agent_mod.current_generation(self.store)
+        why = f"the application master died (attempt {self.attempt - 1}); attempt {self.attempt} restarts every container"
+        cause = {"container": "master", "rank": None, "exit_code": None, "external": True, "generation": gen,
+                 "reason": why, "time": time.time()}
+        if self.store.put_if_absent(keys.abort(gen), json.dumps(cause)):
+            self.store.put_if_absent(keys.restart(gen + 1), json.dumps({**cause, "aborted_generation": gen,
+                                                                        "generation": gen + 1}))
+        log.warning("%s", why)
+        self.extra["am_attempt"] = self.attempt
+
     def run(self):
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
+        if self.attempt > 1:
+            self.take_over()
         if not self.start_network():
             self.stopping = "FAILED"
             return self.shutdown()
@@ -283,9 +303,13 @@ class ApplicationMaster:
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
+    import argparse
+    p = argparse.ArgumentParser()
+    p.add_argument("app_dir")
+    p.add_argument("--attempt", type=int, default=1)
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s am %(levelname)s: %(message)s")
-    am = ApplicationMaster(argv[0])
+    am = ApplicationMaster(args.app_dir, attempt=args.attempt)
     try:
         am.run()
     except BaseException:
