@@ -18,7 +18,10 @@ import re
 import time
 
 import numpy as np
+import pyarrow as pa
 import torch
+
+from conf.errors import YarnappError
 
 from . import fsutil
 
@@ -64,31 +67,63 @@ class Checkpointer:
         return step, fsutil.torch_load(data)
 
     def save(self, step, state):
-        """Collective: every rank passes its own state; returns when the checkpoint is complete."""
+        """Collective: every rank passes its own state; returns when the checkpoint is complete.
+
+        If any rank cannot write its part (disk full, read-only, unreachable URI), or rank 0
+        cannot commit the checkpoint, every rank raises the same CheckpointError naming the
+        URI and the first error; the temporary directory is never renamed, so the previous
+        complete checkpoint stays the newest and is what a restart resumes from.
+        """
         t0 = time.perf_counter()
         exists = self.comm.bcast(step in self.complete_steps() if self.rank == 0 else None, root=0)
         if exists:
             return False
         tmp = self._dir(step, tmp=True)
-        fsutil.write_bytes(self.fs, f"{tmp}/rank-{self.rank:05d}.pt", fsutil.torch_bytes(state))
+        error = _attempt(lambda: fsutil.write_bytes(self.fs, f"{tmp}/rank-{self.rank:05d}.pt",
+                                                    fsutil.torch_bytes(state)))
         _maybe_fault("crash_in_checkpoint", step, self.rank, self.generation)
-        self.comm.Barrier()
+        self._raise_first(step, "write", self.comm.allgather(error))
         if self.rank == 0:
-            self.fs.move(tmp, self._dir(step))
-            for old in self.complete_steps()[:-self.keep]:
-                self.fs.delete_dir(self._dir(old))
-            for n in fsutil.listdir(self.fs, self.root):
-                if ".tmp-" in n:                       # left by a generation that crashed mid-write
-                    self.fs.delete_dir(f"{self.root}/{n}")
-        self.comm.Barrier()
+            error = _attempt(lambda: self._commit(step, tmp))
+        self._raise_first(step, "commit", [self.comm.bcast(error, root=0)])
         self.write_s += time.perf_counter() - t0
         log.info("checkpoint step %d complete", step)
         return True
+
+    def _commit(self, step, tmp):
+        """Rank 0: make step's checkpoint visible (one rename), then tidy up."""
+        self.fs.move(tmp, self._dir(step))
+        for old in self.complete_steps()[:-self.keep]:
+            self.fs.delete_dir(self._dir(old))
+        for n in fsutil.listdir(self.fs, self.root):
+            if ".tmp-" in n:                       # left by a generation that crashed mid-write
+                self.fs.delete_dir(f"{self.root}/{n}")
+
+    def _raise_first(self, step, what, errors):
+        first = next(((r, e) for r, e in enumerate(errors) if e), None)
+        if first:
+            raise CheckpointError(f"checkpoint.uri {self.uri}: cannot {what} the checkpoint of step {step}"
+                                  f"{f' (rank {first[0]})' if what == 'write' else ''}: {first[1]}; "
+                                  f"free space or fix its permissions (the checkpoint before it is intact)")
 
     def save_model(self, model):
         if self.rank == 0 and model is not None:
             fsutil.write_bytes(self.fs, f"{self.root}/final/model.pt",
                                fsutil.torch_bytes({k: v.detach().cpu() for k, v in model.state_dict().items()}))
+
+
+class CheckpointError(YarnappError, OSError):
+    """A checkpoint that cannot be written. str() names the URI and the first error."""
+
+
+def _attempt(fn):
+    """None if fn() succeeds, else its error as one line (storage errors span pages)."""
+    try:
+        fn()
+        return None
+    except (OSError, pa.ArrowException) as e:
+        lines = str(e).strip().splitlines()
+        return " ".join(lines[:2]) if lines else type(e).__name__
 
 
 def _maybe_fault(kind, step, rank, generation):
