@@ -58,7 +58,8 @@ def test_a_checkpoint_that_cannot_be_written_fails_in_one_line_and_the_previous_
     job["checkpoint"]["uri"] = str(small_disk / "ckpt")
     run = yarnapp.submit(job)
     wait_step(run, rank=0, step=12)                    # step 10's checkpoint is complete
-    assert sorted(os.listdir(small_disk / "ckpt")) == ["step-00000010"]
+    mine = small_disk / "ckpt" / run.app_id              # one directory per application
+    assert sorted(os.listdir(mine)) == ["application.json", "step-00000010"]
     if fault == "read-only":
         subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
     else:
@@ -78,9 +79,9 @@ def test_a_checkpoint_that_cannot_be_written_fails_in_one_line_and_the_previous_
     assert [r["generation"] for r in st["restarts"]] == [1]          # retried once, from step 10
     assert "cannot write the checkpoint of step 20" in st["restarts"][0]["reason"]
     # the previous complete checkpoint is intact and loads on every rank
-    assert sorted(n for n in os.listdir(small_disk / "ckpt") if not n.startswith("step-00000020")) \
-        == ["step-00000010"]
+    assert sorted(n for n in os.listdir(mine) if not n.startswith("step-00000020")) \
+        == ["application.json", "step-00000010"]
     for r in range(3):
-        state = torch.load(small_disk / "ckpt" / "step-00000010" / f"rank-{r:05d}.pt", weights_only=False)
+        state = torch.load(mine / "step-00000010" / f"rank-{r:05d}.pt", weights_only=False)
         assert state["step"] == 10
     assert_nothing_left(run.app_id)

@@ -88,7 +88,7 @@ def test_crash_while_writing_a_checkpoint_resumes_from_the_previous_one(referenc
     assert st["final"]["resumed_from"] == 10          # step 20's checkpoint never completed
     assert "exited with status 99" in st["restarts"][0]["reason"]
     assert _equal(final_weights(job), reference["allreduce"])
-    steps = sorted(os.listdir(job["checkpoint"]["uri"]))
+    steps = sorted(os.listdir(os.path.join(job["checkpoint"]["uri"], run.app_id)))
     assert not [s for s in steps if ".tmp" in s], steps
     assert_nothing_left(run.app_id)
 
@@ -146,3 +146,35 @@ def test_with_no_attempts_left_a_killed_master_fails_the_application_naming_it(d
     assert "no application master attempts left (am_attempts: 1)" in st["diagnostics"]
     assert "FAILED" in run.failure_message() and "application master" in run.failure_message()
     assert_nothing_left(run.app_id)
+
+
+def test_resubmitting_a_job_does_not_resume_another_applications_checkpoints_unless_asked(
+        reference, digits, tmp_path, yarnapp_home):
+    """One checkpoint.uri, several applications. Resubmitted as it is (resume: never, the
+    default) the job starts over; with resume: latest it goes on from the most recent
+    application of the same name and ends bit-identical to an uninterrupted run; an
+    application id names whose checkpoint; a job of another name never takes one with
+    latest; an unknown application id fails in one line, on the first attempt."""
+    def job(name="shared", steps=40, resume="never"):
+        j = digits_job(tmp_path, digits, name, steps=steps)
+        j["checkpoint"] = dict(j["checkpoint"], uri=str(tmp_path / "ckpt"), resume=resume)
+        return j
+    run1, st1 = run_to_end(job(steps=20))
+    run2, st2 = run_to_end(job(steps=20))                    # resubmitted as it is
+    assert st2["final"]["resumed_from"] == 0 and "resumed_app" not in st2["final"]
+    run3, st3 = run_to_end(job(resume="latest"))
+    assert st3["final"]["resumed_app"] == run2.app_id and st3["final"]["resumed_from"] == 20
+    assert _equal(final_weights(job()), reference["allreduce"])
+    run4, st4 = run_to_end(job(steps=20, resume=run1.app_id))
+    assert st4["final"]["resumed_app"] == run1.app_id and st4["final"]["resumed_from"] == 20
+    run5, st5 = run_to_end(job(name="other-name", steps=2, resume="latest"))
+    assert st5["final"]["resumed_from"] == 0                   # latest never takes another job's
+    runs = (run1, run2, run3, run4, run5)
+    assert sorted(os.listdir(tmp_path / "ckpt")) == sorted(r.app_id for r in runs)
+    bad = yarnapp.submit(job(resume="app_20200101_000000_abcdef"))
+    st = bad.wait(timeout=300)
+    assert st["state"] == "FAILED" and st["failure"]["attempts"] == 1
+    assert "checkpoint.resume app_20200101_000000_abcdef: no complete checkpoint of that application" \
+        in st["failure"]["reason"]
+    for r in runs + (bad,):
+        assert_nothing_left(r.app_id)

@@ -1,16 +1,28 @@
-"""Checkpoints that become visible only when complete, on any pyarrow URI.
+"""Checkpoints that become visible only when complete, on any pyarrow URI, one
+directory per application, and which one a new application resumes from.
 
 Layout under the job's checkpoint URI:
 
-    step-00000050.tmp-<gen>/rank-00000.pt ...   being written (never read)
-    step-00000050/rank-00000.pt ...             complete: renamed after every rank wrote
-    final/model.pt                              the trained model (rank 0)
+    <app_id>/application.json                    {"app_id", "name", "created"} (rank 0)
+    <app_id>/step-00000050.tmp-<gen>/rank-00000.pt ...  being written (never read)
+    <app_id>/step-00000050/rank-00000.pt ...     complete: renamed after every rank wrote
+    <app_id>/final/model.pt                      the trained model (rank 0)
 
 Every rank writes its own part (model/optimizer shard, RNG states, data position)
-into the temporary directory; after a barrier rank 0 renames it. A name is never
-overwritten (HDFS refuses to rename onto an existing path), so a checkpoint for a
+into the temporary directory; after every rank wrote, rank 0 renames it. A name is
+never overwritten (HDFS refuses to rename onto an existing path), so a checkpoint for a
 step that already exists is skipped. The last `keep` complete checkpoints are kept.
+
+Where a run starts (`latest`): a restarted world (a later generation of the same
+application) resumes from its own newest complete checkpoint. A new application
+starts from nothing unless `checkpoint.resume` asks otherwise:
+    never    (the default) start from step 0, whatever the URI holds
+    latest   the newest complete checkpoint of the most recent earlier application of
+             the same job name under this URI
+    APP_ID   that application's newest complete checkpoint (any job name)
+It never writes into another application's directory.
 """
+import json
 import logging
 import os
 import random
@@ -40,31 +52,88 @@ def set_rng_state(s):
 
 
 class Checkpointer:
-    def __init__(self, uri, comm, keep=3, generation=0):
+    def __init__(self, uri, comm, keep=3, generation=0, app_id="app", name="job", resume="never"):
         self.uri = uri
-        self.fs, self.root = fsutil.resolve(uri)
+        self.fs, self.base = fsutil.resolve(uri)
+        self.root = f"{self.base.rstrip('/')}/{app_id}"
         self.comm = comm
         self.rank = comm.Get_rank()
         self.keep = keep
         self.generation = generation
+        self.app_id, self.name, self.resume = app_id, name, resume
+        self.resumed_app = None       # whose checkpoint this run started from
         self.write_s = 0.0
 
-    def _dir(self, step, tmp=False):
-        return f"{self.root}/step-{step:08d}" + (f".tmp-{self.generation}" if tmp else "")
+    def _dir(self, step, tmp=False, root=None):
+        return f"{root or self.root}/step-{step:08d}" + (f".tmp-{self.generation}" if tmp else "")
 
-    def complete_steps(self):
-        return sorted(int(m.group(1)) for n in fsutil.listdir(self.fs, self.root)
+    def complete_steps(self, root=None):
+        return sorted(int(m.group(1)) for n in fsutil.listdir(self.fs, root or self.root)
                       if (m := _COMPLETE.match(n)))
 
-    def latest(self):
-        """(step, this rank's state) of the newest complete checkpoint, or (0, None)."""
-        steps = self.complete_steps() if self.rank == 0 else None
-        steps = self.comm.bcast(steps, root=0)
+    def applications(self):
+        """[(created, app_id, name)] of every application with a directory under the URI."""
+        out = []
+        for app in fsutil.listdir(self.fs, self.base):
+            try:
+                meta = json.loads(fsutil.read_bytes(self.fs, f"{self.base}/{app}/application.json"))
+            except (OSError, ValueError, pa.ArrowException):
+                continue
+            out.append((meta.get("created", 0), app, meta.get("name")))
+        return sorted(out)
+
+    def _source(self):
+        """(directory, app_id, step) to start from, or (None, None, 0). Rank 0 only."""
+        steps = self.complete_steps()
+        if steps:
+            return self.root, self.app_id, steps[-1]
+        if self.resume == "never":
+            return None, None, 0
+        if self.resume == "latest":
+            for _, app, name in reversed(self.applications()):
+                root = f"{self.base}/{app}"
+                if app != self.app_id and name == self.name and self.complete_steps(root):
+                    return root, app, self.complete_steps(root)[-1]
+            log.warning("checkpoint.resume latest: no earlier application of job %r has a complete "
+                        "checkpoint under %s; starting from step 0", self.name, self.uri)
+            return None, None, 0
+        root = f"{self.base}/{self.resume}"
+        steps = self.complete_steps(root) if fsutil.exists(self.fs, root) else []
         if not steps:
+            raise CheckpointError(f"checkpoint.resume {self.resume}: no complete checkpoint of that application "
+                                  f"under {self.uri}; give an application id listed there, latest or never")
+        return root, self.resume, steps[-1]
+
+    def latest(self):
+        """(step, this rank's state) to start from (see the module docstring), or (0, None).
+        Collective; rank 0 also records this application under the URI."""
+        found = None
+        if self.rank == 0:
+            error = _attempt(self._register)
+            try:
+                found = (f"checkpoint.uri {self.uri}: cannot write to it: {error}" if error
+                         else self._source())
+            except CheckpointError as e:
+                found = str(e)
+        found = self.comm.bcast(found, root=0)
+        if isinstance(found, str):                    # every rank fails the same way
+            raise CheckpointError(found)
+        root, app, step = found
+        if root is None:
             return 0, None
-        step = steps[-1]
-        data = fsutil.read_bytes(self.fs, f"{self._dir(step)}/rank-{self.rank:05d}.pt")
+        if app != self.app_id:
+            self.resumed_app = app
+            if self.rank == 0:
+                log.info("resuming from application %s's checkpoint of step %d (checkpoint.resume: %s)",
+                         app, step, self.resume)
+        data = fsutil.read_bytes(self.fs, f"{self._dir(step, root=root)}/rank-{self.rank:05d}.pt")
         return step, fsutil.torch_load(data)
+
+    def _register(self):
+        path = f"{self.root}/application.json"
+        if not fsutil.exists(self.fs, path):
+            fsutil.write_bytes(self.fs, path, json.dumps(
+                {"app_id": self.app_id, "name": self.name, "created": time.time()}).encode())
 
     def save(self, step, state):
         """Collective: every rank passes its own state; returns when the checkpoint is complete.
@@ -134,6 +203,14 @@ def _maybe_fault(kind, step, rank, generation):
         os._exit(99)
 
 
-def load_final(uri):
-    fs, root = fsutil.resolve(uri)
-    return fsutil.torch_load(fsutil.read_bytes(fs, f"{root}/final/model.pt"))
+def load_final(uri, app_id=None):
+    """The final model an application saved under checkpoint URI `uri` (default: the
+    newest application there that has one)."""
+    fs, base = fsutil.resolve(uri)
+    if app_id is None:
+        done = [a for a in fsutil.listdir(fs, base) if fsutil.exists(fs, f"{base}/{a}/final/model.pt")]
+        if not done:
+            raise CheckpointError(f"{uri}: no application there saved a final model")
+        app_id = max(done, key=lambda a: json.loads(fsutil.read_bytes(fs, f"{base}/{a}/application.json"))
+                     .get("created", 0))
+    return fsutil.torch_load(fsutil.read_bytes(fs, f"{base}/{app_id}/final/model.pt"))
