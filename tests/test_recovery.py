@@ -82,14 +82,19 @@ def test_sigstopped_rank_is_detected_and_recovered(reference, digits, tmp_path, 
     assert_nothing_left(run.app_id)
 
 
-def test_crash_while_writing_a_checkpoint_resumes_from_the_previous_one(reference, digits, tmp_path, yarnapp_home):
-    job = digits_job(tmp_path, digits, "ckptcrash", env={"YARNAPP_FAULT": "crash_in_checkpoint:20:1"})
+@pytest.mark.parametrize("fault, rank, resumed", [("crash_in_checkpoint", 1, 10),   # step 20 never completed
+                                                   ("crash_after_commit", 0, 20),    # it did, just
+                                                   ("crash_in_cleanup", 0, 40)])     # keep=3: step 10 goes at 40
+def test_crash_while_checkpointing_resumes_from_the_newest_complete_one(
+        fault, rank, resumed, reference, digits, tmp_path, yarnapp_home):
+    at = 40 if fault == "crash_in_cleanup" else 20
+    job = digits_job(tmp_path, digits, "ckptcrash", env={"YARNAPP_FAULT": f"{fault}:{at}:{rank}"})
     run, st = run_to_end(job)
-    assert st["final"]["resumed_from"] == 10          # step 20's checkpoint never completed
+    assert st["final"]["resumed_from"] == resumed
     assert "exited with status 99" in st["restarts"][0]["reason"]
     assert _equal(final_weights(job), reference["allreduce"])
     steps = sorted(os.listdir(os.path.join(job["checkpoint"]["uri"], run.app_id)))
-    assert not [s for s in steps if ".tmp" in s], steps
+    assert steps == ["application.json", "final", "step-00000020", "step-00000030", "step-00000040"], steps
     assert_nothing_left(run.app_id)
 
 

@@ -134,6 +134,7 @@ class Checkpointer:
         if not fsutil.exists(self.fs, path):
             fsutil.write_bytes(self.fs, path, json.dumps(
                 {"app_id": self.app_id, "name": self.name, "created": time.time()}).encode())
+        self._tidy()            # a world restarting after a crash mid-checkpoint
 
     def save(self, step, state):
         """Collective: every rank passes its own state; returns when the checkpoint is complete.
@@ -160,12 +161,20 @@ class Checkpointer:
         return True
 
     def _commit(self, step, tmp):
-        """Rank 0: make step's checkpoint visible (one rename), then tidy up."""
+        """Rank 0: make step's checkpoint visible (one rename), then tidy up. An old checkpoint
+        is renamed out of the complete ones before it is deleted, so a crash at any point of
+        the clean-up leaves only complete checkpoints and litter the next start removes."""
         self.fs.move(tmp, self._dir(step))
+        _maybe_fault("crash_after_commit", step, self.rank, self.generation)
         for old in self.complete_steps()[:-self.keep]:
-            self.fs.delete_dir(self._dir(old))
+            self.fs.move(self._dir(old), self._dir(old) + ".deleting")
+            _maybe_fault("crash_in_cleanup", step, self.rank, self.generation)
+        self._tidy()
+
+    def _tidy(self):
+        """Remove the litter of a crash mid-write or mid-clean-up (rank 0, no write under way)."""
         for n in fsutil.listdir(self.fs, self.root):
-            if ".tmp-" in n:                       # left by a generation that crashed mid-write
+            if ".tmp-" in n or n.endswith(".deleting"):
                 self.fs.delete_dir(f"{self.root}/{n}")
 
     def _raise_first(self, step, what, errors):
@@ -197,7 +206,9 @@ def _attempt(fn):
 
 def _maybe_fault(kind, step, rank, generation):
     """Fault injection for recovery tests and demos: YARNAPP_FAULT=KIND:STEP:RANK makes
-    that rank die at that point of generation 0 (set it in a group's `env`)."""
+    that rank die at that point of generation 0 (set it in a group's `env`). Kinds:
+    crash_in_checkpoint (its part written, before the commit), crash_after_commit (rank 0,
+    right after the rename), crash_in_cleanup (rank 0, an old checkpoint half removed)."""
     if generation == 0 and os.environ.get("YARNAPP_FAULT") == f"{kind}:{step}:{rank}":
         log.error("fault injection: %s at step %d on rank %d", kind, step, rank)
         os._exit(99)
