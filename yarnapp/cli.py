@@ -61,6 +61,8 @@ def cmd_status(args):
         _p(f"tensorboard: {st['tensorboard']}")
     for c in st.get("containers", []):
         peak = f" (peak {c['memory_peak_mib']} MiB)" if c.get("memory_peak_mib") else ""
+        if c.get("gpu_devices"):
+            peak += f"  gpus {','.join(str(g) for g in c['gpu_devices'])}"
         _p(f"  {c['id']:<14} rank {c['rank']:<3} {c['state']:<10} exit={c['exit_code']} "
            f"attempts={c['attempts']}  {c['vcores']:g} vcores {c['memory_mib']} MiB{peak}  [{c['resources']}]")
     for r in st.get("restarts") or []:

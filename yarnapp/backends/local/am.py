@@ -21,7 +21,7 @@ import psutil
 from launcher import agent as agent_mod, keys, memory, tensorboard_service
 from launcher.store import FileStore
 
-from . import cgroups, netem
+from . import cgroups, gpus, netem
 from .state import app_processes, write_state
 
 log = logging.getLogger("yarnapp.am")
@@ -47,6 +47,7 @@ class Container:
         self.exit_code = None
         self.exits = []
         self.node = None          # index of its emulated node (job.yaml network:), else None
+        self.gpus = []            # the GPU indices it holds (CUDA_VISIBLE_DEVICES), leased by the master
         self.memory = None        # its memory cgroup's latest state (memory.state)
         self.memory_start = None  # ... and when its current attempt started
         self.group_index = next(i for i, g in enumerate(app.job.groups) if g.name == group.name)
@@ -63,7 +64,8 @@ class Container:
                    YARNAPP_GROUP=self.group.name, YARNAPP_JOB=os.path.join(self.app.dir, "job.json"),
                    YARNAPP_SECRET=self.app.secret, YARNAPP_STORE=self.app.store.root,
                    YARNAPP_APP_DIR=self.app.dir, YARNAPP_LOG=self.log, YARNAPP_ATTEMPT=str(self.attempts),
-                   PYTHONUNBUFFERED="1")
+                   PYTHONUNBUFFERED="1",
+                   CUDA_VISIBLE_DEVICES=gpus.visible_devices(self.gpus))   # its own GPUs, or none
         out = open(self.log, "ab")
         out.write(f"==== {self.id} attempt {self.attempts} started {time.ctime()} "
                   f"(resources: {self.limits.why}) ====\n".encode())
@@ -105,6 +107,7 @@ class Container:
                 "vcores": self.group.vcores, "memory_mib": self.group.memory, "gpus": self.group.gpus,
                 "resources": self.limits.why, "exits": self.exits,
                 "memory_peak_mib": memory.mib(self.memory["peak"]) if self.memory else None,
+                "gpu_devices": list(self.gpus),
                 **(self.app.network.member(self.node) if self.node is not None else {})}
 
 
@@ -189,14 +192,14 @@ class ApplicationMaster:
         signal.signal(signal.SIGINT, self.on_signal)
         if self.attempt > 1:
             self.take_over()
-        if not self.start_network():
-            self.stopping = "FAILED"
+        if not self.start_network() or not self.lease_gpus():
+            self.stopping = self.stopping or "FAILED"
             return self.shutdown()
         for c in self.containers:
             c.start()
         if self.job.tensorboard.service:
             self.tensorboard = tensorboard_service.start_local(self.dir, self.app_id, self.store.root)
-        self.state = "RUNNING"
+        self.state, self.diagnostics = "RUNNING", ""
         self.save()
         failed_since = None
         while True:
@@ -225,6 +228,28 @@ class ApplicationMaster:
                 self.save()
             time.sleep(0.05)
         self.shutdown()
+
+    def lease_gpus(self):
+        """Lease the job's GPUs and give each container its own; while another application
+        holds them, wait (ACCEPTED, saying for whom). False if stopped while waiting."""
+        want = [c.group.gpus for c in self.containers]
+        if not sum(want):
+            return True
+        leases = gpus.Leases()
+        while not self.stopping:
+            got, holders = leases.acquire(self.app_id, sum(want), gpus.inventory())
+            if got is not None:
+                for c, mine in zip(self.containers, gpus.split(got, want)):
+                    c.gpus = mine
+                log.info("GPUs leased: %s", {c.id: c.gpus for c in self.containers if c.gpus})
+                return True
+            why = f"waiting for {sum(want)} GPU(s): held by {', '.join(holders) or 'nobody (too few visible)'}"
+            if why != self.diagnostics:
+                self.diagnostics = why
+                log.info("%s", why)
+                self.save()
+            time.sleep(1.0)
+        return False
 
     def start_network(self):
         """Emulated nodes (job.yaml network:): build them, place every container on one and
@@ -287,6 +312,8 @@ class ApplicationMaster:
         for c in self.containers:
             c.memory = c.memory_state() or c.memory       # its peak, before the cgroup goes
             c.limits.remove()
+        if any(c.gpus for c in self.containers):
+            gpus.Leases().release(self.app_id)
         cgroups.Limits.remove_app(self.app_id)
         failed = self.store.get(keys.FAILED)
         if self.state == "FAILED":

@@ -20,7 +20,7 @@ from launcher.store import FileStore
 from ... import shipping
 from ...errors import YarnappError
 from ..base import TERMINAL, Backend
-from . import cgroups, netem, supervisor
+from . import cgroups, gpus, netem, supervisor
 from .state import app_processes, apps_dir, read_json
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,8 @@ def check_resources(job, where="job"):
     """Refuse requests this machine can never satisfy (YARN would refuse them too)."""
     cores = os.cpu_count() or 1
     mem_mib = psutil.virtual_memory().total // 2**20
-    gpus = _gpu_count()
+    want = sum(g.gpus * g.instances for g in job.groups)
+    have = gpus.inventory() if want else []
     for i, g in enumerate(job.groups):
         if g.vcores > cores:
             raise YarnappError(f"{where}: groups[{i}].vcores: {g.vcores:g} requested but this machine has "
@@ -42,17 +43,11 @@ def check_resources(job, where="job"):
         if g.memory > mem_mib:
             raise YarnappError(f"{where}: groups[{i}].memory: {g.memory} MiB requested but this machine has "
                                f"{mem_mib} MiB; ask for less")
-        if g.gpus > gpus:
-            raise YarnappError(f"{where}: groups[{i}].gpus: {g.gpus} requested but this machine has {gpus}; "
-                               f"set gpus: 0 or submit to a cluster with --backend yarn")
-
-
-def _gpu_count():
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
-        return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
-    except (OSError, subprocess.SubprocessError):
-        return 0
+        if g.gpus and want > len(have):
+            raise YarnappError(f"{where}: groups[{i}].gpus: the job asks for {want} GPU(s) in all "
+                               f"({', '.join(f'{x.instances} x {x.gpus}' for x in job.groups if x.gpus)}) but this "
+                               f"machine has {len(have)} (nvidia-smi{'' if have else ' finds none'}); ask for at most "
+                               f"{len(have)}, set gpus: 0, or submit to a cluster with --backend yarn")
 
 
 class LocalBackend(Backend):
