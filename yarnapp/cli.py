@@ -2,8 +2,11 @@
 import argparse
 import json
 import logging
+import shlex
 import sys
 import time
+
+import conf
 
 from . import api
 from .errors import YarnappError
@@ -182,6 +185,39 @@ def cmd_plan(args):
     return 0
 
 
+def cmd_hadoop(args):
+    """A local single-node Hadoop (HDFS + YARN) for trying the YARN backend (yarnapp.hadoop)."""
+    from . import hadoop
+    cluster = hadoop.LocalHadoop(args.dir, port_base=args.port_base, vcores=args.vcores,
+                                 memory_mb=conf.parse_memory_mib(args.memory) if args.memory else 16384)
+    if args.action == "start":
+        if not args.quiet:
+            _p(f"starting Hadoop {hadoop.version()} in {cluster.root} (the first start fetches its jars "
+               f"through Maven)", file=sys.stderr)
+        took = cluster.start()
+        what = "started" if took["started"] else "already running"
+        _p(f"local Hadoop {what}: HDFS {cluster.default_fs} (WebHDFS {cluster.webhdfs}), YARN "
+           f"{cluster.rm_web} in {took['start_s']:.1f}s; `eval \"$(yarnapp hadoop env)\"` to use it",
+           file=sys.stderr)
+    elif args.action == "stop":
+        stopped = cluster.stop()
+        _p(f"stopped {', '.join(stopped)}" if stopped else "the local Hadoop was not running", file=sys.stderr)
+    elif args.action == "status":
+        st = cluster.status()
+        if args.json:
+            _p(json.dumps(st, indent=1))
+        else:
+            up = [n for n, pid in st["daemons"].items() if pid]
+            _p(f"{st['root']}: Hadoop {st['version']}; running: {', '.join(up) or 'nothing'}; "
+               f"HDFS {'ready' if st['hdfs_ready'] else 'not ready'}, YARN "
+               f"{'ready' if st['yarn_ready'] else 'not ready'}")
+        return 0 if all(st["daemons"].values()) else 3
+    else:
+        for k, v in cluster.environ().items():
+            _p(f"export {k}={shlex.quote(v)}")
+    return 0
+
+
 def build_parser():
     p = argparse.ArgumentParser(prog="yarnapp", description="Train CNNs on YARN or the embedded local engine.")
     p.add_argument("-v", "--verbose", action="store_true", help="log what the client does")
@@ -242,6 +278,18 @@ def build_parser():
     s.add_argument("--png", help="write a plot of predicted speedup against machines")
     s.add_argument("--json", help="write the whole plan as JSON")
     s.set_defaults(fn=cmd_plan)
+
+    s = sub.add_parser("hadoop", help="a local single-node Hadoop (HDFS + YARN) to try --backend yarn on")
+    s.add_argument("action", choices=["start", "stop", "status", "env"],
+                   help="env prints the exports a shell needs (eval \"$(yarnapp hadoop env)\")")
+    s.add_argument("--dir", help="the cluster's directory (default $YARNAPP_HOME/hadoop, else ~/.yarnapp/hadoop)")
+    s.add_argument("--port-base", type=int, dest="port_base",
+                   help="fixed ports are base+20, 70, 30-33, 88 (default 28000, or the cluster's own)")
+    s.add_argument("--vcores", type=int, default=16, help="vcores the NodeManager advertises (default 16)")
+    s.add_argument("--memory", help="memory the NodeManager advertises (default 16 GiB)")
+    s.add_argument("--json", action="store_true", help="status as JSON")
+    s.add_argument("--quiet", "-q", action="store_true")
+    s.set_defaults(fn=cmd_hadoop)
 
     d = sub.add_parser("data", help="datasets").add_subparsers(dest="data_cmd", required=True, metavar="ACTION")
     s = d.add_parser("import", help="write a dataset as Parquet shards to a URI")
