@@ -26,6 +26,8 @@ setup(
         "scikit-learn>=1.3",   # ships the digits data set used by the examples
         "tqdm>=4.60",
         "psutil>=5.9",
+        "cloudpickle>=2.2",    # ships a function from a notebook (yarnapp.submit(job, function=f))
+        "setuptools>=61",      # find_packages: the top-level packages of editable installs to ship
         "matplotlib>=3.7",
         "mtkahypar>=1.7",      # hypergraph partitioner of the hypergraph strategy
     ],

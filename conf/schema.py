@@ -5,7 +5,7 @@ their own, so the defaults file is the single place a default can be read or cha
 (``conf.load_job`` merges it under the user's file before validation).
 """
 import ipaddress
-from typing import Annotated, Dict, List, Literal, Optional, Union
+from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
                       model_validator)
@@ -50,16 +50,22 @@ class Group(Model):
 
 
 class Run(Model):
-    """What each rank runs: a `module:function` called with the RunContext, or a script."""
+    """What each rank runs: a `module:function` called with the RunContext, a script, or
+    a function shipped pickled (what `yarnapp.submit(job, function=f)` writes); and the
+    user's files shipped into every container (yarnapp.shipping)."""
     function: Annotated[Optional[str], AfterValidator(_module_function)]
     script: Optional[str]
+    pickle: Optional[str]
     args: List[str]
+    files: Optional[List[str]]
+    editable: bool
 
     @model_validator(mode="after")
     def _one_of(self):
-        if self.function and self.script:
-            raise ValueError("give either run.function or run.script, not both")
-        if not self.function and not self.script:
+        given = [k for k in ("function", "script", "pickle") if getattr(self, k)]
+        if len(given) > 1:
+            raise ValueError(f"give one of run.function, run.script or run.pickle, not {' and '.join(given)}")
+        if not given:
             raise ValueError("give run.function (module:function) or run.script (a .py file)")
         return self
 
@@ -86,7 +92,7 @@ class Training(Model):
     """The built-in runner's configuration (run.function = training.runner:main)."""
     strategy: Literal["allreduce", "conv_model_parallel", "ps_central", "ps_sharded", "hypergraph"]
     model: str
-    model_options: Dict[str, Union[int, float, str, bool, List[int]]]
+    model_options: Dict[str, Any]
     data: Data
     batch_size: Annotated[int, Field(ge=1)]
     epochs: Annotated[int, Field(ge=1)]

@@ -36,6 +36,10 @@ log = logging.getLogger("launcher.agent")
 
 EXIT_APP_FAILED = 3      # this container is fine; the application failed elsewhere
 _PR_SET_PDEATHSIG = 1
+SETUP_GRACE_S = 15.0     # after a peer failed in setup, how long a rank in setup may take to fail
+                         # the same way on its own (ranks start seconds apart on a busy host)
+NOT_RETRIED = ("every rank failed the same way before training started, so it was not retried "
+               "(a restart would fail the same way)")
 
 
 def die_with_parent():
@@ -95,9 +99,11 @@ class Agent:
     # -- the rank process -------------------------------------------------
     def spawn(self, gen):
         threads = str(max(1, math.ceil(self.ident.rank_info()["vcores"])))
+        # The working directory holds the user's shipped code (yarnapp.shipping): importable.
+        path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
         env = dict(os.environ, YARNAPP_RANK=str(self.ident.rank), YARNAPP_WORLD_SIZE=str(self.ident.world_size),
                    YARNAPP_GENERATION=str(gen), YARNAPP_INCARNATION=self.incarnation,
-                   OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+                   OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONPATH=path)
         try:
             os.unlink(self.heartbeat)
         except FileNotFoundError:
@@ -164,10 +170,18 @@ class Agent:
                 return "other", None
             if rc is not None:
                 what = f"killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
+                err = self.rank_error(gen, self.ident.rank) or {}
+                line = f": {err['error']}" if err.get("error") else ""
                 return "own", {"container": self.ident.container, "rank": self.ident.rank,
-                               "exit_code": rc,
-                               "reason": f"rank {self.ident.rank} ({self.ident.container}) {what}" + self.network_note()}
-            if self.store.get(keys.FAILED) is not None or self.store.get(keys.abort(gen)) is not None:
+                               "exit_code": rc, "error": err.get("error"), "phase": err.get("phase"),
+                               "reason": f"rank {self.ident.rank} ({self.ident.container}) {what}{line}"
+                                         + self.network_note()}
+            if self.store.get(keys.FAILED) is not None:
+                return "other", None
+            abort = self.store.get(keys.abort(gen))
+            if abort is not None:
+                if json.loads(abort).get("phase") == "setup" and self.read_heartbeat(time.monotonic())[0] == "setup":
+                    self.let_fail(SETUP_GRACE_S)   # will it fail the same way? (see deterministic)
                 return "other", None
             formed = self.store.get(keys.formed(gen)) is not None
             now = time.monotonic()
@@ -199,6 +213,31 @@ class Agent:
                                "reason": f"lost {lost[0]}: {lost[1]}", "observed_by": self.ident.container}
             time.sleep(lj.poll_interval)
 
+    def rank_error(self, gen, rank):
+        """The error record a rank left for generation `gen` (launcher.rank), or None."""
+        v = self.store.get(keys.error(gen, rank))
+        return json.loads(v) if v else None
+
+    def let_fail(self, seconds):
+        """Give the rank, still in setup, up to `seconds` to end on its own."""
+        deadline = time.monotonic() + seconds
+        while self.child.poll() is None and time.monotonic() < deadline:
+            time.sleep(self.job.launcher.poll_interval)
+
+    def deterministic(self, gen, cause):
+        """Whether generation `gen` failed in a way a restart would repeat: every rank failed
+        before its first training step with the same error line. Waits (bounded) until every
+        rank's agent has recorded how its rank ended."""
+        if cause.get("phase") != "setup" or not cause.get("error"):
+            return False
+        deadline = time.monotonic() + SETUP_GRACE_S + 5
+        while True:
+            records = [self.rank_error(gen, m["rank"]) for m in self.members]
+            if all(records) or time.monotonic() > deadline:
+                break
+            time.sleep(self.job.launcher.poll_interval)
+        return all(r and r.get("phase") == "setup" and r.get("error") == cause["error"] for r in records)
+
     def network_note(self):
         """On emulated nodes: "; <which node is unreachable>" when the world hangs or cannot
         form because of the network (empty otherwise, and always on a shared host)."""
@@ -224,12 +263,19 @@ class Agent:
                 log.info("SUCCEEDED")
                 return 0
             self.kill_child()
+            # How this rank ended, for `deterministic` (its own error record, if it left one, wins).
+            self.store.put_if_absent(keys.error(gen, self.ident.rank), json.dumps({"error": None}))
             if reason:
                 reason.update(generation=gen, time=time.time(), log=self.log_path,
                               log_tail=log_tail(self.log_path) if reason.get("rank") == self.ident.rank else "")
                 if self.store.put_if_absent(keys.abort(gen), json.dumps(reason)):
                     log.error("generation %d aborted: %s", gen, reason["reason"])
             cause = json.loads(self.store.get(keys.abort(gen)) or b"{}")
+            final = self.store.get(keys.FAILED) is not None
+            if not final and self.deterministic(gen, cause):
+                self.store.put_if_absent(keys.FAILED, json.dumps({
+                    **cause, "attempts": gen + 1, "retried": False,
+                    "reason": f"{cause.get('reason')}; {NOT_RETRIED}"}))
             if self.store.get(keys.FAILED) is not None or spent_restarts(self.store, gen) > self.job.max_restarts:
                 first = json.loads(self.store.get(keys.abort(0)) or b"{}") or cause
                 first["attempts"] = gen + 1

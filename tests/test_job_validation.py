@@ -45,7 +45,7 @@ CASES = [
     ("bad-group-name", _with("groups.0.name", "Worker Group"), "groups[0].name", "lower-case"),
     ("env-not-strings", _with("groups.0.env", {"A": 1}), "groups[0].env.A", "string"),
     ("bad-function", _with("run.function", "no_colon"), "run.function", "module:function"),
-    ("function-and-script", _with("run.script", "x.py"), "run", "not both"),
+    ("function-and-script", _with("run.script", "x.py"), "run", "not function and script"),
     ("negative-restarts", _with("max_restarts", -1), "max_restarts", "greater than or equal to 0"),
     ("bad-backend", _with("backend", "k8s"), "backend", "local"),
     ("bad-duration", _with("launcher", {"heartbeat_timeout": "soon"}), "launcher.heartbeat_timeout", "duration"),

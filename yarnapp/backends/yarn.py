@@ -30,9 +30,10 @@ import tempfile
 
 import skein
 
+import conf
 from launcher import keys
 
-from .. import packaging
+from .. import packaging, shipping
 from ..errors import BackendUnavailable, YarnappError
 from .base import Backend
 
@@ -61,16 +62,23 @@ def check_job(job, where=None):
                 raise YarnappError(f"{pre}groups[{i}].env.{key}: set by yarnapp for every container; remove it")
 
 
-def stage_files(job, staging_dir, cache=None):
+def stage_files(job, staging_dir, cache=None, shipped=None):
     """Write job.json into `staging_dir` and resolve the environment archive.
 
-    Returns the `files` for build_spec: {"job.json": File, "environment": File (archive)}.
+    Returns the `files` for build_spec: {"job.json": File, "environment": File (archive),
+    and one File per shipped entry of the user's code (`shipped`: yarnapp.shipping's
+    {name: local path}; a directory goes as a zip archive YARN unpacks under its name)}.
     Packing (venv-pack/conda-pack) happens here, cached by yarnapp.packaging.
     """
     path = os.path.join(staging_dir, "job.json")
     with open(path, "w") as f:
         f.write(job.model_dump_json())
     files = {"job.json": skein.File(path, type="file")}
+    for name, src in (shipped or {}).items():
+        if name in files or name == "environment":
+            raise YarnappError(f"run.files: {src} would land as {name!r}, a name yarnapp uses; rename it")
+        files[name] = (skein.File(shipping.archive_dir(src, staging_dir, name), type="archive")
+                       if os.path.isdir(src) else skein.File(src, type="file"))
     archive = packaging.environment_archive(job.environment, cache=cache)
     if archive is not None:
         files["environment"] = skein.File(archive, type="archive")
@@ -257,8 +265,9 @@ class YarnBackend(Backend):
                 log.warning("%s is unset: on YARN it defaults to a directory inside each container, which "
                             "other containers cannot read and which is deleted with it; set it to shared "
                             "storage (hdfs://...)", field)
+        shipment = shipping.plan(conf.absolutize(job, os.getcwd()))
         with tempfile.TemporaryDirectory(prefix="yarnapp-stage-") as staging:
-            spec = build_spec(job, stage_files(job, staging))
+            spec = build_spec(shipment.job, stage_files(shipment.job, staging, shipped=shipment.entries))
             try:
                 app_id = self.client.submit(spec)      # skein uploads local files during submit
             except (skein.exceptions.DriverError, ValueError) as e:

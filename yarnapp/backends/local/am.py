@@ -10,6 +10,7 @@ SIGTERM (`yarnapp kill`) or at the end leaves no process of the application behi
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,6 +37,9 @@ class Container:
         self.workdir = os.path.join(self.dir, "work")
         self.log = os.path.join(self.dir, "container.log")
         os.makedirs(self.workdir, exist_ok=True)
+        shipped = os.path.join(app.dir, "files")      # the user's code, staged at submit (yarnapp.shipping)
+        if os.path.isdir(shipped):
+            shutil.copytree(shipped, self.workdir, dirs_exist_ok=True, symlinks=True)
         self.limits = cgroups.Limits(app.app_id, self.id, group.vcores, group.memory)
         self.proc = None
         self.attempts = 0

@@ -17,6 +17,7 @@ import conf
 from launcher import keys
 from launcher.store import FileStore
 
+from ... import shipping
 from ...errors import YarnappError
 from ..base import TERMINAL, Backend
 from . import cgroups, netem
@@ -69,10 +70,12 @@ class LocalBackend(Backend):
     def submit(self, job, where="job"):
         check_resources(job, where)
         netem.check(job, where)
-        job = conf.absolutize(job, os.getcwd())
+        shipment = shipping.plan(conf.absolutize(job, os.getcwd()))
+        job = shipment.job
         app_id = _new_app_id()
         d = os.path.join(apps_dir(), app_id)
         os.makedirs(os.path.join(d, "containers"))
+        shipping.copy_into(shipment.entries, os.path.join(d, "files"))   # copied into each container
         with open(os.path.join(d, "job.json"), "w") as f:
             f.write(job.model_dump_json(indent=1))
         submitted = time.time()
