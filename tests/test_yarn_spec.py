@@ -24,7 +24,8 @@ from yarnapp.backends.yarn import (YarnBackend, kv_fields, app_record, app_state
 from yarnapp.errors import BackendUnavailable, YarnappError
 
 HELLO = os.path.join(conf.EXAMPLES_DIR, "hello.yaml")
-CONTRACT = ("YARNAPP_BACKEND", "YARNAPP_GROUP", "YARNAPP_JOB", "YARNAPP_SECRET")
+CONTRACT = ("YARNAPP_BACKEND", "YARNAPP_GROUP", "YARNAPP_JOB", "YARNAPP_SECRET_FILE", "YARNAPP_STORAGE")
+SECRET = ".yarnapp-secret"
 
 
 def three_groups(**environment):
@@ -53,19 +54,22 @@ def assert_skein_round_trips(spec):
 def test_spec_for_three_unequal_groups_with_cluster_python(tmp_path):
     job = three_groups()
     files = stage_files(job, str(tmp_path))
-    assert set(files) == {"job.json"}                   # packer: none ships no environment
+    assert set(files) == {"job.json", SECRET}          # packer: none ships no environment
     assert files["job.json"].type == skein.FileType.FILE
     assert files["job.json"].source == f"file://{tmp_path}/job.json"
     with open(tmp_path / "job.json") as f:
         assert conf.load_job(json.load(f)) == job       # what the container reloads is the job
 
-    spec = build_spec(job, files)
+    spec = build_spec(job, files, user="alice", storage="webhdfs://nn:9870/user/alice/.yarnapp")
     assert isinstance(spec, skein.ApplicationSpec)
     assert (spec.name, spec.queue, spec.tags) == ("mixed", "ml", {"yarnapp"})
     assert list(spec.services) == ["gpu", "cpu", "edge", "tensorboard"]
+    # Owner-only ACLs: only the submitting user may view or modify it.
+    assert spec.acls.enable is True
+    assert (spec.acls.view_users, spec.acls.modify_users, spec.acls.ui_users) == (["alice"], ["alice"], ["alice"])
+    assert (spec.acls.view_groups, spec.acls.modify_groups) == ([], [])
 
     expected = {"gpu": (8192, 4, 1, 1, "gpu"), "cpu": (4096, 2, 0, 2, ""), "edge": (1536, 1, 0, 3, "edge")}
-    secrets = set()
     for name, (memory, vcores, gpus, instances, label) in expected.items():
         svc = spec.services[name]
         r = svc.resources
@@ -75,25 +79,39 @@ def test_spec_for_three_unequal_groups_with_cluster_python(tmp_path):
         assert svc.allow_failures is False
         assert {k: svc.env[k] for k in CONTRACT} == {
             "YARNAPP_BACKEND": "yarn", "YARNAPP_GROUP": name, "YARNAPP_JOB": "job.json",
-            "YARNAPP_SECRET": svc.env["YARNAPP_SECRET"]}
-        secrets.add(svc.env["YARNAPP_SECRET"])
-        assert set(svc.files) == {"job.json"}
+            "YARNAPP_SECRET_FILE": SECRET, "YARNAPP_STORAGE": "webhdfs://nn:9870/user/alice/.yarnapp"}
+        assert "YARNAPP_SECRET" not in svc.env          # YARN shows the environment to viewers
+        assert set(svc.files) == {"job.json", SECRET}
         assert svc.files["job.json"].type == skein.FileType.FILE
+        assert svc.files[SECRET].source == f"file://{tmp_path}/{SECRET}"
         assert svc.script.rstrip().splitlines()[-1] == "exec python3 -m launcher.agent"
         assert "environment/" not in svc.script
     assert spec.services["gpu"].env["NCCL_DEBUG"] == "WARN"
     assert spec.services["cpu"].env["OMP_PROC_BIND"] == "close"
     assert "NCCL_DEBUG" not in spec.services["cpu"].env
 
-    (secret,) = secrets                                  # one secret for the whole application
+    # One secret per application, in a file only its owner reads, never in the spec.
+    secret = (tmp_path / SECRET).read_text()
     assert len(secret) == 32 and int(secret, 16) >= 0
-    assert build_spec(job, files).services["gpu"].env["YARNAPP_SECRET"] != secret
+    assert os.stat(tmp_path / SECRET).st_mode & 0o777 == 0o600
+    assert secret not in spec.to_yaml()
+    other = tmp_path / "again"
+    other.mkdir()
+    stage_files(job, str(other))
+    assert (other / SECRET).read_text() != secret
 
     tb = spec.services["tensorboard"]
     assert tb.instances == 1 and tb.allow_failures is True
     assert tb.resources.vcores == 1 and tb.resources.gpus == 0
     assert tb.script.rstrip().splitlines()[-1] == "exec python3 -m launcher.tensorboard_service"
-    assert tb.env["YARNAPP_SECRET"] == secret and "YARNAPP_GROUP" not in tb.env
+    assert tb.env["YARNAPP_SECRET_FILE"] == SECRET and "YARNAPP_GROUP" not in tb.env
+
+    shared = conf.load_job({**job.model_dump(mode="json"), "yarn": {"acls": {
+        "view_users": ["bob"], "modify_users": ["carol"], "view_groups": ["ml"]}}})
+    a = build_spec(shared, files, user="alice").acls
+    assert (a.view_users, a.modify_users, a.view_groups) == (["alice", "bob", "carol"], ["alice", "carol"], ["ml"])
+    assert build_spec(conf.load_job({**job.model_dump(mode="json"), "yarn": {"acls": {"enable": False}}}),
+                      files).acls.enable is False
     assert_skein_round_trips(spec)
 
 
@@ -104,7 +122,7 @@ def test_spec_ships_a_ready_archive_as_environment(tmp_path):
     spec = build_spec(job, stage_files(job, str(tmp_path)))
     for name in ("gpu", "cpu", "edge", "tensorboard"):
         files = spec.services[name].files
-        assert set(files) == {"job.json", "environment"}
+        assert set(files) == {"job.json", SECRET, "environment"}
         assert files["environment"].type == skein.FileType.ARCHIVE
         assert files["environment"].source == f"file://{archive}"
         assert files["job.json"].type == skein.FileType.FILE
@@ -144,7 +162,7 @@ def test_container_script_runs_the_agent_from_the_environment(tmp_path):
 def test_fractional_vcores_are_refused_naming_the_field(tmp_path):
     job = conf.load_job(HELLO)                          # small: vcores 0.5 (fine on the local engine)
     with pytest.raises(YarnappError) as e:
-        build_spec(job, {"job.json": str(tmp_path / "job.json")})
+        build_spec(job, {"job.json": str(tmp_path / "job.json"), SECRET: str(tmp_path / SECRET)})
     assert str(e.value) == "groups[1].vcores: YARN allocates whole vcores; got 0.5 — use an integer"
     with pytest.raises(YarnappError, match=r"^hello.yaml: groups\[1\]\.vcores: "):
         check_job(job, where="hello.yaml")

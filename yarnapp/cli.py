@@ -20,6 +20,9 @@ def cmd_submit(args):
     spec = api.load(args.job, backend=args.backend, max_restarts=args.max_restarts)
     if args.nodes is not None:
         spec = api.load(spec, network=dict(spec.network.model_dump(), nodes=args.nodes))
+    if args.dry_run:
+        _p(api.dry_run(spec, where=args.job), end="")
+        return 0
     t0 = time.time()
     run = api.start(spec, where=args.job)
     app_id = run.app_id
@@ -61,8 +64,10 @@ def cmd_status(args):
     if st.get("tensorboard"):
         _p(f"tensorboard: {st['tensorboard']}")
     for c in st.get("containers", []):
-        _p(f"  {c['id']:<14} rank {c['rank']:<3} {c['state']:<10} exit={c['exit_code']} "
-           f"attempts={c['attempts']}  {c['vcores']:g} vcores {c['memory_mib']} MiB  [{c['resources']}]")
+        res = (f"  {c['vcores']:g} vcores {c['memory_mib']} MiB  [{c['resources']}]" if "vcores" in c
+               else f"  {c.get('node') or ''}")
+        _p(f"  {c['id']:<14} rank {c.get('rank')!s:<4} {c['state']:<10} exit={c['exit_code']} "
+           f"attempts={c['attempts']}{res}".rstrip())
     for r in st.get("restarts") or []:
         _p(f"  restart {r.get('generation')}: {r.get('reason')}")
     p = (st.get("progress") or {}).get(0)
@@ -80,17 +85,24 @@ def cmd_logs(args):
             _p(f"==> {cid} <==")
             _p(text, end="" if text.endswith("\n") else "\n")
         return 0
-    offsets = {}
+    printed = {}
     while True:
+        ended = run.state in ("SUCCEEDED", "FAILED", "KILLED")   # before the read: no last line is lost
         for cid, text in run.logs(args.container).items():
-            new = text[offsets.get(cid, 0):]
-            if new:
-                for line in new.splitlines():
-                    _p(f"{cid}| {line}")
-                offsets[cid] = len(text)
-        if run.state in ("SUCCEEDED", "FAILED", "KILLED"):
+            new = follow_increment(printed.get(cid, ""), text)
+            for line in new.splitlines():
+                _p(f"{cid}| {line}")
+            printed[cid] = text
+        if ended:
             return 0
         time.sleep(0.5)
+
+
+def follow_increment(printed, text):
+    """What of `text` is new after `printed` was shown: the rest when it continues it; all of
+    it when it replaced it (a placeholder replaced by the real log, which used to lose as
+    many characters as the placeholder had)."""
+    return text[len(printed):] if text.startswith(printed) else text
 
 
 def cmd_kill(args):
@@ -229,6 +241,9 @@ def build_parser():
     s.add_argument("--max-restarts", type=int, help="overrides the job's max_restarts")
     s.add_argument("--wait", action="store_true", help="show progress until it ends; non-zero exit if it fails")
     s.add_argument("--nodes", type=int, help="overrides the job's network.nodes (emulated nodes; local engine, root)")
+    s.add_argument("--dry-run", action="store_true", dest="dry_run",
+                   help="print what would be submitted (YARN: the skein.ApplicationSpec YAML; local: the "
+                        "resolved job) and start nothing")
     s.set_defaults(fn=cmd_submit)
 
     s = sub.add_parser("status", help="an application's state, containers, restarts and progress")
