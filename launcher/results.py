@@ -6,7 +6,7 @@ two places the agents fill in before it ends:
 
     <app dir>/result.json     on the cluster's default filesystem (launcher.identity's
                               app_dir: <YARNAPP_STORAGE>/<app id>): final, failure (with
-                              the log tail), restarts, world_formed_s, state
+                              the log tail), restarts, world_formed_time, state
     YARN's final diagnostics  "yarnapp-result: {...}": the same without log tails, kept by
                               the ResourceManager with the application report
 
@@ -36,7 +36,7 @@ def collect(store):
     return {"final": json.loads(seen[keys.FINAL]) if keys.FINAL in seen else None,
             "failure": json.loads(seen[keys.FAILED]) if keys.FAILED in seen else None,
             "restarts": [json.loads(v) for k, v in sorted(seen.items()) if k.startswith(keys.RESTARTS)],
-            "world_formed_s": json.loads(seen[formed[-1]]).get("seconds") if formed else None}
+            "world_formed_time": json.loads(seen[formed[0]]).get("time") if formed else None}
 
 
 def diagnostics(result):

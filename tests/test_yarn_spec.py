@@ -238,13 +238,13 @@ def test_running_application_fields_come_from_the_coordination_keys(tmp_path):
     store = FileStore(str(tmp_path / "store"))
     store.put(keys.progress(1), json.dumps({"step": 7}))
     store.put(keys.restart(0), json.dumps({"generation": 0, "reason": "rank 1 exited 1"}))
-    store.put(keys.formed(0), json.dumps({"seconds": 3.5}))
-    store.put(keys.formed(1), json.dumps({"seconds": 1.25}))
+    store.put(keys.formed(0), json.dumps({"seconds": 3.5, "time": 1000.5}))
+    store.put(keys.formed(1), json.dumps({"seconds": 1.25, "time": 1200.0}))
     store.put(keys.TENSORBOARD, "http://node1:6006")
     fields = kv_fields(store)
     assert fields == {"progress": {1: {"step": 7}}, "restarts": [{"generation": 0, "reason": "rank 1 exited 1"}],
                       "final": None, "failure": None, "tensorboard": "http://node1:6006",
-                      "world_formed_s": 1.25}
+                      "world_formed_time": 1000.5}          # the first world: submit -> formed
     store.put(keys.FINAL, json.dumps({"accuracy": 0.9}))
     store.put(keys.FAILED, json.dumps({"reason": "rank 2 exited 1", "container": "edge_0"}))
     fields = kv_fields(store)

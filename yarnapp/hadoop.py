@@ -78,6 +78,13 @@ class HadoopError(YarnappError):
     """The local Hadoop cannot start or stop; the message says why and what to do."""
 
 
+class HadoopUnavailable(HadoopError):
+    """What it needs is missing here: Java, Maven, or Maven Central (the jars' download)."""
+
+
+FETCH_TIMEOUT = 900.0
+
+
 def version():
     with open(POM) as f:
         return re.search(r"<hadoop.version>([^<]+)</hadoop.version>", f.read()).group(1)
@@ -92,7 +99,7 @@ def java_home():
         return os.environ["JAVA_HOME"]
     java = shutil.which("java")
     if not java:
-        raise HadoopError("no Java found: Hadoop needs a JDK (17 is what yarnapp's local Hadoop is tested "
+        raise HadoopUnavailable("no Java found: Hadoop needs a JDK (17 is what yarnapp's local Hadoop is tested "
                           "with); install one or set JAVA_HOME")
     return os.path.dirname(os.path.dirname(os.path.realpath(java)))
 
@@ -104,7 +111,7 @@ def fetch_jars():
         return dest, 0.0
     mvn = shutil.which("mvn")
     if not mvn:
-        raise HadoopError(f"no Maven (`mvn`) on PATH: it fetches Hadoop {version()}'s jars from Maven "
+        raise HadoopUnavailable(f"no Maven (`mvn`) on PATH: it fetches Hadoop {version()}'s jars from Maven "
                           f"Central once; install Maven (e.g. apt-get install maven)")
     java_home()
     t0 = time.monotonic()
@@ -112,12 +119,16 @@ def fetch_jars():
     work = tempfile.mkdtemp(prefix=".fetch-", dir=os.path.dirname(dest))
     try:
         shutil.copy(POM, os.path.join(work, "pom.xml"))
-        out = subprocess.run([mvn, "-B", "-q", "dependency:copy-dependencies", "-DincludeScope=runtime",
-                              f"-DoutputDirectory={work}/lib"], cwd=work, capture_output=True, text=True,
-                             env=dict(os.environ, JAVA_HOME=java_home()))
+        try:
+            out = subprocess.run([mvn, "-B", "-q", "dependency:copy-dependencies", "-DincludeScope=runtime",
+                                  f"-DoutputDirectory={work}/lib"], cwd=work, capture_output=True, text=True,
+                                 env=dict(os.environ, JAVA_HOME=java_home()), timeout=FETCH_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            raise HadoopUnavailable(f"Maven did not fetch Hadoop {version()}'s jars within "
+                                    f"{FETCH_TIMEOUT:.0f}s (is Maven Central reachable?)") from None
         if out.returncode != 0:
             errors = [line for line in (out.stdout + out.stderr).splitlines() if "ERROR" in line]
-            raise HadoopError(f"Maven could not fetch Hadoop {version()}'s jars (exit {out.returncode}): "
+            raise HadoopUnavailable(f"Maven could not fetch Hadoop {version()}'s jars (exit {out.returncode}): "
                               f"{(errors or ['no output'])[0].strip()[:300]}")
         open(os.path.join(work, "lib", ".complete"), "w").close()
         shutil.rmtree(dest, ignore_errors=True)
@@ -427,6 +438,21 @@ esac
                     with open(f"/proc/{pid}/stat") as f:
                         if f.read().rsplit(")", 1)[1].split()[0] != "Z":
                             out.append(pid)
+            except OSError:
+                continue
+        return out
+
+    def container_pids(self, app_id=None):
+        """Pids of container processes (of one application) still running on the NodeManager."""
+        daemons = set(self.running().values())
+        mark = os.path.join("appcache", app_id) if app_id else ""
+        out = []
+        for pid in self.leftovers():
+            if pid in daemons:
+                continue
+            try:
+                if mark in os.readlink(f"/proc/{pid}/cwd"):
+                    out.append(pid)
             except OSError:
                 continue
         return out

@@ -141,7 +141,9 @@ def build_spec(job, files, user=None, storage=None):
             files=dict(files),
             script=_script(python, "launcher.agent", "environment" in files))
     if job.tensorboard.service:
-        env = _contract(TENSORBOARD_SERVICE, storage)
+        # What every group sets alike (e.g. the libhdfs variables of docs/yarn.md) it needs too.
+        common = {k: v for k, v in job.groups[0].env.items() if all(g.env.get(k) == v for g in job.groups)}
+        env = {**common, **_contract(TENSORBOARD_SERVICE, storage)}
         del env["YARNAPP_GROUP"]
         services[TENSORBOARD_SERVICE] = skein.Service(
             resources=skein.Resources(**TENSORBOARD_RESOURCES),
@@ -167,7 +169,11 @@ def acls(spec, user):
 
 def _contract(group, storage):
     env = {"YARNAPP_BACKEND": "yarn", "YARNAPP_GROUP": group, "YARNAPP_JOB": "job.json",
-           "YARNAPP_SECRET_FILE": SECRET_FILE}
+           "YARNAPP_SECRET_FILE": SECRET_FILE,
+           # The agent (a gRPC client of skein's master) forks its rank: with gRPC's fork
+           # support on, the child's poller can hit the fd Popen closed before exec and abort
+           # it (grpc/grpc#43055: ranks died of SIGABRT here).
+           "GRPC_ENABLE_FORK_SUPPORT": "false"}
     if storage:
         env["YARNAPP_STORAGE"] = storage
     return env
@@ -205,7 +211,7 @@ def app_record(report):
            "submitted": start.timestamp() if start else None, "tracking_url": report.tracking_url}
     found = results.from_diagnostics(report.diagnostics)
     if found:
-        rec.update({k: found.get(k) for k in ("final", "failure", "world_formed_s")})
+        rec.update({k: found.get(k) for k in ("final", "failure", "world_formed_time")})
         rec["restarts"] = found.get("restarts") or []
         rec["diagnostics"] = (found.get("failure") or {}).get("reason") or ""
         rec["results"] = "diagnostics"
@@ -243,7 +249,7 @@ def kv_fields(kv):
     tb = kv.get(keys.TENSORBOARD)
     out["tensorboard"] = tb.decode() if tb else None
     formed = sorted(k for k in kv.get_prefix(keys.ABORT_PREFIX) if k.endswith("/formed"))
-    out["world_formed_s"] = json.loads(kv.get(formed[-1])).get("seconds") if formed else None
+    out["world_formed_time"] = json.loads(kv.get(formed[0])).get("time") if formed else None
     return out
 
 
@@ -332,6 +338,7 @@ class YarnBackend(Backend):
                 containers = app.get_containers(states=list(skein.model.ContainerState))
                 record["containers"] = [container_record(c) for c in containers]
                 record.update(kv_fields(app.kv))
+                with_formed_s(record)
                 if record["tensorboard"]:      # reachable through the ResourceManager's proxy
                     record["tensorboard_node"] = record["tensorboard"]
                     record["tensorboard"] = proxied(report.tracking_url, TENSORBOARD_PAGE)
@@ -342,7 +349,7 @@ class YarnBackend(Backend):
                 record = app_record(report)
         if record["state"] in ("SUCCEEDED", "FAILED") and "results" not in record:
             record.update(self._stored_results(app_id, report.user))
-        return record
+        return with_formed_s(record)
 
     def _stored_results(self, app_id, user):
         """The results a finished application wrote to its storage (default storage only)."""
@@ -355,7 +362,7 @@ class YarnBackend(Backend):
             log.debug("no stored results of %s: %s", app_id, e)
             return {}
         return {"final": found.get("final"), "failure": found.get("failure"),
-                "restarts": found.get("restarts") or [], "world_formed_s": found.get("world_formed_s"),
+                "restarts": found.get("restarts") or [], "world_formed_time": found.get("world_formed_time"),
                 "results": f"{storage}/{app_id}/{results.RESULT_FILE}"}
 
     def logs(self, app_id, container=None):
@@ -383,8 +390,8 @@ class YarnBackend(Backend):
 
     def _finished_logs(self, app_id, user):
         try:
-            return dict(self.client.application_logs(app_id, user=user))
-        except ValueError as e:      # skein reads only Hadoop < 3.3's layout (yarn_cluster)
+            return dict(self.client.application_logs(app_id))
+        except (ValueError, skein.exceptions.DriverError) as e:      # skein reads only Hadoop < 3.3's layout (yarn_cluster)
             log.debug("skein has no logs of %s (%s); asking `yarn logs`", app_id, e)
         try:
             return yarn_cluster.aggregated_logs(app_id, user)
@@ -405,6 +412,13 @@ class YarnBackend(Backend):
         mine = [r for r in reports if TAG in r.tags]
         mine.sort(key=lambda r: (r.start_time is not None, r.start_time), reverse=True)
         return [app_record(r) for r in mine]
+
+
+def with_formed_s(record):
+    """world_formed_s: seconds from submit (YARN's start time) to the first world formed."""
+    t = record.get("world_formed_time")
+    record["world_formed_s"] = (t - record["submitted"]) if t and record.get("submitted") else None
+    return record
 
 
 TENSORBOARD_PAGE = "tensorboard"       # the skein web UI page launcher.tensorboard_service adds

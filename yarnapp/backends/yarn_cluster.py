@@ -69,6 +69,16 @@ def default_fs_uri(conf=None):
     return f"webhdfs://{host}:{port}"
 
 
+def python_uri(uri, conf=None):
+    """An hdfs:// URI of the default filesystem as training.fsutil can open it here (webhdfs://
+    when libhdfs cannot be loaded); other URIs unchanged."""
+    conf = hadoop_conf() if conf is None else conf
+    fs = (conf.get("fs.defaultFS") or "").rstrip("/")
+    if fs and uri.startswith(fs + "/") and not libhdfs_available():
+        return default_fs_uri(conf) + uri[len(fs):]
+    return uri
+
+
 def default_storage(user, conf=None):
     """Where applications keep what outlives them: <default FS>/user/<user>/.yarnapp."""
     base = default_fs_uri(conf)
@@ -96,13 +106,14 @@ _LOG_BODY = re.compile(r"^LogType:(\S+)\n(?:Log\w+:.*\n)*LogContents:\n(.*?)\nEn
 
 
 def parse_yarn_logs(text):
-    """`yarn logs` output -> {yarn container id: its *.log files' contents}."""
+    """`yarn logs` output -> {yarn container id: "LogType:<file>" and the contents of each of
+    its log files}, the shape skein's application_logs gives."""
     out = {}
     starts = [(m.start(), m.group(1)) for m in _CONTAINER.finditer(text)] + [(len(text), None)]
     for (start, cid), (end, _) in zip(starts, starts[1:]):
-        bodies = [b for _, b in _LOG_BODY.findall(text[start:end])]
+        bodies = [f"LogType:{name}\n{body}" for name, body in _LOG_BODY.findall(text[start:end])]
         if bodies:
-            out[cid] = out.get(cid, "") + "\n".join(bodies)
+            out[cid] = (out[cid] + "\n" if cid in out else "") + "\n".join(bodies)
     return out
 
 
