@@ -198,3 +198,91 @@ def test_tensorboard_through_the_proxy_acls_kill_and_a_canary_secret(cluster, sh
             except OSError:
                 continue
     assert readable == []
+
+
+def digits_job(name, data, **extra):
+    """3 ranks (1 + 2 containers of 1 vcore), data-parallel digits to >= 0.97."""
+    return {"name": name, "max_restarts": 2,
+            "groups": [{"name": "big", "instances": 1, "vcores": 1, "memory": "2 GiB", "env": ENV},
+                       {"name": "small", "instances": 2, "vcores": 1, "memory": "2 GiB", "env": ENV}],
+            "training": {"strategy": "allreduce", "model": "digits_cnn", "batch_size": 64, "epochs": 6,
+                         "lr": 0.05, "seed": 5, "log_every": 5,
+                         "data": {"train": f"{data}/train", "test": f"{data}/test"}},
+            "checkpoint": {"every_steps": 20}, **extra}
+
+
+@pytest.fixture(scope="module")
+def reference_weights(tmp_path_factory, digits):
+    """The same job uninterrupted, on the local engine with local data."""
+    import yarnapp
+    from training.checkpoint import load_final
+    tmp = tmp_path_factory.mktemp("ref")
+    old = os.environ.get("YARNAPP_HOME")
+    os.environ["YARNAPP_HOME"] = str(tmp / "home")
+    try:
+        job = digits_job("reference", digits, checkpoint={"uri": str(tmp / "ckpt"), "every_steps": 20},
+                         tensorboard={"logdir": str(tmp / "tb")})
+        run = yarnapp.submit(job, backend="local")
+        st = run.wait(timeout=900)
+        assert st["state"] == "SUCCEEDED", run.logs()
+        return load_final(str(tmp / "ckpt")), st["final"]
+    finally:
+        os.environ.pop("YARNAPP_HOME") if old is None else os.environ.__setitem__("YARNAPP_HOME", old)
+
+
+def test_digits_on_hdfs_survives_a_sigkilled_container_bit_identically(cluster, shell, tmp_path, reference_weights):
+    """Data, checkpoints and TensorBoard on HDFS; the agent of rank 1's container SIGKILLed
+    mid-run: skein restarts the container (a new instance number), its agent adopts the free
+    slot, the world re-forms and training resumes from the last checkpoint on HDFS, ending
+    with the very weights of an uninterrupted run and accuracy >= 0.97."""
+    import torch
+
+    from training import fsutil
+    from training.checkpoint import load_final
+    data = cluster.uri("/user/shared/digits")
+    imp = cluster.cli("data", "import", "digits", data, "--overwrite")
+    assert imp.returncode == 0, imp.stderr
+    backend = cluster.backend()
+    job = conf.load_job({**digits_job("digits-hdfs", data), "backend": "yarn",
+                         "environment": {"packer": "none"}})
+    app = backend.submit(job)
+    try:
+        kv = None
+        deadline = time.monotonic() + 300
+        while True:
+            st = backend.status(app)
+            assert st["state"] in ("NEW", "RUNNING"), st
+            step = ((st.get("progress") or {}).get(1) or {}).get("step", -1)
+            if step >= 45:
+                break
+            assert time.monotonic() < deadline, st
+            time.sleep(0.3)
+        kv = backend.client.connect(app, wait=False).kv
+        members = json.loads(kv[keys.formed(0)])["members"]
+        rank1 = psutil.Process(next(m["pid"] for m in members if m["rank"] == 1))
+        agent = rank1.parent()
+        assert "launcher.agent" in " ".join(agent.cmdline())
+        os.kill(agent.pid, signal.SIGKILL)                 # the container's process
+        st = backend.status(app)
+        deadline = time.monotonic() + 600
+        while st["state"] in ("NEW", "RUNNING"):
+            assert time.monotonic() < deadline, st
+            time.sleep(1)
+            st = backend.status(app)
+    finally:
+        if backend.status(app)["state"] in ("NEW", "RUNNING"):
+            backend.client.kill_application(app)
+    assert st["state"] == "SUCCEEDED", (st, backend.logs(app))
+    assert [r["generation"] for r in st["restarts"]] == [1], st["restarts"]
+    assert "small_0" in st["restarts"][0]["reason"], st["restarts"]
+    assert st["final"]["accuracy"] >= 0.97, st["final"]
+    assert 0 < st["final"]["resumed_from"] <= 45
+    ref, ref_final = reference_weights
+    got = load_final(f"{cluster.storage()}/{app}/checkpoints")     # default checkpoint.uri on HDFS
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+    assert st["final"]["accuracy"] == ref_final["accuracy"]
+    logs = backend.logs(app)
+    assert "small_2" in logs and "agent small_0" in logs["small_2"]   # the replacement took the slot
+    fs, tb = fsutil.resolve(f"{cluster.storage()}/{app}/tensorboard/{app}")
+    assert any(n.startswith("events.out.tfevents") for n in fsutil.listdir(fs, tb))
+    assert cluster.hadoop.container_pids(app) == []
