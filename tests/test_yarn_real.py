@@ -286,3 +286,42 @@ def test_digits_on_hdfs_survives_a_sigkilled_container_bit_identically(cluster, 
     fs, tb = fsutil.resolve(f"{cluster.storage()}/{app}/tensorboard/{app}")
     assert any(n.startswith("events.out.tfevents") for n in fsutil.listdir(fs, tb))
     assert cluster.hadoop.container_pids(app) == []
+
+
+# What a job of tests/jobs/mpi_hello.py needs in a container (no torch, no pyarrow): yarnapp
+# itself, installed without -e, and these, at the versions this Python has.
+PACKED = ("pydantic", "pyyaml", "mpi4py", "mpich", "skein", "psutil", "venv-pack", "tqdm")
+
+
+def test_a_venv_packed_by_venv_pack_is_localized_and_runs_the_job(cluster, tmp_path):
+    """A user's virtual environment with yarnapp installed (not editable): `yarnapp submit`
+    run from it packs it with venv-pack; the NodeManager localizes the archive and the
+    containers run its python and its yarnapp, not this checkout."""
+    import importlib.metadata
+    import subprocess
+    import sys
+    venv = tmp_path / "env"
+    pins = [f"{p}=={importlib.metadata.version(p)}" for p in PACKED]
+    pip = [sys.executable, "-m", "pip", "-q", "--python", str(venv / "bin" / "python"), "install"]
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    for args in (["--no-deps", ROOT], pins):
+        out = subprocess.run(pip + args, capture_output=True, text=True, timeout=600)
+        if out.returncode != 0:
+            pytest.skip(f"cannot build the environment to pack (PyPI unreachable?): {out.stderr.strip()[-300:]}")
+    job = write(tmp_path / "packed.yaml", {
+        "name": "packed", "backend": "yarn", "max_restarts": 0,
+        "groups": [{"name": "a", "instances": 1, "vcores": 1, "memory": "512 MiB"},
+                   {"name": "b", "instances": 1, "vcores": 1, "memory": "512 MiB"}],
+        "run": {"script": os.path.join(ROOT, "tests", "jobs", "mpi_hello.py"), "editable": False},
+        "environment": {"packer": "venv-pack"}})
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(cluster.env, YARNAPP_HOME=str(tmp_path / "home"))       # its own archive cache
+    proc = subprocess.run([str(venv / "bin" / "python"), "-m", "yarnapp.cli", "submit", job, "--wait"],
+                          cwd=str(tmp_path), capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (archive,) = os.listdir(tmp_path / "home" / "cache" / "envs")
+    assert archive.startswith("venv-env-") and archive.endswith(".tar.gz")
+    final = dict(kv.split("=", 1) for kv in re.search(r"^final: (.*)$", proc.stdout, re.M).group(1).split())
+    assert (final["world_size"], final["total"]) == ("2", "3")
+    for key in ("python", "yarnapp"):                 # the localized archive, unpacked as environment/
+        assert "/appcache/" in final[key] and "/environment/" in final[key], final
