@@ -326,3 +326,27 @@ def test_hello_on_a_real_cluster():
     logs = backend.logs(app_id)
     assert st["state"] == "SUCCEEDED", (st["diagnostics"], logs)
     assert {"big_0", "small_0", "small_1"} <= set(logs)
+
+
+def test_logs_follow_prints_a_real_log_from_its_first_byte_after_a_placeholder():
+    from yarnapp.cli import follow_increment
+    placeholder = "(still running: YARN serves this log at http://node:8042/...)\n"
+    real = "yarnapp container w_0 (YARN c_1)\nfirst line\n"
+    assert follow_increment("", placeholder) == placeholder
+    assert follow_increment(placeholder, real) == real          # was real[len(placeholder):]: nothing
+    assert follow_increment(real, real + "more\n") == "more\n"
+    assert follow_increment(real + "more\n", real + "more\n") == ""
+
+
+def test_yarn_logs_output_becomes_logs_per_container():
+    from yarnapp.backends.yarn_cluster import parse_yarn_logs
+    text = ("Container: container_1_0001_01_000002 on host_1\nLogAggregationType: AGGREGATED\n====\n"
+            "LogType:w.log\nLogLastModifiedTime:Mon\nLogLength:20\nLogContents:\nyarnapp container w_0 (YARN x)\n"
+            "line two\nEnd of LogType:w.log\n*****\n\n"
+            "Container: container_1_0001_01_000001 on host_1\n====\n"
+            "LogType:application.master.log\nLogContents:\nStarting Skein\nEnd of LogType:application.master.log\n")
+    logs = parse_yarn_logs(text)
+    assert logs == {"container_1_0001_01_000002": "LogType:w.log\nyarnapp container w_0 (YARN x)\nline two",
+                    "container_1_0001_01_000001": "LogType:application.master.log\nStarting Skein"}
+    assert named_logs(logs) == {"w_0": logs["container_1_0001_01_000002"],
+                                "master": logs["container_1_0001_01_000001"]}
