@@ -98,6 +98,9 @@ def test_hello_three_containers_two_groups_one_world_and_results_after_the_end(c
 
 
 def test_fractional_vcores_are_refused_with_one_line_and_nothing_submitted(cluster):
+    assert cluster.hadoop.start()["started"] == []                # idempotent: already running
+    up = cluster.cli("hadoop", "status", "--dir", cluster.hadoop.root)
+    assert up.returncode == 0 and "HDFS ready, YARN ready" in up.stdout, up
     before = cluster.cli("list", "--backend", "yarn").stdout
     proc = cluster.cli("submit", HELLO, "--backend", "yarn")
     assert proc.returncode == 1

@@ -279,11 +279,10 @@ esac
         Returns {"fetch_s", "start_s", "started": [daemons started now]}.
         """
         t0 = time.monotonic()
-        lib, fetch_s = fetch_jars()
         running = self.running()
         if all(running.values()):
             self.wait_ready(timeout)
-            return {"fetch_s": fetch_s, "start_s": time.monotonic() - t0, "started": []}
+            return {"fetch_s": 0.0, "start_s": time.monotonic() - t0, "started": []}
         if any(running.values()):
             raise HadoopError(f"the local Hadoop in {self.root} is half running "
                               f"({', '.join(n for n, p in running.items() if p)}); "
@@ -292,6 +291,7 @@ esac
             if not port_free(port):
                 raise HadoopError(f"port {port} ({PORT_NAMES[key]}) on 127.0.0.1 is taken by another process; "
                                   f"stop it or choose other ports with --port-base")
+        lib, fetch_s = fetch_jars()
         self.write_config(lib)
         for d in ("logs", "run", "skein"):
             os.makedirs(os.path.join(self.root, d), exist_ok=True)
