@@ -190,7 +190,8 @@ class Agent:
             formed = keys.formed(gen) in seen
             now = time.monotonic()
             if not formed and now - self.spawned > lj.rendezvous_timeout:
-                missing = [m["container"] for m in self.members if m["rank"] and keys.joined(gen, m["rank"]) not in seen]
+                missing = [m["container"] for m in self.members
+                           if m["rank"] and keys.joined(gen, m["rank"]) not in seen]
                 nodes = network.members_from(self.store)
                 missing = [f"{c} on {nodes[c]['node']} ({nodes[c]['addr']})" if c in nodes else c for c in missing]
                 return "own", {"container": self.ident.container, "rank": self.ident.rank, "exit_code": None,

@@ -391,7 +391,7 @@ class YarnBackend(Backend):
     def _finished_logs(self, app_id, user):
         try:
             return dict(self.client.application_logs(app_id))
-        except (ValueError, skein.exceptions.DriverError) as e:      # skein reads only Hadoop < 3.3's layout (yarn_cluster)
+        except (ValueError, skein.exceptions.DriverError) as e:   # skein reads Hadoop < 3.3's layout only
             log.debug("skein has no logs of %s (%s); asking `yarn logs`", app_id, e)
         try:
             return yarn_cluster.aggregated_logs(app_id, user)

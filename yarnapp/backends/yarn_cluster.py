@@ -10,7 +10,6 @@ reads every layout, so it is the fallback.
 """
 import ctypes.util
 import glob
-import json
 import logging
 import os
 import re
@@ -131,17 +130,3 @@ def aggregated_logs(app_id, user, timeout=LOGS_TIMEOUT):
             detail = (out.stderr.strip().splitlines() or out.stdout.strip().splitlines() or ["no output"])[-1]
             raise TimeoutError(f"`yarn logs` had no logs of {app_id} after {timeout:.0f}s ({detail})")
         time.sleep(2)
-
-
-def rm_app(app_id, user, conf=None, timeout=10):
-    """The ResourceManager's record of an application (its REST API), or None."""
-    conf = hadoop_conf() if conf is None else conf
-    addr = conf.get("yarn.resourcemanager.webapp.address")
-    if not addr:
-        return None
-    try:
-        with urllib.request.urlopen(f"http://{addr}/ws/v1/cluster/apps/{app_id}?user.name="
-                                    f"{urllib.parse.quote(user)}", timeout=timeout) as r:
-            return json.loads(r.read()).get("app")
-    except (OSError, urllib.error.URLError, ValueError):
-        return None
