@@ -28,7 +28,6 @@ from common import machine_meta, write_results  # noqa: E402
 import conf  # noqa: E402
 import yarnapp  # noqa: E402
 from yarnapp import hadoop  # noqa: E402
-from yarnapp.backends.yarn import YarnBackend  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "tests", "jobs", "mpi_hello.py")
 
@@ -66,6 +65,7 @@ def main(argv=None):
     cluster.stop()
     warm = cluster.start()
     os.environ.update(cluster.environ())
+    from yarnapp.backends.yarn import YarnBackend     # skein reads SKEIN_CONFIG when imported
     rows = []
     try:
         backend = YarnBackend()
