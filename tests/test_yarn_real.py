@@ -19,6 +19,7 @@ import yaml
 
 import conf
 from launcher import keys
+from yarnapp.errors import YarnappError
 from yarn_cluster import ROOT, start
 
 pytestmark = [pytest.mark.yarn, pytest.mark.slow]
@@ -97,7 +98,7 @@ def test_hello_three_containers_two_groups_one_world_and_results_after_the_end(c
     assert cluster.hadoop.container_pids(app) == []
 
 
-def test_fractional_vcores_are_refused_with_one_line_and_nothing_submitted(cluster):
+def test_fractional_vcores_are_refused_with_one_line_and_nothing_submitted(cluster, tmp_path):
     assert cluster.hadoop.start()["started"] == []                # idempotent: already running
     up = cluster.cli("hadoop", "status", "--dir", cluster.hadoop.root)
     assert up.returncode == 0 and "HDFS ready, YARN ready" in up.stdout, up
@@ -107,6 +108,12 @@ def test_fractional_vcores_are_refused_with_one_line_and_nothing_submitted(clust
     assert proc.stderr.strip().splitlines() == [
         f"Error: {HELLO}: groups[1].vcores: YARN allocates whole vcores; got 0.5 — use an integer"]
     assert cluster.cli("list", "--backend", "yarn").stdout == before
+    bad = write(tmp_path / "queue.yaml", hello_job(queue="nope"))
+    proc = cluster.cli("submit", bad)
+    assert proc.returncode == 1 and proc.stderr.startswith("Error: YARN refused the application: ") \
+        and "nope" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    gone = cluster.cli("status", "application_1_9999")
+    assert gone.returncode == 1 and gone.stderr.startswith("Error: no application 'application_1_9999' on YARN")
 
 
 def _get(url, timeout=10):
@@ -149,6 +156,12 @@ def test_tensorboard_through_the_proxy_acls_kill_and_a_canary_secret(cluster, sh
         assert re.fullmatch(rf"http://(127\.0\.0\.1|localhost):{cluster.hadoop.ports['rm_web_port']}"
                             rf"/proxy/{app}/pages/tensorboard/", url), url
         assert [p[2] for p in points][:2] == [2.0, 1.0]             # (time, step, value): 2/(step+1)
+        live = backend.logs(app)                                     # from the NodeManager, while it runs
+        assert {"w_0", "w_1", "tensorboard_0"} <= set(live) and "yarnapp container w_0" in live["w_0"]
+        with pytest.raises(YarnappError, match=r"has no container 'w_9'; it has .*w_0"):
+            backend.logs(app, "w_9")
+        from yarnapp.tensorboard import logdir_of                   # `yarnapp tensorboard APP`
+        assert logdir_of(app, backend) == (f"{cluster.storage()}/{app}/tensorboard", 1.0)
         with pytest.raises(urllib.error.HTTPError) as e:            # a user outside the view ACL
             _get(f"{url}data/runs?user.name=mallory")
         assert e.value.code in (401, 403)

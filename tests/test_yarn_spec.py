@@ -350,3 +350,66 @@ def test_yarn_logs_output_becomes_logs_per_container():
                     "container_1_0001_01_000001": "LogType:application.master.log\nStarting Skein"}
     assert named_logs(logs) == {"w_0": logs["container_1_0001_01_000002"],
                                 "master": logs["container_1_0001_01_000001"]}
+
+
+def test_the_default_filesystem_as_python_opens_it(monkeypatch):
+    from yarnapp.backends import yarn_cluster as yc
+    monkeypatch.delenv("ARROW_LIBHDFS_DIR", raising=False)
+    monkeypatch.delenv("HADOOP_HOME", raising=False)
+    monkeypatch.setattr(yc.ctypes.util, "find_library", lambda name: None)   # libhdfs: not here
+    conf_ = {"fs.defaultFS": "hdfs://nn.example:8020", "dfs.namenode.http-address": "0.0.0.0:9870"}
+    assert yc.default_fs_uri(conf_) == "webhdfs://nn.example:9870"
+    assert yc.default_storage("alice", conf_) == "webhdfs://nn.example:9870/user/alice/.yarnapp"
+    assert yc.python_uri("hdfs://nn.example:8020/user/alice/.skein/x/job.json", conf_) == \
+        "webhdfs://nn.example:9870/user/alice/.skein/x/job.json"
+    assert yc.python_uri("s3://bucket/x", conf_) == "s3://bucket/x"
+    assert yc.default_fs_uri({"fs.defaultFS": "s3a://bucket/"}) == "s3a://bucket"
+    assert yc.default_fs_uri({}) is None and yc.default_storage("alice", {}) is None
+    monkeypatch.setattr(yc.ctypes.util, "find_library", lambda name: "libhdfs.so")   # where it loads
+    assert yc.default_fs_uri(conf_) == "hdfs://nn.example:8020"
+
+
+def test_hadoop_conf_is_read_from_hadoop_conf_dir(tmp_path, monkeypatch):
+    from yarnapp.backends import yarn_cluster as yc
+    (tmp_path / "core-site.xml").write_text(
+        "<configuration><property><name>fs.defaultFS</name><value> hdfs://nn:8020 </value></property>"
+        "</configuration>")
+    (tmp_path / "hdfs-site.xml").write_text("<configuration><broken")
+    monkeypatch.setenv("HADOOP_CONF_DIR", str(tmp_path))
+    assert yc.hadoop_conf() == {"fs.defaultFS": "hdfs://nn:8020"}
+    monkeypatch.delenv("HADOOP_CONF_DIR")
+    assert yc.hadoop_conf() == {}
+
+
+def test_dry_run_without_a_cluster_starts_and_packs_nothing(tmp_path, monkeypatch, caplog):
+    from yarnapp.backends.yarn import dry_run
+    monkeypatch.delenv("HADOOP_CONF_DIR", raising=False)
+    monkeypatch.setenv("YARNAPP_HOME", str(tmp_path / "home"))
+    job = three_groups()
+    with caplog.at_level("WARNING"):
+        spec = skein.ApplicationSpec.from_yaml(dry_run(job))
+    assert "YARNAPP_STORAGE" not in spec.services["cpu"].env          # no default filesystem known
+    assert "checkpoint.uri is unset and no Hadoop configuration" in caplog.text
+    staged = spec.services["cpu"].files["job.json"].source[len("file://"):]
+    assert not os.path.exists(os.path.dirname(staged))                 # the staging directory is gone
+    assert not os.path.exists(tmp_path / "home")                       # nothing packed or cached
+    with pytest.raises(ValueError, match="'.yarnapp-secret'"):
+        build_spec(job, {"job.json": "/x/job.json"})
+
+
+def test_results_survive_in_one_line_of_diagnostics(tmp_path):
+    from launcher import results
+    store = FileStore(str(tmp_path / "store"))
+    store.put(keys.FINAL, json.dumps({"accuracy": 0.98}))
+    store.put(keys.formed(0), json.dumps({"time": 100.0}))
+    store.put(keys.restart(1), json.dumps({"generation": 1, "reason": "lost w_1", "log_tail": "x" * 5000}))
+    got = results.collect(store)
+    assert got == {"final": {"accuracy": 0.98}, "failure": None, "world_formed_time": 100.0,
+                   "restarts": [{"generation": 1, "reason": "lost w_1", "log_tail": "x" * 5000}]}
+    line = results.diagnostics({**got, "state": "SUCCEEDED"})
+    assert "\n" not in line and "log_tail" not in line
+    assert results.from_diagnostics(f"some text\n{line}")["restarts"] == [{"generation": 1, "reason": "lost w_1"}]
+    assert results.from_diagnostics("Application killed by user.") is None
+    assert results.from_diagnostics(results.DIAGNOSTICS_PREFIX + "{not json") is None
+    results.write(str(tmp_path / "app"), got)
+    assert results.read(str(tmp_path / "app")) == got

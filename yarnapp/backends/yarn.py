@@ -457,5 +457,10 @@ def dry_run(job, where=None):
 
 
 def _first(exc):
+    """One line of an exception: skein's driver errors put the cause on the line after
+    "..., exception:" (e.g. "... submitted by user alice to unknown queue: nope")."""
     text = str(exc).strip().strip("'\"")
-    return text.splitlines()[0] if text else type(exc).__name__
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].endswith("exception:"):
+        return lines[1].split(" : ", 1)[-1]
+    return lines[0] if lines else type(exc).__name__
