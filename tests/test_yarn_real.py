@@ -95,6 +95,8 @@ def test_hello_three_containers_two_groups_one_world_and_results_after_the_end(c
     assert {"big_0", "small_0", "small_1", "master"} <= set(sections), list(sections)
     for c, rank in (("big_0", 0), ("small_0", 1), ("small_1", 2)):
         assert f"hello from rank {rank} of 3" in sections[c], sections[c]
+    one = cluster.cli("logs", app, "--container", "small_1")
+    assert one.stdout.startswith("==> small_1 <==") and "==> big_0" not in one.stdout
     assert cluster.hadoop.container_pids(app) == []
 
 
@@ -112,6 +114,10 @@ def test_fractional_vcores_are_refused_with_one_line_and_nothing_submitted(clust
     proc = cluster.cli("submit", bad)
     assert proc.returncode == 1 and proc.stderr.startswith("Error: YARN refused the application: ") \
         and "nope" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    # With no global skein driver (a fresh SKEIN_CONFIG) the CLI starts a private one.
+    private = cluster.cli("list", "--backend", "yarn", env={"SKEIN_CONFIG": str(tmp_path / "skein")})
+    assert private.returncode == 0, private.stderr
+    assert private.stdout == cluster.cli("list", "--backend", "yarn").stdout
     gone = cluster.cli("status", "application_1_9999")
     assert gone.returncode == 1 and gone.stderr.startswith("Error: no application 'application_1_9999' on YARN")
 
