@@ -15,6 +15,7 @@ Prints a table and writes benchmarks/results/yarn_world.json.
 """
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -84,6 +85,7 @@ def main(argv=None):
     finally:
         backend.client.close() if hasattr(backend, "_client") and backend._client else None
         cluster.stop()
+        shutil.rmtree(work, ignore_errors=True)
     meta = {**machine_meta(), "hadoop": hadoop.version(), "repeat": args.repeat,
             "cluster_start_cold_s": round(cold["start_s"], 1), "jars_fetch_s": round(cold["fetch_s"], 1),
             "cluster_start_warm_s": round(warm["start_s"], 1),
