@@ -30,13 +30,13 @@ import sys
 import time
 import uuid
 
-from . import identity, keys, network, results, store as store_mod
+from . import identity, keys, memory, network, results, store as store_mod
 
 log = logging.getLogger("launcher.agent")
 
 EXIT_APP_FAILED = 3      # this container is fine; the application failed elsewhere
 _PR_SET_PDEATHSIG = 1
-SETUP_GRACE_S = 15.0     # after a peer failed in setup, how long a rank in setup may take to fail
+SETUP_GRACE_S = 8.0      # after a peer failed in setup, how long a rank in setup may take to fail
                          # the same way on its own (ranks start seconds apart on a busy host)
 NOT_RETRIED = ("every rank failed the same way before training started, so it was not retried "
                "(a restart would fail the same way)")
@@ -95,6 +95,8 @@ class Agent:
         self.heartbeat = os.path.abspath(f".heartbeat.{ident.container}")
         self.log_path = os.environ.get("YARNAPP_LOG", "")
         self.members = ident.job.ranks()
+        self.cgroup = memory.own_cgroup()          # to tell a memory kill from any SIGKILL
+        self.group_index = next(i for i, g in enumerate(ident.job.groups) if g.name == ident.group)
 
     # -- the rank process -------------------------------------------------
     def spawn(self, gen):
@@ -108,6 +110,7 @@ class Agent:
             os.unlink(self.heartbeat)
         except FileNotFoundError:
             pass
+        self.memory_before = memory.state(self.cgroup)
         self.child = subprocess.Popen([sys.executable, "-m", "launcher.rank", "--generation", str(gen),
                                        "--heartbeat", self.heartbeat], env=env, preexec_fn=die_with_parent)
         self.spawned = time.monotonic()
@@ -173,6 +176,10 @@ class Agent:
                 return "other", None
             if rc is not None:
                 what = f"killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
+                oom = memory.killed_for_memory(self.memory_before, memory.state(self.cgroup),
+                                               self.ident.container, self.group_index)
+                if oom:
+                    what = f"was killed by the kernel: {oom}"
                 err = self.rank_error(gen, self.ident.rank) or {}
                 line = f": {err['error']}" if err.get("error") else ""
                 return "own", {"container": self.ident.container, "rank": self.ident.rank,

@@ -110,9 +110,7 @@ def test_a_deterministic_startup_error_uses_one_attempt_and_prints_its_line(kind
     run = ({"script": str(code / "broken.py")} if kind == "script"
            else {"function": "broken:main", "files": [str(code / "broken.py")]})
     job = write_job(tmp_path / "broken.yaml", {"name": "broken", "groups": GROUPS, "max_restarts": 3, "run": run})
-    t0 = time.monotonic()
     proc = cli("submit", job, "--wait")
-    took = time.monotonic() - t0
     assert proc.returncode == 1, proc.stdout + proc.stderr
     err = proc.stderr.strip().splitlines()[-1]
     assert err.startswith("Error: app_") and "FAILED after 1 attempt(s)" in err, err
@@ -121,7 +119,6 @@ def test_a_deterministic_startup_error_uses_one_attempt_and_prints_its_line(kind
     app = app_id_from(err)
     st = yarnapp.status(app)
     assert st["state"] == "FAILED" and st["restarts"] == [] and st["failure"]["attempts"] == 1
-    assert took < 90, took                       # not three more attempts
     assert_nothing_left(app)
 
 
@@ -143,4 +140,34 @@ def test_a_crash_during_training_is_still_retried(tmp_path, yarnapp_home):
     assert st["state"] == "SUCCEEDED", run.logs()
     assert [r["generation"] for r in st["restarts"]] == [1]
     assert "RuntimeError: transient failure" in st["restarts"][0]["reason"]
+    assert_nothing_left(run.app_id)
+
+
+def test_a_users_model_factory_with_nested_options_trains_in_the_built_in_runner(digits, tmp_path, yarnapp_home):
+    job = {"name": "user-model", "max_restarts": 0,
+           "groups": [{"name": "big", "instances": 1, "vcores": 1, "memory": "2 GiB"},
+                      {"name": "small", "instances": 1, "vcores": 0.5, "memory": "2 GiB"}],
+           "run": {"files": [os.path.join(JOBS, "user_model.py")]},
+           "training": {"model": "user_model:make_net",
+                        "model_options": {"hidden": 16, "block": {"kind": "tanh", "dropout": 0.1}},
+                        "data": {"train": f"{digits}/train", "test": f"{digits}/test"},
+                        "batch_size": 64, "epochs": 4, "shares": "vcores"},
+           "checkpoint": {"uri": str(tmp_path / "ckpt")}}
+    run = yarnapp.submit(job)
+    st = run.wait(timeout=300)
+    assert st["state"] == "SUCCEEDED", run.logs()
+    assert st["final"]["accuracy"] > 0.9, st["final"]
+    from training.checkpoint import load_final
+    weights = load_final(str(tmp_path / "ckpt"))
+    assert weights["0.weight"].shape == (16, 1, 3, 3)          # hidden=16 reached the factory
+    assert_nothing_left(run.app_id)
+
+
+def test_ctx_init_process_group_joins_the_gloo_group_the_launcher_prepared(yarnapp_home):
+    job = {"name": "pg", "groups": GROUPS, "max_restarts": 0,
+           "run": {"function": "user_model:process_group", "files": [os.path.join(JOBS, "user_model.py")]}}
+    run = yarnapp.submit(job)
+    st = run.wait(timeout=300)
+    assert st["state"] == "SUCCEEDED", run.logs()
+    assert st["final"] == {"sum": 6.0, "backend": "gloo", "world": 3}
     assert_nothing_left(run.app_id)

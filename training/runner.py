@@ -46,7 +46,9 @@ class Runner:
         if "example_input" in inspect.signature(self.strategy.setup).parameters:   # for shares: speed
             extra["example_input"] = torch.from_numpy(self.train.images[:16]).float()
         self.strategy.setup(model, make_optimizer_factory(spec), **extra)
-        self.ckpt = Checkpointer(ctx.checkpoint_uri, self.comm, ctx.job.checkpoint.keep, ctx.generation)
+        c = ctx.job.checkpoint
+        self.ckpt = Checkpointer(ctx.checkpoint_uri, self.comm, c.keep, ctx.generation, app_id=ctx.app_id,
+                                 name=ctx.job.name, resume=c.resume)
         self.start_step, state = self.ckpt.latest()
         if state is not None:
             self.strategy.load_state_dict(state["strategy"])
@@ -168,7 +170,7 @@ class Runner:
         final = {"accuracy": ev.get("accuracy"), "loss": ev.get("loss"), "train_loss": rec.get("loss"),
                  "steps": step, "samples_per_s": totals["samples"] / max(totals["wall"], 1e-9),
                  "data_wait_pct": 100 * totals["wait"] / max(totals["wall"], 1e-9),
-                 "time_s": train_time, "resumed_from": self.start_step}
+                 "time_s": train_time, "resumed_from": self.start_step, "resumed_app": self.ckpt.resumed_app}
         final = {k: v for k, v in final.items() if v is not None}
         self.save(step)
         self.ckpt.save_model(self.strategy.model_for_export())

@@ -18,6 +18,8 @@ def _p(*a, **k):
 
 def cmd_submit(args):
     spec = api.load(args.job, backend=args.backend, max_restarts=args.max_restarts)
+    if args.resume is not None:
+        spec = api.load(spec, checkpoint=dict(spec.checkpoint.model_dump(), resume=args.resume))
     if args.nodes is not None:
         spec = api.load(spec, network=dict(spec.network.model_dump(), nodes=args.nodes))
     if args.dry_run:
@@ -64,7 +66,10 @@ def cmd_status(args):
     if st.get("tensorboard"):
         _p(f"tensorboard: {st['tensorboard']}")
     for c in st.get("containers", []):
-        res = (f"  {c['vcores']:g} vcores {c['memory_mib']} MiB  [{c['resources']}]" if "vcores" in c
+        peak = f" (peak {c['memory_peak_mib']} MiB)" if c.get("memory_peak_mib") else ""
+        if c.get("gpu_devices"):
+            peak += f"  gpus {','.join(str(g) for g in c['gpu_devices'])}"
+        res = (f"  {c['vcores']:g} vcores {c['memory_mib']} MiB{peak}  [{c['resources']}]" if "vcores" in c
                else f"  {c.get('node') or ''}")
         _p(f"  {c['id']:<14} rank {c.get('rank')!s:<4} {c['state']:<10} exit={c['exit_code']} "
            f"attempts={c['attempts']}{res}".rstrip())
@@ -244,6 +249,8 @@ def build_parser():
     s.add_argument("--dry-run", action="store_true", dest="dry_run",
                    help="print what would be submitted (YARN: the skein.ApplicationSpec YAML; local: the "
                         "resolved job) and start nothing")
+    s.add_argument("--resume", metavar="never|latest|APP_ID",
+                   help="overrides checkpoint.resume: where a new application starts from")
     s.set_defaults(fn=cmd_submit)
 
     s = sub.add_parser("status", help="an application's state, containers, restarts and progress")

@@ -154,7 +154,7 @@ def build_spec(job, files, user=None, storage=None):
             files=dict(files),
             script=_script(python, "launcher.tensorboard_service", "environment" in files))
     return skein.ApplicationSpec(name=job.name, queue=job.queue, tags={TAG}, services=services,
-                                 acls=acls(job.yarn.acls, user))
+                                 max_attempts=job.am_attempts, acls=acls(job.yarn.acls, user))
 
 
 def acls(spec, user):
