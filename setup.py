@@ -9,7 +9,8 @@ setup(
     python_requires=">=3.9",
     packages=find_packages(include=["conf", "yarnapp", "yarnapp.*", "launcher", "launcher.*",
                                     "training", "training.*"]),
-    package_data={"conf": ["defaults.yaml", "examples/*.yaml", "constraints.txt"]},
+    package_data={"conf": ["defaults.yaml", "examples/*.yaml", "constraints.txt",
+                            "hadoop/pom.xml", "hadoop/etc/*"]},
     install_requires=[
         "pydantic>=2.5",
         "pyyaml>=6",

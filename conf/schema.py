@@ -136,6 +136,21 @@ class Environment(Model):
     archive: Optional[str]
 
 
+class YarnAcls(Model):
+    """Who besides the submitting user may view / modify (kill) the application on YARN."""
+    enable: bool
+    view_users: List[str]
+    view_groups: List[str]
+    modify_users: List[str]
+    modify_groups: List[str]
+
+
+class Yarn(Model):
+    """YARN-only settings (the local engine ignores them)."""
+    acls: YarnAcls
+    storage: Optional[str]
+
+
 class Launcher(Model):
     rendezvous_timeout: Seconds
     heartbeat_timeout: Seconds
@@ -163,6 +178,7 @@ class JobSpec(Model):
     checkpoint: Checkpoint
     tensorboard: TensorBoard
     environment: Environment
+    yarn: Yarn
     launcher: Launcher
     network: Network
 

@@ -30,7 +30,7 @@ import sys
 import time
 import uuid
 
-from . import identity, keys, memory, network, store as store_mod
+from . import identity, keys, memory, network, results, store as store_mod
 
 log = logging.getLogger("launcher.agent")
 
@@ -121,32 +121,35 @@ class Agent:
             self.child.wait()
 
     # -- watching -----------------------------------------------------------
-    def lost_member(self, gen):
-        """A member that joined this generation whose container is gone or replaced."""
-        alive = {k.split("/", 1)[1]: v for k, v in self.store.get_prefix("alive/").items()}
+    def observe(self, gen):
+        """Everything monitor needs from the store for one poll, in ONE store call whatever
+        the world's size: the generation's keys, who is alive, who is done, and FAILED."""
+        return self.store.snapshot(prefixes=(f"{keys.ABORT_PREFIX}{gen:04d}/", "alive/", "done/"),
+                                   keys=(keys.FAILED,))
+
+    def lost_member(self, gen, seen):
+        """A member that joined this generation whose container is gone or replaced
+        (`seen`: a snapshot from observe)."""
         for m in self.members:
             if m["rank"] == self.ident.rank:
                 continue
-            joined = self.store.get(keys.joined(gen, m["rank"]) if m["rank"] else keys.port(gen))
-            if joined is None or self.store.get(keys.done(m["container"])) is not None:
+            joined = keys.joined(gen, m["rank"]) if m["rank"] else keys.port(gen)
+            if joined not in seen or keys.done(m["container"]) in seen:
                 continue
-            a = alive.get(m["container"])
+            a = seen.get(keys.alive(m["container"]))
             if a is None:
                 return m["container"], "its container exited"
-            inc = json.loads(a)["incarnation"]
-            if inc != self.joined_incarnation(gen, m):
+            inc = seen.get(keys.incarnation(gen, m["rank"]))
+            if json.loads(a)["incarnation"] != (inc.decode() if inc else None):
                 return m["container"], "its container was replaced"
         return None
-
-    def joined_incarnation(self, gen, m):
-        v = self.store.get(keys.incarnation(gen, m["rank"]))
-        return v.decode() if v else None
 
     def someone_else_failed(self, gen, grace=1.0):
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
-            if self.store.get(keys.abort(gen)) is not None or self.lost_member(gen):
-                return self.store.get(keys.abort(gen)) is not None
+            seen = self.observe(gen)
+            if keys.abort(gen) in seen or self.lost_member(gen, seen):
+                return keys.abort(gen) in seen
             time.sleep(0.05)
         return False
 
@@ -183,18 +186,19 @@ class Agent:
                                "exit_code": rc, "error": err.get("error"), "phase": err.get("phase"),
                                "reason": f"rank {self.ident.rank} ({self.ident.container}) {what}{line}"
                                          + self.network_note()}
-            if self.store.get(keys.FAILED) is not None:
+            seen = self.observe(gen)
+            if keys.FAILED in seen:
                 return "other", None
-            abort = self.store.get(keys.abort(gen))
+            abort = seen.get(keys.abort(gen))
             if abort is not None:
                 if json.loads(abort).get("phase") == "setup" and self.read_heartbeat(time.monotonic())[0] == "setup":
                     self.let_fail(SETUP_GRACE_S)   # will it fail the same way? (see deterministic)
                 return "other", None
-            formed = self.store.get(keys.formed(gen)) is not None
+            formed = keys.formed(gen) in seen
             now = time.monotonic()
             if not formed and now - self.spawned > lj.rendezvous_timeout:
-                missing = [m["container"] for m in self.members if m["rank"] and
-                           self.store.get(keys.joined(gen, m["rank"])) is None]
+                missing = [m["container"] for m in self.members
+                           if m["rank"] and keys.joined(gen, m["rank"]) not in seen]
                 nodes = network.members_from(self.store)
                 missing = [f"{c} on {nodes[c]['node']} ({nodes[c]['addr']})" if c in nodes else c for c in missing]
                 return "own", {"container": self.ident.container, "rank": self.ident.rank, "exit_code": None,
@@ -214,7 +218,7 @@ class Agent:
                                              f"no progress for {silent:.1f}s in {phase} (limit {limit:g}s: "
                                              f"launcher.{'heartbeat' if phase == 'train' else 'rendezvous'}"
                                              f"_timeout)" + self.network_note()}
-            lost = self.lost_member(gen)
+            lost = self.lost_member(gen, seen)
             if lost:
                 return "own", {"container": lost[0], "rank": None, "exit_code": None,
                                "reason": f"lost {lost[0]}: {lost[1]}", "observed_by": self.ident.container}
@@ -321,6 +325,7 @@ def main():
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
     code = agent.run()
+    results.publish_end(ident, store, code)     # YARN: what outlives the application
     logging.shutdown()
     return code
 

@@ -114,7 +114,7 @@ def test_the_skein_spec_of_a_job_with_shipped_files_lists_them_and_skein_accepts
     files = stage_files(s.job, str(staging), shipped=s.entries)
     spec = build_spec(s.job, files)
     for service in spec.services.values():
-        assert set(service.files) == {"job.json", "proj", "helper.py"}
+        assert set(service.files) == {"job.json", ".yarnapp-secret", "proj", "helper.py"}
         assert service.files["proj"].type == skein.FileType.ARCHIVE     # YARN unpacks it as proj/
         assert service.files["helper.py"].type == skein.FileType.FILE
     archive = service.files["proj"].source.removeprefix("file://")

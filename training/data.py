@@ -64,8 +64,9 @@ def _filesystem(uri):
     """(pyarrow filesystem, path inside it) for a URI or a plain local path."""
     if "://" not in uri:
         return pafs.LocalFileSystem(), os.path.abspath(uri)
+    from . import fsutil
     try:
-        return pafs.FileSystem.from_uri(uri)
+        return fsutil.resolve(uri)
     except (pa.ArrowException, OSError, ValueError) as e:
         hint = ("hdfs:// needs Java and libhdfs here (JAVA_HOME, HADOOP_HOME, CLASSPATH) and a reachable "
                 "namenode" if uri.startswith(("hdfs://", "viewfs://")) else

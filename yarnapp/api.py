@@ -64,6 +64,17 @@ def _started(run, wait, progress):
     return run
 
 
+def dry_run(spec, where="job"):
+    """What submitting `spec` would send, as text, starting and writing nothing: on YARN the
+    skein.ApplicationSpec YAML; on the local engine (which runs no skein spec) the resolved job."""
+    if spec.backend == "yarn":
+        from .backends import yarn
+        return yarn.dry_run(spec, where)
+    import yaml
+    return (f"# {where}: the resolved job the local engine would run (no skein spec: it runs its own "
+            f"application master)\n" + yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
+
+
 def start(spec, where="job"):
     """Start a validated JobSpec on its backend; `where` names its source in errors."""
     be = backends.get(spec.backend)

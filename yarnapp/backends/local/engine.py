@@ -69,23 +69,31 @@ class LocalBackend(Backend):
         job = shipment.job
         app_id = _new_app_id()
         d = os.path.join(apps_dir(), app_id)
-        os.makedirs(os.path.join(d, "containers"))
-        shipping.copy_into(shipment.entries, os.path.join(d, "files"))   # copied into each container
-        with open(os.path.join(d, "job.json"), "w") as f:
-            f.write(job.model_dump_json(indent=1))
-        submitted = time.time()
-        with open(os.path.join(d, "app.json"), "w") as f:
-            json.dump({"app_id": app_id, "secret": secrets.token_hex(16), "submitted": submitted,
-                       "name": job.name}, f)
-        FileStore(os.path.join(d, "store"))
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env.pop("YARNAPP_APP_ID", None)     # the supervisor is not a process of the application
-        with open(os.path.join(d, "supervisor.log"), "ab") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "yarnapp.backends.local.supervisor", d], env=env,
-                                    cwd=d, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        with open(supervisor.record_path(d), "w") as f:     # known before it writes it itself
-            json.dump({"pid": proc.pid, "attempts": []}, f)
+        # Owner-only: app.json holds the application's secret, the store its coordination;
+        # everything the application writes later is created under umask 077 (see below).
+        os.makedirs(d, mode=0o700)
+        os.chmod(d, 0o700)
+        old = os.umask(0o077)
+        try:
+            os.makedirs(os.path.join(d, "containers"))
+            shipping.copy_into(shipment.entries, os.path.join(d, "files"))   # copied into each container
+            with open(os.path.join(d, "job.json"), "w") as f:
+                f.write(job.model_dump_json(indent=1))
+            submitted = time.time()
+            with open(os.path.join(d, "app.json"), "w") as f:
+                json.dump({"app_id": app_id, "secret": secrets.token_hex(16), "submitted": submitted,
+                           "name": job.name}, f)
+            FileStore(os.path.join(d, "store"))
+            env = dict(os.environ, PYTHONUNBUFFERED="1")
+            env.pop("YARNAPP_APP_ID", None)     # the supervisor is not a process of the application
+            with open(os.path.join(d, "supervisor.log"), "ab") as out:
+                proc = subprocess.Popen([sys.executable, "-m", "yarnapp.backends.local.supervisor", d], env=env,
+                                        cwd=d, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                        start_new_session=True, umask=0o077)
+            with open(supervisor.record_path(d), "w") as f:     # known before it writes it itself
+                json.dump({"pid": proc.pid, "attempts": []}, f)
+        finally:
+            os.umask(old)
         log.info("submitted %s", app_id)
         return app_id
 
