@@ -30,7 +30,7 @@ import sys
 import time
 import uuid
 
-from . import identity, keys, network, store as store_mod
+from . import cgroup_memory, identity, keys, network, store as store_mod
 
 log = logging.getLogger("launcher.agent")
 
@@ -111,6 +111,7 @@ class Agent:
         self.child = subprocess.Popen([sys.executable, "-m", "launcher.rank", "--generation", str(gen),
                                        "--heartbeat", self.heartbeat], env=env, preexec_fn=die_with_parent)
         self.spawned = time.monotonic()
+        self.oom_kills = cgroup_memory.read().get("oom_kills") or 0
 
     def kill_child(self):
         if self.child and self.child.poll() is None:
@@ -170,6 +171,8 @@ class Agent:
                 return "other", None
             if rc is not None:
                 what = f"killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
+                if rc == -signal.SIGKILL:
+                    what += self.memory_note()
                 err = self.rank_error(gen, self.ident.rank) or {}
                 line = f": {err['error']}" if err.get("error") else ""
                 return "own", {"container": self.ident.container, "rank": self.ident.rank,
@@ -237,6 +240,16 @@ class Agent:
                 break
             time.sleep(self.job.launcher.poll_interval)
         return all(r and r.get("phase") == "setup" and r.get("error") == cause["error"] for r in records)
+
+    def memory_note(self):
+        """", over its container's memory limit ..." when the kernel's OOM killer ended the
+        rank (the container's memory cgroup counted a kill since it was spawned)."""
+        mem = cgroup_memory.read()
+        if (mem.get("oom_kills") or 0) <= getattr(self, "oom_kills", 0):
+            return ""
+        limit = f" of {mem['limit_mib']:.0f} MiB" if mem.get("limit_mib") else ""
+        return (f", over its container's memory limit{limit} (the kernel's OOM killer); give the group "
+                f"more memory, or lower training.data.memory / the batch size")
 
     def network_note(self):
         """On emulated nodes: "; <which node is unreachable>" when the world hangs or cannot
