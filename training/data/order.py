@@ -18,7 +18,8 @@ epoch's order is a two-level shuffle, as MosaicML Streaming's "py1b":
 
 The epoch is the concatenation of the windows. Global batch s is rows [s*B, (s+1)*B)
 of it. Within a batch the rows are put in their blocks' order (the permuted block
-order, then the row within the block) before rank r takes its slice [lo_r, hi_r): the
+order, then the row within the block; in a batch spanning two windows, by the relative
+place in each window) before rank r takes its slice [lo_r, hi_r): the
 batch, hence the update, is the same set of rows, but a rank's slice comes from about
 its share of the window's blocks, so it reads about its share of the data (read
 amplification near 1 instead of the world size). The price: a rank's rows of a batch
@@ -118,21 +119,34 @@ class Order:
         return out
 
     def positions(self, seed, epoch, shuffle=True):
-        """(u, perm, cum): the epoch's sequence u of positions in the row space laid out in
-        block order perm (cum[j] = rows before the j-th block of perm)."""
+        """(u, perm, cum, bounds): the epoch's sequence u of positions in the row space laid
+        out in block order perm (cum[j] = rows before the j-th block of perm); bounds are
+        the windows' first positions (and n)."""
         k = len(self.block_rows)
         if not shuffle:
-            return np.arange(self.n), np.arange(k), self.starts
+            return np.arange(self.n), np.arange(k), self.starts, np.array([0, self.n])
         if self.map_style:
-            return map_permutation(self.n, seed, epoch), np.arange(k), self.starts
+            return map_permutation(self.n, seed, epoch), np.arange(k), self.starts, np.array([0, self.n])
         rng = np.random.default_rng(np.random.SeedSequence([int(seed) % 2 ** 64, int(epoch), 1]))
         perm = rng.permutation(k)
         cum = np.concatenate([[0], np.cumsum(self.block_rows[perm])])
         u = np.empty(self.n, dtype=np.int64)
+        bounds = [0]
         for first, end in self._windows(perm):
             a, b = int(cum[first]), int(cum[end])
             u[a:b] = a + rng.permutation(b - a)
-        return u, perm, cum
+            bounds.append(b)
+        return u, perm, cum, np.asarray(bounds)
+
+    @staticmethod
+    def _in_block_order(u, bounds):
+        """u's rows (a batch per row of a 2-D u) ordered by their relative place in their
+        window, (u - window start) / window size, then u: a batch that spans two windows
+        gives every rank about its usual part of each, not all of one window to the first."""
+        w = np.searchsorted(bounds, u, side="right") - 1
+        rel = (u - bounds[w]) / (bounds[w + 1] - bounds[w])
+        idx = np.lexsort((u, rel), axis=-1)
+        return np.take_along_axis(u, idx, axis=-1)
 
     def to_rows(self, u, perm, cum):
         """(global row ids, block ids) of positions u."""
@@ -142,24 +156,25 @@ class Order:
 
     def epoch_rows(self, seed, epoch, shuffle=True):
         """The global row ids of the epoch, in order."""
-        return self.to_rows(*self.positions(seed, epoch, shuffle))[0]
+        u, perm, cum, _ = self.positions(seed, epoch, shuffle)
+        return self.to_rows(u, perm, cum)[0]
 
     def plan(self, seed, epoch, global_batch, lo, hi, drop_last=True, shuffle=True):
         """This rank's Plan of `epoch`: slice [lo, hi) of every global batch."""
         B = int(global_batch)
-        u, perm, cum = self.positions(seed, epoch, shuffle)
+        u, perm, cum, bounds = self.positions(seed, epoch, shuffle)
         full = self.n // B
         parts = []
         head = u[:full * B].reshape(full, B)
         if not self.map_style:
-            head = np.sort(head, axis=1)          # block order inside the batch
+            head = self._in_block_order(head, bounds)
         parts.append(head[:, lo:hi].reshape(-1))
         counts = [hi - lo] * full
         rest = self.n - full * B
         if rest and not drop_last:
             tail = u[full * B:]
             if not self.map_style:
-                tail = np.sort(tail)
+                tail = self._in_block_order(tail, bounds)
             a, b = slice_of(lo, hi, rest, B)
             parts.append(tail[a:b])
             counts.append(b - a)

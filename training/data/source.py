@@ -302,14 +302,19 @@ class ParquetBatches(_Batches):
                  prefetch=4, raw=False):
         super().__init__(len(src), global_batch, lo, hi, start_step, epochs, drop_last, src.uri)
         self.src, self.seed, self.train, self.raw = src, int(seed), bool(train), raw
-        self.prefetch = max(1, int(prefetch))
+        # the memory budget holds the decoded steps too (float32 and their uint8 pixels):
+        # those waiting, the one being decoded and the one the consumer holds; they get
+        # at most half of it, the blocks the rest
+        step_bytes = max(1, self.hi - self.lo) * int(np.prod(src.shape)) * 5
+        self.prefetch = max(1, min(int(prefetch), src.budget // 2 // step_bytes - 2))
+        self.block_budget = max(src.budget - (self.prefetch + 2) * step_bytes, src.budget // 4)
         self.schedule = Schedule(src.order, seed, self.global_batch, self.lo, self.hi, self.drop_last, shuffle=train)
         self._threads = None
         self._lock = threading.Lock()
 
     def __iter__(self):
         self.close()
-        reader = BlockReader(self.src.layout, self.schedule, self.start, self.end, self.src.budget)
+        reader = BlockReader(self.src.layout, self.schedule, self.start, self.end, self.block_budget)
         pool = concurrent.futures.ThreadPoolExecutor(self.src.workers, thread_name_prefix="yarnapp-decode")
         q = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
