@@ -5,6 +5,7 @@ their own, so the defaults file is the single place a default can be read or cha
 (``conf.load_job`` merges it under the user's file before validation).
 """
 import ipaddress
+import re
 from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
@@ -218,8 +219,16 @@ class Training(Model):
     model_parallel: ModelParallel
 
 
+def _resume(value):
+    if value in ("never", "latest") or re.fullmatch(r"app_\d{8}_\d{6}_[0-9a-f]+|application_\d+_\d+", value):
+        return value
+    raise ValueError(f"expected never, latest or an application id such as app_20261123_101500_ab12cd "
+                     f"or application_1700000000000_0001, got {value!r}")
+
+
 class Checkpoint(Model):
     uri: Optional[str]
+    resume: Annotated[str, AfterValidator(_resume)]
     every_steps: Optional[Annotated[int, Field(ge=1)]]
     every_seconds: Optional[Seconds]
     keep: Annotated[int, Field(ge=1)]
@@ -260,6 +269,7 @@ class JobSpec(Model):
     run: Run
     training: Optional[Training]
     max_restarts: Annotated[int, Field(ge=0)]
+    am_attempts: Annotated[int, Field(ge=1)]
     checkpoint: Checkpoint
     tensorboard: TensorBoard
     environment: Environment

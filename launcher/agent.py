@@ -30,13 +30,13 @@ import sys
 import time
 import uuid
 
-from . import cgroup_memory, identity, keys, network, store as store_mod
+from . import identity, keys, memory, network, store as store_mod
 
 log = logging.getLogger("launcher.agent")
 
 EXIT_APP_FAILED = 3      # this container is fine; the application failed elsewhere
 _PR_SET_PDEATHSIG = 1
-SETUP_GRACE_S = 15.0     # after a peer failed in setup, how long a rank in setup may take to fail
+SETUP_GRACE_S = 8.0      # after a peer failed in setup, how long a rank in setup may take to fail
                          # the same way on its own (ranks start seconds apart on a busy host)
 NOT_RETRIED = ("every rank failed the same way before training started, so it was not retried "
                "(a restart would fail the same way)")
@@ -95,6 +95,8 @@ class Agent:
         self.heartbeat = os.path.abspath(f".heartbeat.{ident.container}")
         self.log_path = os.environ.get("YARNAPP_LOG", "")
         self.members = ident.job.ranks()
+        self.cgroup = memory.own_cgroup()          # to tell a memory kill from any SIGKILL
+        self.group_index = next(i for i, g in enumerate(ident.job.groups) if g.name == ident.group)
 
     # -- the rank process -------------------------------------------------
     def spawn(self, gen):
@@ -108,10 +110,10 @@ class Agent:
             os.unlink(self.heartbeat)
         except FileNotFoundError:
             pass
+        self.memory_before = memory.state(self.cgroup)
         self.child = subprocess.Popen([sys.executable, "-m", "launcher.rank", "--generation", str(gen),
                                        "--heartbeat", self.heartbeat], env=env, preexec_fn=die_with_parent)
         self.spawned = time.monotonic()
-        self.oom_kills = cgroup_memory.read().get("oom_kills") or 0
         self._phase = "setup"
 
     def kill_child(self):
@@ -176,8 +178,10 @@ class Agent:
                 return "other", None
             if rc is not None:
                 what = f"killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
-                if rc == -signal.SIGKILL:
-                    what += self.memory_note()
+                oom = memory.killed_for_memory(self.memory_before, memory.state(self.cgroup),
+                                               self.ident.container, self.group_index)
+                if oom:
+                    what = f"was killed by the kernel: {oom}"
                 err = self.rank_error(gen, self.ident.rank) or {}
                 line = f": {err['error']}" if err.get("error") else ""
                 return "own", {"container": self.ident.container, "rank": self.ident.rank,
@@ -245,16 +249,6 @@ class Agent:
                 break
             time.sleep(self.job.launcher.poll_interval)
         return all(r and r.get("phase") == "setup" and r.get("error") == cause["error"] for r in records)
-
-    def memory_note(self):
-        """", over its container's memory limit ..." when the kernel's OOM killer ended the
-        rank (the container's memory cgroup counted a kill since it was spawned)."""
-        mem = cgroup_memory.read()
-        if (mem.get("oom_kills") or 0) <= getattr(self, "oom_kills", 0):
-            return ""
-        limit = f" of {mem['limit_mib']:.0f} MiB" if mem.get("limit_mib") else ""
-        return (f", over its container's memory limit{limit} (the kernel's OOM killer); give the group "
-                f"more memory, or lower training.data.memory / the batch size")
 
     def network_note(self):
         """On emulated nodes: "; <which node is unreachable>" when the world hangs or cannot

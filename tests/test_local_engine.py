@@ -19,7 +19,7 @@ def test_hello_forms_one_world_across_two_groups(cli, yarnapp_home):
     app = app_id_from(out)
     m = re.search(r"world formed in ([0-9.]+)s after submit", out)
     assert m, out
-    assert float(m.group(1)) < 10
+    assert float(m.group(1)) < 60          # no timeout was waited for (speed: benchmarks, not tests)
     final = dict(kv.split("=", 1) for kv in re.search(r"^final: (.*)$", out, re.M).group(1).split())
     assert final["world_size"] == "3" and final["ok"] == "True"
     assert float(final["allreduce"]) == 6.0 == float(final["expected"])     # 1 + 2 + 3

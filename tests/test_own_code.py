@@ -110,9 +110,7 @@ def test_a_deterministic_startup_error_uses_one_attempt_and_prints_its_line(kind
     run = ({"script": str(code / "broken.py")} if kind == "script"
            else {"function": "broken:main", "files": [str(code / "broken.py")]})
     job = write_job(tmp_path / "broken.yaml", {"name": "broken", "groups": GROUPS, "max_restarts": 3, "run": run})
-    t0 = time.monotonic()
     proc = cli("submit", job, "--wait")
-    took = time.monotonic() - t0
     assert proc.returncode == 1, proc.stdout + proc.stderr
     err = proc.stderr.strip().splitlines()[-1]
     assert err.startswith("Error: app_") and "FAILED after 1 attempt(s)" in err, err
@@ -121,7 +119,6 @@ def test_a_deterministic_startup_error_uses_one_attempt_and_prints_its_line(kind
     app = app_id_from(err)
     st = yarnapp.status(app)
     assert st["state"] == "FAILED" and st["restarts"] == [] and st["failure"]["attempts"] == 1
-    assert took < 90, took                       # not three more attempts
     assert_nothing_left(app)
 
 

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import torch
 
-from launcher import cgroup_memory   # plain functions reading /proc and /sys
+from launcher import memory   # plain functions reading this process's memory cgroup
 
 from . import collectives, strategies
 from .checkpoint import Checkpointer, rng_state, set_rng_state
@@ -48,7 +48,9 @@ class Runner:
         if "example_input" in inspect.signature(self.strategy.setup).parameters:   # for shares: speed
             extra["example_input"] = self.train.example(16)
         self.strategy.setup(model, make_optimizer_factory(spec), **extra)
-        self.ckpt = Checkpointer(ctx.checkpoint_uri, self.comm, ctx.job.checkpoint.keep, ctx.generation)
+        c = ctx.job.checkpoint
+        self.ckpt = Checkpointer(ctx.checkpoint_uri, self.comm, c.keep, ctx.generation, app_id=ctx.app_id,
+                                 name=ctx.job.name, resume=c.resume)
         self.start_step, state = self.ckpt.latest()
         if state is not None:
             self.strategy.load_state_dict(state["strategy"])
@@ -67,7 +69,8 @@ class Runner:
             self.tb = TBLogger(ctx.logdir, ctx.app_id, purge_step=self.start_step or None,
                                sync_every=ctx.job.tensorboard.sync_every, hparams=self._hparams())
         self.last_ckpt_time = time.monotonic()
-        self.rss_peak = 0.0
+        self.cgroup = memory.own_cgroup()
+        self.rss_peak = 0
 
     def _hparams(self):
         s = self.spec
@@ -104,16 +107,20 @@ class Runner:
         self.last_ckpt_time = time.monotonic()
 
     def resources(self):
-        """This rank's data reads and its container's memory (peaks), for status and benchmarks."""
-        st, mem = self.loader.stats, cgroup_memory.read()
+        """This rank's data reads and its container's memory (peaks, MiB), for status and
+        benchmarks: the cgroup's limit and peak (with page cache), its anonymous + mapped
+        memory sampled at every progress record, and this process's own peak RSS."""
+        import resource
+        st, mem = self.loader.stats, memory.state(self.cgroup) or {}
+        mib = (lambda b: round(b / 2 ** 20, 1) if b and b < 1 << 60 else None)     # (no limit: 2^63)
         return {"data_read_mb": round(st.bytes_read / 1e6, 3), "data_rereads": st.rereads,
-                "data_blocks_peak_mib": round(st.peak_bytes / 2 ** 20, 1), "memory_limit_mib": mem.get("limit_mib"),
-                "memory_peak_mib": mem.get("max_usage_mib"), "container_rss_peak_mib": self.rss_peak or None,
-                "rss_peak_mib": cgroup_memory.peak_rss_mib()}
+                "data_blocks_peak_mib": mib(st.peak_bytes), "memory_limit_mib": mib(mem.get("limit")),
+                "memory_peak_mib": mib(mem.get("peak")), "container_rss_peak_mib": mib(self.rss_peak),
+                "rss_peak_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
 
     def log_window(self, step, epoch, window):
         """Aggregate the timings of the last steps over the world; rank 0 logs them."""
-        self.rss_peak = max(self.rss_peak, cgroup_memory.read().get("rss_mib") or 0.0)
+        self.rss_peak = max(self.rss_peak, memory.resident(self.cgroup) or 0)
         n = max(window["steps"], 1)
         mine = np.array([window["compute"] / n, window["comm"] / n, window["wait"] / n, window["wall"] / n])
         every = self.comm.gather(mine, root=0)
@@ -180,7 +187,7 @@ class Runner:
         final = {"accuracy": ev.get("accuracy"), "loss": ev.get("loss"), "train_loss": rec.get("loss"),
                  "steps": step, "samples_per_s": totals["samples"] / max(totals["wall"], 1e-9),
                  "data_wait_pct": 100 * totals["wait"] / max(totals["wall"], 1e-9),
-                 "time_s": train_time, "resumed_from": self.start_step}
+                 "time_s": train_time, "resumed_from": self.start_step, "resumed_app": self.ckpt.resumed_app}
         final = {k: v for k, v in final.items() if v is not None}
         self.save(step)
         self.ckpt.save_model(self.strategy.model_for_export())

@@ -15,6 +15,8 @@ def _p(*a, **k):
 
 def cmd_submit(args):
     spec = api.load(args.job, backend=args.backend, max_restarts=args.max_restarts)
+    if args.resume is not None:
+        spec = api.load(spec, checkpoint=dict(spec.checkpoint.model_dump(), resume=args.resume))
     if args.nodes is not None:
         spec = api.load(spec, network=dict(spec.network.model_dump(), nodes=args.nodes))
     t0 = time.time()
@@ -58,8 +60,11 @@ def cmd_status(args):
     if st.get("tensorboard"):
         _p(f"tensorboard: {st['tensorboard']}")
     for c in st.get("containers", []):
+        peak = f" (peak {c['memory_peak_mib']} MiB)" if c.get("memory_peak_mib") else ""
+        if c.get("gpu_devices"):
+            peak += f"  gpus {','.join(str(g) for g in c['gpu_devices'])}"
         _p(f"  {c['id']:<14} rank {c['rank']:<3} {c['state']:<10} exit={c['exit_code']} "
-           f"attempts={c['attempts']}  {c['vcores']:g} vcores {c['memory_mib']} MiB  [{c['resources']}]")
+           f"attempts={c['attempts']}  {c['vcores']:g} vcores {c['memory_mib']} MiB{peak}  [{c['resources']}]")
     for r in st.get("restarts") or []:
         _p(f"  restart {r.get('generation')}: {r.get('reason')}")
     p = (st.get("progress") or {}).get(0)
@@ -193,6 +198,8 @@ def build_parser():
     s.add_argument("--max-restarts", type=int, help="overrides the job's max_restarts")
     s.add_argument("--wait", action="store_true", help="show progress until it ends; non-zero exit if it fails")
     s.add_argument("--nodes", type=int, help="overrides the job's network.nodes (emulated nodes; local engine, root)")
+    s.add_argument("--resume", metavar="never|latest|APP_ID",
+                   help="overrides checkpoint.resume: where a new application starts from")
     s.set_defaults(fn=cmd_submit)
 
     s = sub.add_parser("status", help="an application's state, containers, restarts and progress")

@@ -119,7 +119,8 @@ def build_spec(job, files):
             env=env,
             files=dict(files),
             script=_script(python, "launcher.tensorboard_service", "environment" in files))
-    return skein.ApplicationSpec(name=job.name, queue=job.queue, tags={TAG}, services=services)
+    return skein.ApplicationSpec(name=job.name, queue=job.queue, tags={TAG}, services=services,
+                                 max_attempts=job.am_attempts)
 
 
 def _contract(group, secret):
