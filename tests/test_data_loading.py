@@ -286,3 +286,20 @@ def test_map_style_dataset_factory_slices_and_resumes(tmp_path):
         assert torch.equal(torch.cat([p[i][2] for p in parts]), x)            # random draws too: seeded per row
     tail = _collect(src.batches(12, 5, 12, seed=4, start_step=5, epochs=2))
     assert all(torch.equal(a[2], b[2]) for a, b in zip(tail, parts[1][5:]))
+
+
+def test_torchvision_ops_are_optional(blocky):
+    spec = _spec(augment=["hflip", {"torchvision.RandomRotation": {"degrees": 10}}, {"center_crop": {"size": 4}}])
+    try:
+        import torchvision.transforms  # noqa: F401
+    except Exception:  # noqa: BLE001 - not installed, or not loadable with this torch
+        with pytest.raises(data.DataError) as e:
+            ParquetSource(blocky, spec)
+        assert "training.data.augment[1].torchvision.RandomRotation" in str(e.value)
+        assert "torchvision" in str(e.value) and "\n" not in str(e.value)
+        return
+    src = ParquetSource(blocky, spec)                         # torchvision's op, then a built-in one per image
+    a = _collect(src.batches(40, 0, 40, seed=1, epochs=1))
+    b = _collect(src.batches(40, 20, 40, seed=1, start_step=3, epochs=1))
+    assert a[0][2].shape == (40, 3, 4, 4)
+    assert all(torch.equal(x[2][20:], y[2]) for x, y in zip(a[3:], b))
