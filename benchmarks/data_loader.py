@@ -21,9 +21,9 @@ shuffle  a real `yarnapp submit` over one epoch of 3x32x32 raw images (synthetic
          `--rows` rows, 4 MiB row groups) on 1 x 1 vcore + 2 x 0.5 vcore containers,
          shares by vcores, the default shuffle (64 MiB windows): bytes read by all ranks /
          dataset size (read amplification), and each container's memory peaks from its
-         cgroup. Also the amplification the order predicts for 3 equal ranks, and for
-         rank slices drawn at random from each batch (what a loader without block-ordered
-         slices reads: every rank every block).
+         cgroup. Also the amplification the order predicts (every block a rank touches
+         read once), and the same for rank slices drawn at random from each batch (what
+         a loader without position-ordered slices reads: every rank every block).
 
 Medians of `--repeat` interleaved rounds; writes benchmarks/results/data_loader.json.
 """
@@ -224,26 +224,26 @@ def part_wait(args, home, rounds):
              "samples_per_s": statistics.median(r["samples_per_s"] for r in runs), "runs": runs}]
 
 
-def predicted_amplification(src, ranks=3):
-    """Bytes of the blocks each rank touches in an epoch / dataset bytes, from the order
-    (each block read once per epoch per rank that touches it)."""
+def predicted_amplification(src, weights, B):
+    """Bytes of the blocks the ranks touch in an epoch / dataset bytes, from the order
+    (each block read once per epoch by each rank that touches it): with block-ordered
+    slices (ours), and with slices drawn at random from each batch."""
     import numpy as np
     from training.data import split_rows
-    o, B = src.order, 256
+    o = src.order
     sizes = np.array([b.read_bytes for b in src.layout.blocks])
-    cuts = np.concatenate([[0], np.cumsum(split_rows(B, [1] * ranks))])
+    counts = split_rows(B, weights)
+    cuts = np.concatenate([[0], np.cumsum(counts)])
     ordered = sum(sizes[np.unique(o.plan(0, 0, B, lo, hi).blocks)].sum() for lo, hi in zip(cuts, cuts[1:]))
-    # slices drawn at random from each batch: with B/ranks rows of every batch, each rank
-    # touches (nearly) every block of every window
     rng = np.random.default_rng(0)
     p = o.plan(0, 0, B, 0, B)
-    rnd = 0
-    for r in range(ranks):
-        blocks = set()
-        for i in range(p.steps):
-            _, bl = p.step(i)
-            blocks.update(rng.permutation(bl)[:B // ranks].tolist())
-        rnd += sizes[list(blocks)].sum()
+    touched = [set() for _ in counts]
+    for i in range(p.steps):
+        _, bl = p.step(i)
+        bl = rng.permutation(bl)
+        for r, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
+            touched[r].update(bl[lo:hi].tolist())
+    rnd = sum(sizes[list(t)].sum() for t in touched)
     return ordered / sizes.sum(), rnd / sizes.sum()
 
 
@@ -252,14 +252,15 @@ def part_shuffle(args, home, rounds):
     data = os.path.join(home, "shuffle-raw")
     rows = 20000 if args.quick else args.rows
     import_synthetic_cifar(data, n_train=rows, n_test=100, shards=4)
-    src = ParquetSource(f"{data}/train")
-    predicted, at_random = predicted_amplification(src)
     job = {"name": "shuffle", "max_restarts": 0,
            "groups": [{"name": "big", "instances": 1, "vcores": 1, "memory": "1 GiB"},
                       {"name": "small", "instances": 2, "vcores": 0.5, "memory": "1 GiB"}],
            "training": {"model": "mlp", "model_options": {"hidden": 64, "layers": 1}, "batch_size": 256,
                         "epochs": 1, "shares": "vcores", "log_every": 1, "data": {"train": f"{data}/train"}},
            "checkpoint": {"uri": os.path.join(home, "shuffle-ckpt"), "every_steps": None}}
+    import conf
+    src = ParquetSource(f"{data}/train", conf.load_job(job).training.data)      # the job's window
+    predicted, at_random = predicted_amplification(src, [1, 0.5, 0.5], 256)
     runs = []
     for r in range(rounds):
         shutil.rmtree(os.path.join(home, "shuffle-ckpt"), ignore_errors=True)
@@ -275,7 +276,7 @@ def part_shuffle(args, home, rounds):
     return [{"part": "shuffle", "case": f"{rows} rows raw 3x32x32, {src.nbytes / 2 ** 20:.0f} MiB, "
                                         f"{len(src.layout.blocks)} blocks, 1x1 + 2x0.5 vcore, shares vcores",
              "amplification": statistics.median(r["amplification"] for r in runs),
-             "predicted_equal_3": predicted, "random_slices_3": at_random, "runs": runs}]
+             "predicted": predicted, "random_slices": at_random, "runs": runs}]
 
 
 def main(argv=None):
@@ -300,8 +301,8 @@ def main(argv=None):
         elif r["part"] == "wait":
             res = f"data wait {r['data_wait_pct']:.2f}% of the step ({r['samples_per_s']:.0f} samples/s)"
         else:
-            res = (f"read amplification {r['amplification']:.3f} (order predicts {r['predicted_equal_3']:.3f} "
-                   f"for 3 equal ranks; random slices {r['random_slices_3']:.2f})")
+            res = (f"read amplification {r['amplification']:.3f} (the order predicts {r['predicted']:.3f}; "
+                   f"slices at random from each batch: {r['random_slices']:.2f})")
         print(f"{r['part']:<8} {r['case'][:34]:<34} {res}")
     meta = {**common.machine_meta(), "rounds": rounds, "quick": args.quick, "workers": args.workers,
             "wall_s": round(time.time() - t0, 1)}

@@ -62,19 +62,23 @@ def test_split_rows_and_map_permutation():
     assert allreduce.split_rows is split_rows
 
 
-def test_epoch_order_is_a_windowed_shuffle_determined_by_seed_and_epoch():
+def test_epoch_order_is_a_stratified_windowed_shuffle_determined_by_seed_and_epoch():
     rows = [50] * 12
-    o = Order(rows, [1000] * 12, window_bytes=4000)               # windows of 4 blocks
-    a = o.epoch_rows(seed=1, epoch=0)
+    o = Order(rows, [1000] * 12, window_bytes=4000)             # 20 B a row: windows of 4 batches of 50
+    assert o.window_rows(50) == 200
+    a = o.epoch_rows(seed=1, epoch=0, global_batch=50)
     assert sorted(a.tolist()) == list(range(600))                # every row once
-    assert np.array_equal(a, Order(rows, [1000] * 12, 4000).epoch_rows(1, 0))
-    assert not np.array_equal(a, o.epoch_rows(1, 1)) and not np.array_equal(a, o.epoch_rows(2, 0))
+    assert np.array_equal(a, Order(rows, [1000] * 12, 4000).epoch_rows(1, 0, 50))
+    assert not np.array_equal(a, o.epoch_rows(1, 1, 50)) and not np.array_equal(a, o.epoch_rows(2, 0, 50))
     for w in range(3):                                           # each window: the rows of 4 whole blocks
-        blocks = set((a[w * 200:(w + 1) * 200] // 50).tolist())
-        assert len(blocks) == 4
-    assert len(set((a[:200] // 50).tolist())) == 4
-    full = Order(rows, [1000] * 12, window_bytes=None).epoch_rows(1, 0)   # one window: a full shuffle
-    assert len(set((full[:200] // 50).tolist())) == 12
+        assert len(set((a[w * 200:(w + 1) * 200] // 50).tolist())) == 4
+    u, perm, cum = o.positions(1, 0, 50)
+    for s in range(12):                                          # a batch: one row of each stratum of 4
+        window, batch = divmod(s, 4)
+        strata = (u[s * 50:(s + 1) * 50] - window * 200) // 4
+        assert sorted(strata.tolist()) == list(range(50))
+    full = Order(rows, [1000] * 12, window_bytes=None).epoch_rows(1, 0, 50)   # one window: a full shuffle
+    assert len(set((full[:50] // 50).tolist())) == 12
 
 
 @pytest.mark.parametrize("drop_last", [True, False])
@@ -89,9 +93,11 @@ def test_rank_slices_tile_the_same_global_batches_and_read_their_share(drop_last
         assert sorted(together.tolist()) == sorted(one.step(i)[0].tolist())       # the same global batch
     n_rows = sum(len(p.rows) for p in parts)
     assert n_rows == (600 // B) * B if drop_last else n_rows == 600
-    # a rank touches about its share of each window's blocks, not all of them
+    # a rank reads one contiguous range of every window: its share of the blocks, and
+    # the blocks cut by a rank's or a window's boundary
     touched = sum(len(set(p.blocks.tolist())) for p in parts)
-    assert touched <= 12 + 2 * 2 * 3, touched                    # each window: at most 2 shared per cut
+    regions = -(-600 // o.window_rows(B)) + 1                     # the windows, and the partial last batch
+    assert touched <= 12 + 3 * regions, touched                   # vs 3 x 12 if every rank read every block
 
 
 # ----------------------------------------------------------------------------- batches

@@ -10,21 +10,24 @@ Map-style datasets (random access) are visited in one permutation of all their r
 [lo_r, hi_r) of each global batch.
 
 Parquet datasets are read in blocks (row groups, or row ranges of a big one). An
-epoch's order is a two-level shuffle, as MosaicML Streaming's "py1b":
+epoch's order (with `B` the global batch):
 
-1. the blocks are permuted;
-2. consecutive blocks of that permutation form windows of at most `window_bytes`
-   (at least one block each), and the rows of each window are permuted together.
+1. the blocks are permuted, and their rows laid out in that order (positions 0..n-1);
+2. the positions are cut into windows of K*B rows (K whole batches, about
+   `window_bytes` of data; the last window may be shorter, the last batch partial);
+3. a window's positions are cut into B strata of K consecutive positions, and each
+   stratum's K rows are dealt to the window's K batches in a random order: batch j of
+   the window holds one random row of every stratum (a stratified shuffle: every batch
+   spans the whole window, and the rows of a block are spread over all its batches).
 
-The epoch is the concatenation of the windows. Global batch s is rows [s*B, (s+1)*B)
-of it. Within a batch the rows are put in their blocks' order (the permuted block
-order, then the row within the block; in a batch spanning two windows, by the relative
-place in each window) before rank r takes its slice [lo_r, hi_r): the
-batch, hence the update, is the same set of rows, but a rank's slice comes from about
-its share of the window's blocks, so it reads about its share of the data (read
-amplification near 1 instead of the world size). The price: a rank's rows of a batch
-come from a few blocks, so statistics computed per rank (BatchNorm's batch
-statistics) see a less mixed sample when the data was written sorted (by class, say).
+Global batch s is the s-th batch of the epoch. Rank r takes rows [lo_r, hi_r) of it in
+position order, that is the rows of strata lo_r..hi_r-1: the same contiguous range of
+every window. So the batch, hence the update, is the same set of rows however it is
+split, while a rank reads only its share of each window's blocks (plus the blocks cut
+by a rank or window boundary): read amplification about 1 + ranks / (blocks per window)
+instead of the world size. The price: a rank's rows of a batch come from its range of
+the window, so statistics computed per rank (BatchNorm's batch statistics) see a less
+mixed sample if the data was written in a meaningful order (sorted by class, say).
 yarnapp's importers write shuffled rows; see docs/data.md.
 """
 import dataclasses
@@ -105,48 +108,37 @@ class Order:
         self.window_bytes = int(window_bytes or 0)
         self.map_style = bool(map_style)
 
-    def _windows(self, perm):
-        """[(first, end)) ranges of positions in `perm` forming the windows."""
+    def window_rows(self, global_batch):
+        """Rows per window: whole batches, about window_bytes of blocks, at least one batch
+        (None: one window for the whole epoch)."""
         if not self.window_bytes:
-            return [(0, len(perm))]
-        out, first, acc = [], 0, 0
-        for i, b in enumerate(self.block_bytes[perm]):
-            if i > first and acc + b > self.window_bytes:
-                out.append((first, i))
-                first, acc = i, 0
-            acc += int(b)
-        out.append((first, len(perm)))
-        return out
+            return None
+        row_bytes = max(1.0, float(self.block_bytes.sum()) / max(1, self.n))
+        return max(1, int(round(self.window_bytes / row_bytes / global_batch))) * global_batch
 
-    def positions(self, seed, epoch, shuffle=True):
-        """(u, perm, cum, bounds): the epoch's sequence u of positions in the row space laid
-        out in block order perm (cum[j] = rows before the j-th block of perm); bounds are
-        the windows' first positions (and n)."""
-        k = len(self.block_rows)
+    def positions(self, seed, epoch, global_batch, shuffle=True):
+        """(u, perm, cum): the epoch's sequence u of positions in the row space laid out in
+        block order perm (cum[j] = rows before the j-th block of perm)."""
+        k, n, B = len(self.block_rows), self.n, int(global_batch)
         if not shuffle:
-            return np.arange(self.n), np.arange(k), self.starts, np.array([0, self.n])
+            return np.arange(n), np.arange(k), self.starts
         if self.map_style:
-            return map_permutation(self.n, seed, epoch), np.arange(k), self.starts, np.array([0, self.n])
-        rng = np.random.default_rng(np.random.SeedSequence([int(seed) % 2 ** 64, int(epoch), 1]))
+            return map_permutation(n, seed, epoch), np.arange(k), self.starts
+        rng = np.random.default_rng(np.random.SeedSequence([int(seed) % 2 ** 64, int(epoch), 2]))
         perm = rng.permutation(k)
         cum = np.concatenate([[0], np.cumsum(self.block_rows[perm])])
-        u = np.empty(self.n, dtype=np.int64)
-        bounds = [0]
-        for first, end in self._windows(perm):
-            a, b = int(cum[first]), int(cum[end])
-            u[a:b] = a + rng.permutation(b - a)
-            bounds.append(b)
-        return u, perm, cum, np.asarray(bounds)
-
-    @staticmethod
-    def _in_block_order(u, bounds):
-        """u's rows (a batch per row of a 2-D u) ordered by their relative place in their
-        window, (u - window start) / window size, then u: a batch that spans two windows
-        gives every rank about its usual part of each, not all of one window to the first."""
-        w = np.searchsorted(bounds, u, side="right") - 1
-        rel = (u - bounds[w]) / (bounds[w + 1] - bounds[w])
-        idx = np.lexsort((u, rel), axis=-1)
-        return np.take_along_axis(u, idx, axis=-1)
+        u = np.empty(n, dtype=np.int64)
+        window = self.window_rows(B) or max(B, n // B * B)
+        a = 0
+        while a < n:
+            K = min(window, n - a) // B
+            if K == 0:                                  # the last, partial batch
+                u[a:] = a + rng.permutation(n - a)
+                break
+            deal = rng.permuted(np.tile(np.arange(K), (B, 1)), axis=1)       # stratum i -> batch order
+            u[a:a + K * B] = (a + np.arange(B)[None, :] * K + deal.T).reshape(-1)
+            a += K * B
+        return u, perm, cum
 
     def to_rows(self, u, perm, cum):
         """(global row ids, block ids) of positions u."""
@@ -154,27 +146,26 @@ class Order:
         blocks = perm[j]
         return self.starts[blocks] + (u - cum[j]), blocks
 
-    def epoch_rows(self, seed, epoch, shuffle=True):
+    def epoch_rows(self, seed, epoch, global_batch, shuffle=True):
         """The global row ids of the epoch, in order."""
-        u, perm, cum, _ = self.positions(seed, epoch, shuffle)
-        return self.to_rows(u, perm, cum)[0]
+        return self.to_rows(*self.positions(seed, epoch, global_batch, shuffle))[0]
 
     def plan(self, seed, epoch, global_batch, lo, hi, drop_last=True, shuffle=True):
         """This rank's Plan of `epoch`: slice [lo, hi) of every global batch."""
         B = int(global_batch)
-        u, perm, cum, bounds = self.positions(seed, epoch, shuffle)
+        u, perm, cum = self.positions(seed, epoch, B, shuffle)
         full = self.n // B
         parts = []
         head = u[:full * B].reshape(full, B)
         if not self.map_style:
-            head = self._in_block_order(head, bounds)
+            head = np.sort(head, axis=1)          # position order: stratum by stratum
         parts.append(head[:, lo:hi].reshape(-1))
         counts = [hi - lo] * full
         rest = self.n - full * B
         if rest and not drop_last:
             tail = u[full * B:]
             if not self.map_style:
-                tail = self._in_block_order(tail, bounds)
+                tail = np.sort(tail)
             a, b = slice_of(lo, hi, rest, B)
             parts.append(tail[a:b])
             counts.append(b - a)

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 IMAGE = "image"
 LABEL = "label"
 FORMAT = 2
-ROW_GROUP_BYTES = 4 << 20
+ROW_GROUP_BYTES = 2 << 20
 
 
 def meta(shape, num_classes, classes, mean, std, source, encoding="raw"):
