@@ -131,3 +131,10 @@ def test_every_example_validates():
     assert "hello.yaml" in names
     for n in names:
         conf.load_job(os.path.join(conf.EXAMPLES_DIR, n))
+
+
+def test_every_example_is_a_valid_job():
+    examples = sorted(f for f in os.listdir(conf.EXAMPLES_DIR) if f.endswith(".yaml"))
+    assert "cifar_jpeg.yaml" in examples
+    for name in examples:
+        conf.load_job(os.path.join(conf.EXAMPLES_DIR, name))
