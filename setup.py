@@ -24,6 +24,8 @@ setup(
         "skein>=0.8.2",
         "venv-pack>=0.2",
         "scikit-learn>=1.3",   # ships the digits data set used by the examples
+        "Pillow>=9.1",         # decodes and resizes images (training.data)
+        "simplejpeg>=1.6",     # decodes JPEG several times faster than Pillow for small images
         "tqdm>=4.60",
         "psutil>=5.9",
         "cloudpickle>=2.2",    # ships a function from a notebook (yarnapp.submit(job, function=f))

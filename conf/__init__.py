@@ -143,5 +143,8 @@ def load_job(source, overrides=None):
         path = _path(first["loc"])
         if msg.startswith(("groups: ", "training", "give ")) and ":" in msg and first["loc"] == ():
             path, msg = msg.split(": ", 1)
+        elif msg.startswith("[") and "]" in msg.split(": ", 1)[0]:     # a list entry: field[i].key
+            where_in, msg = msg.split(": ", 1)
+            path += where_in
         more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
         raise JobError(f"{where}: {path}: {msg}{more}") from None

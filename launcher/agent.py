@@ -114,6 +114,7 @@ class Agent:
         self.child = subprocess.Popen([sys.executable, "-m", "launcher.rank", "--generation", str(gen),
                                        "--heartbeat", self.heartbeat], env=env, preexec_fn=die_with_parent)
         self.spawned = time.monotonic()
+        self._phase = "setup"
 
     def kill_child(self):
         if self.child and self.child.poll() is None:
@@ -157,10 +158,14 @@ class Agent:
         """(phase, seconds since the rank's last heartbeat)."""
         try:
             with open(self.heartbeat) as f:
-                phase = f.read().split()[0]
-            return phase, time.time() - os.path.getmtime(self.heartbeat)
-        except (FileNotFoundError, IndexError):
+                words = f.read().split()
+            age = time.time() - os.path.getmtime(self.heartbeat)
+        except FileNotFoundError:
             return "setup", now - self.spawned
+        if not words:            # caught between the rank's truncate and write: it is beating now
+            return self._phase, age
+        self._phase = words[0]
+        return words[0], age
 
     def monitor(self, gen):
         """Watch one generation; return ("succeeded"|"own"|"other", reason dict)."""

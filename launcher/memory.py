@@ -53,3 +53,17 @@ def killed_for_memory(before, after, container, group_index):
         return None
     return (f"{container} exceeded its memory limit of {mib(after['limit'])} MiB "
             f"(peak {mib(after['peak'])} MiB): raise groups[{group_index}].memory")
+
+
+def resident(cgroup):
+    """Bytes of the cgroup's anonymous and mapped-file memory (memory.stat: total_rss +
+    total_mapped_file): what its processes hold, without the reclaimable page cache that
+    `peak` (memory.max_usage_in_bytes) also counts. None without a cgroup."""
+    if not cgroup:
+        return None
+    try:
+        with open(os.path.join(cgroup, "memory.stat")) as f:
+            stat = dict(line.split() for line in f if line.strip())
+        return int(stat.get("total_rss", 0)) + int(stat.get("total_mapped_file", 0))
+    except (OSError, ValueError):
+        return None

@@ -56,6 +56,25 @@ CASES = [
                         training={"batch_size": 0, "data": {"train": "/x"}}), "training.batch_size", "1"),
     ("shares-count", dict(_with("run.function", "training.runner:main"),
                           training={"shares": [1, 2], "data": {"train": "/x"}}), "training.shares", "2 shares"),
+    ("data-neither", dict(_with("run.function", "training.runner:main"), training={"data": {}}),
+     "training.data", "give train"),
+    ("data-bad-op", dict(_with("run.function", "training.runner:main"),
+                         training={"data": {"train": "/x", "augment": ["hflip", {"crop": {"size": 3}}]}}),
+     "training.data.augment[1]", "unknown op 'crop'"),
+    ("data-bad-option", dict(_with("run.function", "training.runner:main"),
+                             training={"data": {"train": "/x", "augment": [{"random_crop": {"size": 32, "pad": 4}}]}}),
+     "training.data.augment[0].random_crop", "unknown option 'pad'"),
+    ("data-bad-scale", dict(_with("run.function", "training.runner:main"),
+                            training={"data": {"train": "/x", "test_transforms": [
+                                {"random_resized_crop": {"size": 8, "scale": [0.5, 2]}}]}}),
+     "training.data.test_transforms[0].random_resized_crop", "scale"),
+    ("data-mean-alone", dict(_with("run.function", "training.runner:main"),
+                             training={"data": {"train": "/x", "mean": [1, 2, 3]}}), "training.data", "mean and std"),
+    ("data-window", dict(_with("run.function", "training.runner:main"),
+                         training={"data": {"train": "/x", "shuffle_window": "lots"}}),
+     "training.data.shuffle_window", "cannot parse"),
+    ("data-factory", dict(_with("run.function", "training.runner:main"),
+                          training={"data": {"dataset": "nocolon"}}), "training.data.dataset", "module:function"),
     ("not-a-mapping", "- just\n- a list\n", "", "mapping"),
     ("yaml-syntax", "name: t\ngroups: [\n", ":", "not valid YAML"),
     ("gpus-unavailable", _with("groups.0.gpus", 64), "groups[0].gpus", "this machine has"),
@@ -112,3 +131,10 @@ def test_every_example_validates():
     assert "hello.yaml" in names
     for n in names:
         conf.load_job(os.path.join(conf.EXAMPLES_DIR, n))
+
+
+def test_every_example_is_a_valid_job():
+    examples = sorted(f for f in os.listdir(conf.EXAMPLES_DIR) if f.endswith(".yaml"))
+    assert "cifar_jpeg.yaml" in examples
+    for name in examples:
+        conf.load_job(os.path.join(conf.EXAMPLES_DIR, name))

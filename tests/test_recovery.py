@@ -66,6 +66,34 @@ def test_sigkill_one_of_three_ranks_resumes_bit_identically(strategy, reference,
     assert_nothing_left(run.app_id)
 
 
+def test_sigkill_with_augmentation_and_unequal_shares_resumes_bit_identically(digits, tmp_path, yarnapp_home):
+    """Random crops and flips drawn per (seed, epoch, row), shares 3:1:2, a rank killed
+    mid-epoch: the resumed run reads and augments exactly the rows the uninterrupted
+    one did, so the final weights are equal."""
+    def job(name):
+        j = digits_job(tmp_path, digits, name, steps=45, every=10)
+        j["training"]["shares"] = [3, 1, 2]
+        j["training"]["data"].update({"augment": [{"random_crop": {"size": 8, "padding": 1}}, "hflip"],
+                                      "shuffle_window": "16 KiB"})     # windows of one block
+        return j
+    ref = job("aug-ref")
+    run_to_end(ref)
+    killed = job("aug-killed")
+    run = yarnapp.submit(killed)
+    pid = rank_pid(run, rank=2)
+    kill_at = random.Random("kill-augment").randint(33, 42)          # in the second epoch (29 steps each)
+    wait_step(run, rank=2, step=kill_at)
+    os.kill(pid, signal.SIGKILL)
+    st = run.wait(timeout=600)
+    assert st["state"] == "SUCCEEDED", (st.get("diagnostics"), run.logs())
+    assert [r["generation"] for r in st["restarts"]] == [1]
+    resumed = st["final"]["resumed_from"]
+    assert resumed in (30, 40) and resumed <= kill_at + 1, (kill_at, resumed)
+    assert _equal(final_weights(killed), final_weights(ref))
+    print(f"augmented: killed at step {kill_at}, resumed from {resumed}")
+    assert_nothing_left(run.app_id)
+
+
 def test_sigstopped_rank_is_detected_and_recovered(reference, digits, tmp_path, yarnapp_home):
     job = digits_job(tmp_path, digits, "stopped", heartbeat="4s")
     run = yarnapp.submit(job)

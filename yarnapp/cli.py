@@ -170,7 +170,7 @@ def cmd_netem(args):
 def cmd_data_import(args):
     from training import data
     opts = {k: v for k, v in vars(args).items() if k in ("shards", "seed", "n_train", "n_test", "path",
-                                                         "size", "mode") and v not in (None, False)}
+                                                         "encoding", "quality") and v not in (None, False)}
     if args.overwrite:
         opts["overwrite"] = True
     if args.kind == "image-folder" and "path" in opts:
@@ -322,8 +322,9 @@ def build_parser():
     s.add_argument("--n-train", type=int, dest="n_train")
     s.add_argument("--n-test", type=int, dest="n_test")
     s.add_argument("--path", help="arrays: an .npz with x and y; image-folder: the folder (a subfolder per class)")
-    s.add_argument("--size", help="image-folder: resize to HxW, e.g. 32x32")
-    s.add_argument("--mode", choices=["RGB", "L"], help="image-folder: colour or grey")
+    s.add_argument("--encoding", choices=["raw", "jpeg", "png"],
+                   help="synthetic-cifar: raw pixels (default) or image files (image-folder keeps its files)")
+    s.add_argument("--quality", type=int, help="synthetic-cifar --encoding jpeg: JPEG quality (default 90)")
     s.add_argument("--overwrite", action="store_true", help="replace an existing dataset")
     s.set_defaults(fn=cmd_data_import)
     return p
