@@ -210,16 +210,31 @@ def test_tensorboard_through_the_proxy_acls_kill_and_a_canary_secret(cluster, sh
     files = [i for i in fs.get_file_info(pafs.FileSelector(tb, recursive=True)) if i.type == pafs.FileType.File]
     assert files, "no TensorBoard files on HDFS"
     assert all(CANARY.encode() not in fsutil.read_bytes(fs, i.path) for i in files)
-    readable = []
+    readable = []                                                 # by another user of this host
     for d, _, fs_ in os.walk(cluster.hadoop.root):
         for f in fs_:
             p = os.path.join(d, f)
             try:
-                if os.stat(p).st_mode & stat.S_IROTH and CANARY.encode() in open(p, "rb").read():
+                if _others_can_read(p) and CANARY.encode() in open(p, "rb").read():
                     readable.append(p)
             except OSError:
                 continue
     assert readable == []
+
+
+def _others_can_read(path):
+    """Whether a user other than the owner (and outside its group) can open `path`: the file
+    readable by others and every directory above it searchable by others. (A DataNode's block
+    files are 0644 inside its 0700 data directory, as on a real cluster.)"""
+    if not os.stat(path).st_mode & stat.S_IROTH:
+        return False
+    d = os.path.dirname(os.path.abspath(path))
+    while True:
+        if not os.stat(d).st_mode & stat.S_IXOTH:
+            return False
+        if d == os.path.dirname(d):
+            return True
+        d = os.path.dirname(d)
 
 
 def digits_job(name, data, **extra):
