@@ -9,7 +9,8 @@ setup(
     python_requires=">=3.9",
     packages=find_packages(include=["conf", "yarnapp", "yarnapp.*", "launcher", "launcher.*",
                                     "training", "training.*"]),
-    package_data={"conf": ["defaults.yaml", "examples/*.yaml", "constraints.txt"]},
+    package_data={"conf": ["defaults.yaml", "examples/*.yaml", "constraints.txt",
+                            "hadoop/pom.xml", "hadoop/etc/*"]},
     install_requires=[
         "pydantic>=2.5",
         "pyyaml>=6",
@@ -23,8 +24,12 @@ setup(
         "skein>=0.8.2",
         "venv-pack>=0.2",
         "scikit-learn>=1.3",   # ships the digits data set used by the examples
+        "Pillow>=9.1",         # decodes and resizes images (training.data)
+        "simplejpeg>=1.6",     # decodes JPEG several times faster than Pillow for small images
         "tqdm>=4.60",
         "psutil>=5.9",
+        "cloudpickle>=2.2",    # ships a function from a notebook (yarnapp.submit(job, function=f))
+        "setuptools>=61",      # find_packages: the top-level packages of editable installs to ship
         "matplotlib>=3.7",
         "mtkahypar>=1.7",      # hypergraph partitioner of the hypergraph strategy
     ],

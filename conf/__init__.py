@@ -38,8 +38,9 @@ def resolve(raw, overrides=None):
     templates = {k: d.pop(k) for k in _TEMPLATES}
     job = _merge(d, raw)
     user_run = raw.get("run")
-    if isinstance(user_run, dict) and user_run.get("script") and "function" not in user_run:
-        job["run"]["function"] = None   # the default function applies only when neither is given
+    if isinstance(user_run, dict) and (user_run.get("script") or user_run.get("pickle")) \
+            and "function" not in user_run:
+        job["run"]["function"] = None   # the default function applies only when nothing else is given
     if isinstance(job.get("groups"), list):
         job["groups"] = [_merge(templates["group"], g) if isinstance(g, dict) else g
                          for g in job["groups"]]
@@ -135,8 +136,10 @@ def absolutize(job, base):
 
     def fix(v):
         return v if v is None or "://" in v or os.path.isabs(v) else os.path.normpath(os.path.join(base, v))
-    if d["run"]["script"]:
-        d["run"]["script"] = fix(d["run"]["script"])
+    for k in ("script", "pickle"):
+        d["run"][k] = fix(d["run"][k])
+    if d["run"]["files"]:
+        d["run"]["files"] = [fix(f) for f in d["run"]["files"]]
     if d["training"]:
         d["training"]["data"]["train"] = fix(d["training"]["data"]["train"])
         d["training"]["data"]["test"] = fix(d["training"]["data"]["test"])
@@ -145,13 +148,11 @@ def absolutize(job, base):
     return JobSpec.model_validate(d)
 
 
-def load_job(source, overrides=None):
-    """Return a validated JobSpec from a path, a dict or a JobSpec.
-
-    Raises JobError with one line `FILE: FIELD: what is wrong`.
-    """
+def read_raw(source):
+    """(where, the job as a plain dict) from a job.yaml path, a dict or a JobSpec, before
+    defaults are merged; raises JobError for a file that cannot be read as a mapping."""
     if isinstance(source, JobSpec):
-        return source if not overrides else load_job(source.model_dump(mode="python"), overrides)
+        return "job", source.model_dump(mode="python")
     where = "job"
     if isinstance(source, (str, os.PathLike)):
         where = str(source)
@@ -171,6 +172,17 @@ def load_job(source, overrides=None):
         raw = copy.deepcopy(source)
     if not isinstance(raw, dict):
         raise JobError(f"{where}: expected a mapping of job fields at the top level")
+    return where, raw
+
+
+def load_job(source, overrides=None):
+    """Return a validated JobSpec from a path, a dict or a JobSpec.
+
+    Raises JobError with one line `FILE: FIELD: what is wrong`.
+    """
+    if isinstance(source, JobSpec) and not overrides:
+        return source
+    where, raw = read_raw(source)
     try:
         return JobSpec.model_validate(resolve(raw, overrides))
     except ValidationError as e:
@@ -180,5 +192,8 @@ def load_job(source, overrides=None):
         path = _path(first["loc"])
         if msg.startswith(("groups: ", "training", "give ")) and ":" in msg and first["loc"] == ():
             path, msg = msg.split(": ", 1)
+        elif msg.startswith("[") and "]" in msg.split(": ", 1)[0]:     # a list entry: field[i].key
+            where_in, msg = msg.split(": ", 1)
+            path += where_in
         more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
         raise JobError(f"{where}: {path}: {msg}{more}") from None

@@ -5,8 +5,9 @@ their own, so the defaults file is the single place a default can be read or cha
 (``conf.load_job`` merges it under the user's file before validation).
 """
 import ipaddress
+import re
 import typing
-from typing import Annotated, Dict, List, Literal, Optional, Union
+from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
                       model_validator)
@@ -51,25 +52,141 @@ class Group(Model):
 
 
 class Run(Model):
-    """What each rank runs: a `module:function` called with the RunContext, or a script."""
+    """What each rank runs: a `module:function` called with the RunContext, a script, or
+    a function shipped pickled (what `yarnapp.submit(job, function=f)` writes); and the
+    user's files shipped into every container (yarnapp.shipping)."""
     function: Annotated[Optional[str], AfterValidator(_module_function)]
     script: Optional[str]
+    pickle: Optional[str]
     args: List[str]
+    files: Optional[List[str]]
+    editable: bool
 
     @model_validator(mode="after")
     def _one_of(self):
-        if self.function and self.script:
-            raise ValueError("give either run.function or run.script, not both")
-        if not self.function and not self.script:
+        given = [k for k in ("function", "script", "pickle") if getattr(self, k)]
+        if len(given) > 1:
+            raise ValueError(f"give one of run.function, run.script or run.pickle, not {' and '.join(given)}")
+        if not given:
             raise ValueError("give run.function (module:function) or run.script (a .py file)")
         return self
 
 
+# The augmentation ops of training.data.augment / test_transforms and their options
+# (training.data.transforms implements them; their option defaults are its keyword
+# defaults, documented in docs/data.md). "torchvision.NAME" entries take any options.
+AUGMENT_OPS = {
+    "resize": {"size"},
+    "center_crop": {"size"},
+    "random_crop": {"size", "padding", "fill"},
+    "random_resized_crop": {"size", "scale", "ratio"},
+    "hflip": {"p"},
+}
+_REQUIRED = {"resize": {"size"}, "center_crop": {"size"}, "random_crop": {"size"}, "random_resized_crop": {"size"}}
+
+
+def _number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_option(op, key, v):
+    """None if option `key` of `op` is valid, else what is wrong."""
+    if key == "size":
+        ok = (isinstance(v, int) and not isinstance(v, bool) and v > 0) or (
+            isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x > 0
+                                                         for x in v))
+        return None if ok else f"size must be a positive integer or [height, width], got {v!r}"
+    if key in ("padding", "fill"):
+        top = 255 if key == "fill" else 10 ** 6
+        ok = isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= top
+        return None if ok else f"{key} must be an integer in [0, {top}], got {v!r}"
+    if key == "p":
+        return None if _number(v) and 0 <= v <= 1 else f"p must be a probability in [0, 1], got {v!r}"
+    if key in ("scale", "ratio"):
+        ok = isinstance(v, list) and len(v) == 2 and all(_number(x) and x > 0 for x in v) and v[0] <= v[1] \
+            and (key == "ratio" or v[1] <= 1)
+        bounds = "0 < a <= b <= 1" if key == "scale" else "0 < a <= b"
+        return None if ok else f"{key} must be [a, b] with {bounds}, got {v!r}"
+    return f"unknown option {key!r}"
+
+
+def _augment(entries):
+    """Check training.data.augment / test_transforms; returns them as [{op: {options}}]."""
+    out = []
+    for i, entry in enumerate(entries):
+        if isinstance(entry, str):
+            entry = {entry: {}}
+        if not isinstance(entry, dict) or len(entry) != 1:
+            raise ValueError(f"[{i}]: expected an op name or {{op: {{options}}}}, such as hflip or "
+                             f"{{random_crop: {{size: 32, padding: 4}}}}, got {entry!r}")
+        (name, options), = entry.items()
+        options = {} if options is None else options
+        if not isinstance(options, dict):
+            raise ValueError(f"[{i}].{name}: options must be a mapping, got {options!r}")
+        if name.startswith("torchvision.") and len(name) > len("torchvision."):
+            out.append({name: dict(options)})
+            continue
+        if name not in AUGMENT_OPS:
+            raise ValueError(f"[{i}]: unknown op {name!r}; choose one of {', '.join(AUGMENT_OPS)} "
+                             f"or torchvision.NAME")
+        for key, v in options.items():
+            if key not in AUGMENT_OPS[name]:
+                raise ValueError(f"[{i}].{name}: unknown option {key!r}; options are "
+                                 f"{', '.join(sorted(AUGMENT_OPS[name]))}")
+            wrong = _check_option(name, key, v)
+            if wrong:
+                raise ValueError(f"[{i}].{name}: {wrong}")
+        missing = _REQUIRED.get(name, set()) - set(options)
+        if missing:
+            raise ValueError(f"[{i}].{name}: {', '.join(sorted(missing))} is required")
+        out.append({name: dict(options)})
+    return out
+
+
+def _shape(v):
+    if v is not None and (len(v) != 3 or not all(x > 0 for x in v)):
+        raise ValueError(f"expected [C, H, W], three positive integers, got {v!r}")
+    return v
+
+
+Augment = Annotated[List[Union[str, Dict[str, Optional[Dict[str, Any]]]]], AfterValidator(_augment)]
+
+
+class DataColumns(Model):
+    image: str
+    label: str
+    class_name: Optional[str]
+
+
 class Data(Model):
-    """Parquet datasets (directories of shards) at any pyarrow filesystem URI."""
-    train: str
+    """The training and test sets: Parquet datasets at any pyarrow filesystem URI, or a
+    user's map-style dataset (docs/data.md)."""
+    train: Optional[str]
     test: Optional[str]
+    dataset: Annotated[Optional[str], AfterValidator(_module_function)]
+    dataset_options: Dict[str, Any]
+    columns: DataColumns
+    shape: Annotated[Optional[List[int]], AfterValidator(_shape)]
+    mean: Optional[List[float]]
+    std: Optional[List[Annotated[float, Field(gt=0)]]]
+    augment: Augment
+    test_transforms: Augment
+    transform: Annotated[Optional[str], AfterValidator(_module_function)]
+    workers: Optional[Annotated[int, Field(ge=1)]]
+    memory: Optional[MemoryMiB]
+    shuffle_window: MemoryMiB
     prefetch: Annotated[int, Field(ge=0)]
+
+    @model_validator(mode="after")
+    def _source(self):
+        if bool(self.train) == bool(self.dataset):
+            raise ValueError("give train (a Parquet dataset URI) or dataset (a package.module:factory)"
+                             if not self.train else "give train or dataset, not both")
+        if self.dataset and self.test:
+            raise ValueError("test is for Parquet data; a dataset factory is called with split='test'")
+        if (self.mean is None) != (self.std is None) or (self.mean and len(self.mean) != len(self.std)):
+            raise ValueError("give mean and std together, one value per channel")
+        return self
 
 
 # -- the strategies: one model each, tagged by `name` ------------------------------------------
@@ -129,7 +246,7 @@ class Training(Model):
     """The built-in runner's configuration (run.function = training.runner:main)."""
     strategy: StrategyConfig
     model: str
-    model_options: Dict[str, Union[int, float, str, bool, List[int]]]
+    model_options: Dict[str, Any]
     data: Data
     batch_size: Annotated[int, Field(ge=1)]
     epochs: Annotated[int, Field(ge=1)]
@@ -143,8 +260,16 @@ class Training(Model):
     log_every: Annotated[int, Field(ge=1)]
 
 
+def _resume(value):
+    if value in ("never", "latest") or re.fullmatch(r"app_\d{8}_\d{6}_[0-9a-f]+|application_\d+_\d+", value):
+        return value
+    raise ValueError(f"expected never, latest or an application id such as app_20261123_101500_ab12cd "
+                     f"or application_1700000000000_0001, got {value!r}")
+
+
 class Checkpoint(Model):
     uri: Optional[str]
+    resume: Annotated[str, AfterValidator(_resume)]
     every_steps: Optional[Annotated[int, Field(ge=1)]]
     every_seconds: Optional[Seconds]
     keep: Annotated[int, Field(ge=1)]
@@ -160,6 +285,21 @@ class Environment(Model):
     """The Python environment shipped to YARN containers (local engine: this one)."""
     packer: Literal["venv-pack", "conda-pack", "none"]
     archive: Optional[str]
+
+
+class YarnAcls(Model):
+    """Who besides the submitting user may view / modify (kill) the application on YARN."""
+    enable: bool
+    view_users: List[str]
+    view_groups: List[str]
+    modify_users: List[str]
+    modify_groups: List[str]
+
+
+class Yarn(Model):
+    """YARN-only settings (the local engine ignores them)."""
+    acls: YarnAcls
+    storage: Optional[str]
 
 
 class Launcher(Model):
@@ -185,9 +325,11 @@ class JobSpec(Model):
     run: Run
     training: Optional[Training]
     max_restarts: Annotated[int, Field(ge=0)]
+    am_attempts: Annotated[int, Field(ge=1)]
     checkpoint: Checkpoint
     tensorboard: TensorBoard
     environment: Environment
+    yarn: Yarn
     launcher: Launcher
     network: Network
 

@@ -30,12 +30,16 @@ import sys
 import time
 import uuid
 
-from . import identity, keys, network, store as store_mod
+from . import identity, keys, memory, network, results, store as store_mod
 
 log = logging.getLogger("launcher.agent")
 
 EXIT_APP_FAILED = 3      # this container is fine; the application failed elsewhere
 _PR_SET_PDEATHSIG = 1
+SETUP_GRACE_S = 8.0      # after a peer failed in setup, how long a rank in setup may take to fail
+                         # the same way on its own (ranks start seconds apart on a busy host)
+NOT_RETRIED = ("every rank failed the same way before training started, so it was not retried "
+               "(a restart would fail the same way)")
 
 
 def die_with_parent():
@@ -91,20 +95,26 @@ class Agent:
         self.heartbeat = os.path.abspath(f".heartbeat.{ident.container}")
         self.log_path = os.environ.get("YARNAPP_LOG", "")
         self.members = ident.job.ranks()
+        self.cgroup = memory.own_cgroup()          # to tell a memory kill from any SIGKILL
+        self.group_index = next(i for i, g in enumerate(ident.job.groups) if g.name == ident.group)
 
     # -- the rank process -------------------------------------------------
     def spawn(self, gen):
         threads = str(max(1, math.ceil(self.ident.rank_info()["vcores"])))
+        # The working directory holds the user's shipped code (yarnapp.shipping): importable.
+        path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
         env = dict(os.environ, YARNAPP_RANK=str(self.ident.rank), YARNAPP_WORLD_SIZE=str(self.ident.world_size),
                    YARNAPP_GENERATION=str(gen), YARNAPP_INCARNATION=self.incarnation,
-                   OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+                   OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONPATH=path)
         try:
             os.unlink(self.heartbeat)
         except FileNotFoundError:
             pass
+        self.memory_before = memory.state(self.cgroup)
         self.child = subprocess.Popen([sys.executable, "-m", "launcher.rank", "--generation", str(gen),
                                        "--heartbeat", self.heartbeat], env=env, preexec_fn=die_with_parent)
         self.spawned = time.monotonic()
+        self._phase = "setup"
 
     def kill_child(self):
         if self.child and self.child.poll() is None:
@@ -112,32 +122,35 @@ class Agent:
             self.child.wait()
 
     # -- watching -----------------------------------------------------------
-    def lost_member(self, gen):
-        """A member that joined this generation whose container is gone or replaced."""
-        alive = {k.split("/", 1)[1]: v for k, v in self.store.get_prefix("alive/").items()}
+    def observe(self, gen):
+        """Everything monitor needs from the store for one poll, in ONE store call whatever
+        the world's size: the generation's keys, who is alive, who is done, and FAILED."""
+        return self.store.snapshot(prefixes=(f"{keys.ABORT_PREFIX}{gen:04d}/", "alive/", "done/"),
+                                   keys=(keys.FAILED,))
+
+    def lost_member(self, gen, seen):
+        """A member that joined this generation whose container is gone or replaced
+        (`seen`: a snapshot from observe)."""
         for m in self.members:
             if m["rank"] == self.ident.rank:
                 continue
-            joined = self.store.get(keys.joined(gen, m["rank"]) if m["rank"] else keys.port(gen))
-            if joined is None or self.store.get(keys.done(m["container"])) is not None:
+            joined = keys.joined(gen, m["rank"]) if m["rank"] else keys.port(gen)
+            if joined not in seen or keys.done(m["container"]) in seen:
                 continue
-            a = alive.get(m["container"])
+            a = seen.get(keys.alive(m["container"]))
             if a is None:
                 return m["container"], "its container exited"
-            inc = json.loads(a)["incarnation"]
-            if inc != self.joined_incarnation(gen, m):
+            inc = seen.get(keys.incarnation(gen, m["rank"]))
+            if json.loads(a)["incarnation"] != (inc.decode() if inc else None):
                 return m["container"], "its container was replaced"
         return None
-
-    def joined_incarnation(self, gen, m):
-        v = self.store.get(keys.incarnation(gen, m["rank"]))
-        return v.decode() if v else None
 
     def someone_else_failed(self, gen, grace=1.0):
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
-            if self.store.get(keys.abort(gen)) is not None or self.lost_member(gen):
-                return self.store.get(keys.abort(gen)) is not None
+            seen = self.observe(gen)
+            if keys.abort(gen) in seen or self.lost_member(gen, seen):
+                return keys.abort(gen) in seen
             time.sleep(0.05)
         return False
 
@@ -145,10 +158,14 @@ class Agent:
         """(phase, seconds since the rank's last heartbeat)."""
         try:
             with open(self.heartbeat) as f:
-                phase = f.read().split()[0]
-            return phase, time.time() - os.path.getmtime(self.heartbeat)
-        except (FileNotFoundError, IndexError):
+                words = f.read().split()
+            age = time.time() - os.path.getmtime(self.heartbeat)
+        except FileNotFoundError:
             return "setup", now - self.spawned
+        if not words:            # caught between the rank's truncate and write: it is beating now
+            return self._phase, age
+        self._phase = words[0]
+        return words[0], age
 
     def monitor(self, gen):
         """Watch one generation; return ("succeeded"|"own"|"other", reason dict)."""
@@ -164,16 +181,29 @@ class Agent:
                 return "other", None
             if rc is not None:
                 what = f"killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
+                oom = memory.killed_for_memory(self.memory_before, memory.state(self.cgroup),
+                                               self.ident.container, self.group_index)
+                if oom:
+                    what = f"was killed by the kernel: {oom}"
+                err = self.rank_error(gen, self.ident.rank) or {}
+                line = f": {err['error']}" if err.get("error") else ""
                 return "own", {"container": self.ident.container, "rank": self.ident.rank,
-                               "exit_code": rc,
-                               "reason": f"rank {self.ident.rank} ({self.ident.container}) {what}" + self.network_note()}
-            if self.store.get(keys.FAILED) is not None or self.store.get(keys.abort(gen)) is not None:
+                               "exit_code": rc, "error": err.get("error"), "phase": err.get("phase"),
+                               "reason": f"rank {self.ident.rank} ({self.ident.container}) {what}{line}"
+                                         + self.network_note()}
+            seen = self.observe(gen)
+            if keys.FAILED in seen:
                 return "other", None
-            formed = self.store.get(keys.formed(gen)) is not None
+            abort = seen.get(keys.abort(gen))
+            if abort is not None:
+                if json.loads(abort).get("phase") == "setup" and self.read_heartbeat(time.monotonic())[0] == "setup":
+                    self.let_fail(SETUP_GRACE_S)   # will it fail the same way? (see deterministic)
+                return "other", None
+            formed = keys.formed(gen) in seen
             now = time.monotonic()
             if not formed and now - self.spawned > lj.rendezvous_timeout:
-                missing = [m["container"] for m in self.members if m["rank"] and
-                           self.store.get(keys.joined(gen, m["rank"])) is None]
+                missing = [m["container"] for m in self.members
+                           if m["rank"] and keys.joined(gen, m["rank"]) not in seen]
                 nodes = network.members_from(self.store)
                 missing = [f"{c} on {nodes[c]['node']} ({nodes[c]['addr']})" if c in nodes else c for c in missing]
                 return "own", {"container": self.ident.container, "rank": self.ident.rank, "exit_code": None,
@@ -193,11 +223,36 @@ class Agent:
                                              f"no progress for {silent:.1f}s in {phase} (limit {limit:g}s: "
                                              f"launcher.{'heartbeat' if phase == 'train' else 'rendezvous'}"
                                              f"_timeout)" + self.network_note()}
-            lost = self.lost_member(gen)
+            lost = self.lost_member(gen, seen)
             if lost:
                 return "own", {"container": lost[0], "rank": None, "exit_code": None,
                                "reason": f"lost {lost[0]}: {lost[1]}", "observed_by": self.ident.container}
             time.sleep(lj.poll_interval)
+
+    def rank_error(self, gen, rank):
+        """The error record a rank left for generation `gen` (launcher.rank), or None."""
+        v = self.store.get(keys.error(gen, rank))
+        return json.loads(v) if v else None
+
+    def let_fail(self, seconds):
+        """Give the rank, still in setup, up to `seconds` to end on its own."""
+        deadline = time.monotonic() + seconds
+        while self.child.poll() is None and time.monotonic() < deadline:
+            time.sleep(self.job.launcher.poll_interval)
+
+    def deterministic(self, gen, cause):
+        """Whether generation `gen` failed in a way a restart would repeat: every rank failed
+        before its first training step with the same error line. Waits (bounded) until every
+        rank's agent has recorded how its rank ended."""
+        if cause.get("phase") != "setup" or not cause.get("error"):
+            return False
+        deadline = time.monotonic() + SETUP_GRACE_S + 5
+        while True:
+            records = [self.rank_error(gen, m["rank"]) for m in self.members]
+            if all(records) or time.monotonic() > deadline:
+                break
+            time.sleep(self.job.launcher.poll_interval)
+        return all(r and r.get("phase") == "setup" and r.get("error") == cause["error"] for r in records)
 
     def network_note(self):
         """On emulated nodes: "; <which node is unreachable>" when the world hangs or cannot
@@ -224,12 +279,19 @@ class Agent:
                 log.info("SUCCEEDED")
                 return 0
             self.kill_child()
+            # How this rank ended, for `deterministic` (its own error record, if it left one, wins).
+            self.store.put_if_absent(keys.error(gen, self.ident.rank), json.dumps({"error": None}))
             if reason:
                 reason.update(generation=gen, time=time.time(), log=self.log_path,
                               log_tail=log_tail(self.log_path) if reason.get("rank") == self.ident.rank else "")
                 if self.store.put_if_absent(keys.abort(gen), json.dumps(reason)):
                     log.error("generation %d aborted: %s", gen, reason["reason"])
             cause = json.loads(self.store.get(keys.abort(gen)) or b"{}")
+            final = self.store.get(keys.FAILED) is not None
+            if not final and self.deterministic(gen, cause):
+                self.store.put_if_absent(keys.FAILED, json.dumps({
+                    **cause, "attempts": gen + 1, "retried": False,
+                    "reason": f"{cause.get('reason')}; {NOT_RETRIED}"}))
             if self.store.get(keys.FAILED) is not None or spent_restarts(self.store, gen) > self.job.max_restarts:
                 first = json.loads(self.store.get(keys.abort(0)) or b"{}") or cause
                 first["attempts"] = gen + 1
@@ -268,6 +330,7 @@ def main():
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
     code = agent.run()
+    results.publish_end(ident, store, code)     # YARN: what outlives the application
     logging.shutdown()
     return code
 

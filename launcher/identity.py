@@ -6,9 +6,15 @@ The contract (set by the local engine, or by the skein spec on YARN):
     YARNAPP_CONTAINER_ID  <group>_<instance> (on YARN: SKEIN_CONTAINER_ID)
     YARNAPP_GROUP       the worker group
     YARNAPP_JOB         path of the resolved job spec (JSON)
-    YARNAPP_SECRET      per-application secret that admits a process into the world
+    YARNAPP_SECRET      local engine: per-application secret that admits a process into the world
+                        (a process's environment is readable by its user only)
+    YARNAPP_SECRET_FILE YARN: a localized file holding it instead (YARN shows a container's
+                        environment to everyone who may view the application: its
+                        launch_container.sh is among the aggregated logs)
     YARNAPP_STORE       local engine only: directory of the coordination store
     YARNAPP_APP_DIR     local engine only: the application's directory
+    YARNAPP_STORAGE     YARN: where applications keep what outlives them (a URI on the cluster's
+                        default filesystem); the application's directory is <storage>/<app id>
 """
 import dataclasses
 import json
@@ -61,6 +67,23 @@ class Identity:
         return self.job.tensorboard.logdir or os.path.join(self.app_dir, "tensorboard")
 
 
+def secret_from_env(env):
+    if env.get("YARNAPP_SECRET_FILE"):
+        with open(env["YARNAPP_SECRET_FILE"]) as f:
+            return f.read().strip()
+    return env.get("YARNAPP_SECRET", "")
+
+
+def app_dir_from_env(env, app_id):
+    """The application's directory: the local engine's, <YARNAPP_STORAGE>/<app id> on YARN,
+    else the working directory."""
+    if env.get("YARNAPP_APP_DIR"):
+        return env["YARNAPP_APP_DIR"]
+    if env.get("YARNAPP_STORAGE"):
+        return f"{env['YARNAPP_STORAGE'].rstrip('/')}/{app_id}"
+    return os.getcwd()
+
+
 def from_env(environ=None):
     env = os.environ if environ is None else environ
     container = env.get("YARNAPP_CONTAINER_ID") or env["SKEIN_CONTAINER_ID"]
@@ -70,8 +93,7 @@ def from_env(environ=None):
     # -1: a replacement container with a new instance number (skein numbers a
     # restarted instance after the service's count); the agent adopts a free slot.
     rank = next((r["rank"] for r in job.ranks() if r["container"] == container), -1)
-    return Identity(backend=env.get("YARNAPP_BACKEND", "local"),
-                    app_id=env.get("YARNAPP_APP_ID") or env.get("SKEIN_APPLICATION_ID", "unknown"),
+    app_id = env.get("YARNAPP_APP_ID") or env.get("SKEIN_APPLICATION_ID", "unknown")
+    return Identity(backend=env.get("YARNAPP_BACKEND", "local"), app_id=app_id,
                     container=container, group=group, instance=int(instance), rank=rank, job=job,
-                    secret=env.get("YARNAPP_SECRET", ""),
-                    app_dir=env.get("YARNAPP_APP_DIR") or os.getcwd())
+                    secret=secret_from_env(env), app_dir=app_dir_from_env(env, app_id))

@@ -37,6 +37,18 @@ def incarnation(gen, rank):
     return f"gen/{gen:04d}/incarnation/{rank:05d}"
 
 
+def master(gen):
+    """Where rank 0's torch.distributed TCPStore listens in generation `gen`: JSON
+    {"addr", "port"} (launcher.torch_env; MASTER_ADDR / MASTER_PORT of every rank)."""
+    return f"gen/{gen:04d}/master"
+
+
+def error(gen, rank):
+    """The one-line error with which `rank` failed in generation `gen`, and whether it
+    failed before its first training step: JSON {"error", "phase"} (launcher.rank)."""
+    return f"gen/{gen:04d}/error/{rank:05d}"
+
+
 def formed(gen):
     """Written by rank 0 once the whole world is formed: JSON with timings and addresses."""
     return f"gen/{gen:04d}/formed"

@@ -15,6 +15,10 @@ rank then makes MPI use exactly that, as it would on separate machines:
     MPIR_CVAR_NOLOCAL=1        never shared memory, even if MPICH thought two ranks were
                                on one host (for singletons joined by Connect/Accept it does
                                not use it anyway: measured, all traffic went over TCP)
+    GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME = <iface>: torch.distributed over the same
+                               interface (gloo otherwise binds the address the host name
+                               resolves to, loopback here, and peers on other nodes fail
+                               to connect: measured)
 
 Without YARNAPP_HOST_ADDR nothing is changed (the default, shared-host behaviour).
 `configure` runs in the rank process before `world.join` imports mpi4py, so the
@@ -51,9 +55,12 @@ def interface_of(addr):
 
 
 def mpi_env(addr):
-    """The MPICH 4.3 settings for TCP over the interface of `addr`, nothing shared."""
-    return {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": interface_of(addr),
-            "MPIR_CVAR_NOLOCAL": "1"}
+    """The MPICH 4.3 settings for TCP over the interface of `addr`, nothing shared; and the
+    same interface for torch.distributed's gloo and NCCL, whose own guess (the address the
+    host name resolves to) is loopback here."""
+    iface = interface_of(addr)
+    return {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": iface,
+            "MPIR_CVAR_NOLOCAL": "1", "GLOO_SOCKET_IFNAME": iface, "NCCL_SOCKET_IFNAME": iface}
 
 
 def configure(environ=None):

@@ -1,7 +1,19 @@
 """The rank process: started by the agent in every container, once per generation.
 
-It joins the MPI world, builds the RunContext and calls the job's function (or runs
-its script). Exit status 0 means this rank finished the job.
+It finds the job's code (run.function, run.pickle or run.script) before it joins the
+world, so that a deterministic error (an ImportError, a missing script) shows in every
+rank at once; joins the MPI world; exports the torch.distributed contract
+(launcher.torch_env: RANK, LOCAL_RANK, MASTER_ADDR...); builds the RunContext and runs
+the code. Exit status 0 means this rank finished the job.
+
+When the code fails, the rank writes its error as one line (`Type: message`, or the
+last line it printed to stderr before a non-zero SystemExit) to the store
+(keys.error), with the phase it failed in, before the traceback goes to the log: the
+agent reports that line and decides from it whether a restart could help.
+
+User code that reports no steps (a torchrun-style script) is kept from being taken for
+hung by a liveness thread; once the code reports progress itself (ctx.heartbeat,
+ctx.report, training.dist), silence is a hang again (launcher.heartbeat_timeout).
 """
 import argparse
 import importlib
@@ -10,22 +22,126 @@ import logging
 import os
 import runpy
 import sys
+import threading
 import time
+import traceback
 
-from . import identity, keys, network, store as store_mod, world
+from conf.errors import YarnappError
+
+from . import identity, keys, network, store as store_mod, torch_env, world
 
 log = logging.getLogger("launcher.rank")
 
+BUILTIN_RUNNER = "training.runner:main"
+LIVENESS_S = 1.0           # how often the liveness thread touches the heartbeat
 
-def _call(job, ctx):
+
+class UserCodeError(Exception):
+    """The job's code could not be found or loaded; str() is the one-line reason."""
+
+
+def entry_point(job, workdir):
+    """The callable(ctx) of run.function / run.pickle, or None for run.script (whose file
+    is checked). Raises UserCodeError naming the field and the cause."""
+    run = job.run
+    if run.function:
+        module, func = run.function.split(":")
+        try:
+            fn = getattr(importlib.import_module(module), func)
+        except ImportError as e:
+            raise UserCodeError(f"run.function {run.function}: {type(e).__name__}: {e}") from e
+        except AttributeError:
+            raise UserCodeError(f"run.function {run.function}: module {module} has no {func!r}") from None
+        if not callable(fn):
+            raise UserCodeError(f"run.function {run.function}: {func} is not callable")
+        return fn
+    if run.pickle:
+        import cloudpickle
+        path = os.path.join(workdir, run.pickle)
+        try:
+            with open(path, "rb") as f:
+                return cloudpickle.load(f)
+        except Exception as e:  # noqa: BLE001 - any unpickling error is the job's
+            raise UserCodeError(f"run.pickle {run.pickle}: cannot load the shipped function: "
+                                f"{type(e).__name__}: {e}") from e
+    path = script_path(job, workdir)
+    if not os.path.isfile(path):
+        raise UserCodeError(f"run.script {run.script}: no such file in the container ({path})")
+    return None
+
+
+def script_path(job, workdir):
+    return os.path.join(workdir, job.run.script)
+
+
+def run_code(job, ctx, fn):
     from training import context as context_mod
     context_mod._set_current(ctx)
-    if job.run.function:
-        module, func = job.run.function.split(":")
-        fn = getattr(importlib.import_module(module), func)
+    if fn is not None:
         return fn(ctx)
-    sys.argv = [job.run.script] + list(job.run.args)
-    runpy.run_path(job.run.script, run_name="__main__")
+    path = script_path(job, ctx.workdir)
+    sys.argv = [path] + list(job.run.args)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))   # as `python script.py` does
+    runpy.run_path(path, run_name="__main__")
+
+
+class LastLine:
+    """A stream wrapper that remembers the last non-empty line written through it."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self.last = ""
+
+    def write(self, text):
+        lines = [ln for ln in str(text).splitlines() if ln.strip()]
+        if lines:
+            self.last = lines[-1].strip()
+        return self._stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+class Liveness(threading.Thread):
+    """Touches the heartbeat every LIVENESS_S while the code reports no progress itself."""
+
+    def __init__(self, ctx):
+        super().__init__(name="yarnapp-liveness", daemon=True)
+        self.ctx = ctx
+
+    def run(self):
+        while self.ctx.phase != "train":
+            try:
+                os.utime(self.ctx.heartbeat_path)
+            except OSError:
+                pass
+            time.sleep(LIVENESS_S)
+
+
+def print_user_traceback(exc):
+    """The traceback of an exception from the job's code, without this module's and runpy's
+    frames above it (the user's own frames are what they need)."""
+    tb = exc.__traceback__
+    while tb is not None and (tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>")
+                              or tb.tb_frame.f_code.co_filename.endswith("runpy.py")):
+        tb = tb.tb_next
+    traceback.print_exception(type(exc), exc, tb or exc.__traceback__)
+
+
+def record_error(store, gen, rank, line, phase):
+    """Write this rank's one-line error for the agents (first write wins)."""
+    try:
+        store.put_if_absent(keys.error(gen, rank), json.dumps({"error": line[:500], "phase": phase}))
+    except Exception:  # noqa: BLE001 - reporting must never hide the failure itself
+        log.exception("could not record the error in the store")
+
+
+def fail(store, gen, rank, line, phase, code=1):
+    record_error(store, gen, rank, line, phase)
+    log.error("%s", line)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)      # no MPI_Finalize: peers may be gone or blocked
 
 
 def main(argv=None):
@@ -34,33 +150,57 @@ def main(argv=None):
     p.add_argument("--heartbeat", required=True)
     args = p.parse_args(argv)
     ident = identity.from_env()
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+    stderr = sys.stderr = LastLine(sys.stderr)
+    logging.basicConfig(level=logging.INFO, stream=stderr,
                         format=f"%(asctime)s rank{ident.rank} {ident.container} %(name)s: %(message)s")
     store = store_mod.from_env()
-    gen = args.generation
+    gen, job = args.generation, ident.job
     with open(args.heartbeat, "w") as f:
         f.write(f"setup {time.time()}")
+    workdir = os.getcwd()
+    try:
+        fn = entry_point(job, workdir)
+    except UserCodeError as e:
+        traceback.print_exception(e.__cause__ or e)
+        fail(store, gen, ident.rank, str(e), "setup")
 
     net = network.configure()   # MPI over this container's own address (emulated nodes); else no-op
     comm, took = world.join(store, gen, ident.rank, ident.world_size, ident.secret,
-                            timeout=ident.job.launcher.rendezvous_timeout,
+                            timeout=job.launcher.rendezvous_timeout,
                             aborted=lambda: store.get(keys.abort(gen)) is not None)
     assert comm.Get_rank() == ident.rank and comm.Get_size() == ident.world_size
     import socket
     info = comm.gather({"rank": ident.rank, "container": ident.container, "host": socket.gethostname(),
                         "pid": os.getpid(), **(net or {})}, root=0)
+    env = torch_env.contract(comm, store, gen, ident.rank, ident.world_size, ident.backend, ident.app_id,
+                             job.max_restarts)
+    os.environ.update(env)
     if ident.rank == 0:
         store.put(keys.formed(gen), json.dumps({"time": time.time(), "seconds": took, "members": info}))
     log.info("world generation %d formed: rank %d of %d in %.2fs", gen, ident.rank, ident.world_size, took)
 
     from training.context import RunContext, rank_infos
-    ranks = rank_infos(ident.job)
-    ctx = RunContext(comm=comm, rank=ident.rank, world_size=ident.world_size, ranks=ranks,
-                     job=ident.job, app_id=ident.app_id, generation=gen, workdir=os.getcwd(),
+    ctx = RunContext(comm=comm, rank=ident.rank, world_size=ident.world_size, ranks=rank_infos(job),
+                     job=job, app_id=ident.app_id, generation=gen, workdir=workdir,
                      checkpoint_uri=ident.checkpoint_uri, logdir=ident.logdir,
-                     publish=store.put, heartbeat_path=args.heartbeat)
+                     publish=store.put, heartbeat_path=args.heartbeat,
+                     local_rank=int(env["LOCAL_RANK"]), local_world_size=int(env["LOCAL_WORLD_SIZE"]),
+                     group_rank=int(env["GROUP_RANK"]), master_addr=env["MASTER_ADDR"],
+                     master_port=int(env["MASTER_PORT"]))
     ctx.heartbeat("setup")
-    _call(ident.job, ctx)
+    if job.run.function != BUILTIN_RUNNER:
+        Liveness(ctx).start()
+    try:
+        run_code(job, ctx, fn)
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            line = e.code if isinstance(e.code, str) else (stderr.last or f"exited with status {e.code}")
+            fail(store, gen, ident.rank, line, ctx.phase, e.code if isinstance(e.code, int) else 1)
+    except YarnappError as e:       # bad input (data, model...): its one line is the whole story
+        fail(store, gen, ident.rank, str(e), ctx.phase)
+    except BaseException as e:  # noqa: BLE001 - the user's error: its line, then its traceback
+        print_user_traceback(e)
+        fail(store, gen, ident.rank, f"{type(e).__name__}: {e}".splitlines()[0], ctx.phase)
     comm.Barrier()
     logging.shutdown()
     sys.stdout.flush()

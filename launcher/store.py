@@ -29,6 +29,19 @@ class Store(abc.ABC):
     def delete(self, key):
         """Remove key if present."""
 
+    def snapshot(self, prefixes=(), keys=()):
+        """{key: value} of every key under any of `prefixes` and of each of `keys` that exists,
+        read in ONE call (on skein one RPC: a transaction of reads), so that a poller's store
+        traffic does not grow with the number of members it watches."""
+        out = {}
+        for p in prefixes:
+            out.update(self.get_prefix(p))
+        for k in keys:
+            v = self.get(k)
+            if v is not None:
+                out[k] = v
+        return out
+
     def wait(self, key, timeout=None, interval=0.01, cancel=None):
         """Block until key exists and return its value.
 
@@ -113,6 +126,17 @@ class FileStore(Store):
                     out[key] = value
         return out
 
+    def snapshot(self, prefixes=(), keys=()):
+        wanted = set(keys)
+        out = {}
+        for name in os.listdir(os.path.join(self.root, "kv")):
+            key = urllib.parse.unquote(name)
+            if key in wanted or key.startswith(tuple(prefixes)):
+                value = self.get(key)
+                if value is not None:
+                    out[key] = value
+        return out
+
     def delete(self, key):
         try:
             os.unlink(self._path(key))
@@ -143,6 +167,17 @@ class SkeinStore(Store):
 
     def put(self, key, value, owned=False):
         self.app.kv.put(key, _b(value), owner=self.container if owned else None)
+        if key == "progress/00000":           # keys.progress(0): rank 0's is the application's
+            self._progress(value)
+
+    def _progress(self, value):
+        import json
+        try:
+            rec = json.loads(value)
+            if rec.get("total_steps"):
+                self.set_progress(rec["step"] / rec["total_steps"])
+        except (ValueError, TypeError, KeyError, self._skein.exceptions.SkeinError):
+            pass
 
     def get(self, key, default=None):
         value = self.app.kv.get(key)
@@ -159,6 +194,19 @@ class SkeinStore(Store):
 
     def get_prefix(self, prefix):
         return dict(self.app.kv.get_prefix(prefix))
+
+    def snapshot(self, prefixes=(), keys=()):
+        ops = self._skein.kv
+        res = self.app.kv.transaction(on_success=[ops.get_prefix(p) for p in prefixes] + [ops.get(k) for k in keys])
+        out = {}
+        for r in res.results[:len(prefixes)]:
+            out.update(r)
+        out.update({k: v for k, v in zip(keys, res.results[len(prefixes):]) if v is not None})
+        return out
+
+    def set_progress(self, fraction):
+        """The application's progress as YARN shows it (0..1)."""
+        self.app.set_progress(max(0.0, min(1.0, float(fraction))))
 
     def delete(self, key):
         self.app.kv.discard(key)

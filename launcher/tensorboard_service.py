@@ -7,7 +7,9 @@ the local engine the application master starts it once the containers run
     serves the application's logdir (tensorboard.logdir, else <app dir>/tensorboard;
         a non-local URI is synced to a local cache every tensorboard.sync_every)
     publishes `http://<host>:<port>` in the store under keys.TENSORBOARD (owned: it
-        vanishes with the service), which `yarnapp status` shows
+        vanishes with the service); on YARN it also adds itself as the page `tensorboard`
+        of skein's web UI, and `yarnapp status` shows that page's URL through the
+        ResourceManager's web proxy, which every viewer of the application can reach
     runs until SIGTERM (exit 0) or until TensorBoard dies (exit 1: skein may restart
         it; losing TensorBoard never fails the training)
 
@@ -29,6 +31,7 @@ from . import keys, store as store_mod
 log = logging.getLogger("launcher.tensorboard_service")
 
 LOCAL_ID = "tensorboard"      # its id in the local engine's store (owner of the URL key)
+YARN_PAGE = "tensorboard"     # its page of skein's web UI on YARN (yarnapp.backends.yarn.TENSORBOARD_PAGE)
 
 
 def logdir(job, app_dir):
@@ -44,10 +47,9 @@ def main():
     with open(os.environ["YARNAPP_JOB"]) as f:
         job = conf.load_job(json.load(f))
     backend = os.environ.get("YARNAPP_BACKEND", "local")
-    where = logdir(job, os.environ.get("YARNAPP_APP_DIR") or os.getcwd())
-    if backend == "yarn" and job.tensorboard.logdir is None:
-        log.warning("tensorboard.logdir is unset: every container writes its events into a directory of its "
-                    "own, which this service cannot see; set it to shared storage (hdfs://...)")
+    from .identity import app_dir_from_env
+    app_id = os.environ.get("YARNAPP_APP_ID") or os.environ.get("SKEIN_APPLICATION_ID", "unknown")
+    where = logdir(job, app_dir_from_env(os.environ, app_id))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -59,6 +61,12 @@ def main():
         return 1
     store = store_mod.from_env()
     try:
+        if backend == "yarn":
+            # A page of skein's web UI, so that it is reachable through the ResourceManager's
+            # proxy (http://RM/proxy/<app>/pages/tensorboard/, under the application's view
+            # ACL) and not only at this node's address.
+            page = store.app.ui.add_page(YARN_PAGE, tb.url.rstrip("/"), link_name="TensorBoard")
+            log.info("TensorBoard page of the application's web UI: %s", page.address)
         store.put(keys.TENSORBOARD, tb.url.rstrip("/"), owned=True)
         log.info("TensorBoard on %s at %s", where, tb.url)
         while not stop.wait(0.5) and tb.alive:

@@ -3,9 +3,16 @@
 Every rank starts as an MPI singleton. Rank 0 opens a port and publishes its name in
 the store; ranks 1..N-1 join in rank order: the current world collectively Accepts,
 the joiner Connects, both sides Merge the intercommunicator (joiner high), so rank
-order is deterministic (group order, then instance). A joiner proves it belongs to
-the application with an HMAC of the port name under the per-application secret;
-a process that fails the check is dropped and the world accepts again.
+order is deterministic (group order, then instance).
+
+The handshake, before anyone becomes a member. Right after Accept, the joiner sends
+{rank, token} over the intercommunicator, the token being an HMAC of the port name
+under the per-application secret; rank 0 waits for it at most HELLO_TIMEOUT_S. Rank 0
+then tells the joiner yes or no, and tells the world (a broadcast over the current
+members). Only on yes do both sides Merge. A process that connects with a wrong token,
+out of order, or says nothing, is refused: its intercommunicator is freed (MPI_Comm_free,
+which, unlike Disconnect, does not wait for the peer), the refusal is logged, and the
+world accepts again. So no foreign process can stall the world or become part of it.
 
 Why singletons rather than Hydra (`mpiexec -launcher-exec`): each YARN container is
 allocated, started and restarted on its own; with singletons no process of the world
@@ -25,13 +32,49 @@ from . import keys
 
 log = logging.getLogger(__name__)
 
+HELLO_TIMEOUT_S = 5.0     # how long rank 0 waits for a connected joiner to say who it is
+_TAG_HELLO, _TAG_VERDICT = 11, 12
+
 
 class WorldAborted(RuntimeError):
     """The generation was aborted (by another rank's failure) while forming."""
 
 
+class Refused(RuntimeError):
+    """This process was refused by the world (wrong secret, or out of order)."""
+
+
 def _token(secret, port):
     return hmac.new(secret.encode(), port.encode(), hashlib.sha256).hexdigest()
+
+
+def _hello(inter, timeout):
+    """The joiner's hello on intercommunicator `inter` (rank 0 of the world), or None if it
+    says nothing within `timeout` seconds (the receive is then cancelled)."""
+    req = inter.irecv(source=0, tag=_TAG_HELLO)
+    deadline = time.monotonic() + timeout
+    while True:
+        done, msg = req.test()
+        if done:
+            return msg
+        if time.monotonic() > deadline:
+            req.Cancel()
+            req.Free()
+            return None
+        time.sleep(0.005)
+
+
+def _verdict(hello, expected, secret, port):
+    """(admit?, why not) for a joiner's hello when `expected` is the next rank."""
+    if hello is None:
+        return False, f"said nothing within {HELLO_TIMEOUT_S:g}s"
+    if not isinstance(hello, dict):
+        return False, "sent no hello"
+    if not hmac.compare_digest(str(hello.get("token")), _token(secret, port)):
+        return False, f"wrong token (asked to join as rank {hello.get('rank')!r})"
+    if hello.get("rank") != expected:
+        return False, f"out of order (rank {hello.get('rank')!r}; rank {expected} is next)"
+    return True, ""
 
 
 def join(store, gen, rank, size, secret, timeout, aborted=lambda: False):
@@ -52,36 +95,32 @@ def join(store, gen, rank, size, secret, timeout, aborted=lambda: False):
         port = value.decode()
         if rank > 1 and store.wait(keys.joined(gen, rank - 1), timeout=timeout, cancel=aborted) is None:
             raise WorldAborted(f"generation {gen} aborted before rank {rank} joined")
-        while True:
-            inter = MPI.COMM_SELF.Connect(port, MPI.INFO_NULL, root=0)
-            inter.send({"rank": rank, "token": _token(secret, port)}, dest=0)
-            merged = inter.Merge(high=True)
-            inter.Disconnect()
-            ok = merged.bcast(None, root=0)
-            if ok:
-                comm = merged
-                break
-            raise RuntimeError(f"rank {rank} was refused by the world (secret or order mismatch)")
+        inter = MPI.COMM_SELF.Connect(port, MPI.INFO_NULL, root=0)
+        inter.send({"rank": rank, "token": _token(secret, port)}, dest=0, tag=_TAG_HELLO)
+        if not inter.recv(source=0, tag=_TAG_VERDICT):
+            inter.Free()
+            raise Refused(f"rank {rank} was refused by the world (secret or order mismatch)")
+        comm = inter.Merge(high=True)
+        inter.Disconnect()
         store.put(keys.joined(gen, rank), json.dumps({"t": time.time()}))
     # Members (rank 0 and every rank that has joined) accept the remaining joiners.
     while comm.Get_size() < size:
         inter = comm.Accept(port if comm.Get_rank() == 0 else None, MPI.INFO_NULL, root=0)
-        hello = inter.recv(source=0) if comm.Get_rank() == 0 else None
-        merged = inter.Merge(high=False)
-        inter.Disconnect()
         ok = None
-        if merged.Get_rank() == 0:
-            expected = comm.Get_size()
-            ok = (isinstance(hello, dict) and hello.get("rank") == expected
-                  and hmac.compare_digest(str(hello.get("token")), _token(secret, port)))
+        if comm.Get_rank() == 0:
+            hello = _hello(inter, HELLO_TIMEOUT_S)
+            ok, why = _verdict(hello, comm.Get_size(), secret, port)
+            if hello is not None:
+                inter.send(ok, dest=0, tag=_TAG_VERDICT)
             if not ok:
-                log.warning("refused a process that asked to join as %r", hello and hello.get("rank"))
-        ok = merged.bcast(ok, root=0)
-        if ok:
+                log.warning("refused a process that connected to join generation %d: %s", gen, why)
+        if comm.bcast(ok, root=0):
+            merged = inter.Merge(high=False)
+            inter.Disconnect()
             comm.Free()
             comm = merged
         else:
-            merged.Free()
+            inter.Free()
     if comm.Get_rank() == 0:
         MPI.Close_port(port)
     return comm, time.monotonic() - t0

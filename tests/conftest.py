@@ -9,7 +9,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "yarn: needs a real YARN cluster (YARNAPP_TEST_YARN=1)")
+    config.addinivalue_line("markers", "yarn: runs on a real YARN: the suite's own single-node Hadoop "
+                            "(tests/test_yarn_real.py), or your cluster with YARNAPP_TEST_YARN=1")
     config.addinivalue_line("markers", "slow: a multi-process job taking more than a few seconds")
 
 

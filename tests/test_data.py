@@ -1,10 +1,11 @@
-"""The data layer with real Parquet files on the local filesystem (file:// and plain paths)."""
+"""Datasets on disk: importers, the formats the reader accepts, and the errors it gives
+(real Parquet files through pyarrow, on the local filesystem: file:// and plain paths)."""
+import io
 import json
 import os
 import shutil
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pyarrow as pa
@@ -12,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from training import data
-from training.data import DataError, Loader, ParquetDataset
+from training.data import DataError, ParquetSource, read_arrays
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,11 +23,6 @@ def digits_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("digits")
     summary = data.import_digits(f"file://{root}/digits", shards=3)
     return root / "digits", summary
-
-
-@pytest.fixture(scope="module")
-def digits(digits_dir):
-    return ParquetDataset(str(digits_dir[0] / "train"))
 
 
 def _shards(path):
@@ -41,8 +37,18 @@ def _one_line_naming(exc_info, *parts):
     return msg
 
 
-def _collect(loader):
-    return [(e, s, x.clone(), y.clone()) for e, s, x, y in loader]
+def _jpeg(arr, quality=95):
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="JPEG", quality=quality)
+    return buf.getvalue()
+
+
+def _png(arr):
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    return buf.getvalue()
 
 
 # ----------------------------------------------------------------------------- import / read
@@ -53,42 +59,41 @@ def test_digits_round_trip_through_parquet(digits_dir):
     root, summary = digits_dir
     assert [d["rows"] for d in summary["datasets"]] == [1438, 359]
     assert sorted(os.listdir(root)) == ["test", "train"]          # no temporary directories left
-    train = ParquetDataset(f"file://{root}/train")
-    test = ParquetDataset(str(root / "test"))                        # plain path works too
-    assert train.shape == test.shape == (1, 8, 8)
+    train = ParquetSource(f"file://{root}/train")
+    test = ParquetSource(str(root / "test"))                         # plain path works too
+    assert train.shape == test.shape == (1, 8, 8) and train.layout.kind == "raw"
     assert train.num_classes == 10 and train.classes == [str(i) for i in range(10)]
-    assert len(train) + len(test) == 1797 and len(train.files) == 3
+    assert len(train) + len(test) == 1797 and len(train.layout.paths) == 3
 
     # the files hold fixed_size_binary(64) pixels and int64 labels, with the metadata
     for name in _shards(root / "train"):
         schema = pq.read_schema(root / "train" / name)
         assert schema.field("image").type == pa.binary(64)
-        assert pa.types.is_fixed_size_binary(schema.field("image").type)
         assert schema.field("label").type == pa.int64()
         meta = json.loads(schema.metadata[b"yarnapp"])
         assert meta["shape"] == [1, 8, 8] and meta["num_classes"] == 10
 
     # together the splits are exactly scikit-learn's digits, pixel for pixel
+    (xa, ya), (xb, yb) = train.read_arrays(), test.read_arrays()
     d = load_digits()
-    ours = np.concatenate([np.concatenate([train.images, test.images]).reshape(-1, 64),
-                           np.concatenate([train.labels, test.labels])[:, None]], axis=1)
+    ours = np.concatenate([np.concatenate([xa, xb]).reshape(-1, 64), np.concatenate([ya, yb])[:, None]], axis=1)
     ref = np.concatenate([d.images.reshape(-1, 64), d.target[:, None]], axis=1).astype(np.int64)
     assert np.array_equal(ours[np.lexsort(ours.T[::-1])], ref[np.lexsort(ref.T[::-1])])
 
     # stratified: every class holds out ~20%; normalisation measured on train, shared
     for c in range(10):
-        n_test, n_all = (test.labels == c).sum(), (d.target == c).sum()
-        assert abs(n_test - 0.2 * n_all) <= 1
-    assert np.allclose(train.mean, train.images.mean()) and np.allclose(train.std, train.images.std(), rtol=1e-4)
-    assert np.array_equal(train.mean, test.mean) and np.array_equal(train.std, test.std)
+        assert abs((yb == c).sum() - 0.2 * (d.target == c).sum()) <= 1
+    meta = train.layout.meta
+    assert np.allclose(meta["mean"], xa.mean()) and np.allclose(meta["std"], xa.std(), rtol=1e-4)
+    assert test.layout.meta["mean"] == meta["mean"]
 
 
 def test_digits_split_is_fixed_across_runs(digits_dir, tmp_path):
     root, _ = digits_dir
     data.import_digits(str(tmp_path / "again"), shards=2)
     for split in ("train", "test"):
-        a, b = ParquetDataset(str(root / split)), ParquetDataset(str(tmp_path / "again" / split))
-        assert np.array_equal(a.images, b.images) and np.array_equal(a.labels, b.labels)
+        (xa, ya), (xb, yb) = read_arrays(str(root / split)), read_arrays(str(tmp_path / "again" / split))
+        assert np.array_equal(xa, xb) and np.array_equal(ya, yb)
 
 
 def test_import_refuses_existing_dataset_and_overwrite_replaces_it(tmp_path):
@@ -97,9 +102,9 @@ def test_import_refuses_existing_dataset_and_overwrite_replaces_it(tmp_path):
     with pytest.raises(DataError) as e:
         data.import_synthetic_cifar(uri, n_train=60, n_test=20, shards=2, seed=1)
     _one_line_naming(e, uri, "already exists")
-    assert len(ParquetDataset(uri + "/train")) == 40
+    assert len(ParquetSource(uri + "/train")) == 40
     data.import_synthetic_cifar(uri, n_train=60, n_test=20, shards=3, seed=1, overwrite=True)
-    assert len(ParquetDataset(uri + "/train")) == 60
+    assert len(ParquetSource(uri + "/train")) == 60
     assert len(_shards(tmp_path / "syn" / "train")) == 3
     assert sorted(os.listdir(tmp_path / "syn")) == ["test", "train"]   # old copy and temp dirs gone
 
@@ -116,17 +121,39 @@ def test_failed_write_leaves_nothing_visible(tmp_path):
 def test_synthetic_cifar_is_cifar_shaped_deterministic_and_learnable(tmp_path):
     data.import_synthetic_cifar(str(tmp_path / "a"), n_train=1000, n_test=300, shards=2, seed=7)
     data.import_synthetic_cifar(str(tmp_path / "b"), n_train=1000, n_test=300, shards=2, seed=7)
-    train, test = ParquetDataset(str(tmp_path / "a/train")), ParquetDataset(str(tmp_path / "a/test"))
+    train = ParquetSource(str(tmp_path / "a/train"))
     assert train.shape == (3, 32, 32) and train.num_classes == 10 and len(train) == 1000
-    assert train.images.dtype == np.uint8 and np.bincount(train.labels).tolist() == [100] * 10
-    again = ParquetDataset(str(tmp_path / "b/train"))
-    assert np.array_equal(train.images, again.images) and np.array_equal(train.labels, again.labels)
+    x, y = train.read_arrays()
+    xt, yt = read_arrays(str(tmp_path / "a/test"))
+    assert x.dtype == np.uint8 and np.bincount(y).tolist() == [100] * 10
+    xa, ya = read_arrays(str(tmp_path / "b/train"))
+    assert np.array_equal(x, xa) and np.array_equal(y, ya)
     # learnable: a nearest-class-mean classifier is far above chance (10%) on held-out data
-    x = train.images.reshape(len(train), -1).astype(np.float32)
-    means = np.stack([x[train.labels == c].mean(0) for c in range(10)])
-    xt = test.images.reshape(len(test), -1).astype(np.float32)
+    x = x.reshape(len(x), -1).astype(np.float32)
+    means = np.stack([x[y == c].mean(0) for c in range(10)])
+    xt = xt.reshape(len(xt), -1).astype(np.float32)
     pred = ((xt ** 2).sum(1)[:, None] - 2 * xt @ means.T + (means ** 2).sum(1)[None]).argmin(1)
-    assert (pred == test.labels).mean() > 0.3
+    assert (pred == yt).mean() > 0.3
+
+
+def test_synthetic_cifar_as_jpeg_files(tmp_path):
+    summary = data.run_import("synthetic-cifar", str(tmp_path / "j"), {"n_train": "200", "n_test": "50",
+                                                                      "encoding": "jpeg", "quality": "95"})
+    assert summary["datasets"][0]["encoding"] == "encoded"
+    raw = data.import_synthetic_cifar(str(tmp_path / "r"), n_train=200, n_test=50)
+    assert raw["datasets"][0]["encoding"] == "raw"
+    table = pq.read_table(tmp_path / "j" / "train")
+    assert pa.types.is_binary(table.schema.field("image").type)
+    assert all(b[:2] == b"\xff\xd8" for b in table.column("image").to_pylist())        # JPEG files
+    src = ParquetSource(str(tmp_path / "j" / "train"))
+    assert src.layout.kind == "encoded" and src.shape == (3, 32, 32) and src.num_classes == 10
+    xj, yj = src.read_arrays()
+    xr, yr = read_arrays(str(tmp_path / "r" / "train"))
+    assert np.array_equal(yj, yr)
+    assert np.abs(xj.astype(int) - xr).mean() < 12                   # the same images, JPEG-compressed
+    with pytest.raises(DataError) as e:
+        data.run_import("synthetic-cifar", str(tmp_path / "x"), {"encoding": "webp"})
+    _one_line_naming(e, "webp")
 
 
 def test_run_import_arrays_from_npz(tmp_path):
@@ -139,10 +166,11 @@ def test_run_import_arrays_from_npz(tmp_path):
                                               "num_classes": 6})
     assert summary["kind"] == "arrays"
     assert summary["datasets"][0]["rows"] == 30 and summary["datasets"][0]["shards"] == 3
-    ds = ParquetDataset(uri)
-    assert ds.shape == (2, 3, 4) and ds.num_classes == 6 and len(ds.files) == 3
-    assert np.array_equal(ds.images, x) and np.array_equal(ds.labels, y)   # order kept for user arrays
-    assert np.allclose(ds.mean, x.mean(axis=(0, 2, 3)), rtol=1e-5)
+    ds = ParquetSource(uri)
+    assert ds.shape == (2, 3, 4) and ds.num_classes == 6 and len(ds.layout.paths) == 3
+    xs, ys = ds.read_arrays()
+    assert np.array_equal(xs, x) and np.array_equal(ys, y)          # order kept for user arrays
+    assert np.allclose(ds.layout.meta["mean"], x.mean(axis=(0, 2, 3)), rtol=1e-5)
 
     with pytest.raises(DataError) as e:
         data.run_import("arrays", uri, {"path": str(tmp_path / "arrays.npz"), "colour": "red"})
@@ -164,41 +192,134 @@ def test_run_import_digits_summary(tmp_path):
         [("train", 1438, 1), ("test", 359, 1)]
 
 
-def test_image_folder_import(tmp_path):
-    from PIL import Image
-
+def test_image_folder_import_keeps_the_files_as_they_are(tmp_path):
     rng = np.random.default_rng(1)
-    pixels = {}
+    files = {}
     for cls in ("dog", "cat"):
         (tmp_path / "imgs" / cls).mkdir(parents=True)
         for i in range(3):
             arr = rng.integers(0, 256, (4, 5, 3), dtype=np.uint8)          # H=4, W=5, RGB
-            Image.fromarray(arr).save(tmp_path / "imgs" / cls / f"{i}.png")
-            pixels[(cls, i)] = arr
+            blob = _png(arr) if i else _jpeg(arr)
+            (tmp_path / "imgs" / cls / f"{i}.{'png' if i else 'jpg'}").write_bytes(blob)
+            files[blob] = (cls, arr, bool(i))
     (tmp_path / "imgs" / "cat" / "notes.txt").write_text("not an image, skipped")
     summary = data.run_import("image-folder", str(tmp_path / "ds"), {"folder": str(tmp_path / "imgs")})
-    assert summary["datasets"][0]["rows"] == 6
-    ds = ParquetDataset(str(tmp_path / "ds"))
-    assert ds.shape == (3, 4, 5) and ds.classes == ["cat", "dog"] and ds.num_classes == 2
-    got = sorted((int(lab), img.tobytes()) for img, lab in zip(ds.images, ds.labels))
-    want = sorted(({"cat": 0, "dog": 1}[c], a.transpose(2, 0, 1).tobytes()) for (c, _), a in pixels.items())
-    assert got == want
+    assert summary["datasets"][0]["rows"] == 6 and summary["datasets"][0]["encoding"] == "encoded"
+    table = pq.read_table(tmp_path / "ds")
+    assert sorted(table.column("image").to_pylist()) == sorted(files)          # byte for byte
+    for blob, label in zip(table.column("image").to_pylist(), table.column("label").to_pylist()):
+        assert label == {"cat": 0, "dog": 1}[files[blob][0]]
+    src = ParquetSource(str(tmp_path / "ds"))
+    assert src.shape == (3, 4, 5) and src.classes == ["cat", "dog"] and src.num_classes == 2
+    x, y = src.read_arrays()
+    for img, blob in zip(x, table.column("image").to_pylist()):
+        cls, arr, lossless = files[blob]
+        if lossless:                                                      # PNG decodes to its pixels
+            assert np.array_equal(img, arr.transpose(2, 0, 1))
 
-    # greyscale and resizing
-    data.import_image_folder(str(tmp_path / "small"), str(tmp_path / "imgs"), size=(2, 3), mode="L")
-    assert ParquetDataset(str(tmp_path / "small")).shape == (1, 2, 3)
-
-    # a different size without `size`, and a broken image: DataError naming the file
-    Image.fromarray(np.zeros((7, 7, 3), np.uint8)).save(tmp_path / "imgs" / "dog" / "big.png")
+    # images of another size: a clear error when read, and test_transforms resize them
+    from PIL import Image
+    Image.fromarray(np.zeros((7, 9, 3), np.uint8)).save(tmp_path / "imgs" / "dog" / "big.png")
+    data.import_image_folder(str(tmp_path / "ds2"), str(tmp_path / "imgs"))
     with pytest.raises(DataError) as e:
-        data.import_image_folder(str(tmp_path / "ds2"), str(tmp_path / "imgs"))
-    _one_line_naming(e, "big.png", "size")
+        read_arrays(str(tmp_path / "ds2"))
+    _one_line_naming(e, "different sizes", "resize")
+    spec = _spec(test_transforms=[{"resize": {"size": [4, 5]}}])
+    x2, _ = read_arrays(str(tmp_path / "ds2"), spec)
+    assert x2.shape == (7, 3, 4, 5)
+
+    # a broken image: DataError naming the file, nothing written
     os.remove(tmp_path / "imgs" / "dog" / "big.png")
     (tmp_path / "imgs" / "dog" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
     with pytest.raises(DataError) as e:
-        data.import_image_folder(str(tmp_path / "ds2"), str(tmp_path / "imgs"))
+        data.import_image_folder(str(tmp_path / "ds3"), str(tmp_path / "imgs"))
     _one_line_naming(e, "broken.png")
-    assert not (tmp_path / "ds2").exists()
+    assert not (tmp_path / "ds3").exists()
+    with pytest.raises(DataError) as e:
+        data.run_import("image-folder", str(tmp_path / "ds3"), {"folder": str(tmp_path / "imgs"), "size": "8x8"})
+    _one_line_naming(e, "size", "as they are")
+
+
+def _spec(**data_fields):
+    import conf
+    job = {"name": "t", "groups": [{"name": "g", "instances": 1, "vcores": 1, "memory": "1 GiB"}],
+           "training": {"data": {"train": "unused", **data_fields}}}
+    return conf.load_job(job).training.data
+
+
+# ----------------------------------------------------------------------------- other formats
+
+def test_plain_pyarrow_jpeg_file_without_metadata(tmp_path):
+    """JPEG bytes and an int label written by plain pyarrow: classes from the label
+    statistics, mean/std computed from the images and cached beside the data."""
+    rng = np.random.default_rng(2)
+    imgs = [np.clip(rng.normal(100 + 40 * c, 20, (12, 12, 3)), 0, 255).astype(np.uint8)
+            for c in (0, 1, 2) for _ in range(10)]
+    labels = [c for c in (0, 1, 2) for _ in range(10)]
+    table = pa.table({"img": [_jpeg(a) for a in imgs], "target": labels})
+    os.makedirs(tmp_path / "ds")
+    pq.write_table(table, tmp_path / "ds" / "data.parquet", row_group_size=8)
+    spec = _spec(columns={"image": "img", "label": "target"})
+    src = ParquetSource(str(tmp_path / "ds"), spec)
+    assert src.layout.kind == "encoded" and src.layout.meta == {} and src.num_classes == 3
+    assert src.shape == (3, 12, 12) and len(src.layout.blocks) == 4
+    x = src.example(30)
+    cache = json.loads((tmp_path / "ds" / "_yarnapp_stats.json").read_text())
+    pixels = np.stack(imgs).reshape(-1, 3).astype(np.float64)
+    assert np.allclose(cache["mean"], pixels.mean(0), atol=2.0)       # JPEG moves pixels a little
+    assert abs(float(x.mean())) < 0.1 and abs(float(x.std()) - 1) < 0.1
+    again = ParquetSource(str(tmp_path / "ds"), spec)
+    again._resolve_stats()
+    assert np.array_equal(again.mean, src.mean)                       # read back from the cache
+    # the cache is not a shard, and a changed file invalidates it
+    assert _shards(tmp_path / "ds") == ["data.parquet"]
+
+    with pytest.raises(DataError) as e:
+        ParquetSource(str(tmp_path / "ds"))                                # default column names
+    _one_line_naming(e, "data.parquet", "'image'", "training.data.columns.image")
+
+
+def test_hugging_face_image_struct_with_class_names(tmp_path):
+    rng = np.random.default_rng(3)
+    arrs = [rng.integers(0, 256, (6, 6, 3), dtype=np.uint8) for _ in range(8)]
+    image = pa.array([{"bytes": _png(a), "path": f"img{i}.png"} for i, a in enumerate(arrs)],
+                     type=pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
+    hf = {"info": {"features": {"image": {"_type": "Image"},
+                                "label": {"_type": "ClassLabel", "names": ["ant", "bee", "cow"]}}}}
+    table = pa.table({"image": image, "label": pa.array([i % 3 for i in range(8)], pa.int64())})
+    table = table.replace_schema_metadata({b"huggingface": json.dumps(hf).encode()})
+    pq.write_table(table, tmp_path / "train-00000-of-00001.parquet")
+    src = ParquetSource(str(tmp_path / "train-00000-of-00001.parquet"))
+    assert src.layout.kind == "struct" and src.classes == ["ant", "bee", "cow"] and src.num_classes == 3
+    x, y = src.read_arrays()
+    assert all(np.array_equal(x[i], arrs[i].transpose(2, 0, 1)) for i in range(8))
+    assert y.tolist() == [i % 3 for i in range(8)]
+    assert (tmp_path / ".train-00000-of-00001.parquet.yarnapp_stats.json").exists() is False   # no stats asked
+
+    # a struct without bytes (only a path): a clear error when read
+    nobytes = pa.array([{"bytes": None, "path": "x.png"}], type=image.type)
+    pq.write_table(pa.table({"image": nobytes, "label": pa.array([0], pa.int64())}), tmp_path / "p.parquet")
+    with pytest.raises(DataError) as e:
+        read_arrays(str(tmp_path / "p.parquet"))
+    _one_line_naming(e, "p.parquet", "embed")
+
+
+def test_class_name_column_and_raw_pixels_with_a_given_shape(tmp_path):
+    px = np.arange(5 * 12, dtype=np.uint8).reshape(5, 12)
+    table = pa.table({"image": pa.FixedSizeBinaryArray.from_buffers(pa.binary(12), 5, [None, pa.py_buffer(px)]),
+                      "label": pa.array([1, 0, 1, 2, 0], pa.int32()),
+                      "name": ["b", "a", "b", "c", "a"]})
+    pq.write_table(table, tmp_path / "raw.parquet")
+    with pytest.raises(DataError) as e:
+        ParquetSource(str(tmp_path / "raw.parquet"))
+    _one_line_naming(e, "raw.parquet", "training.data.shape")
+    src = ParquetSource(str(tmp_path / "raw.parquet"), _spec(shape=[3, 2, 2], columns={"class_name": "name"}))
+    assert src.shape == (3, 2, 2) and src.classes == ["a", "b", "c"]
+    x, y = src.read_arrays()
+    assert np.array_equal(x.reshape(5, 12), px) and y.tolist() == [1, 0, 1, 2, 0]
+    with pytest.raises(DataError) as e:
+        ParquetSource(str(tmp_path / "raw.parquet"), _spec(shape=[3, 2, 3]))
+    _one_line_naming(e, "raw.parquet", "fixed_size_binary[18]")
 
 
 # ----------------------------------------------------------------------------- errors
@@ -206,12 +327,12 @@ def test_image_folder_import(tmp_path):
 def test_missing_dataset_and_empty_directory(tmp_path):
     uri = f"file://{tmp_path}/nothing-here"
     with pytest.raises(DataError) as e:
-        ParquetDataset(uri)
+        ParquetSource(uri)
     _one_line_naming(e, uri, "yarnapp data import")
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "_SUCCESS").write_text("")
     with pytest.raises(DataError) as e:
-        ParquetDataset(str(tmp_path / "empty"))
+        ParquetSource(str(tmp_path / "empty"))
     _one_line_naming(e, str(tmp_path / "empty"), "no .parquet shards")
 
 
@@ -219,7 +340,7 @@ def test_missing_dataset_and_empty_directory(tmp_path):
 @pytest.mark.parametrize("uri", ["nosuchscheme://host/data", "hdfs://nonexistent.invalid:8020/data"])
 def test_unknown_scheme_or_unreachable_filesystem(uri):
     with pytest.raises(DataError) as e:
-        ParquetDataset(uri)
+        ParquetSource(uri)
     _one_line_naming(e, uri)
 
 
@@ -230,12 +351,12 @@ def test_truncated_shard_names_the_file(digits_dir, tmp_path):
     blob = victim.read_bytes()
     victim.write_bytes(blob[:len(blob) // 2])
     with pytest.raises(DataError) as e:
-        ParquetDataset(f"file://{tmp_path}/train")
+        ParquetSource(f"file://{tmp_path}/train")
     _one_line_naming(e, victim.name, "Parquet")
 
 
 def test_corrupt_page_data_names_the_file(digits_dir, tmp_path):
-    """A shard whose footer is intact but whose pages are garbage."""
+    """A shard whose footer is intact but whose pages are garbage: found when read."""
     src, _ = digits_dir
     shutil.copytree(src / "train", tmp_path / "train")
     victim = tmp_path / "train" / _shards(tmp_path / "train")[0]
@@ -245,7 +366,7 @@ def test_corrupt_page_data_names_the_file(digits_dir, tmp_path):
     blob[4:end] = bytes(np.random.default_rng(0).integers(0, 256, end - 4, dtype=np.uint8))
     victim.write_bytes(bytes(blob))
     with pytest.raises(DataError) as e:
-        ParquetDataset(str(tmp_path / "train"))
+        read_arrays(str(tmp_path / "train"))
     _one_line_naming(e, victim.name)
 
 
@@ -275,121 +396,33 @@ def _good_table(n=4, labels=None):
      "'label'"),
     ("float-label", pa.table({"image": pa.array([b"abcd"], type=pa.binary(4)),
                               "label": pa.array([0.5], pa.float64())}).replace_schema_metadata(META),
-     "column 'label'"),
-    ("no-metadata", _good_table().replace_schema_metadata(None), "metadata"),
-    ("label-range", _good_table(labels=[0, 1, 2, 7]), "label 7"),
+     "label column 'label'"),
+    ("other-dataset", pa.table({"image": pa.array([b"abcd"], type=pa.binary()),
+                                "label": pa.array([0], pa.int64())}), "mixes datasets"),
 ])
 def test_wrong_schema_names_file_and_column(tmp_path, case, table, expect):
     _write(str(tmp_path / case / "part-00000.parquet"), _good_table())
     _write(str(tmp_path / case / "part-00001.parquet"), table)
     with pytest.raises(DataError) as e:
-        ParquetDataset(str(tmp_path / case))
+        ParquetSource(str(tmp_path / case))
     _one_line_naming(e, "part-00001.parquet", expect)
+
+
+def test_label_outside_the_classes_is_found_when_read(tmp_path):
+    _write(str(tmp_path / "ds" / "part-00000.parquet"), _good_table(labels=[0, 1, 2, 7]))
+    with pytest.raises(DataError) as e:
+        read_arrays(str(tmp_path / "ds"))
+    _one_line_naming(e, "label 7", "[0, 3)")
 
 
 def test_single_file_and_hand_written_dataset_load(tmp_path):
     _write(str(tmp_path / "one.parquet"), _good_table(6))
-    ds = ParquetDataset(f"file://{tmp_path}/one.parquet")
+    ds = ParquetSource(f"file://{tmp_path}/one.parquet")
     assert len(ds) == 6 and ds.shape == (1, 2, 2) and ds.classes == ["a", "b", "c"]
-    assert ds.images[5].tolist() == [[[5, 5], [5, 5]]] and ds.labels.tolist() == [0, 1, 2, 0, 1, 2]
+    x, y = ds.read_arrays()
+    assert x[5].tolist() == [[[5, 5], [5, 5]]] and y.tolist() == [0, 1, 2, 0, 1, 2]
 
 
 def test_module_imports_without_torch():
     code = "import sys, training.data; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
-
-
-# ----------------------------------------------------------------------------- loader
-
-def test_loader_is_deterministic_per_seed_and_epoch(digits):
-    a = _collect(Loader(digits, 64, 0, 64, seed=3, epochs=2))
-    b = _collect(Loader(digits, 64, 0, 64, seed=3, epochs=2, prefetch=0))
-    assert len(a) == 2 * (len(digits) // 64)
-    for (ea, sa, xa, ya), (eb, sb, xb, yb) in zip(a, b):
-        assert (ea, sa) == (eb, sb) and np.array_equal(xa.numpy(), xb.numpy()) and np.array_equal(ya, yb)
-    loader = Loader(digits, 64, 0, 64, seed=3)
-    assert np.array_equal(loader.permutation(0), Loader(digits, 64, 0, 64, seed=3).permutation(0))
-    assert not np.array_equal(loader.permutation(0), loader.permutation(1))
-    assert not np.array_equal(loader.permutation(0), Loader(digits, 64, 0, 64, seed=4).permutation(0))
-    assert sorted(loader.permutation(1)) == list(range(len(digits)))
-
-
-def test_loader_normalises_with_metadata(digits):
-    loader = Loader(digits, 32, 0, 32, seed=0)
-    epoch, step, x, y = next(iter(loader))
-    loader.close()
-    rows = loader.rows(0, 0)
-    assert (epoch, step) == (0, 0)
-    assert x.dtype.is_floating_point and str(x.dtype) == "torch.float32" and str(y.dtype) == "torch.int64"
-    assert tuple(x.shape) == (32, 1, 8, 8)
-    expect = (digits.images[rows].astype(np.float32) - digits.mean[0]) / digits.std[0]
-    assert np.allclose(x.numpy(), expect, atol=1e-6) and np.array_equal(y.numpy(), digits.labels[rows])
-    assert abs(float(x.mean())) < 0.5
-
-
-@pytest.mark.parametrize("drop_last", [True, False])
-def test_slices_of_unequal_shares_tile_the_global_batch(digits, drop_last):
-    B, cuts = 50, [0, 7, 30, 50]                        # three ranks with shares 7, 23, 20
-    full = _collect(Loader(digits, B, 0, B, seed=5, epochs=2, drop_last=drop_last))
-    parts = [_collect(Loader(digits, B, lo, hi, seed=5, epochs=2, drop_last=drop_last))
-             for lo, hi in zip(cuts, cuts[1:])]
-    assert all(len(p) == len(full) for p in parts)
-    for i, (e, s, x, y) in enumerate(full):
-        assert [(p[i][0], p[i][1]) for p in parts] == [(e, s)] * 3
-        assert np.array_equal(np.concatenate([p[i][2].numpy() for p in parts]), x.numpy())
-        assert np.array_equal(np.concatenate([p[i][3].numpy() for p in parts]), y.numpy())
-        n = len(y)                                        # a last partial batch is split pro rata
-        bounds = [c * n // B for c in cuts]
-        assert [len(p[i][3]) for p in parts] == [b - a for a, b in zip(bounds, bounds[1:])]
-    epoch0 = np.concatenate([y.numpy() for e, s, x, y in full if e == 0])
-    if drop_last:
-        assert len(epoch0) == (len(digits) // B) * B
-    else:                                                 # every row exactly once per epoch
-        assert len(epoch0) == len(digits) and full[len(full) // 2 - 1][3].shape[0] == len(digits) % B
-        assert np.array_equal(np.sort(epoch0), np.sort(digits.labels))
-
-
-def test_resume_at_epoch_and_step_matches_uninterrupted_run(digits):
-    full = _collect(Loader(digits, 40, 10, 30, seed=11, epochs=3))
-    spe = len(digits) // 40
-    for start_epoch, start_step in [(1, 5), (0, spe - 1), (2, 0), (1, spe)]:   # (1, spe) == (2, 0)
-        resumed = _collect(Loader(digits, 40, 10, 30, seed=11, start_epoch=start_epoch,
-                                  start_step=start_step, epochs=3))
-        tail = full[start_epoch * spe + start_step:]
-        assert len(resumed) == len(tail) > 0
-        for (e1, s1, x1, y1), (e2, s2, x2, y2) in zip(resumed, tail):
-            assert (e1, s1) == (e2, s2)
-            assert np.array_equal(x1.numpy(), x2.numpy()) and np.array_equal(y1.numpy(), y2.numpy())
-
-
-def test_prefetch_statistics_and_clean_shutdown(digits):
-    loader = Loader(digits, 64, 0, 32, seed=0, prefetch=2)
-    assert loader.steps_per_epoch == len(digits) // 64
-    seen = 0
-    for epoch, step, x, y in loader:            # an endless loader (epochs=None): the consumer stops it
-        seen += 1
-        if seen == 30:
-            assert any(t.name == "yarnapp-loader" for t in threading.enumerate())
-            break
-    loader.close()
-    assert not any(t.name == "yarnapp-loader" and t.is_alive() for t in threading.enumerate())
-    assert (epoch, step) == divmod(29, loader.steps_per_epoch)
-    stats = loader.stats
-    assert stats.batches == 30 and stats.samples == 30 * 32
-    assert 30 * 32 <= stats.read_samples <= (30 + 2 + 1) * 32        # read ahead by at most prefetch+1
-    assert stats.wait_s >= 0 and stats.read_s > 0 and stats.samples_per_s > 0
-    assert set(stats.as_dict()) >= {"wait_s", "samples_per_s", "batches", "samples"}
-    # iterating again starts over at (start_epoch, start_step)
-    with Loader(digits, 64, 0, 32, seed=0, epochs=1) as again:
-        firsts = [(e, s) for e, s, _, _ in again]
-    assert firsts[0] == (0, 0) and len(firsts) == loader.steps_per_epoch
-
-
-def test_loader_rejects_bad_batches(digits):
-    with pytest.raises(DataError) as e:
-        Loader(digits, len(digits) + 1, 0, 1, seed=0)
-    _one_line_naming(e, digits.uri, "batch")
-    with pytest.raises(ValueError):
-        Loader(digits, 32, 10, 40, seed=0)
-    # a batch larger than the dataset is fine when the last partial batch is kept
-    assert Loader(digits, len(digits) + 1, 0, 1, seed=0, drop_last=False).steps_per_epoch == 1

@@ -45,7 +45,7 @@ CASES = [
     ("bad-group-name", _with("groups.0.name", "Worker Group"), "groups[0].name", "lower-case"),
     ("env-not-strings", _with("groups.0.env", {"A": 1}), "groups[0].env.A", "string"),
     ("bad-function", _with("run.function", "no_colon"), "run.function", "module:function"),
-    ("function-and-script", _with("run.script", "x.py"), "run", "not both"),
+    ("function-and-script", _with("run.script", "x.py"), "run", "not function and script"),
     ("negative-restarts", _with("max_restarts", -1), "max_restarts", "greater than or equal to 0"),
     ("bad-backend", _with("backend", "k8s"), "backend", "local"),
     ("bad-duration", _with("launcher", {"heartbeat_timeout": "soon"}), "launcher.heartbeat_timeout", "duration"),
@@ -66,6 +66,25 @@ CASES = [
                         training={"batch_size": 0, "data": {"train": "/x"}}), "training.batch_size", "1"),
     ("shares-count", dict(_with("run.function", "training.runner:main"),
                           training={"shares": [1, 2], "data": {"train": "/x"}}), "training.shares", "2 shares"),
+    ("data-neither", dict(_with("run.function", "training.runner:main"), training={"data": {}}),
+     "training.data", "give train"),
+    ("data-bad-op", dict(_with("run.function", "training.runner:main"),
+                         training={"data": {"train": "/x", "augment": ["hflip", {"crop": {"size": 3}}]}}),
+     "training.data.augment[1]", "unknown op 'crop'"),
+    ("data-bad-option", dict(_with("run.function", "training.runner:main"),
+                             training={"data": {"train": "/x", "augment": [{"random_crop": {"size": 32, "pad": 4}}]}}),
+     "training.data.augment[0].random_crop", "unknown option 'pad'"),
+    ("data-bad-scale", dict(_with("run.function", "training.runner:main"),
+                            training={"data": {"train": "/x", "test_transforms": [
+                                {"random_resized_crop": {"size": 8, "scale": [0.5, 2]}}]}}),
+     "training.data.test_transforms[0].random_resized_crop", "scale"),
+    ("data-mean-alone", dict(_with("run.function", "training.runner:main"),
+                             training={"data": {"train": "/x", "mean": [1, 2, 3]}}), "training.data", "mean and std"),
+    ("data-window", dict(_with("run.function", "training.runner:main"),
+                         training={"data": {"train": "/x", "shuffle_window": "lots"}}),
+     "training.data.shuffle_window", "cannot parse"),
+    ("data-factory", dict(_with("run.function", "training.runner:main"),
+                          training={"data": {"dataset": "nocolon"}}), "training.data.dataset", "module:function"),
     ("not-a-mapping", "- just\n- a list\n", "", "mapping"),
     ("yaml-syntax", "name: t\ngroups: [\n", ":", "not valid YAML"),
     ("gpus-unavailable", _with("groups.0.gpus", 64), "groups[0].gpus", "this machine has"),
@@ -122,3 +141,10 @@ def test_every_example_validates():
     assert "hello.yaml" in names
     for n in names:
         conf.load_job(os.path.join(conf.EXAMPLES_DIR, n))
+
+
+def test_every_example_is_a_valid_job():
+    examples = sorted(f for f in os.listdir(conf.EXAMPLES_DIR) if f.endswith(".yaml"))
+    assert "cifar_jpeg.yaml" in examples
+    for name in examples:
+        conf.load_job(os.path.join(conf.EXAMPLES_DIR, name))

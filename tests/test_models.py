@@ -177,12 +177,12 @@ def test_bad_options_are_refused(name, options, expect):
 def test_digits_cnn_learns_the_real_digits(tmp_path, one_thread):
     start = time.perf_counter()
     data.import_digits(str(tmp_path / "digits"))
-    train = data.ParquetDataset(str(tmp_path / "digits" / "train"))
-    test = data.ParquetDataset(str(tmp_path / "digits" / "test"))
+    train = data.ParquetSource(str(tmp_path / "digits" / "train"))
+    test = data.ParquetSource(str(tmp_path / "digits" / "test"))
     torch.manual_seed(0)
     model = build_model("digits_cnn", train.shape, train.num_classes)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    with data.Loader(train, 32, 0, 32, seed=0, epochs=4) as loader:
+    with train.batches(32, 0, 32, seed=0, epochs=4) as loader:
         for epoch, step, x, y in loader:
             opt.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
@@ -190,7 +190,7 @@ def test_digits_cnn_learns_the_real_digits(tmp_path, one_thread):
     assert loader.stats.batches == 4 * loader.steps_per_epoch
     model.eval()
     correct = 0
-    with torch.no_grad(), data.Loader(test, 100, 0, 100, seed=0, drop_last=False, epochs=1) as evaluation:
+    with torch.no_grad(), test.batches(100, 0, 100, seed=0, drop_last=False, epochs=1, train=False) as evaluation:
         for _, _, x, y in evaluation:
             correct += int((model(x).argmax(1) == y).sum())
     accuracy = correct / len(test)

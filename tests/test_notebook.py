@@ -103,7 +103,7 @@ def test_digits_notebook_trains_shows_progress_and_tensorboard_and_leaves_nothin
                 yarnapp.kill(app)
     print(f"notebook executed in {time.monotonic() - t0:.1f}s")
 
-    [app] = apps(yarnapp_home)
+    [app, own] = apps(yarnapp_home)         # the digits job, then the notebook's own function
     st = yarnapp.status(app)
     assert st["state"] == "SUCCEEDED", st
 
@@ -148,8 +148,18 @@ def test_digits_notebook_trains_shows_progress_and_tensorboard_and_leaves_nothin
             if o.output_type == "display_data" and "text/html" in o.data]
     assert html and "<iframe" in html[0] and f'src="{url}"' in html[0], tb_cell.outputs
 
-    assert f"{app}: nothing left running" in _outputs(_cell(nb, "app_processes(run.app_id)"))
+    # A function defined in a cell, submitted with yarnapp.submit(job, function=train): shipped
+    # pickled, run on every rank, trained with the public API.
+    own_st = yarnapp.status(own)
+    assert own_st["state"] == "SUCCEEDED", own_st
+    assert own_st["final"]["accuracy"] >= 0.9, own_st["final"]
+    shown = _outputs(_cell(nb, "function=train"))
+    assert f"own function: {own} SUCCEEDED, accuracy" in shown, shown
+    assert os.path.isfile(os.path.join(own_st["app_dir"], "containers", "big_0", "work", "function.pkl"))
+
+    assert f"{app}, {own}: nothing left running" in _outputs(_cell(nb, "app_processes(run.app_id)"))
     assert_nothing_left(app)
+    assert_nothing_left(own)
     deadline = time.monotonic() + 10         # the kernel (shut down by nbclient) and TensorBoard
     while _left_behind(tmp_path) and time.monotonic() < deadline:
         time.sleep(0.2)

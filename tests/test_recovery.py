@@ -66,6 +66,34 @@ def test_sigkill_one_of_three_ranks_resumes_bit_identically(strategy, reference,
     assert_nothing_left(run.app_id)
 
 
+def test_sigkill_with_augmentation_and_unequal_shares_resumes_bit_identically(digits, tmp_path, yarnapp_home):
+    """Random crops and flips drawn per (seed, epoch, row), shares 3:1:2, a rank killed
+    mid-epoch: the resumed run reads and augments exactly the rows the uninterrupted
+    one did, so the final weights are equal."""
+    def job(name):
+        j = digits_job(tmp_path, digits, name, steps=45, every=10)
+        j["training"]["shares"] = [3, 1, 2]
+        j["training"]["data"].update({"augment": [{"random_crop": {"size": 8, "padding": 1}}, "hflip"],
+                                      "shuffle_window": "16 KiB"})     # windows of one block
+        return j
+    ref = job("aug-ref")
+    run_to_end(ref)
+    killed = job("aug-killed")
+    run = yarnapp.submit(killed)
+    pid = rank_pid(run, rank=2)
+    kill_at = random.Random("kill-augment").randint(33, 42)          # in the second epoch (29 steps each)
+    wait_step(run, rank=2, step=kill_at)
+    os.kill(pid, signal.SIGKILL)
+    st = run.wait(timeout=600)
+    assert st["state"] == "SUCCEEDED", (st.get("diagnostics"), run.logs())
+    assert [r["generation"] for r in st["restarts"]] == [1]
+    resumed = st["final"]["resumed_from"]
+    assert resumed in (30, 40) and resumed <= kill_at + 1, (kill_at, resumed)
+    assert _equal(final_weights(killed), final_weights(ref))
+    print(f"augmented: killed at step {kill_at}, resumed from {resumed}")
+    assert_nothing_left(run.app_id)
+
+
 def test_sigstopped_rank_is_detected_and_recovered(reference, digits, tmp_path, yarnapp_home):
     job = digits_job(tmp_path, digits, "stopped", heartbeat="4s")
     run = yarnapp.submit(job)
@@ -82,14 +110,19 @@ def test_sigstopped_rank_is_detected_and_recovered(reference, digits, tmp_path, 
     assert_nothing_left(run.app_id)
 
 
-def test_crash_while_writing_a_checkpoint_resumes_from_the_previous_one(reference, digits, tmp_path, yarnapp_home):
-    job = digits_job(tmp_path, digits, "ckptcrash", env={"YARNAPP_FAULT": "crash_in_checkpoint:20:1"})
+@pytest.mark.parametrize("fault, rank, resumed", [("crash_in_checkpoint", 1, 10),   # step 20 never completed
+                                                   ("crash_after_commit", 0, 20),    # it did, just
+                                                   ("crash_in_cleanup", 0, 40)])     # keep=3: step 10 goes at 40
+def test_crash_while_checkpointing_resumes_from_the_newest_complete_one(
+        fault, rank, resumed, reference, digits, tmp_path, yarnapp_home):
+    at = 40 if fault == "crash_in_cleanup" else 20
+    job = digits_job(tmp_path, digits, "ckptcrash", env={"YARNAPP_FAULT": f"{fault}:{at}:{rank}"})
     run, st = run_to_end(job)
-    assert st["final"]["resumed_from"] == 10          # step 20's checkpoint never completed
+    assert st["final"]["resumed_from"] == resumed
     assert "exited with status 99" in st["restarts"][0]["reason"]
     assert _equal(final_weights(job), reference["allreduce"])
-    steps = sorted(os.listdir(job["checkpoint"]["uri"]))
-    assert not [s for s in steps if ".tmp" in s], steps
+    steps = sorted(os.listdir(os.path.join(job["checkpoint"]["uri"], run.app_id)))
+    assert steps == ["application.json", "final", "step-00000020", "step-00000030", "step-00000040"], steps
     assert_nothing_left(run.app_id)
 
 
@@ -113,3 +146,68 @@ def test_a_rank_that_always_fails_spends_the_budget_then_fails(tmp_path, cli, ya
     assert [r["generation"] for r in st["restarts"]] == [1, 2]
     assert "restart 1" in cli("status", app).stdout
     assert_nothing_left(app)
+
+
+def test_a_killed_application_master_is_restarted_and_training_resumes_bit_identically(
+        reference, digits, tmp_path, yarnapp_home):
+    """The local engine's answer to YARN's AM attempts: the supervisor starts a new master,
+    which starts every container again; the world's new generation resumes from the newest
+    complete checkpoint, spending no restart of max_restarts."""
+    job = dict(digits_job(tmp_path, digits, "am-killed"), max_restarts=0, am_attempts=2)
+    run = yarnapp.submit(job)
+    wait_step(run, rank=0, step=random.Random("am-kill").randint(12, 30))
+    am = run.status()["am_pid"]
+    os.kill(am, signal.SIGKILL)
+    st = run.wait(timeout=600)
+    assert st["state"] == "SUCCEEDED", (st.get("diagnostics"), run.logs())
+    assert [a["attempt"] for a in st["am_attempts"]] == [1, 2] and st["am_attempts"][0]["exit_code"] == -9
+    assert [r["generation"] for r in st["restarts"]] == [1]
+    assert "the application master died (attempt 1)" in st["restarts"][0]["reason"]
+    assert st["final"]["resumed_from"] >= 10
+    assert _equal(final_weights(job), reference["allreduce"])
+    assert_nothing_left(run.app_id)
+
+
+def test_with_no_attempts_left_a_killed_master_fails_the_application_naming_it(digits, tmp_path, yarnapp_home):
+    job = dict(digits_job(tmp_path, digits, "am-once", steps=400), am_attempts=1)
+    run = yarnapp.submit(job)
+    wait_step(run, rank=0, step=5)
+    os.kill(run.status()["am_pid"], signal.SIGKILL)
+    st = run.wait(timeout=120)
+    assert st["state"] == "FAILED"
+    assert "the application master (attempt 1, pid" in st["diagnostics"] and "killed by signal 9" in st["diagnostics"]
+    assert "no application master attempts left (am_attempts: 1)" in st["diagnostics"]
+    assert "FAILED" in run.failure_message() and "application master" in run.failure_message()
+    assert_nothing_left(run.app_id)
+
+
+def test_resubmitting_a_job_does_not_resume_another_applications_checkpoints_unless_asked(
+        reference, digits, tmp_path, yarnapp_home):
+    """One checkpoint.uri, several applications. Resubmitted as it is (resume: never, the
+    default) the job starts over; with resume: latest it goes on from the most recent
+    application of the same name and ends bit-identical to an uninterrupted run; an
+    application id names whose checkpoint; a job of another name never takes one with
+    latest; an unknown application id fails in one line, on the first attempt."""
+    def job(name="shared", steps=40, resume="never"):
+        j = digits_job(tmp_path, digits, name, steps=steps)
+        j["checkpoint"] = dict(j["checkpoint"], uri=str(tmp_path / "ckpt"), resume=resume)
+        return j
+    run1, st1 = run_to_end(job(steps=20))
+    run2, st2 = run_to_end(job(steps=20))                    # resubmitted as it is
+    assert st2["final"]["resumed_from"] == 0 and "resumed_app" not in st2["final"]
+    run3, st3 = run_to_end(job(resume="latest"))
+    assert st3["final"]["resumed_app"] == run2.app_id and st3["final"]["resumed_from"] == 20
+    assert _equal(final_weights(job()), reference["allreduce"])
+    run4, st4 = run_to_end(job(steps=20, resume=run1.app_id))
+    assert st4["final"]["resumed_app"] == run1.app_id and st4["final"]["resumed_from"] == 20
+    run5, st5 = run_to_end(job(name="other-name", steps=2, resume="latest"))
+    assert st5["final"]["resumed_from"] == 0                   # latest never takes another job's
+    runs = (run1, run2, run3, run4, run5)
+    assert sorted(os.listdir(tmp_path / "ckpt")) == sorted(r.app_id for r in runs)
+    bad = yarnapp.submit(job(resume="app_20200101_000000_abcdef"))
+    st = bad.wait(timeout=300)
+    assert st["state"] == "FAILED" and st["failure"]["attempts"] == 1
+    assert "checkpoint.resume app_20200101_000000_abcdef: no complete checkpoint of that application" \
+        in st["failure"]["reason"]
+    for r in runs + (bad,):
+        assert_nothing_left(r.app_id)

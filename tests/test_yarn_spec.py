@@ -24,7 +24,8 @@ from yarnapp.backends.yarn import (YarnBackend, kv_fields, app_record, app_state
 from yarnapp.errors import BackendUnavailable, YarnappError
 
 HELLO = os.path.join(conf.EXAMPLES_DIR, "hello.yaml")
-CONTRACT = ("YARNAPP_BACKEND", "YARNAPP_GROUP", "YARNAPP_JOB", "YARNAPP_SECRET")
+CONTRACT = ("YARNAPP_BACKEND", "YARNAPP_GROUP", "YARNAPP_JOB", "YARNAPP_SECRET_FILE", "YARNAPP_STORAGE")
+SECRET = ".yarnapp-secret"
 
 
 def three_groups(**environment):
@@ -47,25 +48,32 @@ def assert_skein_round_trips(spec):
     """What skein itself would accept: YAML, JSON and the protobuf Client.submit sends."""
     assert skein.ApplicationSpec.from_yaml(spec.to_yaml()).to_dict() == spec.to_dict()
     assert skein.ApplicationSpec.from_json(spec.to_json()).to_dict() == spec.to_dict()
-    assert skein.ApplicationSpec.from_protobuf(spec.to_protobuf()).to_dict() == spec.to_dict()
+    # skein 0.8.2's from_protobuf clamps max_attempts with min(1, n) (it meant max), so
+    # compare that field on the protobuf Client.submit sends, and the rest after the trip.
+    proto = spec.to_protobuf()
+    assert proto.max_attempts == spec.max_attempts
+    assert skein.ApplicationSpec.from_protobuf(proto).to_dict() == dict(spec.to_dict(), max_attempts=1)
 
 
 def test_spec_for_three_unequal_groups_with_cluster_python(tmp_path):
     job = three_groups()
     files = stage_files(job, str(tmp_path))
-    assert set(files) == {"job.json"}                   # packer: none ships no environment
+    assert set(files) == {"job.json", SECRET}          # packer: none ships no environment
     assert files["job.json"].type == skein.FileType.FILE
     assert files["job.json"].source == f"file://{tmp_path}/job.json"
     with open(tmp_path / "job.json") as f:
         assert conf.load_job(json.load(f)) == job       # what the container reloads is the job
 
-    spec = build_spec(job, files)
+    spec = build_spec(job, files, user="alice", storage="webhdfs://nn:9870/user/alice/.yarnapp")
     assert isinstance(spec, skein.ApplicationSpec)
     assert (spec.name, spec.queue, spec.tags) == ("mixed", "ml", {"yarnapp"})
     assert list(spec.services) == ["gpu", "cpu", "edge", "tensorboard"]
+    # Owner-only ACLs: only the submitting user may view or modify it.
+    assert spec.acls.enable is True
+    assert (spec.acls.view_users, spec.acls.modify_users, spec.acls.ui_users) == (["alice"], ["alice"], ["alice"])
+    assert (spec.acls.view_groups, spec.acls.modify_groups) == ([], [])
 
     expected = {"gpu": (8192, 4, 1, 1, "gpu"), "cpu": (4096, 2, 0, 2, ""), "edge": (1536, 1, 0, 3, "edge")}
-    secrets = set()
     for name, (memory, vcores, gpus, instances, label) in expected.items():
         svc = spec.services[name]
         r = svc.resources
@@ -75,25 +83,39 @@ def test_spec_for_three_unequal_groups_with_cluster_python(tmp_path):
         assert svc.allow_failures is False
         assert {k: svc.env[k] for k in CONTRACT} == {
             "YARNAPP_BACKEND": "yarn", "YARNAPP_GROUP": name, "YARNAPP_JOB": "job.json",
-            "YARNAPP_SECRET": svc.env["YARNAPP_SECRET"]}
-        secrets.add(svc.env["YARNAPP_SECRET"])
-        assert set(svc.files) == {"job.json"}
+            "YARNAPP_SECRET_FILE": SECRET, "YARNAPP_STORAGE": "webhdfs://nn:9870/user/alice/.yarnapp"}
+        assert "YARNAPP_SECRET" not in svc.env          # YARN shows the environment to viewers
+        assert set(svc.files) == {"job.json", SECRET}
         assert svc.files["job.json"].type == skein.FileType.FILE
+        assert svc.files[SECRET].source == f"file://{tmp_path}/{SECRET}"
         assert svc.script.rstrip().splitlines()[-1] == "exec python3 -m launcher.agent"
         assert "environment/" not in svc.script
     assert spec.services["gpu"].env["NCCL_DEBUG"] == "WARN"
     assert spec.services["cpu"].env["OMP_PROC_BIND"] == "close"
     assert "NCCL_DEBUG" not in spec.services["cpu"].env
 
-    (secret,) = secrets                                  # one secret for the whole application
+    # One secret per application, in a file only its owner reads, never in the spec.
+    secret = (tmp_path / SECRET).read_text()
     assert len(secret) == 32 and int(secret, 16) >= 0
-    assert build_spec(job, files).services["gpu"].env["YARNAPP_SECRET"] != secret
+    assert os.stat(tmp_path / SECRET).st_mode & 0o777 == 0o600
+    assert secret not in spec.to_yaml()
+    other = tmp_path / "again"
+    other.mkdir()
+    stage_files(job, str(other))
+    assert (other / SECRET).read_text() != secret
 
     tb = spec.services["tensorboard"]
     assert tb.instances == 1 and tb.allow_failures is True
     assert tb.resources.vcores == 1 and tb.resources.gpus == 0
     assert tb.script.rstrip().splitlines()[-1] == "exec python3 -m launcher.tensorboard_service"
-    assert tb.env["YARNAPP_SECRET"] == secret and "YARNAPP_GROUP" not in tb.env
+    assert tb.env["YARNAPP_SECRET_FILE"] == SECRET and "YARNAPP_GROUP" not in tb.env
+
+    shared = conf.load_job({**job.model_dump(mode="json"), "yarn": {"acls": {
+        "view_users": ["bob"], "modify_users": ["carol"], "view_groups": ["ml"]}}})
+    a = build_spec(shared, files, user="alice").acls
+    assert (a.view_users, a.modify_users, a.view_groups) == (["alice", "bob", "carol"], ["alice", "carol"], ["ml"])
+    assert build_spec(conf.load_job({**job.model_dump(mode="json"), "yarn": {"acls": {"enable": False}}}),
+                      files).acls.enable is False
     assert_skein_round_trips(spec)
 
 
@@ -104,7 +126,7 @@ def test_spec_ships_a_ready_archive_as_environment(tmp_path):
     spec = build_spec(job, stage_files(job, str(tmp_path)))
     for name in ("gpu", "cpu", "edge", "tensorboard"):
         files = spec.services[name].files
-        assert set(files) == {"job.json", "environment"}
+        assert set(files) == {"job.json", SECRET, "environment"}
         assert files["environment"].type == skein.FileType.ARCHIVE
         assert files["environment"].source == f"file://{archive}"
         assert files["job.json"].type == skein.FileType.FILE
@@ -144,7 +166,7 @@ def test_container_script_runs_the_agent_from_the_environment(tmp_path):
 def test_fractional_vcores_are_refused_naming_the_field(tmp_path):
     job = conf.load_job(HELLO)                          # small: vcores 0.5 (fine on the local engine)
     with pytest.raises(YarnappError) as e:
-        build_spec(job, {"job.json": str(tmp_path / "job.json")})
+        build_spec(job, {"job.json": str(tmp_path / "job.json"), SECRET: str(tmp_path / SECRET)})
     assert str(e.value) == "groups[1].vcores: YARN allocates whole vcores; got 0.5 — use an integer"
     with pytest.raises(YarnappError, match=r"^hello.yaml: groups\[1\]\.vcores: "):
         check_job(job, where="hello.yaml")
@@ -220,13 +242,13 @@ def test_running_application_fields_come_from_the_coordination_keys(tmp_path):
     store = FileStore(str(tmp_path / "store"))
     store.put(keys.progress(1), json.dumps({"step": 7}))
     store.put(keys.restart(0), json.dumps({"generation": 0, "reason": "rank 1 exited 1"}))
-    store.put(keys.formed(0), json.dumps({"seconds": 3.5}))
-    store.put(keys.formed(1), json.dumps({"seconds": 1.25}))
+    store.put(keys.formed(0), json.dumps({"seconds": 3.5, "time": 1000.5}))
+    store.put(keys.formed(1), json.dumps({"seconds": 1.25, "time": 1200.0}))
     store.put(keys.TENSORBOARD, "http://node1:6006")
     fields = kv_fields(store)
     assert fields == {"progress": {1: {"step": 7}}, "restarts": [{"generation": 0, "reason": "rank 1 exited 1"}],
                       "final": None, "failure": None, "tensorboard": "http://node1:6006",
-                      "world_formed_s": 1.25}
+                      "world_formed_time": 1000.5}          # the first world: submit -> formed
     store.put(keys.FINAL, json.dumps({"accuracy": 0.9}))
     store.put(keys.FAILED, json.dumps({"reason": "rank 2 exited 1", "container": "edge_0"}))
     fields = kv_fields(store)
@@ -308,3 +330,90 @@ def test_hello_on_a_real_cluster():
     logs = backend.logs(app_id)
     assert st["state"] == "SUCCEEDED", (st["diagnostics"], logs)
     assert {"big_0", "small_0", "small_1"} <= set(logs)
+
+
+def test_logs_follow_prints_a_real_log_from_its_first_byte_after_a_placeholder():
+    from yarnapp.cli import follow_increment
+    placeholder = "(still running: YARN serves this log at http://node:8042/...)\n"
+    real = "yarnapp container w_0 (YARN c_1)\nfirst line\n"
+    assert follow_increment("", placeholder) == placeholder
+    assert follow_increment(placeholder, real) == real          # was real[len(placeholder):]: nothing
+    assert follow_increment(real, real + "more\n") == "more\n"
+    assert follow_increment(real + "more\n", real + "more\n") == ""
+
+
+def test_yarn_logs_output_becomes_logs_per_container():
+    from yarnapp.backends.yarn_cluster import parse_yarn_logs
+    text = ("Container: container_1_0001_01_000002 on host_1\nLogAggregationType: AGGREGATED\n====\n"
+            "LogType:w.log\nLogLastModifiedTime:Mon\nLogLength:20\nLogContents:\nyarnapp container w_0 (YARN x)\n"
+            "line two\nEnd of LogType:w.log\n*****\n\n"
+            "Container: container_1_0001_01_000001 on host_1\n====\n"
+            "LogType:application.master.log\nLogContents:\nStarting Skein\nEnd of LogType:application.master.log\n")
+    logs = parse_yarn_logs(text)
+    assert logs == {"container_1_0001_01_000002": "LogType:w.log\nyarnapp container w_0 (YARN x)\nline two",
+                    "container_1_0001_01_000001": "LogType:application.master.log\nStarting Skein"}
+    assert named_logs(logs) == {"w_0": logs["container_1_0001_01_000002"],
+                                "master": logs["container_1_0001_01_000001"]}
+
+
+def test_the_default_filesystem_as_python_opens_it(monkeypatch):
+    from yarnapp.backends import yarn_cluster as yc
+    monkeypatch.delenv("ARROW_LIBHDFS_DIR", raising=False)
+    monkeypatch.delenv("HADOOP_HOME", raising=False)
+    monkeypatch.setattr(yc.ctypes.util, "find_library", lambda name: None)   # libhdfs: not here
+    conf_ = {"fs.defaultFS": "hdfs://nn.example:8020", "dfs.namenode.http-address": "0.0.0.0:9870"}
+    assert yc.default_fs_uri(conf_) == "webhdfs://nn.example:9870"
+    assert yc.default_storage("alice", conf_) == "webhdfs://nn.example:9870/user/alice/.yarnapp"
+    assert yc.python_uri("hdfs://nn.example:8020/user/alice/.skein/x/job.json", conf_) == \
+        "webhdfs://nn.example:9870/user/alice/.skein/x/job.json"
+    assert yc.python_uri("s3://bucket/x", conf_) == "s3://bucket/x"
+    assert yc.default_fs_uri({"fs.defaultFS": "s3a://bucket/"}) == "s3a://bucket"
+    assert yc.default_fs_uri({}) is None and yc.default_storage("alice", {}) is None
+    monkeypatch.setattr(yc.ctypes.util, "find_library", lambda name: "libhdfs.so")   # where it loads
+    assert yc.default_fs_uri(conf_) == "hdfs://nn.example:8020"
+
+
+def test_hadoop_conf_is_read_from_hadoop_conf_dir(tmp_path, monkeypatch):
+    from yarnapp.backends import yarn_cluster as yc
+    (tmp_path / "core-site.xml").write_text(
+        "<configuration><property><name>fs.defaultFS</name><value> hdfs://nn:8020 </value></property>"
+        "</configuration>")
+    (tmp_path / "hdfs-site.xml").write_text("<configuration><broken")
+    monkeypatch.setenv("HADOOP_CONF_DIR", str(tmp_path))
+    assert yc.hadoop_conf() == {"fs.defaultFS": "hdfs://nn:8020"}
+    monkeypatch.delenv("HADOOP_CONF_DIR")
+    assert yc.hadoop_conf() == {}
+
+
+def test_dry_run_without_a_cluster_starts_and_packs_nothing(tmp_path, monkeypatch, caplog):
+    from yarnapp.backends.yarn import dry_run
+    monkeypatch.delenv("HADOOP_CONF_DIR", raising=False)
+    monkeypatch.setenv("YARNAPP_HOME", str(tmp_path / "home"))
+    job = three_groups()
+    with caplog.at_level("WARNING"):
+        spec = skein.ApplicationSpec.from_yaml(dry_run(job))
+    assert "YARNAPP_STORAGE" not in spec.services["cpu"].env          # no default filesystem known
+    assert "checkpoint.uri is unset and no Hadoop configuration" in caplog.text
+    staged = spec.services["cpu"].files["job.json"].source[len("file://"):]
+    assert not os.path.exists(os.path.dirname(staged))                 # the staging directory is gone
+    assert not os.path.exists(tmp_path / "home")                       # nothing packed or cached
+    with pytest.raises(ValueError, match="'.yarnapp-secret'"):
+        build_spec(job, {"job.json": "/x/job.json"})
+
+
+def test_results_survive_in_one_line_of_diagnostics(tmp_path):
+    from launcher import results
+    store = FileStore(str(tmp_path / "store"))
+    store.put(keys.FINAL, json.dumps({"accuracy": 0.98}))
+    store.put(keys.formed(0), json.dumps({"time": 100.0}))
+    store.put(keys.restart(1), json.dumps({"generation": 1, "reason": "lost w_1", "log_tail": "x" * 5000}))
+    got = results.collect(store)
+    assert got == {"final": {"accuracy": 0.98}, "failure": None, "world_formed_time": 100.0,
+                   "restarts": [{"generation": 1, "reason": "lost w_1", "log_tail": "x" * 5000}]}
+    line = results.diagnostics({**got, "state": "SUCCEEDED"})
+    assert "\n" not in line and "log_tail" not in line
+    assert results.from_diagnostics(f"some text\n{line}")["restarts"] == [{"generation": 1, "reason": "lost w_1"}]
+    assert results.from_diagnostics("Application killed by user.") is None
+    assert results.from_diagnostics(results.DIAGNOSTICS_PREFIX + "{not json") is None
+    results.write(str(tmp_path / "app"), got)
+    assert results.read(str(tmp_path / "app")) == got

@@ -1,16 +1,28 @@
-"""Checkpoints that become visible only when complete, on any pyarrow URI.
+"""Checkpoints that become visible only when complete, on any pyarrow URI, one
+directory per application, and which one a new application resumes from.
 
 Layout under the job's checkpoint URI:
 
-    step-00000050.tmp-<gen>/rank-00000.pt ...   being written (never read)
-    step-00000050/rank-00000.pt ...             complete: renamed after every rank wrote
-    final/model.pt                              the trained model (rank 0)
+    <app_id>/application.json                    {"app_id", "name", "created"} (rank 0)
+    <app_id>/step-00000050.tmp-<gen>/rank-00000.pt ...  being written (never read)
+    <app_id>/step-00000050/rank-00000.pt ...     complete: renamed after every rank wrote
+    <app_id>/final/model.pt                      the trained model (rank 0)
 
 Every rank writes its own part (model/optimizer shard, RNG states, data position)
-into the temporary directory; after a barrier rank 0 renames it. A name is never
-overwritten (HDFS refuses to rename onto an existing path), so a checkpoint for a
+into the temporary directory; after every rank wrote, rank 0 renames it. A name is
+never overwritten (HDFS refuses to rename onto an existing path), so a checkpoint for a
 step that already exists is skipped. The last `keep` complete checkpoints are kept.
+
+Where a run starts (`latest`): a restarted world (a later generation of the same
+application) resumes from its own newest complete checkpoint. A new application
+starts from nothing unless `checkpoint.resume` asks otherwise:
+    never    (the default) start from step 0, whatever the URI holds
+    latest   the newest complete checkpoint of the most recent earlier application of
+             the same job name under this URI
+    APP_ID   that application's newest complete checkpoint (any job name)
+It never writes into another application's directory.
 """
+import json
 import logging
 import os
 import random
@@ -18,7 +30,10 @@ import re
 import time
 
 import numpy as np
+import pyarrow as pa
 import torch
+
+from conf.errors import YarnappError
 
 from . import fsutil
 
@@ -37,53 +52,137 @@ def set_rng_state(s):
 
 
 class Checkpointer:
-    def __init__(self, uri, comm, keep=3, generation=0):
+    def __init__(self, uri, comm, keep=3, generation=0, app_id="app", name="job", resume="never"):
         self.uri = uri
-        self.fs, self.root = fsutil.resolve(uri)
+        self.fs, self.base = fsutil.resolve(uri)
+        self.root = f"{self.base.rstrip('/')}/{app_id}"
         self.comm = comm
         self.rank = comm.Get_rank()
         self.keep = keep
         self.generation = generation
+        self.app_id, self.name, self.resume = app_id, name, resume
+        self.resumed_app = None       # whose checkpoint this run started from
         self.write_s = 0.0
 
-    def _dir(self, step, tmp=False):
-        return f"{self.root}/step-{step:08d}" + (f".tmp-{self.generation}" if tmp else "")
+    def _dir(self, step, tmp=False, root=None):
+        return f"{root or self.root}/step-{step:08d}" + (f".tmp-{self.generation}" if tmp else "")
 
-    def complete_steps(self):
-        return sorted(int(m.group(1)) for n in fsutil.listdir(self.fs, self.root)
+    def complete_steps(self, root=None):
+        return sorted(int(m.group(1)) for n in fsutil.listdir(self.fs, root or self.root)
                       if (m := _COMPLETE.match(n)))
 
-    def latest(self):
-        """(step, this rank's state) of the newest complete checkpoint, or (0, None)."""
-        steps = self.complete_steps() if self.rank == 0 else None
-        steps = self.comm.bcast(steps, root=0)
+    def applications(self):
+        """[(created, app_id, name)] of every application with a directory under the URI."""
+        out = []
+        for app in fsutil.listdir(self.fs, self.base):
+            try:
+                meta = json.loads(fsutil.read_bytes(self.fs, f"{self.base}/{app}/application.json"))
+            except (OSError, ValueError, pa.ArrowException):
+                continue
+            out.append((meta.get("created", 0), app, meta.get("name")))
+        return sorted(out)
+
+    def _source(self):
+        """(directory, app_id, step) to start from, or (None, None, 0). Rank 0 only."""
+        steps = self.complete_steps()
+        if steps:
+            return self.root, self.app_id, steps[-1]
+        if self.resume == "never":
+            return None, None, 0
+        if self.resume == "latest":
+            for _, app, name in reversed(self.applications()):
+                root = f"{self.base}/{app}"
+                if app != self.app_id and name == self.name and self.complete_steps(root):
+                    return root, app, self.complete_steps(root)[-1]
+            log.warning("checkpoint.resume latest: no earlier application of job %r has a complete "
+                        "checkpoint under %s; starting from step 0", self.name, self.uri)
+            return None, None, 0
+        root = f"{self.base}/{self.resume}"
+        steps = self.complete_steps(root) if fsutil.exists(self.fs, root) else []
         if not steps:
+            raise CheckpointError(f"checkpoint.resume {self.resume}: no complete checkpoint of that application "
+                                  f"under {self.uri}; give an application id listed there, latest or never")
+        return root, self.resume, steps[-1]
+
+    def latest(self):
+        """(step, this rank's state) to start from (see the module docstring), or (0, None).
+        Collective; rank 0 also records this application under the URI."""
+        found = None
+        if self.rank == 0:
+            error = _attempt(self._register)
+            try:
+                found = (f"checkpoint.uri {self.uri}: cannot write to it: {error}" if error
+                         else self._source())
+            except CheckpointError as e:
+                found = str(e)
+        found = self.comm.bcast(found, root=0)
+        if isinstance(found, str):                    # every rank fails the same way
+            raise CheckpointError(found)
+        root, app, step = found
+        if root is None:
             return 0, None
-        step = steps[-1]
-        data = fsutil.read_bytes(self.fs, f"{self._dir(step)}/rank-{self.rank:05d}.pt")
+        if app != self.app_id:
+            self.resumed_app = app
+            if self.rank == 0:
+                log.info("resuming from application %s's checkpoint of step %d (checkpoint.resume: %s)",
+                         app, step, self.resume)
+        data = fsutil.read_bytes(self.fs, f"{self._dir(step, root=root)}/rank-{self.rank:05d}.pt")
         return step, fsutil.torch_load(data)
 
+    def _register(self):
+        path = f"{self.root}/application.json"
+        if not fsutil.exists(self.fs, path):
+            fsutil.write_bytes(self.fs, path, json.dumps(
+                {"app_id": self.app_id, "name": self.name, "created": time.time()}).encode())
+        self._tidy()            # a world restarting after a crash mid-checkpoint
+
     def save(self, step, state):
-        """Collective: every rank passes its own state; returns when the checkpoint is complete."""
+        """Collective: every rank passes its own state; returns when the checkpoint is complete.
+
+        If any rank cannot write its part (disk full, read-only, unreachable URI), or rank 0
+        cannot commit the checkpoint, every rank raises the same CheckpointError naming the
+        URI and the first error; the temporary directory is never renamed, so the previous
+        complete checkpoint stays the newest and is what a restart resumes from.
+        """
         t0 = time.perf_counter()
         exists = self.comm.bcast(step in self.complete_steps() if self.rank == 0 else None, root=0)
         if exists:
             return False
         tmp = self._dir(step, tmp=True)
-        fsutil.write_bytes(self.fs, f"{tmp}/rank-{self.rank:05d}.pt", fsutil.torch_bytes(state))
+        error = _attempt(lambda: fsutil.write_bytes(self.fs, f"{tmp}/rank-{self.rank:05d}.pt",
+                                                    fsutil.torch_bytes(state)))
         _maybe_fault("crash_in_checkpoint", step, self.rank, self.generation)
-        self.comm.Barrier()
+        self._raise_first(step, "write", self.comm.allgather(error))
         if self.rank == 0:
-            self.fs.move(tmp, self._dir(step))
-            for old in self.complete_steps()[:-self.keep]:
-                self.fs.delete_dir(self._dir(old))
-            for n in fsutil.listdir(self.fs, self.root):
-                if ".tmp-" in n:                       # left by a generation that crashed mid-write
-                    self.fs.delete_dir(f"{self.root}/{n}")
-        self.comm.Barrier()
+            error = _attempt(lambda: self._commit(step, tmp))
+        self._raise_first(step, "commit", [self.comm.bcast(error, root=0)])
         self.write_s += time.perf_counter() - t0
         log.info("checkpoint step %d complete", step)
         return True
+
+    def _commit(self, step, tmp):
+        """Rank 0: make step's checkpoint visible (one rename), then tidy up. An old checkpoint
+        is renamed out of the complete ones before it is deleted, so a crash at any point of
+        the clean-up leaves only complete checkpoints and litter the next start removes."""
+        self.fs.move(tmp, self._dir(step))
+        _maybe_fault("crash_after_commit", step, self.rank, self.generation)
+        for old in self.complete_steps()[:-self.keep]:
+            self.fs.move(self._dir(old), self._dir(old) + ".deleting")
+            _maybe_fault("crash_in_cleanup", step, self.rank, self.generation)
+        self._tidy()
+
+    def _tidy(self):
+        """Remove the litter of a crash mid-write or mid-clean-up (rank 0, no write under way)."""
+        for n in fsutil.listdir(self.fs, self.root):
+            if ".tmp-" in n or n.endswith(".deleting"):
+                self.fs.delete_dir(f"{self.root}/{n}")
+
+    def _raise_first(self, step, what, errors):
+        first = next(((r, e) for r, e in enumerate(errors) if e), None)
+        if first:
+            raise CheckpointError(f"checkpoint.uri {self.uri}: cannot {what} the checkpoint of step {step}"
+                                  f"{f' (rank {first[0]})' if what == 'write' else ''}: {first[1]}; "
+                                  f"free space or fix its permissions (the checkpoint before it is intact)")
 
     def save_model(self, model):
         if self.rank == 0 and model is not None:
@@ -91,14 +190,38 @@ class Checkpointer:
                                fsutil.torch_bytes({k: v.detach().cpu() for k, v in model.state_dict().items()}))
 
 
+class CheckpointError(YarnappError, OSError):
+    """A checkpoint that cannot be written. str() names the URI and the first error."""
+
+
+def _attempt(fn):
+    """None if fn() succeeds, else its error as one line (storage errors span pages)."""
+    try:
+        fn()
+        return None
+    except (OSError, pa.ArrowException) as e:
+        lines = str(e).strip().splitlines()
+        return " ".join(lines[:2]) if lines else type(e).__name__
+
+
 def _maybe_fault(kind, step, rank, generation):
     """Fault injection for recovery tests and demos: YARNAPP_FAULT=KIND:STEP:RANK makes
-    that rank die at that point of generation 0 (set it in a group's `env`)."""
+    that rank die at that point of generation 0 (set it in a group's `env`). Kinds:
+    crash_in_checkpoint (its part written, before the commit), crash_after_commit (rank 0,
+    right after the rename), crash_in_cleanup (rank 0, an old checkpoint half removed)."""
     if generation == 0 and os.environ.get("YARNAPP_FAULT") == f"{kind}:{step}:{rank}":
         log.error("fault injection: %s at step %d on rank %d", kind, step, rank)
         os._exit(99)
 
 
-def load_final(uri):
-    fs, root = fsutil.resolve(uri)
-    return fsutil.torch_load(fsutil.read_bytes(fs, f"{root}/final/model.pt"))
+def load_final(uri, app_id=None):
+    """The final model an application saved under checkpoint URI `uri` (default: the
+    newest application there that has one)."""
+    fs, base = fsutil.resolve(uri)
+    if app_id is None:
+        done = [a for a in fsutil.listdir(fs, base) if fsutil.exists(fs, f"{base}/{a}/final/model.pt")]
+        if not done:
+            raise CheckpointError(f"{uri}: no application there saved a final model")
+        app_id = max(done, key=lambda a: json.loads(fsutil.read_bytes(fs, f"{base}/{a}/application.json"))
+                     .get("created", 0))
+    return fsutil.torch_load(fsutil.read_bytes(fs, f"{base}/{app_id}/final/model.pt"))

@@ -51,6 +51,13 @@ class RunContext:
     logdir: str
     publish: Optional[Callable[[str, bytes], None]] = None   # store writer (set by the launcher)
     heartbeat_path: Optional[str] = None
+    # The torch.distributed contract (launcher.torch_env), also exported as RANK,
+    # LOCAL_RANK, MASTER_ADDR... in the environment of every rank.
+    local_rank: int = 0          # among this application's containers on the same host
+    local_world_size: int = 1
+    group_rank: int = 0          # the index of this rank's host (torchrun's node rank)
+    master_addr: str = "127.0.0.1"
+    master_port: Optional[int] = None
 
     @classmethod
     def offline(cls, comm, job, app_id="offline", workdir="/tmp"):
@@ -63,12 +70,40 @@ class RunContext:
     def me(self):
         return self.ranks[self.rank]
 
+    @property
+    def restart_count(self):
+        """How many times the world was formed again before this one (torchrun's
+        TORCHELASTIC_RESTART_COUNT): the generation."""
+        return self.generation
+
+    def init_process_group(self, backend=None, **kwargs):
+        """`torch.distributed.init_process_group` for this world, through MASTER_ADDR /
+        MASTER_PORT (env://). backend: "nccl" where this rank's container has GPUs and
+        CUDA is available, else "gloo". Returns the default process group.
+
+        The same as calling `torch.distributed.init_process_group(backend)` in a script:
+        the launcher exports RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for it.
+        """
+        import torch
+        import torch.distributed as dist
+        if backend is None:
+            backend = "nccl" if self.me.gpus and torch.cuda.is_available() else "gloo"
+        if self.master_port is None:
+            raise RuntimeError("no MASTER_PORT: this context was not built by the launcher")
+        dist.init_process_group(backend, init_method=f"tcp://{self.master_addr}:{self.master_port}",
+                                rank=self.rank, world_size=self.world_size, **kwargs)
+        return dist.group.WORLD
+
+    phase: str = "setup"         # "train" from the first training step on (heartbeat)
+
     def heartbeat(self, phase="train"):
         """Tell the agent this rank is making progress (it declares silence a hang).
 
         phase "setup" (before the first step: imports, data, calibration) is held to
         launcher.rendezvous_timeout; "train" to the shorter launcher.heartbeat_timeout.
+        A failure in "setup" that every rank shares is not retried (launcher.agent).
         """
+        self.phase = phase
         if self.heartbeat_path:
             with open(self.heartbeat_path, "w") as f:
                 f.write(f"{phase} {time.time()}")

@@ -1,11 +1,25 @@
 """The few filesystem operations checkpoints and TensorBoard need, on any pyarrow URI.
 
-A plain path is local; `file://`, `hdfs://`, `s3://`... go through
-`pyarrow.fs.FileSystem.from_uri`. This is the one adapter around pyarrow's
-filesystems for writing (training.data has the reading side).
+`resolve(uri)` is the ONE place a URI becomes a filesystem (data, checkpoints,
+TensorBoard and the YARN backend all open URIs through it):
+
+    a plain path, file://     the local filesystem
+    webhdfs://HOST:PORT/path  HDFS through the NameNode's WebHDFS REST API (fsspec's
+                              `webhdfs`, wrapped as a pyarrow filesystem); no libhdfs
+                              needed, as user $HADOOP_USER_NAME, else the login user
+    hdfs://, s3://, ...       pyarrow's own (`pyarrow.fs.FileSystem.from_uri`; hdfs://
+                              is libhdfs, which needs Java and Hadoop's native library)
+
+On WebHDFS a rename is atomic and refused when the destination exists (FileExistsError),
+which the checkpoints' never-overwrite rule relies on. That is HDFS's rename2
+(`renameoptions=NONE`): HDFS's plain rename, which fsspec's `mv` sends, would move a
+directory INTO an existing destination directory and report nothing.
 """
+import functools
+import getpass
 import io
 import os
+import urllib.parse
 
 import pyarrow.fs as pafs
 
@@ -14,7 +28,36 @@ def resolve(uri):
     """(filesystem, path) for a URI or local path."""
     if "://" not in uri:
         return pafs.LocalFileSystem(), os.path.abspath(uri)
+    if uri.startswith("webhdfs://"):
+        u = urllib.parse.urlparse(uri)
+        if not u.hostname:
+            raise ValueError(f"{uri}: a webhdfs URI names the NameNode's HTTP address: webhdfs://HOST:PORT/path")
+        return _webhdfs(u.hostname, u.port or 9870, hdfs_user()), u.path or "/"
     return pafs.FileSystem.from_uri(uri)
+
+
+def hdfs_user():
+    """Who we are to HDFS with simple authentication (YARN sets USER in containers)."""
+    return os.environ.get("HADOOP_USER_NAME") or getpass.getuser()
+
+
+@functools.lru_cache(maxsize=None)
+def _webhdfs(host, port, user):
+    from fsspec.implementations.webhdfs import WebHDFS
+
+    class _HDFSRename(WebHDFS):
+        def mv(self, path1, path2, **kwargs):
+            # renameoptions=NONE is HDFS's rename2: the destination must not exist. (Plain
+            # RENAME would move a directory INTO an existing destination directory.)
+            try:
+                self._call("RENAME", method="put", path=path1, destination=path2, renameoptions="NONE")
+            except RuntimeError as e:
+                if "exists" in str(e):
+                    raise FileExistsError(f"HDFS refused to rename {path1} onto {path2}, which exists") from None
+                raise
+
+    fs = _HDFSRename(host, port=port, user=user)
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fs))
 
 
 def is_local(uri):

@@ -1,8 +1,8 @@
 """Models by name: `build_model(name, input_shape, num_classes, options)`.
 
 Built in: digits_cnn, seed_cnn, resnet, mlp; any other name of the form
-`package.module:Class` is a user's nn.Module, constructed as
-``Class(input_shape, num_classes, **options)``.
+`package.module:factory` is a user's model factory or nn.Module class (see
+build_model).
 
 Contract with the model-parallel strategy: every convolution is a plain
 `torch.nn.Conv2d` held as an attribute (reachable through `named_modules()`, e.g.
@@ -14,7 +14,6 @@ uses the replacement. `conv_layers(model)` lists them in order.
 Initialisation uses PyTorch's default initialisers only, so a model built after
 ``torch.manual_seed(s)`` is identical on every rank and every run.
 """
-import importlib
 import inspect
 import logging
 
@@ -231,23 +230,6 @@ MODELS = {
 }
 
 
-def _user_class(name):
-    module_name, _, cls_name = name.partition(":")
-    if not module_name or not cls_name or ":" in cls_name:
-        raise ModelError(f"model {name!r}: expected one of {', '.join(MODELS)} or 'package.module:Class'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ModelError(f"model {name!r}: cannot import {module_name} ({e}); make it importable "
-                         f"(install it, or put it on PYTHONPATH / ship it with the job)") from None
-    cls = getattr(module, cls_name, None)
-    if cls is None:
-        raise ModelError(f"model {name!r}: module {module_name} has no attribute {cls_name!r}")
-    if not (inspect.isclass(cls) and issubclass(cls, nn.Module)):
-        raise ModelError(f"model {name!r}: {cls_name} is not a torch.nn.Module subclass")
-    return cls
-
-
 def _check_options(name, cls, options):
     params = inspect.signature(cls.__init__).parameters
     if any(p.kind == p.VAR_KEYWORD for p in params.values()):
@@ -263,20 +245,36 @@ def _check_options(name, cls, options):
 def build_model(name, input_shape, num_classes, options=None):
     """The model `name` for inputs of `input_shape` (C, H, W) and `num_classes` outputs.
 
-    `options` (training.model_options) are keyword arguments of the model's
-    constructor; unknown ones are refused. Raises ModelError with a one-line message.
+    A built-in name is constructed as ``Class(input_shape, num_classes, **options)``
+    (unknown options are refused). Any other name is a user's ``package.module:factory``
+    (a function or an nn.Module class, e.g. ``torchvision.models:resnet18``), called
+    with the keyword `options` (training.model_options, nested values allowed) plus
+    `input_shape` / `num_classes` where it asks for them by name (a factory taking
+    **kwargs gets num_classes): training.userfn.call. Raises ModelError (one line).
     """
+    from . import userfn
     options = dict(options or {})
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
         raise ModelError(f"model {name!r}: num_classes must be a positive integer, got {num_classes!r}")
-    cls = MODELS.get(name) or _user_class(name)
-    _check_options(name, cls, options)
-    try:
-        model = cls(tuple(input_shape), num_classes, **options)
-    except ModelError:
-        raise
-    except TypeError as e:
-        raise ModelError(f"model {name!r}: cannot construct it with options {options}: {e}") from None
+    if name in MODELS:
+        cls = MODELS[name]
+        _check_options(name, cls, options)
+        try:
+            model = cls(tuple(input_shape), num_classes, **options)
+        except ModelError:
+            raise
+        except TypeError as e:
+            raise ModelError(f"model {name!r}: cannot construct it with options {options}: {e}") from None
+    elif ":" not in name:
+        raise ModelError(f"training.model: {name!r} is neither a built-in model ({', '.join(MODELS)}) "
+                         f"nor a 'package.module:factory'")
+    else:
+        try:
+            factory = userfn.load(name, "training.model")
+            model = userfn.call(factory, options, "training.model",
+                                offered={"input_shape": tuple(input_shape), "num_classes": num_classes})
+        except userfn.UserCodeError as e:
+            raise ModelError(str(e)) from None
     if not isinstance(model, nn.Module):
         raise ModelError(f"model {name!r}: constructing it gave a {type(model).__name__}, not an nn.Module")
     log.debug("built %s for %s -> %d classes: %d parameters, convs %s", name, tuple(input_shape),

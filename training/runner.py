@@ -12,9 +12,11 @@ import time
 import numpy as np
 import torch
 
+from launcher import memory   # plain functions reading this process's memory cgroup
+
 from . import collectives, strategies
 from .checkpoint import Checkpointer, rng_state, set_rng_state
-from .data import Loader, ParquetDataset
+from .data import open_dataset
 from .models import build_model
 from .tensorboard import TBLogger
 
@@ -36,22 +38,24 @@ class Runner:
         self.comm = ctx.comm
         torch.set_num_threads(ctx.me.threads)
         collectives.set_polite(ctx.me.throttled)
-        self.train = ParquetDataset(spec.data.train)
-        self.test = ParquetDataset(spec.data.test) if spec.data.test else None
+        self.train = open_dataset(spec.data, "train", ctx)
+        self.test = open_dataset(spec.data, "test", ctx, reference=self.train)
         torch.manual_seed(spec.seed)
         model = build_model(spec.model, self.train.shape, self.train.num_classes, spec.model_options)
         self.strategy = strategies.get(spec.strategy.name)(ctx, spec)
-        example = torch.from_numpy(self.train.images[:16]).float()    # e.g. for shares: speed
+        example = self.train.example(16)                                # e.g. for shares: speed
         self.strategy.setup(model, make_optimizer_factory(spec), example_input=example)
-        self.ckpt = Checkpointer(ctx.checkpoint_uri, self.comm, ctx.job.checkpoint.keep, ctx.generation)
+        c = ctx.job.checkpoint
+        self.ckpt = Checkpointer(ctx.checkpoint_uri, self.comm, c.keep, ctx.generation, app_id=ctx.app_id,
+                                 name=ctx.job.name, resume=c.resume)
         self.start_step, state = self.ckpt.latest()
         if state is not None:
             self.strategy.load_state_dict(state["strategy"])
             set_rng_state(state["rng"])
             log.info("resumed from the checkpoint of step %d", self.start_step)
         self.lo, self.hi = self.strategy.batch_slice(spec.batch_size)
-        self.loader = Loader(self.train, spec.batch_size, self.lo, self.hi, spec.seed,
-                             start_step=self.start_step, prefetch=spec.data.prefetch, epochs=spec.epochs)
+        self.loader = self.train.batches(spec.batch_size, self.lo, self.hi, seed=spec.seed,
+                                         start_step=self.start_step, epochs=spec.epochs)
         self.steps_per_epoch = self.loader.steps_per_epoch
         self.total_steps = spec.epochs * self.steps_per_epoch
         if spec.max_steps:
@@ -62,6 +66,8 @@ class Runner:
             self.tb = TBLogger(ctx.logdir, ctx.app_id, purge_step=self.start_step or None,
                                sync_every=ctx.job.tensorboard.sync_every, hparams=self._hparams())
         self.last_ckpt_time = time.monotonic()
+        self.cgroup = memory.own_cgroup()
+        self.rss_peak = 0
 
     def _hparams(self):
         s = self.spec
@@ -75,7 +81,7 @@ class Runner:
             return {}
         B = self.spec.batch_size
         lo, hi = self.strategy.batch_slice(B)
-        loader = Loader(self.test, B, lo, hi, self.spec.seed, prefetch=0, drop_last=False, epochs=1)
+        loader = self.test.batches(B, lo, hi, seed=self.spec.seed, epochs=1, drop_last=False, train=False)
         sums = np.zeros(3)
         for _, _, x, y in loader:
             loss_sum, correct, n = self.strategy.eval_step(x, y)
@@ -97,8 +103,21 @@ class Runner:
         self.ckpt.save(step, {"step": step, "strategy": self.strategy.state_dict(), "rng": rng_state()})
         self.last_ckpt_time = time.monotonic()
 
+    def resources(self):
+        """This rank's data reads and its container's memory (peaks, MiB), for status and
+        benchmarks: the cgroup's limit and peak (with page cache), its anonymous + mapped
+        memory sampled at every progress record, and this process's own peak RSS."""
+        import resource
+        st, mem = self.loader.stats, memory.state(self.cgroup) or {}
+        mib = (lambda b: round(b / 2 ** 20, 1) if b and b < 1 << 60 else None)     # (no limit: 2^63)
+        return {"data_read_mb": round(st.bytes_read / 1e6, 3), "data_rereads": st.rereads,
+                "data_blocks_peak_mib": mib(st.peak_bytes), "memory_limit_mib": mib(mem.get("limit")),
+                "memory_peak_mib": mib(mem.get("peak")), "container_rss_peak_mib": mib(self.rss_peak),
+                "rss_peak_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+
     def log_window(self, step, epoch, window):
         """Aggregate the timings of the last steps over the world; rank 0 logs them."""
+        self.rss_peak = max(self.rss_peak, memory.resident(self.cgroup) or 0)
         n = max(window["steps"], 1)
         mine = np.array([window["compute"] / n, window["comm"] / n, window["wait"] / n, window["wall"] / n])
         every = self.comm.gather(mine, root=0)
@@ -162,7 +181,7 @@ class Runner:
         final = {"accuracy": ev.get("accuracy"), "loss": ev.get("loss"), "train_loss": rec.get("loss"),
                  "steps": step, "samples_per_s": totals["samples"] / max(totals["wall"], 1e-9),
                  "data_wait_pct": 100 * totals["wait"] / max(totals["wall"], 1e-9),
-                 "time_s": train_time, "resumed_from": self.start_step}
+                 "time_s": train_time, "resumed_from": self.start_step, "resumed_app": self.ckpt.resumed_app}
         final = {k: v for k, v in final.items() if v is not None}
         self.save(step)
         self.ckpt.save_model(self.strategy.model_for_export())
@@ -171,7 +190,8 @@ class Runner:
             self.tb.scalars(step, {f"eval/{k}": v for k, v in ev.items()})
             self.tb.close(final)
         ctx.report(step=step, total_steps=self.total_steps, epoch=math.ceil(step / self.steps_per_epoch),
-                   **{k: v for k, v in final.items() if k in ("accuracy", "loss", "samples_per_s")})
+                   **{k: v for k, v in final.items() if k in ("accuracy", "loss", "samples_per_s")},
+                   **self.resources())
         ctx.final(**final)
         return final
 

@@ -1,5 +1,6 @@
 """The Python API (notebooks) and what the CLI is built on."""
 import logging
+import os
 import time
 
 import conf
@@ -24,20 +25,54 @@ def load(job, where=None, **overrides):
         raise YarnappError(str(e)) from None
 
 
-def submit(job, backend=None, wait=False, progress=True, **overrides):
+def submit(job, backend=None, wait=False, progress=True, function=None, **overrides):
     """Start a job; return its Run. `job` is a job.yaml path, a dict or a conf.JobSpec.
 
     backend: 'local' or 'yarn' (default: the job's `backend`, else the defaults file's).
     wait: block until it ends (showing progress), raising JobFailed if it fails.
+    function: a callable(ctx) to run on every rank instead of the job's `run` (say, one
+        defined in a notebook cell): it is pickled with cloudpickle and shipped.
     overrides: top-level job fields, e.g. max_restarts=1.
     """
-    spec = load(job, backend=backend, **overrides)
-    run = start(spec, where=str(job) if isinstance(job, str) else "job")
+    where = str(job) if isinstance(job, (str, os.PathLike)) else "job"
+    if function is None:
+        return _started(start(load(job, backend=backend, **overrides), where=where), wait, progress)
+    if not callable(function):
+        raise YarnappError(f"function: expected a callable taking the RunContext, got {type(function).__name__}")
+    import tempfile
+
+    import cloudpickle
+    try:
+        where, raw = conf.read_raw(job)
+    except conf.JobError as e:
+        raise YarnappError(str(e)) from None
+    with tempfile.TemporaryDirectory(prefix="yarnapp-fn-") as tmp:
+        path = os.path.join(tmp, "function.pkl")
+        with open(path, "wb") as f:
+            cloudpickle.dump(function, f)
+        user_run = raw.get("run") if isinstance(raw.get("run"), dict) else {}
+        raw["run"] = {**user_run, "function": None, "script": None, "pickle": path}
+        run = start(load(raw, backend=backend, **overrides), where=where)   # ships it before tmp goes
+    return _started(run, wait, progress)
+
+
+def _started(run, wait, progress):
     if wait:
         run.wait(progress=progress)
         if run.state != "SUCCEEDED":
             raise JobFailed(run.failure_message())
     return run
+
+
+def dry_run(spec, where="job"):
+    """What submitting `spec` would send, as text, starting and writing nothing: on YARN the
+    skein.ApplicationSpec YAML; on the local engine (which runs no skein spec) the resolved job."""
+    if spec.backend == "yarn":
+        from .backends import yarn
+        return yarn.dry_run(spec, where)
+    import yaml
+    return (f"# {where}: the resolved job the local engine would run (no skein spec: it runs its own "
+            f"application master)\n" + yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
 
 
 def start(spec, where="job"):

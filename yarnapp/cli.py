@@ -2,8 +2,11 @@
 import argparse
 import json
 import logging
+import shlex
 import sys
 import time
+
+import conf
 
 from . import api
 from .errors import YarnappError
@@ -15,8 +18,13 @@ def _p(*a, **k):
 
 def cmd_submit(args):
     spec = api.load(args.job, backend=args.backend, max_restarts=args.max_restarts)
+    if args.resume is not None:
+        spec = api.load(spec, checkpoint=dict(spec.checkpoint.model_dump(), resume=args.resume))
     if args.nodes is not None:
         spec = api.load(spec, network=dict(spec.network.model_dump(), nodes=args.nodes))
+    if args.dry_run:
+        _p(api.dry_run(spec, where=args.job), end="")
+        return 0
     t0 = time.time()
     run = api.start(spec, where=args.job)
     app_id = run.app_id
@@ -58,8 +66,13 @@ def cmd_status(args):
     if st.get("tensorboard"):
         _p(f"tensorboard: {st['tensorboard']}")
     for c in st.get("containers", []):
-        _p(f"  {c['id']:<14} rank {c['rank']:<3} {c['state']:<10} exit={c['exit_code']} "
-           f"attempts={c['attempts']}  {c['vcores']:g} vcores {c['memory_mib']} MiB  [{c['resources']}]")
+        peak = f" (peak {c['memory_peak_mib']} MiB)" if c.get("memory_peak_mib") else ""
+        if c.get("gpu_devices"):
+            peak += f"  gpus {','.join(str(g) for g in c['gpu_devices'])}"
+        res = (f"  {c['vcores']:g} vcores {c['memory_mib']} MiB{peak}  [{c['resources']}]" if "vcores" in c
+               else f"  {c.get('node') or ''}")
+        _p(f"  {c['id']:<14} rank {c.get('rank')!s:<4} {c['state']:<10} exit={c['exit_code']} "
+           f"attempts={c['attempts']}{res}".rstrip())
     for r in st.get("restarts") or []:
         _p(f"  restart {r.get('generation')}: {r.get('reason')}")
     p = (st.get("progress") or {}).get(0)
@@ -77,17 +90,24 @@ def cmd_logs(args):
             _p(f"==> {cid} <==")
             _p(text, end="" if text.endswith("\n") else "\n")
         return 0
-    offsets = {}
+    printed = {}
     while True:
+        ended = run.state in ("SUCCEEDED", "FAILED", "KILLED")   # before the read: no last line is lost
         for cid, text in run.logs(args.container).items():
-            new = text[offsets.get(cid, 0):]
-            if new:
-                for line in new.splitlines():
-                    _p(f"{cid}| {line}")
-                offsets[cid] = len(text)
-        if run.state in ("SUCCEEDED", "FAILED", "KILLED"):
+            new = follow_increment(printed.get(cid, ""), text)
+            for line in new.splitlines():
+                _p(f"{cid}| {line}")
+            printed[cid] = text
+        if ended:
             return 0
         time.sleep(0.5)
+
+
+def follow_increment(printed, text):
+    """What of `text` is new after `printed` was shown: the rest when it continues it; all of
+    it when it replaced it (a placeholder replaced by the real log, which used to lose as
+    many characters as the placeholder had)."""
+    return text[len(printed):] if text.startswith(printed) else text
 
 
 def cmd_kill(args):
@@ -150,7 +170,7 @@ def cmd_netem(args):
 def cmd_data_import(args):
     from training import data
     opts = {k: v for k, v in vars(args).items() if k in ("shards", "seed", "n_train", "n_test", "path",
-                                                         "size", "mode") and v not in (None, False)}
+                                                         "encoding", "quality") and v not in (None, False)}
     if args.overwrite:
         opts["overwrite"] = True
     if args.kind == "image-folder" and "path" in opts:
@@ -182,6 +202,39 @@ def cmd_plan(args):
     return 0
 
 
+def cmd_hadoop(args):
+    """A local single-node Hadoop (HDFS + YARN) for trying the YARN backend (yarnapp.hadoop)."""
+    from . import hadoop
+    cluster = hadoop.LocalHadoop(args.dir, port_base=args.port_base, vcores=args.vcores,
+                                 memory_mb=conf.parse_memory_mib(args.memory) if args.memory else 16384)
+    if args.action == "start":
+        if not args.quiet:
+            _p(f"starting Hadoop {hadoop.version()} in {cluster.root} (the first start fetches its jars "
+               f"through Maven)", file=sys.stderr)
+        took = cluster.start()
+        what = "started" if took["started"] else "already running"
+        _p(f"local Hadoop {what}: HDFS {cluster.default_fs} (WebHDFS {cluster.webhdfs}), YARN "
+           f"{cluster.rm_web} in {took['start_s']:.1f}s; `eval \"$(yarnapp hadoop env)\"` to use it",
+           file=sys.stderr)
+    elif args.action == "stop":
+        stopped = cluster.stop()
+        _p(f"stopped {', '.join(stopped)}" if stopped else "the local Hadoop was not running", file=sys.stderr)
+    elif args.action == "status":
+        st = cluster.status()
+        if args.json:
+            _p(json.dumps(st, indent=1))
+        else:
+            up = [n for n, pid in st["daemons"].items() if pid]
+            _p(f"{st['root']}: Hadoop {st['version']}; running: {', '.join(up) or 'nothing'}; "
+               f"HDFS {'ready' if st['hdfs_ready'] else 'not ready'}, YARN "
+               f"{'ready' if st['yarn_ready'] else 'not ready'}")
+        return 0 if all(st["daemons"].values()) else 3
+    else:
+        for k, v in cluster.environ().items():
+            _p(f"export {k}={shlex.quote(v)}")
+    return 0
+
+
 def build_parser():
     p = argparse.ArgumentParser(prog="yarnapp", description="Train CNNs on YARN or the embedded local engine.")
     p.add_argument("-v", "--verbose", action="store_true", help="log what the client does")
@@ -193,6 +246,11 @@ def build_parser():
     s.add_argument("--max-restarts", type=int, help="overrides the job's max_restarts")
     s.add_argument("--wait", action="store_true", help="show progress until it ends; non-zero exit if it fails")
     s.add_argument("--nodes", type=int, help="overrides the job's network.nodes (emulated nodes; local engine, root)")
+    s.add_argument("--dry-run", action="store_true", dest="dry_run",
+                   help="print what would be submitted (YARN: the skein.ApplicationSpec YAML; local: the "
+                        "resolved job) and start nothing")
+    s.add_argument("--resume", metavar="never|latest|APP_ID",
+                   help="overrides checkpoint.resume: where a new application starts from")
     s.set_defaults(fn=cmd_submit)
 
     s = sub.add_parser("status", help="an application's state, containers, restarts and progress")
@@ -243,6 +301,18 @@ def build_parser():
     s.add_argument("--json", help="write the whole plan as JSON")
     s.set_defaults(fn=cmd_plan)
 
+    s = sub.add_parser("hadoop", help="a local single-node Hadoop (HDFS + YARN) to try --backend yarn on")
+    s.add_argument("action", choices=["start", "stop", "status", "env"],
+                   help="env prints the exports a shell needs (eval \"$(yarnapp hadoop env)\")")
+    s.add_argument("--dir", help="the cluster's directory (default $YARNAPP_HOME/hadoop, else ~/.yarnapp/hadoop)")
+    s.add_argument("--port-base", type=int, dest="port_base",
+                   help="fixed ports are base+20, 70, 30-33, 88 (default 28000, or the cluster's own)")
+    s.add_argument("--vcores", type=int, default=16, help="vcores the NodeManager advertises (default 16)")
+    s.add_argument("--memory", help="memory the NodeManager advertises (default 16 GiB)")
+    s.add_argument("--json", action="store_true", help="status as JSON")
+    s.add_argument("--quiet", "-q", action="store_true")
+    s.set_defaults(fn=cmd_hadoop)
+
     d = sub.add_parser("data", help="datasets").add_subparsers(dest="data_cmd", required=True, metavar="ACTION")
     s = d.add_parser("import", help="write a dataset as Parquet shards to a URI")
     s.add_argument("kind", choices=["digits", "synthetic-cifar", "arrays", "image-folder"])
@@ -252,8 +322,9 @@ def build_parser():
     s.add_argument("--n-train", type=int, dest="n_train")
     s.add_argument("--n-test", type=int, dest="n_test")
     s.add_argument("--path", help="arrays: an .npz with x and y; image-folder: the folder (a subfolder per class)")
-    s.add_argument("--size", help="image-folder: resize to HxW, e.g. 32x32")
-    s.add_argument("--mode", choices=["RGB", "L"], help="image-folder: colour or grey")
+    s.add_argument("--encoding", choices=["raw", "jpeg", "png"],
+                   help="synthetic-cifar: raw pixels (default) or image files (image-folder keeps its files)")
+    s.add_argument("--quality", type=int, help="synthetic-cifar --encoding jpeg: JPEG quality (default 90)")
     s.add_argument("--overwrite", action="store_true", help="replace an existing dataset")
     s.set_defaults(fn=cmd_data_import)
     return p

@@ -47,14 +47,15 @@ def cache_dir():
     return os.path.join(root, "yarnapp")
 
 
-def environment_archive(environment, cache=None):
-    """The archive to localize as `environment` for a conf Environment, or None (packer none)."""
+def environment_archive(environment, cache=None, pack=True):
+    """The archive to localize as `environment` for a conf Environment, or None (packer none).
+    pack=False: the path the packed archive has (or will have), packing nothing."""
     if environment.archive:
         return ready_archive(environment.archive)
     if environment.packer == "venv-pack":
-        return pack_venv(cache=cache)
+        return pack_venv(cache=cache, pack=pack)
     if environment.packer == "conda-pack":
-        return pack_conda(cache=cache)
+        return pack_conda(cache=cache, pack=pack)
     return None
 
 
@@ -72,7 +73,7 @@ def ready_archive(value):
     return value
 
 
-def pack_venv(prefix=None, cache=None):
+def pack_venv(prefix=None, cache=None, pack=True):
     """Pack a virtual environment (default: the running one) with venv-pack; return the archive path."""
     if prefix is None:
         if sys.prefix == sys.base_prefix:
@@ -87,15 +88,15 @@ def pack_venv(prefix=None, cache=None):
     _refuse_editable(prefix, "venv-pack")
     import venv_pack  # lazy: only when packing
 
-    def pack(output):
+    def run(output):
         try:
             venv_pack.pack(prefix=prefix, output=output, force=True)
         except venv_pack.VenvPackException as e:
             raise YarnappError(f"environment.packer: venv-pack cannot pack {prefix}: {_one_line(e)}") from None
-    return _cached(prefix, "venv", pack, cache)
+    return _cached(prefix, "venv", run, cache, pack)
 
 
-def pack_conda(prefix=None, cache=None):
+def pack_conda(prefix=None, cache=None, pack=True):
     """Pack a conda environment (default: the running one) with conda-pack; return the archive path."""
     prefix = os.path.abspath(prefix or os.environ.get("CONDA_PREFIX") or sys.prefix)
     if not os.path.isdir(os.path.join(prefix, "conda-meta")):
@@ -109,12 +110,12 @@ def pack_conda(prefix=None, cache=None):
                            "`pip install conda-pack` (or conda install conda-pack), "
                            "or give environment.archive") from None
 
-    def pack(output):
+    def run(output):
         try:
             conda_pack.pack(prefix=prefix, output=output, force=True)
         except conda_pack.CondaPackException as e:
             raise YarnappError(f"environment.packer: conda-pack cannot pack {prefix}: {_one_line(e)}") from None
-    return _cached(prefix, "conda", pack, cache)
+    return _cached(prefix, "conda", run, cache, pack)
 
 
 def environment_key(prefix):
@@ -152,18 +153,20 @@ def _refuse_editable(prefix, packer):
                            f"(not -e), or give environment.archive")
 
 
-def _cached(prefix, kind, pack, cache):
+def _cached(prefix, kind, run, cache, pack=True):
     cache = cache or os.path.join(cache_dir(), "envs")
-    os.makedirs(cache, exist_ok=True)
     name = f"{kind}-{os.path.basename(prefix.rstrip(os.sep)) or 'root'}-{environment_key(prefix)[:16]}.tar.gz"
     path = os.path.join(cache, name)
+    if not pack:
+        return path
+    os.makedirs(cache, exist_ok=True)
     if os.path.isfile(path):
         log.info("environment %s unchanged; reusing %s", prefix, path)
         return path
     tmp = os.path.join(cache, f".{name}.{os.getpid()}.tar.gz")
     log.info("packing %s into %s (%s)", prefix, path, kind)
     try:
-        pack(tmp)
+        run(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

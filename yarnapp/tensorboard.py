@@ -123,9 +123,9 @@ class TensorBoard:
     def _prepare(self, logdir):
         if is_local(logdir):
             return os.path.abspath(_local_path(logdir))    # may not exist yet: runs appear once written
-        import pyarrow.fs as pafs
+        from training import fsutil
         try:
-            fs, path = pafs.FileSystem.from_uri(logdir)
+            fs, path = fsutil.resolve(logdir)
         except (ValueError, OSError) as e:
             raise YarnappError(f"cannot open the logdir {logdir!r}: {e}") from None
         self.mirror = Mirror(fs, path, os.path.join(self._tmp, "cache"))
@@ -238,22 +238,27 @@ def logdir_of(app_id, backend=None):
 
 
 def _yarn_logdir(app_id, backend):
-    """On YARN the job.json is a file localized to every service; skein's spec names its source."""
-    import pyarrow.fs as pafs
+    """On YARN the job.json is a file localized to every service: skein's spec names its copy in
+    the staging directory; an unset logdir is <storage>/<app id>/tensorboard (YARNAPP_STORAGE)."""
     import skein
+
+    from training import fsutil
+
+    from .backends.yarn_cluster import python_uri
     try:
         spec = backend.client.connect(app_id, wait=False).get_specification()
-        source = next(iter(spec.services.values())).files["job.json"].source
-        fs, path = pafs.FileSystem.from_uri(source)
+        service = next(iter(spec.services.values()))
+        fs, path = fsutil.resolve(python_uri(service.files["job.json"].source))
         with fs.open_input_stream(path) as f:
             tb = json.loads(f.read())["tensorboard"]
     except (skein.exceptions.SkeinError, KeyError, StopIteration, OSError, ValueError) as e:
         raise YarnappError(f"cannot read the job of {app_id} from YARN ({e}); give its tensorboard.logdir "
                            f"instead: `yarnapp tensorboard hdfs://...`") from None
-    if not tb["logdir"]:
+    storage = service.env.get("YARNAPP_STORAGE")
+    if not tb["logdir"] and not storage:
         raise YarnappError(f"{app_id} has no tensorboard.logdir: on YARN its event files stayed inside its "
                            f"containers; set tensorboard.logdir to shared storage (hdfs://...) in the job")
-    return tb["logdir"], tb["sync_every"]
+    return tb["logdir"] or f"{storage.rstrip('/')}/{app_id}/tensorboard", tb["sync_every"]
 
 
 def for_app(app_or_logdir, port=0, backend=None):

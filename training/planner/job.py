@@ -62,9 +62,9 @@ def _input_of(spec, options):
     if options.input_shape:
         return tuple(options.input_shape), options.num_classes or 10, "given"
     try:
-        from training.data import ParquetDataset
-        ds = ParquetDataset(spec.data.train)
-        return tuple(ds.shape), int(ds.num_classes), spec.data.train
+        from training.data import open_dataset
+        ds = open_dataset(spec.data, "train")
+        return tuple(ds.shape), int(ds.num_classes), spec.data.train or spec.data.dataset
     except Exception as e:  # noqa: BLE001 - any unreadable dataset falls back to an assumption
         shape = DEFAULT_INPUT.get(spec.model, FALLBACK_INPUT)
         why = str(e).splitlines()[0] if str(e) else type(e).__name__

@@ -7,29 +7,12 @@ speed that 'speed' shares are proportional to.
 """
 import time
 
-import numpy as np
 import torch
+
+from training.data.order import split_rows   # noqa: F401  (its home: the data order)
 
 SPEED_PROBE_ROWS = 16     # rows of the timed forward/backward passes behind shares: speed
 SPEED_PROBE_PASSES = 2    # timed passes (after one warm-up); the fastest counts
-
-
-def split_rows(total, weights):
-    """Integers n_r >= 0 with sum n_r = total and n_r ~ total * w_r / sum(w).
-
-    Largest remainder: floors first, then one more row to the largest remainders
-    (ties to the lower rank). Deterministic, so every rank computes the same split.
-    """
-    w = np.asarray(weights, dtype=np.float64)
-    if w.ndim != 1 or len(w) == 0 or not np.all(w > 0) or not np.all(np.isfinite(w)):
-        raise ValueError(f"shares must be positive finite weights, got {list(weights)}")
-    exact = total * w / w.sum()
-    rows = np.floor(exact).astype(np.int64)
-    left = int(total - rows.sum())
-    order = sorted(range(len(w)), key=lambda r: (-(exact[r] - rows[r]), r))
-    for r in order[:left]:
-        rows[r] += 1
-    return [int(n) for n in rows]
 
 
 def measure_speed(model, example, passes=SPEED_PROBE_PASSES):

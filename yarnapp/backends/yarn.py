@@ -8,16 +8,30 @@ Container contract (every worker service):
     YARNAPP_BACKEND=yarn
     YARNAPP_GROUP=<group name>           the service name is the group name
     YARNAPP_JOB=job.json                 the resolved job (JobSpec JSON), a localized file
-    YARNAPP_SECRET=<32 hex digits>       random per application
+    YARNAPP_SECRET_FILE=.yarnapp-secret  a localized file (0600 in the staging directory)
+                                         holding the per-application secret. Not in the
+                                         environment: YARN shows a container's environment to
+                                         every user who may view the application (its
+                                         launch_container.sh is among the aggregated logs).
+    YARNAPP_STORAGE=<URI>                where applications keep what outlives them; the
+                                         application's directory is <storage>/<app id>
+                                         (default checkpoints, TensorBoard logdir, result.json)
     SKEIN_CONTAINER_ID=<group>_<instance>  set by skein; SKEIN_APPLICATION_ID likewise
     environment/                         the shipped Python environment (yarnapp.packaging),
                                          absent with packer: none (the cluster's python3 runs)
-The coordination store is skein's key-value store (launcher.store.SkeinStore).
+The coordination store is skein's key-value store (launcher.store.SkeinStore). It lives
+in skein's application master and ends with it, so the results of a finished
+application are read from its final diagnostics or result.json (launcher.results).
+
+ACLs are on by default: only the submitting user (and job.yaml's yarn.acls lists) may
+view or kill the application.
 
 Restarts: `max_restarts` caps each service's container restarts. Skein replaces a failed
 container by a *new instance number* (a group of 2 gets `worker_2` after `worker_1`
 fails), so the container side must not assume instance < group.instances.
 """
+import contextlib
+import getpass
 import json
 import logging
 import os
@@ -30,10 +44,12 @@ import tempfile
 
 import skein
 
-from launcher import keys
+import conf
+from launcher import keys, results
 
-from .. import packaging
+from .. import packaging, shipping
 from ..errors import BackendUnavailable, YarnappError
+from . import yarn_cluster
 from .base import Backend
 
 log = logging.getLogger(__name__)
@@ -43,7 +59,14 @@ TENSORBOARD_SERVICE = "tensorboard"
 TENSORBOARD_RESOURCES = {"memory": 1024, "vcores": 1}
 CLUSTER_PYTHON = "python3"         # packer: none
 _MARKER = "yarnapp container"      # first log line of every container: maps YARN ids to ours
-CONTRACT_KEYS = ("YARNAPP_BACKEND", "YARNAPP_GROUP", "YARNAPP_JOB", "YARNAPP_SECRET")
+CONTRACT_KEYS = ("YARNAPP_BACKEND", "YARNAPP_GROUP", "YARNAPP_JOB", "YARNAPP_SECRET", "YARNAPP_SECRET_FILE",
+                 "YARNAPP_STORAGE")
+SECRET_FILE = ".yarnapp-secret"
+
+
+def submitting_user():
+    """Who YARN takes us for with simple authentication (with Kerberos: the ticket's user)."""
+    return os.environ.get("HADOOP_USER_NAME") or getpass.getuser()
 
 
 def check_job(job, where=None):
@@ -61,35 +84,52 @@ def check_job(job, where=None):
                 raise YarnappError(f"{pre}groups[{i}].env.{key}: set by yarnapp for every container; remove it")
 
 
-def stage_files(job, staging_dir, cache=None):
+def stage_files(job, staging_dir, cache=None, shipped=None, pack=True):
     """Write job.json into `staging_dir` and resolve the environment archive.
 
-    Returns the `files` for build_spec: {"job.json": File, "environment": File (archive)}.
-    Packing (venv-pack/conda-pack) happens here, cached by yarnapp.packaging.
+    Returns the `files` for build_spec: {"job.json": File, "environment": File (archive),
+    and one File per shipped entry of the user's code (`shipped`: yarnapp.shipping's
+    {name: local path}; a directory goes as a zip archive YARN unpacks under its name)}.
+    Packing (venv-pack/conda-pack) happens here, cached by yarnapp.packaging (`pack=False`:
+    the archive's path only, packing nothing). The application's secret is written here too,
+    as a 0600 file localized as .yarnapp-secret.
     """
     path = os.path.join(staging_dir, "job.json")
     with open(path, "w") as f:
         f.write(job.model_dump_json())
-    files = {"job.json": skein.File(path, type="file")}
-    archive = packaging.environment_archive(job.environment, cache=cache)
+    secret = os.path.join(staging_dir, SECRET_FILE)
+    fd = os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(16))
+    files = {"job.json": skein.File(path, type="file"), SECRET_FILE: skein.File(secret, type="file")}
+    for name, src in (shipped or {}).items():
+        if name in files or name == "environment":
+            raise YarnappError(f"run.files: {src} would land as {name!r}, a name yarnapp uses; rename it")
+        files[name] = (skein.File(shipping.archive_dir(src, staging_dir, name), type="archive")
+                       if os.path.isdir(src) else skein.File(src, type="file"))
+    archive = packaging.environment_archive(job.environment, cache=cache, pack=pack)
     if archive is not None:
         files["environment"] = skein.File(archive, type="archive")
     return files
 
 
-def build_spec(job, files):
+def build_spec(job, files, user=None, storage=None):
     """The skein ApplicationSpec of a job (pure: no cluster, no files written).
 
     `files` maps localized names to skein.File (or source strings), as stage_files returns:
-    it must hold "job.json"; with "environment" the containers run its bin/python,
-    without it the cluster's python3.
+    it must hold "job.json" and the secret file; with "environment" the containers run
+    its bin/python, without it the cluster's python3. `user` is the submitting user (the
+    ACLs' owner; default: submitting_user()), `storage` the applications' storage URI
+    (yarn.storage, else the cluster's default; None: containers keep nothing outside).
     """
     check_job(job)
-    if "job.json" not in files:
-        raise ValueError("files must include 'job.json' (see stage_files)")
+    for name in ("job.json", SECRET_FILE):
+        if name not in files:
+            raise ValueError(f"files must include {name!r} (see stage_files)")
     files = {k: v if isinstance(v, skein.File) else skein.File(v) for k, v in files.items()}
     python = "environment/bin/python" if "environment" in files else CLUSTER_PYTHON
-    secret = secrets.token_hex(16)
+    user = user or submitting_user()
     services = {}
     for g in job.groups:
         services[g.name] = skein.Service(
@@ -97,11 +137,13 @@ def build_spec(job, files):
             instances=g.instances,
             node_label=g.node_label or "",
             max_restarts=job.max_restarts,
-            env={**g.env, **_contract(g.name, secret)},
+            env={**g.env, **_contract(g.name, storage)},
             files=dict(files),
             script=_script(python, "launcher.agent", "environment" in files))
     if job.tensorboard.service:
-        env = _contract(TENSORBOARD_SERVICE, secret)
+        # What every group sets alike (e.g. the libhdfs variables of docs/yarn.md) it needs too.
+        common = {k: v for k, v in job.groups[0].env.items() if all(g.env.get(k) == v for g in job.groups)}
+        env = {**common, **_contract(TENSORBOARD_SERVICE, storage)}
         del env["YARNAPP_GROUP"]
         services[TENSORBOARD_SERVICE] = skein.Service(
             resources=skein.Resources(**TENSORBOARD_RESOURCES),
@@ -111,12 +153,30 @@ def build_spec(job, files):
             env=env,
             files=dict(files),
             script=_script(python, "launcher.tensorboard_service", "environment" in files))
-    return skein.ApplicationSpec(name=job.name, queue=job.queue, tags={TAG}, services=services)
+    return skein.ApplicationSpec(name=job.name, queue=job.queue, tags={TAG}, services=services,
+                                 max_attempts=job.am_attempts, acls=acls(job.yarn.acls, user))
 
 
-def _contract(group, secret):
-    return {"YARNAPP_BACKEND": "yarn", "YARNAPP_GROUP": group, "YARNAPP_JOB": "job.json",
-            "YARNAPP_SECRET": secret}
+def acls(spec, user):
+    """skein ACLs: the submitting user and job.yaml's yarn.acls (owner-only by default)."""
+    if not spec.enable:
+        return skein.ACLs(enable=False)
+    view = sorted({user, *spec.view_users, *spec.modify_users})
+    return skein.ACLs(enable=True, view_users=view, view_groups=sorted({*spec.view_groups, *spec.modify_groups}),
+                      modify_users=sorted({user, *spec.modify_users}), modify_groups=sorted(spec.modify_groups),
+                      ui_users=view)
+
+
+def _contract(group, storage):
+    env = {"YARNAPP_BACKEND": "yarn", "YARNAPP_GROUP": group, "YARNAPP_JOB": "job.json",
+           "YARNAPP_SECRET_FILE": SECRET_FILE,
+           # The agent (a gRPC client of skein's master) forks its rank: with gRPC's fork
+           # support on, the child's poller can hit the fd Popen closed before exec and abort
+           # it (grpc/grpc#43055: ranks died of SIGABRT here).
+           "GRPC_ENABLE_FORK_SUPPORT": "false"}
+    if storage:
+        env["YARNAPP_STORAGE"] = storage
+    return env
 
 
 def _script(python, module, shipped):
@@ -142,18 +202,28 @@ def app_state(report):
 
 
 def app_record(report):
+    """The record of an application report; a finished one's results come from its final
+    diagnostics (launcher.results), which then read as one human line."""
     start = report.start_time
-    return {"app_id": report.id, "name": report.name, "state": app_state(report), "containers": [],
-            "final": None, "restarts": [], "diagnostics": report.diagnostics or "", "progress": {},
-            "tensorboard": None, "world_formed_s": None, "failure": None,
-            "submitted": start.timestamp() if start else None, "tracking_url": report.tracking_url}
+    rec = {"app_id": report.id, "name": report.name, "state": app_state(report), "containers": [],
+           "final": None, "restarts": [], "diagnostics": report.diagnostics or "", "progress": {},
+           "tensorboard": None, "world_formed_s": None, "failure": None, "user": report.user,
+           "submitted": start.timestamp() if start else None, "tracking_url": report.tracking_url}
+    found = results.from_diagnostics(report.diagnostics)
+    if found:
+        rec.update({k: found.get(k) for k in ("final", "failure", "world_formed_time")})
+        rec["restarts"] = found.get("restarts") or []
+        rec["diagnostics"] = (found.get("failure") or {}).get("reason") or ""
+        rec["results"] = "diagnostics"
+    return rec
 
 
 def container_record(c):
     m = re.search(r"exit code:?\s*(-?\d+)", c.exit_message or "", re.IGNORECASE)
     return {"id": c.id, "group": c.service_name, "instance": c.instance, "state": str(c.state),
-            "exit_code": int(m.group(1)) if m else None, "attempts": 1,
-            "log": c.yarn_container_logs, "diagnostics": c.exit_message or ""}
+            "exit_code": int(m.group(1)) if m else None, "attempts": 1, "rank": None,
+            "log": c.yarn_container_logs, "diagnostics": c.exit_message or "",
+            "yarn_id": c.yarn_container_id, "node": c.yarn_node_http_address}
 
 
 def named_logs(logs):
@@ -179,7 +249,7 @@ def kv_fields(kv):
     tb = kv.get(keys.TENSORBOARD)
     out["tensorboard"] = tb.decode() if tb else None
     formed = sorted(k for k in kv.get_prefix(keys.ABORT_PREFIX) if k.endswith("/formed"))
-    out["world_formed_s"] = json.loads(kv.get(formed[-1])).get("seconds") if formed else None
+    out["world_formed_time"] = json.loads(kv.get(formed[0])).get("time") if formed else None
     return out
 
 
@@ -250,57 +320,84 @@ class YarnBackend(Backend):
             raise BackendUnavailable(f"lost the connection to skein's driver ({_first(e)})") from None
 
     def submit(self, job, where=None):
-        check_job(job, where)
-        for field, value in (("checkpoint.uri", job.checkpoint.uri),
-                             ("tensorboard.logdir", job.tensorboard.logdir)):
-            if value is None:
-                log.warning("%s is unset: on YARN it defaults to a directory inside each container, which "
-                            "other containers cannot read and which is deleted with it; set it to shared "
-                            "storage (hdfs://...)", field)
-        with tempfile.TemporaryDirectory(prefix="yarnapp-stage-") as staging:
-            spec = build_spec(job, stage_files(job, staging))
+        with prepared(job, where) as (spec, storage):
             try:
                 app_id = self.client.submit(spec)      # skein uploads local files during submit
             except (skein.exceptions.DriverError, ValueError) as e:
                 raise YarnappError(f"YARN refused the application: {_first(e)}") from None
-        log.info("submitted %s as %s to queue %s", job.name, app_id, job.queue)
+        log.info("submitted %s as %s to queue %s; its storage: %s/%s", job.name, app_id, job.queue, storage,
+                 app_id)
         return app_id
 
     def status(self, app_id):
         report = self._call(self.client.application_report, app_id)
         record = app_record(report)
-        if record["state"] != "RUNNING":
-            return record
+        if record["state"] == "RUNNING":
+            try:
+                app = self.client.connect(app_id, wait=False)
+                containers = app.get_containers(states=list(skein.model.ContainerState))
+                record["containers"] = [container_record(c) for c in containers]
+                record.update(kv_fields(app.kv))
+                with_formed_s(record)
+                if record["tensorboard"]:      # reachable through the ResourceManager's proxy
+                    record["tensorboard_node"] = record["tensorboard"]
+                    record["tensorboard"] = proxied(report.tracking_url, TENSORBOARD_PAGE)
+                return record
+            except skein.exceptions.ConnectionError as e:   # finished between the two calls
+                log.debug("status of %s from the report only: %s", app_id, e)
+                report = self._call(self.client.application_report, app_id)
+                record = app_record(report)
+        if record["state"] in ("SUCCEEDED", "FAILED") and "results" not in record:
+            record.update(self._stored_results(app_id, report.user))
+        return with_formed_s(record)
+
+    def _stored_results(self, app_id, user):
+        """The results a finished application wrote to its storage (default storage only)."""
+        storage = yarn_cluster.default_storage(user)
+        if not storage:
+            return {}
         try:
-            app = self.client.connect(app_id, wait=False)
-            containers = app.get_containers(states=list(skein.model.ContainerState))
-            record["containers"] = [container_record(c) for c in containers]
-            record.update(kv_fields(app.kv))
-        except skein.exceptions.ConnectionError as e:   # finished between the two calls
-            log.debug("status of %s from the report only: %s", app_id, e)
-        return record
+            found = results.read(f"{storage}/{app_id}")
+        except Exception as e:      # not written (killed, or failed before any agent ran)
+            log.debug("no stored results of %s: %s", app_id, e)
+            return {}
+        return {"final": found.get("final"), "failure": found.get("failure"),
+                "restarts": found.get("restarts") or [], "world_formed_time": found.get("world_formed_time"),
+                "results": f"{storage}/{app_id}/{results.RESULT_FILE}"}
 
     def logs(self, app_id, container=None):
-        """{container id: text}. YARN hands logs out once the application finishes; while it
-        runs each entry says where the live log is served."""
+        """{container id: text}: while the application runs, each container's live log from
+        its NodeManager; once it has finished, the aggregated logs."""
         report = self._call(self.client.application_report, app_id)
+        out = {}
         if app_state(report) in ("NEW", "RUNNING"):
-            out = {}
             try:
                 app = self.client.connect(app_id, wait=False)
                 for c in app.get_containers(states=list(skein.model.ContainerState)):
-                    out[c.id] = (f"(still running: YARN serves this log at http://{c.yarn_container_logs} "
-                                 f"and hands it out here once the application finishes)")
+                    text = yarn_cluster.live_log(c, report.user)
+                    out[c.id] = text if text is not None else (
+                        f"(still running: YARN serves this log at http://{c.yarn_container_logs})\n")
             except skein.exceptions.ConnectionError:
                 pass
         else:
-            out = named_logs(self._call(self.client.application_logs, app_id))
+            out = named_logs(self._finished_logs(app_id, report.user))
         if container is None:
             return out
         if container not in out:
             raise YarnappError(f"application {app_id} has no container {container!r}; "
                                f"it has {', '.join(sorted(out)) or 'none yet'}")
         return {container: out[container]}
+
+    def _finished_logs(self, app_id, user):
+        try:
+            return dict(self.client.application_logs(app_id))
+        except (ValueError, skein.exceptions.DriverError) as e:   # skein reads Hadoop < 3.3's layout only
+            log.debug("skein has no logs of %s (%s); asking `yarn logs`", app_id, e)
+        try:
+            return yarn_cluster.aggregated_logs(app_id, user)
+        except (OSError, subprocess.SubprocessError, TimeoutError) as e:
+            raise YarnappError(f"the logs of {app_id} are not available: {_first(e)} (YARN log aggregation "
+                               f"must be enabled: yarn.log-aggregation-enable)") from None
 
     def kill(self, app_id):
         self._call(self.client.kill_application, app_id)
@@ -317,6 +414,53 @@ class YarnBackend(Backend):
         return [app_record(r) for r in mine]
 
 
+def with_formed_s(record):
+    """world_formed_s: seconds from submit (YARN's start time) to the first world formed."""
+    t = record.get("world_formed_time")
+    record["world_formed_s"] = (t - record["submitted"]) if t and record.get("submitted") else None
+    return record
+
+
+TENSORBOARD_PAGE = "tensorboard"       # the skein web UI page launcher.tensorboard_service adds
+
+
+def proxied(tracking_url, page):
+    """A skein web UI page through the ResourceManager's proxy (tracking URL + pages/<page>/)."""
+    return f"{(tracking_url or '').rstrip('/')}/pages/{page}/"
+
+
+@contextlib.contextmanager
+def prepared(job, where=None, pack=True):
+    """(spec, storage) of a job, its staged files (0700 directory) alive while the block runs."""
+    check_job(job, where)
+    user = submitting_user()
+    storage = job.yarn.storage or yarn_cluster.default_storage(user)
+    if storage is None:
+        for field, value in (("checkpoint.uri", job.checkpoint.uri),
+                             ("tensorboard.logdir", job.tensorboard.logdir)):
+            if value is None:
+                log.warning("%s is unset and no Hadoop configuration (HADOOP_CONF_DIR) names the cluster's "
+                            "default filesystem: it defaults to a directory inside each container; set "
+                            "yarn.storage or %s to shared storage (hdfs://...)", field, field)
+    shipment = shipping.plan(conf.absolutize(job, os.getcwd()))
+    with tempfile.TemporaryDirectory(prefix="yarnapp-stage-") as staging:
+        os.chmod(staging, 0o700)
+        files = stage_files(shipment.job, staging, shipped=shipment.entries, pack=pack)
+        yield build_spec(shipment.job, files, user=user, storage=storage), storage
+
+
+def dry_run(job, where=None):
+    """The skein.ApplicationSpec YAML `submit` would send (nothing started, nothing packed;
+    the staged files it names exist only while this runs)."""
+    with prepared(job, where, pack=False) as (spec, _):
+        return spec.to_yaml()
+
+
 def _first(exc):
+    """One line of an exception: skein's driver errors put the cause on the line after
+    "..., exception:" (e.g. "... submitted by user alice to unknown queue: nope")."""
     text = str(exc).strip().strip("'\"")
-    return text.splitlines()[0] if text else type(exc).__name__
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].endswith("exception:"):
+        return lines[1].split(" : ", 1)[-1]
+    return lines[0] if lines else type(exc).__name__

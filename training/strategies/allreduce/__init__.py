@@ -1,7 +1,7 @@
 """Ring all-reduce data parallelism: the strategy (strategy.py) and its cost model (cost.py).
 
-split_rows and measure_speed live in training.strategies.shares; they are also
-importable from here, where training.dist found them before.
+measure_speed lives in training.strategies.shares and split_rows in training.data.order;
+both are importable from here too.
 """
 from training.strategies.shares import measure_speed, split_rows
 

@@ -30,6 +30,7 @@ from training.strategies.shares import SPEED_PROBE_ROWS, measure_speed, split_ro
 
 log = logging.getLogger(__name__)
 
+
 class AllReduceStrategy(Strategy):
     """Replicated model, batch split by `spec.shares`, gradients summed by all-reduce.
 

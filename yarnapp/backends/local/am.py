@@ -10,6 +10,7 @@ SIGTERM (`yarnapp kill`) or at the end leaves no process of the application behi
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,10 +18,10 @@ import time
 
 import psutil
 
-from launcher import agent as agent_mod, keys, tensorboard_service
+from launcher import agent as agent_mod, keys, memory, tensorboard_service
 from launcher.store import FileStore
 
-from . import cgroups, netem
+from . import cgroups, gpus, netem
 from .state import app_processes, write_state
 
 log = logging.getLogger("yarnapp.am")
@@ -36,6 +37,9 @@ class Container:
         self.workdir = os.path.join(self.dir, "work")
         self.log = os.path.join(self.dir, "container.log")
         os.makedirs(self.workdir, exist_ok=True)
+        shipped = os.path.join(app.dir, "files")      # the user's code, staged at submit (yarnapp.shipping)
+        if os.path.isdir(shipped):
+            shutil.copytree(shipped, self.workdir, dirs_exist_ok=True, symlinks=True)
         self.limits = cgroups.Limits(app.app_id, self.id, group.vcores, group.memory)
         self.proc = None
         self.attempts = 0
@@ -43,16 +47,25 @@ class Container:
         self.exit_code = None
         self.exits = []
         self.node = None          # index of its emulated node (job.yaml network:), else None
+        self.gpus = []            # the GPU indices it holds (CUDA_VISIBLE_DEVICES), leased by the master
+        self.memory = None        # its memory cgroup's latest state (memory.state)
+        self.memory_start = None  # ... and when its current attempt started
+        self.group_index = next(i for i, g in enumerate(app.job.groups) if g.name == group.name)
+
+    def memory_state(self):
+        return memory.state(self.limits.paths.get("memory"))
 
     def start(self):
         self.attempts += 1
+        self.memory = self.memory_start = self.memory_state()
         env = dict(os.environ)
         env.update(self.group.env)
         env.update(YARNAPP_BACKEND="local", YARNAPP_APP_ID=self.app.app_id, YARNAPP_CONTAINER_ID=self.id,
                    YARNAPP_GROUP=self.group.name, YARNAPP_JOB=os.path.join(self.app.dir, "job.json"),
                    YARNAPP_SECRET=self.app.secret, YARNAPP_STORE=self.app.store.root,
                    YARNAPP_APP_DIR=self.app.dir, YARNAPP_LOG=self.log, YARNAPP_ATTEMPT=str(self.attempts),
-                   PYTHONUNBUFFERED="1")
+                   PYTHONUNBUFFERED="1",
+                   CUDA_VISIBLE_DEVICES=gpus.visible_devices(self.gpus))   # its own GPUs, or none
         out = open(self.log, "ab")
         out.write(f"==== {self.id} attempt {self.attempts} started {time.ctime()} "
                   f"(resources: {self.limits.why}) ====\n".encode())
@@ -93,11 +106,14 @@ class Container:
                 "attempts": self.attempts, "pid": self.proc.pid if self.proc else None, "log": self.log,
                 "vcores": self.group.vcores, "memory_mib": self.group.memory, "gpus": self.group.gpus,
                 "resources": self.limits.why, "exits": self.exits,
+                "memory_peak_mib": memory.mib(self.memory["peak"]) if self.memory else None,
+                "gpu_devices": list(self.gpus),
                 **(self.app.network.member(self.node) if self.node is not None else {})}
 
 
 class ApplicationMaster:
-    def __init__(self, app_dir):
+    def __init__(self, app_dir, attempt=1):
+        self.attempt = attempt       # > 1: a previous attempt died (the supervisor restarted us)
         import conf
         self.dir = app_dir
         with open(os.path.join(app_dir, "job.json")) as f:
@@ -131,6 +147,7 @@ class ApplicationMaster:
         c.exit_code = rc
         c.exits.append({"attempt": c.attempts, "exit_code": rc, "time": time.time()})
         failed = self.store.get(keys.FAILED) is not None
+        c.memory = c.memory_state() or c.memory
         if rc == 0:
             c.state = "SUCCEEDED"
             return
@@ -140,6 +157,9 @@ class ApplicationMaster:
         # The container itself died (not its rank): tell the world, then replace it.
         gen = agent_mod.current_generation(self.store)
         what = f"killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
+        oom = memory.killed_for_memory(c.memory_start, c.memory, c.id, c.group_index)
+        if oom:
+            what = f"was killed by the kernel: {oom}"
         self.store.put_if_absent(keys.abort(gen), json.dumps({
             "container": c.id, "rank": c.member["rank"], "exit_code": rc, "generation": gen,
             "reason": f"container {c.id} {what}", "log": c.log, "log_tail": agent_mod.log_tail(c.log),
@@ -150,17 +170,36 @@ class ApplicationMaster:
         else:
             c.state = "FAILED"
 
+    def take_over(self):
+        """Attempt n > 1: the previous master died, and its containers with it. Their owned
+        keys go (as YARN releases a dead container's), and the world's generation they were
+        in ends as not the job's fault (it spends no restart), so the new containers form
+        the next one and training resumes from the newest complete checkpoint."""
+        for c in self.containers:
+            self.store.release(c.id)
+        gen = agent_mod.current_generation(self.store)
+        why = f"the application master died (attempt {self.attempt - 1}); attempt {self.attempt} restarts every container"
+        cause = {"container": "master", "rank": None, "exit_code": None, "external": True, "generation": gen,
+                 "reason": why, "time": time.time()}
+        if self.store.put_if_absent(keys.abort(gen), json.dumps(cause)):
+            self.store.put_if_absent(keys.restart(gen + 1), json.dumps({**cause, "aborted_generation": gen,
+                                                                        "generation": gen + 1}))
+        log.warning("%s", why)
+        self.extra["am_attempt"] = self.attempt
+
     def run(self):
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
-        if not self.start_network():
-            self.stopping = "FAILED"
+        if self.attempt > 1:
+            self.take_over()
+        if not self.start_network() or not self.lease_gpus():
+            self.stopping = self.stopping or "FAILED"
             return self.shutdown()
         for c in self.containers:
             c.start()
         if self.job.tensorboard.service:
             self.tensorboard = tensorboard_service.start_local(self.dir, self.app_id, self.store.root)
-        self.state = "RUNNING"
+        self.state, self.diagnostics = "RUNNING", ""
         self.save()
         failed_since = None
         while True:
@@ -189,6 +228,28 @@ class ApplicationMaster:
                 self.save()
             time.sleep(0.05)
         self.shutdown()
+
+    def lease_gpus(self):
+        """Lease the job's GPUs and give each container its own; while another application
+        holds them, wait (ACCEPTED, saying for whom). False if stopped while waiting."""
+        want = [c.group.gpus for c in self.containers]
+        if not sum(want):
+            return True
+        leases = gpus.Leases()
+        while not self.stopping:
+            got, holders = leases.acquire(self.app_id, sum(want), gpus.inventory())
+            if got is not None:
+                for c, mine in zip(self.containers, gpus.split(got, want)):
+                    c.gpus = mine
+                log.info("GPUs leased: %s", {c.id: c.gpus for c in self.containers if c.gpus})
+                return True
+            why = f"waiting for {sum(want)} GPU(s): held by {', '.join(holders) or 'nobody (too few visible)'}"
+            if why != self.diagnostics:
+                self.diagnostics = why
+                log.info("%s", why)
+                self.save()
+            time.sleep(1.0)
+        return False
 
     def start_network(self):
         """Emulated nodes (job.yaml network:): build them, place every container on one and
@@ -249,7 +310,10 @@ class ApplicationMaster:
         while time.monotonic() < deadline and any(c.limits.pids() for c in self.containers):
             time.sleep(0.05)
         for c in self.containers:
+            c.memory = c.memory_state() or c.memory       # its peak, before the cgroup goes
             c.limits.remove()
+        if any(c.gpus for c in self.containers):
+            gpus.Leases().release(self.app_id)
         cgroups.Limits.remove_app(self.app_id)
         failed = self.store.get(keys.FAILED)
         if self.state == "FAILED":
@@ -266,9 +330,13 @@ class ApplicationMaster:
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
+    import argparse
+    p = argparse.ArgumentParser()
+    p.add_argument("app_dir")
+    p.add_argument("--attempt", type=int, default=1)
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s am %(levelname)s: %(message)s")
-    am = ApplicationMaster(argv[0])
+    am = ApplicationMaster(args.app_dir, attempt=args.attempt)
     try:
         am.run()
     except BaseException:

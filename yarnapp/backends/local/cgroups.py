@@ -6,7 +6,6 @@ and `Limits.why` says so; the container still runs, unenforced, and status shows
 """
 import logging
 import os
-import shutil
 
 log = logging.getLogger(__name__)
 
@@ -75,19 +74,23 @@ class Limits:
 
     @staticmethod
     def remove_app(app_id):
-        """Remove the (empty) per-application cgroup directories."""
+        """Remove the (empty) per-application cgroup directories; returns those left
+        (a cgroup that still holds a process cannot be removed)."""
+        left = []
         for ctl in ("cpu", "memory"):
             path = os.path.join(ROOT, ctl, "yarnapp", app_id)
             if os.path.isdir(path):
                 for d in sorted(os.listdir(path)):
-                    try:
-                        os.rmdir(os.path.join(path, d))
-                    except OSError:
-                        pass
+                    if os.path.isdir(os.path.join(path, d)):
+                        try:
+                            os.rmdir(os.path.join(path, d))
+                        except OSError:
+                            left.append(os.path.join(path, d))
                 try:
                     os.rmdir(path)
                 except OSError:
-                    shutil.rmtree(path, ignore_errors=True)
+                    left.append(path)
+        return left
 
 
 def _write(path, name, value):

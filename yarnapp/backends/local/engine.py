@@ -17,9 +17,10 @@ import conf
 from launcher import keys
 from launcher.store import FileStore
 
+from ... import shipping
 from ...errors import YarnappError
 from ..base import TERMINAL, Backend
-from . import cgroups, netem
+from . import cgroups, gpus, netem, supervisor
 from .state import app_processes, apps_dir, read_json
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,8 @@ def check_resources(job, where="job"):
     """Refuse requests this machine can never satisfy (YARN would refuse them too)."""
     cores = os.cpu_count() or 1
     mem_mib = psutil.virtual_memory().total // 2**20
-    gpus = _gpu_count()
+    want = sum(g.gpus * g.instances for g in job.groups)
+    have = gpus.inventory() if want else []
     for i, g in enumerate(job.groups):
         if g.vcores > cores:
             raise YarnappError(f"{where}: groups[{i}].vcores: {g.vcores:g} requested but this machine has "
@@ -41,17 +43,11 @@ def check_resources(job, where="job"):
         if g.memory > mem_mib:
             raise YarnappError(f"{where}: groups[{i}].memory: {g.memory} MiB requested but this machine has "
                                f"{mem_mib} MiB; ask for less")
-        if g.gpus > gpus:
-            raise YarnappError(f"{where}: groups[{i}].gpus: {g.gpus} requested but this machine has {gpus}; "
-                               f"set gpus: 0 or submit to a cluster with --backend yarn")
-
-
-def _gpu_count():
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
-        return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
-    except (OSError, subprocess.SubprocessError):
-        return 0
+        if g.gpus and want > len(have):
+            raise YarnappError(f"{where}: groups[{i}].gpus: the job asks for {want} GPU(s) in all "
+                               f"({', '.join(f'{x.instances} x {x.gpus}' for x in job.groups if x.gpus)}) but this "
+                               f"machine has {len(have)} (nvidia-smi{'' if have else ' finds none'}); ask for at most "
+                               f"{len(have)}, set gpus: 0, or submit to a cluster with --backend yarn")
 
 
 class LocalBackend(Backend):
@@ -69,22 +65,35 @@ class LocalBackend(Backend):
     def submit(self, job, where="job"):
         check_resources(job, where)
         netem.check(job, where)
-        job = conf.absolutize(job, os.getcwd())
+        shipment = shipping.plan(conf.absolutize(job, os.getcwd()))
+        job = shipment.job
         app_id = _new_app_id()
         d = os.path.join(apps_dir(), app_id)
-        os.makedirs(os.path.join(d, "containers"))
-        with open(os.path.join(d, "job.json"), "w") as f:
-            f.write(job.model_dump_json(indent=1))
-        submitted = time.time()
-        with open(os.path.join(d, "app.json"), "w") as f:
-            json.dump({"app_id": app_id, "secret": secrets.token_hex(16), "submitted": submitted,
-                       "name": job.name}, f)
-        FileStore(os.path.join(d, "store"))
-        env = dict(os.environ, YARNAPP_APP_ID=app_id, PYTHONUNBUFFERED="1")
-        with open(os.path.join(d, "am.log"), "ab") as out:
-            subprocess.Popen([sys.executable, "-m", "yarnapp.backends.local.am", d], env=env, cwd=d,
-                             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                             start_new_session=True)
+        # Owner-only: app.json holds the application's secret, the store its coordination;
+        # everything the application writes later is created under umask 077 (see below).
+        os.makedirs(d, mode=0o700)
+        os.chmod(d, 0o700)
+        old = os.umask(0o077)
+        try:
+            os.makedirs(os.path.join(d, "containers"))
+            shipping.copy_into(shipment.entries, os.path.join(d, "files"))   # copied into each container
+            with open(os.path.join(d, "job.json"), "w") as f:
+                f.write(job.model_dump_json(indent=1))
+            submitted = time.time()
+            with open(os.path.join(d, "app.json"), "w") as f:
+                json.dump({"app_id": app_id, "secret": secrets.token_hex(16), "submitted": submitted,
+                           "name": job.name}, f)
+            FileStore(os.path.join(d, "store"))
+            env = dict(os.environ, PYTHONUNBUFFERED="1")
+            env.pop("YARNAPP_APP_ID", None)     # the supervisor is not a process of the application
+            with open(os.path.join(d, "supervisor.log"), "ab") as out:
+                proc = subprocess.Popen([sys.executable, "-m", "yarnapp.backends.local.supervisor", d], env=env,
+                                        cwd=d, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                        start_new_session=True, umask=0o077)
+            with open(supervisor.record_path(d), "w") as f:     # known before it writes it itself
+                json.dump({"pid": proc.pid, "attempts": []}, f)
+        finally:
+            os.umask(old)
         log.info("submitted %s", app_id)
         return app_id
 
@@ -94,8 +103,11 @@ class LocalBackend(Backend):
         st = read_json(os.path.join(d, "state.json")) or {
             "app_id": app_id, "name": meta["name"], "state": "ACCEPTED", "containers": [],
             "submitted": meta["submitted"], "diagnostics": ""}
-        if st["state"] not in TERMINAL and st.get("am_pid") and not psutil.pid_exists(st["am_pid"]):
+        if st["state"] not in TERMINAL and not supervisor.alive(d) and \
+                not (st.get("am_pid") and psutil.pid_exists(st["am_pid"])):
+            # Neither the master nor the supervisor that restarts it runs (both were killed).
             st["state"], st["diagnostics"] = "FAILED", f"the application master died; see {d}/am.log"
+        st["am_attempts"] = (read_json(supervisor.record_path(d)) or {}).get("attempts", [])
         store = FileStore(os.path.join(d, "store"))
         st["progress"] = {int(k.rsplit("/", 1)[1]): json.loads(v)
                           for k, v in store.get_prefix("progress/").items()}
@@ -132,13 +144,16 @@ class LocalBackend(Backend):
 
     def kill(self, app_id, timeout=15):
         st = self.status(app_id)
-        am = st.get("am_pid")
-        if st["state"] not in TERMINAL and am and psutil.pid_exists(am):
-            os.kill(am, signal.SIGTERM)
+        d = st["app_dir"]
+        sup = (read_json(supervisor.record_path(d)) or {}).get("pid")
+        # The supervisor passes SIGTERM on to the master and starts no new attempt.
+        target = sup if sup and supervisor.alive(d) else st.get("am_pid")
+        if st["state"] not in TERMINAL and target and psutil.pid_exists(target):
+            os.kill(target, signal.SIGTERM)
             deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline and psutil.pid_exists(am):
+            while time.monotonic() < deadline and psutil.pid_exists(target):
                 try:
-                    if psutil.Process(am).status() == psutil.STATUS_ZOMBIE:
+                    if psutil.Process(target).status() == psutil.STATUS_ZOMBIE:
                         break
                 except psutil.Error:
                     break

@@ -1,0 +1,137 @@
+"""Users' own loops and the example job on unequal containers, through real `yarnapp submit`s.
+
+    python benchmarks/own_loop.py [--quick] [--repeat 3] [--parts loop,example]
+
+Every contender runs as an application of the local engine on 1 x 1 vcore + 2 x 0.5
+vcore containers (cgroup CPU quotas, singletons joined through the store: the product's
+path), in interleaved rounds; the table gives medians over rounds.
+
+loop     a user's training loop (benchmarks/own_loop_train.py: ResNet-20, CIFAR-shaped
+         rows in memory, global batch 96, SGD), shipped as run.script:
+           ours-vcores  on training.dist, shares by vcores (48/24/24 rows)
+           ddp-equal    torch DistributedDataParallel over gloo with DistributedSampler
+                        (32/32/32 rows: equal shares are all torch offers), env://
+                        rendezvous from the launcher's variables, as torchrun runs it
+         samples/s over the steps after a warm-up; ratio ours / ddp.
+example  conf/examples/cifar_resnet.yaml (the built-in runner) for --steps steps:
+           one-1vcore   a single container of 1 vcore
+           equal        the three containers, shares: equal
+           vcores       the three containers, shares: vcores
+         samples/s of the whole run (final metrics); ratios against one-1vcore and equal.
+
+Writes benchmarks/results/own_loop.json.
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import common
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+GROUPS = [{"name": "big", "instances": 1, "vcores": 1, "memory": "2 GiB"},
+          {"name": "small", "instances": 2, "vcores": 0.5, "memory": "2 GiB"}]
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="one round, fewer steps")
+    p.add_argument("--repeat", type=int, default=3, help="interleaved rounds")
+    p.add_argument("--parts", default="loop,example")
+    p.add_argument("--steps", type=int, default=None, help="example: training steps per run (default 60)")
+    p.add_argument("--out", default=os.path.join(HERE, "results", "own_loop.json"))
+    return p.parse_args(argv)
+
+
+def submit(job):
+    import yarnapp
+    run = yarnapp.submit(job)
+    st = run.wait(timeout=1800)
+    if st["state"] != "SUCCEEDED":
+        sys.exit(f"Error: {job['name']} {st['state']}: {run.failure_message()}")
+    return st
+
+
+def loop_run(api, work, quick):
+    out = os.path.join(work, f"{api}.json")
+    args = ["--api", api, "--out", out, "--steps", "12" if quick else "30"]
+    if api == "ours":
+        args += ["--shares", "vcores"]
+    submit({"name": f"loop-{api}", "groups": GROUPS, "max_restarts": 0,
+            "run": {"script": os.path.join(HERE, "own_loop_train.py"), "args": args,
+                    "files": [os.path.join(HERE, "own_loop_train.py")]}})
+    with open(out) as f:
+        return json.load(f)["samples_per_s"]
+
+
+def example_run(kind, data, steps):
+    import yarnapp
+    job = yarnapp.load(os.path.join(ROOT, "conf", "examples", "cifar_resnet.yaml")).model_dump(mode="python")
+    job["training"]["data"] = {**job["training"]["data"], "train": f"{data}/train", "test": None}
+    job["training"]["max_steps"] = steps
+    job["checkpoint"]["every_steps"] = None
+    job["name"] = f"example-{kind}"
+    if kind == "one-1vcore":
+        job["groups"] = [{**job["groups"][0], "instances": 1}]
+    else:
+        job["training"]["shares"] = kind
+    return submit(job)["final"]["samples_per_s"]
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    parts = args.parts.split(",")
+    rounds = 1 if args.quick else args.repeat
+    steps = args.steps or (20 if args.quick else 60)
+    home = tempfile.mkdtemp(prefix="yarnapp-bench-")
+    os.environ["YARNAPP_HOME"] = os.path.join(home, "home")
+    sys.path.insert(0, ROOT)
+    samples = {}
+    t0 = time.time()
+    try:
+        if "example" in parts:
+            from training.data import import_synthetic_cifar
+            import_synthetic_cifar(os.path.join(home, "cifar"), n_train=8000, n_test=500)
+        for r in range(rounds):
+            contenders = []
+            if "loop" in parts:
+                contenders += [("loop", "ours-vcores"), ("loop", "ddp-equal")]
+            if "example" in parts:
+                contenders += [("example", k) for k in ("one-1vcore", "equal", "vcores")]
+            if r % 2:
+                contenders.reverse()
+            for part, name in contenders:
+                if part == "loop":
+                    v = loop_run(name.split("-")[0], home, args.quick)
+                else:
+                    v = example_run(name, os.path.join(home, "cifar"), steps)
+                samples.setdefault((part, name), []).append(v)
+                print(f"round {r + 1}: {part} {name}: {v:.1f} samples/s", flush=True)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    rows = []
+    print(f"\n{'part':<8} {'contender':<12} {'samples/s':>10}  ratio")
+    for (part, name), m in med.items():
+        base = {"loop": ("loop", "ddp-equal"), "example": ("example", "one-1vcore")}[part]
+        ratio = {"vs": base[1], "ratio": m / med[base]} if base in med and base != (part, name) else {}
+        if part == "example" and name == "vcores" and ("example", "equal") in med:
+            ratio["vs_equal"] = m / med[("example", "equal")]
+        rows.append({"part": part, "contender": name, "samples_per_s": m, "runs": samples[(part, name)], **ratio})
+        extra = f"{ratio['ratio']:.2f}x {ratio['vs']}" if ratio else ""
+        if "vs_equal" in ratio:
+            extra += f", {ratio['vs_equal']:.2f}x equal"
+        print(f"{part:<8} {name:<12} {m:>10.1f}  {extra}")
+    meta = {**common.machine_meta(), "rounds": rounds, "example_steps": steps, "quick": args.quick,
+            "wall_s": round(time.time() - t0, 1), "groups": "1 x 1 vcore + 2 x 0.5 vcore (local engine, cgroups)"}
+    common.write_results(args.out, meta, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Whether this container was killed for its memory, from its own cgroup (v1).
+
+The local engine puts every container in a memory cgroup whose limit is the group's
+`memory` (yarnapp.backends.local.cgroups). When the container crosses it, the kernel's
+OOM killer SIGKILLs a process of it, and the cgroup counts it: `memory.oom_control`'s
+`oom_kill`, and `memory.max_usage_in_bytes` holds the peak. A process reads its own
+cgroup from /proc/self/cgroup, so the agent can tell "killed by signal 9" from "killed
+for exceeding its memory limit" and say which limit to raise.
+"""
+import os
+
+ROOT = "/sys/fs/cgroup/memory"
+
+
+def own_cgroup(proc_cgroup="/proc/self/cgroup"):
+    """The directory of this process's memory cgroup (v1), or None."""
+    try:
+        with open(proc_cgroup) as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if "memory" in controllers.split(","):
+                    d = os.path.join(ROOT, path.lstrip("/"))
+                    return d if os.path.isfile(os.path.join(d, "memory.limit_in_bytes")) else None
+    except OSError:
+        return None
+    return None
+
+
+def state(cgroup):
+    """{"limit", "peak", "usage" (bytes), "oom_kills"} of a memory cgroup, or None."""
+    if not cgroup:
+        return None
+    try:
+        def read(name):
+            with open(os.path.join(cgroup, name)) as f:
+                return f.read()
+        oom = dict(line.split() for line in read("memory.oom_control").splitlines() if line.strip())
+        return {"limit": int(read("memory.limit_in_bytes")), "peak": int(read("memory.max_usage_in_bytes")),
+                "usage": int(read("memory.usage_in_bytes")), "oom_kills": int(oom.get("oom_kill", 0))}
+    except (OSError, ValueError):
+        return None
+
+
+def mib(nbytes):
+    return -(-int(nbytes) // 2**20)
+
+
+def killed_for_memory(before, after, container, group_index):
+    """The phrase naming a memory kill between two `state`s, or None if the cgroup's OOM
+    killer did not act: '<container> exceeded its memory limit of L MiB (peak P MiB):
+    raise groups[i].memory'."""
+    if not before or not after or after["oom_kills"] <= before["oom_kills"]:
+        return None
+    return (f"{container} exceeded its memory limit of {mib(after['limit'])} MiB "
+            f"(peak {mib(after['peak'])} MiB): raise groups[{group_index}].memory")
+
+
+def resident(cgroup):
+    """Bytes of the cgroup's anonymous and mapped-file memory (memory.stat: total_rss +
+    total_mapped_file): what its processes hold, without the reclaimable page cache that
+    `peak` (memory.max_usage_in_bytes) also counts. None without a cgroup."""
+    if not cgroup:
+        return None
+    try:
+        with open(os.path.join(cgroup, "memory.stat")) as f:
+            stat = dict(line.split() for line in f if line.strip())
+        return int(stat.get("total_rss", 0)) + int(stat.get("total_mapped_file", 0))
+    except (OSError, ValueError):
+        return None

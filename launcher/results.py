@@ -1,0 +1,102 @@
+"""What a YARN application leaves behind when it ends.
+
+Skein's key-value store lives in the application master's memory and is gone once the
+application ends, so `yarnapp status` of a finished application reads its results from
+two places the agents fill in before it ends:
+
+    <app dir>/result.json     on the cluster's default filesystem (launcher.identity's
+                              app_dir: <YARNAPP_STORAGE>/<app id>): final, failure (with
+                              the log tail), restarts, world_formed_time, state
+    YARN's final diagnostics  "yarnapp-result: {...}": the same without log tails, kept by
+                              the ResourceManager with the application report
+
+The agent of rank 0 publishes them on success, once every member is done; on failure
+the first agent that sees FAILED does. Then it ends the application through skein
+(`shutdown`), which also stops the TensorBoard service. The local engine's master
+keeps its own records (state.json), so nothing here runs there.
+"""
+import json
+import logging
+import time
+
+from . import keys
+
+log = logging.getLogger(__name__)
+
+RESULT_FILE = "result.json"
+DIAGNOSTICS_PREFIX = "yarnapp-result: "
+PUBLISHED = "result/published"        # first writer publishes
+DONE_WAIT_S = 30.0
+
+
+def collect(store):
+    """The application's results from its store, in one store call."""
+    seen = store.snapshot(prefixes=(keys.RESTARTS, keys.ABORT_PREFIX), keys=(keys.FINAL, keys.FAILED))
+    formed = sorted(k for k in seen if k.startswith(keys.ABORT_PREFIX) and k.endswith("/formed"))
+    return {"final": json.loads(seen[keys.FINAL]) if keys.FINAL in seen else None,
+            "failure": json.loads(seen[keys.FAILED]) if keys.FAILED in seen else None,
+            "restarts": [json.loads(v) for k, v in sorted(seen.items()) if k.startswith(keys.RESTARTS)],
+            "world_formed_time": json.loads(seen[formed[0]]).get("time") if formed else None}
+
+
+def diagnostics(result):
+    """The one-line final diagnostics for YARN (no log tails: they may be long)."""
+    slim = dict(result)
+    if slim.get("failure"):
+        slim["failure"] = {k: v for k, v in slim["failure"].items() if k != "log_tail"}
+    slim["restarts"] = [{k: v for k, v in r.items() if k != "log_tail"} for r in slim.get("restarts") or []]
+    return DIAGNOSTICS_PREFIX + json.dumps(slim, separators=(",", ":"))
+
+
+def from_diagnostics(text):
+    """The result in a finished application's diagnostics, or None."""
+    for line in (text or "").splitlines():
+        if line.startswith(DIAGNOSTICS_PREFIX):
+            try:
+                return json.loads(line[len(DIAGNOSTICS_PREFIX):])
+            except ValueError:
+                return None
+    return None
+
+
+def write(app_dir, result):
+    from training import fsutil
+    fs, root = fsutil.resolve(app_dir)
+    fsutil.write_bytes(fs, f"{root}/{RESULT_FILE}", json.dumps(result, indent=1).encode())
+
+
+def read(app_dir):
+    from training import fsutil
+    fs, root = fsutil.resolve(app_dir)
+    return json.loads(fsutil.read_bytes(fs, f"{root}/{RESULT_FILE}"))
+
+
+def publish_end(ident, store, code):
+    """Called by every agent as it ends (launcher.agent.main): on YARN, the one agent whose
+    turn it is writes the results and ends the application. Never raises."""
+    if ident.backend != "yarn":
+        return False
+    try:
+        if code == 0:
+            if ident.rank != 0:
+                return False
+            members = [keys.done(r["container"]) for r in ident.job.ranks()]
+            deadline = time.monotonic() + DONE_WAIT_S
+            while time.monotonic() < deadline and not all(k in store.snapshot(prefixes=("done/",))
+                                                           for k in members):
+                time.sleep(0.2)
+        elif store.get(keys.FAILED) is None or not store.put_if_absent(PUBLISHED, ident.container):
+            return False
+        result = {**collect(store), "state": "SUCCEEDED" if code == 0 else "FAILED", "time": time.time()}
+        try:
+            write(ident.app_dir, result)
+        except Exception as e:      # the diagnostics still carry the results
+            log.warning("could not write %s/%s: %s", ident.app_dir, RESULT_FILE, e)
+        if code == 0:
+            store.set_progress(1.0)
+        log.info("application %s: results published; ending it", result["state"])
+        store.app.shutdown(result["state"], diagnostics(result))
+        return True
+    except Exception as e:           # the application still ends through skein on its own
+        log.warning("could not publish the application's results: %s", e)
+        return False

@@ -1,0 +1,78 @@
+"""A user's own training loop on yarnapp's public API (training.dist), as a user would
+write it: a map-style dataset, a DataLoader over yarnapp's ShareSampler, a
+DistributedOptimizer. The tests run it as run.function `user_loop:main` (shipped with
+run.files) and compare its weights with one process training on the global batch.
+
+Environment (set through the job's groups[].env): OUT (where every rank writes its
+final weights), SHARES (equal | vcores), STEPS, BATCH.
+"""
+import os
+
+import torch
+import torch.nn.functional as F
+
+import training.dist as yd
+
+SEED = 7
+ROWS = 480
+
+
+def dataset():
+    g = torch.Generator().manual_seed(SEED)
+    x = torch.randn(ROWS, 3, 12, 12, generator=g)
+    y = (x.mean(dim=(1, 2, 3)) > 0).long() + 2 * (x[:, 0, :6].mean(dim=(1, 2)) > 0).long()
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def model():
+    torch.manual_seed(SEED)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+                               torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
+                               torch.nn.Linear(16 * 6 * 6, 4))
+
+
+def optimizer(m):
+    return torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+
+
+def main(ctx):
+    yd.init(ctx)
+    steps, batch = int(os.environ.get("STEPS", 20)), int(os.environ.get("BATCH", 48))
+    data = dataset()
+    sampler = yd.ShareSampler(data, batch_size=batch, shares=os.environ.get("SHARES", "vcores"), seed=SEED)
+    loader = torch.utils.data.DataLoader(data, batch_sampler=sampler)
+    net = model()
+    yd.broadcast_parameters(net.state_dict(), root_rank=0)
+    opt = yd.DistributedOptimizer(optimizer(net), model=net, weight=sampler.weight)
+    step = 0
+    for epoch in range(100):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            opt.zero_grad()
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            opt.step()
+            step += 1
+            yd.report(step=step, loss=float(loss), rows=len(y))
+            if step == steps:
+                torch.save(net.state_dict(), os.path.join(os.environ["OUT"], f"rank{yd.rank()}.pt"))
+                return
+
+
+def reference(steps=20, batch=48):
+    """One process, the whole global batch every step, the same order: the weights the
+    distributed run must end with."""
+    data = dataset()
+    net = model()
+    opt = optimizer(net)
+    step = 0
+    for epoch in range(100):
+        order = yd.permutation(len(data), SEED, epoch)
+        for s in range(len(data) // batch):
+            x, y = data[order[s * batch:(s + 1) * batch]]
+            opt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+            step += 1
+            if step == steps:
+                return net.state_dict()

@@ -1,0 +1,93 @@
+"""An agent's store traffic per poll does not grow with the world: the real Agent.monitor
+watching a real generation (every member joined, alive, the world formed) on a real
+FileStore, whose calls a thin wrapper counts. On YARN every call is an RPC to skein's one
+application master, so O(N) per agent per poll would be O(N^2) per poll for the job."""
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import conf
+from launcher import keys
+from launcher.agent import Agent
+from launcher.identity import Identity
+from launcher.store import FileStore, Store
+
+
+class Counting(Store):
+    """Forwards every call to a real store and counts it (snapshot counts as one)."""
+
+    def __init__(self, store):
+        self.store = store
+        self.calls = 0
+        self.snapshots = 0
+
+    def _count(self, name, *a, **k):
+        self.calls += 1
+        return getattr(self.store, name)(*a, **k)
+
+    def put(self, key, value, owned=False):
+        return self._count("put", key, value, owned)
+
+    def get(self, key, default=None):
+        return self._count("get", key, default)
+
+    def put_if_absent(self, key, value, owned=False):
+        return self._count("put_if_absent", key, value, owned)
+
+    def get_prefix(self, prefix):
+        return self._count("get_prefix", prefix)
+
+    def delete(self, key):
+        return self._count("delete", key)
+
+    def snapshot(self, prefixes=(), keys=()):
+        self.snapshots += 1
+        return self._count("snapshot", prefixes, keys)
+
+
+def calls_per_poll(tmp_path, containers, polls=15):
+    job = conf.load_job({"name": "poll", "groups": [{"name": "w", "instances": containers}],
+                         "run": {"function": "training.hello:main"},
+                         "launcher": {"poll_interval": "20ms"}})
+    store = FileStore(str(tmp_path / f"store{containers}"))
+    gen = 0
+    for m in job.ranks():                       # a formed world: everyone alive and joined
+        store.put(keys.alive(m["container"]), json.dumps({"incarnation": f"inc{m['rank']}"}))
+        store.put(keys.incarnation(gen, m["rank"]), f"inc{m['rank']}")
+        store.put(keys.joined(gen, m["rank"]) if m["rank"] else keys.port(gen), "x")
+    store.put(keys.formed(gen), json.dumps({"time": time.time(), "seconds": 0.1, "members": []}))
+    ident = Identity(backend="local", app_id="a", container="w_0", group="w", instance=0, rank=0, job=job,
+                     secret="s", app_dir=str(tmp_path))
+    counting = Counting(store)
+    agent = Agent(ident, counting)
+    agent.incarnation = "inc0"
+    agent.child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    agent.spawned = time.monotonic()
+    with open(agent.heartbeat, "w") as f:
+        f.write("train 0")
+    out = {}
+    t = threading.Thread(target=lambda: out.update(result=agent.monitor(gen)))
+    try:
+        t.start()
+        while counting.snapshots < polls:
+            time.sleep(0.01)
+        calls = counting.calls
+        store.put(keys.abort(gen), json.dumps({"reason": "stop the test"}))
+        t.join(10)
+    finally:
+        agent.child.kill()
+        agent.child.wait()
+    assert out["result"] == ("other", None)
+    # one put (this agent's incarnation) before the loop; every poll after it
+    return (calls - 1) / counting.snapshots
+
+
+@pytest.mark.parametrize("small,large", [(3, 12)])
+def test_store_calls_per_poll_do_not_grow_with_the_world(tmp_path, monkeypatch, small, large):
+    monkeypatch.chdir(tmp_path)                  # the agent's heartbeat file goes to its working directory
+    a, b = calls_per_poll(tmp_path, small), calls_per_poll(tmp_path, large)
+    assert a == b == pytest.approx(1.0, abs=0.1), (a, b)

@@ -1,0 +1,87 @@
+"""Faults around recovery, with real processes and real kernels: a container over its
+memory limit (the cgroup's OOM killer), named as such with the limit to raise; a
+checkpoint directory that turns read-only or fills up (a real tmpfs) mid-run."""
+import os
+import subprocess
+
+import pytest
+import torch
+
+import yarnapp
+from recovery_util import digits_job, wait_step
+from util import app_id_from, assert_nothing_left, write_job
+
+pytestmark = pytest.mark.slow
+CGROUPS = os.geteuid() == 0 and os.path.isfile("/sys/fs/cgroup/memory/memory.oom_control")
+
+
+@pytest.mark.skipif(not CGROUPS, reason="memory limits need root and cgroup v1")
+def test_a_container_over_its_memory_limit_is_named_with_the_limit_to_raise(cli, tmp_path):
+    (tmp_path / "hog.py").write_text(
+        "import time\nfrom training.context import current\nctx = current()\nchunks = []\n"
+        "while ctx.rank == 1:\n    chunks.append(bytearray(32 * 2**20))\n    time.sleep(0.01)\n"
+        "ctx.comm.Barrier()\n")
+    job = write_job(tmp_path / "hog.yaml", {
+        "name": "hog", "max_restarts": 0, "run": {"script": str(tmp_path / "hog.py")},
+        "groups": [{"name": "big", "instances": 1, "vcores": 1, "memory": "512 MiB"},
+                   {"name": "small", "instances": 1, "vcores": 0.5, "memory": "256 MiB"}]})
+    proc = cli("submit", job, "--wait")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    err = proc.stderr.strip().splitlines()[-1]
+    assert ("rank 1 (small_0) was killed by the kernel: small_0 exceeded its memory limit of 256 MiB "
+            "(peak 256 MiB): raise groups[1].memory") in err, err
+    app = app_id_from(err)
+    status = cli("status", app, check=0).stdout
+    assert "exceeded its memory limit of 256 MiB" in status.splitlines()[0], status
+    assert "(peak 256 MiB)" in status, status
+    assert_nothing_left(app)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 16 MiB tmpfs mounted for the test (root only), unmounted after it."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16M", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.parametrize("fault", ["read-only", "full"])
+def test_a_checkpoint_that_cannot_be_written_fails_in_one_line_and_the_previous_stays(
+        fault, small_disk, digits, tmp_path, yarnapp_home):
+    job = digits_job(tmp_path, digits, f"ckpt-{fault}", steps=60, every=10, max_restarts=1)
+    job["checkpoint"]["uri"] = str(small_disk / "ckpt")
+    run = yarnapp.submit(job)
+    wait_step(run, rank=0, step=12)                    # step 10's checkpoint is complete
+    mine = small_disk / "ckpt" / run.app_id              # one directory per application
+    assert sorted(os.listdir(mine)) == ["application.json", "step-00000010"]
+    if fault == "read-only":
+        subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    else:
+        with open(small_disk / "filler", "wb") as f:   # the disk fills up (ENOSPC)
+            try:
+                while True:
+                    f.write(b"\0" * 2**20)
+            except OSError:
+                pass
+    st = run.wait(timeout=300)
+    assert st["state"] == "FAILED", run.logs()
+    reason = st["failure"]["reason"]
+    why = "Read-only file system" if fault == "read-only" else "No space left on device"
+    assert f"checkpoint.uri {small_disk}/ckpt: cannot write the checkpoint of step 20" in reason, reason
+    assert why in reason, reason
+    assert len(reason.splitlines()) == 1
+    assert [r["generation"] for r in st["restarts"]] == [1]          # retried once, from step 10
+    assert "cannot write the checkpoint of step 20" in st["restarts"][0]["reason"]
+    # the previous complete checkpoint is intact and loads on every rank
+    assert sorted(n for n in os.listdir(mine) if not n.startswith("step-00000020")) \
+        == ["application.json", "step-00000010"]
+    for r in range(3):
+        state = torch.load(mine / "step-00000010" / f"rank-{r:05d}.pt", weights_only=False)
+        assert state["step"] == 10
+    assert_nothing_left(run.app_id)

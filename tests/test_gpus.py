@@ -1,0 +1,103 @@
+"""The local engine's GPUs, on a machine without any: the inventory read from a fake
+`nvidia-smi` on PATH (the adapter's boundary: the CSV the real one prints) or from
+YARNAPP_GPUS; each container gets exactly its own through CUDA_VISIBLE_DEVICES; an
+impossible request is refused at submit; an application whose GPUs another holds waits
+and never shares them."""
+import os
+import stat
+import time
+
+import pytest
+
+import yarnapp
+from util import assert_nothing_left
+from yarnapp.backends.local import gpus
+
+FAKE_SMI = """#!/bin/sh
+# what `nvidia-smi --query-gpu=index,uuid,name,memory.total --format=csv,noheader,nounits` prints
+echo "0, GPU-aaaa, NVIDIA H100 80GB HBM3, 81559"
+echo "1, GPU-bbbb, NVIDIA H100 80GB HBM3, 81559"
+"""
+
+
+@pytest.fixture
+def two_fake_gpus(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(FAKE_SMI)
+    smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("YARNAPP_GPUS", raising=False)
+
+
+def test_the_inventory_reads_nvidia_smi_and_honours_cuda_visible_devices(two_fake_gpus, monkeypatch):
+    found = gpus.inventory()
+    assert [(g.index, g.uuid, g.memory_mib) for g in found] == [(0, "GPU-aaaa", 81559), (1, "GPU-bbbb", 81559)]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-bbbb")
+    assert [g.index for g in gpus.inventory()] == [1]
+    monkeypatch.setenv("YARNAPP_GPUS", "0,1,2,3")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3")
+    assert [g.index for g in gpus.inventory()] == [1, 3]
+
+
+def test_no_nvidia_smi_means_no_gpus(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("YARNAPP_GPUS", raising=False)
+    assert gpus.inventory() == []
+
+
+def _submit(name, groups, seconds=0):
+    job = {"name": name, "max_restarts": 0, "launcher": {"poll_interval": "100ms"},
+           "groups": [dict(g, env={"HOLD_S": str(seconds)}) for g in groups],
+           "run": {"function": "gpu_env:main",
+                   "files": [os.path.join(os.path.dirname(__file__), "jobs", "gpu_env.py")]}}
+    return yarnapp.submit(job)
+
+
+def test_every_container_sees_only_its_own_gpus(two_fake_gpus, yarnapp_home):
+    run = _submit("gpu", [{"name": "gpu", "instances": 2, "gpus": 1, "vcores": 0.5, "memory": "512 MiB"},
+                          {"name": "cpu", "instances": 1, "vcores": 0.5, "memory": "512 MiB"}])
+    st = run.wait(timeout=120)
+    assert st["state"] == "SUCCEEDED", run.logs()
+    assert st["final"]["visible"] == ["0", "1", ""]             # rank order: gpu_0, gpu_1, cpu_0
+    assert {c["id"]: c["gpu_devices"] for c in st["containers"]} == {"gpu_0": [0], "gpu_1": [1], "cpu_0": []}
+    assert gpus.Leases().held() == {}                            # released at the end
+    assert_nothing_left(run.app_id)
+
+
+def test_asking_for_more_gpus_than_the_machine_has_is_refused_at_submit(two_fake_gpus, cli, tmp_path):
+    import yaml
+    job = tmp_path / "greedy.yaml"
+    job.write_text(yaml.safe_dump({"name": "greedy", "run": {"function": "a:b"},
+                                   "groups": [{"name": "w", "instances": 3, "gpus": 1}]}))
+    proc = cli("submit", str(job))
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (
+        f"Error: {job}: groups[0].gpus: the job asks for 3 GPU(s) in all (3 x 1) but this machine has 2 "
+        f"(nvidia-smi); ask for at most 2, set gpus: 0, or submit to a cluster with --backend yarn")
+    apps = os.path.join(os.environ["YARNAPP_HOME"], "apps")
+    assert not os.path.isdir(apps) or not os.listdir(apps)          # nothing was started
+
+
+def test_an_application_whose_gpu_another_holds_waits_and_never_shares_it(monkeypatch, yarnapp_home):
+    monkeypatch.setenv("YARNAPP_GPUS", "0")                      # one GPU on this machine
+    first = _submit("first", [{"name": "g", "instances": 1, "gpus": 1, "vcores": 0.5, "memory": "512 MiB"}],
+                    seconds=8)
+    deadline = time.monotonic() + 60
+    while first.state != "RUNNING" or not gpus.Leases().held():
+        assert time.monotonic() < deadline, first.logs()
+        time.sleep(0.1)
+    second = _submit("second", [{"name": "g", "instances": 1, "gpus": 1, "vcores": 0.5, "memory": "512 MiB"}])
+    time.sleep(2)
+    st2 = second.status()
+    assert st2["state"] == "ACCEPTED" and st2["diagnostics"] == f"waiting for 1 GPU(s): held by {first.app_id}"
+    assert first.wait(timeout=120)["state"] == "SUCCEEDED"
+    st2 = second.wait(timeout=120)
+    assert st2["state"] == "SUCCEEDED", second.logs()
+    # the second's ranks started only after the first had ended: never two on one GPU
+    assert st2["final"]["started"] >= first.status()["finished"] - 1.0
+    assert st2["final"]["visible"] == ["0"]
+    for r in (first, second):
+        assert_nothing_left(r.app_id)

@@ -1,0 +1,48 @@
+"""`yarnapp hadoop`'s refusals: one line each, nothing started. (Starting and stopping the
+real daemons is what tests/test_yarn_real.py's session cluster does.)"""
+import os
+import socket
+import subprocess
+import sys
+
+from yarnapp import hadoop
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "yarnapp.cli", "hadoop", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
+
+
+def test_a_taken_port_is_one_line_naming_it(tmp_path):
+    base = hadoop.free_port_base()
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", base + 88))
+        s.listen(1)
+        out = cli("start", "--dir", tmp_path / "h", "--port-base", base, "-q")
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [
+        f"Error: port {base + 88} (ResourceManager web (and its proxy)) on 127.0.0.1 is taken by another "
+        f"process; stop it or choose other ports with --port-base"]
+    assert not os.path.exists(tmp_path / "h" / "run")            # nothing was started
+
+
+def test_no_maven_is_one_line(tmp_path):
+    java = os.path.dirname(os.path.realpath(hadoop.shutil.which("java") or "/usr/bin/java"))
+    out = cli("start", "--dir", tmp_path / "h", "-q",
+              env={"YARNAPP_HOME": str(tmp_path / "home"), "PATH": f"{os.path.dirname(sys.executable)}:{java}"})
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [
+        f"Error: no Maven (`mvn`) on PATH: it fetches Hadoop {hadoop.version()}'s jars from Maven Central once; "
+        f"install Maven (e.g. apt-get install maven)"]
+
+
+def test_status_and_env_of_a_stopped_cluster(tmp_path):
+    st = cli("status", "--dir", tmp_path / "h")
+    assert st.returncode == 3 and "running: nothing" in st.stdout
+    env = cli("env", "--dir", tmp_path / "h", "--port-base", 29000).stdout.splitlines()
+    assert f"export HADOOP_CONF_DIR={tmp_path / 'h' / 'etc' / 'hadoop'}" in env
+    assert any(line.startswith(f"export PATH={tmp_path / 'h' / 'bin'}:") for line in env)
+    assert cli("stop", "--dir", tmp_path / "h").returncode == 0

@@ -1,0 +1,173 @@
+"""Users' own code, as users bring it: an unmodified torchrun-style DDP script, a loop on
+the public API (training.dist), a deterministic startup error. Real `yarnapp submit`s on
+the local engine: real containers, cgroups, MPI world, gloo."""
+import json
+import os
+import signal
+import sys
+import time
+
+import pytest
+import torch
+
+import yarnapp
+from recovery_util import rank_pid
+from util import app_id_from, assert_nothing_left, write_job
+
+pytestmark = pytest.mark.slow
+
+JOBS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobs")
+GROUPS = [{"name": "big", "instances": 1, "vcores": 1, "memory": "2 GiB"},
+          {"name": "small", "instances": 2, "vcores": 0.5, "memory": "2 GiB"}]
+
+
+def _ranks(out, n=3):
+    return ([torch.load(out / f"rank{r}.pt") for r in range(n)],
+            [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)])
+
+
+def _equal(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_an_unmodified_torchrun_ddp_script_trains_and_its_replicas_end_equal(tmp_path, yarnapp_home):
+    out = tmp_path / "out"
+    out.mkdir()
+    job = {"name": "ddp", "groups": GROUPS, "max_restarts": 0,
+           "run": {"script": os.path.join(JOBS, "ddp_train.py"), "args": ["--out", str(out), "--epochs", "2"]}}
+    run = yarnapp.submit(job)
+    st = run.wait(timeout=300)
+    assert st["state"] == "SUCCEEDED", run.logs()
+    weights, info = _ranks(out)
+    assert _equal(weights[0], weights[1]) and _equal(weights[0], weights[2])
+    envs = [i["env"] for i in info]
+    assert [e["RANK"] for e in envs] == ["0", "1", "2"] and {e["WORLD_SIZE"] for e in envs} == {"3"}
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "2"]            # all on this one host
+    assert {e["LOCAL_WORLD_SIZE"] for e in envs} == {"3"} and {e["GROUP_RANK"] for e in envs} == {"0"}
+    assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs}) == 1
+    assert {e["TORCHELASTIC_RESTART_COUNT"] for e in envs} == {"0"}
+    # the script was shipped: every container ran its own copy, not the repository's
+    for c in ("big_0", "small_0", "small_1"):
+        assert os.path.isfile(os.path.join(st["app_dir"], "containers", c, "work", "jobs", "ddp_train.py"))
+    assert_nothing_left(run.app_id)
+
+
+def test_the_ddp_script_survives_a_sigkill_and_its_own_snapshot_resumes(tmp_path, yarnapp_home):
+    out = tmp_path / "out"
+    out.mkdir()
+    job = {"name": "ddp-kill", "groups": GROUPS, "max_restarts": 2,
+           "run": {"script": os.path.join(JOBS, "ddp_train.py"),
+                   "args": ["--out", str(out), "--epochs", "6", "--pause", "0.05"]}}
+    run = yarnapp.submit(job)
+    pid = rank_pid(run, rank=1)
+    deadline = time.monotonic() + 240
+    while not (out / "snapshot.pt").exists():           # at least one epoch is in the snapshot
+        assert run.state == "RUNNING" and time.monotonic() < deadline, run.logs()
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+    st = run.wait(timeout=400)
+    assert st["state"] == "SUCCEEDED", run.logs()
+    assert [r["generation"] for r in st["restarts"]] == [1], st["restarts"]
+    assert "rank 1 (small_0) killed by signal 9" in st["restarts"][0]["reason"]
+    weights, info = _ranks(out)
+    assert _equal(weights[0], weights[1]) and _equal(weights[0], weights[2])
+    assert {i["env"]["TORCHELASTIC_RESTART_COUNT"] for i in info} == {"1"}
+    started = {i["started_at_epoch"] for i in info}
+    assert len(started) == 1 and started.pop() >= 1, info          # resumed from its snapshot
+    assert "resuming from the snapshot" in run.logs("small_0")["small_0"]
+    assert_nothing_left(run.app_id)
+
+
+def test_a_loop_on_the_public_api_with_vcores_shares_equals_one_process(tmp_path, yarnapp_home):
+    sys.path.insert(0, JOBS)
+    try:
+        import user_loop
+        expected = user_loop.reference(steps=20, batch=48)
+    finally:
+        sys.path.remove(JOBS)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {"OUT": str(out), "SHARES": "vcores", "STEPS": "20", "BATCH": "48"}
+    job = {"name": "user-loop", "groups": [dict(g, env=env) for g in GROUPS], "max_restarts": 0,
+           "run": {"function": "user_loop:main", "files": [os.path.join(JOBS, "user_loop.py")]}}
+    run = yarnapp.submit(job)
+    st = run.wait(timeout=300)
+    assert st["state"] == "SUCCEEDED", run.logs()
+    rows = {r: p["rows"] for r, p in st["progress"].items()}
+    assert rows == {0: 24, 1: 12, 2: 12}                  # 1 : 0.5 : 0.5 of each 48-row batch
+    for r in range(3):
+        got = torch.load(out / f"rank{r}.pt")
+        worst = max(float((got[k] - expected[k]).abs().max()) for k in expected)
+        assert worst < 1e-5, (r, worst)
+    assert_nothing_left(run.app_id)
+
+
+@pytest.mark.parametrize("kind", ["script", "function"])
+def test_a_deterministic_startup_error_uses_one_attempt_and_prints_its_line(kind, cli, tmp_path):
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "broken.py").write_text("import not_a_module_of_anyone\n\ndef main(ctx):\n    pass\n")
+    run = ({"script": str(code / "broken.py")} if kind == "script"
+           else {"function": "broken:main", "files": [str(code / "broken.py")]})
+    job = write_job(tmp_path / "broken.yaml", {"name": "broken", "groups": GROUPS, "max_restarts": 3, "run": run})
+    proc = cli("submit", job, "--wait")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    err = proc.stderr.strip().splitlines()[-1]
+    assert err.startswith("Error: app_") and "FAILED after 1 attempt(s)" in err, err
+    assert "ModuleNotFoundError: No module named 'not_a_module_of_anyone'" in err, err
+    assert "every rank failed the same way before training started, so it was not retried" in err, err
+    app = app_id_from(err)
+    st = yarnapp.status(app)
+    assert st["state"] == "FAILED" and st["restarts"] == [] and st["failure"]["attempts"] == 1
+    assert_nothing_left(app)
+
+
+def test_a_crash_during_training_is_still_retried(tmp_path, yarnapp_home):
+    """Every rank failing the same way counts as deterministic only before training
+    starts: here rank 1 fails once its training has begun, and the job is retried."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "flaky.py").write_text(
+        "from training.context import current\n"
+        "ctx = current()\n"
+        "ctx.report(step=1)\n"
+        "if ctx.rank == 1 and ctx.restart_count == 0:\n"
+        "    raise RuntimeError('transient failure')\n"
+        "ctx.comm.Barrier()\n")
+    job = {"name": "flaky", "groups": GROUPS, "max_restarts": 1, "run": {"script": str(code / "flaky.py")}}
+    run = yarnapp.submit(job)
+    st = run.wait(timeout=300)
+    assert st["state"] == "SUCCEEDED", run.logs()
+    assert [r["generation"] for r in st["restarts"]] == [1]
+    assert "RuntimeError: transient failure" in st["restarts"][0]["reason"]
+    assert_nothing_left(run.app_id)
+
+
+def test_a_users_model_factory_with_nested_options_trains_in_the_built_in_runner(digits, tmp_path, yarnapp_home):
+    job = {"name": "user-model", "max_restarts": 0,
+           "groups": [{"name": "big", "instances": 1, "vcores": 1, "memory": "2 GiB"},
+                      {"name": "small", "instances": 1, "vcores": 0.5, "memory": "2 GiB"}],
+           "run": {"files": [os.path.join(JOBS, "user_model.py")]},
+           "training": {"model": "user_model:make_net",
+                        "model_options": {"hidden": 16, "block": {"kind": "tanh", "dropout": 0.1}},
+                        "data": {"train": f"{digits}/train", "test": f"{digits}/test"},
+                        "batch_size": 64, "epochs": 4, "shares": "vcores"},
+           "checkpoint": {"uri": str(tmp_path / "ckpt")}}
+    run = yarnapp.submit(job)
+    st = run.wait(timeout=300)
+    assert st["state"] == "SUCCEEDED", run.logs()
+    assert st["final"]["accuracy"] > 0.9, st["final"]
+    from training.checkpoint import load_final
+    weights = load_final(str(tmp_path / "ckpt"))
+    assert weights["0.weight"].shape == (16, 1, 3, 3)          # hidden=16 reached the factory
+    assert_nothing_left(run.app_id)
+
+
+def test_ctx_init_process_group_joins_the_gloo_group_the_launcher_prepared(yarnapp_home):
+    job = {"name": "pg", "groups": GROUPS, "max_restarts": 0,
+           "run": {"function": "user_model:process_group", "files": [os.path.join(JOBS, "user_model.py")]}}
+    run = yarnapp.submit(job)
+    st = run.wait(timeout=300)
+    assert st["state"] == "SUCCEEDED", run.logs()
+    assert st["final"] == {"sum": 6.0, "backend": "gloo", "world": 3}
+    assert_nothing_left(run.app_id)

@@ -1,0 +1,130 @@
+"""Shipping the user's code (yarnapp.shipping): what goes, under which names, what is
+refused; and the skein spec of a job with shipped files, validated by skein itself."""
+import json
+import os
+import sys
+import zipfile
+
+import pytest
+import skein
+
+import conf
+from yarnapp import shipping
+from yarnapp.backends.yarn import build_spec, stage_files
+from yarnapp.errors import YarnappError
+
+
+def _project(root):
+    """A user's project: a script, a helper module beside it, a package, some junk."""
+    (root / "pkg").mkdir(parents=True)
+    (root / "train.py").write_text("import helper\n")
+    (root / "helper.py").write_text("X = 1\n")
+    (root / "pkg" / "__init__.py").write_text("")
+    (root / "__pycache__").mkdir()
+    (root / "__pycache__" / "helper.cpython-311.pyc").write_bytes(b"junk")
+    return root
+
+
+def _job(run, backend="local"):
+    return conf.absolutize(conf.load_job({"name": "own", "groups": [{"name": "w", "instances": 2}],
+                                          "backend": backend, "environment": {"packer": "none"},
+                                          "run": dict(run, editable=False)}), os.getcwd())
+
+
+def test_a_script_ships_its_own_directory_and_runs_from_the_copy(tmp_path):
+    proj = _project(tmp_path / "proj")
+    s = shipping.plan(_job({"script": str(proj / "train.py"), "args": ["--lr", "0.1"]}))
+    assert s.entries == {"proj": str(proj)}
+    assert s.job.run.script == "proj/train.py" and s.job.run.files == ["proj"]
+    assert s.job.run.args == ["--lr", "0.1"]
+    dest = tmp_path / "container"
+    shipping.copy_into(s.entries, str(dest))
+    assert sorted(os.listdir(dest / "proj")) == ["helper.py", "pkg", "train.py"]     # no __pycache__
+
+
+def test_listed_files_ship_under_their_names_and_a_script_outside_them_too(tmp_path):
+    proj = _project(tmp_path / "proj")
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (other / "main.py").write_text("")
+    s = shipping.plan(_job({"script": str(other / "main.py"),
+                            "files": [str(proj / "pkg"), str(proj / "helper.py")]}))
+    assert s.entries == {"pkg": str(proj / "pkg"), "helper.py": str(proj / "helper.py"),
+                         "main.py": str(other / "main.py")}
+    assert s.job.run.script == "main.py"
+
+
+def test_clashes_missing_files_and_data_sized_trees_are_refused_in_one_line(tmp_path):
+    a, b = tmp_path / "a" / "util", tmp_path / "b" / "util"
+    a.mkdir(parents=True)
+    b.mkdir(parents=True)
+    with pytest.raises(YarnappError, match=r"run.files: .* would both land as 'util'"):
+        shipping.plan(_job({"function": "m:f", "files": [str(a), str(b)]}))
+    with pytest.raises(YarnappError, match="run.files: .*nope does not exist"):
+        shipping.plan(_job({"function": "m:f", "files": [str(tmp_path / "nope")]}))
+    big = tmp_path / "data"
+    big.mkdir()
+    with open(big / "blob.bin", "wb") as f:
+        f.truncate(shipping.LIMIT_BYTES + 2**20)
+    with pytest.raises(YarnappError, match="data holds 201 MiB, more than the 200 MiB of code"):
+        shipping.plan(_job({"function": "m:f", "files": [str(big)]}))
+
+
+def test_the_local_engines_own_directories_are_never_shipped(tmp_path, monkeypatch):
+    proj = _project(tmp_path / "proj")
+    home = proj / "yarnapp-home"
+    (home / "apps" / "app_1").mkdir(parents=True)
+    monkeypatch.setenv("YARNAPP_HOME", str(home))
+    s = shipping.plan(_job({"script": str(proj / "train.py")}))
+    dest = tmp_path / "container"
+    shipping.copy_into(s.entries, str(dest))
+    assert "yarnapp-home" not in os.listdir(dest / "proj")
+
+
+def test_editable_installs_are_found_from_their_distribution_metadata(tmp_path, monkeypatch):
+    """A real distribution on sys.path, marked editable in its direct_url.json (PEP 610),
+    as `pip install -e` leaves it; its src-layout package is what ships."""
+    src = tmp_path / "myproj" / "src" / "mylib"
+    src.mkdir(parents=True)
+    (src / "__init__.py").write_text("")
+    (src / "core").mkdir()
+    (src / "core" / "__init__.py").write_text("")
+    site = tmp_path / "site"
+    info = site / "mylib-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mylib\nVersion: 0.1\n")
+    (info / "direct_url.json").write_text(json.dumps(
+        {"url": (tmp_path / "myproj").as_uri(), "dir_info": {"editable": True}}))
+    monkeypatch.syspath_prepend(str(site))
+    found = shipping.editable_packages()
+    assert found["mylib"] == str(src)
+    assert "yarnapp" not in found and "training" not in found         # the product is not the user's
+    job = _job({"function": "mylib:main"})
+    s = shipping.plan(job.model_copy(update={"run": job.run.model_copy(update={"editable": True})}))
+    assert s.entries["mylib"] == str(src)
+
+
+def test_the_skein_spec_of_a_job_with_shipped_files_lists_them_and_skein_accepts_it(tmp_path):
+    proj = _project(tmp_path / "proj")
+    (tmp_path / "fn.pkl").write_bytes(b"pickled")
+    s = shipping.plan(_job({"script": str(proj / "train.py"), "files": [str(proj), str(proj / "helper.py")]},
+                           backend="yarn"))
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    files = stage_files(s.job, str(staging), shipped=s.entries)
+    spec = build_spec(s.job, files)
+    for service in spec.services.values():
+        assert set(service.files) == {"job.json", ".yarnapp-secret", "proj", "helper.py"}
+        assert service.files["proj"].type == skein.FileType.ARCHIVE     # YARN unpacks it as proj/
+        assert service.files["helper.py"].type == skein.FileType.FILE
+    archive = service.files["proj"].source.removeprefix("file://")
+    assert sorted(zipfile.ZipFile(archive).namelist()) == ["helper.py", "pkg/", "pkg/__init__.py", "train.py"]
+    assert skein.ApplicationSpec.from_yaml(spec.to_yaml()).to_dict() == spec.to_dict()
+    shipped = json.loads((staging / "job.json").read_text())
+    assert shipped["run"]["script"] == "proj/train.py"
+
+
+def test_a_pickled_function_ships_as_function_pkl(tmp_path):
+    (tmp_path / "f.pkl").write_bytes(b"x")
+    s = shipping.plan(_job({"pickle": str(tmp_path / "f.pkl")}))
+    assert s.entries == {"function.pkl": str(tmp_path / "f.pkl")} and s.job.run.pickle == "function.pkl"

@@ -1,0 +1,44 @@
+"""The world's handshake against real foreign processes: a process that connects to a
+forming world with a wrong token, or connects and says nothing, is refused within
+seconds and never becomes a member; the job goes on and succeeds."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+import yarnapp
+from util import assert_nothing_left
+
+pytestmark = pytest.mark.slow
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+JOBS = os.path.join(HERE, "jobs")
+
+
+@pytest.mark.parametrize("mode, why", [("wrong-token", "wrong token (asked to join as rank 1)"),
+                                       ("silent", "said nothing within 5s")])
+def test_a_foreign_joiner_is_refused_and_the_job_succeeds(mode, why, yarnapp_home):
+    job = {"name": "knock", "max_restarts": 0,
+           "groups": [{"name": "big", "instances": 1, "vcores": 1, "memory": "1 GiB"},
+                      {"name": "small", "instances": 2, "vcores": 0.5, "memory": "1 GiB",
+                       "env": {"JOIN_DELAY": "10"}}],
+           "run": {"function": "slow_join:main", "files": [os.path.join(JOBS, "slow_join.py")]}}
+    run = yarnapp.submit(job)
+    store = os.path.join(run.status()["app_dir"], "store")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    foreign = subprocess.Popen([sys.executable, os.path.join(JOBS, "foreign_joiner.py"), store, mode],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        st = run.wait(timeout=180)
+        assert st["state"] == "SUCCEEDED", run.logs()
+        assert st["final"] == {"world": 3, "total": 6.0}          # the three ranks, and no one else
+        log = run.logs("big_0")["big_0"]
+        assert f"refused a process that connected to join generation 0: {why}" in log, log
+        if mode == "wrong-token":
+            out, _ = foreign.communicate(timeout=30)
+            assert foreign.returncode == 0 and "refused" in out, out
+    finally:
+        foreign.kill()
+        foreign.communicate()
+    assert_nothing_left(run.app_id)

@@ -1,0 +1,364 @@
+"""The YARN path on a real Apache Hadoop: a single-node HDFS + YARN (yarnapp.hadoop, jars
+from Maven Central) started once for these tests. Every application goes through skein
+to the real ResourceManager; data, checkpoints and TensorBoard live on the real HDFS
+(through WebHDFS: libhdfs cannot be had here). Skipped, saying why, where Java, Maven or
+Maven Central is missing."""
+import json
+import os
+import re
+import signal
+import stat
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+import psutil
+import pytest
+import yaml
+
+import conf
+from launcher import keys
+from yarnapp.errors import YarnappError
+from yarn_cluster import ROOT, start
+
+pytestmark = [pytest.mark.yarn, pytest.mark.slow]
+
+HELLO = os.path.join(conf.EXAMPLES_DIR, "hello.yaml")
+WRITER = os.path.join(ROOT, "tests", "jobs", "tb_writer.py")
+ENV = {"PYTHONPATH": ROOT}           # containers import this checkout (an editable install in CI)
+CANARY = "c4a7a1y5ec7e7c4a7a1y5ec7e7000042"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c, stop = start(tmp_path_factory)
+    yield c
+    stop()
+
+
+@pytest.fixture
+def shell(cluster, monkeypatch):
+    """This process set up as a shell after `eval "$(yarnapp hadoop env)"`."""
+    for k, v in cluster.env.items():
+        monkeypatch.setenv(k, v)
+    return cluster
+
+
+def write(path, job):
+    with open(path, "w") as f:
+        yaml.safe_dump(job, f)
+    return str(path)
+
+
+def hello_job(**extra):
+    raw = yaml.safe_load(open(HELLO))
+    raw["groups"] = [{**g, "vcores": 1, "env": ENV} for g in raw["groups"]]   # YARN: whole vcores
+    return {**raw, "backend": "yarn", "environment": {"packer": "none"}, **extra}
+
+
+def app_of(out):
+    m = re.search(r"application_\d+_\d+", out)
+    assert m, out
+    return m.group(0)
+
+
+def test_hello_three_containers_two_groups_one_world_and_results_after_the_end(cluster, shell, tmp_path):
+    job = write(tmp_path / "hello.yaml", hello_job())
+    dry = cluster.cli("submit", job, "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    spec = yaml.safe_load(dry.stdout)
+    assert spec["acls"]["enable"] is True
+    assert spec["acls"]["view_users"] == spec["acls"]["modify_users"] == [cluster.owner]
+    assert "YARNAPP_SECRET" not in spec["services"]["big"]["env"]
+    assert not os.path.exists(spec["services"]["big"]["files"]["job.json"]["source"][len("file://"):])
+
+    proc = cluster.cli("submit", job, "--wait")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    app = app_of(proc.stdout)
+    assert "world formed in" in proc.stdout
+    final = re.search(r"^final: (.*)$", proc.stdout, re.M)
+    assert final and "world_size=3" in final.group(1) and "ok=True" in final.group(1), proc.stdout
+
+    # After the end: the key-value store is gone with the application master; status still
+    # has final, failure and restarts (from YARN's final diagnostics), and logs are there.
+    st = json.loads(cluster.cli("status", app, "--json").stdout)
+    assert st["state"] == "SUCCEEDED"
+    assert st["final"]["world_size"] == 3 and st["final"]["ok"] is True
+    assert st["failure"] is None and st["restarts"] == []
+    assert 0 < st["world_formed_s"] < 120
+    stored = cluster.backend()._stored_results(app, cluster.owner)           # and in its storage
+    assert stored["final"] == st["final"] and stored["results"].endswith(f"/{app}/result.json")
+    logs = cluster.cli("logs", app)
+    assert logs.returncode == 0, logs.stderr
+    sections = dict(re.findall(r"^==> (\S+) <==\n(.*?)(?=^==> |\Z)", logs.stdout, re.M | re.S))
+    assert {"big_0", "small_0", "small_1", "master"} <= set(sections), list(sections)
+    for c, rank in (("big_0", 0), ("small_0", 1), ("small_1", 2)):
+        assert f"hello from rank {rank} of 3" in sections[c], sections[c]
+    one = cluster.cli("logs", app, "--container", "small_1")
+    assert one.stdout.startswith("==> small_1 <==") and "==> big_0" not in one.stdout
+    assert cluster.hadoop.container_pids(app) == []
+
+
+def test_fractional_vcores_are_refused_with_one_line_and_nothing_submitted(cluster, tmp_path):
+    assert cluster.hadoop.start()["started"] == []                # idempotent: already running
+    up = cluster.cli("hadoop", "status", "--dir", cluster.hadoop.root)
+    assert up.returncode == 0 and "HDFS ready, YARN ready" in up.stdout, up
+    before = cluster.cli("list", "--backend", "yarn").stdout
+    proc = cluster.cli("submit", HELLO, "--backend", "yarn")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"Error: {HELLO}: groups[1].vcores: YARN allocates whole vcores; got 0.5 — use an integer"]
+    assert cluster.cli("list", "--backend", "yarn").stdout == before
+    bad = write(tmp_path / "queue.yaml", hello_job(queue="nope"))
+    proc = cluster.cli("submit", bad)
+    assert proc.returncode == 1 and proc.stderr.startswith("Error: YARN refused the application: ") \
+        and "nope" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    # With no global skein driver (a fresh SKEIN_CONFIG) the CLI starts a private one.
+    private = cluster.cli("list", "--backend", "yarn", env={"SKEIN_CONFIG": str(tmp_path / "skein")})
+    assert private.returncode == 0, private.stderr
+    assert private.stdout == cluster.cli("list", "--backend", "yarn").stdout
+    gone = cluster.cli("status", "application_1_9999")
+    assert gone.returncode == 1 and gone.stderr.startswith("Error: no application 'application_1_9999' on YARN")
+
+
+def _get(url, timeout=10):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def _proxied_scalars(url, app, user):
+    q = urllib.parse.urlencode({"run": app, "tag": "train/loss", "user.name": user})
+    try:
+        return _get(f"{url}data/plugin/scalars/scalars?{q}")
+    except (OSError, ValueError):
+        return None
+
+
+def test_tensorboard_through_the_proxy_acls_kill_and_a_canary_secret(cluster, shell, tmp_path, monkeypatch):
+    """A TensorBoard-writing job with the TensorBoard service, its logdir defaulted to the
+    application's directory on HDFS: scalars through the ResourceManager's proxy (refused to
+    another user), a kill by another user refused by the ResourceManager, `yarnapp kill`, and
+    the application's secret (a canary) nowhere a viewer could read it."""
+    from yarnapp.backends import yarn as yarn_mod
+    real = yarn_mod.secrets.token_hex
+    monkeypatch.setattr(yarn_mod.secrets, "token_hex", lambda n=None: CANARY if n == 16 else real(n))
+    backend = cluster.backend()
+    job = conf.load_job({"name": "tb", "backend": "yarn", "max_restarts": 0,
+                         "groups": [{"name": "w", "instances": 2, "vcores": 1, "memory": "512 MiB", "env": ENV}],
+                         "run": {"script": WRITER}, "environment": {"packer": "none"},
+                         "tensorboard": {"service": True, "sync_every": "1s"}})
+    app = backend.submit(job)
+    try:
+        deadline, points, url = time.monotonic() + 300, None, None
+        while points is None and time.monotonic() < deadline:
+            st = backend.status(app)
+            assert st["state"] in ("NEW", "RUNNING"), st
+            url = st.get("tensorboard")
+            if url:
+                points = _proxied_scalars(url, app, cluster.owner) or None
+            time.sleep(1)
+        assert points, f"no scalars through the proxy at {url}"
+        assert re.fullmatch(rf"http://(127\.0\.0\.1|localhost):{cluster.hadoop.ports['rm_web_port']}"
+                            rf"/proxy/{app}/pages/tensorboard/", url), url
+        assert [p[2] for p in points][:2] == [2.0, 1.0]             # (time, step, value): 2/(step+1)
+        live = backend.logs(app)                                     # from the NodeManager, while it runs
+        assert {"w_0", "w_1", "tensorboard_0"} <= set(live) and "yarnapp container w_0" in live["w_0"]
+        with pytest.raises(YarnappError, match=r"has no container 'w_9'; it has .*w_0"):
+            backend.logs(app, "w_9")
+        from yarnapp.tensorboard import logdir_of                   # `yarnapp tensorboard APP`
+        assert logdir_of(app, backend) == (f"{cluster.storage()}/{app}/tensorboard", 1.0)
+        with pytest.raises(urllib.error.HTTPError) as e:            # a user outside the view ACL
+            _get(f"{url}data/runs?user.name=mallory")
+        assert e.value.code in (401, 403)
+
+        # The secret really is the canary (the localized file), and only its owner reads it.
+        nm = os.path.join(cluster.hadoop.root, "data", "nm-local")
+        secret_files = [os.path.join(d, f) for d, _, fs in os.walk(nm) for f in fs if f == ".yarnapp-secret"]
+        assert secret_files and all(open(p).read() == CANARY for p in secret_files)
+        assert all(not os.stat(p).st_mode & (stat.S_IRGRP | stat.S_IROTH) for p in secret_files)
+
+        mallory = cluster.run(["yarn", "application", "-kill", app], env={"HADOOP_USER_NAME": "mallory"})
+        assert mallory.returncode != 0 and "mallory" in mallory.stdout + mallory.stderr, mallory
+        assert "AccessControlException" in mallory.stdout + mallory.stderr or \
+            "not allowed" in mallory.stdout + mallory.stderr, mallory
+        assert backend.status(app)["state"] == "RUNNING"
+
+        killed = cluster.cli("kill", app)
+        assert killed.returncode == 0 and killed.stdout.strip() == f"{app} KILLED", killed
+    finally:
+        backend.client.kill_application(app) if backend.status(app)["state"] in ("NEW", "RUNNING") else None
+    deadline = time.monotonic() + 60
+    while cluster.hadoop.container_pids(app) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert cluster.hadoop.container_pids(app) == [], "container processes outlived `yarnapp kill`"
+
+    # The canary is nowhere a viewer, a log or TensorBoard shows.
+    full_logs = cluster.run(["yarn", "logs", "-applicationId", app], timeout=120)
+    for _ in range(30):
+        if "launch_container.sh" in full_logs.stdout:
+            break
+        time.sleep(2)
+        full_logs = cluster.run(["yarn", "logs", "-applicationId", app], timeout=120)
+    assert "launch_container.sh" in full_logs.stdout           # what YARN shows: the environment too
+    assert "YARNAPP_SECRET_FILE" in full_logs.stdout and CANARY not in full_logs.stdout
+    status = cluster.cli("status", app, "--json")
+    assert json.loads(status.stdout)["state"] == "KILLED" and CANARY not in status.stdout
+    from training import fsutil
+    import pyarrow.fs as pafs
+    fs, tb = fsutil.resolve(f"{cluster.storage()}/{app}/tensorboard")
+    files = [i for i in fs.get_file_info(pafs.FileSelector(tb, recursive=True)) if i.type == pafs.FileType.File]
+    assert files, "no TensorBoard files on HDFS"
+    assert all(CANARY.encode() not in fsutil.read_bytes(fs, i.path) for i in files)
+    readable = []                                                 # by another user of this host
+    for d, _, fs_ in os.walk(cluster.hadoop.root):
+        for f in fs_:
+            p = os.path.join(d, f)
+            try:
+                if _others_can_read(p) and CANARY.encode() in open(p, "rb").read():
+                    readable.append(p)
+            except OSError:
+                continue
+    assert readable == []
+
+
+def _others_can_read(path):
+    """Whether a user other than the owner (and outside its group) can open `path`: the file
+    readable by others and every directory above it searchable by others. (A DataNode's block
+    files are 0644 inside its 0700 data directory, as on a real cluster.)"""
+    if not os.stat(path).st_mode & stat.S_IROTH:
+        return False
+    d = os.path.dirname(os.path.abspath(path))
+    while True:
+        if not os.stat(d).st_mode & stat.S_IXOTH:
+            return False
+        if d == os.path.dirname(d):
+            return True
+        d = os.path.dirname(d)
+
+
+def digits_job(name, data, **extra):
+    """3 ranks (1 + 2 containers of 1 vcore), data-parallel digits to >= 0.97."""
+    return {"name": name, "max_restarts": 2,
+            "groups": [{"name": "big", "instances": 1, "vcores": 1, "memory": "2 GiB", "env": ENV},
+                       {"name": "small", "instances": 2, "vcores": 1, "memory": "2 GiB", "env": ENV}],
+            "training": {"strategy": "allreduce", "model": "digits_cnn", "batch_size": 64, "epochs": 6,
+                         "lr": 0.05, "seed": 5, "log_every": 5,
+                         "data": {"train": f"{data}/train", "test": f"{data}/test"}},
+            "checkpoint": {"every_steps": 20}, **extra}
+
+
+@pytest.fixture(scope="module")
+def reference_weights(tmp_path_factory, digits):
+    """The same job uninterrupted, on the local engine with local data."""
+    import yarnapp
+    from training.checkpoint import load_final
+    tmp = tmp_path_factory.mktemp("ref")
+    old = os.environ.get("YARNAPP_HOME")
+    os.environ["YARNAPP_HOME"] = str(tmp / "home")
+    try:
+        job = digits_job("reference", digits, checkpoint={"uri": str(tmp / "ckpt"), "every_steps": 20},
+                         tensorboard={"logdir": str(tmp / "tb")})
+        run = yarnapp.submit(job, backend="local")
+        st = run.wait(timeout=900)
+        assert st["state"] == "SUCCEEDED", run.logs()
+        return load_final(str(tmp / "ckpt")), st["final"]
+    finally:
+        os.environ.pop("YARNAPP_HOME") if old is None else os.environ.__setitem__("YARNAPP_HOME", old)
+
+
+def test_digits_on_hdfs_survives_a_sigkilled_container_bit_identically(cluster, shell, tmp_path, reference_weights):
+    """Data, checkpoints and TensorBoard on HDFS; the agent of rank 1's container SIGKILLed
+    mid-run: skein restarts the container (a new instance number), its agent adopts the free
+    slot, the world re-forms and training resumes from the last checkpoint on HDFS, ending
+    with the very weights of an uninterrupted run and accuracy >= 0.97."""
+    import torch
+
+    from training import fsutil
+    from training.checkpoint import load_final
+    data = cluster.uri("/user/shared/digits")
+    imp = cluster.cli("data", "import", "digits", data, "--overwrite")
+    assert imp.returncode == 0, imp.stderr
+    backend = cluster.backend()
+    job = conf.load_job({**digits_job("digits-hdfs", data), "backend": "yarn",
+                         "environment": {"packer": "none"}})
+    app = backend.submit(job)
+    try:
+        kv = None
+        deadline = time.monotonic() + 300
+        while True:
+            st = backend.status(app)
+            assert st["state"] in ("NEW", "RUNNING"), st
+            step = ((st.get("progress") or {}).get(1) or {}).get("step", -1)
+            if step >= 45:
+                break
+            assert time.monotonic() < deadline, st
+            time.sleep(0.3)
+        kv = backend.client.connect(app, wait=False).kv
+        members = json.loads(kv[keys.formed(0)])["members"]
+        rank1 = psutil.Process(next(m["pid"] for m in members if m["rank"] == 1))
+        agent = rank1.parent()
+        assert "launcher.agent" in " ".join(agent.cmdline())
+        os.kill(agent.pid, signal.SIGKILL)                 # the container's process
+        st = backend.status(app)
+        deadline = time.monotonic() + 600
+        while st["state"] in ("NEW", "RUNNING"):
+            assert time.monotonic() < deadline, st
+            time.sleep(1)
+            st = backend.status(app)
+    finally:
+        if backend.status(app)["state"] in ("NEW", "RUNNING"):
+            backend.client.kill_application(app)
+    assert st["state"] == "SUCCEEDED", (st, backend.logs(app))
+    assert [r["generation"] for r in st["restarts"]] == [1], st["restarts"]
+    assert "small_0" in st["restarts"][0]["reason"], st["restarts"]
+    assert st["final"]["accuracy"] >= 0.97, st["final"]
+    assert 0 < st["final"]["resumed_from"] <= 45
+    ref, ref_final = reference_weights
+    got = load_final(f"{cluster.storage()}/{app}/checkpoints")     # default checkpoint.uri on HDFS
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+    assert st["final"]["accuracy"] == ref_final["accuracy"]
+    logs = backend.logs(app)
+    assert "small_2" in logs and "agent small_0" in logs["small_2"]   # the replacement took the slot
+    fs, tb = fsutil.resolve(f"{cluster.storage()}/{app}/tensorboard/{app}")
+    assert any(n.startswith("events.out.tfevents") for n in fsutil.listdir(fs, tb))
+    assert cluster.hadoop.container_pids(app) == []
+
+
+# What a job of tests/jobs/mpi_hello.py needs in a container (no torch, no pyarrow): yarnapp
+# itself, installed without -e, and these, at the versions this Python has.
+PACKED = ("pydantic", "pyyaml", "mpi4py", "mpich", "skein", "psutil", "venv-pack", "tqdm")
+
+
+def test_a_venv_packed_by_venv_pack_is_localized_and_runs_the_job(cluster, tmp_path):
+    """A user's virtual environment with yarnapp installed (not editable): `yarnapp submit`
+    run from it packs it with venv-pack; the NodeManager localizes the archive and the
+    containers run its python and its yarnapp, not this checkout."""
+    import importlib.metadata
+    import subprocess
+    import sys
+    venv = tmp_path / "env"
+    pins = [f"{p}=={importlib.metadata.version(p)}" for p in PACKED]
+    pip = [sys.executable, "-m", "pip", "-q", "--python", str(venv / "bin" / "python"), "install"]
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    for args in (["--no-deps", ROOT], pins):
+        out = subprocess.run(pip + args, capture_output=True, text=True, timeout=600)
+        if out.returncode != 0:
+            pytest.skip(f"cannot build the environment to pack (PyPI unreachable?): {out.stderr.strip()[-300:]}")
+    job = write(tmp_path / "packed.yaml", {
+        "name": "packed", "backend": "yarn", "max_restarts": 0,
+        "groups": [{"name": "a", "instances": 1, "vcores": 1, "memory": "512 MiB"},
+                   {"name": "b", "instances": 1, "vcores": 1, "memory": "512 MiB"}],
+        "run": {"script": os.path.join(ROOT, "tests", "jobs", "mpi_hello.py"), "editable": False},
+        "environment": {"packer": "venv-pack"}})
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(cluster.env, YARNAPP_HOME=str(tmp_path / "home"))       # its own archive cache
+    proc = subprocess.run([str(venv / "bin" / "python"), "-m", "yarnapp.cli", "submit", job, "--wait"],
+                          cwd=str(tmp_path), capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (archive,) = os.listdir(tmp_path / "home" / "cache" / "envs")
+    assert archive.startswith("venv-env-") and archive.endswith(".tar.gz")
+    final = dict(kv.split("=", 1) for kv in re.search(r"^final: (.*)$", proc.stdout, re.M).group(1).split())
+    assert (final["world_size"], final["total"]) == ("2", "3")
+    for key in ("python", "yarnapp"):                 # the localized archive, unpacked as environment/
+        assert "/appcache/" in final[key] and "/environment/" in final[key], final

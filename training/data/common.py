@@ -1,0 +1,53 @@
+"""What every module of the data package shares: its error, and opening URIs.
+
+Every URI is opened through training.fsutil.resolve (the one adapter around pyarrow's
+filesystems); here its failures become a DataError of one line naming the URI and what
+to do.
+"""
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from conf.errors import YarnappError
+from training import fsutil
+
+IMPORT_HINT = "import one with `yarnapp data import KIND URI`"
+
+
+class DataError(YarnappError, ValueError):
+    """A dataset that cannot be read or written. str() is one line naming the URI or file."""
+
+
+def one_line(exc):
+    """The first line of an exception's message (arrow errors can span a page)."""
+    text = str(exc).strip().splitlines()
+    line = text[0] if text else type(exc).__name__
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+def filesystem(uri):
+    """(pyarrow filesystem, path inside it) for a URI or a plain local path."""
+    try:
+        return fsutil.resolve(uri)
+    except (pa.ArrowException, OSError, ValueError) as e:
+        hint = ("hdfs:// needs Java and libhdfs here (JAVA_HOME, HADOOP_HOME, CLASSPATH) and a reachable "
+                "namenode" if uri.startswith(("hdfs://", "viewfs://")) else
+                "check the scheme (file://, hdfs://, s3://) and that its filesystem is reachable from here")
+        raise DataError(f"cannot open {uri}: {one_line(e)}; {hint}") from None
+
+
+def join(uri, name):
+    """`uri`/`name`, keeping a URI's query string (s3://b/x?region=r) at the end."""
+    base, sep, query = uri.partition("?")
+    return base.rstrip("/") + "/" + name + sep + query
+
+
+def info(fs, path, uri):
+    try:
+        return fs.get_file_info(path)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"cannot reach {uri}: {one_line(e)}; check the URI and that its "
+                        f"filesystem is up") from None
+
+
+def exists(fs, path, uri):
+    return info(fs, path, uri).type != pafs.FileType.NotFound

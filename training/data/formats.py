@@ -1,0 +1,314 @@
+"""What a Parquet image dataset holds, read from its footers: files, columns, the kind of
+image column, classes, and the blocks it is read in.
+
+Accepted (docs/data.md):
+- a directory of `.parquet` files (names starting with "." or "_" are not data:
+  temporary directories, _SUCCESS markers, caches), or one `.parquet` file;
+- an image column (`columns.image`, default "image") holding
+    * encoded images (binary: JPEG, PNG, or anything Pillow reads),
+    * a struct with a binary field `bytes` (Hugging Face datasets' `Image` feature), or
+    * raw uint8 pixels in C,H,W order (fixed_size_binary(C*H*W)), with the shape from
+      yarnapp's metadata or `training.data.shape`;
+- an integer label column (`columns.label`, default "label"), and optionally a string
+  column of class names (`columns.class_name`).
+
+yarnapp's own schema metadata (b"yarnapp": {"shape", "num_classes", "classes", "mean",
+"std"}, written by `yarnapp data import`) is optional. Without it the classes come from
+Hugging Face's metadata (a ClassLabel's names), else from the class-name column, else
+from the labels (the largest + 1); mean and std are given in job.yaml or computed
+(training.data.stats).
+"""
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import posixpath
+from typing import List, Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from .common import IMPORT_HINT, DataError, filesystem, info, join, one_line
+
+log = logging.getLogger(__name__)
+
+META_KEY = b"yarnapp"
+HF_KEY = b"huggingface"
+MAX_BLOCK_BYTES = 32 << 20     # a row group bigger than this is read as row ranges of at most this
+RAW, ENCODED, STRUCT = "raw", "encoded", "struct"
+
+
+@dataclasses.dataclass(frozen=True)
+class Columns:
+    image: str = "image"
+    label: str = "label"
+    class_name: Optional[str] = None
+
+    @classmethod
+    def of(cls, spec):
+        """From conf's training.data.columns (or None: the defaults)."""
+        if spec is None:
+            return cls()
+        return cls(spec.image, spec.label, spec.class_name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """The unit of reading: a row group, or rows [offset, offset+rows) of a big one."""
+    file: int
+    row_group: int
+    offset: int
+    rows: int
+    whole: bool            # the whole row group
+    nbytes: int            # uncompressed bytes of the columns read (memory once read)
+    read_bytes: int        # compressed bytes of the columns read (what a read transfers)
+    span: tuple            # (offset, length) of the row group in its file
+
+
+@dataclasses.dataclass
+class Layout:
+    uri: str
+    fs: object
+    paths: List[str]            # one per file, inside fs
+    names: List[str]            # how messages name each file (the URI of the file)
+    columns: Columns
+    kind: str                   # RAW | ENCODED | STRUCT
+    shape: Optional[tuple]      # (C, H, W) of raw pixels; None for encoded images
+    meta: dict                  # yarnapp's metadata ({} when absent)
+    classes: Optional[list]
+    num_classes: int
+    blocks: List[Block]
+
+    @property
+    def rows(self):
+        return sum(b.rows for b in self.blocks)
+
+    @property
+    def nbytes(self):
+        """Compressed bytes of the columns read over the whole dataset (one epoch's worth)."""
+        return sum(b.read_bytes for b in self.blocks)
+
+    def name(self, file):
+        return self.names[file]
+
+    def read_columns(self):
+        return [self.columns.image, self.columns.label] + ([self.columns.class_name] if self.columns.class_name else [])
+
+
+def list_files(uri, fs, path):
+    found = info(fs, path, uri)
+    if found.type == pafs.FileType.NotFound:
+        raise DataError(f"no dataset at {uri}: it does not exist; {IMPORT_HINT}")
+    if found.type == pafs.FileType.File:
+        return [path]
+    try:
+        entries = fs.get_file_info(pafs.FileSelector(path, recursive=False))
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"cannot list {uri}: {one_line(e)}") from None
+    files = sorted(e.path for e in entries if e.type == pafs.FileType.File
+                   and e.base_name.endswith(".parquet") and not e.base_name.startswith((".", "_")))
+    if not files:
+        raise DataError(f"no dataset at {uri}: the directory holds no .parquet shards; {IMPORT_HINT}")
+    return files
+
+
+def _footer(fs, path, name):
+    try:
+        with fs.open_input_file(path) as f:
+            return pq.ParquetFile(f).metadata
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{name}: not a readable Parquet file ({one_line(e)}); re-import the dataset "
+                        f"or remove the file") from None
+
+
+def _yarnapp_meta(schema, name):
+    raw = (schema.metadata or {}).get(META_KEY)
+    if raw is None:
+        return {}
+    try:
+        meta = json.loads(raw)
+        if meta.get("shape") is not None:
+            shape = [int(s) for s in meta["shape"]]
+            if len(shape) != 3:
+                raise ValueError("shape must be [C, H, W]")
+        for k in ("mean", "std"):
+            if meta.get(k) is not None and meta.get("shape") and len(meta[k]) != int(meta["shape"][0]):
+                raise ValueError(f"one {k} per channel")
+        return meta
+    except (TypeError, ValueError, KeyError) as e:
+        raise DataError(f"{name}: invalid yarnapp metadata in the Parquet schema ({one_line(e)}); "
+                        f"re-import the dataset") from None
+
+
+def _hf_classes(schema, label):
+    raw = (schema.metadata or {}).get(HF_KEY)
+    if raw is None:
+        return None
+    try:
+        feature = json.loads(raw)["info"]["features"][label]
+        names = feature.get("names")
+        return [str(n) for n in names] if feature.get("_type") == "ClassLabel" and names else None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _kind(schema, columns, name, shape, meta):
+    """(kind, shape) of the image column; DataError naming the file and column otherwise."""
+    where = "training.data.columns"
+    for col, what in ((columns.image, "image"), (columns.label, "label")):
+        if schema.get_field_index(col) < 0:
+            raise DataError(f"{name}: no {what} column {col!r} (columns: {', '.join(schema.names)}); "
+                            f"name it with {where}.{what}")
+    if columns.class_name and schema.get_field_index(columns.class_name) < 0:
+        raise DataError(f"{name}: no class-name column {columns.class_name!r} (columns: "
+                        f"{', '.join(schema.names)}); fix {where}.class_name")
+    t = schema.field(columns.image).type
+    if not pa.types.is_integer(schema.field(columns.label).type):
+        raise DataError(f"{name}: label column {columns.label!r} is {schema.field(columns.label).type}, "
+                        f"expected integers (class indices)")
+    if pa.types.is_fixed_size_binary(t):
+        shape = tuple(shape) if shape else tuple(meta["shape"]) if meta.get("shape") else None
+        if shape is None:
+            raise DataError(f"{name}: column {columns.image!r} holds raw pixels ({t}) but no shape is known; "
+                            f"give training.data.shape [C, H, W]")
+        if int(np.prod(shape)) != t.byte_width:
+            raise DataError(f"{name}: column {columns.image!r} is {t}, expected fixed_size_binary"
+                            f"[{int(np.prod(shape))}] (C*H*W uint8 pixels for shape {list(shape)})")
+        return RAW, tuple(int(s) for s in shape)
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_binary_view(t):
+        return ENCODED, None
+    if pa.types.is_struct(t) and t.get_field_index("bytes") >= 0:
+        return STRUCT, None
+    raise DataError(f"{name}: column {columns.image!r} is {t}; expected encoded images (binary), a "
+                    f"{{bytes, path}} struct (Hugging Face Image) or raw pixels (fixed_size_binary)")
+
+
+def _column_bytes(rg, wanted):
+    """(uncompressed, compressed) bytes of the columns under the names in `wanted`, and
+    the (offset, length) of the whole row group in its file."""
+    unc = comp = 0
+    start, end = None, 0
+    for i in range(rg.num_columns):
+        c = rg.column(i)
+        first = c.dictionary_page_offset if c.has_dictionary_page and c.dictionary_page_offset else c.data_page_offset
+        start = first if start is None else min(start, first)
+        end = max(end, first + c.total_compressed_size)
+        if c.path_in_schema.split(".")[0] in wanted:
+            unc += c.total_uncompressed_size
+            comp += c.total_compressed_size
+    return unc, comp, (start or 0, end - (start or 0))
+
+
+def blocks_of(file, metadata, wanted, max_block_bytes=None):
+    """The blocks of one file: its row groups, big ones cut into row ranges."""
+    max_block_bytes = max_block_bytes or MAX_BLOCK_BYTES
+    out = []
+    for g in range(metadata.num_row_groups):
+        rg = metadata.row_group(g)
+        if rg.num_rows == 0:
+            continue
+        unc, comp, span = _column_bytes(rg, wanted)
+        parts = max(1, min(rg.num_rows, -(-unc // max_block_bytes)))
+        for p in range(parts):
+            a, b = p * rg.num_rows // parts, (p + 1) * rg.num_rows // parts
+            share = (b - a) / rg.num_rows
+            out.append(Block(file, g, a, b - a, parts == 1, int(unc * share), int(comp * share), span))
+    return out
+
+
+def _label_range(metadata, label):
+    """(smallest, largest) label from a footer's statistics, or None when they are missing."""
+    lo = hi = None
+    for g in range(metadata.num_row_groups):
+        rg = metadata.row_group(g)
+        for i in range(rg.num_columns):
+            c = rg.column(i)
+            if c.path_in_schema == label:
+                s = c.statistics
+                if s is None or not s.has_min_max:
+                    return None
+                lo = s.min if lo is None else min(lo, s.min)
+                hi = s.max if hi is None else max(hi, s.max)
+    return None if lo is None else (int(lo), int(hi))
+
+
+def inspect(uri, columns=None, shape=None):
+    """The Layout of the dataset at `uri` (footers only: no data is read, except the label
+    column when neither metadata nor statistics give the number of classes)."""
+    columns = columns or Columns()
+    fs, path = filesystem(uri)
+    paths = list_files(uri, fs, path)
+    names = [uri if p == path else join(uri, posixpath.basename(p)) for p in paths]
+    with concurrent.futures.ThreadPoolExecutor(min(8, len(paths))) as pool:
+        footers = list(pool.map(lambda i: _footer(fs, paths[i], names[i]), range(len(paths))))
+    first = footers[0].schema.to_arrow_schema()
+    meta = _yarnapp_meta(first, names[0])
+    kind, raw_shape = _kind(first, columns, names[0], shape, meta)
+    image_type = first.field(columns.image).type
+    for name, md in zip(names[1:], footers[1:]):
+        schema = md.schema.to_arrow_schema()
+        _kind(schema, columns, name, shape, meta)
+        if schema.field(columns.image).type != image_type:
+            raise DataError(f"{name}: column {columns.image!r} is {schema.field(columns.image).type}, "
+                            f"{image_type} in {names[0]}; the directory mixes datasets")
+    wanted = {columns.image, columns.label} | ({columns.class_name} if columns.class_name else set())
+    blocks = [b for i, md in enumerate(footers) for b in blocks_of(i, md, wanted)]
+    if not blocks:
+        raise DataError(f"{uri}: the dataset has no rows; {IMPORT_HINT}")
+    layout = Layout(uri, fs, paths, names, columns, kind, raw_shape, meta, None, 0, blocks)
+    layout.classes, layout.num_classes = _classes(layout, first, footers, names)
+    log.info("%s: %d rows in %d files, %d blocks, %s images, %d classes, %.1f MB",
+             uri, layout.rows, len(paths), len(blocks), kind, layout.num_classes, layout.nbytes / 1e6)
+    return layout
+
+
+def _classes(layout, schema, footers, names):
+    meta, cols = layout.meta, layout.columns
+    if meta.get("num_classes"):
+        n = int(meta["num_classes"])
+        return [str(c) for c in meta.get("classes") or range(n)], n
+    hf = _hf_classes(schema, cols.label)
+    if hf:
+        return hf, len(hf)
+    if cols.class_name:
+        return _names_from_column(layout, names)
+    ranges = [_label_range(md, cols.label) for md in footers]
+    if any(r is None for r in ranges):
+        labels = read_column(layout, cols.label)
+        ranges = [(int(labels.min()), int(labels.max()))]
+    lo, hi = min(r[0] for r in ranges), max(r[1] for r in ranges)
+    if lo < 0:
+        raise DataError(f"{layout.uri}: labels must be class indices >= 0, found {lo}")
+    return [str(i) for i in range(hi + 1)], hi + 1
+
+
+def read_column(layout, column):
+    """One small column of the whole dataset as numpy (labels, class names)."""
+    out = []
+    for i, path in enumerate(layout.paths):
+        try:
+            with layout.fs.open_input_file(path) as f:
+                out.append(pq.ParquetFile(f).read(columns=[column]).column(column).to_numpy(zero_copy_only=False))
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"{layout.name(i)}: corrupt Parquet data ({one_line(e)}); re-import the dataset") from None
+    return np.concatenate(out)
+
+
+def _names_from_column(layout, names):
+    cols = layout.columns
+    labels = read_column(layout, cols.label).astype(np.int64)
+    given = read_column(layout, cols.class_name)
+    if len(labels) and labels.min() < 0:
+        raise DataError(f"{layout.uri}: labels must be class indices >= 0, found {labels.min()}")
+    n = int(labels.max()) + 1 if len(labels) else 0
+    classes = [str(i) for i in range(n)]
+    seen = {}
+    for lab, nm in zip(labels.tolist(), given.tolist()):
+        if seen.setdefault(lab, nm) != nm:
+            raise DataError(f"{layout.uri}: label {lab} has two class names, {seen[lab]!r} and {nm!r}; "
+                            f"check training.data.columns.class_name")
+    for lab, nm in seen.items():
+        classes[lab] = str(nm)
+    return classes, n

@@ -1,0 +1,254 @@
+"""The order in which an epoch visits a dataset, and each rank's rows of it: pure
+functions of (seed, epoch), the dataset's layout and the shares, so that
+
+- every world size and every split of the batch sees the same global batches (batch s
+  of epoch e is the same set of rows whether one rank or five read it);
+- a restarted world resumes at any global step with no reader state to restore.
+
+Map-style datasets (random access) are visited in one permutation of all their rows
+(`map_permutation`, the order training.dist.ShareSampler uses too); rank r takes rows
+[lo_r, hi_r) of each global batch.
+
+Parquet datasets are read in blocks (row groups, or row ranges of a big one). An
+epoch's order (with `B` the global batch):
+
+1. the blocks are permuted, and their rows laid out in that order (positions 0..n-1);
+2. the positions are cut into windows of K*B rows (K whole batches, about
+   `window_bytes` of data; the last window may be shorter, the last batch partial);
+3. a window's positions are cut into B strata of K consecutive positions, and each
+   stratum's K rows are dealt to the window's K batches in a random order: batch j of
+   the window holds one random row of every stratum (a stratified shuffle: every batch
+   spans the whole window, and the rows of a block are spread over all its batches).
+
+Global batch s is the s-th batch of the epoch. Rank r takes rows [lo_r, hi_r) of it in
+position order, that is the rows of strata lo_r..hi_r-1: the same contiguous range of
+every window. So the batch, hence the update, is the same set of rows however it is
+split, while a rank reads only its share of each window's blocks (plus the blocks cut
+by a rank or window boundary): read amplification about 1 + ranks / (blocks per window)
+instead of the world size. The price: a rank's rows of a batch come from its range of
+the window, so statistics computed per rank (BatchNorm's batch statistics) see a less
+mixed sample if the data was written in a meaningful order (sorted by class, say).
+yarnapp's importers write shuffled rows; see docs/data.md.
+"""
+import dataclasses
+
+import numpy as np
+
+
+def split_rows(total, weights):
+    """Integers n_r >= 0 with sum n_r = total and n_r ~ total * w_r / sum(w).
+
+    Largest remainder: floors first, then one more row to the largest remainders
+    (ties to the lower rank). Deterministic, so every rank computes the same split.
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    if w.ndim != 1 or len(w) == 0 or not np.all(w > 0) or not np.all(np.isfinite(w)):
+        raise ValueError(f"shares must be positive finite weights, got {list(weights)}")
+    exact = total * w / w.sum()
+    rows = np.floor(exact).astype(np.int64)
+    left = int(total - rows.sum())
+    order = sorted(range(len(w)), key=lambda r: (-(exact[r] - rows[r]), r))
+    for r in order[:left]:
+        rows[r] += 1
+    return [int(n) for n in rows]
+
+
+def map_permutation(n, seed, epoch):
+    """The order in which `epoch` visits the n rows of a map-style dataset: numpy's PCG64
+    seeded with SeedSequence([seed, epoch]), the same on every rank. Ranks of one world
+    must share a numpy version."""
+    rng = np.random.default_rng(np.random.SeedSequence([int(seed) % 2 ** 64, int(epoch)]))
+    return rng.permutation(n)
+
+
+def steps_per_epoch(n, global_batch, drop_last):
+    return n // global_batch if drop_last else -(-n // global_batch)
+
+
+def slice_of(lo, hi, size, global_batch):
+    """This rank's [lo, hi) of a batch of `size` rows (the last one may be short): scaled
+    pro rata, so the slices of all ranks still tile it exactly (a slice may be empty)."""
+    if size == global_batch:
+        return lo, hi
+    return lo * size // global_batch, hi * size // global_batch
+
+
+@dataclasses.dataclass
+class Plan:
+    """One rank's rows of one epoch: step i (0-based in the epoch) is rows[ptr[i]:ptr[i+1]]
+    (global row ids), from blocks[ptr[i]:ptr[i+1]] (block ids; -1 for map-style data)."""
+    epoch: int
+    ptr: np.ndarray
+    rows: np.ndarray
+    blocks: np.ndarray
+    index: dict = dataclasses.field(default=None, repr=False)     # Schedule's per-block view
+
+    @property
+    def steps(self):
+        return len(self.ptr) - 1
+
+    def step(self, i):
+        a, b = self.ptr[i], self.ptr[i + 1]
+        return self.rows[a:b], self.blocks[a:b]
+
+
+class Order:
+    """The epoch orders of a dataset of `block_rows[k]` rows in block k (file order).
+
+    block_bytes: each block's size, for cutting windows (default: rows). window_bytes:
+    the shuffle window (None or 0: one window, a full shuffle). map_style: one
+    permutation of all rows (`map_permutation`), slices not put in block order.
+    """
+
+    def __init__(self, block_rows, block_bytes=None, window_bytes=None, map_style=False):
+        self.block_rows = np.asarray(block_rows, dtype=np.int64)
+        self.block_bytes = np.asarray(block_bytes if block_bytes is not None else block_rows, dtype=np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(self.block_rows)])
+        self.n = int(self.starts[-1])
+        self.window_bytes = int(window_bytes or 0)
+        self.map_style = bool(map_style)
+
+    def window_rows(self, global_batch):
+        """Rows per window: whole batches, about window_bytes of blocks, at least one batch
+        (None: one window for the whole epoch)."""
+        if not self.window_bytes:
+            return None
+        row_bytes = max(1.0, float(self.block_bytes.sum()) / max(1, self.n))
+        return max(1, int(round(self.window_bytes / row_bytes / global_batch))) * global_batch
+
+    def positions(self, seed, epoch, global_batch, shuffle=True):
+        """(u, perm, cum): the epoch's sequence u of positions in the row space laid out in
+        block order perm (cum[j] = rows before the j-th block of perm)."""
+        k, n, B = len(self.block_rows), self.n, int(global_batch)
+        if not shuffle:
+            return np.arange(n), np.arange(k), self.starts
+        if self.map_style:
+            return map_permutation(n, seed, epoch), np.arange(k), self.starts
+        rng = np.random.default_rng(np.random.SeedSequence([int(seed) % 2 ** 64, int(epoch), 2]))
+        perm = rng.permutation(k)
+        cum = np.concatenate([[0], np.cumsum(self.block_rows[perm])])
+        u = np.empty(n, dtype=np.int64)
+        window = self.window_rows(B) or max(B, n // B * B)
+        a = 0
+        while a < n:
+            K = min(window, n - a) // B
+            if K == 0:                                  # the last, partial batch
+                u[a:] = a + rng.permutation(n - a)
+                break
+            deal = rng.permuted(np.tile(np.arange(K), (B, 1)), axis=1)       # stratum i -> batch order
+            u[a:a + K * B] = (a + np.arange(B)[None, :] * K + deal.T).reshape(-1)
+            a += K * B
+        return u, perm, cum
+
+    def to_rows(self, u, perm, cum):
+        """(global row ids, block ids) of positions u."""
+        j = np.searchsorted(cum, u, side="right") - 1
+        blocks = perm[j]
+        return self.starts[blocks] + (u - cum[j]), blocks
+
+    def epoch_rows(self, seed, epoch, global_batch, shuffle=True):
+        """The global row ids of the epoch, in order."""
+        return self.to_rows(*self.positions(seed, epoch, global_batch, shuffle))[0]
+
+    def plan(self, seed, epoch, global_batch, lo, hi, drop_last=True, shuffle=True):
+        """This rank's Plan of `epoch`: slice [lo, hi) of every global batch."""
+        B = int(global_batch)
+        u, perm, cum = self.positions(seed, epoch, B, shuffle)
+        full = self.n // B
+        parts = []
+        head = u[:full * B].reshape(full, B)
+        if not self.map_style:
+            head = np.sort(head, axis=1)          # position order: stratum by stratum
+        parts.append(head[:, lo:hi].reshape(-1))
+        counts = [hi - lo] * full
+        rest = self.n - full * B
+        if rest and not drop_last:
+            tail = u[full * B:]
+            if not self.map_style:
+                tail = np.sort(tail)
+            a, b = slice_of(lo, hi, rest, B)
+            parts.append(tail[a:b])
+            counts.append(b - a)
+        mine = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        ptr = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
+        if self.map_style:
+            return Plan(epoch, ptr, mine, np.full(len(mine), -1, dtype=np.int64))
+        rows, blocks = self.to_rows(mine, perm, cum)
+        return Plan(epoch, ptr, rows, blocks)
+
+
+class Schedule:
+    """One rank's Plans, epoch after epoch, addressed by the global step g (epoch g // spe,
+    step g % spe of it): what the reader and the batch assembler walk. Plans are made
+    on demand and the last few kept; thread-safe."""
+
+    KEEP = 3
+
+    def __init__(self, order, seed, global_batch, lo, hi, drop_last=True, shuffle=True):
+        import threading
+        self.order, self.seed = order, int(seed)
+        self.B, self.lo, self.hi = int(global_batch), int(lo), int(hi)
+        self.drop_last, self.shuffle = bool(drop_last), bool(shuffle)
+        self.spe = steps_per_epoch(order.n, self.B, self.drop_last)
+        self._plans = {}
+        self._lock = threading.Lock()
+
+    def plan(self, epoch):
+        with self._lock:
+            p = self._plans.get(epoch)
+            if p is None:
+                p = self.order.plan(self.seed, epoch, self.B, self.lo, self.hi, self.drop_last, self.shuffle)
+                p.index = _index(p)
+                self._plans[epoch] = p
+                for old in sorted(self._plans)[:-self.KEEP]:
+                    del self._plans[old]
+            return p
+
+    def rows(self, g):
+        """(global row ids, block ids) of this rank's slice of global step g."""
+        e, i = divmod(g, self.spe)
+        return self.plan(e).step(i)
+
+    def blocks(self, g):
+        e, i = divmod(g, self.spe)
+        return self.plan(e).index["step_blocks"][i]
+
+    def last_use(self, g, block):
+        e, i = divmod(g, self.spe)
+        return e * self.spe + int(self.plan(e).index["last"][block])
+
+    def releases(self, g):
+        e, i = divmod(g, self.spe)
+        return self.plan(e).index["releases"].get(i, ())
+
+    def next_use(self, g, block):
+        """The first global step >= g of g's epoch that reads `block` (None: none)."""
+        e, i = divmod(g, self.spe)
+        steps = self.plan(e).index["steps_of"].get(block)
+        if steps is None:
+            return None
+        k = int(np.searchsorted(steps, i))
+        return e * self.spe + int(steps[k]) if k < len(steps) else None
+
+
+def _index(plan):
+    """Per step its distinct blocks; per block its steps and last step; per step the
+    blocks it is the last to read."""
+    step_of = np.repeat(np.arange(plan.steps), np.diff(plan.ptr))
+    if plan.blocks.size == 0 or plan.blocks[0] < 0:
+        return {"step_blocks": [()] * plan.steps, "last": {}, "releases": {}, "steps_of": {}}
+    pairs = np.unique(plan.blocks.astype(np.int64) * (plan.steps + 1) + step_of)
+    blocks, steps = pairs // (plan.steps + 1), pairs % (plan.steps + 1)
+    step_blocks = [[] for _ in range(plan.steps)]
+    for b, s in zip(blocks.tolist(), steps.tolist()):
+        step_blocks[s].append(b)
+    steps_of, last, releases = {}, {}, {}
+    cuts = np.flatnonzero(np.diff(blocks)) + 1
+    for chunk_b, chunk_s in zip(np.split(blocks, cuts), np.split(steps, cuts)):
+        if len(chunk_b):
+            b = int(chunk_b[0])
+            steps_of[b] = chunk_s
+            last[b] = int(chunk_s[-1])
+            releases.setdefault(int(chunk_s[-1]), []).append(b)
+    return {"step_blocks": [tuple(x) for x in step_blocks], "last": last, "releases": releases,
+            "steps_of": steps_of}

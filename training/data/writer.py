@@ -1,0 +1,164 @@
+"""Writing a dataset as Parquet shards, atomically, on any pyarrow filesystem.
+
+The files `yarnapp data import` writes (one directory per dataset):
+
+    <uri>/part-00000.parquet, part-00001.parquet, ...
+        image  fixed_size_binary(C*H*W)   raw uint8 pixels in C,H,W order, or
+               binary                     the encoded file (JPEG, PNG, ...) as it is
+        label  int64                      0 <= label < num_classes
+    schema metadata b"yarnapp" = JSON {"format": 2, "encoding": "raw"|"encoded",
+        "shape": [C, H, W] (raw; null for encoded), "num_classes": K, "classes": [names],
+        "mean": [per channel] | null, "std": [per channel] | null}
+
+Rows are cut into row groups of about ROW_GROUP_BYTES, the unit the streaming reader
+reads and the shuffle permutes. `mean`/`std` are in pixel units, measured on the
+training split (null: computed on first use, training.data.stats).
+
+A dataset appears atomically: it is written under a hidden sibling name
+(`.<name>.tmp-<random>`) and renamed into place, so readers never see half of one.
+Rename is atomic on local filesystems and HDFS; on object stores (s3://) a "move"
+is a copy, so there a crash can leave a partial dataset behind.
+"""
+import json
+import logging
+import posixpath
+import uuid
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .common import DataError, exists, filesystem, one_line
+from .formats import META_KEY
+
+log = logging.getLogger(__name__)
+
+IMAGE = "image"
+LABEL = "label"
+FORMAT = 2
+ROW_GROUP_BYTES = 2 << 20
+
+
+def meta(shape, num_classes, classes, mean, std, source, encoding="raw"):
+    """The b"yarnapp" schema metadata (see the module docstring)."""
+    return {"format": FORMAT, "encoding": encoding, "shape": [int(s) for s in shape] if shape else None,
+            "num_classes": int(num_classes), "classes": [str(c) for c in classes],
+            "mean": [float(m) for m in mean] if mean is not None else None,
+            "std": [float(s) for s in std] if std is not None else None, "source": source}
+
+
+def channel_stats(images):
+    """Per-channel mean and std (pixel units) of uint8 images (N, C, H, W), chunked."""
+    n, c = images.shape[:2]
+    total = np.zeros(c)
+    total_sq = np.zeros(c)
+    for i in range(0, n, 4096):
+        chunk = images[i:i + 4096].astype(np.float64)
+        total += chunk.sum(axis=(0, 2, 3))
+        total_sq += np.square(chunk).sum(axis=(0, 2, 3))
+    count = max(1, n * images.shape[2] * images.shape[3])
+    mean = total / count
+    std = np.sqrt(np.maximum(total_sq / count - mean ** 2, 0.0))
+    return mean, np.where(std > 1e-6, std, 1.0)
+
+
+def check_absent(uri, overwrite):
+    fs, path = filesystem(uri)
+    if not overwrite and exists(fs, path, uri):
+        raise DataError(f"{uri} already exists; delete it or import with overwrite")
+
+
+def _raw_table(images, labels, meta_bytes):
+    n = len(images)
+    width = int(np.prod(images.shape[1:]))
+    pixels = np.ascontiguousarray(images, dtype=np.uint8).reshape(-1)
+    image = pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), n, [None, pa.py_buffer(pixels)])
+    schema = pa.schema([(IMAGE, pa.binary(width)), (LABEL, pa.int64())], metadata={META_KEY: meta_bytes})
+    return pa.Table.from_arrays([image, pa.array(labels, type=pa.int64())], schema=schema)
+
+
+def _encoded_table(blobs, labels, meta_bytes):
+    schema = pa.schema([(IMAGE, pa.binary()), (LABEL, pa.int64())], metadata={META_KEY: meta_bytes})
+    return pa.Table.from_arrays([pa.array(blobs, type=pa.binary()), pa.array(labels, type=pa.int64())],
+                                schema=schema)
+
+
+def _check_labels(labels, num_classes, n, what):
+    if len(labels) != n:
+        raise DataError(f"{what}: {n} images but {len(labels)} labels")
+    if n == 0:
+        raise DataError(f"{what}: no images to write")
+    if labels.min() < 0 or labels.max() >= num_classes:
+        raise DataError(f"{what}: labels must lie in [0, {num_classes}), got {labels.min()}..{labels.max()}")
+
+
+def write_dataset(uri, images, labels, meta, shards=2, overwrite=False):
+    """Write raw uint8 images (N, C, H, W) and int labels as one dataset at `uri`.
+
+    `meta` is the schema metadata dict (`meta()` builds it). Returns the summary dict.
+    """
+    images = np.asarray(images)
+    labels = np.asarray(labels, dtype=np.int64)
+    if images.ndim != 4:
+        raise DataError(f"{uri}: images must be (N, C, H, W) or (N, H, W), got shape {images.shape}")
+    _check_labels(labels, meta["num_classes"], len(images), uri)
+    if images.dtype != np.uint8:
+        raise DataError(f"{uri}: images must be uint8 pixels, got {images.dtype}")
+    if list(images.shape[1:]) != meta["shape"]:
+        raise DataError(f"{uri}: images have shape {images.shape[1:]}, metadata says {meta['shape']}")
+    rows_per_group = max(1, ROW_GROUP_BYTES // int(np.prod(images.shape[1:])))
+    meta_bytes = json.dumps(meta).encode()
+    return _write(uri, len(images), shards, overwrite, meta, rows_per_group,
+                  lambda a, b: _raw_table(images[a:b], labels[a:b], meta_bytes))
+
+
+def write_encoded(uri, blobs, labels, meta, shards=2, overwrite=False):
+    """Write encoded images (a list of bytes: JPEG, PNG...) as they are, and int labels."""
+    labels = np.asarray(labels, dtype=np.int64)
+    _check_labels(labels, meta["num_classes"], len(blobs), uri)
+    mean_size = max(1, sum(len(b) for b in blobs) // len(blobs))
+    rows_per_group = max(1, ROW_GROUP_BYTES // mean_size)
+    meta_bytes = json.dumps(meta).encode()
+    return _write(uri, len(blobs), shards, overwrite, meta, rows_per_group,
+                  lambda a, b: _encoded_table(blobs[a:b], labels[a:b], meta_bytes))
+
+
+def _write(uri, n, shards, overwrite, meta, rows_per_group, table_of):
+    fs, path = filesystem(uri)
+    path = path.rstrip("/") or "/"
+    parent, name = posixpath.split(path)
+    there = exists(fs, path, uri)
+    if there and not overwrite:
+        raise DataError(f"{uri} already exists; delete it or import with overwrite")
+    shards = max(1, min(int(shards), n))
+    bounds = np.linspace(0, n, shards + 1).round().astype(int)
+    tmp = posixpath.join(parent, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
+    try:
+        fs.create_dir(tmp, recursive=True)
+        for i in range(shards):
+            table = table_of(bounds[i], bounds[i + 1])
+            with fs.open_output_stream(posixpath.join(tmp, f"part-{i:05d}.parquet")) as f:
+                # images: no compression (raw pixels read fast; JPEG/PNG are compressed
+                # already), no dictionary, no statistics; labels: both (the statistics
+                # tell a reader the number of classes without reading them)
+                pq.write_table(table, f, compression="none", use_dictionary=[LABEL],
+                               write_statistics=[LABEL], data_page_size=1 << 20,
+                               row_group_size=rows_per_group)
+        if there:
+            old = posixpath.join(parent, f".{name}.old-{uuid.uuid4().hex[:12]}")
+            fs.move(path, old)
+            fs.move(tmp, path)
+            fs.delete_dir(old)
+        else:
+            fs.move(tmp, path)
+    except (pa.ArrowException, OSError) as e:
+        try:
+            fs.delete_dir(tmp)
+        except (pa.ArrowException, OSError):
+            pass
+        raise DataError(f"cannot write {uri}: {one_line(e)}; check that its directory is "
+                        f"writable") from None
+    log.info("wrote %s: %d rows in %d shards, %s images, %d classes",
+             uri, n, shards, meta.get("encoding"), meta["num_classes"])
+    return {"uri": uri, "rows": int(n), "shards": shards, "encoding": meta.get("encoding"),
+            "shape": meta["shape"], "num_classes": meta["num_classes"], "mean": meta["mean"], "std": meta["std"]}

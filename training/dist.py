@@ -1,0 +1,289 @@
+"""yarnapp's API for your own training loop: shaped like Horovod's, run on yarnapp's
+collectives, with what Horovod lacks — each rank's share of every global batch in
+proportion to its speed, and the weighting that keeps the update exact.
+
+    import training.dist as yd
+
+    ctx = yd.init()                                   # in run.function, run.script or a notebook function
+    sampler = yd.ShareSampler(dataset, batch_size=96, shares="vcores", seed=0)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler)
+    model = Net()
+    yd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = yd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                  model=model, weight=sampler.weight)
+    yd.broadcast_optimizer_state(opt, root_rank=0)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:                           # this rank's n_r rows of a global batch
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()   # the mean over its own rows
+            opt.step()                                # = one step on the whole global batch
+
+Exactness. A global batch of B rows is split n_r rows per rank (`shares`: equal, by
+vcores, by measured speed, or given weights; largest-remainder rounding). Rank r
+backpropagates its own mean loss L_r, and the optimizer sums w_r grad L_r over the
+ranks with w_r = n_r / B (`sampler.weight`), which is the gradient of the mean loss
+over the global batch: every step equals the step one process takes on all B rows,
+whatever the split. The sum runs in buckets during backward (bucketed ring
+all-reduce, training.collectives.GradientReducer), in a fixed order, so runs are
+bit-identical; a rank under a CPU quota waits politely instead of spinning.
+
+It works beside torch.distributed (`ctx.init_process_group()`), which the launcher
+sets up as torchrun does; the collectives here do not go through it.
+"""
+import logging
+
+import numpy as np
+import torch
+
+from . import collectives
+from .context import current
+
+log = logging.getLogger(__name__)
+
+__all__ = ["init", "rank", "size", "local_rank", "local_size", "context", "share_weights", "split_rows",
+           "ShareSampler", "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
+           "broadcast_object", "allreduce", "allreduce_", "allgather_object", "barrier", "report"]
+
+_ctx = None
+
+
+def init(ctx=None):
+    """Start using the API in this rank (idempotent); returns the RunContext.
+
+    A throttled rank (fewer vcores than compute threads, e.g. 0.5) waits politely in
+    every collective; torch uses the rank's threads (its vcores, rounded up)."""
+    global _ctx
+    _ctx = ctx or current()
+    collectives.set_polite(_ctx.me.throttled)
+    torch.set_num_threads(_ctx.me.threads)
+    return _ctx
+
+
+def context():
+    if _ctx is None:
+        raise RuntimeError("call training.dist.init() first")
+    return _ctx
+
+
+def rank():
+    return context().rank
+
+
+def size():
+    return context().world_size
+
+
+def local_rank():
+    return context().local_rank
+
+
+def local_size():
+    return context().local_world_size
+
+
+def report(**metrics):
+    """Publish this rank's progress (`yarnapp status`, `submit --wait`); also a heartbeat."""
+    context().report(**metrics)
+
+
+# -- shares and the batch sampler --------------------------------------------------------
+
+def split_rows(total, weights):
+    """Integers n_r >= 0 with sum n_r = total and n_r ~ total * w_r / sum(w) (largest
+    remainder, ties to the lower rank): every rank computes the same split."""
+    from .data.order import split_rows as split
+    return split(total, weights)
+
+
+def share_weights(shares="equal", ctx=None, model=None, example=None):
+    """One weight per rank: "equal", "vcores" (each rank's container), "speed" (rows per
+    second of forward+backward of `model` on `example`, measured on every rank now), or a
+    list of numbers."""
+    ctx = ctx or context()
+    if isinstance(shares, (list, tuple)):
+        if len(shares) != ctx.world_size or not all(float(w) > 0 for w in shares):
+            raise ValueError(f"shares: expected {ctx.world_size} positive weights, got {list(shares)}")
+        return [float(w) for w in shares]
+    if shares == "equal":
+        return [1.0] * ctx.world_size
+    if shares == "vcores":
+        return [float(r.vcores) for r in ctx.ranks]
+    if shares == "speed":
+        if model is None or example is None:
+            raise ValueError("shares 'speed' needs model= and example= (a batch of inputs) to measure")
+        from .strategies.shares import measure_speed
+        return [float(s) for s in ctx.comm.allgather(measure_speed(model, example))]
+    raise ValueError(f"shares: expected 'equal', 'vcores', 'speed' or a list of weights, got {shares!r}")
+
+
+def permutation(n, seed, epoch):
+    """The order in which `epoch` visits n rows: numpy's PCG64 seeded with (seed, epoch),
+    the same on every rank (and the order the built-in runner's loader uses)."""
+    from .data.order import map_permutation
+    return map_permutation(n, seed, epoch)
+
+
+class ShareSampler(torch.utils.data.Sampler):
+    """A batch sampler: this rank's rows of every global batch of a map-style dataset.
+
+    Every epoch visits the dataset in an order drawn from (seed, epoch) alone (or in
+    index order with shuffle=False), cut into global batches of `batch_size` rows; rank
+    r gets rows [lo_r, hi_r) of each, n_r = hi_r - lo_r by `shares`. The slices of all
+    ranks concatenate to the global batch, so the data seen does not depend on the
+    world size or the shares. Use it as `DataLoader(dataset, batch_sampler=sampler)`.
+
+    drop_last=True (the default) drops the last incomplete batch, so every step has
+    exactly B rows and `weight` = n_r / B is exact for every step. `start_step` skips
+    the first steps of the first epoch iterated (resuming mid-epoch).
+    """
+
+    def __init__(self, dataset, batch_size, shares="equal", seed=0, shuffle=True, drop_last=True,
+                 ctx=None, model=None, example=None):
+        self.ctx = ctx or context()
+        self.n = dataset if isinstance(dataset, int) else len(dataset)
+        self.batch_size = int(batch_size)
+        if not 1 <= self.batch_size <= self.n:
+            raise ValueError(f"batch_size {batch_size} must be between 1 and the dataset's {self.n} rows")
+        self.weights = share_weights(shares, self.ctx, model, example)
+        counts = split_rows(self.batch_size, self.weights)
+        self.lo = sum(counts[:self.ctx.rank])
+        self.hi = self.lo + counts[self.ctx.rank]
+        self.seed, self.shuffle, self.drop_last = int(seed), bool(shuffle), bool(drop_last)
+        self.epoch = 0
+        self.start_step = 0
+
+    @property
+    def rows(self):
+        """n_r: this rank's rows of a full global batch."""
+        return self.hi - self.lo
+
+    @property
+    def weight(self):
+        """w_r = n_r / B, the weight of this rank's gradient (DistributedOptimizer)."""
+        return self.rows / self.batch_size
+
+    def set_epoch(self, epoch, start_step=0):
+        self.epoch, self.start_step = int(epoch), int(start_step)
+
+    def __len__(self):
+        full, rest = divmod(self.n, self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def __iter__(self):
+        order = permutation(self.n, self.seed, self.epoch) if self.shuffle else np.arange(self.n)
+        for step in range(self.start_step, len(self)):
+            start = step * self.batch_size
+            size = min(self.batch_size, self.n - start)
+            lo, hi = self.lo * size // self.batch_size, self.hi * size // self.batch_size
+            yield order[start + lo:start + hi].tolist()
+        self.start_step = 0
+
+
+# -- the optimizer -----------------------------------------------------------------------
+
+def _params(model, named_parameters, optimizer):
+    if model is not None:
+        return [p for p in model.parameters()]
+    if named_parameters is not None:
+        return [p for _, p in named_parameters]
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=None, bucket_mb=4.0,
+                         ring_threshold_kb=256.0, ctx=None):
+    """Make `optimizer` step on the gradient summed over the world; returns it.
+
+    Every rank's gradients are weighted by `weight` (default 1/size, Horovod's average;
+    give `sampler.weight` for unequal shares) and summed in buckets by ring all-reduce
+    while backward runs; `optimizer.step()` waits for the last bucket, then steps. Call
+    backward once per step. The optimizer stays what it was (schedulers, state_dict and
+    isinstance keep working): hooks do the work. Collective: every rank calls it.
+    """
+    ctx = ctx or context()
+    params = _params(model, named_parameters, optimizer)
+    weight = 1.0 / ctx.world_size if weight is None else float(weight)
+    overlap = "thread" if ctx.me.vcores - torch.get_num_threads() >= 1 else "poll"
+    reducer = collectives.GradientReducer(params, ctx.comm, bucket_mb=bucket_mb,
+                                          ring_threshold_kb=ring_threshold_kb, overlap=overlap)
+
+    def before_step(opt, args, kwargs):
+        reducer.finish()
+
+    def after_step(opt, args, kwargs):
+        ctx.heartbeat()          # progress: from now on, silence is a hang
+        reducer.begin(weight)
+
+    optimizer.register_step_pre_hook(before_step)
+    optimizer.register_step_post_hook(after_step)
+    optimizer.yarnapp_reducer = reducer
+    reducer.begin(weight)
+    log.info("distributed optimizer: rank %d of %d, weight %.4f, %d buckets, overlap=%s",
+             ctx.rank, ctx.world_size, weight, len(reducer.buckets), reducer.overlap)
+    return optimizer
+
+
+# -- broadcasts and collectives ------------------------------------------------------------
+
+def _tensors(params):
+    if isinstance(params, dict):
+        return list(params.values())
+    out = []
+    for p in params:
+        out.append(p[1] if isinstance(p, tuple) else p)
+    return out
+
+
+def broadcast_parameters(params, root_rank=0, ctx=None):
+    """Overwrite, in place, every tensor of `params` (a state_dict, named_parameters or a
+    list) with root_rank's. Collective."""
+    comm = (ctx or context()).comm
+    with torch.no_grad():
+        for t in _tensors(params):
+            if not isinstance(t, torch.Tensor) or t.numel() == 0:
+                continue
+            host = t.detach().cpu().contiguous() if (t.device.type != "cpu" or not t.is_contiguous()) else t.detach()
+            comm.Bcast(collectives.as_buffer(host), root=root_rank)
+            if host.data_ptr() != t.data_ptr():
+                t.copy_(host)
+
+
+def broadcast_object(obj, root_rank=0, ctx=None):
+    """root_rank's `obj` on every rank (pickled). Collective."""
+    return (ctx or context()).comm.bcast(obj, root=root_rank)
+
+
+def broadcast_optimizer_state(optimizer, root_rank=0, ctx=None):
+    """Make every rank's optimizer state (momentum buffers, step counts, lr) root_rank's."""
+    ctx = ctx or context()
+    state = broadcast_object(optimizer.state_dict() if ctx.rank == root_rank else None, root_rank, ctx)
+    if ctx.rank != root_rank:
+        optimizer.load_state_dict(state)
+
+
+def allreduce_(tensor, average=True, ctx=None):
+    """Sum (or average) a tensor over the world, in place, in a fixed order. Collective."""
+    ctx = ctx or context()
+    host = tensor.detach().cpu().contiguous() if tensor.device.type != "cpu" or not tensor.is_contiguous() \
+        else tensor.detach()
+    collectives.allreduce_(host, ctx.comm)
+    if average:
+        host.div_(ctx.world_size)
+    if host.data_ptr() != tensor.data_ptr():
+        with torch.no_grad():
+            tensor.copy_(host)
+    return tensor
+
+
+def allreduce(tensor, average=True, ctx=None):
+    """A new tensor: the sum (or average) of `tensor` over the world. Collective."""
+    return allreduce_(tensor.detach().clone(), average, ctx)
+
+
+def allgather_object(obj, ctx=None):
+    """[every rank's obj] in rank order. Collective."""
+    return (ctx or context()).comm.allgather(obj)
+
+
+def barrier(ctx=None):
+    collectives.wait((ctx or context()).comm.Ibarrier())

@@ -1,0 +1,136 @@
+"""The local engine's GPUs: an inventory, and leases so that no two containers share one.
+
+Inventory (`inventory()`): the GPUs `nvidia-smi` lists, as
+`nvidia-smi --query-gpu=index,uuid,name,memory.total --format=csv,noheader,nounits`
+prints them, narrowed to CUDA_VISIBLE_DEVICES when this process has one (indices or
+UUIDs). YARNAPP_GPUS, a comma-separated list of GPU indices, replaces nvidia-smi (for
+machines whose driver tools are elsewhere, and for tests). The client never imports
+torch, so the inventory never comes from it.
+
+Leases (`Leases`): every application's master leases whole GPUs for its containers
+from a ledger in the engine's home ($YARNAPP_HOME/gpus.json, under an flock), and gives
+each container exactly its own through CUDA_VISIBLE_DEVICES (a container without GPUs
+gets an empty CUDA_VISIBLE_DEVICES: it sees none). A lease of a master that is gone is
+free again. A job asking for more GPUs than the machine has is refused at submit; one
+whose GPUs are leased to another application waits (ACCEPTED) until they are free: a
+GPU is never shared silently.
+"""
+import contextlib
+import dataclasses
+import fcntl
+import json
+import os
+import subprocess
+
+import psutil
+
+from .state import home
+
+QUERY = ["nvidia-smi", "--query-gpu=index,uuid,name,memory.total", "--format=csv,noheader,nounits"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+    index: int
+    uuid: str
+    name: str
+    memory_mib: int
+
+
+def _from_nvidia_smi():
+    try:
+        out = subprocess.run(QUERY, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if out.returncode != 0:
+        return []
+    gpus = []
+    for line in out.stdout.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) >= 4 and parts[0].isdigit():
+            try:
+                mem = int(float(parts[3]))
+            except ValueError:
+                mem = 0
+            gpus.append(Gpu(int(parts[0]), parts[1], parts[2], mem))
+    return gpus
+
+
+def inventory(environ=None):
+    """The GPUs this engine may hand out, in index order."""
+    env = os.environ if environ is None else environ
+    given = env.get("YARNAPP_GPUS")
+    if given is not None:
+        gpus = [Gpu(int(i), f"GPU-{int(i)}", "given by YARNAPP_GPUS", 0)
+                for i in given.split(",") if i.strip()]
+    else:
+        gpus = _from_nvidia_smi()
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        allowed = [v.strip() for v in visible.split(",") if v.strip()]
+        gpus = [g for g in gpus if str(g.index) in allowed or g.uuid in allowed]
+    return gpus
+
+
+class Leases:
+    """The ledger of which application's master holds which GPU indices."""
+
+    def __init__(self, path=None):
+        self.path = path or os.path.join(home(), "gpus.json")
+
+    @contextlib.contextmanager
+    def _locked(self):
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        with open(self.path + ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                try:
+                    with open(self.path) as f:
+                        held = json.load(f)
+                except (FileNotFoundError, ValueError):
+                    held = {}
+                # a lease whose master is gone is free again
+                held = {app: v for app, v in held.items() if psutil.pid_exists(v["pid"])}
+                yield held
+                tmp = f"{self.path}.{os.getpid()}.tmp"
+                with open(tmp, "w") as f:
+                    json.dump(held, f)
+                os.replace(tmp, self.path)
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def acquire(self, app_id, count, gpus, pid=None):
+        """Lease `count` GPUs of inventory `gpus` to app_id; returns their indices, or None
+        (and whose leases stand in the way) when not enough are free now."""
+        with self._locked() as held:
+            if app_id in held:
+                return held[app_id]["gpus"], []
+            taken = {i for v in held.values() for i in v["gpus"]}
+            free = [g.index for g in gpus if g.index not in taken]
+            if len(free) < count:
+                return None, sorted(held)
+            held[app_id] = {"pid": pid or os.getpid(), "gpus": free[:count]}
+            return free[:count], []
+
+    def release(self, app_id):
+        with self._locked() as held:
+            held.pop(app_id, None)
+
+    def held(self):
+        with self._locked() as held:
+            return {app: v["gpus"] for app, v in held.items()}
+
+
+def split(indices, requests):
+    """Hand out `indices` to containers in order: requests = [gpus of each container];
+    returns one list of indices per container."""
+    out, at = [], 0
+    for n in requests:
+        out.append(indices[at:at + n])
+        at += n
+    return out
+
+
+def visible_devices(assigned):
+    """CUDA_VISIBLE_DEVICES for a container holding `assigned` (none: it sees no GPU)."""
+    return ",".join(str(i) for i in assigned)

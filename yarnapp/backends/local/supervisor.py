@@ -1,0 +1,159 @@
+"""The local engine's resource manager for one application: it starts the application
+master and, when the master dies, does what YARN's ResourceManager does (AM attempts).
+
+    submit ──► supervisor ──► AM attempt 1 ──► containers ...
+                   │  the AM ended the application (SUCCEEDED | FAILED | KILLED): done
+                   │  the AM died without ending it (a signal, a crash):
+                   │     its containers died with it (they die with their parent); clean up
+                   │     what nothing else will (processes that escaped, cgroups, emulated
+                   │     network), then
+                   ├─► AM attempt n+1 (while n < job.am_attempts): it aborts the world's
+                   │     generation as not the job's fault and starts every container
+                   │     again; training resumes from the newest complete checkpoint
+                   └─► no attempts left: FAILED, naming the master; nothing runs
+
+`yarnapp kill` sends SIGTERM here (the pid is in supervisor.json); it is passed on to
+the AM, which stops the containers and ends the application KILLED, and no new attempt
+is started. The supervisor carries no YARNAPP_APP_ID of its own, so the AM's final sweep
+of the application's processes leaves it alone; it exits right after the AM.
+
+    python -m yarnapp.backends.local.supervisor APP_DIR
+"""
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+from ..base import TERMINAL
+from . import cgroups, netem
+from .state import app_processes, read_json, write_state
+
+log = logging.getLogger("yarnapp.supervisor")
+
+RECORD = "supervisor.json"
+
+
+def record_path(app_dir):
+    return os.path.join(app_dir, RECORD)
+
+
+def alive(app_dir):
+    """Whether the application's supervisor runs (it outlives a dead AM while it restarts one)."""
+    pid = (read_json(record_path(app_dir)) or {}).get("pid")
+    if not pid or not psutil.pid_exists(pid):
+        return False
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def clean_up(app_id, keep=()):
+    """What a dead AM leaves behind: processes of the application that outlived it, its
+    cgroups, its emulated network. Returns the pids it killed."""
+    killed = []
+    for p in app_processes(app_id):
+        if p.pid in keep:
+            continue
+        try:
+            p.kill()
+            killed.append(p.pid)
+        except psutil.Error:
+            pass
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and [p for p in app_processes(app_id) if p.pid not in keep]:
+        time.sleep(0.05)
+    deadline = time.monotonic() + 10         # a SIGKILLed process takes a moment to leave its cgroup
+    while cgroups.Limits.remove_app(app_id) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if netem.unavailable_reason() is None:
+        netem.sweep(app_id)
+    return killed
+
+
+def describe_exit(rc):
+    return f"killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
+
+
+class Supervisor:
+    def __init__(self, app_dir):
+        import conf
+        self.dir = app_dir
+        with open(os.path.join(app_dir, "job.json")) as f:
+            self.job = conf.load_job(json.load(f))
+        self.app_id = read_json(os.path.join(app_dir, "app.json"))["app_id"]
+        self.am = None
+        self.stopping = False
+        self.attempts = []
+
+    def save(self):
+        tmp = record_path(self.dir) + f".{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"pid": os.getpid(), "am_attempts": self.job.am_attempts, "attempts": self.attempts}, f)
+        os.replace(tmp, record_path(self.dir))
+
+    def on_signal(self, signum, frame):
+        self.stopping = True
+        if self.am and self.am.poll() is None:
+            self.am.send_signal(signal.SIGTERM)
+
+    def start_am(self, attempt):
+        env = dict(os.environ, YARNAPP_APP_ID=self.app_id, PYTHONUNBUFFERED="1")
+        with open(os.path.join(self.dir, "am.log"), "ab") as out:
+            self.am = subprocess.Popen([sys.executable, "-m", "yarnapp.backends.local.am", self.dir,
+                                        "--attempt", str(attempt)], env=env, cwd=self.dir,
+                                       stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+        self.attempts.append({"attempt": attempt, "pid": self.am.pid, "started": time.time()})
+        self.save()
+        log.info("application master attempt %d started (pid %d)", attempt, self.am.pid)
+
+    def run(self):
+        signal.signal(signal.SIGTERM, self.on_signal)
+        signal.signal(signal.SIGINT, self.on_signal)
+        attempt = 0
+        while True:
+            attempt += 1
+            self.start_am(attempt)
+            rc = self.am.wait()
+            self.attempts[-1].update(exit_code=rc, ended=time.time())
+            self.save()
+            st = read_json(os.path.join(self.dir, "state.json")) or {}
+            if st.get("state") in TERMINAL:
+                return 0
+            what = f"the application master (attempt {attempt}, pid {self.am.pid}) {describe_exit(rc)}"
+            killed = clean_up(self.app_id, keep={os.getpid()})
+            log.error("%s without ending the application; cleaned up (%d processes killed)", what, len(killed))
+            if self.stopping or attempt >= self.job.am_attempts:
+                self.finish(st, "KILLED" if self.stopping else "FAILED",
+                            "killed by the user" if self.stopping else
+                            f"{what}; no application master attempts left (am_attempts: {self.job.am_attempts})")
+                return 0 if self.stopping else 1
+            log.warning("%s; starting attempt %d of %d", what, attempt + 1, self.job.am_attempts)
+
+    def finish(self, st, state, diagnostics):
+        """The final state of an application whose last AM died without writing one."""
+        st = dict(st or {}, app_id=self.app_id, name=self.job.name, state=state, diagnostics=diagnostics,
+                  finished=time.time())
+        st.setdefault("containers", [])
+        for c in st["containers"]:
+            if c.get("state") == "RUNNING":
+                c["state"] = state
+        if state == "FAILED":
+            st["failure"] = {"reason": diagnostics, "container": "master",
+                             "log": os.path.join(self.dir, "am.log")}
+        write_state(self.dir, st)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor %(levelname)s: %(message)s")
+    return Supervisor(argv[0]).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

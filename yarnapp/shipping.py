@@ -1,0 +1,182 @@
+"""Ship the user's code into every container.
+
+What goes (`plan`):
+    run.files       the files and directories job.yaml names (null: a script's own
+                    directory when run.script is given, else nothing); each lands
+                    under its own name in the container's working directory
+    editable        every package installed in editable mode (`pip install -e`) in this
+                    environment, yarnapp's own excepted, as its top-level import
+                    packages (found the way cluster-pack's get_editable_requirements
+                    does: the distribution's direct_url.json, then find_packages)
+    run.pickle      a function pickled with cloudpickle (the Python API writes it for
+                    `yarnapp.submit(job, function=f)`: a notebook cell's function travels
+                    by value)
+
+The working directory is on PYTHONPATH in every container (launcher.agent), and a
+script runs with its own directory first on sys.path, as `python script.py` does.
+On the local engine the shipment is staged in the application's directory at submit
+and copied into each container's working directory; on YARN every entry is a skein
+file that the NodeManager localizes (a directory travels as a zip archive, unpacked
+under its name).
+
+The job the containers read names the shipped copies: run.script and run.pickle
+become paths relative to the working directory.
+"""
+import dataclasses
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import urllib.parse
+import urllib.request
+
+from .errors import YarnappError
+
+log = logging.getLogger(__name__)
+
+LIMIT_BYTES = 200 * 2**20          # code, not data: more than this is refused
+SKIP = {"__pycache__", ".git", ".hg", ".svn", ".ipynb_checkpoints", ".pytest_cache", ".mypy_cache",
+        ".DS_Store", ".venv", "node_modules"}
+PRODUCT = {"yarnapp"}              # distributions never shipped: the environment brings them
+PICKLE_NAME = "function.pkl"
+
+
+@dataclasses.dataclass
+class Shipment:
+    job: object                    # conf.JobSpec as the containers read it
+    entries: dict                  # {name in the working directory: local source path}
+
+    def total_bytes(self):
+        return sum(_size(p) for p in self.entries.values())
+
+
+def _skip(name):
+    return name in SKIP or name.endswith((".pyc", ".pyo"))
+
+
+def _private():
+    """Directories of yarnapp's own that a shipped tree may contain but must never carry:
+    the local engine's home (applications, their stores and copies) and the cache."""
+    from .backends.local.state import home
+    from .packaging import cache_dir
+    return tuple(os.path.realpath(p) for p in (home(), cache_dir()))
+
+
+def _ignore(root_dir, names):
+    """shutil.copytree's ignore: junk, and yarnapp's private directories."""
+    private = _private()
+    return {n for n in names if _skip(n) or os.path.realpath(os.path.join(root_dir, n)) in private}
+
+
+def _size(path):
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    total = 0
+    for root, dirs, files in os.walk(path):
+        dirs[:] = [d for d in dirs if d not in _ignore(root, [d])]
+        total += sum(os.path.getsize(os.path.join(root, f)) for f in files
+                     if not _skip(f) and os.path.isfile(os.path.join(root, f)))
+    return total
+
+
+def editable_packages(exclude=PRODUCT):
+    """{top-level import package: its directory} of this environment's editable installs."""
+    from setuptools import find_packages
+    out = {}
+    for dist in importlib.metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower()
+        if name in exclude:
+            continue
+        try:
+            info = json.loads(dist.read_text("direct_url.json") or "{}")
+        except ValueError:
+            continue
+        if not info.get("dir_info", {}).get("editable"):
+            continue
+        url = urllib.parse.urlparse(info.get("url", ""))
+        location = urllib.request.url2pathname(url.path) if url.scheme == "file" else None
+        if not location or not os.path.isdir(location):
+            continue
+        for root in (location, os.path.join(location, "src")):
+            for pkg in find_packages(root):
+                if "." not in pkg:
+                    out.setdefault(pkg, os.path.join(root, pkg))
+    return out
+
+
+def plan(job):
+    """The Shipment of `job` (a conf.JobSpec with absolute local paths: conf.absolutize).
+
+    Raises YarnappError naming the field for anything missing, clashing or too big.
+    """
+    run = job.run
+    entries = {}
+
+    def add(name, path, field):
+        path = os.path.abspath(path)
+        if not os.path.exists(path):
+            raise YarnappError(f"{field}: {path} does not exist; list only files and directories that do")
+        if name in entries and entries[name] != path:
+            raise YarnappError(f"{field}: {path} and {entries[name]} would both land as {name!r} in the "
+                               f"container; rename one, or ship their common parent directory")
+        entries[name] = path
+
+    files = run.files
+    if files is None and run.script:
+        files = [os.path.dirname(run.script)]
+    for f in files or []:
+        add(os.path.basename(f.rstrip(os.sep)) or f, f, "run.files")
+    script = None
+    if run.script:
+        script = _inside(run.script, entries)
+        if script is None:
+            add(os.path.basename(run.script), run.script, "run.script")
+            script = os.path.basename(run.script)
+    if run.editable:
+        for name, path in sorted(editable_packages().items()):
+            if name not in entries:
+                entries[name] = path
+    pickle = None
+    if run.pickle:
+        add(PICKLE_NAME, run.pickle, "run.pickle")
+        pickle = PICKLE_NAME
+    for name, path in entries.items():
+        size = _size(path)
+        if size > LIMIT_BYTES:
+            raise YarnappError(f"run.files: {path} holds {size / 2**20:.0f} MiB, more than the "
+                               f"{LIMIT_BYTES // 2**20} MiB of code yarnapp ships; list only code in run.files "
+                               f"and put data on a URI (training.data)")
+    shipped = job.model_copy(update={"run": run.model_copy(update={
+        "script": script, "pickle": pickle, "files": sorted(entries) if entries else None})})
+    return Shipment(job=shipped, entries=entries)
+
+
+def _inside(path, entries):
+    """`path` relative to the working directory if it lies inside a shipped directory."""
+    path = os.path.abspath(path)
+    for name, src in entries.items():
+        if os.path.isdir(src) and path.startswith(src.rstrip(os.sep) + os.sep):
+            return os.path.join(name, os.path.relpath(path, src))
+    return None
+
+
+def copy_into(entries, dest):
+    """Copy every entry into directory `dest` under its name (the local engine's staging)."""
+    os.makedirs(dest, exist_ok=True)
+    for name, src in entries.items():
+        target = os.path.join(dest, name)
+        if os.path.isdir(src):
+            shutil.copytree(src, target, ignore=_ignore, dirs_exist_ok=True, symlinks=True)
+        else:
+            shutil.copy2(src, target)
+
+
+def archive_dir(src, staging, name):
+    """A zip of directory `src` in `staging` (YARN unpacks it as directory `name`)."""
+    tmp = os.path.join(staging, f".ship-{name}")
+    shutil.copytree(src, tmp, ignore=_ignore, symlinks=True)
+    try:
+        return shutil.make_archive(os.path.join(staging, f"ship-{name}"), "zip", tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
