@@ -5,7 +5,8 @@
 The job is conf/examples/digits.yaml (3 containers: 1 x 1 vcore + 2 x 0.5 vcore, ring
 all-reduce, shares by vcores) on 3 emulated nodes (network namespaces, so a link can be
 cut), with checkpoints every 20 steps and a 5 s heartbeat timeout. One uninterrupted
-run gives the reference weights. Then every run draws a fault, a victim and a moment:
+run gives the reference weights. Then every run gets a fault (each kind equally often, in
+a random order) and draws a victim and a moment:
 
     sigkill      SIGKILL a random rank (rank 0 included) at a random step
     sigstop      SIGSTOP a random rank (a hang), found by its heartbeat
@@ -14,7 +15,7 @@ run gives the reference weights. Then every run draws a fault, a victim and a mo
     link-cut     cut a random node's link (`yarnapp netem --cut`), restored 8 s later
     am-kill      SIGKILL the application master (the supervisor starts attempt 2)
 
-Every run must end SUCCEEDED with final weights torch.equal to the reference, and leave
+Every fault must strike (cost a generation), and every run must end SUCCEEDED with final weights torch.equal to the reference, and leave
 no process, cgroup or network namespace of it. The table gives, per run: fault, victim,
 when (seconds after submit), detection (fault to the generation's abort record),
 recovery (fault to the first step of the resumed world), the outcome. Medians at the
@@ -43,6 +44,7 @@ import common  # noqa: E402
 FAULTS = ("sigkill", "sigstop", "ckpt-kill", "link-cut", "am-kill")
 CKPT_FAULTS = (("crash_in_checkpoint", None), ("crash_after_commit", 0), ("crash_in_cleanup", 0))
 EVERY = 20
+KEEP = 2           # complete checkpoints kept (a crash_in_cleanup needs KEEP + 1 of them)
 
 
 def parse_args(argv):
@@ -60,7 +62,7 @@ def job(work, data, name, network, env=None):
     j["name"] = name
     j["training"]["data"] = {**j["training"]["data"], "train": f"{data}/train", "test": f"{data}/test"}
     j["training"]["log_every"] = 1
-    j["checkpoint"].update(uri=os.path.join(work, name, "ckpt"), every_steps=EVERY)
+    j["checkpoint"].update(uri=os.path.join(work, name, "ckpt"), every_steps=EVERY, keep=KEEP)
     j["tensorboard"]["logdir"] = os.path.join(work, name, "tb")
     j["launcher"].update(heartbeat_timeout=5.0, poll_interval=0.1)
     j["max_restarts"] = 3
@@ -96,18 +98,26 @@ def leftovers(app_id):
         time.sleep(0.2)
 
 
-def run_once(i, rng, work, data, network, total_steps):
+def draw_faults(rng, runs, network):
+    """Every kind of fault equally often (as near as `runs` allows), in a random order."""
+    kinds = [f for f in FAULTS if network or f != "link-cut"]
+    faults = [kinds[i % len(kinds)] for i in range(runs)]
+    rng.shuffle(faults)
+    return faults
+
+
+def run_once(i, fault, rng, work, data, network, total_steps):
     import yarnapp
     from launcher import keys
     from recovery_util import rank_pid, store_of
-    faults = [f for f in FAULTS if network or f != "link-cut"]
-    fault = rng.choice(faults)
     victim = rng.randrange(3)
     env, at_step = {}, rng.randint(10, total_steps - 30)
     if fault == "ckpt-kill":
         kind, only = rng.choice(CKPT_FAULTS)
         victim = victim if only is None else only
-        at_step = rng.choice(range(EVERY, total_steps - EVERY, EVERY))
+        # A clean-up happens only once more than `keep` checkpoints exist.
+        first = EVERY * (KEEP + 1) if kind == "crash_in_cleanup" else EVERY
+        at_step = rng.choice(range(first, total_steps - EVERY, EVERY))
         env["YARNAPP_FAULT"] = f"{kind}:{at_step}:{victim}"
         fault = f"ckpt-kill ({kind})"
     spec = job(work, data, f"chaos{i}", network, env)
@@ -184,15 +194,16 @@ def main(argv=None):
               flush=True)
         print(f"{'run':>3} {'fault':<30} {'victim':<16} {'t s':>6} {'detect s':>8} {'recover s':>9} "
               f"{'state':<9} {'equal':<5} left", flush=True)
-        for i in range(args.runs):
-            row, weights = run_once(i, rng, work, data, network, total)
+        for i, fault in enumerate(draw_faults(rng, args.runs, network)):
+            row, weights = run_once(i, fault, rng, work, data, network, total)
             row["bit_identical"] = bool(weights is not None and weights.keys() == reference.keys()
                                         and all(torch.equal(weights[k], reference[k]) for k in reference))
-            row["ok"] = row["state"] == "SUCCEEDED" and row["bit_identical"] and not row["left"]
+            row["struck"] = row["restarts"] > 0            # the fault happened and cost a generation
+            row["ok"] = row["state"] == "SUCCEEDED" and row["bit_identical"] and not row["left"] and row["struck"]
             rows.append(row)
             print(f"{i:>3} {row['fault']:<30} {row['victim']:<16} {row['t_s']:>6} {row['detect_s']!s:>8} "
                   f"{row['recover_s']!s:>9} {row['state']:<9} {str(row['bit_identical']):<5} "
-                  f"{row['left'] or '-'}", flush=True)
+                  f"{row['left'] or '-'}{'' if row['struck'] else ' (the fault never struck)'}", flush=True)
             shutil.rmtree(os.path.join(work, f"chaos{i}"), ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -203,13 +214,14 @@ def main(argv=None):
     for r in rows:
         f = r["fault"].split(" ")[0]
         by_fault.setdefault(f, []).append(r)
-    print(f"\n{ok}/{len(rows)} runs SUCCEEDED, bit-identical, nothing left; median detection "
+    print(f"\n{ok}/{len(rows)} runs struck, SUCCEEDED, bit-identical, nothing left; median detection "
           f"{med['detect_s']:.2f}s, median recovery {med['recover_s']:.2f}s")
     for f, rs in sorted(by_fault.items()):
         d = [r["detect_s"] for r in rs if r["detect_s"] is not None]
         rec = [r["recover_s"] for r in rs if r["recover_s"] is not None]
-        print(f"  {f:<10} {len(rs):>2} runs  detection {statistics.median(d) if d else float('nan'):.2f}s  "
-              f"recovery {statistics.median(rec) if rec else float('nan'):.2f}s")
+        det = f"{statistics.median(d):.2f}s" if d else "- (the rank reports its own death)"
+        print(f"  {f:<10} {len(rs):>2} runs  recovery {statistics.median(rec) if rec else float('nan'):.2f}s  "
+              f"detection {det}")
     meta = {**common.machine_meta(), "runs": args.runs, "seed": args.seed, "network": network,
             "ok": ok, "median_detect_s": med["detect_s"], "median_recover_s": med["recover_s"],
             "wall_s": round(time.time() - t0, 1)}
