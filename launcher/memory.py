@@ -8,6 +8,7 @@ cgroup from /proc/self/cgroup, so the agent can tell "killed by signal 9" from "
 for exceeding its memory limit" and say which limit to raise.
 """
 import os
+import re
 
 ROOT = "/sys/fs/cgroup/memory"
 
@@ -67,3 +68,31 @@ def resident(cgroup):
         return int(stat.get("total_rss", 0)) + int(stat.get("total_mapped_file", 0))
     except (OSError, ValueError):
         return None
+
+
+_YARN_BEYOND = re.compile(r"beyond the '(PHYSICAL|VIRTUAL)' memory limit|beyond (physical|virtual) memory limits",
+                          re.IGNORECASE)
+_YARN_USAGE = re.compile(r"Current usage: ([\d.]+) ?([KMGTP]?)B of ([\d.]+) ?([KMGTP]?)B (physical|virtual) memory used",
+                         re.IGNORECASE)
+_UNITS = {"": 2**-20, "K": 2**-10, "M": 1, "G": 2**10, "T": 2**20, "P": 2**30}
+
+
+def yarn_memory_kill(diagnostics, exit_code, container, group):
+    """The phrase naming a container YARN's NodeManager killed for its memory, from its
+    exit status (-104 KILLED_EXCEEDED_PMEM, -103 VMEM) or the NodeManager's diagnostics
+    ("Container [pid=..] is running 5B beyond the 'PHYSICAL' memory limit. Current usage:
+    1.0 GB of 1 GB physical memory used; ..."), or None: '<container> exceeded its memory
+    limit of L MiB (peak P MiB): raise the memory of group <group>'."""
+    text = diagnostics or ""
+    beyond = _YARN_BEYOND.search(text)
+    if not beyond and exit_code not in (-103, -104):
+        return None
+    kind = ((beyond.group(1) or beyond.group(2)) if beyond else ("virtual" if exit_code == -103 else "physical")).lower()
+    what = "memory limit" if kind == "physical" else "virtual memory limit"
+    usage = next((m for m in _YARN_USAGE.finditer(text) if m.group(5).lower() == kind), None)
+    sizes = ""
+    if usage:
+        used = float(usage.group(1)) * _UNITS[usage.group(2).upper()]
+        limit = float(usage.group(3)) * _UNITS[usage.group(4).upper()]
+        sizes = f" of {limit:.0f} MiB (peak {used:.0f} MiB)"
+    return f"{container} exceeded its {what}{sizes}: raise the memory of group {group}"

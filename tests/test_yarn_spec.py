@@ -20,7 +20,7 @@ from yarnapp import packaging
 from yarnapp.backends import get as get_backend
 from yarnapp.backends.base import TERMINAL
 from yarnapp.backends.yarn import (YarnBackend, kv_fields, app_record, app_state, build_spec, check_job,
-                                   container_record, named_logs, stage_files)
+                                   container_record, name_memory_kills, named_logs, stage_files)
 from yarnapp.errors import BackendUnavailable, YarnappError
 
 HELLO = os.path.join(conf.EXAMPLES_DIR, "hello.yaml")
@@ -227,6 +227,25 @@ def test_skein_reports_become_backend_records():
     assert (rec["id"], rec["group"], rec["instance"], rec["state"], rec["exit_code"]) == \
         ("cpu_1", "cpu", 1, "FAILED", 137)
     assert rec["log"].startswith("node3:8042/node/containerlogs/container_1_0007_01_000003/")
+
+    # The NodeManager's words for a container over its memory (Hadoop 3.4's ContainersMonitorImpl).
+    c = skein.model.Container(service_name="cpu", instance=0, state="FAILED",
+                              yarn_container_id="container_1_0007_01_000002",
+                              yarn_node_http_address="node3:8042", start_time=None, finish_time=None,
+                              exit_message="Container [pid=4242,containerID=container_1_0007_01_000002] is running "
+                              "12582912B beyond the 'PHYSICAL' memory limit. Current usage: 524.0 MB of 512 MB "
+                              "physical memory used; 2.6 GB of 1.0 GB virtual memory used. Killing container.\n"
+                              "Container killed on request. Exit code is 143")
+    rec = container_record(c)
+    assert rec["memory_kill"] == rec["diagnostics"] == \
+        "cpu_0 exceeded its memory limit of 512 MiB (peak 524 MiB): raise the memory of group cpu"
+    running = {"containers": [rec, container_record(skein.model.Container(
+        service_name="cpu", instance=1, state="RUNNING", yarn_container_id="container_1_0007_01_000003",
+        yarn_node_http_address="node3:8042", start_time=None, finish_time=None, exit_message=""))],
+        "restarts": [{"generation": 1, "reason": "lost cpu_0: its container exited"},
+                     {"generation": 2, "reason": "lost cpu_1: its container exited"}], "failure": None}
+    assert [r["reason"] for r in name_memory_kills(running)["restarts"]] == \
+        [rec["memory_kill"], "lost cpu_1: its container exited"]
 
     logs = skein.model.ApplicationLogs("application_1_0007", {
         "container_1_0007_01_000001": "LogType:application.master.log\nstarted",

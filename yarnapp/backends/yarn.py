@@ -45,7 +45,7 @@ import tempfile
 import skein
 
 import conf
-from launcher import keys, results
+from launcher import keys, memory, results
 
 from .. import packaging, shipping
 from ..errors import BackendUnavailable, YarnappError
@@ -220,10 +220,26 @@ def app_record(report):
 
 def container_record(c):
     m = re.search(r"exit code:?\s*(-?\d+)", c.exit_message or "", re.IGNORECASE)
-    return {"id": c.id, "group": c.service_name, "instance": c.instance, "state": str(c.state),
-            "exit_code": int(m.group(1)) if m else None, "attempts": 1, "rank": None,
-            "log": c.yarn_container_logs, "diagnostics": c.exit_message or "",
-            "yarn_id": c.yarn_container_id, "node": c.yarn_node_http_address}
+    code = int(m.group(1)) if m else None
+    rec = {"id": c.id, "group": c.service_name, "instance": c.instance, "state": str(c.state),
+           "exit_code": code, "attempts": 1, "rank": None,
+           "log": c.yarn_container_logs, "diagnostics": c.exit_message or "",
+           "yarn_id": c.yarn_container_id, "node": c.yarn_node_http_address}
+    killed = memory.yarn_memory_kill(c.exit_message, code, c.id, c.service_name)
+    if killed:                                   # the NodeManager's words, as the local engine's
+        rec["memory_kill"] = rec["diagnostics"] = killed
+    return rec
+
+
+def name_memory_kills(record):
+    """Restart and failure reasons that say a member's container was lost, reworded where
+    that container was killed for its memory (YARN reports it per container only)."""
+    kills = {c["id"]: c["memory_kill"] for c in record["containers"] if c.get("memory_kill")}
+    for entry in [*(record.get("restarts") or []), record.get("failure") or {}]:
+        lost = re.match(r"lost (\S+): ", entry.get("reason") or "")
+        if lost and lost.group(1) in kills:
+            entry["reason"] = kills[lost.group(1)]
+    return record
 
 
 def named_logs(logs):
@@ -338,7 +354,7 @@ class YarnBackend(Backend):
                 containers = app.get_containers(states=list(skein.model.ContainerState))
                 record["containers"] = [container_record(c) for c in containers]
                 record.update(kv_fields(app.kv))
-                with_formed_s(record)
+                name_memory_kills(with_formed_s(record))
                 if record["tensorboard"]:      # reachable through the ResourceManager's proxy
                     record["tensorboard_node"] = record["tensorboard"]
                     record["tensorboard"] = proxied(report.tracking_url, TENSORBOARD_PAGE)
