@@ -44,19 +44,22 @@ def _equal(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("strategy", ["allreduce", "conv_model_parallel"])
-def test_sigkill_one_of_three_ranks_resumes_bit_identically(strategy, reference, digits, tmp_path, yarnapp_home):
+@pytest.mark.parametrize("strategy,victim", [("allreduce", 0), ("conv_model_parallel", 1)])
+def test_sigkill_one_of_three_ranks_resumes_bit_identically(strategy, victim, reference, digits, tmp_path,
+                                                            yarnapp_home):
+    """Rank 0 (the ring's first, the one that writes checkpoints) or rank 1 SIGKILLed mid-run."""
     kill_at = random.Random(f"kill-{strategy}").randint(12, 30)
     job = digits_job(tmp_path, digits, "killed", strategy)
     run = yarnapp.submit(job)
-    pid = rank_pid(run, rank=1)
-    wait_step(run, rank=1, step=kill_at)
+    pid = rank_pid(run, rank=victim)
+    wait_step(run, rank=victim, step=kill_at)
     os.kill(pid, signal.SIGKILL)
     t_kill = time.time()
     st = run.wait(timeout=600)
     assert st["state"] == "SUCCEEDED", (st.get("diagnostics"), run.logs())
     assert [r["generation"] for r in st["restarts"]] == [1]
-    assert "rank 1 (small_0) killed by signal 9" in st["restarts"][0]["reason"]
+    name = {0: "big_0", 1: "small_0"}[victim]
+    assert f"rank {victim} ({name}) killed by signal 9" in st["restarts"][0]["reason"], st["restarts"]
     resumed = st["final"]["resumed_from"]
     assert kill_at - 10 <= resumed <= kill_at + 1, (kill_at, resumed)   # at most one interval recomputed
     assert _equal(final_weights(job), reference[strategy])
