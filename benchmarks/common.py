@@ -81,3 +81,14 @@ def write_results(path, meta, rows):
     with open(path, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print(f"wrote {path}")
+
+
+def submit(job):
+    """A real `yarnapp submit` of `job` (a dict), waited for: its final status; any other
+    end than SUCCEEDED ends the benchmark with one line naming the job."""
+    import yarnapp
+    run = yarnapp.submit(job)
+    st = run.wait(timeout=1800)
+    if st["state"] != "SUCCEEDED":
+        sys.exit(f"Error: {job['name']} {st['state']}: {run.failure_message()}")
+    return st

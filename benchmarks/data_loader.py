@@ -192,15 +192,6 @@ def part_loader(args, home, rounds):
 
 # ----------------------------------------------------------------------------- jobs
 
-def submit(job):
-    import yarnapp
-    run = yarnapp.submit(job)
-    st = run.wait(timeout=1800)
-    if st["state"] != "SUCCEEDED":
-        sys.exit(f"Error: {job['name']} {st['state']}: {run.failure_message()}")
-    return st
-
-
 def part_wait(args, home, rounds):
     from training.data import import_synthetic_cifar
     data = os.path.join(home, "wait-jpeg")
@@ -215,7 +206,7 @@ def part_wait(args, home, rounds):
     runs = []
     for r in range(rounds):
         shutil.rmtree(os.path.join(home, "wait-ckpt"), ignore_errors=True)
-        final = submit(job)["final"]
+        final = common.submit(job)["final"]
         runs.append({"data_wait_pct": final["data_wait_pct"], "samples_per_s": final["samples_per_s"]})
         print(f"round {r + 1}: ResNet-20, JPEG, 2 x 1 vcore: data wait {final['data_wait_pct']:.2f}% of the step, "
               f"{final['samples_per_s']:.0f} samples/s", flush=True)
@@ -264,7 +255,7 @@ def part_shuffle(args, home, rounds):
     runs = []
     for r in range(rounds):
         shutil.rmtree(os.path.join(home, "shuffle-ckpt"), ignore_errors=True)
-        st = submit(job)
+        st = common.submit(job)
         prog = [st["progress"][k] for k in sorted(st["progress"])]
         amp = sum(p["data_read_mb"] for p in prog) * 1e6 / src.nbytes
         runs.append({"amplification": amp, "ranks": [

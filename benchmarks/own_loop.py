@@ -48,21 +48,12 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def submit(job):
-    import yarnapp
-    run = yarnapp.submit(job)
-    st = run.wait(timeout=1800)
-    if st["state"] != "SUCCEEDED":
-        sys.exit(f"Error: {job['name']} {st['state']}: {run.failure_message()}")
-    return st
-
-
 def loop_run(api, work, quick):
     out = os.path.join(work, f"{api}.json")
     args = ["--api", api, "--out", out, "--steps", "12" if quick else "30"]
     if api == "ours":
         args += ["--shares", "vcores"]
-    submit({"name": f"loop-{api}", "groups": GROUPS, "max_restarts": 0,
+    common.submit({"name": f"loop-{api}", "groups": GROUPS, "max_restarts": 0,
             "run": {"script": os.path.join(HERE, "own_loop_train.py"), "args": args,
                     "files": [os.path.join(HERE, "own_loop_train.py")]}})
     with open(out) as f:
@@ -80,7 +71,7 @@ def example_run(kind, data, steps):
         job["groups"] = [{**job["groups"][0], "instances": 1}]
     else:
         job["training"]["shares"] = kind
-    return submit(job)["final"]["samples_per_s"]
+    return common.submit(job)["final"]["samples_per_s"]
 
 
 def main(argv=None):
