@@ -1,25 +1,16 @@
 """The container agent: the main process of every container, on both engines.
 
-It is a loop around an explicit state machine (as torchrun's agent):
-
-    START ──► RENDEZVOUS(gen) ──► RUNNING(gen) ──► SUCCEEDED          (exit 0)
-                  ▲                   │
-                  │                   ├─ own rank crashed / hung / world not formed
-                  │                   │     → write abort(gen) (first writer wins)
-                  │                   ├─ abort(gen) written by another agent
-                  │                   ├─ a member's container was lost
-                  │                   ▼
-                  └──── RESTARTING: kill own rank; gen += 1 while gen <= max_restarts
-                                      otherwise FAILED                 (exit 1)
-
-START: publish `alive/<container>` (owned: the resource manager deletes it when the
-container exits) and find the current generation (the first without an abort key).
-RENDEZVOUS/RUNNING: the rank process (launcher.rank) joins world `gen` and trains;
-the agent watches its exit status, its heartbeat file and the store.
-A rank never hangs forever: whatever aborts the generation, every agent kills its
-own rank, so survivors blocked inside a collective are ended.
+It is a loop around an explicit state machine (`State`, as torchrun's agent): it starts
+one rank process per generation of the world (launcher.rank), watches it and the store,
+and ends the generation everywhere when anything goes wrong, so that a rank never hangs
+forever inside a collective. START publishes `alive/<container>` (owned: the resource
+manager deletes it when the container exits) and finds the current generation (the
+first without an abort record). Why a generation ended is one `launcher.failure.Failure`;
+the container's exit status is decided in `launcher.exitcodes`.
 """
 import ctypes
+import dataclasses
+import enum
 import json
 import logging
 import math
@@ -30,16 +21,49 @@ import sys
 import time
 import uuid
 
-from . import identity, keys, memory, network, results, store as store_mod
+from . import exitcodes, identity, keys, memory, network, results, store as store_mod
+from .failure import Failure, Kind
 
 log = logging.getLogger("launcher.agent")
 
-EXIT_APP_FAILED = 3      # this container is fine; the application failed elsewhere
 _PR_SET_PDEATHSIG = 1
 SETUP_GRACE_S = 8.0      # after a peer failed in setup, how long a rank in setup may take to fail
                          # the same way on its own (ranks start seconds apart on a busy host)
 NOT_RETRIED = ("every rank failed the same way before training started, so it was not retried "
                "(a restart would fail the same way)")
+
+
+class State(enum.Enum):
+    """The agent's states. Transitions (Agent.step; each one is logged):
+
+        START       → RENDEZVOUS    the application has not failed: generation = the first
+                                    without an abort record
+                    → FAILED        it already failed (a replacement container came late)
+        RENDEZVOUS  → RUNNING       the rank process is started; it joins world `gen`
+        RUNNING     → SUCCEEDED     the rank exited 0
+                    → RESTARTING    the generation ended: this agent found why (its rank
+                                    crashed, was killed for memory or hung; the world did
+                                    not form; a member's container was lost) and wrote the
+                                    abort record, or another agent / the master did
+        RESTARTING  → RENDEZVOUS    the rank is killed; restarts left: generation + 1
+                    → FAILED        the application failed elsewhere, the restarts are
+                                    spent (external ends spend none), or every rank failed
+                                    the same way before training (a restart would too)
+        SUCCEEDED, FAILED           final: the container exits (launcher.exitcodes)
+    """
+    START = "start"
+    RENDEZVOUS = "rendezvous"
+    RUNNING = "running"
+    RESTARTING = "restarting"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
+class Outcome(enum.Enum):
+    """How a generation ended, as `Agent.monitor` saw it."""
+    SUCCEEDED = "succeeded"   # the own rank exited 0
+    OWN = "own"               # this agent found the cause (monitor returns the Failure)
+    OTHER = "other"           # another agent or the master did (an abort record, or FAILED)
 
 
 def die_with_parent():
@@ -69,8 +93,8 @@ def spent_restarts(store, upto):
     container the resource manager stopped (preemption, node decommission...)."""
     n = 0
     for g in range(upto + 1):
-        v = store.get(keys.abort(g))
-        if v is not None and not json.loads(v).get("external"):
+        f = Failure.load(store.get(keys.abort(g)))
+        if f is not None and not f.external:
             n += 1
     return n
 
@@ -168,37 +192,36 @@ class Agent:
         return words[0], age
 
     def monitor(self, gen):
-        """Watch one generation; return ("succeeded"|"own"|"other", reason dict)."""
+        """Watch one generation until it ends: (Outcome, the Failure this agent found or None)."""
         lj = self.job.launcher
         self.store.put(keys.incarnation(gen, self.ident.rank), self.incarnation)
+        me, rank = self.ident.container, self.ident.rank
         while True:
             rc = self.child.poll()
             if rc == 0:
-                return "succeeded", None
+                return Outcome.SUCCEEDED, None
             if rc is not None and rc != -signal.SIGKILL and self.someone_else_failed(gen):
                 # A rank that lost a peer dies of MPI's fatal error (SIGABRT or an error
                 # exit) moments after the peer: the peer's agent names the root cause.
-                return "other", None
+                return Outcome.OTHER, None
             if rc is not None:
-                what = f"killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
-                oom = memory.killed_for_memory(self.memory_before, memory.state(self.cgroup),
-                                               self.ident.container, self.group_index)
+                what, kind = exitcodes.describe(rc)[0], Kind.CRASHED
+                oom = memory.killed_for_memory(self.memory_before, memory.state(self.cgroup), me, self.group_index)
                 if oom:
-                    what = f"was killed by the kernel: {oom}"
-                err = self.rank_error(gen, self.ident.rank) or {}
+                    what, kind = f"was killed by the kernel: {oom}", Kind.OOM
+                err = self.rank_error(gen, rank) or {}
                 line = f": {err['error']}" if err.get("error") else ""
-                return "own", {"container": self.ident.container, "rank": self.ident.rank,
-                               "exit_code": rc, "error": err.get("error"), "phase": err.get("phase"),
-                               "reason": f"rank {self.ident.rank} ({self.ident.container}) {what}{line}"
-                                         + self.network_note()}
+                return Outcome.OWN, Failure(kind=kind.value, container=me, rank=rank, exit_code=rc,
+                                            error=err.get("error"), phase=err.get("phase"),
+                                            reason=f"rank {rank} ({me}) {what}{line}" + self.network_note())
             seen = self.observe(gen)
             if keys.FAILED in seen:
-                return "other", None
-            abort = seen.get(keys.abort(gen))
+                return Outcome.OTHER, None
+            abort = Failure.load(seen.get(keys.abort(gen)))
             if abort is not None:
-                if json.loads(abort).get("phase") == "setup" and self.read_heartbeat(time.monotonic())[0] == "setup":
+                if abort.phase == "setup" and self.read_heartbeat(time.monotonic())[0] == "setup":
                     self.let_fail(SETUP_GRACE_S)   # will it fail the same way? (see deterministic)
-                return "other", None
+                return Outcome.OTHER, None
             formed = keys.formed(gen) in seen
             now = time.monotonic()
             if not formed and now - self.spawned > lj.rendezvous_timeout:
@@ -206,9 +229,9 @@ class Agent:
                            if m["rank"] and keys.joined(gen, m["rank"]) not in seen]
                 nodes = network.members_from(self.store)
                 missing = [f"{c} on {nodes[c]['node']} ({nodes[c]['addr']})" if c in nodes else c for c in missing]
-                return "own", {"container": self.ident.container, "rank": self.ident.rank, "exit_code": None,
-                               "reason": f"world not formed within {lj.rendezvous_timeout:.0f}s; "
-                                         f"missing: {', '.join(missing) or 'none'}" + self.network_note()}
+                return Outcome.OWN, Failure(kind=Kind.NOT_FORMED.value, container=me, rank=rank,
+                                            reason=f"world not formed within {lj.rendezvous_timeout:.0f}s; "
+                                                   f"missing: {', '.join(missing) or 'none'}" + self.network_note())
             if formed:
                 phase, silent = self.read_heartbeat(now)
                 limit = lj.heartbeat_timeout if phase == "train" else lj.rendezvous_timeout
@@ -217,16 +240,16 @@ class Agent:
                 # and go silent too: a rank that is merely waiting gives the stopped one's
                 # agent a grace period to name the real culprit first.
                 if silent > limit + (0 if stopped else min(2.0, limit / 2)):
-                    return "own", {"container": self.ident.container, "rank": self.ident.rank, "exit_code": None,
-                                   "reason": f"rank {self.ident.rank} ({self.ident.container}) hung"
-                                             f"{' (process stopped)' if stopped else ''}: "
-                                             f"no progress for {silent:.1f}s in {phase} (limit {limit:g}s: "
-                                             f"launcher.{'heartbeat' if phase == 'train' else 'rendezvous'}"
-                                             f"_timeout)" + self.network_note()}
+                    return Outcome.OWN, Failure(
+                        kind=Kind.HUNG.value, container=me, rank=rank,
+                        reason=f"rank {rank} ({me}) hung{' (process stopped)' if stopped else ''}: "
+                               f"no progress for {silent:.1f}s in {phase} (limit {limit:g}s: "
+                               f"launcher.{'heartbeat' if phase == 'train' else 'rendezvous'}_timeout)"
+                               + self.network_note())
             lost = self.lost_member(gen, seen)
             if lost:
-                return "own", {"container": lost[0], "rank": None, "exit_code": None,
-                               "reason": f"lost {lost[0]}: {lost[1]}", "observed_by": self.ident.container}
+                return Outcome.OWN, Failure(kind=Kind.LOST.value, container=lost[0], observed_by=me,
+                                            reason=f"lost {lost[0]}: {lost[1]}")
             time.sleep(lj.poll_interval)
 
     def rank_error(self, gen, rank):
@@ -244,7 +267,7 @@ class Agent:
         """Whether generation `gen` failed in a way a restart would repeat: every rank failed
         before its first training step with the same error line. Waits (bounded) until every
         rank's agent has recorded how its rank ended."""
-        if cause.get("phase") != "setup" or not cause.get("error"):
+        if cause.phase != "setup" or not cause.error:
             return False
         deadline = time.monotonic() + SETUP_GRACE_S + 5
         while True:
@@ -252,7 +275,7 @@ class Agent:
             if all(records) or time.monotonic() > deadline:
                 break
             time.sleep(self.job.launcher.poll_interval)
-        return all(r and r.get("phase") == "setup" and r.get("error") == cause["error"] for r in records)
+        return all(r and r.get("phase") == "setup" and r.get("error") == cause.error for r in records)
 
     def network_note(self):
         """On emulated nodes: "; <which node is unreachable>" when the world hangs or cannot
@@ -263,46 +286,66 @@ class Agent:
 
     # -- the state machine --------------------------------------------------
     def run(self):
+        """Drive the states from START to SUCCEEDED or FAILED; the container's exit status."""
         self.store.put(keys.alive(self.ident.container),
                        json.dumps({"incarnation": self.incarnation, "pid": os.getpid(), "time": time.time()}),
                        owned=True)
-        gen = current_generation(self.store)
-        while True:
+        self.state, self.gen, self.found = State.START, current_generation(self.store), None
+        while self.state not in (State.SUCCEEDED, State.FAILED):
+            before = self.state
+            self.state = self.step(self.state)
+            log.info("%s -> %s (generation %d)", before.name, self.state.name, self.gen)
+        if self.state is State.SUCCEEDED:
+            return exitcodes.SUCCEEDED
+        return exitcodes.agent_status(self.found, self.ident.rank)
+
+    def step(self, state):
+        """One transition of `State` (see its docstring): the next state."""
+        if state is State.START:
             if self.store.get(keys.FAILED) is not None:
                 log.error("application already failed; not starting a rank")
-                return EXIT_APP_FAILED
-            log.info("RENDEZVOUS generation %d as rank %d of %d", gen, self.ident.rank, self.ident.world_size)
-            self.spawn(gen)
-            outcome, reason = self.monitor(gen)
-            if outcome == "succeeded":
-                self.store.put(keys.done(self.ident.container), json.dumps({"generation": gen}))
-                log.info("SUCCEEDED")
-                return 0
+                return State.FAILED
+            return State.RENDEZVOUS
+        if state is State.RENDEZVOUS:
+            log.info("generation %d as rank %d of %d", self.gen, self.ident.rank, self.ident.world_size)
+            self.spawn(self.gen)
+            return State.RUNNING
+        if state is State.RUNNING:
+            outcome, self.found = self.monitor(self.gen)
+            if outcome is Outcome.SUCCEEDED:
+                self.store.put(keys.done(self.ident.container), json.dumps({"generation": self.gen}))
+                return State.SUCCEEDED
             self.kill_child()
-            # How this rank ended, for `deterministic` (its own error record, if it left one, wins).
-            self.store.put_if_absent(keys.error(gen, self.ident.rank), json.dumps({"error": None}))
-            if reason:
-                reason.update(generation=gen, time=time.time(), log=self.log_path,
-                              log_tail=log_tail(self.log_path) if reason.get("rank") == self.ident.rank else "")
-                if self.store.put_if_absent(keys.abort(gen), json.dumps(reason)):
-                    log.error("generation %d aborted: %s", gen, reason["reason"])
-            cause = json.loads(self.store.get(keys.abort(gen)) or b"{}")
-            final = self.store.get(keys.FAILED) is not None
-            if not final and self.deterministic(gen, cause):
-                self.store.put_if_absent(keys.FAILED, json.dumps({
-                    **cause, "attempts": gen + 1, "retried": False,
-                    "reason": f"{cause.get('reason')}; {NOT_RETRIED}"}))
-            if self.store.get(keys.FAILED) is not None or spent_restarts(self.store, gen) > self.job.max_restarts:
-                first = json.loads(self.store.get(keys.abort(0)) or b"{}") or cause
-                first["attempts"] = gen + 1
-                self.store.put_if_absent(keys.FAILED, json.dumps(first))
-                log.error("FAILED after %d attempt(s): %s", gen + 1, first.get("reason"))
-                return EXIT_APP_FAILED if reason is None or reason.get("rank") != self.ident.rank \
-                    else (reason.get("exit_code") or 1) if (reason.get("exit_code") or 0) > 0 else 1
-            gen += 1
-            self.store.put_if_absent(keys.restart(gen), json.dumps({**cause, "aborted_generation": gen - 1,
-                                                                    "generation": gen}))
-            log.warning("RESTARTING as generation %d after: %s", gen, cause.get("reason"))
+            return State.RESTARTING
+        if state is State.RESTARTING:
+            return self.after_abort(self.gen, self.found)
+        raise ValueError(f"no transition from {state}")
+
+    def after_abort(self, gen, found):
+        """Generation `gen` ended (`found`: the cause this agent found, or None): record it
+        (first writer wins), then FAILED, or RENDEZVOUS in the next generation."""
+        # How this rank ended, for `deterministic` (its own error record, if it left one, wins).
+        self.store.put_if_absent(keys.error(gen, self.ident.rank), json.dumps({"error": None}))
+        if found:
+            own = found.rank == self.ident.rank and not found.observed_by
+            found = found.stamped(generation=gen, log=self.log_path,
+                                  log_tail=log_tail(self.log_path) if own else "")
+            if self.store.put_if_absent(keys.abort(gen), found.dumps()):
+                log.error("generation %d aborted: %s", gen, found.reason)
+        cause = Failure.load(self.store.get(keys.abort(gen))) or Failure(reason="")
+        if self.store.get(keys.FAILED) is None and self.deterministic(gen, cause):
+            self.store.put_if_absent(keys.FAILED, dataclasses.replace(
+                cause, attempts=gen + 1, retried=False, reason=f"{cause.reason}; {NOT_RETRIED}").dumps())
+        if self.store.get(keys.FAILED) is not None or spent_restarts(self.store, gen) > self.job.max_restarts:
+            first = Failure.load(self.store.get(keys.abort(0))) or cause
+            self.store.put_if_absent(keys.FAILED, dataclasses.replace(first, attempts=gen + 1).dumps())
+            log.error("FAILED after %d attempt(s): %s", gen + 1, first.reason)
+            return State.FAILED
+        self.gen = gen + 1
+        self.store.put_if_absent(keys.restart(self.gen), dataclasses.replace(
+            cause, aborted_generation=gen, generation=self.gen).dumps())
+        log.warning("restarting as generation %d after: %s", self.gen, cause.reason)
+        return State.RENDEZVOUS
 
 
 def main():
@@ -321,12 +364,12 @@ def main():
         agent.kill_child()
         try:
             gen = current_generation(agent.store)
-            agent.store.put_if_absent(keys.abort(gen), json.dumps({
-                "container": ident.container, "rank": ident.rank, "exit_code": None, "external": True,
-                "generation": gen, "time": time.time(),
-                "reason": f"container {ident.container} was stopped by the resource manager (SIGTERM)"}))
+            agent.store.put_if_absent(keys.abort(gen), Failure(
+                kind=Kind.EXTERNAL.value, container=ident.container, rank=ident.rank, external=True,
+                reason=f"container {ident.container} was stopped by the resource manager (SIGTERM)"
+            ).stamped(generation=gen).dumps())
         finally:
-            os._exit(128 + signum)
+            os._exit(exitcodes.signalled(signum))
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
     code = agent.run()

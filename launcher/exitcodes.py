@@ -1,8 +1,33 @@
-"""What a container's exit status means, YARN's special codes included.
+"""Every exit status the container side uses, and what an exit status means.
 
-YARN reports negative ContainerExitStatus values for containers it ended itself;
-those are not the application's fault and do not spend its restart budget.
+The agent (launcher.agent) ends its container with:
+    SUCCEEDED   0   its rank finished in the last generation
+    FAILED_HERE the rank's own exit status (>0), or 1: this container's rank caused the failure
+    APP_FAILED  3   this container is fine; the application failed elsewhere
+    signalled   128 + N after SIGTERM/SIGINT (stopped by the resource manager or the user)
+The rank process (launcher.rank) ends with 0, its user code's status, or 1 (RANK_FAILED).
+
+YARN reports negative ContainerExitStatus values for containers it ended itself; those
+are not the application's fault and do not spend its restart budget.
 """
+
+SUCCEEDED = 0
+RANK_FAILED = 1          # launcher.rank: the user's code or our setup failed (its line is in the store)
+APP_FAILED = 3           # launcher.agent: this container is fine; the application failed elsewhere
+
+
+def signalled(signum):
+    """The status of a process that ends itself on signal `signum` (the shell's convention)."""
+    return 128 + signum
+
+
+def agent_status(failure, own_rank):
+    """The agent's exit status once the application FAILED: the rank's own status (or 1)
+    when this container's rank caused it, else APP_FAILED."""
+    if failure is None or failure.rank != own_rank or failure.observed_by:
+        return APP_FAILED
+    return failure.exit_code if (failure.exit_code or 0) > 0 else RANK_FAILED
+
 
 YARN = {
     -100: ("ABORTED", "released by the resource manager", True),

@@ -12,9 +12,11 @@ import pytest
 
 import conf
 from launcher import keys
-from launcher.agent import Agent
+from launcher.agent import Agent, Outcome
 from launcher.identity import Identity
 from launcher.store import FileStore, Store
+
+pytestmark = pytest.mark.unit
 
 
 class Counting(Store):
@@ -81,7 +83,7 @@ def calls_per_poll(tmp_path, containers, polls=15):
     finally:
         agent.child.kill()
         agent.child.wait()
-    assert out["result"] == ("other", None)
+    assert out["result"] == (Outcome.OTHER, None)
     # one put (this agent's incarnation) before the loop; every poll after it
     return (calls - 1) / counting.snapshots
 

@@ -7,6 +7,7 @@ SIGTERM (`yarnapp kill`) or at the end leaves no process of the application behi
 
     python -m yarnapp.backends.local.am APP_DIR
 """
+import dataclasses
 import json
 import logging
 import os
@@ -18,7 +19,8 @@ import time
 
 import psutil
 
-from launcher import agent as agent_mod, keys, memory, tensorboard_service
+from launcher import agent as agent_mod, exitcodes, keys, memory, tensorboard_service
+from launcher.failure import Failure, Kind
 from launcher.store import FileStore
 
 from . import cgroups, gpus, netem
@@ -151,19 +153,18 @@ class ApplicationMaster:
         if rc == 0:
             c.state = "SUCCEEDED"
             return
-        if rc == agent_mod.EXIT_APP_FAILED or failed or self.stopping:
+        if rc == exitcodes.APP_FAILED or failed or self.stopping:
             c.state = "FAILED"
             return
         # The container itself died (not its rank): tell the world, then replace it.
         gen = agent_mod.current_generation(self.store)
-        what = f"killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
+        what, kind = exitcodes.describe(rc)[0], Kind.CONTAINER
         oom = memory.killed_for_memory(c.memory_start, c.memory, c.id, c.group_index)
         if oom:
-            what = f"was killed by the kernel: {oom}"
-        self.store.put_if_absent(keys.abort(gen), json.dumps({
-            "container": c.id, "rank": c.member["rank"], "exit_code": rc, "generation": gen,
-            "reason": f"container {c.id} {what}", "log": c.log, "log_tail": agent_mod.log_tail(c.log),
-            "time": time.time()}))
+            what, kind = f"was killed by the kernel: {oom}", Kind.OOM
+        self.store.put_if_absent(keys.abort(gen), Failure(
+            kind=kind.value, container=c.id, rank=c.member["rank"], exit_code=rc, reason=f"container {c.id} {what}",
+            log=c.log, log_tail=agent_mod.log_tail(c.log)).stamped(generation=gen).dumps())
         if c.attempts <= self.job.max_restarts:
             log.warning("container %s %s; replacing it", c.id, what)
             c.start()
@@ -179,11 +180,10 @@ class ApplicationMaster:
             self.store.release(c.id)
         gen = agent_mod.current_generation(self.store)
         why = f"the application master died (attempt {self.attempt - 1}); attempt {self.attempt} restarts every container"
-        cause = {"container": "master", "rank": None, "exit_code": None, "external": True, "generation": gen,
-                 "reason": why, "time": time.time()}
-        if self.store.put_if_absent(keys.abort(gen), json.dumps(cause)):
-            self.store.put_if_absent(keys.restart(gen + 1), json.dumps({**cause, "aborted_generation": gen,
-                                                                        "generation": gen + 1}))
+        cause = Failure(kind=Kind.EXTERNAL.value, container="master", external=True, reason=why).stamped(generation=gen)
+        if self.store.put_if_absent(keys.abort(gen), cause.dumps()):
+            self.store.put_if_absent(keys.restart(gen + 1), dataclasses.replace(
+                cause, aborted_generation=gen, generation=gen + 1).dumps())
         log.warning("%s", why)
         self.extra["am_attempt"] = self.attempt
 
@@ -263,7 +263,7 @@ class ApplicationMaster:
             self.network.create()
         except netem.NetemError as e:
             log.error("cannot build the emulated network: %s", e)
-            self.store.put_if_absent(keys.FAILED, json.dumps({"reason": f"emulated network: {e}"}))
+            self.store.put_if_absent(keys.FAILED, Failure(kind=Kind.SETUP.value, reason=f"emulated network: {e}").dumps())
             return False
         for c in self.containers:
             c.node = placement[c.id]
@@ -317,11 +317,12 @@ class ApplicationMaster:
         cgroups.Limits.remove_app(self.app_id)
         failed = self.store.get(keys.FAILED)
         if self.state == "FAILED":
-            cause = json.loads(failed) if failed else next(
-                ({"reason": f"container {c.id} exited with status {c.exit_code}", "container": c.id,
-                  "exit_code": c.exit_code, "log": c.log} for c in self.containers if c.state == "FAILED"), {})
-            self.extra["failure"] = cause
-            self.diagnostics = cause.get("reason", "")
+            cause = Failure.load(failed) or next(
+                (Failure(reason=f"container {c.id} {exitcodes.describe(c.exit_code)[0]}", kind=Kind.CONTAINER.value,
+                         container=c.id, exit_code=c.exit_code, log=c.log)
+                 for c in self.containers if c.state == "FAILED"), None)
+            self.extra["failure"] = json.loads(cause.dumps()) if cause else {}
+            self.diagnostics = cause.reason if cause else ""
         elif self.state == "KILLED":
             self.diagnostics = "killed by the user"
         self.extra["finished"] = time.time()

@@ -29,6 +29,8 @@ import time
 
 import psutil
 
+from launcher.failure import Failure, Kind
+
 from ..base import TERMINAL
 from . import cgroups, netem
 from .state import app_processes, read_json, write_state
@@ -144,8 +146,8 @@ class Supervisor:
             if c.get("state") == "RUNNING":
                 c["state"] = state
         if state == "FAILED":
-            st["failure"] = {"reason": diagnostics, "container": "master",
-                             "log": os.path.join(self.dir, "am.log")}
+            st["failure"] = json.loads(Failure(reason=diagnostics, kind=Kind.CONTAINER.value, container="master",
+                                               log=os.path.join(self.dir, "am.log")).stamped().dumps())
         write_state(self.dir, st)
 
 

@@ -1,0 +1,68 @@
+"""One failure record: why a generation of the world ended, or why the application failed.
+
+Agents (launcher.agent) and the local engine's master (yarnapp.backends.local.am) write
+it to the store: `keys.abort(gen)` (first writer wins: the root cause of that generation),
+`keys.restart(gen)` (the generation that follows it, with the cause), `keys.FAILED` (the
+application's end). Status, results and the YARN backend read it back with `Failure.load`.
+On the wire it is a JSON object; readers ignore fields they do not know.
+"""
+import dataclasses
+import enum
+import json
+import time
+from typing import Optional
+
+
+class Kind(str, enum.Enum):
+    CRASHED = "crashed"              # the rank process exited non-zero or died of a signal
+    OOM = "oom"                      # ... killed by the kernel for its container's memory
+    HUNG = "hung"                    # no heartbeat within the limit (a stopped process included)
+    NOT_FORMED = "world-not-formed"  # the world did not form within launcher.rendezvous_timeout
+    LOST = "lost-container"          # a member's container exited or was replaced
+    CONTAINER = "container"          # the container itself (not its rank) died
+    EXTERNAL = "external"            # stopped by the resource manager, or the master died:
+                                     # not the job's fault, spends no restart
+    SETUP = "setup"                  # the application could not be set up (emulated network...)
+
+
+@dataclasses.dataclass
+class Failure:
+    reason: str                              # one line for people
+    kind: str = Kind.CRASHED.value
+    container: Optional[str] = None          # whose failure it is
+    rank: Optional[int] = None
+    exit_code: Optional[int] = None
+    error: Optional[str] = None              # the rank's own error line (launcher.rank)
+    phase: Optional[str] = None              # setup | train, when the rank said
+    external: bool = False                   # spends no restart (see spent_restarts)
+    observed_by: Optional[str] = None        # the container whose agent saw it, if not its own
+    generation: Optional[int] = None
+    time: Optional[float] = None
+    log: str = ""
+    log_tail: str = ""
+    attempts: Optional[int] = None           # on FAILED: how many generations ran
+    retried: Optional[bool] = None           # on FAILED: False when not retried (deterministic)
+    aborted_generation: Optional[int] = None  # on a restart record: the generation that ended
+
+    def stamped(self, **fields):
+        """A copy with `fields` set, and the time now if it had none."""
+        out = dataclasses.replace(self, **fields)
+        if out.time is None:
+            out.time = time.time()
+        return out
+
+    def dumps(self):
+        return json.dumps({k: v for k, v in dataclasses.asdict(self).items() if v is not None})
+
+    @classmethod
+    def load(cls, raw):
+        """The record in `raw` (bytes, str or a dict), or None when there is none."""
+        if raw is None:
+            return None
+        d = json.loads(raw) if isinstance(raw, (bytes, str)) else dict(raw)
+        if not d:
+            return None
+        names = {f.name for f in dataclasses.fields(cls)}
+        fields = {k: v for k, v in d.items() if k in names}
+        fields.setdefault("reason", "")
+        return cls(**fields)

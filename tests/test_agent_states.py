@@ -1,0 +1,154 @@
+"""The agent's state machine, fast: the real Agent and a real FileStore, with the rank
+process replaced by scripted monitor results (as torch elastic's agent tests script their
+workers). What the transitions write to the store and the container's exit status are
+what the AM, status and results read."""
+import json
+
+import pytest
+
+import conf
+from launcher import exitcodes, keys
+from launcher.agent import NOT_RETRIED, Agent, Outcome, State
+from launcher.failure import Failure, Kind
+from launcher.identity import Identity
+from launcher.store import FileStore
+
+pytestmark = pytest.mark.unit
+
+
+class ScriptedAgent(Agent):
+    """Each generation's monitor result comes from `script`: (Outcome, Failure or None,
+    a function of the store run first: what the other agents or the master did)."""
+
+    def __init__(self, ident, store, script):
+        super().__init__(ident, store)
+        self.script = list(script)
+        self.spawned_gens, self.killed, self.transitions = [], 0, []
+
+    def spawn(self, gen):
+        self.spawned_gens.append(gen)
+
+    def kill_child(self):
+        self.killed += 1
+
+    def monitor(self, gen):
+        outcome, failure, others = self.script.pop(0)
+        if others:
+            others(self.store, gen)
+        return outcome, failure
+
+    def step(self, state):
+        nxt = super().step(state)
+        self.transitions.append((state.name, nxt.name))
+        return nxt
+
+
+def agent(tmp_path, script, max_restarts=3, instances=1, rank=0):
+    job = conf.load_job({"name": "states", "max_restarts": max_restarts,
+                         "groups": [{"name": "w", "instances": instances}],
+                         "run": {"function": "training.hello:main"}, "launcher": {"poll_interval": "10ms"}})
+    ident = Identity(backend="local", app_id="a", container=f"w_{rank}", group="w", instance=rank, rank=rank,
+                     job=job, secret="s", app_dir=str(tmp_path))
+    store = FileStore(str(tmp_path / "store"))
+    return ScriptedAgent(ident, store, script), store
+
+
+def crash(code=7, phase="train", error="RuntimeError: boom"):
+    return Failure(kind=Kind.CRASHED.value, container="w_0", rank=0, exit_code=code, phase=phase, error=error,
+                   reason=f"rank 0 (w_0) exited with status {code}: {error}")
+
+
+def load(store, key):
+    return Failure.load(store.get(key))
+
+
+def test_a_rank_that_succeeds_ends_the_container_with_0(tmp_path):
+    a, store = agent(tmp_path, [(Outcome.SUCCEEDED, None, None)])
+    assert a.run() == exitcodes.SUCCEEDED
+    assert a.transitions == [("START", "RENDEZVOUS"), ("RENDEZVOUS", "RUNNING"), ("RUNNING", "SUCCEEDED")]
+    assert json.loads(store.get(keys.done("w_0"))) == {"generation": 0}
+    assert store.get(keys.alive("w_0")) is not None and store.get(keys.abort(0)) is None
+
+
+def test_a_crash_restarts_in_the_next_generation_with_the_cause_recorded(tmp_path):
+    a, store = agent(tmp_path, [(Outcome.OWN, crash(), None), (Outcome.SUCCEEDED, None, None)])
+    assert a.run() == exitcodes.SUCCEEDED
+    assert a.spawned_gens == [0, 1] and a.killed == 1
+    assert ("RUNNING", "RESTARTING") in a.transitions and ("RESTARTING", "RENDEZVOUS") in a.transitions
+    cause = load(store, keys.abort(0))
+    assert (cause.reason, cause.generation, cause.exit_code, cause.kind) == (crash().reason, 0, 7, "crashed")
+    restart = load(store, keys.restart(1))
+    assert (restart.aborted_generation, restart.generation, restart.reason) == (0, 1, crash().reason)
+    assert store.get(keys.FAILED) is None
+
+
+def test_spent_restarts_fail_the_application_with_the_first_cause_and_the_ranks_status(tmp_path):
+    second = crash(code=9, error="ValueError: again")
+    a, store = agent(tmp_path, [(Outcome.OWN, crash(), None), (Outcome.OWN, second, None)], max_restarts=1)
+    assert a.run() == 9                                   # this container's rank caused it: its status
+    assert a.transitions[-1] == ("RESTARTING", "FAILED") and a.spawned_gens == [0, 1]
+    failed = load(store, keys.FAILED)
+    assert (failed.reason, failed.attempts) == (crash().reason, 2)     # the root cause: generation 0's
+    assert load(store, keys.abort(1)).reason == second.reason
+
+
+def test_another_agents_abort_is_kept_and_followed(tmp_path):
+    theirs = Failure(kind=Kind.HUNG.value, container="w_1", rank=1, reason="rank 1 (w_1) hung: no progress")
+
+    def peer_aborts(store, gen):
+        store.put_if_absent(keys.abort(gen), theirs.stamped(generation=gen).dumps())
+    mine = Failure(kind=Kind.LOST.value, container="w_1", observed_by="w_0", reason="lost w_1: its container exited")
+    a, store = agent(tmp_path, [(Outcome.OTHER, None, peer_aborts), (Outcome.OWN, mine, peer_aborts),
+                                (Outcome.SUCCEEDED, None, None)], instances=2)
+    assert a.run() == exitcodes.SUCCEEDED and a.spawned_gens == [0, 1, 2]
+    assert load(store, keys.abort(0)).reason == theirs.reason          # first writer wins
+    assert load(store, keys.abort(1)).reason == theirs.reason          # ... even over this agent's own finding
+
+
+def test_an_external_end_spends_no_restart(tmp_path):
+    def master_died(store, gen):
+        store.put_if_absent(keys.abort(gen), Failure(kind=Kind.EXTERNAL.value, container="master", external=True,
+                                                     reason="the application master died").dumps())
+    a, store = agent(tmp_path, [(Outcome.OTHER, None, master_died), (Outcome.OTHER, None, master_died),
+                                (Outcome.SUCCEEDED, None, None)], max_restarts=0)
+    assert a.run() == exitcodes.SUCCEEDED and a.spawned_gens == [0, 1, 2]
+    a, store = agent(tmp_path / "b", [(Outcome.OWN, crash(), None)], max_restarts=0)
+    assert a.run() == 7 and load(store, keys.FAILED).attempts == 1
+
+
+def test_the_same_failure_in_setup_on_every_rank_is_not_retried(tmp_path):
+    setup = crash(code=1, phase="setup", error="ModuleNotFoundError: No module named 'mymod'")
+
+    def rank_recorded(store, gen):                   # launcher.rank writes its line before it exits
+        store.put_if_absent(keys.error(gen, 0), json.dumps({"error": setup.error, "phase": "setup"}))
+    a, store = agent(tmp_path, [(Outcome.OWN, setup, rank_recorded)], max_restarts=3)
+    assert a.run() == 1 and a.spawned_gens == [0]
+    failed = load(store, keys.FAILED)
+    assert failed.retried is False and failed.attempts == 1 and failed.reason.endswith(NOT_RETRIED)
+
+
+def test_a_failure_in_training_is_retried_even_when_it_repeats(tmp_path):
+    def rank_recorded(store, gen):
+        store.put_if_absent(keys.error(gen, 0), json.dumps({"error": crash().error, "phase": "train"}))
+    a, store = agent(tmp_path, [(Outcome.OWN, crash(), rank_recorded)] * 2 + [(Outcome.SUCCEEDED, None, None)])
+    assert a.run() == exitcodes.SUCCEEDED and a.spawned_gens == [0, 1, 2]
+
+
+def test_a_container_that_starts_after_the_application_failed_starts_no_rank(tmp_path):
+    a, store = agent(tmp_path, [])
+    store.put(keys.FAILED, Failure(reason="rank 1 failed").dumps())
+    assert a.run() == exitcodes.APP_FAILED and a.spawned_gens == []
+    assert a.transitions == [("START", "FAILED")]
+
+
+def test_a_lost_peer_fails_this_container_as_app_failed_not_as_its_own(tmp_path):
+    lost = Failure(kind=Kind.LOST.value, container="w_1", observed_by="w_0", reason="lost w_1: its container exited")
+    a, store = agent(tmp_path, [(Outcome.OWN, lost, None)], max_restarts=0, instances=2)
+    assert a.run() == exitcodes.APP_FAILED
+    assert load(store, keys.FAILED).reason == lost.reason
+
+
+def test_every_state_has_its_transition_documented():
+    doc = State.__doc__
+    for s in State:
+        assert s.name in doc, s
