@@ -177,10 +177,7 @@ def cmd_data_import(args):
         opts["overwrite"] = True
     if args.kind == "image-folder" and "path" in opts:
         opts["folder"] = opts.pop("path")
-    try:
-        summary = data.run_import(args.kind, args.uri, opts)
-    except data.DataError as e:
-        raise YarnappError(str(e)) from None
+    summary = data.run_import(args.kind, args.uri, opts)          # DataError: one line
     _p(json.dumps(summary))
     return 0
 
@@ -189,18 +186,16 @@ def cmd_plan(args):
     """Predicted step time and speedup of every strategy for a job (training.planner)."""
     spec = api.load(args.job)
     from training import planner   # imports torch: only for this command
-    try:
-        opts = planner.parse_options(measure=args.measure, bandwidth=args.bandwidth, latency=args.latency,
-                                     machines=args.machines, gpu_speed=args.gpu_speed, quick=args.quick,
-                                     input_shape=args.input_shape, classes=args.classes)
-        plan = planner.plan_job(spec, opts)
-        _p(planner.format_table(plan))
-        if args.json:
-            _p(f"written {planner.write_json(plan, args.json)}")
-        if args.png:
-            _p(f"written {planner.write_png(plan, args.png)}")
-    except (ValueError, OSError) as e:      # PlanError, ModelError: one line each
-        raise YarnappError(str(e)) from None
+    # PlanError, ModelError, DataError are YarnappErrors: main() prints them as one line.
+    opts = planner.parse_options(measure=args.measure, bandwidth=args.bandwidth, latency=args.latency,
+                                 machines=args.machines, gpu_speed=args.gpu_speed, quick=args.quick,
+                                 input_shape=args.input_shape, classes=args.classes)
+    plan = planner.plan_job(spec, opts)
+    _p(planner.format_table(plan))
+    if args.json:
+        _p(f"written {planner.write_json(plan, args.json)}")
+    if args.png:
+        _p(f"written {planner.write_png(plan, args.png)}")
     return 0
 
 

@@ -140,11 +140,17 @@ def write_png(plan, path):
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    try:
+        fig.savefig(path, dpi=100)
+    except OSError as e:
+        raise PlanError(f"--png {path}: cannot write it ({e.strerror or e}); give a writable path") from None
     return path
 
 
 def write_json(plan, path):
-    with open(path, "w") as f:
-        json.dump(plan, f, indent=1)
+    try:
+        with open(path, "w") as f:
+            json.dump(plan, f, indent=1)
+    except OSError as e:
+        raise PlanError(f"--json {path}: cannot write it ({e.strerror or e}); give a writable path") from None
     return path
