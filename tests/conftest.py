@@ -12,6 +12,13 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "yarn: runs on a real YARN: the suite's own single-node Hadoop "
                             "(tests/test_yarn_real.py), or your cluster with YARNAPP_TEST_YARN=1")
     config.addinivalue_line("markers", "slow: a multi-process job taking more than a few seconds")
+    # Tiers, by what a test module starts (python -m pytest -m unit | multiprocess | e2e):
+    config.addinivalue_line("markers", "unit: no ranks and no jobs: functions, the agent's states on scripted "
+                            "monitor results, specs, files (seconds in all)")
+    config.addinivalue_line("markers", "multiprocess: MPI ranks joined as containers join (tests/ranks/, "
+                            "training.probes), without a whole job")
+    config.addinivalue_line("markers", "e2e: whole applications through yarnapp.submit or the CLI, on the "
+                            "local engine (or a real YARN with the yarn marker)")
 
 
 @pytest.fixture

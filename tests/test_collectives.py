@@ -6,6 +6,8 @@ import torch
 
 import worlds
 
+pytestmark = pytest.mark.multiprocess
+
 CHECKS = {1: ["sums", "training"], 2: ["sums", "wait_cpu", "training"], 3: ["sums", "sums_polite", "training"]}
 
 

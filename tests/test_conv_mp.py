@@ -12,6 +12,8 @@ import torch
 import worlds
 from training.strategies.conv_mp.calibrate import corrected_speeds, proportional_split
 
+pytestmark = pytest.mark.multiprocess
+
 TOL = 1e-5
 
 

@@ -15,6 +15,8 @@ import pytest
 from training import data
 from training.data import DataError, ParquetSource, read_arrays
 
+pytestmark = pytest.mark.unit
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -14,7 +14,7 @@ import yarnapp
 from recovery_util import run_to_end
 from util import assert_nothing_left
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 JOBS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobs")
 LIMIT_MIB = 1024

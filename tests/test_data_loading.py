@@ -14,6 +14,8 @@ from training.data import Order, ParquetSource, map_permutation, split_rows
 from training.data import formats, transforms
 from training.data.mapstyle import MapSource
 
+pytestmark = pytest.mark.unit
+
 
 def _collect(it):
     return [(e, s, x.clone(), y.clone()) for e, s, x, y in it]

@@ -11,7 +11,7 @@ import yarnapp
 from recovery_util import digits_job, wait_step
 from util import app_id_from, assert_nothing_left, write_job
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 CGROUPS = os.geteuid() == 0 and os.path.isfile("/sys/fs/cgroup/memory/memory.oom_control")
 
 

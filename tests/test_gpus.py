@@ -13,6 +13,8 @@ import yarnapp
 from util import assert_nothing_left
 from yarnapp.backends.local import gpus
 
+pytestmark = pytest.mark.e2e
+
 FAKE_SMI = """#!/bin/sh
 # what `nvidia-smi --query-gpu=index,uuid,name,memory.total --format=csv,noheader,nounits` prints
 echo "0, GPU-aaaa, NVIDIA H100 80GB HBM3, 81559"

@@ -5,7 +5,11 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from yarnapp import hadoop
+
+pytestmark = pytest.mark.unit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

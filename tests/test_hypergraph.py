@@ -20,6 +20,8 @@ import torch.nn.functional as F
 import worlds
 from training import partition as P
 
+pytestmark = pytest.mark.multiprocess
+
 TOL = 1e-5
 
 

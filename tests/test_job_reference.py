@@ -11,6 +11,8 @@ from pydantic import BaseModel
 import conf
 from conf.schema import JobSpec
 
+pytestmark = pytest.mark.unit
+
 DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "job-reference.md")
 CELL = re.compile(r"(?<!\\)\|")             # a table cell border (`\|` is a pipe inside a cell)
 

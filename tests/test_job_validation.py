@@ -7,6 +7,8 @@ import yaml
 import conf
 from util import apps
 
+pytestmark = pytest.mark.e2e
+
 GOOD = {"name": "t", "groups": [{"name": "w", "instances": 1, "vcores": 1, "memory": "256 MiB"}],
         "run": {"function": "training.hello:main"}}
 

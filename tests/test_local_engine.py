@@ -13,6 +13,8 @@ import yarnapp
 from yarnapp.backends.local.engine import LocalBackend
 from util import app_id_from, assert_nothing_left, write_job
 
+pytestmark = pytest.mark.e2e
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 HELLO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf", "examples", "hello.yaml")

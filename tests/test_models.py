@@ -8,6 +8,8 @@ from torch import nn
 from training import data
 from training.models import ModelError, build_model, conv_layers, parameter_count
 
+pytestmark = pytest.mark.unit
+
 SMALL = [
     ("digits_cnn", (1, 8, 8), {}),
     ("digits_cnn", (3, 5, 7), {"conv1": 3, "conv2": 4, "hidden": 6}),

@@ -21,6 +21,8 @@ from launcher.store import FileStore
 from util import app_id_from, apps, assert_nothing_left, write_job
 from yarnapp.backends.local import netem
 
+pytestmark = pytest.mark.e2e
+
 CGROUPS = os.geteuid() == 0 and os.path.isfile("/sys/fs/cgroup/cpu/cpu.cfs_quota_us")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HELLO = os.path.join(ROOT, "conf", "examples", "hello.yaml")

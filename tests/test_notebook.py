@@ -13,6 +13,8 @@ import pytest
 import yarnapp
 from util import apps, assert_nothing_left
 
+pytestmark = pytest.mark.e2e
+
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")

@@ -14,7 +14,7 @@ import yarnapp
 from recovery_util import rank_pid
 from util import app_id_from, assert_nothing_left, write_job
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 JOBS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobs")
 GROUPS = [{"name": "big", "instances": 1, "vcores": 1, "memory": "2 GiB"},

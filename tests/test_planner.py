@@ -12,6 +12,8 @@ import conf
 from training import planner
 from training.planner import Case, Device, Layer, Link, Profile
 
+pytestmark = pytest.mark.multiprocess
+
 
 def predict(name, devices, link, batch=64, shares="equal", sched=planner.Scheduling(), conv_layers=(), own=None,
             **config):

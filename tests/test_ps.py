@@ -11,6 +11,8 @@ import pytest
 
 import worlds
 
+pytestmark = pytest.mark.multiprocess
+
 TOL = 1e-5
 
 

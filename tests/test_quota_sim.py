@@ -3,6 +3,8 @@ import pytest
 
 from training.perf.quota_sim import Rank, step_s
 
+pytestmark = pytest.mark.unit
+
 FREE = Rank()                       # no quota, spins while it waits
 HALF = Rank(quota=0.5, weight=0.5, wait_cpu=0.0)
 

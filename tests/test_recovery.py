@@ -14,7 +14,7 @@ from launcher import keys
 from recovery_util import digits_job, final_weights, rank_pid, run_to_end, store_of, wait_step
 from util import assert_nothing_left
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,8 @@ from yarnapp import shipping
 from yarnapp.backends.yarn import build_spec, stage_files
 from yarnapp.errors import YarnappError
 
+pytestmark = pytest.mark.unit
+
 
 def _project(root):
     """A user's project: a script, a helper module beside it, a package, some junk."""

@@ -6,8 +6,12 @@ import json
 import os
 import re
 
+import pytest
+
 import conf
 from training import planner, strategies
+
+pytestmark = pytest.mark.unit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

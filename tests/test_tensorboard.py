@@ -19,6 +19,8 @@ import yarnapp
 from util import assert_nothing_left, write_job
 from yarnapp.backends.local.state import app_processes
 
+pytestmark = pytest.mark.e2e
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WRITER = os.path.join(ROOT, "tests", "jobs", "tb_writer.py")
 TAG = "train/loss"

@@ -17,7 +17,7 @@ from recovery_util import final_weights, run_to_end
 from util import app_id_from, assert_nothing_left
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def _job(tmp_path, digits, name, groups, steps=20, shares="equal"):

@@ -22,7 +22,7 @@ from launcher import keys
 from yarnapp.errors import YarnappError
 from yarn_cluster import ROOT, start
 
-pytestmark = [pytest.mark.yarn, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.yarn, pytest.mark.slow]
 
 HELLO = os.path.join(conf.EXAMPLES_DIR, "hello.yaml")
 WRITER = os.path.join(ROOT, "tests", "jobs", "tb_writer.py")

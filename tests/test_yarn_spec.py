@@ -23,6 +23,8 @@ from yarnapp.backends.yarn import (YarnBackend, kv_fields, app_record, app_state
                                    container_record, name_memory_kills, named_logs, stage_files)
 from yarnapp.errors import BackendUnavailable, YarnappError
 
+pytestmark = pytest.mark.unit
+
 HELLO = os.path.join(conf.EXAMPLES_DIR, "hello.yaml")
 CONTRACT = ("YARNAPP_BACKEND", "YARNAPP_GROUP", "YARNAPP_JOB", "YARNAPP_SECRET_FILE", "YARNAPP_STORAGE")
 SECRET = ".yarnapp-secret"
