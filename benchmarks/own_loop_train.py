@@ -42,17 +42,25 @@ def model():
     return build_model("resnet", (3, 32, 32), 10)
 
 
-def train(loader_epochs, net, opt, warmup, steps, rank, batch):
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train(loader_epochs, net, opt, warmup, steps, rank, batch, device):
     done, t0 = 0, None
     for batches in loader_epochs():
         for x, y in batches:
             if done == warmup:
+                sync(device)
                 t0 = time.perf_counter()
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             opt.zero_grad()
             F.cross_entropy(net(x), y).backward()
             opt.step()
             done += 1
             if done == warmup + steps:
+                sync(device)
                 return steps * batch / (time.perf_counter() - t0)
 
 
@@ -62,10 +70,10 @@ def main():
     if args.api == "ours":
         import training.dist as yd
         ctx = yd.init()
-        rank = ctx.rank
+        rank, device = ctx.rank, yd.device()
         sampler = yd.ShareSampler(dataset, batch_size=args.batch, shares=args.shares, seed=0)
         loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler)
-        net = model()
+        net = model().to(device)
         yd.broadcast_parameters(net.state_dict())
         opt = yd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9),
                                       model=net, weight=sampler.weight)
@@ -78,23 +86,26 @@ def main():
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel as DDP
         from torch.utils.data import DataLoader, DistributedSampler
-        dist.init_process_group("gloo")
+        gpu = torch.cuda.is_available() and os.environ.get("CUDA_VISIBLE_DEVICES", "") != ""
+        device = torch.device("cuda", 0) if gpu else torch.device("cpu")   # its container's own GPU
+        dist.init_process_group("nccl" if gpu else "gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
         sampler = DistributedSampler(dataset, shuffle=True, seed=0, drop_last=True)
         loader = DataLoader(dataset, batch_size=args.batch // world, sampler=sampler, drop_last=True)
-        net = DDP(model())
+        net = DDP(model().to(device), device_ids=[0] if gpu else None)
         opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
 
         def epochs():
             for e in range(1000):
                 sampler.set_epoch(e)
                 yield loader
-    rate = train(epochs, net, opt, args.warmup, args.steps, rank, args.batch)
+    rate = train(epochs, net, opt, args.warmup, args.steps, rank, args.batch, device)
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump({"samples_per_s": rate, "steps": args.steps, "batch": args.batch, "api": args.api,
                        "shares": args.shares if args.api == "ours" else "equal",
-                       "threads": torch.get_num_threads(), "world": int(os.environ["WORLD_SIZE"])}, f)
+                       "threads": torch.get_num_threads(), "world": int(os.environ["WORLD_SIZE"]),
+                       "device": device.type}, f)
 
 
 if __name__ == "__main__":

@@ -257,6 +257,7 @@ class Training(Model):
     weight_decay: Annotated[float, Field(ge=0)]
     seed: int
     shares: Union[Literal["speed", "equal", "vcores"], List[Annotated[float, Field(gt=0)]]]
+    precision: Literal["fp32", "bf16", "fp16"]
     log_every: Annotated[int, Field(ge=1)]
 
 
@@ -345,6 +346,14 @@ class JobSpec(Model):
         if self.training and isinstance(self.training.shares, list) and len(self.training.shares) != self.world_size:
             raise ValueError(f"training.shares: {len(self.training.shares)} shares given for "
                              f"{self.world_size} ranks")
+        precision = self.training.precision if self.training else "fp32"
+        name = self.training.strategy.name if self.training else None
+        if precision != "fp32" and name in ("conv_model_parallel", "hypergraph"):
+            raise ValueError(f"training.precision: {precision} is for the data-parallel strategies (allreduce, "
+                             f"ps_central, ps_sharded); {name} trains in fp32: remove the field")
+        if precision == "fp16" and name in ("ps_central", "ps_sharded"):
+            raise ValueError(f"training.precision: fp16 needs the loss scaling of allreduce; {name} takes bf16 "
+                             "or fp32")
         for field in ("split", "capacities"):       # one weight per rank (conv-MP, hypergraph)
             weights = getattr(self.training.strategy, field, None) if self.training else None
             if weights is not None and len(weights) != self.world_size:

@@ -71,6 +71,13 @@ class RunContext:
         return self.ranks[self.rank]
 
     @property
+    def device(self):
+        """Where this rank computes: cuda:0 when its container has GPUs and CUDA is
+        available, else the CPU (training.devices.rank_device, the one rule)."""
+        from training.devices import rank_device
+        return rank_device(self.me)
+
+    @property
     def restart_count(self):
         """How many times the world was formed again before this one (torchrun's
         TORCHELASTIC_RESTART_COUNT): the generation."""
@@ -84,10 +91,9 @@ class RunContext:
         The same as calling `torch.distributed.init_process_group(backend)` in a script:
         the launcher exports RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for it.
         """
-        import torch
         import torch.distributed as dist
         if backend is None:
-            backend = "nccl" if self.me.gpus and torch.cuda.is_available() else "gloo"
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
         if self.master_port is None:
             raise RuntimeError("no MASTER_PORT: this context was not built by the launcher")
         dist.init_process_group(backend, init_method=f"tcp://{self.master_addr}:{self.master_port}",

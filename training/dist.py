@@ -82,6 +82,13 @@ def local_size():
     return context().local_world_size
 
 
+def device():
+    """Where this rank should compute: cuda:0 when its container has GPUs (its
+    CUDA_VISIBLE_DEVICES holds exactly its own), else the CPU. Put the model and the
+    batches there; DistributedOptimizer stages GPU gradients through host memory."""
+    return context().device
+
+
 def report(**metrics):
     """Publish this rank's progress (`yarnapp status`, `submit --wait`); also a heartbeat."""
     context().report(**metrics)
@@ -237,15 +244,11 @@ def _tensors(params):
 def broadcast_parameters(params, root_rank=0, ctx=None):
     """Overwrite, in place, every tensor of `params` (a state_dict, named_parameters or a
     list) with root_rank's. Collective."""
+    from .devices import bcast_
     comm = (ctx or context()).comm
-    with torch.no_grad():
-        for t in _tensors(params):
-            if not isinstance(t, torch.Tensor) or t.numel() == 0:
-                continue
-            host = t.detach().cpu().contiguous() if (t.device.type != "cpu" or not t.is_contiguous()) else t.detach()
-            comm.Bcast(collectives.as_buffer(host), root=root_rank)
-            if host.data_ptr() != t.data_ptr():
-                t.copy_(host)
+    for t in _tensors(params):
+        if isinstance(t, torch.Tensor) and t.numel():
+            bcast_(comm, t, root=root_rank)
 
 
 def broadcast_object(obj, root_rank=0, ctx=None):

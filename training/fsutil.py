@@ -97,4 +97,6 @@ def torch_bytes(obj):
 
 def torch_load(data):
     import torch
-    return torch.load(io.BytesIO(data), weights_only=False)
+    # On the CPU first: a checkpoint a GPU rank wrote resumes on CPU ranks too; each
+    # strategy copies the tensors into its model wherever that lives.
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)

@@ -25,9 +25,15 @@ OVERLAP_MODES = ("poll", "thread", "none")
 
 
 class _Bucket:
-    """Consecutive parameters (reverse order) whose gradients share one flat buffer."""
-    __slots__ = ("index", "params", "offsets", "flat", "pending", "ready", "op", "started",
-                 "done")
+    """Consecutive parameters (reverse order) whose gradients share one flat buffer.
+
+    On a GPU the gradients live in `dev` (on the device; p.grad views it) and are staged
+    through `flat` (pinned host memory, what MPI reduces): each is copied when backward
+    produces it, asynchronously on the compute stream, and `copied` (a CUDA event) tells
+    when the bucket's copies are done; the sum is copied back after the reduction.
+    """
+    __slots__ = ("index", "params", "offsets", "flat", "dev", "copied", "pending", "ready", "op",
+                 "started", "done")
 
     def __init__(self, index, params, dtype):
         self.index = index
@@ -37,16 +43,31 @@ class _Bucket:
         for p in params:
             self.offsets.append(n)
             n += p.numel()
-        self.flat = torch.zeros(n, dtype=dtype)
+        device = params[0].device
+        cuda = device.type == "cuda"
+        self.flat = torch.zeros(n, dtype=dtype, pin_memory=cuda)
+        self.dev = torch.zeros(n, dtype=dtype, device=device) if cuda else None
+        self.copied = None
         self.pending = len(params)
         self.ready = [False] * len(params)
         self.op = None            # its PreparedAllreduce
         self.started = False
         self.done = None          # threading.Event (overlap='thread')
 
-    def view(self, i):
+    def view(self, i, buf=None):
         p = self.params[i]
-        return self.flat[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
+        buf = self.flat if buf is None else buf
+        return buf[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
+
+    def grad_view(self, i):
+        """Where p.grad lives: the host buffer on the CPU, the device buffer on a GPU."""
+        return self.view(i, self.dev)
+
+    def staged(self):
+        """Wait until the bucket's gradients are in host memory (a no-op on the CPU)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+            self.copied = None
 
 
 class GradientReducer:
@@ -56,7 +77,8 @@ class GradientReducer:
 
         p.grad = sum_r w_r * dL_r/dp      (bit-identical on every rank)
 
-    where L_r is the loss rank r backpropagated. Parameters are packed in reverse
+    where L_r is the loss rank r backpropagated (its parameters on the CPU or on a GPU:
+    see _Bucket for the staging through host memory). Parameters are packed in reverse
     order (the order backward produces their gradients) into flat buckets of at most
     `bucket_mb` MiB (a larger parameter gets a bucket of its own); the gradient hook
     copies w_r * grad into the bucket and makes p.grad a view of it. A bucket starts
@@ -122,7 +144,7 @@ class GradientReducer:
         buckets, cur, cur_bytes = [], [], 0
         for p in reversed(params):
             nbytes = p.numel() * p.element_size()
-            if cur and (cur_bytes + nbytes > cap_bytes or p.dtype != cur[0].dtype):
+            if cur and (cur_bytes + nbytes > cap_bytes or p.dtype != cur[0].dtype or p.device != cur[0].device):
                 buckets.append(_Bucket(len(buckets), cur, cur[0].dtype))
                 cur, cur_bytes = [], 0
             cur.append(p)
@@ -161,7 +183,7 @@ class GradientReducer:
         if b.ready[i]:
             raise RuntimeError("a parameter received two gradients in one step: call backward "
                                "once between GradientReducer.begin() and finish()")
-        view = b.view(i)
+        view = b.grad_view(i)
         if self._weight == 1.0:
             view.copy_(p.grad)
         else:
@@ -169,6 +191,10 @@ class GradientReducer:
         p.grad = view
         b.ready[i] = True
         b.pending -= 1
+        if b.dev is not None and b.pending == 0:      # stage the whole bucket to host memory
+            b.flat.copy_(b.dev, non_blocking=True)
+            b.copied = torch.cuda.Event()
+            b.copied.record()
         if b.pending == 0 and b.index == self._next:
             self._start_ready()
         elif self.overlap == "poll":
@@ -198,6 +224,7 @@ class GradientReducer:
         t = time.perf_counter()
         for b in self.buckets[:self._next]:
             if not b.started:
+                b.staged()
                 b.op.start()
                 b.started = True
             if not b.op.test():
@@ -211,6 +238,7 @@ class GradientReducer:
                 return
             try:
                 if self._thread_error is None:
+                    b.staged()
                     b.op.run()
             except BaseException as e:  # noqa: BLE001 - re-raised by finish() on the training thread
                 self._thread_error = e
@@ -232,11 +260,13 @@ class GradientReducer:
                 if b.pending:
                     for i, p in enumerate(b.params):
                         if not b.ready[i]:       # no gradient this step: contributes zeros
-                            view = b.view(i)
+                            view = b.grad_view(i)
                             view.zero_()
                             p.grad = view
                             b.ready[i] = True
                     b.pending = 0
+                    if b.dev is not None:
+                        b.flat.copy_(b.dev)
             while self._next < len(self.buckets):
                 self._start(self.buckets[self._next])
                 self._next += 1
@@ -250,12 +280,17 @@ class GradientReducer:
             elif self.overlap == "poll":
                 for b in self.buckets:
                     if not b.started:
+                        b.staged()
                         b.op.start()
                         b.started = True
                     b.op.wait()
             else:
                 for b in self.buckets:
+                    b.staged()
                     b.op.run()
+            for b in self.buckets:                  # a GPU's sums back where p.grad lives
+                if b.dev is not None:
+                    b.dev.copy_(b.flat, non_blocking=True)
         finally:
             self._active = False
         return self._comm_s + time.perf_counter() - t

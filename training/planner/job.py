@@ -117,6 +117,10 @@ def job_devices(job, profile_for, gpu_speed=None, cuda=False):
         elif g.gpus and gpu_speed:
             dev = Device(f"{g.name} (gpu ~ cpu x{gpu_speed:g}, assumed)", profile_for(k, "cpu"),
                          speed=gpu_speed, vcores=g.vcores)
+        elif g.gpus:
+            dev = Device(f"{g.name} (gpu not measured: no CUDA here, planned as its {k} CPU "
+                         f"thread{'s' if k > 1 else ''}; --gpu-speed N assumes a GPU N x that)",
+                         profile_for(k, "cpu"), vcores=g.vcores, quota=min(1.0, g.vcores / k))
         else:
             dev = Device(f"{g.name} ({g.vcores:g} vcores, {k} thread{'s' if k > 1 else ''})",
                          profile_for(k, "cpu"), vcores=g.vcores, quota=min(1.0, g.vcores / k))

@@ -86,6 +86,7 @@ def format_table(plan):
                          f"{100 * row['reduction_vs_data_parallel']:+15.1f}%")
     elif vol.get("note"):
         lines += ["", vol["note"]]
+    lines += _gpu_beside_cpus(plan)
     r = plan["recommended"]
     lines += ["", f"recommended: {r['strategy']} ({registry.entry(r['strategy']).title}; {r['why']}): "
                   f"{r['step_s'] * 1e3:.2f} ms/step, "
@@ -102,6 +103,24 @@ def format_table(plan):
                          + " ".join(cells) + " " + bound)
         lines.append("(speedup over one machine like rank 0's container; gpu+cpu: over the GPU alone)")
     return "\n".join(lines)
+
+
+def _gpu_beside_cpus(plan):
+    """When the job mixes a GPU rank 0 with CPU ranks: do the CPU ranks help? The GPU
+    alone (rank 0's step) against the best data-parallel prediction with shares by speed."""
+    names = [d["name"] for d in plan["devices"]]
+    gpu = [n for n in names if "(cuda)" in n or "(gpu " in n]
+    if not gpu or len(gpu) == len(names) or names[0] not in gpu:
+        return []
+    batch, alone = plan["model"]["batch"], plan["single_s"]
+    best = min(((n, p) for n, p in plan["speed_shares"].items() if p), key=lambda x: x[1]["step_s"], default=None)
+    if best is None:
+        return []
+    name, p = best
+    verdict = "they help" if p["step_s"] < alone else "they do not help: train on the GPU alone"
+    return ["", f"gpu + cpus: the GPU alone {batch / alone:.1f} samples/s; with the {len(names) - len(gpu)} CPU "
+                f"rank(s) ({name}, shares by speed, rows {'/'.join(map(str, p['split']))}) "
+                f"{batch / p['step_s']:.1f} samples/s: {verdict}"]
 
 
 def write_png(plan, path):

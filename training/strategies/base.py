@@ -44,6 +44,7 @@ class Strategy(abc.ABC):
         self.comm = ctx.comm
         self.rank = ctx.rank
         self.world_size = ctx.world_size
+        self.device = ctx.device         # training.devices: cuda:0 on a rank with GPUs, else cpu
 
     @abc.abstractmethod
     def setup(self, model, make_optimizer, example_input=None):

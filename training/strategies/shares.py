@@ -10,6 +10,7 @@ import time
 import torch
 
 from training.data.order import split_rows   # noqa: F401  (its home: the data order)
+from training.devices import synchronize
 
 SPEED_PROBE_ROWS = 16     # rows of the timed forward/backward passes behind shares: speed
 SPEED_PROBE_PASSES = 2    # timed passes (after one warm-up); the fastest counts
@@ -18,7 +19,8 @@ SPEED_PROBE_PASSES = 2    # timed passes (after one warm-up); the fastest counts
 def measure_speed(model, example, passes=SPEED_PROBE_PASSES):
     """Rows per second of forward + backward on `example` (a batch of inputs).
 
-    Leaves the model as it found it: parameters, gradients, buffers (BatchNorm
+    On the device `example` is on (a GPU rank's is timed with its queue drained), so
+    shares: speed weighs a GPU rank against CPU ranks on real rows. Leaves the model as it found it: parameters, gradients, buffers (BatchNorm
     statistics) and the torch random state are restored afterwards.
     """
     buffers = [b.detach().clone() for b in model.buffers()]
@@ -29,9 +31,11 @@ def measure_speed(model, example, passes=SPEED_PROBE_PASSES):
     best = float("inf")
     try:
         for i in range(passes + 1):
+            synchronize(example.device)             # a GPU's queued work is not this pass's
             t = time.perf_counter()
             out = model(example)
             out.float().sum().backward()
+            synchronize(example.device)
             dt = time.perf_counter() - t
             if i:                                   # the first pass warms up
                 best = min(best, dt)
@@ -46,3 +50,23 @@ def measure_speed(model, example, passes=SPEED_PROBE_PASSES):
         torch.set_rng_state(rng)
         model.train(was_training)
     return len(example) / best
+
+
+def costly_ranks(speeds, batch, ring_s):
+    """The ranks that give less than they cost, with speed-proportional shares: those
+    without which the step would be faster. speeds: rows/s of each rank (measure_speed);
+    batch: the global batch; ring_s: seconds of one all-reduce of the gradient over all
+    n ranks (a ring's time goes as 2(n-1)/n, so without one rank it is
+    ring_s * (n-2)n / (n-1)^2). Returns [(rank, share of the batch, step seconds with
+    it, predicted step seconds without it)], compute balanced in both cases."""
+    n, total = len(speeds), float(sum(speeds))
+    if n < 2:
+        return []
+    with_s = batch / total + ring_s
+    ring_without = ring_s * (n - 2) * n / (n - 1) ** 2
+    out = []
+    for r, s in enumerate(speeds):
+        without_s = batch / (total - s) + ring_without
+        if without_s < with_s:
+            out.append((r, s / total, with_s, without_s))
+    return out

@@ -24,11 +24,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from training import collectives, cputime
+from training import collectives, cputime, devices
+from training.precision import Precision
 from training.strategies.base import StepStats, Strategy
-from training.strategies.shares import SPEED_PROBE_ROWS, measure_speed, split_rows
+from training.strategies.shares import SPEED_PROBE_ROWS, costly_ranks, measure_speed, split_rows
 
 log = logging.getLogger(__name__)
+
+
+def _mpi_max():
+    from mpi4py import MPI
+    return MPI.MAX
 
 
 class AllReduceStrategy(Strategy):
@@ -61,9 +67,10 @@ class AllReduceStrategy(Strategy):
         `model.input_shape` when the model declares one; without either the shares
         follow the ranks' vcores).
         """
-        self.model = model
+        self.model = model.to(self.device)
         self._broadcast_state()
         self.optimizer = make_optimizer(model.parameters())
+        self.precision = Precision(self.spec.precision, self.device)
         ar = self.config
         overlap = self.overlap
         if overlap is None:
@@ -84,12 +91,7 @@ class AllReduceStrategy(Strategy):
             return
         with torch.no_grad():
             for t in list(self.model.parameters()) + list(self.model.buffers()):
-                if t.is_contiguous():
-                    self.comm.Bcast(collectives.as_buffer(t), root=0)
-                else:
-                    tmp = t.contiguous()
-                    self.comm.Bcast(collectives.as_buffer(tmp), root=0)
-                    t.copy_(tmp)
+                devices.bcast_(self.comm, t, root=0)
 
     def _share_weights(self, example_input):
         shares = self.spec.shares
@@ -112,10 +114,30 @@ class AllReduceStrategy(Strategy):
             log.warning("shares 'speed': no example input and the model declares no "
                         "input_shape; splitting by vcores instead")
             return [float(r.vcores) for r in self.ctx.ranks]
-        mine = measure_speed(self.model, example_input)
+        mine = measure_speed(self.model, example_input.to(self.device))
         speeds = self.comm.allgather(mine)
         log.info("measured speeds (rows/s): %s", [round(s, 1) for s in speeds])
+        self._warn_costly(speeds)
         return speeds
+
+    def _warn_costly(self, speeds):
+        """Rank 0 says, one line per rank, when a rank slows the step down: its share is
+        worth less than the all-reduce it adds (timed here once, on the gradient's size)."""
+        n_params = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        buf = np.zeros(n_params, dtype=np.float32)
+        collectives.allreduce_(buf, self.comm)                         # warm
+        t = time.perf_counter()
+        collectives.allreduce_(buf, self.comm)
+        ring_s = self.comm.allreduce(time.perf_counter() - t, op=_mpi_max())
+        if self.rank != 0:
+            return
+        for r, share, with_s, without_s in costly_ranks(speeds, self.spec.batch_size, ring_s):
+            info = self.ctx.ranks[r]
+            where = f"{info.gpus} GPU" if info.gpus else f"cpu, {info.vcores:g} vcores"
+            log.warning("rank %d (%s, %s) gets %.0f%% of each batch but costs more than it saves: a step is "
+                        "predicted %.1f ms with it and %.1f ms without (all-reduce %.1f ms); drop its group "
+                        "or give it more vcores", r, info.container, where, 100 * share, 1e3 * with_s,
+                        1e3 * without_s, 1e3 * ring_s)
 
     # -- per step ---------------------------------------------------------------------
 
@@ -125,8 +147,15 @@ class AllReduceStrategy(Strategy):
         return lo, lo + rows[self.rank]
 
     def _sync_buffers(self):
-        collectives.wait([self.comm.Ibcast(collectives.as_buffer(b), root=0)
-                          for b in self._float_buffers])
+        if self.device.type == "cpu":
+            collectives.wait([self.comm.Ibcast(collectives.as_buffer(b), root=0)
+                              for b in self._float_buffers])
+            return
+        hosts = [b.detach().cpu() for b in self._float_buffers]     # staged through host memory
+        collectives.wait([self.comm.Ibcast(collectives.as_buffer(h), root=0) for h in hosts])
+        with torch.no_grad():
+            for b, h in zip(self._float_buffers, hosts):
+                b.copy_(h, non_blocking=True)
 
     def _start_step(self, x):
         """(rows here, rows in the global batch, seconds of communication): the batch
@@ -146,10 +175,12 @@ class AllReduceStrategy(Strategy):
         """Backward of this rank's mean loss; returns (summed loss, correct) of its rows."""
         if not n_local:
             return 0.0, 0
+        x, y = devices.to_device(x, self.device), devices.to_device(y, self.device)
         with cputime.counting("model"):
-            out = self.model(x)
-            loss = F.cross_entropy(out, y)
-            loss.backward()
+            with self.precision.autocast():
+                out = self.model(x)
+                loss = F.cross_entropy(out.float(), y)
+            self.precision.backward(loss)
             return float(loss.detach()) * n_local, int((out.detach().argmax(1) == y).sum())
 
     def _finish_step(self, t0, comm_s, loss_sum, correct, global_batch):
@@ -172,7 +203,7 @@ class AllReduceStrategy(Strategy):
         loss_sum, correct = self._forward_backward(x, y, n_local)
         comm_s += self.reducer.finish()
         with cputime.counting("optimizer"):
-            self.optimizer.step()
+            self.precision.step(self.optimizer)
         return self._finish_step(t0, comm_s, loss_sum, correct, global_batch)
 
     def eval_step(self, x, y):
@@ -181,9 +212,10 @@ class AllReduceStrategy(Strategy):
             return 0.0, 0, 0
         was_training = self.model.training
         self.model.eval()
+        x, y = devices.to_device(x, self.device), devices.to_device(y, self.device)
         try:
-            with torch.no_grad():
-                out = self.model(x)
+            with torch.no_grad(), self.precision.autocast():
+                out = self.model(x).float()
                 loss_sum = float(F.cross_entropy(out, y, reduction="sum"))
                 correct = int((out.argmax(1) == y).sum())
         finally:
@@ -193,12 +225,14 @@ class AllReduceStrategy(Strategy):
     # -- checkpoints and export -------------------------------------------------------
 
     def state_dict(self):
-        """The whole model and optimizer (identical on every rank)."""
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        """The whole model and optimizer (identical on every rank; the loss scale with fp16)."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                **self.precision.state_dict()}
 
     def load_state_dict(self, state):
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self.precision.load_state_dict(state)
 
     def model_for_export(self):
         return self.model if self.rank == 0 else None

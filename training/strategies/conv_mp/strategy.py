@@ -57,8 +57,6 @@ class ConvModelParallelStrategy(Strategy):
 
     def __init__(self, ctx, spec):
         super().__init__(ctx, spec)
-        use_gpu = ctx.me.gpus > 0 and torch.cuda.is_available()
-        self.device = torch.device("cuda") if use_gpu else torch.device("cpu")
         self.is_master = self.rank == self.ROOT
         self.model = None
         self.optimizer = None

@@ -61,8 +61,6 @@ class HypergraphStrategy(Strategy):
 
     def __init__(self, ctx, spec):
         super().__init__(ctx, spec)
-        use_gpu = ctx.me.gpus > 0 and torch.cuda.is_available()
-        self.device = torch.device("cuda") if use_gpu else torch.device("cpu")
         self.model = None          # rank 0: the full model (for export); elsewhere dropped once partitioned
         self.net = None            # PartitionedModel
         self.optimizer = None

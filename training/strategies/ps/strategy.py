@@ -49,6 +49,7 @@ import torch
 
 from training import cputime
 from training.collectives import as_buffer, wait
+from training.precision import Precision
 from training.strategies.allreduce.strategy import AllReduceStrategy
 
 log = logging.getLogger(__name__)
@@ -85,8 +86,9 @@ class _ParameterServer(AllReduceStrategy):
 
         example_input: a batch of inputs for shares 'speed' (see AllReduceStrategy.setup).
         """
-        self.model = model
+        self.model = model.to(self.device)
         self._broadcast_state()
+        self.precision = Precision(self.spec.precision, self.device)
         self.pcomm = self.comm.Dup()
         self._flatten(model)
         self._float_buffers = [b for b in model.buffers() if b.is_floating_point()]
@@ -101,21 +103,41 @@ class _ParameterServer(AllReduceStrategy):
         if not self.params:
             raise ValueError(f"{self.name}: the model has no trainable parameters")
         dtypes = {p.dtype for p in self.params}
-        devices = {p.device.type for p in self.params}
-        if len(dtypes) != 1 or devices != {"cpu"}:
-            raise ValueError(f"{self.name}: needs all trainable parameters on the CPU with one dtype, "
-                             f"got dtypes {sorted(map(str, dtypes))} on {sorted(devices)}; "
-                             "use the allreduce strategy for this model")
+        if len(dtypes) != 1:
+            raise ValueError(f"{self.name}: needs all trainable parameters with one dtype, "
+                             f"got {sorted(map(str, dtypes))}; use the allreduce strategy for this model")
         total = sum(p.numel() for p in self.params)
-        self.flat = torch.empty(total, dtype=self.params[0].dtype)
+        cuda = self.device.type == "cuda"
+        # W and the gradients live in host memory, where the exchange and the servers'
+        # optimizer work; on a GPU rank the model's parameters are views of a device copy
+        # of W (`dev_flat`), refreshed after every exchange, and host_params alias W.
+        self.flat = torch.empty(total, dtype=self.params[0].dtype, pin_memory=cuda)
         self.grad = torch.zeros_like(self.flat)
+        self.dev_flat = torch.empty(total, dtype=self.flat.dtype, device=self.device) if cuda else None
+        self.host_params = []
         off = 0
         with torch.no_grad():
             for p in self.params:
                 n = p.numel()
                 self.flat[off:off + n].copy_(p.reshape(-1))
-                p.data = self.flat[off:off + n].view_as(p)
+                if cuda:
+                    self.dev_flat[off:off + n].copy_(p.reshape(-1))
+                    p.data = self.dev_flat[off:off + n].view_as(p)
+                    self.host_params.append(torch.nn.Parameter(self.flat[off:off + n].view_as(p)))
+                else:
+                    p.data = self.flat[off:off + n].view_as(p)
+                    self.host_params.append(p)
                 off += n
+
+    def _refresh_device(self):
+        """The model's parameters on a GPU rank take W's new values (a no-op on the CPU)."""
+        if self.dev_flat is not None:
+            self.dev_flat.copy_(self.flat, non_blocking=True)
+
+    def _sync_host(self):
+        """W takes the device copy's values (after loading a checkpoint on a GPU rank)."""
+        if self.dev_flat is not None:
+            self.flat.copy_(self.dev_flat)
 
     def _make_optimizer(self, make_optimizer):
         raise NotImplementedError
@@ -134,8 +156,10 @@ class _ParameterServer(AllReduceStrategy):
                 view = self.grad[off:off + n]
                 if p.grad is None:
                     view.zero_()
-                else:
+                elif p.grad.device.type == "cpu":
                     torch.mul(p.grad.reshape(-1), weight, out=view)
+                else:
+                    view.copy_(p.grad.reshape(-1) * weight)      # staged to host memory
                 p.grad = None
                 off += n
 
@@ -177,7 +201,7 @@ class CentralPSStrategy(_ParameterServer):
     SERVER = 0
 
     def _make_optimizer(self, make_optimizer):
-        self.optimizer = make_optimizer(self.params) if self.rank == self.SERVER else None
+        self.optimizer = make_optimizer(self.host_params) if self.rank == self.SERVER else None
         self._recv = torch.empty_like(self.grad) if self.rank == self.SERVER else None
 
     def _exchange(self):
@@ -194,7 +218,7 @@ class CentralPSStrategy(_ParameterServer):
                 comm_s += time.perf_counter() - tc
                 np.add(grad, recv, out=grad)
             off = 0
-            for p in self.params:
+            for p in self.host_params:
                 p.grad = self.grad[off:off + p.numel()].view_as(p)
                 off += p.numel()
             with cputime.counting("optimizer"):
@@ -208,6 +232,7 @@ class CentralPSStrategy(_ParameterServer):
             wait(self.pcomm.Isend(grad, dest=self.SERVER, tag=_TAG_GRAD))
             wait(self.pcomm.Irecv(flat, source=self.SERVER, tag=_TAG_PARAMS))
             comm_s += time.perf_counter() - tc
+        self._refresh_device()
         return comm_s
 
     def state_dict(self):
@@ -219,7 +244,8 @@ class CentralPSStrategy(_ParameterServer):
     def load_state_dict(self, state):
         """This rank's part of a checkpoint of the same rank in an equal world."""
         self._check_state(state)
-        self.model.load_state_dict(state["model"])     # copies into the views of W
+        self.model.load_state_dict(state["model"])     # copies into the views of W (or of its device copy)
+        self._sync_host()
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
 
@@ -265,6 +291,7 @@ class ShardedPSStrategy(_ParameterServer):
         reqs = [self.pcomm.Irecv(flat[b[q]:b[q + 1]], source=q, tag=_TAG_PARAMS) for q in others]
         reqs += [self.pcomm.Isend(flat[b[r]:b[r + 1]], dest=s, tag=_TAG_PARAMS) for s in others]
         wait(reqs)
+        self._refresh_device()
         return comm_s + time.perf_counter() - tc
 
     def state_dict(self):
@@ -279,5 +306,6 @@ class ShardedPSStrategy(_ParameterServer):
         if list(state["segment"]) != [self.lo, self.hi]:
             raise ValueError(f"{self.name}: checkpoint segment {state['segment']} differs from this "
                              f"rank's [{self.lo}, {self.hi}): the model changed since it was saved")
-        self.model.load_state_dict(state["model"])     # copies into the views of W
+        self.model.load_state_dict(state["model"])     # copies into the views of W (or of its device copy)
+        self._sync_host()
         self.optimizer.load_state_dict(state["optimizer"])

@@ -1,0 +1,63 @@
+"""Where ranks compute (training.devices), and data parallelism across unlike devices:
+the rules and the staging are tested here on the CPU; the GPU cases run where CUDA is
+(the device machine) and are skipped, saying why, elsewhere."""
+import io
+import logging
+
+import pytest
+import torch
+
+import conf
+from conf import JobError
+from training import devices, fsutil
+from training.context import RankInfo
+from training.precision import Precision
+from training.strategies.shares import costly_ranks
+
+pytestmark = pytest.mark.unit
+CUDA = torch.cuda.is_available()
+NO_CUDA = "no CUDA device here: runs on the GPU machine (the device tool)"
+
+
+def info(gpus):
+    return RankInfo(rank=0, group="g", instance=0, container="g_0", vcores=1.0, memory_mib=1024, gpus=gpus)
+
+
+def test_a_rank_computes_on_its_gpu_only_when_it_has_one_and_cuda_is_there():
+    assert devices.rank_device(info(0)) == torch.device("cpu")
+    assert devices.rank_device(info(1)) == (torch.device("cuda", 0) if CUDA else torch.device("cpu"))
+
+
+def test_a_rank_that_costs_more_than_it_saves_is_named():
+    # 1000 + 1000 rows/s and a rank 100x slower: a 64-row step is 32 ms of compute, and
+    # the all-reduce the third rank adds costs more than the 0.3 ms its rows save.
+    costly = costly_ranks([1000.0, 1000.0, 10.0], 64, ring_s=0.004)
+    assert [r for r, *_ in costly] == [2]
+    r, share, with_s, without_s = costly[0]
+    assert share == pytest.approx(10 / 2010) and without_s < with_s
+    assert costly_ranks([1000.0, 1000.0, 900.0], 64, ring_s=0.004) == []     # a fair third rank helps
+    assert costly_ranks([1000.0], 64, ring_s=0.0) == []
+
+
+def test_precision_on_a_cpu_rank_is_fp32_and_said_once(caplog):
+    with caplog.at_level(logging.INFO, logger="training.precision"):
+        p = Precision("bf16", "cpu")
+    assert p.mode == "fp32" and p.scaler is None and p.state_dict() == {}
+    assert "applies to GPU ranks" in caplog.text
+    with pytest.raises(ValueError, match="training.precision"):
+        Precision("fp8", "cpu")
+
+
+@pytest.mark.parametrize("strategy,precision,words", [
+    ("conv_model_parallel", "bf16", "is for the data-parallel strategies"),
+    ("ps_central", "fp16", "needs the loss scaling of allreduce")])
+def test_precision_a_strategy_cannot_honour_is_refused_in_one_line(strategy, precision, words):
+    with pytest.raises(JobError) as e:
+        conf.offline_job([1.0, 1.0], strategy=strategy, precision=precision)
+    assert words in str(e.value) and "training.precision" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_checkpoint_loads_on_the_cpu_whatever_wrote_it():
+    buf = io.BytesIO()
+    torch.save({"w": torch.ones(3)}, buf)
+    assert fsutil.torch_load(buf.getvalue())["w"].device == torch.device("cpu")
