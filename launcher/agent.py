@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,8 +30,19 @@ log = logging.getLogger("launcher.agent")
 _PR_SET_PDEATHSIG = 1
 SETUP_GRACE_S = 8.0      # after a peer failed in setup, how long a rank in setup may take to fail
                          # the same way on its own (ranks start seconds apart on a busy host)
+PEER_GRACE_S = 6.0       # after this rank died, how long to wait for a dead peer's container to be
+                         # reported (YARN: a node heartbeat, then the master's allocate call)
 NOT_RETRIED = ("every rank failed the same way before training started, so it was not retried "
                "(a restart would fail the same way)")
+
+
+# What a rank's error line says when it only lost a peer (MPI, gloo, NCCL, sockets).
+_COLLATERAL = re.compile(r"MPI|gloo|NCCL|[Cc]onnection (closed|reset|refused)|[Bb]roken pipe|peer")
+
+
+def looks_collateral(line):
+    """Whether a rank's error line reads like a lost peer's consequence, not its own fault."""
+    return bool(_COLLATERAL.search(line))
 
 
 class State(enum.Enum):
@@ -169,14 +181,24 @@ class Agent:
                 return m["container"], "its container was replaced"
         return None
 
-    def someone_else_failed(self, gen, grace=1.0):
+    def peer_cause(self, gen, grace):
+        """After this rank died of something other than SIGKILL: was it collateral? A rank that
+        loses a peer dies of MPI's fatal error (SIGABRT or an error exit) moments after it, so
+        wait up to `grace` seconds for the root cause to show. True when another agent wrote
+        the generation's abort record; a LOST Failure when a member's container is gone (its
+        own agent died with it and cannot say so); None when nothing else went wrong."""
         deadline = time.monotonic() + grace
-        while time.monotonic() < deadline:
+        while True:
             seen = self.observe(gen)
-            if keys.abort(gen) in seen or self.lost_member(gen, seen):
-                return keys.abort(gen) in seen
+            if keys.abort(gen) in seen:
+                return True
+            lost = self.lost_member(gen, seen)
+            if lost:
+                return Failure(kind=Kind.LOST.value, container=lost[0], observed_by=self.ident.container,
+                               reason=f"lost {lost[0]}: {lost[1]}")
+            if time.monotonic() >= deadline:
+                return None
             time.sleep(0.05)
-        return False
 
     def read_heartbeat(self, now):
         """(phase, seconds since the rank's last heartbeat)."""
@@ -200,10 +222,18 @@ class Agent:
             rc = self.child.poll()
             if rc == 0:
                 return Outcome.SUCCEEDED, None
-            if rc is not None and rc != -signal.SIGKILL and self.someone_else_failed(gen):
-                # A rank that lost a peer dies of MPI's fatal error (SIGABRT or an error
-                # exit) moments after the peer: the peer's agent names the root cause.
-                return Outcome.OTHER, None
+            if rc is not None and rc != -signal.SIGKILL:
+                # Collateral or cause? A rank that raised its own error (not a lost
+                # connection) is the cause. Otherwise, once the world has formed, wait for a
+                # dead peer: the resource manager reports a dead container seconds late.
+                err = self.rank_error(gen, rank) or {}
+                suspect = not err.get("error") or looks_collateral(err["error"])
+                grace = PEER_GRACE_S if suspect and keys.formed(gen) in self.observe(gen) else 1.0
+                cause = self.peer_cause(gen, grace)
+                if cause is True:
+                    return Outcome.OTHER, None
+                if cause is not None:
+                    return Outcome.OWN, cause
             if rc is not None:
                 what, kind = exitcodes.describe(rc)[0], Kind.CRASHED
                 oom = memory.killed_for_memory(self.memory_before, memory.state(self.cgroup), me, self.group_index)

@@ -3,11 +3,15 @@ process replaced by scripted monitor results (as torch elastic's agent tests scr
 workers). What the transitions write to the store and the container's exit status are
 what the AM, status and results read."""
 import json
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 
 import conf
-from launcher import exitcodes, keys
+from launcher import exitcodes, keys, memory
 from launcher.agent import NOT_RETRIED, Agent, Outcome, State
 from launcher.failure import Failure, Kind
 from launcher.identity import Identity
@@ -152,3 +156,44 @@ def test_every_state_has_its_transition_documented():
     doc = State.__doc__
     for s in State:
         assert s.name in doc, s
+
+
+# -- collateral or cause: the real monitor over a real rank process ------------------
+
+def watched(tmp_path, code):
+    """A plain Agent (rank 0 of 2, generation 0, the world formed with w_1 alive) whose rank
+    process runs `code`."""
+    a, store = agent(tmp_path, [], instances=2)
+    a = Agent(a.ident, store)
+    w1 = "peer-incarnation"
+    store.put(keys.port(0), "port")
+    store.put(keys.joined(0, 1), "1")
+    store.put(keys.incarnation(0, 1), w1)
+    store.put(keys.formed(0), "{}")
+    store.put(keys.alive("w_1"), json.dumps({"incarnation": w1}))
+    a.memory_before = memory.state(a.cgroup)
+    a.child = subprocess.Popen([sys.executable, "-c", code])
+    a.spawned = time.monotonic()
+    a._phase = "train"
+    return a, store
+
+
+def test_a_rank_that_aborts_after_its_peer_died_names_the_peer_the_rm_reports_late(tmp_path):
+    """rank 1's container died with its agent (nobody writes its abort); rank 0 dies of MPI's
+    SIGABRT at once, but YARN drops w_1's alive key only a moment later: the cause is w_1."""
+    a, store = watched(tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGABRT)")
+    threading.Timer(1.5, lambda: store.delete(keys.alive("w_1"))).start()
+    outcome, failure = a.monitor(0)
+    assert outcome is Outcome.OWN
+    assert failure.kind == Kind.LOST.value and failure.container == "w_1", failure
+    assert failure.observed_by == "w_0"
+
+
+def test_a_rank_that_raised_its_own_error_is_the_cause_even_if_a_peer_then_goes(tmp_path):
+    a, store = watched(tmp_path, "import sys; sys.exit(1)")
+    store.put(keys.error(0, 0), json.dumps({"error": "ValueError: bad label 11", "phase": "train"}))
+    threading.Timer(1.5, lambda: store.delete(keys.alive("w_1"))).start()
+    outcome, failure = a.monitor(0)
+    assert outcome is Outcome.OWN
+    assert failure.kind == Kind.CRASHED.value and failure.rank == 0, failure
+    assert "ValueError: bad label 11" in failure.reason
