@@ -209,10 +209,10 @@ class Agent:
                 oom = memory.killed_for_memory(self.memory_before, memory.state(self.cgroup), me, self.group_index)
                 if oom:
                     what, kind = f"was killed by the kernel: {oom}", Kind.OOM
-                err = self.rank_error(gen, rank) or {}
-                line = f": {err['error']}" if err.get("error") else ""
+                err = self.rank_error(gen, rank) or Failure(reason="")
+                line = f": {err.error}" if err.error else ""
                 return Outcome.OWN, Failure(kind=kind.value, container=me, rank=rank, exit_code=rc,
-                                            error=err.get("error"), phase=err.get("phase"),
+                                            error=err.error, phase=err.phase,
                                             reason=f"rank {rank} ({me}) {what}{line}" + self.network_note())
             seen = self.observe(gen)
             if keys.FAILED in seen:
@@ -253,9 +253,9 @@ class Agent:
             time.sleep(lj.poll_interval)
 
     def rank_error(self, gen, rank):
-        """The error record a rank left for generation `gen` (launcher.rank), or None."""
-        v = self.store.get(keys.error(gen, rank))
-        return json.loads(v) if v else None
+        """The Failure a rank left for generation `gen` (launcher.rank: its error line and
+        phase; or its agent's record that it ended without one), or None."""
+        return Failure.load(self.store.get(keys.error(gen, rank)))
 
     def let_fail(self, seconds):
         """Give the rank, still in setup, up to `seconds` to end on its own."""
@@ -275,7 +275,7 @@ class Agent:
             if all(records) or time.monotonic() > deadline:
                 break
             time.sleep(self.job.launcher.poll_interval)
-        return all(r and r.get("phase") == "setup" and r.get("error") == cause.error for r in records)
+        return all(r and r.phase == "setup" and r.error == cause.error for r in records)
 
     def network_note(self):
         """On emulated nodes: "; <which node is unreachable>" when the world hangs or cannot
@@ -325,7 +325,8 @@ class Agent:
         """Generation `gen` ended (`found`: the cause this agent found, or None): record it
         (first writer wins), then FAILED, or RENDEZVOUS in the next generation."""
         # How this rank ended, for `deterministic` (its own error record, if it left one, wins).
-        self.store.put_if_absent(keys.error(gen, self.ident.rank), json.dumps({"error": None}))
+        self.store.put_if_absent(keys.error(gen, self.ident.rank), Failure(
+            reason="ended without an error line", rank=self.ident.rank, generation=gen).stamped().dumps())
         if found:
             own = found.rank == self.ident.rank and not found.observed_by
             found = found.stamped(generation=gen, log=self.log_path,

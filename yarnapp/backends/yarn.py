@@ -46,6 +46,7 @@ import skein
 
 import conf
 from launcher import keys, memory, results
+from launcher.failure import Failure
 
 from .. import packaging, shipping
 from ..errors import BackendUnavailable, YarnappError
@@ -257,11 +258,10 @@ def named_logs(logs):
 
 def kv_fields(kv):
     out = {"progress": {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in kv.get_prefix("progress/").items()},
-           "restarts": [json.loads(v) for v in kv.get_prefix(keys.RESTARTS).values()]}
+           "restarts": [Failure.record(v) for _, v in sorted(kv.get_prefix(keys.RESTARTS).items())]}
     final = kv.get(keys.FINAL)
     out["final"] = json.loads(final) if final else None
-    failed = kv.get(keys.FAILED)
-    out["failure"] = json.loads(failed) if failed else None      # the root cause, first failure wins
+    out["failure"] = Failure.record(kv.get(keys.FAILED))      # the root cause, first failure wins
     tb = kv.get(keys.TENSORBOARD)
     out["tensorboard"] = tb.decode() if tb else None
     formed = sorted(k for k in kv.get_prefix(keys.ABORT_PREFIX) if k.endswith("/formed"))

@@ -321,7 +321,7 @@ class ApplicationMaster:
                 (Failure(reason=f"container {c.id} {exitcodes.describe(c.exit_code)[0]}", kind=Kind.CONTAINER.value,
                          container=c.id, exit_code=c.exit_code, log=c.log)
                  for c in self.containers if c.state == "FAILED"), None)
-            self.extra["failure"] = json.loads(cause.dumps()) if cause else {}
+            self.extra["failure"] = cause.as_dict() if cause else {}
             self.diagnostics = cause.reason if cause else ""
         elif self.state == "KILLED":
             self.diagnostics = "killed by the user"
