@@ -37,7 +37,7 @@ BUILTIN_RUNNER = "training.runner:main"
 LIVENESS_S = 1.0           # how often the liveness thread touches the heartbeat
 
 
-class UserCodeError(Exception):
+class UserCodeError(YarnappError):
     """The job's code could not be found or loaded; str() is the one-line reason."""
 
 

@@ -1,4 +1,7 @@
-"""`yarnapp` command line. Expected errors print one `Error: ...` line and exit 1."""
+"""`yarnapp` command line. Expected errors print one `Error: ...` line and exit 1: every
+YarnappError (conf.errors, the one root), and an OSError that names a path it could not
+open (a file the user named, or one the command must write). Anything else is a bug and
+keeps its traceback."""
 import argparse
 import json
 import logging
@@ -339,6 +342,11 @@ def main(argv=None):
         return args.fn(args) or 0
     except YarnappError as e:
         print(f"Error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as e:
+        if not e.filename:          # not a path the user gave: a bug, with its traceback
+            raise
+        print(f"Error: {e.filename}: {e.strerror}", file=sys.stderr, flush=True)
         return 1
 
 
