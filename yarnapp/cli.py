@@ -76,6 +76,8 @@ def cmd_status(args):
                else f"  {c.get('node') or ''}")
         _p(f"  {c['id']:<14} rank {c.get('rank')!s:<4} {c['state']:<10} exit={c['exit_code']} "
            f"attempts={c['attempts']}{res}".rstrip())
+        if c.get("exit"):
+            _p(f"    {c['exit']}")
         if c.get("memory_kill"):
             _p(f"    {c['memory_kill']}")
     for r in st.get("restarts") or []:

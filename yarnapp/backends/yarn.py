@@ -45,7 +45,7 @@ import tempfile
 import skein
 
 import conf
-from launcher import keys, memory, results
+from launcher import exitcodes, keys, memory, results
 from launcher.failure import Failure
 
 from .. import packaging, shipping
@@ -223,7 +223,7 @@ def container_record(c):
     m = re.search(r"exit code:?\s*(-?\d+)", c.exit_message or "", re.IGNORECASE)
     code = int(m.group(1)) if m else None
     rec = {"id": c.id, "group": c.service_name, "instance": c.instance, "state": str(c.state),
-           "exit_code": code, "attempts": 1, "rank": None,
+           "exit_code": code, "exit": exitcodes.container_exit(code, yarn=True), "attempts": 1, "rank": None,
            "log": c.yarn_container_logs, "diagnostics": c.exit_message or "",
            "yarn_id": c.yarn_container_id, "node": c.yarn_node_http_address}
     killed = memory.yarn_memory_kill(c.exit_message, code, c.id, c.service_name)

@@ -105,6 +105,7 @@ class Container:
     def record(self):
         return {"id": self.id, "group": self.group.name, "instance": self.member["instance"],
                 "rank": self.member["rank"], "state": self.state, "exit_code": self.exit_code,
+                "exit": exitcodes.container_exit(self.exit_code),
                 "attempts": self.attempts, "pid": self.proc.pid if self.proc else None, "log": self.log,
                 "vcores": self.group.vcores, "memory_mib": self.group.memory, "gpus": self.group.gpus,
                 "resources": self.limits.why, "exits": self.exits,
