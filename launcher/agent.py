@@ -59,6 +59,17 @@ class State(enum.Enum):
     FAILED = "failed"
 
 
+# The transitions drawn above, the only ones Agent.run takes (a test holds the two together).
+TRANSITIONS = {
+    State.START: {State.RENDEZVOUS, State.FAILED},
+    State.RENDEZVOUS: {State.RUNNING},
+    State.RUNNING: {State.SUCCEEDED, State.RESTARTING},
+    State.RESTARTING: {State.RENDEZVOUS, State.FAILED},
+    State.SUCCEEDED: set(),
+    State.FAILED: set(),
+}
+
+
 class Outcome(enum.Enum):
     """How a generation ended, as `Agent.monitor` saw it."""
     SUCCEEDED = "succeeded"   # the own rank exited 0
@@ -294,6 +305,8 @@ class Agent:
         while self.state not in (State.SUCCEEDED, State.FAILED):
             before = self.state
             self.state = self.step(self.state)
+            if self.state not in TRANSITIONS[before]:
+                raise RuntimeError(f"no transition {before.name} -> {self.state.name} (launcher.agent.State)")
             log.info("%s -> %s (generation %d)", before.name, self.state.name, self.gen)
         if self.state is State.SUCCEEDED:
             return exitcodes.SUCCEEDED
@@ -319,7 +332,7 @@ class Agent:
             return State.RESTARTING
         if state is State.RESTARTING:
             return self.after_abort(self.gen, self.found)
-        raise ValueError(f"no transition from {state}")
+        raise RuntimeError(f"no transition from {state.name}")
 
     def after_abort(self, gen, found):
         """Generation `gen` ended (`found`: the cause this agent found, or None): record it

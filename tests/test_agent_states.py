@@ -12,7 +12,7 @@ import pytest
 
 import conf
 from launcher import exitcodes, keys
-from launcher.agent import NOT_RETRIED, Agent, Outcome, State
+from launcher.agent import NOT_RETRIED, TRANSITIONS, Agent, Outcome, State
 from launcher.failure import Failure, Kind
 from launcher.identity import Identity
 from launcher.store import FileStore
@@ -225,10 +225,17 @@ def test_a_rank_that_crashes_is_restarted_and_its_status_is_the_containers(tmp_p
     assert load(store, keys.abort(1)).exit_code == 6
 
 
-def test_every_state_has_its_transition_documented():
-    doc = State.__doc__
-    for s in State:
-        assert s.name in doc, s
+def test_the_transitions_drawn_on_the_states_are_the_ones_the_agent_takes():
+    drawn, source = set(), None
+    for line in State.__doc__.splitlines():
+        words = line.split()
+        if "→" not in words:
+            continue
+        if words[0] != "→":
+            source = State[words[0]]
+        drawn.add((source, State[words[words.index("→") + 1]]))
+    assert drawn == {(a, b) for a, nexts in TRANSITIONS.items() for b in nexts}
+    assert set(TRANSITIONS) == set(State)
 
 
 def test_the_record_reads_back_what_was_written_and_ignores_what_it_does_not_know():
