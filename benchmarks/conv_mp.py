@@ -35,7 +35,6 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 CGROUP_CPU = "/sys/fs/cgroup/cpu"
 CGROUP_V2 = "/sys/fs/cgroup"
 
@@ -147,19 +146,11 @@ def worker(case):
 
 def run_case(ranks, case, timeout):
     """The case on `ranks` processes joined into one world as the engine's containers join
-    (launcher.world.run_local: MPI singletons, Connect/Accept)."""
-    from launcher.world import run_local
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = str(case["threads"])
+    (training.probes.run_argv: launcher.world's MPI singletons, Connect/Accept)."""
+    from training import probes
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(case)]
     t0 = time.perf_counter()
-    outs = run_local(cmd, ranks, env=env, timeout=timeout)
-    lines = [ln for ln in outs[0][1].splitlines() if ln.startswith("RESULT ")]
-    if any(rc for rc, _, _ in outs) or not lines:
-        raise RuntimeError(f"case {case['name']} failed ({[rc for rc, _, _ in outs]}):\n"
-                           + "\n".join(o[-2000:] + e[-2000:] for _, o, e in outs))
-    out = json.loads(lines[-1][len("RESULT "):])
+    out = probes.run_argv(cmd, ranks, timeout=timeout, env=probes.environment(OMP_NUM_THREADS=str(case["threads"])))
     out["wall_s"] = time.perf_counter() - t0
     return out
 

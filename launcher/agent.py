@@ -71,6 +71,17 @@ class State(enum.Enum):
     FAILED = "failed"
 
 
+# The transitions drawn above, the only ones Agent.run takes (a test holds the two together).
+TRANSITIONS = {
+    State.START: {State.RENDEZVOUS, State.FAILED},
+    State.RENDEZVOUS: {State.RUNNING},
+    State.RUNNING: {State.SUCCEEDED, State.RESTARTING},
+    State.RESTARTING: {State.RENDEZVOUS, State.FAILED},
+    State.SUCCEEDED: set(),
+    State.FAILED: set(),
+}
+
+
 class Outcome(enum.Enum):
     """How a generation ended, as `Agent.monitor` saw it."""
     SUCCEEDED = "succeeded"   # the own rank exited 0
@@ -226,8 +237,8 @@ class Agent:
                 # Collateral or cause? A rank that raised its own error (not a lost
                 # connection) is the cause. Otherwise, once the world has formed, wait for a
                 # dead peer: the resource manager reports a dead container seconds late.
-                err = self.rank_error(gen, rank) or {}
-                suspect = not err.get("error") or looks_collateral(err["error"])
+                err = self.rank_error(gen, rank)
+                suspect = err is None or not err.error or looks_collateral(err.error)
                 grace = PEER_GRACE_S if suspect and keys.formed(gen) in self.observe(gen) else 1.0
                 cause = self.peer_cause(gen, grace)
                 if cause is True:
@@ -239,10 +250,10 @@ class Agent:
                 oom = memory.killed_for_memory(self.memory_before, memory.state(self.cgroup), me, self.group_index)
                 if oom:
                     what, kind = f"was killed by the kernel: {oom}", Kind.OOM
-                err = self.rank_error(gen, rank) or {}
-                line = f": {err['error']}" if err.get("error") else ""
+                err = self.rank_error(gen, rank) or Failure(reason="")
+                line = f": {err.error}" if err.error else ""
                 return Outcome.OWN, Failure(kind=kind.value, container=me, rank=rank, exit_code=rc,
-                                            error=err.get("error"), phase=err.get("phase"),
+                                            error=err.error, phase=err.phase,
                                             reason=f"rank {rank} ({me}) {what}{line}" + self.network_note())
             seen = self.observe(gen)
             if keys.FAILED in seen:
@@ -283,9 +294,9 @@ class Agent:
             time.sleep(lj.poll_interval)
 
     def rank_error(self, gen, rank):
-        """The error record a rank left for generation `gen` (launcher.rank), or None."""
-        v = self.store.get(keys.error(gen, rank))
-        return json.loads(v) if v else None
+        """The Failure a rank left for generation `gen` (launcher.rank: its error line and
+        phase; or its agent's record that it ended without one), or None."""
+        return Failure.load(self.store.get(keys.error(gen, rank)))
 
     def let_fail(self, seconds):
         """Give the rank, still in setup, up to `seconds` to end on its own."""
@@ -305,7 +316,7 @@ class Agent:
             if all(records) or time.monotonic() > deadline:
                 break
             time.sleep(self.job.launcher.poll_interval)
-        return all(r and r.get("phase") == "setup" and r.get("error") == cause.error for r in records)
+        return all(r and r.phase == "setup" and r.error == cause.error for r in records)
 
     def network_note(self):
         """On emulated nodes: "; <which node is unreachable>" when the world hangs or cannot
@@ -324,6 +335,8 @@ class Agent:
         while self.state not in (State.SUCCEEDED, State.FAILED):
             before = self.state
             self.state = self.step(self.state)
+            if self.state not in TRANSITIONS[before]:
+                raise RuntimeError(f"no transition {before.name} -> {self.state.name} (launcher.agent.State)")
             log.info("%s -> %s (generation %d)", before.name, self.state.name, self.gen)
         if self.state is State.SUCCEEDED:
             return exitcodes.SUCCEEDED
@@ -349,13 +362,14 @@ class Agent:
             return State.RESTARTING
         if state is State.RESTARTING:
             return self.after_abort(self.gen, self.found)
-        raise ValueError(f"no transition from {state}")
+        raise RuntimeError(f"no transition from {state.name}")
 
     def after_abort(self, gen, found):
         """Generation `gen` ended (`found`: the cause this agent found, or None): record it
         (first writer wins), then FAILED, or RENDEZVOUS in the next generation."""
         # How this rank ended, for `deterministic` (its own error record, if it left one, wins).
-        self.store.put_if_absent(keys.error(gen, self.ident.rank), json.dumps({"error": None}))
+        self.store.put_if_absent(keys.error(gen, self.ident.rank), Failure(
+            reason="ended without an error line", rank=self.ident.rank, generation=gen).stamped().dumps())
         if found:
             own = found.rank == self.ident.rank and not found.observed_by
             found = found.stamped(generation=gen, log=self.log_path,

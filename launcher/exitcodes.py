@@ -43,10 +43,16 @@ YARN = {
 }
 
 
-def describe(code, yarn=False):
-    """(text, not_our_fault) for an exit status (a Popen returncode locally, or YARN's)."""
+YARN_KILLED_EXCEEDED_VMEM, YARN_KILLED_EXCEEDED_PMEM = -103, -104   # launcher.memory names these
+
+
+def describe(code, yarn=False, agent=False):
+    """(text, not_our_fault) for an exit status (a Popen returncode locally, or YARN's;
+    `agent`: a container's, whose agent ends with the statuses above)."""
     if code is None:
         return "still running", False
+    if agent and code == APP_FAILED:
+        return f"ended because the application failed elsewhere (exit {code})", False
     if yarn and code in YARN:
         name, text, external = YARN[code]
         return f"{text} ({name}, exit {code})", external
@@ -55,3 +61,10 @@ def describe(code, yarn=False):
     if code > 128 and code - 128 in (9, 15):
         return f"exited with status {code} (signal {code - 128})", False
     return f"exited with status {code}", False
+
+
+def container_exit(code, yarn=False):
+    """What a container's non-zero exit status means, where the number alone does not say
+    (a signal, YARN's own statuses, APP_FAILED), else None."""
+    text = describe(code, yarn=yarn, agent=True)[0] if code else None
+    return None if text == f"exited with status {code}" else text

@@ -3,8 +3,11 @@
 Agents (launcher.agent) and the local engine's master (yarnapp.backends.local.am) write
 it to the store: `keys.abort(gen)` (first writer wins: the root cause of that generation),
 `keys.restart(gen)` (the generation that follows it, with the cause), `keys.FAILED` (the
-application's end). Status, results and the YARN backend read it back with `Failure.load`.
-On the wire it is a JSON object; readers ignore fields they do not know.
+application's end); a rank writes its own error line the same way (`keys.error(gen, rank)`:
+`error` and `phase`, read by the agents to tell a deterministic failure). Status (both
+engines), results and the YARN backend read every one back through this type
+(`Failure.load`, or `Failure.record` for the plain dict they show). On the wire it is a
+JSON object; readers ignore fields they do not know.
 """
 import dataclasses
 import enum
@@ -51,18 +54,33 @@ class Failure:
             out.time = time.time()
         return out
 
+    def as_dict(self):
+        """The wire form: every field that is set."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
     def dumps(self):
-        return json.dumps({k: v for k, v in dataclasses.asdict(self).items() if v is not None})
+        return json.dumps(self.as_dict())
+
+    @classmethod
+    def _given(cls, raw):
+        """The known fields set in `raw` (bytes, str or a dict), or None when there is none."""
+        if raw is None:
+            return None
+        d = json.loads(raw) if isinstance(raw, (bytes, str)) else dict(raw)
+        names = {f.name for f in dataclasses.fields(cls)}
+        return {k: v for k, v in d.items() if k in names} if d else None
 
     @classmethod
     def load(cls, raw):
         """The record in `raw` (bytes, str or a dict), or None when there is none."""
-        if raw is None:
+        given = cls._given(raw)
+        return cls(**{"reason": "", **given}) if given is not None else None
+
+    @classmethod
+    def record(cls, raw):
+        """The record in `raw` as the plain dict status and results show (the fields it
+        sets, and reason), or None."""
+        given = cls._given(raw)
+        if given is None:
             return None
-        d = json.loads(raw) if isinstance(raw, (bytes, str)) else dict(raw)
-        if not d:
-            return None
-        names = {f.name for f in dataclasses.fields(cls)}
-        fields = {k: v for k, v in d.items() if k in names}
-        fields.setdefault("reason", "")
-        return cls(**fields)
+        return {k: v for k, v in cls.load(given).as_dict().items() if k in given or k == "reason"}

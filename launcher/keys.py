@@ -45,7 +45,8 @@ def master(gen):
 
 def error(gen, rank):
     """The one-line error with which `rank` failed in generation `gen`, and whether it
-    failed before its first training step: JSON {"error", "phase"} (launcher.rank)."""
+    failed before its first training step: a launcher.failure.Failure with `error` and
+    `phase` (launcher.rank), or its agent's record that it ended without one."""
     return f"gen/{gen:04d}/error/{rank:05d}"
 
 

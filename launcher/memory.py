@@ -10,6 +10,8 @@ for exceeding its memory limit" and say which limit to raise.
 import os
 import re
 
+from . import exitcodes
+
 ROOT = "/sys/fs/cgroup/memory"
 
 
@@ -85,9 +87,10 @@ def yarn_memory_kill(diagnostics, exit_code, container, group):
     limit of L MiB (peak P MiB): raise the memory of group <group>'."""
     text = diagnostics or ""
     beyond = _YARN_BEYOND.search(text)
-    if not beyond and exit_code not in (-103, -104):
+    if not beyond and exit_code not in (exitcodes.YARN_KILLED_EXCEEDED_VMEM, exitcodes.YARN_KILLED_EXCEEDED_PMEM):
         return None
-    kind = ((beyond.group(1) or beyond.group(2)) if beyond else ("virtual" if exit_code == -103 else "physical")).lower()
+    kind = ((beyond.group(1) or beyond.group(2)) if beyond
+            else ("virtual" if exit_code == exitcodes.YARN_KILLED_EXCEEDED_VMEM else "physical")).lower()
     what = "memory limit" if kind == "physical" else "virtual memory limit"
     usage = next((m for m in _YARN_USAGE.finditer(text) if m.group(5).lower() == kind), None)
     sizes = ""

@@ -28,7 +28,8 @@ import traceback
 
 from conf.errors import YarnappError
 
-from . import identity, keys, network, store as store_mod, torch_env, world
+from . import exitcodes, identity, keys, network, store as store_mod, torch_env, world
+from .failure import Failure
 
 log = logging.getLogger("launcher.rank")
 
@@ -36,7 +37,7 @@ BUILTIN_RUNNER = "training.runner:main"
 LIVENESS_S = 1.0           # how often the liveness thread touches the heartbeat
 
 
-class UserCodeError(Exception):
+class UserCodeError(YarnappError):
     """The job's code could not be found or loaded; str() is the one-line reason."""
 
 
@@ -131,12 +132,14 @@ def print_user_traceback(exc):
 def record_error(store, gen, rank, line, phase):
     """Write this rank's one-line error for the agents (first write wins)."""
     try:
-        store.put_if_absent(keys.error(gen, rank), json.dumps({"error": line[:500], "phase": phase}))
+        line = line[:500]
+        store.put_if_absent(keys.error(gen, rank), Failure(reason=line, error=line, phase=phase, rank=rank,
+                                                           generation=gen).stamped().dumps())
     except Exception:  # noqa: BLE001 - reporting must never hide the failure itself
         log.exception("could not record the error in the store")
 
 
-def fail(store, gen, rank, line, phase, code=1):
+def fail(store, gen, rank, line, phase, code=exitcodes.RANK_FAILED):
     record_error(store, gen, rank, line, phase)
     log.error("%s", line)
     sys.stdout.flush()
@@ -195,7 +198,7 @@ def main(argv=None):
     except SystemExit as e:
         if e.code not in (None, 0):
             line = e.code if isinstance(e.code, str) else (stderr.last or f"exited with status {e.code}")
-            fail(store, gen, ident.rank, line, ctx.phase, e.code if isinstance(e.code, int) else 1)
+            fail(store, gen, ident.rank, line, ctx.phase, e.code if isinstance(e.code, int) else exitcodes.RANK_FAILED)
     except YarnappError as e:       # bad input (data, model...): its one line is the whole story
         fail(store, gen, ident.rank, str(e), ctx.phase)
     except BaseException as e:  # noqa: BLE001 - the user's error: its line, then its traceback
@@ -207,7 +210,7 @@ def main(argv=None):
     sys.stderr.flush()
     # Skip MPI_Finalize's disconnect handshake between singleton-joined processes:
     # the world already agreed (Barrier) that every rank is done.
-    os._exit(0)
+    os._exit(exitcodes.SUCCEEDED)
 
 
 if __name__ == "__main__":

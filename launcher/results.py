@@ -20,6 +20,7 @@ import logging
 import time
 
 from . import keys
+from .failure import Failure
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +35,8 @@ def collect(store):
     seen = store.snapshot(prefixes=(keys.RESTARTS, keys.ABORT_PREFIX), keys=(keys.FINAL, keys.FAILED))
     formed = sorted(k for k in seen if k.startswith(keys.ABORT_PREFIX) and k.endswith("/formed"))
     return {"final": json.loads(seen[keys.FINAL]) if keys.FINAL in seen else None,
-            "failure": json.loads(seen[keys.FAILED]) if keys.FAILED in seen else None,
-            "restarts": [json.loads(v) for k, v in sorted(seen.items()) if k.startswith(keys.RESTARTS)],
+            "failure": Failure.record(seen.get(keys.FAILED)),
+            "restarts": [Failure.record(v) for k, v in sorted(seen.items()) if k.startswith(keys.RESTARTS)],
             "world_formed_time": json.loads(seen[formed[0]]).get("time") if formed else None}
 
 
@@ -53,9 +54,12 @@ def from_diagnostics(text):
     for line in (text or "").splitlines():
         if line.startswith(DIAGNOSTICS_PREFIX):
             try:
-                return json.loads(line[len(DIAGNOSTICS_PREFIX):])
+                found = json.loads(line[len(DIAGNOSTICS_PREFIX):])
             except ValueError:
                 return None
+            found["failure"] = Failure.record(found.get("failure"))
+            found["restarts"] = [Failure.record(r) for r in found.get("restarts") or []]
+            return found
     return None
 
 

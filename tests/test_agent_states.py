@@ -3,6 +3,8 @@ process replaced by scripted monitor results (as torch elastic's agent tests scr
 workers). What the transitions write to the store and the container's exit status are
 what the AM, status and results read."""
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -12,7 +14,7 @@ import pytest
 
 import conf
 from launcher import exitcodes, keys, memory
-from launcher.agent import NOT_RETRIED, Agent, Outcome, State
+from launcher.agent import NOT_RETRIED, TRANSITIONS, Agent, Outcome, State
 from launcher.failure import Failure, Kind
 from launcher.identity import Identity
 from launcher.store import FileStore
@@ -47,14 +49,33 @@ class ScriptedAgent(Agent):
         return nxt
 
 
-def agent(tmp_path, script, max_restarts=3, instances=1, rank=0):
+class ProcessAgent(Agent):
+    """The real monitor, watching a stand-in for the rank process: generation g runs
+    `commands[g]` (a plain command, not a rank), after `before(store, gen, agent)`."""
+
+    def __init__(self, ident, store, commands, before=None):
+        super().__init__(ident, store)
+        self.heartbeat = os.path.join(ident.app_dir, "heartbeat")
+        self.commands, self.before, self.children = list(commands), before, []
+
+    def spawn(self, gen):
+        self.memory_before, self._phase, self.spawned = None, "setup", time.monotonic()
+        self.child = subprocess.Popen(self.commands.pop(0))
+        self.children.append(self.child)
+        if self.before:
+            self.before(self.store, gen, self)
+
+
+def agent(tmp_path, script, max_restarts=3, instances=1, rank=0, cls=ScriptedAgent, launcher=None, **kw):
     job = conf.load_job({"name": "states", "max_restarts": max_restarts,
                          "groups": [{"name": "w", "instances": instances}],
-                         "run": {"function": "training.hello:main"}, "launcher": {"poll_interval": "10ms"}})
+                         "run": {"function": "training.hello:main"},
+                         "launcher": {"poll_interval": "10ms", **(launcher or {})}})
+    os.makedirs(tmp_path, exist_ok=True)
     ident = Identity(backend="local", app_id="a", container=f"w_{rank}", group="w", instance=rank, rank=rank,
                      job=job, secret="s", app_dir=str(tmp_path))
     store = FileStore(str(tmp_path / "store"))
-    return ScriptedAgent(ident, store, script), store
+    return cls(ident, store, script, **kw), store
 
 
 def crash(code=7, phase="train", error="RuntimeError: boom"):
@@ -124,7 +145,7 @@ def test_the_same_failure_in_setup_on_every_rank_is_not_retried(tmp_path):
     setup = crash(code=1, phase="setup", error="ModuleNotFoundError: No module named 'mymod'")
 
     def rank_recorded(store, gen):                   # launcher.rank writes its line before it exits
-        store.put_if_absent(keys.error(gen, 0), json.dumps({"error": setup.error, "phase": "setup"}))
+        store.put_if_absent(keys.error(gen, 0), Failure(reason=setup.error, error=setup.error, phase="setup").dumps())
     a, store = agent(tmp_path, [(Outcome.OWN, setup, rank_recorded)], max_restarts=3)
     assert a.run() == 1 and a.spawned_gens == [0]
     failed = load(store, keys.FAILED)
@@ -133,7 +154,7 @@ def test_the_same_failure_in_setup_on_every_rank_is_not_retried(tmp_path):
 
 def test_a_failure_in_training_is_retried_even_when_it_repeats(tmp_path):
     def rank_recorded(store, gen):
-        store.put_if_absent(keys.error(gen, 0), json.dumps({"error": crash().error, "phase": "train"}))
+        store.put_if_absent(keys.error(gen, 0), Failure(reason="", error=crash().error, phase="train").dumps())
     a, store = agent(tmp_path, [(Outcome.OWN, crash(), rank_recorded)] * 2 + [(Outcome.SUCCEEDED, None, None)])
     assert a.run() == exitcodes.SUCCEEDED and a.spawned_gens == [0, 1, 2]
 
@@ -152,10 +173,79 @@ def test_a_lost_peer_fails_this_container_as_app_failed_not_as_its_own(tmp_path)
     assert load(store, keys.FAILED).reason == lost.reason
 
 
-def test_every_state_has_its_transition_documented():
-    doc = State.__doc__
-    for s in State:
-        assert s.name in doc, s
+def formed_and_training(store, gen, agent):
+    """The world formed, and the rank beat once in training (then falls silent)."""
+    store.put(keys.formed(gen), json.dumps({"time": time.time()}))
+    with open(agent.heartbeat, "w") as f:
+        f.write(f"train {time.time()}")
+
+
+@pytest.mark.parametrize("stopped", [False, True])
+def test_a_rank_whose_heartbeat_goes_stale_is_hung_and_restarted(tmp_path, stopped):
+    def before(store, gen, agent):
+        formed_and_training(store, gen, agent)
+        if stopped and gen == 0:
+            os.kill(agent.child.pid, signal.SIGSTOP)
+    a, store = agent(tmp_path, [["sleep", "60"], ["true"]], cls=ProcessAgent, before=before,
+                     launcher={"heartbeat_timeout": "300ms"})
+    started = time.monotonic()
+    assert a.run() == exitcodes.SUCCEEDED
+    assert time.monotonic() - started < 10
+    hung = load(store, keys.abort(0))
+    assert (hung.kind, hung.rank, hung.container, hung.generation) == (Kind.HUNG.value, 0, "w_0", 0)
+    assert "no progress for" in hung.reason and "in train (limit 0.3s: launcher.heartbeat_timeout)" in hung.reason
+    assert ("(process stopped)" in hung.reason) == stopped
+    assert a.children[0].poll() == -signal.SIGKILL          # the hung rank was killed, not left behind
+    assert load(store, keys.restart(1)).kind == Kind.HUNG.value
+
+
+def test_a_rank_still_beating_is_not_hung(tmp_path):
+    def beating(store, gen, agent):
+        formed_and_training(store, gen, agent)
+        subprocess.Popen(["sh", "-c", f"for i in 1 2 3 4 5 6 7 8; do sleep 0.1; touch {agent.heartbeat}; done"]).wait()
+        agent.child.wait()
+    a, store = agent(tmp_path, [["sleep", "0.5"]], cls=ProcessAgent, before=beating, max_restarts=0,
+                     launcher={"heartbeat_timeout": "300ms"})
+    assert a.run() == exitcodes.SUCCEEDED and store.get(keys.abort(0)) is None
+
+
+def test_a_world_that_does_not_form_fails_naming_who_is_missing(tmp_path):
+    a, store = agent(tmp_path, [["sleep", "60"]], cls=ProcessAgent, max_restarts=0, instances=2,
+                     launcher={"rendezvous_timeout": "300ms"})
+    assert a.run() == exitcodes.RANK_FAILED
+    failed = load(store, keys.FAILED)
+    assert failed.kind == Kind.NOT_FORMED.value and "missing: w_1" in failed.reason
+    assert a.children[0].poll() == -signal.SIGKILL
+
+
+def test_a_rank_that_crashes_is_restarted_and_its_status_is_the_containers(tmp_path):
+    a, store = agent(tmp_path, [["sh", "-c", "exit 5"], ["sh", "-c", "exit 6"]], cls=ProcessAgent, max_restarts=1)
+    assert a.run() == 6                                   # its rank's status in the last generation
+    failed = load(store, keys.FAILED)
+    assert (failed.kind, failed.exit_code, failed.attempts) == (Kind.CRASHED.value, 5, 2)
+    assert failed.reason == "rank 0 (w_0) exited with status 5"
+    assert load(store, keys.abort(1)).exit_code == 6
+
+
+def test_the_transitions_drawn_on_the_states_are_the_ones_the_agent_takes():
+    drawn, source = set(), None
+    for line in State.__doc__.splitlines():
+        words = line.split()
+        if "→" not in words:
+            continue
+        if words[0] != "→":
+            source = State[words[0]]
+        drawn.add((source, State[words[words.index("→") + 1]]))
+    assert drawn == {(a, b) for a, nexts in TRANSITIONS.items() for b in nexts}
+    assert set(TRANSITIONS) == set(State)
+
+
+def test_the_record_reads_back_what_was_written_and_ignores_what_it_does_not_know():
+    wire = json.dumps({"reason": "rank 1 (w_1) hung", "kind": "hung", "rank": 1, "generation": 2, "future": 1})
+    f = Failure.load(wire)
+    assert (f.kind, f.rank, f.generation, f.external, f.exit_code) == ("hung", 1, 2, False, None)
+    assert Failure.record(wire) == {"reason": "rank 1 (w_1) hung", "kind": "hung", "rank": 1, "generation": 2}
+    assert Failure.load(f.dumps()) == f and Failure.record(None) is None and Failure.load(b"{}") is None
 
 
 # -- collateral or cause: the real monitor over a real rank process ------------------

@@ -228,6 +228,12 @@ def test_skein_reports_become_backend_records():
     rec = container_record(c)
     assert (rec["id"], rec["group"], rec["instance"], rec["state"], rec["exit_code"]) == \
         ("cpu_1", "cpu", 1, "FAILED", 137)
+    assert rec["exit"] == "exited with status 137 (signal 9)"        # launcher.exitcodes says what it means
+    for code, text in ((-102, "preempted by the scheduler (PREEMPTED, exit -102)"),
+                       (3, "ended because the application failed elsewhere (exit 3)")):
+        assert container_record(skein.model.Container(
+            service_name="cpu", instance=1, state="FAILED", yarn_container_id="c", yarn_node_http_address="n:1",
+            start_time=None, finish_time=None, exit_message=f"Exit code: {code}"))["exit"] == text
     assert rec["log"].startswith("node3:8042/node/containerlogs/container_1_0007_01_000003/")
 
     # The NodeManager's words for a container over its memory (Hadoop 3.4's ContainersMonitorImpl).

@@ -23,6 +23,12 @@ import urllib.parse
 
 import pyarrow.fs as pafs
 
+from conf.errors import YarnappError
+
+
+class URIError(YarnappError, ValueError):
+    """A URI that names no filesystem we can open (a ValueError too, as pyarrow's are)."""
+
 
 def resolve(uri):
     """(filesystem, path) for a URI or local path."""
@@ -31,7 +37,7 @@ def resolve(uri):
     if uri.startswith("webhdfs://"):
         u = urllib.parse.urlparse(uri)
         if not u.hostname:
-            raise ValueError(f"{uri}: a webhdfs URI names the NameNode's HTTP address: webhdfs://HOST:PORT/path")
+            raise URIError(f"{uri}: a webhdfs URI names the NameNode's HTTP address: webhdfs://HOST:PORT/path")
         return _webhdfs(u.hostname, u.port or 9870, hdfs_user()), u.path or "/"
     return pafs.FileSystem.from_uri(uri)
 

@@ -1,4 +1,7 @@
-"""`yarnapp` command line. Expected errors print one `Error: ...` line and exit 1."""
+"""`yarnapp` command line. Expected errors print one `Error: ...` line and exit 1: every
+YarnappError (conf.errors, the one root), and an OSError that names a path it could not
+open (a file the user named, or one the command must write). Anything else is a bug and
+keeps its traceback."""
 import argparse
 import json
 import logging
@@ -73,6 +76,8 @@ def cmd_status(args):
                else f"  {c.get('node') or ''}")
         _p(f"  {c['id']:<14} rank {c.get('rank')!s:<4} {c['state']:<10} exit={c['exit_code']} "
            f"attempts={c['attempts']}{res}".rstrip())
+        if c.get("exit"):
+            _p(f"    {c['exit']}")
         if c.get("memory_kill"):
             _p(f"    {c['memory_kill']}")
     for r in st.get("restarts") or []:
@@ -339,6 +344,11 @@ def main(argv=None):
         return args.fn(args) or 0
     except YarnappError as e:
         print(f"Error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as e:
+        if not e.filename:          # not a path the user gave: a bug, with its traceback
+            raise
+        print(f"Error: {e.filename}: {e.strerror}", file=sys.stderr, flush=True)
         return 1
 
 

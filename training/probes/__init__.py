@@ -51,8 +51,8 @@ def finish(comm):
 
 def environment(extra_paths=(), **env):
     """The environment of a probe: this one, one torch/OpenMP thread, the repository (and
-    `extra_paths`) first on PYTHONPATH."""
-    e = dict(os.environ, OMP_NUM_THREADS="1", **env)
+    `extra_paths`) first on PYTHONPATH; `env` is set over it (OMP_NUM_THREADS included)."""
+    e = dict(os.environ, **{"OMP_NUM_THREADS": "1", **env})
     e["PYTHONPATH"] = os.pathsep.join([*extra_paths, ROOT, e.get("PYTHONPATH", "")])
     return e
 

@@ -7,6 +7,7 @@ class Backend(abc.ABC):
 
     status(app_id) -> {"app_id", "name", "state": NEW|RUNNING|SUCCEEDED|FAILED|KILLED,
                        "containers": [{"id", "group", "instance", "state", "exit_code",
+                                        "exit": what a non-zero status means (launcher.exitcodes),
                                         "attempts", "log"}], "final": {...} | None,
                        "restarts": [{"generation", "reason"}], "diagnostics": str,
                        "progress": {rank: {...}}, "tensorboard": url | None,

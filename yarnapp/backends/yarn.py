@@ -45,7 +45,8 @@ import tempfile
 import skein
 
 import conf
-from launcher import keys, memory, results
+from launcher import exitcodes, keys, memory, results
+from launcher.failure import Failure
 
 from .. import packaging, shipping
 from ..errors import BackendUnavailable, YarnappError
@@ -222,7 +223,7 @@ def container_record(c):
     m = re.search(r"exit code:?\s*(-?\d+)", c.exit_message or "", re.IGNORECASE)
     code = int(m.group(1)) if m else None
     rec = {"id": c.id, "group": c.service_name, "instance": c.instance, "state": str(c.state),
-           "exit_code": code, "attempts": 1, "rank": None,
+           "exit_code": code, "exit": exitcodes.container_exit(code, yarn=True), "attempts": 1, "rank": None,
            "log": c.yarn_container_logs, "diagnostics": c.exit_message or "",
            "yarn_id": c.yarn_container_id, "node": c.yarn_node_http_address}
     killed = memory.yarn_memory_kill(c.exit_message, code, c.id, c.service_name)
@@ -257,11 +258,10 @@ def named_logs(logs):
 
 def kv_fields(kv):
     out = {"progress": {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in kv.get_prefix("progress/").items()},
-           "restarts": [json.loads(v) for v in kv.get_prefix(keys.RESTARTS).values()]}
+           "restarts": [Failure.record(v) for _, v in sorted(kv.get_prefix(keys.RESTARTS).items())]}
     final = kv.get(keys.FINAL)
     out["final"] = json.loads(final) if final else None
-    failed = kv.get(keys.FAILED)
-    out["failure"] = json.loads(failed) if failed else None      # the root cause, first failure wins
+    out["failure"] = Failure.record(kv.get(keys.FAILED))      # the root cause, first failure wins
     tb = kv.get(keys.TENSORBOARD)
     out["tensorboard"] = tb.decode() if tb else None
     formed = sorted(k for k in kv.get_prefix(keys.ABORT_PREFIX) if k.endswith("/formed"))

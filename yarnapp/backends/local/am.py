@@ -105,6 +105,7 @@ class Container:
     def record(self):
         return {"id": self.id, "group": self.group.name, "instance": self.member["instance"],
                 "rank": self.member["rank"], "state": self.state, "exit_code": self.exit_code,
+                "exit": exitcodes.container_exit(self.exit_code),
                 "attempts": self.attempts, "pid": self.proc.pid if self.proc else None, "log": self.log,
                 "vcores": self.group.vcores, "memory_mib": self.group.memory, "gpus": self.group.gpus,
                 "resources": self.limits.why, "exits": self.exits,
@@ -321,7 +322,7 @@ class ApplicationMaster:
                 (Failure(reason=f"container {c.id} {exitcodes.describe(c.exit_code)[0]}", kind=Kind.CONTAINER.value,
                          container=c.id, exit_code=c.exit_code, log=c.log)
                  for c in self.containers if c.state == "FAILED"), None)
-            self.extra["failure"] = json.loads(cause.dumps()) if cause else {}
+            self.extra["failure"] = cause.as_dict() if cause else {}
             self.diagnostics = cause.reason if cause else ""
         elif self.state == "KILLED":
             self.diagnostics = "killed by the user"

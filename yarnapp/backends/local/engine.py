@@ -15,6 +15,7 @@ import psutil
 import conf
 
 from launcher import keys
+from launcher.failure import Failure
 from launcher.store import FileStore
 
 from ... import shipping
@@ -113,7 +114,7 @@ class LocalBackend(Backend):
                           for k, v in store.get_prefix("progress/").items()}
         final = store.get(keys.FINAL)
         st["final"] = json.loads(final) if final else None
-        st["restarts"] = [json.loads(v) for v in store.get_prefix(keys.RESTARTS).values()]
+        st["restarts"] = [Failure.record(v) for _, v in sorted(store.get_prefix(keys.RESTARTS).items())]
         tb = store.get(keys.TENSORBOARD)
         st["tensorboard"] = tb.decode() if tb else None
         st["app_dir"] = d

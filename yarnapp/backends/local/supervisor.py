@@ -29,6 +29,7 @@ import time
 
 import psutil
 
+from launcher import exitcodes
 from launcher.failure import Failure, Kind
 
 from ..base import TERMINAL
@@ -78,10 +79,6 @@ def clean_up(app_id, keep=()):
     return killed
 
 
-def describe_exit(rc):
-    return f"killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
-
-
 class Supervisor:
     def __init__(self, app_dir):
         import conf
@@ -127,7 +124,7 @@ class Supervisor:
             st = read_json(os.path.join(self.dir, "state.json")) or {}
             if st.get("state") in TERMINAL:
                 return 0
-            what = f"the application master (attempt {attempt}, pid {self.am.pid}) {describe_exit(rc)}"
+            what = f"the application master (attempt {attempt}, pid {self.am.pid}) {exitcodes.describe(rc)[0]}"
             killed = clean_up(self.app_id, keep={os.getpid()})
             log.error("%s without ending the application; cleaned up (%d processes killed)", what, len(killed))
             if self.stopping or attempt >= self.job.am_attempts:
@@ -146,8 +143,8 @@ class Supervisor:
             if c.get("state") == "RUNNING":
                 c["state"] = state
         if state == "FAILED":
-            st["failure"] = json.loads(Failure(reason=diagnostics, kind=Kind.CONTAINER.value, container="master",
-                                               log=os.path.join(self.dir, "am.log")).stamped().dumps())
+            st["failure"] = Failure(reason=diagnostics, kind=Kind.CONTAINER.value, container="master",
+                                    log=os.path.join(self.dir, "am.log")).stamped().as_dict()
         write_state(self.dir, st)
 
 
