@@ -7,10 +7,11 @@ starts itself on RANKS processes joined as an application's containers join
 so MPICH talks over its network module as the product's ranks do), then every rank
 times, for each message size, in interleaved trials:
 
-    ours   training.collectives.PreparedAllreduce on a float32 torch tensor, in place
-           (auto: persistent MPI_Allreduce below the ring threshold, the chunked ring
-           of persistent point-to-point requests from it up): what GradientReducer
-           runs for every bucket;
+    ours   what GradientReducer runs for a bucket of that size, in place on float32:
+           when every rank is on this host, from 8 KiB up the shared-memory sum of a
+           tensor in an Arena (training.collectives.shm); otherwise (or --no-shm) a
+           persistent MPI_Allreduce below the ring threshold and the chunked ring of
+           persistent point-to-point requests from it up (PreparedAllreduce);
     once   training.collectives.allreduce_ (the same algorithms, set up per call);
     mpi    mpi4py comm.Allreduce(MPI.IN_PLACE, numpy float32 array);
     gloo   torch.distributed.all_reduce on a gloo process group (file:// store) in
@@ -44,6 +45,7 @@ def parse_args(argv):
     p.add_argument("--chunk-kb", type=int, default=None, help="ring chunk (default: the library's)")
     p.add_argument("--threshold-kb", type=float, default=None, help="ring threshold (default: the library's)")
     p.add_argument("--no-gloo", action="store_true")
+    p.add_argument("--no-shm", action="store_true", help="ours without shared memory: the ring")
     p.add_argument("--out", default=os.path.join(HERE, "results", "allreduce.json"))
     return p.parse_args(argv)
 
@@ -60,6 +62,7 @@ def bench(args, comm):
     from mpi4py import MPI
 
     from training import collectives
+    from training.collectives import shm
 
     torch.set_num_threads(1)
     rank, n = comm.Get_rank(), comm.Get_size()
@@ -78,7 +81,16 @@ def bench(args, comm):
     prepared = {}
 
     def ours(t, a):
-        prepared[t.numel()].run()
+        prepared[t.numel()][0].run()
+
+    def prepare(nbytes):
+        """(the op, its Arena or None): GradientReducer's choice for a bucket of nbytes."""
+        if nbytes >= min(threshold, shm.THRESHOLD_BYTES) and not args.no_shm:
+            arena = shm.Arena.create(comm, nbytes, 1)
+            if arena is not None:
+                return arena.allreduce(arena.tensor(nbytes // 4, torch.float32)), arena
+        return collectives.PreparedAllreduce(torch.zeros(nbytes // 4), comm, threshold_bytes=threshold,
+                                             chunk_bytes=chunk, workspace=workspace), None
 
     def once(t, a):
         collectives.allreduce_(t, comm, threshold_bytes=threshold, chunk_bytes=chunk, workspace=workspace)
@@ -98,8 +110,7 @@ def bench(args, comm):
     for nbytes in sizes:
         t = torch.zeros(nbytes // 4)              # zeros: sums stay finite, any count of reps
         a = t.numpy()
-        prepared[t.numel()] = collectives.PreparedAllreduce(
-            t, comm, threshold_bytes=threshold, chunk_bytes=chunk, workspace=workspace)
+        prepared[t.numel()] = prepare(nbytes)
         reps = reps_for(nbytes, args.quick)
         names = list(contenders)
         times = {k: [] for k in names}
@@ -117,7 +128,7 @@ def bench(args, comm):
                 times[name].append(comm.allreduce(dt, op=MPI.MAX))
         med = {k: float(np.median(v)) for k, v in times.items()}
         row = {"bytes": nbytes, "reps": reps, "trials": trials,
-               "algorithm": collectives.choose_algorithm(nbytes, "auto", threshold)}
+               "algorithm": prepared[t.numel()][0].algorithm}
         for k, v in med.items():
             row[f"{k}_s"] = v
             row[f"{k}_GBps"] = nbytes / v / 1e9
@@ -126,7 +137,11 @@ def bench(args, comm):
         if "gloo" in med:
             row["ours_vs_gloo"] = med["gloo"] / med["ours"]
         rows.append(row)
-        prepared.pop(t.numel()).free()
+        op, arena = prepared.pop(t.numel())
+        op.free()
+        if arena is not None:
+            del op
+            arena.close()
         if rank == 0:
             print_row(row, header=len(rows) == 1)
     if dist is not None:

@@ -200,6 +200,7 @@ class AllReduce(Model):
     name: Literal["allreduce"]
     bucket_mb: Annotated[float, Field(gt=0)]
     ring_threshold_kb: Annotated[float, Field(ge=0)]
+    shared_memory: bool
 
 
 class CentralPS(Model):

@@ -8,7 +8,8 @@ import worlds
 
 pytestmark = pytest.mark.multiprocess
 
-CHECKS = {1: ["sums", "training"], 2: ["sums", "wait_cpu", "training"], 3: ["sums", "sums_polite", "training"]}
+CHECKS = {1: ["sums", "training"], 2: ["sums", "shm", "wait_cpu", "training"],
+          3: ["sums", "sums_polite", "shm", "training"]}
 
 
 def _world(n, tmp_path_factory):
@@ -40,6 +41,15 @@ def test_allreduce_matches_numpy_sum(n, request):
 def test_polite_waits_give_the_same_sums(world3):
     res, _ = world3
     assert res["sums_polite"] == ["OK"] * 3
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_shared_memory_sums_are_the_rings_bit_for_bit(n, request):
+    """Ranks of one host sum through shared memory (training.collectives.shm): the same
+    bits as the ring for odd sizes and several chunks, waits spinning or polite, and the
+    segments are unlinked from /dev/shm as soon as every rank has mapped them."""
+    res, _ = request.getfixturevalue(f"world{n}")
+    assert res["shm"] == ["OK"] * n
 
 
 def test_a_polite_wait_sleeps_instead_of_spinning(world2):

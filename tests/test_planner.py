@@ -71,6 +71,21 @@ def test_data_parallel_predictions_by_hand():
     assert sharded["step_s"] == pytest.approx(0.025 + 2 * 0.04 * 3 / 4 + 0.01 / 4)
 
 
+def test_ranks_on_one_host_exchange_through_shared_memory():
+    """With the shared-memory all-reduce measured (link.shared_Bps), allreduce's exchange
+    is max(1, n/2)|W|/β_shm + 2α instead of the ring's; shared_memory: false keeps the ring."""
+    prof = _profile()
+    devs = [Device("cpu", prof)] * 4
+    link = Link(latency_s=1e-5, bandwidth_Bps=1e8, shared_Bps=1e9)
+    shm = predict("allreduce", devs, link, 64, sched=planner.Scheduling(wait_s=0.0, wait_cpu=0.0))
+    assert shm["comm_s"] == pytest.approx(2 * 4e6 / 1e9 + 2e-5 + 2 * 2 * 1e-5)   # + the 2 small all-reduces
+    ring = predict("allreduce", devs, link, 64, sched=planner.Scheduling(wait_s=0.0, wait_cpu=0.0),
+                   shared_memory=False)
+    assert ring["comm_s"] == pytest.approx(2 * 3 / 4 * 4e6 / 1e8 + 6e-5 + 2 * 2 * 1e-5)
+    # simulated clusters put each rank on a machine of its own: no shared memory there
+    assert link.between_machines().shared_Bps is None
+
+
 def test_shares_and_quota_shape_the_data_parallel_step():
     prof = _profile(opt=0.0, param_bytes=4)
     free = Link(0.0, 1e15)
@@ -187,8 +202,9 @@ def test_measure_profile_of_a_real_model():
 
 
 def test_measure_link_with_a_real_ping_pong():
-    link = planner.measure_link(trials=2)
+    link = planner.measure_link(trials=2, shared=True)
     assert 0 < link.latency_s < 0.01
+    assert link.shared_Bps > link.bandwidth_Bps          # the shared-memory all-reduce, on one host
     assert link.bandwidth_Bps > 1e7                     # shared memory: far above 10 MB/s
     assert link.seconds(1 << 20) > link.seconds(8)
     # more ranks than cores: a synchronisation waits for the scheduler (and no hog is left)
@@ -198,12 +214,14 @@ def test_measure_link_with_a_real_ping_pong():
     assert loaded.latency_s > 5 * link.latency_s and "100% busy" in loaded.source
     # simulated clusters (a machine per rank) get the idle latency, not this machine's contention
     assert loaded.between_machines().latency_s == loaded.idle_latency_s < loaded.latency_s
-    assert link.between_machines() is link
+    assert link.between_machines().shared_Bps is None and loaded.shared_Bps is None
     assert {p.pid for p in psutil.Process().children(recursive=True)} == before
     import conf
     job = conf.load_job({"name": "t", "groups": [{"name": "a", "instances": os.cpu_count() + 1, "vcores": 0.5}],
                          "training": {"data": {"train": "file:///x"}}})
     assert planner.local_load(job) == {"busy": 1, "polite": True, "duty": 0.5}
+    assert planner.on_one_host(job)
+    assert not planner.on_one_host(conf.load_job({**job.model_dump(), "network": {"nodes": 2}}))
 
 
 def test_measure_wait_cpu_with_real_polite_waits():

@@ -198,7 +198,7 @@ def _params(model, named_parameters, optimizer):
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=None, bucket_mb=4.0,
-                         ring_threshold_kb=256.0, ctx=None):
+                         ring_threshold_kb=256.0, shared_memory=True, ctx=None):
     """Make `optimizer` step on the gradient summed over the world; returns it.
 
     Every rank's gradients are weighted by `weight` (default 1/size, Horovod's average;
@@ -212,7 +212,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=No
     weight = 1.0 / ctx.world_size if weight is None else float(weight)
     overlap = "thread" if ctx.me.vcores - torch.get_num_threads() >= 1 else "poll"
     reducer = collectives.GradientReducer(params, ctx.comm, bucket_mb=bucket_mb,
-                                          ring_threshold_kb=ring_threshold_kb, overlap=overlap)
+                                          ring_threshold_kb=ring_threshold_kb, overlap=overlap,
+                                          shared_memory=shared_memory)
 
     def before_step(opt, args, kwargs):
         reducer.finish()

@@ -4,6 +4,8 @@ Checks (args["checks"]):
     sums          allreduce_/PreparedAllreduce equal numpy's sum, bit-identical on every
                   rank and from run to run, for odd sizes and every algorithm
     sums_polite   the same with polite (sleeping) waits
+    shm           (2, 3 ranks, one host) shared-memory sums equal the ring's bit for bit,
+                  blocking and nonblocking, spinning and polite; nothing left in /dev/shm
     wait_cpu      (2 ranks) a plain wait spins, a polite one sleeps: rank 1's wall and
                   CPU seconds waiting 0.6 s for rank 0, each way
     training      a small CNN trained on a global batch split 3:1:2 (and by speed) equals
@@ -73,6 +75,42 @@ def sums(comm, polite):
     return comm.allgather("OK")
 
 
+def shm_sums(comm):
+    import glob
+
+    from training.collectives import shm
+    r, n = comm.Get_rank(), comm.Get_size()
+    counts = [1, 2, 7, 1001, 65537, (1 << 18) + 3]
+    arena = shm.Arena.create(comm, sum(-(-c * 4 // 64) * 64 for c in counts), len(counts))
+    assert arena is not None
+    assert not glob.glob(f"{arena.name}*"), "the segments were not unlinked once mapped"
+    ops = [arena.allreduce(arena.tensor(c, torch.float32)) for c in counts]
+    try:
+        for polite in (False, True):
+            collectives.set_polite(polite)
+            for c, op in zip(counts, ops):
+                x = torch.from_numpy(data(r, c))
+                ring = x.clone()
+                allreduce_(ring, comm, "ring", chunk_bytes=4096)
+                for _ in range(2):
+                    op.tensor.copy_(x)
+                    op.run()
+                    assert torch.equal(op.tensor, ring), (c, polite)
+                    op.tensor.copy_(x)
+                    op.start()
+                    while not op.test():
+                        pass
+                    op.wait()
+                    assert torch.equal(op.tensor, ring), (c, polite)
+    finally:
+        collectives.set_polite(False)
+    for op in ops:
+        op.free()
+    del ops
+    arena.close()
+    return comm.allgather("OK")
+
+
 def wait_cpu(comm):
     """Rank 1's (wall, CPU) seconds of a 0.6 s wait, plain and polite."""
     out = {}
@@ -119,10 +157,10 @@ class Training:
     def __init__(self, comm):
         self.comm, self.rank, self.n = comm, comm.Get_rank(), comm.Get_size()
 
-    def strategy(self, shares, bucket_mb, threshold_kb, overlap=None):
+    def strategy(self, shares, bucket_mb, threshold_kb, overlap=None, shared_memory=True):
         job = conf.offline_job([1.0] * self.n, shares=shares,
                                strategy={"name": "allreduce", "bucket_mb": bucket_mb,
-                                         "ring_threshold_kb": threshold_kb})
+                                         "ring_threshold_kb": threshold_kb, "shared_memory": shared_memory})
         s = AllReduceStrategy(RunContext.offline(self.comm, job), job.training)
         s.overlap = overlap
         return s
@@ -167,9 +205,10 @@ class Training:
         s.close()
         return parts
 
-    def train(self, overlap, steps=4):
+    def train(self, overlap, steps=4, shared_memory=True):
         m, _ = self.model(7)
-        s = self.strategy([3, 1, 2][:self.n], 0.001, 0, overlap)   # many buckets, all ring
+        # many buckets, all ring (or shared memory: the same bits)
+        s = self.strategy([3, 1, 2][:self.n], 0.001, 0, overlap, shared_memory)
         s.setup(m, make_opt)
         for step in range(steps):
             x, y = batch(step, 12)
@@ -203,6 +242,7 @@ class Training:
         m, flat = self.train("poll")
         for other in ("thread", "none"):
             assert torch.equal(flat, self.train(other)[1]), other
+        assert torch.equal(flat, self.train("poll", shared_memory=False)[1])      # the ring itself
         assert all(b == flat.numpy().tobytes() for b in comm.allgather(flat.numpy().tobytes()))
         if self.rank == 0 and out_path:
             torch.save(m.state_dict(), out_path)
@@ -219,6 +259,8 @@ def main():
             out[check] = sums(comm, polite=False)
         elif check == "sums_polite":
             out[check] = sums(comm, polite=True)
+        elif check == "shm":
+            out[check] = shm_sums(comm)
         elif check == "wait_cpu":
             out[check] = wait_cpu(comm)
         elif check == "training":

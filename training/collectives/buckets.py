@@ -16,6 +16,7 @@ import torch
 
 from training import cputime
 
+from . import shm
 from .ring import RING_CHUNK_BYTES, PreparedAllreduce
 from .waits import _mpi, as_buffer
 
@@ -95,13 +96,14 @@ class GradientReducer:
 
     A parameter that got no gradient this step (unused in forward, or a rank with no
     rows) contributes zeros, so every rank takes part in every reduction. Each bucket
-    is summed in a fixed order (ring, or MPI_Allreduce by size), never depending on
-    timing. Reductions run on a duplicate of `comm`, so they never match the caller's
+    is summed in a fixed order (ring, or MPI_Allreduce by size; when every rank is on
+    this host the larger buckets live in shared memory and are summed there in the
+    ring's order, training.collectives.shm), never depending on timing. Reductions run on a duplicate of `comm`, so they never match the caller's
     messages. Creating the reducer is collective over `comm`.
     """
 
     def __init__(self, params, comm, bucket_mb=4.0, ring_threshold_kb=256.0,
-                 overlap="poll", chunk_bytes=RING_CHUNK_BYTES):
+                 overlap="poll", chunk_bytes=RING_CHUNK_BYTES, shared_memory=True):
         if overlap not in OVERLAP_MODES:
             raise ValueError(f"unknown overlap mode {overlap!r}; choose one of {OVERLAP_MODES}")
         if bucket_mb <= 0:
@@ -116,10 +118,13 @@ class GradientReducer:
         self.params = [p for p in params if p.requires_grad]
         self.buckets = self._make_buckets(self.params, int(bucket_mb * (1 << 20)))
         self._where = {}
+        self._arena = self._share(min(ring_threshold_kb * 1024, shm.THRESHOLD_BYTES), shared_memory)
         workspaces = {}
         for b in self.buckets:
             for i, p in enumerate(b.params):
                 self._where[id(p)] = (b, i)
+            if b.op is not None:           # in shared memory
+                continue
             ws = workspaces.get(b.flat.dtype)
             if ws is None:
                 ws = workspaces[b.flat.dtype] = np.empty(
@@ -138,6 +143,21 @@ class GradientReducer:
                   len(self.params), len(self.buckets),
                   ", ".join(f"{b.op.nbytes / 2**20:.2f} MiB {b.op.algorithm}" for b in self.buckets),
                   overlap)
+
+    def _share(self, threshold_bytes, enabled):
+        """Place the buckets of at least `threshold_bytes` in shared memory when every rank
+        is on this host (training.collectives.shm: the ring's sums, bit for bit, without the
+        network module). Collective; a rank with a GPU keeps the ring (its buckets are
+        staged through pinned memory)."""
+        big = [b for b in self.buckets if b.flat.numel() * b.flat.element_size() >= threshold_bytes]
+        nbytes = sum(-(-b.flat.numel() * b.flat.element_size() // 64) * 64 for b in big)
+        cpu = all(b.dev is None for b in self.buckets)
+        arena = shm.Arena.create(self.comm, nbytes, len(big), enabled=enabled and cpu)
+        if arena is not None:
+            for b in big:
+                b.flat = arena.tensor(b.flat.numel(), b.flat.dtype)
+                b.op = arena.allreduce(b.flat)
+        return arena
 
     @staticmethod
     def _make_buckets(params, cap_bytes):
@@ -307,6 +327,9 @@ class GradientReducer:
         for b in self.buckets:
             if b.op is not None:
                 b.op.free()
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
         if self.comm is not None:
             self.comm.Free()
             self.comm = None

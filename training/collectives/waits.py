@@ -67,7 +67,21 @@ def _wait(reqs, polite):
         else:
             reqs.Wait()
         return
-    test = (lambda: mpi.Request.Testall(reqs)) if many else reqs.Test
+    _sleepy((lambda: mpi.Request.Testall(reqs)) if many else reqs.Test)
+
+
+def wait_until(test, polite=None):
+    """Call `test()` until it returns True: spinning, or, polite (as `wait`), spinning for
+    SPIN_S and then sleeping between calls (shared-memory reductions wait with this)."""
+    with cputime.counting("wait"):
+        if _polite if polite is None else polite:
+            _sleepy(test)
+        else:
+            while not test():
+                pass
+
+
+def _sleepy(test):
     deadline = time.perf_counter() + SPIN_S
     while time.perf_counter() < deadline:
         if test():
@@ -76,7 +90,6 @@ def _wait(reqs, polite):
     while not test():
         time.sleep(pause)
         pause = min(pause * 2, MAX_PAUSE_S)
-
 
 
 def mpi_datatype(dtype):

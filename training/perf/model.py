@@ -187,6 +187,8 @@ class Link:
     bandwidth_Bps: float          # bytes per second
     source: str = "given"
     idle_latency_s: Optional[float] = None   # where latency_s was measured with the CPUs busy
+    shared_Bps: Optional[float] = None       # ranks on one host: the shared-memory all-reduce's
+                                             # algorithm bandwidth (training.collectives.shm)
 
     @property
     def bandwidth_bps(self):
@@ -194,16 +196,21 @@ class Link:
 
     def between_machines(self):
         """The link as separate machines would see it: without this machine's CPU contention
-        (simulated clusters put every rank on a machine of its own)."""
-        if self.idle_latency_s is None:
+        and without shared memory (simulated clusters put every rank on a machine of its own)."""
+        if self.idle_latency_s is None and self.shared_Bps is None:
             return self
+        if self.idle_latency_s is None:
+            return Link(self.latency_s, self.bandwidth_Bps, self.source)
         return Link(self.idle_latency_s, self.bandwidth_Bps, self.source + "; idle latency")
 
     def seconds(self, nbytes):
         return self.latency_s + nbytes / self.bandwidth_Bps
 
     def as_dict(self):
-        return {"latency_s": self.latency_s, "bandwidth_bps": self.bandwidth_bps, "source": self.source}
+        out = {"latency_s": self.latency_s, "bandwidth_bps": self.bandwidth_bps, "source": self.source}
+        if self.shared_Bps:
+            out["shared_memory_Bps"] = self.shared_Bps
+        return out
 
 
 def link_from_rate(bps, latency_s=None, source="given"):

@@ -40,7 +40,7 @@ from training.perf.model import (DEFAULT_LATENCY_S, Case, Device, Layer, Link, P
 from .cpu import measure_strategy_cpu, measure_wait_cpu
 from .job import (Measured, co_runners, job_devices, measure_job, modelled, plan_from, plan_job, predict,
                   predict_all, simulate)
-from .link import local_load, measure_link
+from .link import local_load, measure_link, on_one_host
 from .options import QUICK_MIN_TIME, PlanOptions, parse_options
 from .present import format_table, write_json, write_png
 from .profile import idle_profile, measure_profile, measure_rows, measure_shares
@@ -49,6 +49,6 @@ __all__ = ["amdahl_bound", "central_ps_s", "proportional_s", "ring_allreduce_s",
            "DEFAULT_LATENCY_S", "Case", "Device", "Layer", "Link", "PlanError", "Profile", "Scheduling",
            "link_from_rate", "share_weights", "measure_strategy_cpu", "measure_wait_cpu", "Measured",
            "co_runners", "job_devices", "measure_job", "modelled", "plan_from", "plan_job", "predict",
-           "predict_all", "simulate", "local_load", "measure_link", "QUICK_MIN_TIME", "PlanOptions",
+           "predict_all", "simulate", "local_load", "measure_link", "on_one_host", "QUICK_MIN_TIME", "PlanOptions",
            "parse_options", "format_table", "write_json", "write_png", "idle_profile", "measure_profile",
            "measure_rows", "measure_shares"]

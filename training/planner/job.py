@@ -28,7 +28,7 @@ from training.strategies.conv_mp.cost import conv_fraction, conv_layers_of, conv
 from training.strategies.shares import split_rows
 
 from .cpu import measure_strategy_cpu, measure_wait_cpu
-from .link import local_load, measure_link
+from .link import local_load, measure_link, on_one_host
 from .options import PlanOptions
 from .profile import idle_profile, measure_profile, measure_rows, measure_shares
 
@@ -74,13 +74,13 @@ def _input_of(spec, options):
 
 def _job_link(job, options):
     if options.measure_link:
-        return measure_link(**local_load(job))
+        return measure_link(**local_load(job), shared=on_one_host(job))
     if options.bandwidths_bps:
         return link_from_rate(options.bandwidths_bps[0], options.latency_s)
     if job.network.bandwidth:
         return link_from_rate(job.network.bandwidth, options.latency_s or job.network.latency,
                               "the job's network.bandwidth")
-    return measure_link(**local_load(job))
+    return measure_link(**local_load(job), shared=on_one_host(job))
 
 
 def _job_scheduling(job, devices, options):

@@ -18,11 +18,11 @@ def run_probe(module, args, what, timeout):
         raise PlanError(f"the MPI {what} failed ({e}); give the link with --bandwidth") from None
 
 
-def _pingpong(sizes, trials, timeout, busy=0, polite=False, duty=1.0):
+def _pingpong(sizes, trials, timeout, busy=0, polite=False, duty=1.0, shm=None):
     """{size: one-way seconds} of a ping-pong between two joined ranks (measure_link), beside
     `busy` processes each busy `duty` of the time (training.probes.hog)."""
     args = {"sizes": [list(s) for s in sizes], "trials": int(trials), "polite": bool(polite),
-            "loaded": busy > 0, "work": 1e-3 if busy else 0.0}
+            "loaded": busy > 0, "work": 1e-3 if busy else 0.0, "shm": shm}
     hogs = [subprocess.Popen([sys.executable, "-m", "training.probes.hog", repr(float(duty))],
                              env=probes.environment(), start_new_session=True)     # as a rank's container is
             for _ in range(busy)]
@@ -32,10 +32,11 @@ def _pingpong(sizes, trials, timeout, busy=0, polite=False, duty=1.0):
         for h in hogs:
             h.kill()
             h.wait()
-    return {int(k): v for k, v in out.items()}
+    return {(k if k == "shm" else int(k)): v for k, v in out.items()}
 
 
-def measure_link(small=8, large=4 << 20, pool=16, trials=8, timeout=120, busy=0, polite=False, duty=1.0):
+def measure_link(small=8, large=4 << 20, pool=16, trials=8, timeout=120, busy=0, polite=False, duty=1.0,
+                 shared=False, shared_bytes=16 << 20):
     """The link between two ranks of a job on this machine.
 
     Two processes join one world exactly as two containers of the local engine do
@@ -56,17 +57,30 @@ def measure_link(small=8, large=4 << 20, pool=16, trials=8, timeout=120, busy=0,
     (measured here with fully busy processes: ~0.6 ms polite, ~1.8 ms spinning, instead
     of ~2 us unloaded); β stays the capacity. The sharing of the cores itself (how fast
     each rank computes) is quota_sim's.
+
+    shared (every rank of the job on this host): also the algorithm bandwidth of the two
+    ranks' shared-memory all-reduce of `shared_bytes` (training.collectives.shm), the
+    link's shared_Bps, which the all-reduce's cost model then uses for its buckets.
     """
-    t = _pingpong([(small, 200, 1), (large, pool, pool)], trials, timeout)
+    t = _pingpong([(small, 200, 1), (large, pool, pool)], trials, timeout,
+                  shm=[shared_bytes, 10] if shared else None)
     alpha = t[small]
     beta = (large - small) / max(t[large] - t[small], 1e-12)
+    shm_s = t.get("shm")
+    shared_Bps = shared_bytes / shm_s if shm_s else None
     if not busy:
-        return Link(alpha, beta, "measured (ping-pong of 2 joined ranks on this machine)")
+        return Link(alpha, beta, "measured (ping-pong of 2 joined ranks on this machine)", shared_Bps=shared_Bps)
     loaded = _pingpong([(small, 100, 1)], trials, timeout, busy, polite, duty)[small]
     return Link(max(alpha, loaded), beta,
                 f"measured (ping-pong of 2 joined ranks on this machine; latency with {busy} "
                 f"process{'es' if busy > 1 else ''} {100 * duty:.0f}% busy{', polite' if polite else ''})",
-                idle_latency_s=alpha)
+                idle_latency_s=alpha, shared_Bps=shared_Bps)
+
+
+def on_one_host(job):
+    """Whether every rank of `job` runs on this host, able to share memory: the local
+    engine without emulated nodes."""
+    return job.backend == "local" and job.network.nodes <= 1
 
 
 def local_load(job):

@@ -47,7 +47,9 @@ def format_table(plan):
     lines = [f"plan for job {plan['job']!r}: {m['name']}, batch {m['batch']}, {m['params']:,} parameters "
              f"({m['param_bytes'] / 2**20:.2f} MiB), input {'x'.join(map(str, m['input_shape']))} "
              f"({m['input_from']})",
-             f"link: {_rate(lk['bandwidth_bps'])}, latency {lk['latency_s'] * 1e6:.1f} us ({lk['source']})",
+             f"link: {_rate(lk['bandwidth_bps'])}, latency {lk['latency_s'] * 1e6:.1f} us ({lk['source']})"
+             + (f"; shared-memory all-reduce {lk['shared_memory_Bps'] / 1e9:.1f} GB/s (ranks on one host)"
+                if lk.get("shared_memory_Bps") else ""),
              "ranks: " + "; ".join(f"{d['rank']} {d['name']} step {d['step_s'] * 1e3:.1f} ms" for d in plan["devices"]),
              _scheduling_text(plan.get("scheduling")),
              f"distributed convs {m['conv_layers']}: share of a step f = {m['conv_fraction']:.2f}; "

@@ -3,7 +3,9 @@
 Args: sizes [[bytes, repetitions, buffers], ...] (the buffers cycle, so large messages
 are not in the cache), trials (after one warm-up; the fastest counts, or the median
 when `loaded`), polite (rank 1 waits politely), work (seconds each side computes
-between its messages). Result: {bytes: one-way seconds}.
+between its messages), shm (optional [bytes, repetitions]: also time the shared-memory
+all-reduce of that many bytes, training.collectives.shm). Result: {bytes: one-way
+seconds}, and "shm": seconds per all-reduce (None where the ranks cannot share memory).
 """
 import statistics
 import time
@@ -13,6 +15,31 @@ import numpy as np
 from launcher.world import join_local
 from training import collectives
 from training.probes import arguments, finish, report
+
+
+def shared_allreduce_s(comm, nbytes, reps, trials):
+    """The fastest trial's seconds per shared-memory all-reduce of nbytes (float32)."""
+    import torch
+
+    from training.collectives import shm
+    arena = shm.Arena.create(comm, nbytes, 1)
+    if arena is None:
+        return None
+    op = arena.allreduce(arena.tensor(nbytes // 4, torch.float32))
+    best = float("inf")
+    for trial in range(trials + 1):
+        comm.Barrier()
+        t = time.perf_counter()
+        for _ in range(reps):
+            op.run()
+        if trial:
+            best = min(best, comm.allreduce((time.perf_counter() - t) / reps, op=_max()))
+    return best
+
+
+def _max():
+    from mpi4py import MPI
+    return MPI.MAX
 
 
 def main():
@@ -42,6 +69,8 @@ def main():
             if trial:                               # the first trial warms up
                 trials.append(((time.perf_counter() - t) / reps - 2 * work_s) / 2)
         out[size] = min(trials) if not a["loaded"] else statistics.median(trials)
+    if a.get("shm"):
+        out["shm"] = shared_allreduce_s(comm, *a["shm"], trials=a["trials"])
     report(rank, out)
     finish(comm)
 

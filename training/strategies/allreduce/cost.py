@@ -9,6 +9,10 @@ strategy probe), g = max_r g_r (the slowest share), o_r rank r's optimizer step,
 
     ring all-reduce  T = g + max_r o_r + 2(n−1)/n·|W|/β + 2(n−1)α          (+ 2⌈log2 n⌉α
                      for the two small all-reduces of rows and loss in every step)
+    on one host      the ring's term is max(1, n/2)·|W|/β_shm + 2α instead, where β_shm is
+                     the shared-memory all-reduce's measured algorithm bandwidth for two
+                     ranks (link.shared_Bps; each rank reads and writes |W|, so n ranks
+                     share the memory's bandwidth n/2 times as many ways)
 
 played out under the ranks' CPU quotas and shared cores (training.perf.quota_sim: the
 phases compute | exchange | optimizer, each ended by a synchronisation); without
@@ -18,6 +22,7 @@ reductions with backward (the ring's time is added after compute).
 import dataclasses
 import math
 
+from training.collectives.shm import THRESHOLD_BYTES
 from training.perf.formulas import log2
 from training.perf.model import per_rank, prediction, share_weights
 from training.strategies.shares import split_rows
@@ -73,7 +78,13 @@ def predict(case, config):
     n, w = len(case.devices), case.devices[0].profile.param_bytes
     a, bw = case.link.latency_s, case.link.bandwidth_Bps
     buckets = max(1, math.ceil(w / (config.bucket_mb * 2**20)))
-    waits = buckets * (2 * (n - 1) if w / buckets >= config.ring_threshold_kb * 1024 else 1)
+    large = w / buckets >= config.ring_threshold_kb * 1024
+    shared = case.link.shared_Bps if getattr(config, "shared_memory", False) else None
+    if shared and w / buckets >= min(config.ring_threshold_kb * 1024, THRESHOLD_BYTES):
+        return data_parallel("allreduce", case, Exchange(seconds=max(1.0, n / 2) * w / shared + 2 * a,
+                                                         optimizer=[1.0] * n, waits=2 * buckets,
+                                                         received=[w] * n))
+    waits = buckets * (2 * (n - 1) if large else 1)
     return data_parallel("allreduce", case, Exchange(seconds=2 * (n - 1) / n * w / bw + 2 * (n - 1) * a,
                                                      optimizer=[1.0] * n, waits=waits,
                                                      received=[2 * (n - 1) / n * w] * n))

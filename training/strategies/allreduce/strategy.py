@@ -78,7 +78,7 @@ class AllReduceStrategy(Strategy):
             overlap = "thread" if spare >= 1 else "poll"
         self.reducer = collectives.GradientReducer(
             model.parameters(), self.comm, bucket_mb=ar.bucket_mb,
-            ring_threshold_kb=ar.ring_threshold_kb, overlap=overlap)
+            ring_threshold_kb=ar.ring_threshold_kb, overlap=overlap, shared_memory=ar.shared_memory)
         self._float_buffers = [b for b in model.buffers() if b.is_floating_point()]
         self.weights = self._share_weights(example_input)
         log.info("allreduce strategy: rank %d of %d, shares %s, %d buckets, overlap=%s",
