@@ -4,6 +4,7 @@
 quota (`set_polite`), spinning briefly and then sleeping between tests. `as_buffer`
 hands a contiguous CPU tensor to MPI as the numpy view of its own memory (no copy).
 """
+import threading
 import time
 
 import numpy as np
@@ -72,13 +73,18 @@ def _wait(reqs, polite):
 
 def wait_until(test, polite=None):
     """Call `test()` until it returns True: spinning, or, polite (as `wait`), spinning for
-    SPIN_S and then sleeping between calls (shared-memory reductions wait with this)."""
+    SPIN_S and then sleeping between calls (shared-memory reductions wait with this).
+    Off the main thread a spin yields the GIL at every call: the thread that runs
+    backward must not wait for a communication thread's spinning."""
     with cputime.counting("wait"):
         if _polite if polite is None else polite:
             _sleepy(test)
-        else:
+        elif threading.current_thread() is threading.main_thread():
             while not test():
                 pass
+        else:
+            while not test():
+                time.sleep(0)
 
 
 def _sleepy(test):
