@@ -315,3 +315,23 @@ def test_predictions_from_fixed_measurements_are_unchanged(name):
     plan = planner.plan_from(conf.load_job(case["job"]), planner.Measured.from_dict(case["measured"]), options)
     plan.pop("volumes")
     assert json.loads(json.dumps(plan)) == case["plan"]
+
+
+def test_the_table_says_when_the_jobs_own_strategy_is_within_the_planners_error():
+    """The recommendation is the fastest prediction; when the job runs another strategy
+    the table says how far behind it is predicted, and a gap inside the planner's error
+    is called a tie (the example's allreduce against ps_sharded), not a reason to switch."""
+    from training.planner import present
+    cases = _regression_cases()
+
+    def line(name):
+        out = present.format_table(cases[name]["plan"] | {"volumes": {}})
+        return [ln for ln in out.splitlines() if ln.startswith("the job's")]
+
+    assert line("yarn-gpu-resnet") == ["the job's allreduce: 30.48 ms/step, speedup 2.14, 1.7% slower "
+                                       "(within the planner's error: either will do; keep the job's)"]
+    far = line("seed-cnn-3-ranks")
+    assert len(far) == 1 and "conv_model_parallel" in far[0] and "80.0% slower" in far[0]
+    assert "within" not in far[0]
+    assert "within" not in line("digits-example")[0]           # 6.3% apart: past the tie
+    assert line("one-rank-mlp") == []                          # the job's own is the recommendation

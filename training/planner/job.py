@@ -320,6 +320,7 @@ def plan_from(job, measured, options=PlanOptions()):
         "speed_shares": speed_preds,
         "recommended": {"strategy": best, "step_s": best_p["step_s"], "speedup": best_p["speedup"],
                         "split": best_p["split"], "why": why},
+        "job_strategy": spec.strategy.name,
         "bound": conv["bound"] if conv else None,
         "scaling": simulate(ref, link.between_machines(), B, names, options, own),
         "volumes": _volumes(model, shape, [d.speed for d in devices], B),

@@ -92,7 +92,8 @@ def format_table(plan):
     r = plan["recommended"]
     lines += ["", f"recommended: {r['strategy']} ({registry.entry(r['strategy']).title}; {r['why']}): "
                   f"{r['step_s'] * 1e3:.2f} ms/step, "
-                  f"speedup {r['speedup']:.2f}", ""]
+                  f"speedup {r['speedup']:.2f}"]
+    lines += _against_the_jobs_own(plan) + [""]
     if plan["scaling"]:
         names = [s for s in _modelled() if s in plan["scaling"][0]["strategies"]]
         lines.append(f"{'cluster':8s} {'bandwidth':>11s} {'machines':>8s} " +
@@ -105,6 +106,26 @@ def format_table(plan):
                          + " ".join(cells) + " " + bound)
         lines.append("(speedup over one machine like rank 0's container; gpu+cpu: over the GPU alone)")
     return "\n".join(lines)
+
+
+# Predictions closer than this are a tie: the planner's median error out of sample is
+# ~7% (benchmarks/README.md, planner_check.py).
+TIE = 0.05
+
+
+def _against_the_jobs_own(plan):
+    """A line when the job's own strategy is not the recommended one: how far behind it is
+    predicted, and whether that is within the planner's error (then keep the job's)."""
+    mine, r = plan.get("job_strategy"), plan["recommended"]
+    p = plan["strategies"].get(mine) if mine else None
+    if not p or mine == r["strategy"]:
+        return []
+    slower = p["step_s"] / r["step_s"] - 1
+    text = (f"the job's {mine}: {p['step_s'] * 1e3:.2f} ms/step, speedup {p['speedup']:.2f}, "
+            f"{100 * slower:.1f}% slower")
+    if slower <= TIE:
+        text += " (within the planner's error: either will do; keep the job's)"
+    return [text]
 
 
 def _gpu_beside_cpus(plan):
