@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -50,3 +51,31 @@ def test_status_and_env_of_a_stopped_cluster(tmp_path):
     assert f"export HADOOP_CONF_DIR={tmp_path / 'h' / 'etc' / 'hadoop'}" in env
     assert any(line.startswith(f"export PATH={tmp_path / 'h' / 'bin'}:") for line in env)
     assert cli("stop", "--dir", tmp_path / "h").returncode == 0
+
+
+def test_stop_waits_for_a_process_whose_main_thread_ended_while_others_still_hold_its_port():
+    # A JVM ends its main thread first: /proc/PID/stat says Z while its other threads still
+    # run and hold the daemon's listening socket. stop() must wait for them, or the next
+    # start finds its own port taken (`yarnapp hadoop stop && yarnapp hadoop start`).
+    base = hadoop.free_port_base()
+    code = ("import signal, socket, threading, time, ctypes\n"
+            "signal.signal(signal.SIGTERM, lambda *a: None)\n"      # shut down slowly, as a JVM does
+            "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+            f"s.bind(('127.0.0.1', {base + 20})); s.listen(1)\n"
+            "threading.Thread(target=time.sleep, args=(2,)).start()\n"
+            "print('ready', flush=True)\n"
+            "ctypes.CDLL(None).pthread_exit(None)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        deadline = time.monotonic() + 5
+        while hadoop._state(proc.pid) == "running" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert hadoop._state(proc.pid) == "exiting" and not hadoop.port_free(base + 20)
+        t0 = time.monotonic()
+        hadoop._terminate(proc.pid, None, 10.0)          # SIGTERM; the last thread ends ~2 s after start
+        assert time.monotonic() - t0 < 5
+        assert hadoop._state(proc.pid) == "gone" and hadoop.port_free(base + 20)
+    finally:
+        proc.kill()
+        proc.wait()

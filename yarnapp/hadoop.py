@@ -435,9 +435,8 @@ esac
             pid = int(entry)
             try:
                 if _pid_alive(pid, self.marker) or os.readlink(f"/proc/{pid}/cwd").startswith(nm_dirs):
-                    with open(f"/proc/{pid}/stat") as f:
-                        if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                            out.append(pid)
+                    if _state(pid) != "gone":
+                        out.append(pid)
             except OSError:
                 continue
         return out
@@ -473,15 +472,23 @@ def _terminate(pid, marker, timeout):
             return
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
-            if not os.path.exists(f"/proc/{pid}") or (marker and not _pid_alive(pid, marker)):
-                return
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                        return
-            except OSError:
+            state = _state(pid)
+            if state == "gone" or (state == "running" and marker and not _pid_alive(pid, marker)):
                 return
             time.sleep(0.1)
+
+
+def _state(pid):
+    """'gone' (or only a zombie left to reap), 'exiting' (its main thread a zombie while
+    other threads still run and hold its sockets: a JVM ends so), or 'running'."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        if not zombie:
+            return "running"
+        return "exiting" if len(os.listdir(f"/proc/{pid}/task")) > 1 else "gone"
+    except OSError:
+        return "gone"
 
 
 def _first_error(text):
