@@ -1,6 +1,6 @@
 """Users' own loops and the example job on unequal containers, through real `yarnapp submit`s.
 
-    python benchmarks/own_loop.py [--quick] [--repeat 3] [--parts loop,example]
+    python benchmarks/own_loop.py [--quick] [--repeat 3] [--parts loop,example,conv-mp]
 
 Every contender runs as an application of the local engine on 1 x 1 vcore + 2 x 0.5
 vcore containers (cgroup CPU quotas, singletons joined through the store: the product's
@@ -18,6 +18,9 @@ example  conf/examples/cifar_resnet.yaml (the built-in runner) for --steps steps
            equal        the three containers, shares: equal
            vcores       the three containers, shares: vcores
          samples/s of the whole run (final metrics); ratios against one-1vcore and equal.
+conv-mp  (not in the default parts) the same example with strategy conv_model_parallel
+         (kernels split by measured speed, recalibrated every 5 steps) on the three
+         containers, against one-1vcore.
 
 Writes benchmarks/results/own_loop.json.
 """
@@ -69,6 +72,8 @@ def example_run(kind, data, steps):
     job["name"] = f"example-{kind}"
     if kind == "one-1vcore":
         job["groups"] = [{**job["groups"][0], "instances": 1}]
+    elif kind == "conv-mp":
+        job["training"]["strategy"] = {"name": "conv_model_parallel", "recalibrate_every": 5}
     else:
         job["training"]["shares"] = kind
     return common.submit(job)["final"]["samples_per_s"]
@@ -85,7 +90,7 @@ def main(argv=None):
     samples = {}
     t0 = time.time()
     try:
-        if "example" in parts:
+        if "example" in parts or "conv-mp" in parts:
             from training.data import import_synthetic_cifar
             import_synthetic_cifar(os.path.join(home, "cifar"), n_train=8000, n_test=500)
         for r in range(rounds):
@@ -94,6 +99,9 @@ def main(argv=None):
                 contenders += [("loop", "ours-vcores"), ("loop", "ddp-equal")]
             if "example" in parts:
                 contenders += [("example", k) for k in ("one-1vcore", "equal", "vcores")]
+            if "conv-mp" in parts:
+                contenders += [("example", "one-1vcore")] if "example" not in parts else []
+                contenders += [("example", "conv-mp")]
             if r % 2:
                 contenders.reverse()
             for part, name in contenders:
