@@ -117,6 +117,7 @@ def test_fractional_vcores_are_refused_with_one_line_and_nothing_submitted(clust
     # With no global skein driver (a fresh SKEIN_CONFIG) the CLI starts a private one.
     private = cluster.cli("list", "--backend", "yarn", env={"SKEIN_CONFIG": str(tmp_path / "skein")})
     assert private.returncode == 0, private.stderr
+    assert "Warning" not in private.stderr, private.stderr     # skein's note on new credentials is ours to word
     assert private.stdout == cluster.cli("list", "--backend", "yarn").stdout
     gone = cluster.cli("status", "application_1_9999")
     assert gone.returncode == 1 and gone.stderr.startswith("Error: no application 'application_1_9999' on YARN")

@@ -41,6 +41,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import warnings
 
 import skein
 
@@ -294,7 +295,12 @@ def _start_client():
     os.makedirs(packaging.cache_dir(), exist_ok=True)
     driver_log = os.path.join(packaging.cache_dir(), "skein-driver.log")
     try:
-        return skein.Client(log=driver_log)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            client = skein.Client(log=driver_log)
+        for w in said:      # skein's "credentials not found, writing now to ...": a note, not a warning
+            log.info("skein: %s", w.message)
+        return client
     except (OSError, subprocess.CalledProcessError, skein.exceptions.SkeinError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise BackendUnavailable(f"YARN backend unavailable: skein's driver did not start ({first}); "
