@@ -44,6 +44,7 @@ import urllib.parse
 import urllib.request
 
 import conf
+from launcher.agent import process_state
 
 from . import packaging
 from .errors import YarnappError
@@ -481,11 +482,12 @@ def _terminate(pid, marker, timeout):
 def _state(pid):
     """'gone' (or only a zombie left to reap), 'exiting' (its main thread a zombie while
     other threads still run and hold its sockets: a JVM ends so), or 'running'."""
+    letter = process_state(pid)
+    if letter is None:
+        return "gone"
+    if letter != "Z":
+        return "running"
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
-        if not zombie:
-            return "running"
         return "exiting" if len(os.listdir(f"/proc/{pid}/task")) > 1 else "gone"
     except OSError:
         return "gone"
