@@ -295,11 +295,13 @@ def _start_client():
     os.makedirs(packaging.cache_dir(), exist_ok=True)
     driver_log = os.path.join(packaging.cache_dir(), "skein-driver.log")
     try:
-        with warnings.catch_warnings(record=True) as said:
-            warnings.simplefilter("always")
+        with warnings.catch_warnings(record=True) as said:     # the filters as they are: what would show
             client = skein.Client(log=driver_log)
-        for w in said:      # skein's "credentials not found, writing now to ...": a note, not a warning
-            log.info("skein: %s", w.message)
+        for w in said:
+            if str(w.message).startswith("Skein global security credentials not found"):
+                log.info("skein: %s", w.message)      # a note that it wrote them, not a warning
+            else:
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
         return client
     except (OSError, subprocess.CalledProcessError, skein.exceptions.SkeinError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
