@@ -100,8 +100,9 @@ def main(argv=None):
             if "example" in parts:
                 contenders += [("example", k) for k in ("one-1vcore", "equal", "vcores")]
             if "conv-mp" in parts:
-                contenders += [("example", "one-1vcore")] if "example" not in parts else []
-                contenders += [("example", "conv-mp")]
+                if "example" not in parts:          # its baseline
+                    contenders.append(("example", "one-1vcore"))
+                contenders.append(("example", "conv-mp"))
             if r % 2:
                 contenders.reverse()
             for part, name in contenders:
