@@ -219,6 +219,7 @@ class ConvModelParallel(Model):
     layers: Optional[List[str]]
     split: Optional[List[Annotated[float, Field(gt=0)]]]
     recalibrate_every: Annotated[int, Field(ge=0)]
+    fuse: bool
 
 
 class Hypergraph(Model):

@@ -38,6 +38,18 @@ def test_layers_forward_backward_equal_single_process(world):
     assert r["layers_shapes"] == [[expected[0][0], 3, 3, 3], [expected[0][1], 8, 3, 3]]
 
 
+def test_channel_wise_layers_in_the_shards_equal_single_process(world):
+    n, r = world
+    assert r["fused_forward"] < TOL and r["fused_fc_grad"] < TOL
+    assert set(r["fused_conv_grads"]) == {"conv1", "conv2"}
+    assert all(v < TOL for v in r["fused_conv_grads"].values())
+    # the strategy found F.relu and F.max_pool2d after both convs of SmallCNN, on every rank
+    assert r["strategy_fused"] == ["conv1 + relu + max_pool2d; conv2 + relu + max_pool2d"] * n
+    # and with `fuse: false` it keeps them on the master, as exact
+    assert r["unfused"] == [[True, [0, 0]]] * n
+    assert r["unfused_weights"] < TOL
+
+
 def test_misconfigurations_are_refused(world):
     n, r = world
     for errors in r["errors"]:                               # every rank refuses, none hangs

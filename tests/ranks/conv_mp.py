@@ -12,6 +12,7 @@ import conf
 from launcher.world import join_local
 from training.context import RunContext
 from training.probes import finish, report
+from training.strategies.conv_mp.fuse import Call
 from training.strategies.conv_mp.layers import DistributedConv2d
 from training.strategies.conv_mp.protocol import ShardProtocol
 from training.strategies.conv_mp.strategy import ConvModelParallelStrategy
@@ -57,11 +58,11 @@ def make_ctx():
     return RunContext.offline(comm, JOB)
 
 
-def spec(split=WEIGHTS, recalibrate_every=0, layers=None):
+def spec(split=WEIGHTS, recalibrate_every=0, layers=None, fuse=True):
     """The training section with this conv-MP block; set after validation: a split of
     another length is refused by the schema, and the strategy must refuse it too."""
     block = JOB.training.strategy.model_copy(update={"split": split, "recalibrate_every": recalibrate_every,
-                                                     "layers": layers})
+                                                     "layers": layers, "fuse": fuse})
     return JOB.training.model_copy(update={"strategy": block})
 
 
@@ -132,6 +133,33 @@ for name, layer in (("conv1", model.conv1), ("conv2", model.conv2)):
 out["layers_conv_grads"] = grads
 out["rank_shards"] = comm.gather([model.conv1.count, model.conv2.count], root=0)
 
+# 1b. The same with ReLU and pooling inside the shards (each rank on its own channels,
+# training.strategies.conv_mp.fuse), rank 0 of 3 again owning no kernel of conv2.
+ref = fresh()
+chain = [nn.ReLU(), Call(F.max_pool2d, (2,))]
+c1 = DistributedConv2d(ref.conv1, comm, splits["conv1"], followers=chain)
+c2 = DistributedConv2d(ref.conv2, comm, splits["conv2"], followers=chain)
+fc = copy.deepcopy(ref.fc)
+fused = ShardProtocol([c1, c2], comm)
+x, y = data(1)
+if rank == 0:
+    logits = fc(c2(c1(x)).flatten(1))
+    F.cross_entropy(logits, y).backward()
+    fused.finish()
+    ref_logits = ref(x)
+    F.cross_entropy(ref_logits, y).backward()
+    out["fused_forward"] = maxdiff(logits, ref_logits)
+    out["fused_fc_grad"] = maxdiff(fc.weight.grad, ref.fc.weight.grad)
+else:
+    fused.serve()
+grads = {}
+for name, layer in (("conv1", c1), ("conv2", c2)):
+    gw, gb = layer.gather_full((layer.weight.grad, layer.bias.grad))
+    if rank == 0:
+        r = getattr(ref, name)
+        grads[name] = max(maxdiff(gw, r.weight.grad), maxdiff(gb, r.bias.grad))
+out["fused_conv_grads"] = grads
+
 # 2. The strategy: a few SGD steps (momentum, weight decay) equal the single-process run.
 def make(strategy_spec, seed=0):
     s = ConvModelParallelStrategy(make_ctx(), strategy_spec)
@@ -156,6 +184,7 @@ for step in range(3):
         ref_losses.append([l.item(), int((logits.argmax(1) == y).sum())])
 all_losses = comm.gather(losses, root=0)
 out["strategy_split"] = comm.gather([s.layer_split, s.split], root=0)
+out["strategy_fused"] = comm.gather(s.fusion.describe() if s.fusion else None, root=0)
 out["strategy_slices"] = comm.gather(list(s.batch_slice(6)), root=0)
 buf = io.BytesIO()
 torch.save(s.state_dict(), buf)             # a checkpoint: serialised, as the runner writes it
@@ -167,6 +196,22 @@ if rank == 0:
     out["export_types"] = [type(export.conv1).__name__, type(export.conv2).__name__]
     out["last_conv_s"] = s.last_conv_s                  # every rank's, gathered at the master
 out["conv_s"] = comm.gather(s.conv_s, root=0)
+
+# 2b. With `fuse: false` the chain stays on the master: the same steps, as exact.
+s_nf = make(spec(fuse=False))
+ref_nf = fresh()
+ref_nf_opt = sgd(ref_nf.parameters())
+for step in range(2):
+    x, y = data(step)
+    s_nf.train_step(x if rank == 0 else None, y if rank == 0 else None)
+    if rank == 0:
+        ref_nf_opt.zero_grad()
+        F.cross_entropy(ref_nf(x), y).backward()
+        ref_nf_opt.step()
+export_nf = s_nf.model_for_export()
+out["unfused"] = comm.gather([s_nf.fusion is None, [len(layer.followers) for layer in s_nf.layers.values()]], root=0)
+if rank == 0:
+    out["unfused_weights"] = params_diff(export_nf, ref_nf)
 
 # 3. eval_step agrees with the reference's summed loss and correct count.
 x, y = data(10)

@@ -31,28 +31,41 @@ from .comm import (Timings, _Clock, broadcast_from_master, gather_channels_to_ma
 
 
 class _ShardConv2d(torch.autograd.Function):
-    """Y_i = conv(X, W_i) + b_i, with explicit backward so its time can be measured:
+    """Y_i = chain(conv(X, W_i) + b_i), with explicit backward so its time can be measured:
     dX_i = convolution_backward(dY_i)[input], dW_i = X ⋆ dY_i, db_i = Σ dY_i — the very
-    ATen call (aten.convolution_backward) autograd makes for nn.Conv2d. A rank with no
-    kernels (c_i = 0) outputs (N, 0, H', W') and contributes dX_i = 0.
+    ATen call (aten.convolution_backward) autograd makes for nn.Conv2d. `chain`: the
+    channel-wise layers fused after the conv (training.strategies.conv_mp.fuse), run on
+    this rank's channels, their backward run first in backward. A rank with no kernels
+    (c_i = 0) outputs (N, 0, H', W') and contributes dX_i = 0.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, geometry, timings):
+    def forward(ctx, x, weight, bias, geometry, timings, followers=(), track=False):
         with cputime.counting("share"):
-            return _ShardConv2d._forward(ctx, x, weight, bias, geometry, timings)
+            return _ShardConv2d._forward(ctx, x, weight, bias, geometry, timings, followers, track)
 
     @staticmethod
-    def _forward(ctx, x, weight, bias, geometry, timings):
+    def _forward(ctx, x, weight, bias, geometry, timings, followers, track):
         stride, padding, dilation = geometry
         ctx.geometry, ctx.timings, ctx.has_bias = geometry, timings, bias is not None
         ctx.save_for_backward(x, weight)
+        ctx.chain = None
         with _Clock(timings, "conv_s"):
             if weight.shape[0] == 0:
                 size = [(x.shape[2 + d] + 2 * padding[d] - dilation[d] * (weight.shape[2 + d] - 1) - 1)
                         // stride[d] + 1 for d in range(2)]
+                if followers:   # pooling refuses 0 channels: the chain's output size from one
+                    size = _chain(followers, x.new_zeros((1, 1, *size))).shape[2:]
                 return x.new_zeros((x.shape[0], 0, *size))
             y = F.conv2d(x, weight, bias, stride, padding, dilation)
+            if followers and track:          # the chain's own graph, run back in backward
+                with torch.enable_grad():
+                    y0 = y.detach().requires_grad_(True)
+                    z = _chain(followers, y0)
+                ctx.chain = (y0, z)
+                y = z.detach()
+            elif followers:
+                y = _chain(followers, y)
             _sync(y)
         return y
 
@@ -66,18 +79,29 @@ class _ShardConv2d(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         stride, padding, dilation = ctx.geometry
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        none = (None, None, None, None)
         with _Clock(ctx.timings, "conv_s"):
             if weight.shape[0] == 0:
                 gx = torch.zeros_like(x) if need_x else None
                 gw = torch.zeros_like(weight) if need_w else None
                 gb = weight.new_zeros(0) if need_b and ctx.has_bias else None
-                return gx, gw, gb, None, None
+                return (gx, gw, gb) + none
+            if ctx.chain is not None:        # through the channel-wise layers first
+                y0, z = ctx.chain
+                ctx.chain = None
+                grad, = torch.autograd.grad(z, y0, grad)
             gx, gw, gb = torch.ops.aten.convolution_backward(
                 grad.contiguous(), x, weight, [weight.shape[0]] if ctx.has_bias else None,
                 list(stride), list(padding), list(dilation), False, [0, 0], 1,
                 [bool(need_x), bool(need_w), bool(need_b and ctx.has_bias)])
             _sync(gw if gw is not None else gx)
-        return gx, gw, gb, None, None
+        return (gx, gw, gb) + none
+
+
+def _chain(followers, y):
+    for f in followers:
+        y = f(y)
+    return y
 
 
 def _sync(t):
@@ -124,9 +148,11 @@ class DistributedConv2d(nn.Module):
 
     split: one non-negative int per rank, summing to conv.out_channels. A rank with 0
     kernels computes nothing but still takes part in the collectives.
+    followers: channel-wise modules (an activation, pooling) each rank applies to its own
+    channels before the gather (training.strategies.conv_mp.fuse); Y is then their output.
     """
 
-    def __init__(self, conv, comm, split, root=0):
+    def __init__(self, conv, comm, split, root=0, followers=()):
         super().__init__()
         reason = why_not_distributable(conv)
         if reason:
@@ -137,6 +163,7 @@ class DistributedConv2d(nn.Module):
         self.stride, self.dilation = tuple(conv.stride), tuple(conv.dilation)
         self.padding = conv_padding(conv)
         self.timings = Timings()
+        self.followers = tuple(followers)   # not submodules: the model owns them (state_dict unchanged)
         self._set_split(split)
         lo, hi = self.offset, self.offset + self.count
         self.weight = nn.Parameter(conv.weight.detach()[lo:hi].clone())
@@ -166,7 +193,7 @@ class DistributedConv2d(nn.Module):
         x = broadcast_from_master(x, self.comm, self.root, device=self.weight.device,
                                   timings=self.timings)
         y = _ShardConv2d.apply(x, self.weight, self.bias, (self.stride, self.padding, self.dilation),
-                               self.timings)
+                               self.timings, self.followers, torch.is_grad_enabled())
         return gather_channels_to_master(y, self.comm, self.split, self.root, self.timings)
 
     def load_from_master(self, conv=None):

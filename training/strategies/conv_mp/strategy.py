@@ -20,8 +20,13 @@ where the runner may pass x=None); each distributed conv broadcasts its input, a
 the paper. The master computes the loss and broadcasts (loss, correct, samples) at the
 end of the step, so StepStats agree on every rank.
 
+Channel-wise layers right after a distributed conv (its activation, pooling) run inside
+the shards, each rank on its own channels (training.strategies.conv_mp.fuse; `fuse`):
+the master then runs a traced copy of the model's forward without them, which shares
+the model's modules.
+
 Per step (see training.strategies.conv_mp.protocol.ShardProtocol for the commands):
-    master:  forward (each distributed conv: Bcast X, own share, Gatherv Y), loss,
+    master:  forward (each distributed conv: Bcast X, own share and its chain, Gatherv Y), loss,
              backward (each: Scatterv dY, own share, Reduce dX), END(loss, correct, n)
     others:  serve() — run the commanded shares until END
     all:     optimizer.step() on own parameters; gather per-layer conv seconds at the master
@@ -39,6 +44,7 @@ from training import cputime
 from training.collectives import wait
 from training.strategies.base import StepStats, Strategy
 
+from . import fuse
 from .calibrate import conv_shapes, corrected_speeds, measure_speeds, proportional_split
 from .layers import DistributedConv2d, why_not_distributable
 from .protocol import ShardProtocol
@@ -71,6 +77,8 @@ class ConvModelParallelStrategy(Strategy):
         self.steps = 0
         self._window = None         # master: [rank, layer] conv seconds since the last (re)calibration
         self._window_steps = 0
+        self.fusion = None          # fuse.Fusion: channel-wise layers run inside the shards
+        self._net = None            # the master's forward: the model, or its fused GraphModule
 
     # -- setup -----------------------------------------------------------------------------
 
@@ -131,14 +139,21 @@ class ConvModelParallelStrategy(Strategy):
             self._shard(self._calibrated_split(sample_shape))
 
     def _shard(self, split):
-        """Collective: replace the chosen convs by DistributedConv2d with `split`."""
+        """Collective: replace the chosen convs by DistributedConv2d with `split`, each
+        with the channel-wise layers that follow it (fuse), unless `fuse: false`."""
+        self.fusion = fuse.plan(self.model, self.names) if self.config.fuse else None
+        followers = self.fusion.followers(self.model) if self.fusion else {}
         modules = dict(self.model.named_modules())
         for name in self.names:
             conv = modules[name]
-            layer = DistributedConv2d(conv, self.comm, split[name], root=self.ROOT).to(self.device)
+            layer = DistributedConv2d(conv, self.comm, split[name], root=self.ROOT,
+                                      followers=followers.get(name, ())).to(self.device)
             layer.load_from_master(conv)
             _set_module(self.model, name, layer)
             self.layers[name] = layer
+        self._net = self.fusion.graph_module(self.model) if self.fusion else self.model
+        if self.fusion and self.is_master:
+            log.info("conv_model_parallel: in the shards: %s", self.fusion.describe())
         self.protocol = ShardProtocol(list(self.layers.values()), self.comm, root=self.ROOT)
         self._set_split(split)
         self._window = np.zeros((self.world_size, len(self.names)))
@@ -170,7 +185,7 @@ class ConvModelParallelStrategy(Strategy):
         if self.is_master:
             self.model.train()
             x, y = x.to(self.device), y.to(self.device)
-            out = self.model(x)
+            out = self._net(x)
             loss = F.cross_entropy(out, y)
             loss.backward()
             correct = (out.argmax(1) == y).sum().item()
@@ -197,7 +212,7 @@ class ConvModelParallelStrategy(Strategy):
         try:
             with torch.no_grad():
                 x, y = x.to(self.device), y.to(self.device)
-                out = self.model(x)
+                out = self._net(x)
                 loss_sum = F.cross_entropy(out, y, reduction="sum").item()
                 correct = (out.argmax(1) == y).sum().item()
         finally:

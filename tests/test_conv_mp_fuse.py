@@ -1,0 +1,134 @@
+"""Which channel-wise layers conv-MP runs inside the shards (training.strategies.conv_mp.fuse):
+found in the traced model, and the fused forward computes what the model computes."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from training.models import build_model
+from training.strategies.conv_mp import fuse
+
+pytestmark = pytest.mark.unit
+
+
+class Reused(nn.Module):
+    """One ReLU module after two convs: it cannot move into either shard."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+        self.relu, self.pool = nn.ReLU(), nn.MaxPool2d(2)
+
+    def forward(self, x):
+        return self.pool(self.relu(self.conv2(self.relu(self.conv1(x)))))
+
+
+class Branches(nn.Module):
+    """conv1's output used twice (a residual); conv2's ReLU output used twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(4, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv1(x)
+        y = F.relu(y) + y
+        z = torch.relu(self.conv2(y))
+        return F.avg_pool2d(z, 2) + F.max_pool2d(z, 2)
+
+
+class TrainOnly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        y = F.relu(self.conv(x))
+        return y * 2 if self.training else y
+
+
+class Dynamic(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        return F.relu(self.conv(x)) if x.sum() > 0 else self.conv(x)
+
+
+class Functional(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 6, 3, padding=1)
+        self.fc = nn.Linear(6 * 4 * 4, 3)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.leaky_relu(self.conv1(x), 0.1), 2)
+        x = F.adaptive_avg_pool2d(self.conv2(x).relu(), (4, 4))
+        return self.fc(x.flatten(1))
+
+
+class Shard(nn.Module):
+    """What DistributedConv2d computes with its followers: the chain right after the conv."""
+
+    def __init__(self, conv, chain):
+        super().__init__()
+        self.conv, self.chain = conv, chain
+
+    def forward(self, x):
+        x = self.conv(x)
+        for f in self.chain:
+            x = f(x)
+        return x
+
+
+def fused_equals_model(model, names, shape):
+    """The plan's graph (chains removed) with each conv replaced by conv + its chain
+    computes exactly what the model computes."""
+    torch.manual_seed(0)
+    x = torch.randn(2, *shape)
+    want = model(x)
+    plan = fuse.plan(model, names)
+    for name, chain in plan.followers(model).items():
+        setattr(model, name, Shard(getattr(model, name), chain))
+    return plan, torch.equal(plan.graph_module(model)(x), want)
+
+
+def test_seed_cnn_moves_relu_and_pool_into_the_shards_and_computes_the_same():
+    torch.manual_seed(0)
+    model = build_model("seed_cnn", (3, 16, 16), 10, {"conv1": 4, "conv2": 8})
+    relu1, pool1 = model.relu1, model.pool1
+    plan, same = fused_equals_model(model, ["conv1", "conv2"], (3, 16, 16))
+    assert plan.describe() == "conv1 + relu1 + pool1; conv2 + relu2 + pool2"
+    assert plan.chains["conv1"] == ["relu1", "pool1"] and model.conv1.chain == [relu1, pool1]
+    assert same
+
+
+def test_functional_and_method_followers_are_found_and_compute_the_same():
+    plan, same = fused_equals_model(Functional(), ["conv1", "conv2"], (3, 8, 8))
+    assert plan.describe() == "conv1 + leaky_relu + max_pool2d; conv2 + relu + adaptive_avg_pool2d"
+    assert same
+    plan, _ = fused_equals_model(Functional(), ["conv2"], (3, 8, 8))      # only the distributed ones
+    assert list(plan.chains) == ["conv2"]
+
+
+def test_shared_modules_and_reused_outputs_stay_on_the_master():
+    # conv1's output feeds the residual too: nothing follows it into the shard; conv2's
+    # ReLU does (its output, used twice, is what is gathered)
+    plan, same = fused_equals_model(Branches(), ["conv1", "conv2"], (4, 8, 8))
+    assert plan.describe() == "conv2 + relu" and same
+    assert fuse.plan(Reused(), ["conv1", "conv2"]) is None     # one ReLU serves both convs
+
+
+def test_models_fx_cannot_trace_or_whose_training_forward_differs_are_not_fused(caplog):
+    with caplog.at_level("INFO"):
+        assert fuse.plan(Dynamic(), ["conv"]) is None
+        assert fuse.plan(TrainOnly(), ["conv"]) is None
+    assert "torch.fx cannot trace the model" in caplog.text
+    assert "differs between training and evaluation" in caplog.text
+
+
+def test_resnet_convs_feed_batchnorm_and_are_not_fused():
+    model = build_model("resnet", (3, 32, 32), 10, {})
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Conv2d)]
+    assert fuse.plan(model, names) is None

@@ -1,0 +1,158 @@
+"""Channel-wise layers run inside the shards: what follows a distributed conv and acts
+on each channel alone (an activation, pooling) is applied by every rank to its own
+channels before the gather, instead of by the master to the whole feature map after it.
+
+Why: those layers are the master's serial part of the step (every other rank waits
+while the master runs them), and pooling shrinks what is gathered and scattered. The
+values are the same: a channel-wise op on a block of channels computes exactly what it
+computes on those channels of the full map.
+
+Found with torch.fx: after each distributed conv, the longest chain of nodes where every
+node is the only user of the one before, and each is a channel-wise module (ReLU,
+MaxPool2d, ...), function (F.relu, F.max_pool2d, ...) or tensor method (.relu()) whose
+other arguments are constants. A module called in more than one place (one ReLU reused
+after several layers) joins no chain: the master still needs it elsewhere. Dropout is
+not channel-wise in this sense (each rank would draw other random numbers), nor is
+BatchNorm in training (its statistics span the batch, fine per channel, but it holds
+parameters and buffers the master owns). A model fx cannot trace gets no fusion.
+"""
+import logging
+
+import torch
+import torch.fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+MODULES = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh,
+           nn.Hardswish, nn.Hardsigmoid, nn.Mish, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d,
+           nn.AdaptiveMaxPool2d)
+FUNCTIONS = {F.relu, F.relu6, F.leaky_relu, F.elu, F.gelu, F.silu, F.hardswish, F.hardsigmoid, F.mish,
+             torch.relu, torch.sigmoid, torch.tanh, F.max_pool2d, F.avg_pool2d, F.adaptive_avg_pool2d,
+             F.adaptive_max_pool2d}
+METHODS = {"relu", "sigmoid", "tanh"}
+
+
+class Call(nn.Module):
+    """fn(x, *args, **kwargs): a channel-wise function with its constant arguments."""
+
+    def __init__(self, fn, args=(), kwargs=None):
+        super().__init__()
+        self.fn, self.args, self.kwargs = fn, tuple(args), dict(kwargs or {})
+
+    def forward(self, x):
+        if isinstance(self.fn, str):
+            return getattr(x, self.fn)(*self.args, **self.kwargs)
+        return self.fn(x, *self.args, **self.kwargs)
+
+    def extra_repr(self):
+        return getattr(self.fn, "__name__", str(self.fn))
+
+
+def _constant(value):
+    if isinstance(value, (tuple, list)):
+        return all(_constant(v) for v in value)
+    return not isinstance(value, torch.fx.Node)
+
+
+def _returns_indices(module_or_kwargs, args=()):
+    if isinstance(module_or_kwargs, nn.Module):
+        return bool(getattr(module_or_kwargs, "return_indices", False))
+    return bool(module_or_kwargs.get("return_indices", False)) or any(a is True for a in args[4:5])
+
+
+def _follower(node, modules, calls):
+    """A Call or the module for a channel-wise node, else None."""
+    rest_args = node.args[1:]
+    if not _constant(rest_args) or not _constant(tuple(node.kwargs.values())):
+        return None
+    if node.op == "call_module":
+        module = modules.get(node.target)
+        if isinstance(module, MODULES) and calls[node.target] == 1 and not _returns_indices(module):
+            return node.target
+        return None
+    if node.op == "call_function" and node.target in FUNCTIONS and not _returns_indices(node.kwargs, node.args):
+        return Call(node.target, rest_args, node.kwargs)
+    if node.op == "call_method" and node.target in METHODS:
+        return Call(node.target, rest_args, node.kwargs)
+    return None
+
+
+class Fusion:
+    """The chains found in one model: `chains` {conv: [follower module name or Call]}
+    (in model order) and the traced graph with those chains removed."""
+
+    def __init__(self, chains, graph):
+        self.chains, self.graph = chains, graph
+
+    def followers(self, model):
+        """{conv: [nn.Module, ...]}: each chain's followers, resolved in `model`."""
+        modules = dict(model.named_modules())
+        return {conv: [modules[f] if isinstance(f, str) else f for f in chain] for conv, chain in self.chains.items()}
+
+    def graph_module(self, model):
+        """A GraphModule that runs `model` without the chains (they run inside the
+        distributed convs). Build it once the convs are replaced: it holds the
+        modules `model` has now, and shares them (same objects, same parameters)."""
+        return torch.fx.GraphModule(model, self.graph)
+
+    def describe(self):
+        """'conv1 + ReLU + MaxPool2d; conv2 + relu' for a log line."""
+        return "; ".join(f"{conv} + " + " + ".join(f if isinstance(f, str) else f.extra_repr() for f in chain)
+                         for conv, chain in self.chains.items())
+
+
+def _trace(model, training):
+    was = model.training
+    model.train(training)
+    try:
+        return torch.fx.Tracer().trace(model)
+    finally:
+        model.train(was)
+
+
+def plan(model, names):
+    """The Fusion for the distributed convs `names` (module docstring), or None where
+    no chain follows them or the model cannot be fused (the reason is logged)."""
+    try:
+        graph = _trace(model, True)
+        same = str(graph) == str(_trace(model, False))
+    except Exception as e:  # noqa: BLE001 - any tracing failure means "do not fuse"
+        log.info("conv_model_parallel: channel-wise layers stay on the master: torch.fx cannot trace "
+                 "the model (%s: %s)", type(e).__name__, (str(e).splitlines() or [""])[0][:200])
+        return None
+    if not same:
+        log.info("conv_model_parallel: channel-wise layers stay on the master: the model's forward "
+                 "differs between training and evaluation")
+        return None
+    modules = dict(model.named_modules())
+    calls = {}
+    for node in graph.nodes:
+        if node.op == "call_module":
+            calls[node.target] = calls.get(node.target, 0) + 1
+    found = {}
+    for node in list(graph.nodes):
+        if node.op != "call_module" or node.target not in names or calls[node.target] != 1:
+            continue
+        chain, cur = [], node
+        while len(cur.users) == 1:
+            nxt = next(iter(cur.users))
+            if not nxt.args or nxt.args[0] is not cur or any(a is cur for a in nxt.args[1:]):
+                break
+            follower = _follower(nxt, modules, calls)
+            if follower is None:
+                break
+            chain.append(follower)
+            cur = nxt
+        if chain:
+            cur.replace_all_uses_with(node)
+            while cur is not node:
+                prev = cur.args[0]
+                graph.erase_node(cur)
+                cur = prev
+            found[node.target] = chain
+    if not found:
+        return None
+    graph.lint()
+    return Fusion({n: found[n] for n in names if n in found}, graph)
