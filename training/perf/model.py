@@ -39,6 +39,8 @@ class Layer:
     out_channels: int             # convs: kernels C; else 0
     needs_input_grad: bool        # an earlier layer needs dX
     distributable: bool           # a conv DistributedConv2d can split
+    chain_s: float = 0.0          # convs: the channel-wise layers right after it (conv-MP runs them in the shards)
+    chain_out_bytes: int = 0      # ... and their output's bytes (what is gathered then); 0 = no chain
 
 
 @dataclasses.dataclass
@@ -65,16 +67,17 @@ class Profile:
             return self.rows_s[rows]
         return self.intercept_s + (self.step_s - self.intercept_s) * rows / self.batch
 
-    def share_s(self, name, kernels):
+    def share_s(self, name, kernels, chain=False):
         """Forward + backward of `kernels` of layer `name`'s kernels: measured where it was
-        (measure_shares), else that fraction of the whole layer's time."""
+        (measure_shares), else that fraction of the whole layer's time; `chain`: with
+        that fraction of the channel-wise layers after it (Layer.chain_s)."""
         if kernels <= 0:
             return 0.0
-        key = f"{name}/{kernels}"
-        if key in self.shares_s:
-            return self.shares_s[key]
         calls = self.layer(name)
-        return kernels / calls[0].out_channels * sum(lay.seconds for lay in calls)
+        fraction = kernels / calls[0].out_channels
+        key = f"{name}/{kernels}"
+        own = self.shares_s[key] if key in self.shares_s else fraction * sum(lay.seconds for lay in calls)
+        return own + (fraction * sum(lay.chain_s for lay in calls) if chain else 0.0)
 
     def layer(self, name):
         found = [lay for lay in self.layers if lay.name == name]
@@ -120,9 +123,12 @@ class Device:
     def layer_s(self, name):
         return sum(lay.seconds for lay in self.profile.layer(name)) / self.factor
 
-    def share_s(self, name, kernels, worker=False, full=False):
-        """A conv-MP worker sleeps while the master runs the rest of the network."""
-        return self._after_idle(worker or self.quota < 1.0).share_s(name, kernels) / self._per(full)
+    def share_s(self, name, kernels, full=False, chain=False):
+        """A throttled rank waits politely (it sleeps), so it computes after idle pauses."""
+        return self._after_idle(self.quota < 1.0).share_s(name, kernels, chain) / self._per(full)
+
+    def chain_s(self, name):
+        return sum(lay.chain_s for lay in self.profile.layer(name)) / self.factor
 
     def optimizer_s(self, fraction=1.0, full=False):
         return self.profile.optimizer_s * fraction / self._per(full)

@@ -248,7 +248,7 @@ def measure_job(job, options=PlanOptions()):
             if layer_split:
                 measure_shares(prof, model, shape, layer_split, min_time=options.min_time)
             users = [d for d in devices if d.profile is prof]
-            if any(d.quota < 1.0 for d in users) or (layer_split and len(devices) > 1):
+            if any(d.quota < 1.0 for d in users):
                 idle[key] = cold = idle_profile(prof)
                 measure_rows(cold, model, shape, rows, min_time=options.min_time)
                 if layer_split:
@@ -300,7 +300,7 @@ def plan_from(job, measured, options=PlanOptions()):
         why = f"rows per rank {best_p['split']} ({how})"
     else:
         why = f"kernels per rank {best_p['split']}"
-    f = conv_fraction(ref, names) if names else 0.0
+    f = conv_fraction(ref, names, configs["conv_model_parallel"].fuse) if names else 0.0
     conv = preds["conv_model_parallel"]
     plan = {
         "job": job.name,

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from training.perf.model import Layer, Profile
+from training.strategies.conv_mp import fuse
 from training.strategies.conv_mp.calibrate import num_threads
 from training.strategies.conv_mp.layers import why_not_distributable
 
@@ -132,7 +133,8 @@ def measure_profile(model, sample_shape, batch, make_optimizer, threads=1, devic
     with num_threads(threads):
         x, y = pr.data(batch)
         layers = []
-        for name, module, inp, out_shape in _leaf_calls(pr.model, x, y):
+        calls = _leaf_calls(pr.model, x, y)
+        for name, module, inp, out_shape in calls:
             seconds = _time_layer(module, inp, min_time, min_reps, sync)
             own = [p for p in module.parameters() if p.requires_grad]
             is_conv = isinstance(module, nn.Conv2d)
@@ -146,6 +148,7 @@ def measure_profile(model, sample_shape, batch, make_optimizer, threads=1, devic
                 needs_input_grad=bool(inp.requires_grad),
                 distributable=is_conv and why_not_distributable(module) is None))
 
+        _time_chains(pr.model, layers, calls, min_time, min_reps, sync)
         step_s = _timed(pr.whole(x, y), min_time, min_reps, sync)
         small_s = _timed(pr.whole(*pr.data(small)), min_time, min_reps, sync)
         optimizer = make_optimizer(params)
@@ -168,6 +171,26 @@ def measure_profile(model, sample_shape, batch, make_optimizer, threads=1, devic
                    step_s=step_s, intercept_s=intercept, optimizer_s=optimizer_s,
                    params=sum(p.numel() for p in params),
                    param_bytes=sum(p.numel() * p.element_size() for p in params))
+
+
+def _time_chains(model, layers, calls, min_time, min_reps, sync):
+    """Layer.chain_s and chain_out_bytes of each distributable conv followed by channel-wise
+    layers (training.strategies.conv_mp.fuse): forward + backward of the chain on the
+    conv's output, and the bytes of what it outputs."""
+    names = list(dict.fromkeys(lay.name for lay in layers if lay.distributable))
+    found = fuse.plan(model, names) if names else None
+    if found is None:
+        return
+    followers = found.followers(model)
+    shapes = {name: out_shape for name, _, _, out_shape in calls}
+    for lay in layers:
+        if lay.name not in followers:
+            continue
+        chain = nn.Sequential(*followers[lay.name])
+        y = torch.zeros(shapes[lay.name], device=next(model.parameters()).device, requires_grad=True)
+        lay.chain_s = _time_layer(chain, y, min_time, min_reps, sync)
+        with torch.no_grad():
+            lay.chain_out_bytes = chain(y).numel() * y.element_size()
 
 
 def measure_rows(profile, model, sample_shape, rows, min_time=0.1, min_reps=3):

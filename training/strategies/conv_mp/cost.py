@@ -49,9 +49,16 @@ def conv_layers_of(profile, names=None):
     return list(dict.fromkeys(lay.name for lay in convs if lay.distributable))
 
 
-def conv_fraction(device, names):
-    """f: the distributed convs' share of one device's whole step (seed 1's bound)."""
-    return sum(device.layer_s(x) for x in names) / device.step_s
+def distributed_s(device, name, fuse=True):
+    """One device's seconds of what conv-MP distributes of layer `name`: the conv, and
+    with `fuse` its channel-wise chain."""
+    return device.layer_s(name) + (device.chain_s(name) if fuse else 0.0)
+
+
+def conv_fraction(device, names, fuse=True):
+    """f: the distributed part's share of one device's whole step (seed 1's bound): the
+    convs and, with `fuse`, their channel-wise chains."""
+    return sum(distributed_s(device, x, fuse) for x in names) / device.step_s
 
 
 def conv_split(devices, names, split):
@@ -68,24 +75,29 @@ def conv_split(devices, names, split):
     return out
 
 
-def _conv_times(devices, link, names, layer_split):
+def _out_bytes(call, fuse):
+    """|Y| gathered of one call: the chain's output where the chain runs in the shards."""
+    return call.chain_out_bytes if fuse and call.chain_out_bytes else call.out_bytes
+
+
+def _conv_times(devices, link, names, layer_split, fuse):
     """(rest on the master, [(each rank's full-speed share, comm) per layer], the
     communication in all, the fraction of the master's optimizer step it still runs)."""
     n, master = len(devices), devices[0]
     prof = master.profile
     lg, a, b = log2(n), link.latency_s, link.bandwidth_Bps
-    rest = max(0.0, master.fwd_bwd_s(prof.batch) - sum(master.layer_s(x) for x in names))
+    rest = max(0.0, master.fwd_bwd_s(prof.batch) - sum(distributed_s(master, x, fuse) for x in names))
     layers, comm, moved = [], 0.0, 0.0
     for name in names:
         calls, counts = prof.layer(name), layer_split[name]
         kernels = sum(counts)
-        shares = [d.share_s(name, c, worker=r > 0, full=True) for r, (c, d) in enumerate(zip(counts, devices))]
+        shares = [d.share_s(name, c, full=True, chain=fuse) for c, d in zip(counts, devices)]
         away = 1.0 - counts[0] / kernels
         moved += calls[0].param_bytes * away
         layer_comm = 0.0
         if n > 1:
             for call in calls:
-                layer_comm += _bcast_s(call.in_bytes, n, link) + 2 * away * call.out_bytes / b + 5 * lg * a
+                layer_comm += _bcast_s(call.in_bytes, n, link) + 2 * away * _out_bytes(call, fuse) / b + 5 * lg * a
                 if call.needs_input_grad:
                     layer_comm += _bcast_s(call.in_bytes, n, link)
         layers.append((shares, layer_comm))
@@ -97,7 +109,7 @@ def _conv_times(devices, link, names, layer_split):
 
 def predict(case, config):
     """Conv-layer model parallelism over case.conv_layers, rank 0 the master (module
-    docstring), played out under the ranks' quotas (quota_sim; the workers wait politely).
+    docstring), played out under the ranks' quotas (quota_sim; throttled ranks wait politely).
 
     config.split: kernel weights, one per rank, else each layer's kernels in proportion
     to the devices' speed on it. The strategy's own CPU (case.own_cpu): the master's
@@ -114,14 +126,15 @@ def predict(case, config):
         return None
     n, master = len(devices), devices[0]
     B = master.profile.batch
-    rest, layers, comm, opt_part = _conv_times(devices, link, names, layer_split)
+    fuse = getattr(config, "fuse", True)
+    rest, layers, comm, opt_part = _conv_times(devices, link, names, layer_split, fuse)
     protocol = (2 * len(names) + 2) * log2(n) * link.latency_s if n > 1 else 0.0
     idle = [0.0] * (n - 1)
     calls = [len(master.profile.layer(x)) for x in names]
     mine = per_rank(own, n)
-    # a worker copies what it receives and sends inside its (polite) waits: X, its share
+    # a worker copies what it receives and sends inside its waits: X, its share
     # of Y and of dY, and dX where it is needed
-    copied = [[sum(call.in_bytes * (1 + call.needs_input_grad) + 2 * c / sum(layer_split[x]) * call.out_bytes
+    copied = [[sum(call.in_bytes * (1 + call.needs_input_grad) + 2 * c / sum(layer_split[x]) * _out_bytes(call, fuse)
                    for call in master.profile.layer(x)) * sched.byte_s if r else 0.0
                for r, c in enumerate(layer_split[x])] for x in names]
     layers = [([t + o * c / sum(calls) + b for t, o, b in zip(shares, mine, copy_l)], comm_l)
@@ -135,13 +148,13 @@ def predict(case, config):
     # forward, the command and the scatter in backward (and dX's reduce where needed);
     # the step's end and the gather of conv times
     waits = [sum(5 + call.needs_input_grad for call in master.profile.layer(x)) for x in names] + [0, 2]
-    step = sched.step_s(devices, phases, [c for _, c in layers] + [0.0, protocol], waits, polite=range(1, n))
-    conv_s = sum(max(d.share_s(x, c, worker=r > 0) for r, (c, d) in enumerate(zip(layer_split[x], devices)))
+    step = sched.step_s(devices, phases, [c for _, c in layers] + [0.0, protocol], waits)
+    conv_s = sum(max(d.share_s(x, c, chain=fuse) for c, d in zip(layer_split[x], devices))
                  for x in names)
     speeds = [1.0 / d.fwd_bwd_s(B) for d in devices]
-    f = conv_fraction(master, names)
+    f = conv_fraction(master, names, fuse)
     k = sum(speeds) / speeds[0]
-    ideal = sum(proportional_s([d.layer_s(x) for d in devices]) for x in names)
+    ideal = sum(proportional_s([distributed_s(d, x, fuse) for d in devices]) for x in names)
     formula = rest + conv_s + comm + master.optimizer_s(opt_part)
     rank_s = [sum(p[r] for p in phases) / d.quota for r, d in enumerate(devices)]   # each one's compute
     return prediction("conv_model_parallel", devices, step, step - comm, comm, layer_split,

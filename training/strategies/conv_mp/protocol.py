@@ -96,7 +96,7 @@ class ShardProtocol:
         header = np.zeros(self._HEADER)
         while True:
             with _Clock(self.timings, "comm_s"):
-                wait(self.comm.Ibcast([header, MPI.DOUBLE], root=self.root), polite=True)
+                wait(self.comm.Ibcast([header, MPI.DOUBLE], root=self.root))
             op, index, call = header[0], int(header[1]), int(header[2])
             if op == self.FORWARD:
                 with torch.set_grad_enabled(bool(header[3])):

@@ -230,7 +230,7 @@ class ConvModelParallelStrategy(Strategy):
 
     def _gather_times(self):
         """Every rank's per-layer conv seconds of this step, at the master (for TensorBoard
-        and recalibration). The others wait politely: they may be throttled containers."""
+        and recalibration). A throttled rank waits politely (training.collectives.set_polite)."""
         with cputime.counting("protocol"):
             self._gather_times_now()
 
@@ -242,7 +242,7 @@ class ConvModelParallelStrategy(Strategy):
         t0 = time.perf_counter()
         req = self.comm.Igather([mine, MPI.DOUBLE], [every, MPI.DOUBLE] if self.is_master else None,
                                 root=self.ROOT)
-        wait(req, polite=None if self.is_master else True)
+        wait(req)
         self.protocol.timings.comm_s += time.perf_counter() - t0
         if self.is_master:
             self.last_conv_s = every.sum(axis=1).tolist()
