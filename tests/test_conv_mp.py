@@ -169,12 +169,14 @@ def test_corrected_speeds_moves_work_off_the_slower_rank():
     assert proportional_split(10, speeds["conv"]) == [6, 4]
 
 
-def test_corrected_speeds_keeps_per_layer_ratios():
+def test_corrected_speeds_corrects_each_layer_by_its_own_times():
+    # calibration misjudged layer a (rank 1 measured 2x faster than it is); layer b was right
     speeds = {"a": [10.0, 20.0], "b": [30.0, 15.0]}
     split = {"a": [4, 8], "b": [20, 10]}
-    new = corrected_speeds(speeds, split, {"a": [0.4, 0.2], "b": [0.5, 1.0]})
-    for r in range(2):
-        assert abs(new["a"][r] / new["b"][r] - speeds["a"][r] / speeds["b"][r]) < 1e-12
+    new = corrected_speeds(speeds, split, {"a": [0.4, 0.8], "b": [20 / 30, 10 / 15]})
+    assert new["b"] == speeds["b"]                               # predicted = measured: unchanged
+    assert new["a"][0] == 10.0 and abs(new["a"][1] - 20.0 / 2 ** 0.5) < 1e-12
+    assert proportional_split(12, new["a"]) == [5, 7]              # moving towards the true [6, 6]
 
 
 def test_recalibration_converges_to_the_true_speed_ratio():

@@ -183,22 +183,22 @@ def corrected_speeds(speeds, split, seconds):
 
     speeds[l][r]: the speeds the current split was made from (kernels/s, or any unit per
     layer); split[l][r]: kernels; seconds[l][r]: measured conv seconds per step.
-    Each rank's speeds are scaled by sqrt(predicted / measured), where predicted_r =
-    Σ_l split[l][r] / speeds[l][r] and measured_r = Σ_l seconds[l][r]: the layers keep
-    the relative speeds calibration found, and a rank that was slower in training than
-    predicted (or faster: a rank under a CPU quota computes in bursts while it has quota
-    left, so its speed depends on its share) gets a smaller (larger) share. The square
-    root damps the correction, so a speed that depends on the share settles instead of
-    oscillating. Only ratios between ranks matter.
+    Layer by layer, each rank's speed is scaled by sqrt(predicted / measured), where
+    predicted = split[l][r] / speeds[l][r] and measured = seconds[l][r] (its share and,
+    where fused, the channel-wise chain after it): every distributed layer ends in a
+    gather that waits for its slowest rank, so each layer must balance on its own, and a
+    start-up calibration that misjudged one layer (a small conv timed while the machine
+    was busy, or a rank under a CPU quota that computes in bursts) is corrected where it
+    erred. A rank slower in training than predicted gets a smaller share, a faster one a
+    larger. The square root damps the correction, so a speed that depends on the share
+    settles instead of oscillating. Only ratios between ranks matter.
     """
     layers = list(speeds)
     ranks = len(speeds[layers[0]])
     out = {l: list(speeds[l]) for l in layers}
-    for r in range(ranks):
-        predicted = sum(split[l][r] / speeds[l][r] for l in layers)
-        measured = sum(seconds[l][r] for l in layers)
-        if predicted > 0 and measured > 0:
-            factor = math.sqrt(predicted / measured)
-            for l in layers:
-                out[l][r] = speeds[l][r] * factor
+    for l in layers:
+        for r in range(ranks):
+            predicted, measured = split[l][r] / speeds[l][r], seconds[l][r]
+            if predicted > 0 and measured > 0:
+                out[l][r] = speeds[l][r] * math.sqrt(predicted / measured)
     return out
