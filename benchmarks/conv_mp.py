@@ -10,7 +10,10 @@ time per step = wall time of the timed steps between two barriers / their number
     single 1x1        the plain single-process model, 1 thread (the baseline)
     single 1x2        the plain model, 1 process with 2 threads
     conv-mp 1r        the strategy on 1 rank, 1 thread (its overhead over the baseline)
-    conv-mp 2r equal  2 ranks x 1 thread, kernels split equally (target: speedup >= 1.7)
+    conv-mp 2r equal  2 ranks x 1 thread, kernels split equally
+    conv-mp 2r        2 ranks x 1 thread, split by measured speed, re-measured every 3 steps
+                      (the default; 9 extra warm-up steps): target >= 95% of the Amdahl bound
+                      at the distributed share f, and not slower than single 1x2
     hetero equal      rank 1 throttled to half a core (cgroup CPU quota 50 ms / 100 ms),
                       kernels split equally
     hetero prop       the same world, split proportional to speed: measured by the strategy
@@ -226,6 +229,9 @@ def main(argv=None):
         ("single 1x2", 1, dict(kind="single", threads=2)),
         ("conv-mp 1r", 1, dict(kind="mp", threads=1, vcores=[1.0], split=[1.0])),
         ("conv-mp 2r equal", 2, dict(kind="mp", threads=1, vcores=[1.0, 1.0], split=[1.0, 1.0])),
+        # the product's default: split by measured speed, re-measured as hetero prop is
+        ("conv-mp 2r", 2, dict(kind="mp", threads=1, vcores=[1.0, 1.0], split=None, recalibrate_every=3,
+                               extra_warmup=9)),
     ]
     cgroup, why = make_cgroup()
     if cgroup:
@@ -264,8 +270,10 @@ def main(argv=None):
         "conv_fraction_f": f,
         "amdahl_bound_2": 1 / ((1 - f) + f / 2),
     }
-    summary["speedup_2r_of_amdahl"] = summary["speedup_2r"] / summary["amdahl_bound_2"]
-    summary["speedup_2r_over_1x2_threads"] = results["single 1x2"]["step_s"] / results["conv-mp 2r equal"]["step_s"]
+    summary["speedup_2r_measured"] = single / results["conv-mp 2r"]["step_s"]
+    best = summary["speedup_2r_measured"]      # what a user gets by default
+    summary["speedup_2r_of_amdahl"] = best / summary["amdahl_bound_2"]
+    summary["speedup_2r_over_1x2_threads"] = best / summary["speedup_1x2_threads"]
     if "hetero prop" in results:
         ideal = single / 1.5
         # The measure: distributed-conv time, the slowest rank's conv time per step,
@@ -297,7 +305,8 @@ def main(argv=None):
         split = r.get("split") or "-"
         print(f"{name:18s} {r['ranks']:>5d} x {r['threads']:<3d} {r['step_s']:8.3f} {single / r['step_s']:8.2f} "
               f"{conv:>18s}  {split}")
-    print(f"2 ranks x 1 thread: speedup {summary['speedup_2r']:.2f} = {100 * summary['speedup_2r_of_amdahl']:.1f}% "
+    print(f"2 ranks x 1 thread: speedup {summary['speedup_2r']:.2f} (equal split), "
+          f"{summary['speedup_2r_measured']:.2f} (measured split, the default) = {100 * summary['speedup_2r_of_amdahl']:.1f}% "
           f"of the Amdahl bound {summary['amdahl_bound_2']:.2f} at the distributed share f={f:.3f} (target >= 95%); "
           f"1 rank x 2 threads: {summary['speedup_1x2_threads']:.2f}; 2 ranks / 2 threads: "
           f"{summary['speedup_2r_over_1x2_threads']:.3f}x (target >= 1.0)")
