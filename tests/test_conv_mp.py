@@ -188,3 +188,10 @@ def test_recalibration_converges_to_the_true_speed_ratio():
         speeds = corrected_speeds(speeds, split, seconds)
         split = {"conv": proportional_split(300, speeds["conv"])}
     assert split["conv"] == [200, 100]
+
+
+def test_a_kernel_or_two_of_noise_does_not_reshard():
+    from training.strategies.conv_mp.calibrate import worth_resharding
+    assert not worth_resharding([384, 384], [383, 385], [1.0, 0.995])     # 0.26% predicted gain
+    assert worth_resharding([384, 384], [512, 256], [2.0, 1.0])            # 25%: move
+    assert not worth_resharding([512, 256], [512, 256], [2.0, 1.0])

@@ -202,3 +202,17 @@ def corrected_speeds(speeds, split, seconds):
             if predicted > 0 and measured > 0:
                 out[l][r] = speeds[l][r] * math.sqrt(predicted / measured)
     return out
+
+
+RESHARD_GAIN = 0.02   # a layer is resharded only when its predicted time drops by more than this
+
+
+def worth_resharding(old, new, speeds, gain=RESHARD_GAIN):
+    """Whether moving a layer from split `old` to `new` pays: its predicted time,
+    max_r c_r / s_r under the corrected `speeds`, drops by more than `gain`. Resharding
+    moves weights and optimizer state, and a kernel or two either way is within the
+    timing noise: without this, equal ranks reshard back and forth every recalibration."""
+    def predicted(split):
+        return max(c / s for c, s in zip(split, speeds))
+    return predicted(new) < (1.0 - gain) * predicted(old)
+

@@ -45,7 +45,7 @@ from training.collectives import wait
 from training.strategies.base import StepStats, Strategy
 
 from . import fuse
-from .calibrate import conv_shapes, corrected_speeds, measure_speeds, proportional_split
+from .calibrate import conv_shapes, corrected_speeds, measure_speeds, proportional_split, worth_resharding
 from .layers import DistributedConv2d, why_not_distributable
 from .protocol import ShardProtocol
 
@@ -270,13 +270,16 @@ class ConvModelParallelStrategy(Strategy):
     def recalibrate(self):
         """Collective: correct each rank's speeds by the conv times measured in training
         since the last calibration (calibrate.corrected_speeds), re-split in
-        proportion, and reshard the layers whose split changed."""
+        proportion, and reshard the layers where that pays (calibrate.worth_resharding)."""
         split = None
         if self.is_master:
             seconds = {n: (self._window[:, i] / self._window_steps).tolist() for i, n in enumerate(self.names)}
             speeds = self.speeds or {n: [float(c) for c in self.layer_split[n]] for n in self.names}
             self.speeds = corrected_speeds(speeds, self.layer_split, seconds)
-            split = {n: proportional_split(self.layers[n].out_channels, self.speeds[n]) for n in self.names}
+            split = {}
+            for n in self.names:
+                new = proportional_split(self.layers[n].out_channels, self.speeds[n])
+                split[n] = new if worth_resharding(self.layer_split[n], new, self.speeds[n]) else self.layer_split[n]
         self.speeds, split = self.comm.bcast((self.speeds, split), root=self.ROOT)
         self._window = np.zeros((self.world_size, len(self.names)))
         self._window_steps = 0
