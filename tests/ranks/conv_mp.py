@@ -197,18 +197,25 @@ if rank == 0:
     out["last_conv_s"] = s.last_conv_s                  # every rank's, gathered at the master
 out["conv_s"] = comm.gather(s.conv_s, root=0)
 
+def against_reference(strategy, steps=2, before_step=lambda step: None):
+    """`steps` SGD steps of `strategy` and of a single-process reference from the same
+    init on the same data: (the strategy's exported model, the reference) at the master."""
+    ref = fresh()
+    ref_opt = sgd(ref.parameters())
+    for step in range(steps):
+        before_step(step)
+        x, y = data(step)
+        strategy.train_step(x if rank == 0 else None, y if rank == 0 else None)
+        if rank == 0:
+            ref_opt.zero_grad()
+            F.cross_entropy(ref(x), y).backward()
+            ref_opt.step()
+    return strategy.model_for_export(), ref
+
+
 # 2b. With `fuse: false` the chain stays on the master: the same steps, as exact.
 s_nf = make(spec(fuse=False))
-ref_nf = fresh()
-ref_nf_opt = sgd(ref_nf.parameters())
-for step in range(2):
-    x, y = data(step)
-    s_nf.train_step(x if rank == 0 else None, y if rank == 0 else None)
-    if rank == 0:
-        ref_nf_opt.zero_grad()
-        F.cross_entropy(ref_nf(x), y).backward()
-        ref_nf_opt.step()
-export_nf = s_nf.model_for_export()
+export_nf, ref_nf = against_reference(s_nf)
 out["unfused"] = comm.gather([s_nf.fusion is None, [len(layer.followers) for layer in s_nf.layers.values()]], root=0)
 if rank == 0:
     out["unfused_weights"] = params_diff(export_nf, ref_nf)
@@ -240,35 +247,22 @@ out["resume_split"] = t.layer_split == s.layer_split
 
 # 5. Resharding mid-run (what recalibration does) keeps the run exact, momentum included.
 s2 = make(spec())
-ref = fresh()
-ref_opt = sgd(ref.parameters())
 new_split = {"conv1": [1] * (n - 1) + [8 - (n - 1)], "conv2": [16 - (n - 1)] + [1] * (n - 1)}
-for step in range(3):
+
+
+def reshard_at_step_1(step):
     if step == 1:
         s2._reshard(new_split)
-    x, y = data(step)
-    s2.train_step(x if rank == 0 else None, y if rank == 0 else None)
-    if rank == 0:
-        ref_opt.zero_grad()
-        F.cross_entropy(ref(x), y).backward()
-        ref_opt.step()
-export = s2.model_for_export()
+
+
+export, ref = against_reference(s2, steps=3, before_step=reshard_at_step_1)
 if rank == 0:
     out["reshard"] = params_diff(export, ref)
 out["reshard_split"] = comm.gather(s2.layer_split, root=0)
 
 # 6. Calibrated split (no manual split): measured speeds, split agreed by every rank, exact.
 s3 = make(spec(split=None, recalibrate_every=2))
-ref = fresh()
-ref_opt = sgd(ref.parameters())
-for step in range(2):
-    x, y = data(step)
-    s3.train_step(x if rank == 0 else None, y if rank == 0 else None)
-    if rank == 0:
-        ref_opt.zero_grad()
-        F.cross_entropy(ref(x), y).backward()
-        ref_opt.step()
-export = s3.model_for_export()
+export, ref = against_reference(s3)
 out["calibrated_split"] = comm.gather(s3.layer_split, root=0)
 out["calibrated_speeds"] = comm.gather(s3.speeds, root=0)
 if rank == 0:
