@@ -132,3 +132,38 @@ def test_resnet_convs_feed_batchnorm_and_are_not_fused():
     model = build_model("resnet", (3, 32, 32), 10, {})
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Conv2d)]
     assert fuse.plan(model, names) is None
+
+
+def test_a_shard_with_its_chain_gives_the_gradients_of_conv_then_chain():
+    """_ShardConv2d (what each rank runs) with an in-place ReLU and a max-pool after the
+    conv, against plain autograd through the same layers, forward and every gradient."""
+    from training.strategies.conv_mp.comm import Timings
+    from training.strategies.conv_mp.layers import _ShardConv2d
+
+    class InPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.relu, self.pool = nn.Conv2d(3, 5, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2)
+
+        def forward(self, x):
+            return self.pool(self.relu(self.conv(x)))
+
+    torch.manual_seed(0)
+    model = InPlace()
+    chain = fuse.plan(model, ["conv"]).followers(model)["conv"]
+    assert [type(f).__name__ for f in chain] == ["ReLU", "MaxPool2d"] and not chain[0].inplace
+    assert model.relu.inplace                                       # the model's own is left as it was
+    x = torch.randn(4, 3, 8, 8, requires_grad=True)
+    g = torch.randn(4, 5, 4, 4)
+    model(x).backward(g)
+    want = [x.grad, model.conv.weight.grad, model.conv.bias.grad]
+    w = model.conv.weight.detach().requires_grad_()
+    b = model.conv.bias.detach().requires_grad_()
+    x2 = x.detach().requires_grad_()
+    timings = Timings()
+    y = _ShardConv2d.apply(x2, w, b, ((1, 1), (1, 1), (1, 1)), timings, chain, True)
+    assert y.shape == (4, 5, 4, 4) and torch.equal(y, model(x).detach())
+    y.backward(g)
+    for got, ref in zip([x2.grad, w.grad, b.grad], want):
+        assert torch.allclose(got, ref, atol=1e-6)
+    assert timings.conv_s > 0                                       # the chain is timed with the share

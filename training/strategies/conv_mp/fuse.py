@@ -16,6 +16,7 @@ not channel-wise in this sense (each rank would draw other random numbers), nor 
 BatchNorm in training (its statistics span the batch, fine per channel, but it holds
 parameters and buffers the master owns). A model fx cannot trace gets no fusion.
 """
+import copy
 import logging
 
 import torch
@@ -56,10 +57,13 @@ def _constant(value):
     return not isinstance(value, torch.fx.Node)
 
 
-def _returns_indices(module_or_kwargs, args=()):
+def _returns_indices(module_or_kwargs):
+    """A pooling that also returns indices (a tuple, not a map). For functions, fx traces
+    F.max_pool2d(..., return_indices=True) to max_pool2d_with_indices, which is not in
+    FUNCTIONS; the keyword is checked as well."""
     if isinstance(module_or_kwargs, nn.Module):
         return bool(getattr(module_or_kwargs, "return_indices", False))
-    return bool(module_or_kwargs.get("return_indices", False)) or any(a is True for a in args[4:5])
+    return bool(module_or_kwargs.get("return_indices", False))
 
 
 def _follower(node, modules, calls):
@@ -72,8 +76,8 @@ def _follower(node, modules, calls):
         if isinstance(module, MODULES) and calls[node.target] == 1 and not _returns_indices(module):
             return node.target
         return None
-    if node.op == "call_function" and node.target in FUNCTIONS and not _returns_indices(node.kwargs, node.args):
-        return Call(node.target, rest_args, node.kwargs)
+    if node.op == "call_function" and node.target in FUNCTIONS and not _returns_indices(node.kwargs):
+        return Call(node.target, rest_args, {**node.kwargs, **({"inplace": False} if "inplace" in node.kwargs else {})})
     if node.op == "call_method" and node.target in METHODS:
         return Call(node.target, rest_args, node.kwargs)
     return None
@@ -87,9 +91,12 @@ class Fusion:
         self.chains, self.graph = chains, graph
 
     def followers(self, model):
-        """{conv: [nn.Module, ...]}: each chain's followers, resolved in `model`."""
+        """{conv: [nn.Module, ...]}: each chain's followers, resolved in `model`; an
+        in-place one (ReLU(inplace=True)) as an out-of-place copy: inside a shard the
+        chain runs on a tensor autograd must keep for the conv's backward."""
         modules = dict(model.named_modules())
-        return {conv: [modules[f] if isinstance(f, str) else f for f in chain] for conv, chain in self.chains.items()}
+        return {conv: [_out_of_place(modules[f]) if isinstance(f, str) else f for f in chain]
+                for conv, chain in self.chains.items()}
 
     def graph_module(self, model):
         """A GraphModule that runs `model` without the chains (they run inside the
@@ -101,6 +108,13 @@ class Fusion:
         """'conv1 + ReLU + MaxPool2d; conv2 + relu' for a log line."""
         return "; ".join(f"{conv} + " + " + ".join(f if isinstance(f, str) else f.extra_repr() for f in chain)
                          for conv, chain in self.chains.items())
+
+
+def _out_of_place(module):
+    if getattr(module, "inplace", False):
+        module = copy.copy(module)   # no parameters: a shallow copy is a separate layer
+        module.inplace = False
+    return module
 
 
 def _trace(model, training):
