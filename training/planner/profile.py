@@ -158,10 +158,14 @@ def measure_profile(model, sample_shape, batch, make_optimizer, threads=1, devic
     # Layers timed one by one add up to a little more or less than the whole model (timer
     # noise; the loss and autograd's bookkeeping belong to no layer). More: scale them down
     # to the whole, keeping their proportions; less: the remainder runs on the master.
-    total = sum(lay.seconds for lay in layers)
+    # The same for what conv-MP distributes (each conv with its channel-wise chain, whose
+    # layers are counted among the others too): it must fit in the whole as well.
+    total = max(sum(lay.seconds for lay in layers),
+                sum(lay.seconds + lay.chain_s for lay in layers if lay.kind == "conv"))
     if total > step_s:
         for lay in layers:
             lay.seconds *= step_s / total
+            lay.chain_s *= step_s / total
     if small < batch:   # t(b) = a + k b through (small, t_small) and (B, t_B)
         intercept = (small_s * batch - step_s * small) / (batch - small)
     else:
