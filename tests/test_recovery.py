@@ -191,8 +191,8 @@ def test_resubmitting_a_job_does_not_resume_another_applications_checkpoints_unl
     application of the same name and ends bit-identical to an uninterrupted run; an
     application id names whose checkpoint; a job of another name never takes one with
     latest; an unknown application id fails in one line, on the first attempt."""
-    def job(name="shared", steps=40, resume="never"):
-        j = digits_job(tmp_path, digits, name, steps=steps)
+    def job(name="shared", steps=40, resume="never", instances=(1, 2)):
+        j = digits_job(tmp_path, digits, name, steps=steps, instances=instances)
         j["checkpoint"] = dict(j["checkpoint"], uri=str(tmp_path / "ckpt"), resume=resume)
         return j
     run1, st1 = run_to_end(job(steps=20))
@@ -201,9 +201,15 @@ def test_resubmitting_a_job_does_not_resume_another_applications_checkpoints_unl
     run3, st3 = run_to_end(job(resume="latest"))
     assert st3["final"]["resumed_app"] == run2.app_id and st3["final"]["resumed_from"] == 20
     assert _equal(final_weights(job()), reference["allreduce"])
-    run4, st4 = run_to_end(job(steps=20, resume=run1.app_id))
+    # The next two at once: run4 names run1's checkpoint, and the job of another name looks for
+    # the latest of its own name, of which there is none (all the others are "shared"). It runs
+    # on one rank: which checkpoint `latest` takes is rank 0's choice, whatever the world's size.
+    run4 = yarnapp.submit(job(steps=20, resume=run1.app_id))
+    run5 = yarnapp.submit(job(name="other-name", steps=2, resume="latest", instances=(1, 0)))
+    st4, st5 = (r.wait(timeout=600) for r in (run4, run5))
+    for r, st in ((run4, st4), (run5, st5)):
+        assert st["state"] == "SUCCEEDED", (st.get("diagnostics"), r.logs())
     assert st4["final"]["resumed_app"] == run1.app_id and st4["final"]["resumed_from"] == 20
-    run5, st5 = run_to_end(job(name="other-name", steps=2, resume="latest"))
     assert st5["final"]["resumed_from"] == 0                   # latest never takes another job's
     runs = (run1, run2, run3, run4, run5)
     assert sorted(os.listdir(tmp_path / "ckpt")) == sorted(r.app_id for r in runs)

@@ -19,10 +19,14 @@ JOBS = os.path.join(HERE, "jobs")
 @pytest.mark.parametrize("mode, why", [("wrong-token", "wrong token (asked to join as rank 1)"),
                                        ("silent", "said nothing within 5s")])
 def test_a_foreign_joiner_is_refused_and_the_job_succeeds(mode, why, yarnapp_home):
+    # Ranks 1 and 2 join this late, keeping the world open for the foreign process (started
+    # with the job, it knocks within a second of rank 0 publishing its port): a wrong token is
+    # refused at once; a silent one after 5 s, so there the world stays open longer.
+    delay = {"wrong-token": "4", "silent": "10"}[mode]
     job = {"name": "knock", "max_restarts": 0,
            "groups": [{"name": "big", "instances": 1, "vcores": 1, "memory": "1 GiB"},
                       {"name": "small", "instances": 2, "vcores": 0.5, "memory": "1 GiB",
-                       "env": {"JOIN_DELAY": "10"}}],
+                       "env": {"JOIN_DELAY": delay}}],
            "run": {"function": "slow_join:main", "files": [os.path.join(JOBS, "slow_join.py")]}}
     run = yarnapp.submit(job)
     store = os.path.join(run.status()["app_dir"], "store")
