@@ -167,3 +167,46 @@ def test_a_shard_with_its_chain_gives_the_gradients_of_conv_then_chain():
     for got, ref in zip([x2.grad, w.grad, b.grad], want):
         assert torch.allclose(got, ref, atol=1e-6)
     assert timings.conv_s > 0                                       # the chain is timed with the share
+
+
+class SubclassConv(nn.Conv2d):
+    """A user's Conv2d subclass: called as a module, as the strategy replaces it."""
+
+
+class Optional_(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = SubclassConv(3, 4, 3, padding=1)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x, scale=None):
+        y = F.relu(self.conv1(x))
+        return y if scale is None else y * scale
+
+
+class NoGrad(Optional_):
+    def forward(self, x):
+        with torch.no_grad():
+            y = self.conv1(x)
+        return F.relu(y)
+
+
+class Counting(Optional_):
+    def forward(self, x):
+        self.calls += 1
+        return F.relu(self.conv1(x))
+
+
+def test_what_a_trace_would_change_is_never_fused(caplog):
+    # a Conv2d subclass is one call (not traced into); an optional argument takes its default
+    plan, same = fused_equals_model(Optional_(), ["conv1"], (3, 8, 8))
+    assert plan.describe() == "conv1 + relu" and same
+    seq = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Identity(), nn.ReLU(inplace=True), nn.MaxPool2d(2))
+    plan, same = fused_equals_model(seq, ["0"], (3, 10, 10))
+    assert plan.describe() == "0 + 1 + 2 + 3" and same
+    counting = Counting()
+    with caplog.at_level("INFO"):
+        assert fuse.plan(NoGrad(), ["conv1"]) is None
+        assert fuse.plan(counting, ["conv1"]) is None
+    assert "changes the grad mode" in caplog.text and "assigns to the module" in caplog.text
+    assert counting.calls.item() == 0                  # tracing ran on a copy

@@ -7,16 +7,22 @@ while the master runs them), and pooling shrinks what is gathered and scattered.
 values are the same: a channel-wise op on a block of channels computes exactly what it
 computes on those channels of the full map.
 
-Found with torch.fx: after each distributed conv, the longest chain of nodes where every
-node is the only user of the one before, and each is a channel-wise module (ReLU,
-MaxPool2d, ...), function (F.relu, F.max_pool2d, ...) or tensor method (.relu()) whose
-other arguments are constants. A module called in more than one place (one ReLU reused
-after several layers) joins no chain: the master still needs it elsewhere. Dropout is
-not channel-wise in this sense (each rank would draw other random numbers), nor is
-BatchNorm in training (its statistics span the batch, fine per channel, but it holds
-parameters and buffers the master owns). A model fx cannot trace gets no fusion.
+Found with torch.fx, tracing the root's forward (and nn.Sequential's; every other module,
+a Conv2d subclass or a user's block, is one call): after each distributed conv called
+there, the longest chain of nodes where every node is the only user of the one before,
+and each is a channel-wise module (ReLU, MaxPool2d, Identity, ...), function (F.relu,
+F.max_pool2d, ...) or tensor method (.relu()) whose other arguments are constants. A
+module called in more than one place (one ReLU reused after several layers) joins no
+chain: the master still needs it elsewhere. Dropout is not channel-wise in this sense
+(each rank would draw other random numbers), nor is BatchNorm in training (its
+statistics are per channel, but it holds parameters and buffers the master owns).
+The master then runs the trace, so nothing is fused where the trace would not do what
+the forward does: a model fx cannot trace, a forward that differs between train and
+eval, changes the grad mode, assigns to the module, takes a second required argument
+or reads a distributed conv's parameters (the reason is logged once).
 """
 import copy
+import inspect
 import logging
 
 import torch
@@ -26,7 +32,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-MODULES = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh,
+MODULES = (nn.Identity, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh,
            nn.Hardswish, nn.Hardsigmoid, nn.Mish, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d,
            nn.AdaptiveMaxPool2d)
 FUNCTIONS = {F.relu, F.relu6, F.leaky_relu, F.elu, F.gelu, F.silu, F.hardswish, F.hardsigmoid, F.mish,
@@ -117,28 +123,84 @@ def _out_of_place(module):
     return module
 
 
+class _Tracer(torch.fx.Tracer):
+    """Traces the root's forward and nn.Sequential ones only: every other module (a
+    Conv2d subclass, a user's block) is one call_module node, run as it is."""
+
+    def is_leaf_module(self, m, qualname):
+        return not isinstance(m, nn.Sequential)
+
+
+GRAD_MODE = ("no_grad", "enable_grad", "inference_mode", "set_grad_enabled")
+
+
+def _why_not(model):
+    """Why the root's forward cannot be replaced by a trace of it, or None.
+
+    fx records tensor operations only: a grad-mode context in forward would be dropped,
+    arguments besides the input would become inputs the strategy never passes, and a
+    state change (self.x = ...) would not be replayed."""
+    params = list(inspect.signature(model.forward).parameters.values())[1:]
+    if any(p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+           for p in params):
+        return "its forward takes more than one required argument"
+    if set(GRAD_MODE) & _names(getattr(type(model).forward, "__code__", None)):
+        return "its forward changes the grad mode, which a trace would drop"
+    return None
+
+
+def _names(code):
+    """Every global and attribute name a function's code (and the code nested in it) uses."""
+    if code is None:
+        return set()
+    out = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            out |= _names(const)
+    return out
+
+
 def _trace(model, training):
-    was = model.training
-    model.train(training)
-    try:
-        return torch.fx.Tracer().trace(model)
-    finally:
-        model.train(was)
+    """The graph of a copy of `model` in train or eval mode, and whether tracing changed
+    the copy's state (a forward that assigns to self)."""
+    probe = copy.deepcopy(model).train(training)
+    params = list(inspect.signature(probe.forward).parameters.values())[1:]
+    concrete = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+    before = _state(probe)
+    graph = _Tracer().trace(probe, concrete_args=concrete or None)
+    return graph, _state(probe) != before
+
+
+def _state(module):
+    """What a forward that assigns to self would change: every attribute of every module
+    (by identity) and every tensor's version (an in-place update)."""
+    return [(name, key, id(value), value._version if torch.is_tensor(value) else None)
+            for name, m in module.named_modules() for key, value in sorted(vars(m).items())
+            if not key.startswith("_") or key in ("_buffers", "_parameters")] + \
+           [(name, t._version, id(t)) for name, t in module.state_dict(keep_vars=True).items()]
 
 
 def plan(model, names):
     """The Fusion for the distributed convs `names` (module docstring), or None where
     no chain follows them or the model cannot be fused (the reason is logged)."""
-    try:
-        graph = _trace(model, True)
-        same = str(graph) == str(_trace(model, False))
-    except Exception as e:  # noqa: BLE001 - any tracing failure means "do not fuse"
-        log.info("conv_model_parallel: channel-wise layers stay on the master: torch.fx cannot trace "
-                 "the model (%s: %s)", type(e).__name__, (str(e).splitlines() or [""])[0][:200])
-        return None
-    if not same:
-        log.info("conv_model_parallel: channel-wise layers stay on the master: the model's forward "
-                 "differs between training and evaluation")
+    why = _why_not(model)
+    if why is None:
+        try:
+            graph, changed = _trace(model, True)
+            eval_graph, changed_eval = _trace(model, False)
+        except Exception as e:  # noqa: BLE001 - any tracing failure means "do not fuse"
+            first = (str(e).splitlines() or [""])[0][:200]
+            why = f"torch.fx cannot trace the model ({type(e).__name__}: {first})"
+        else:
+            if changed or changed_eval:
+                why = "its forward assigns to the module, which a trace would not replay"
+            elif str(graph) != str(eval_graph):
+                why = "the model's forward differs between training and evaluation"
+            elif any(n.op == "get_attr" and any(str(n.target).startswith(x + ".") for x in names)
+                     for n in graph.nodes):
+                why = "its forward reads a distributed conv's parameters directly"
+    if why is not None:
+        log.info("conv_model_parallel: channel-wise layers stay on the master: %s", why)
         return None
     modules = dict(model.named_modules())
     calls = {}
