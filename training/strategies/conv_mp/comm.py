@@ -185,8 +185,8 @@ class _GatherChannelsToMaster(torch.autograd.Function):
             finally:
                 send_t.Free()
             return y.new_empty(0)
-        if c == total:
-            out = _host(y)
+        if c == total:      # a copy: y may share its version counter with a fused chain's output
+            out = _host(y).clone()
         else:
             out = torch.empty((n, total, *y.shape[2:]), dtype=y.dtype)
             off = offsets(counts)[rank]

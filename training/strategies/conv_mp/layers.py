@@ -49,7 +49,7 @@ class _ShardConv2d(torch.autograd.Function):
         stride, padding, dilation = geometry
         ctx.geometry, ctx.timings, ctx.has_bias = geometry, timings, bias is not None
         ctx.save_for_backward(x, weight)
-        ctx.chain = None
+        ctx.chain, ctx.fused = None, bool(followers) and track
         with _Clock(timings, "conv_s"):
             if weight.shape[0] == 0:
                 size = [(x.shape[2 + d] + 2 * padding[d] - dilation[d] * (weight.shape[2 + d] - 1) - 1)
@@ -86,7 +86,11 @@ class _ShardConv2d(torch.autograd.Function):
                 gw = torch.zeros_like(weight) if need_w else None
                 gb = weight.new_zeros(0) if need_b and ctx.has_bias else None
                 return (gx, gw, gb) + none
-            if ctx.chain is not None:        # through the channel-wise layers first
+            if ctx.fused:                    # through the channel-wise layers first
+                if ctx.chain is None:
+                    raise RuntimeError("conv_model_parallel: a second backward through a layer whose "
+                                       "activation/pooling run in the shards; set "
+                                       "training.strategy.fuse: false to keep retain_graph working")
                 y0, z = ctx.chain
                 ctx.chain = None
                 grad, = torch.autograd.grad(z, y0, grad)
