@@ -15,8 +15,8 @@ def _slope(points):
 
 def measure_wait_cpu(late=(0.002, 0.005, 0.02), repeat=10, timeout=60, sizes=(8, 256 << 10, 1 << 20),
                      bcasts=20):
-    """(a, r, b): what a polite wait (training.collectives.wait, as throttled ranks and
-    conv-MP workers wait) costs in CPU: a seconds for every wait (its 0.2 ms spin, the
+    """(a, r, b): what a polite wait (training.collectives.wait, as throttled ranks
+    wait) costs in CPU: a seconds for every wait (its 0.2 ms spin, the
     first short sleeps) plus r seconds per second it lasts (a wake-up every ~0.2 ms to
     test) plus b seconds per byte it receives (MPI copies the message inside the wait).
     Two joined ranks, one computing `late` seconds before it sends 8 bytes, the other

@@ -85,8 +85,8 @@ def _job_link(job, options):
 
 def _job_scheduling(job, devices, options):
     """The Scheduling of the job's ranks: on the local engine they share this machine's
-    cores; a polite wait's CPU is measured where any rank waits politely (a throttled
-    rank, or a conv-MP worker), unless given."""
+    cores; a polite wait's CPU is measured where there are ranks that may wait (a
+    throttled one waits politely), unless given."""
     cores = (os.cpu_count() or 1) if job.backend == "local" else None
     if options.wait_cpu is not None:
         costs = tuple(options.wait_cpu)

@@ -3,8 +3,10 @@ bound on its speedup.
 
 Rank 0 is the master; distributed convs l with C_l kernels split c_r,l, by default in
 proportion to the speed 1/t_r,l (training.strategies.conv_mp.calibrate.proportional_split);
-t_0(B) the master's forward + backward of the whole batch, t_r,l rank r's time of layer l,
-o_0 the master's optimizer step, α + m/β the link's one-way time of m bytes:
+t_0(B) the master's forward + backward of the whole batch, t_r,l rank r's time of layer l
+(with `fuse`, of the conv and its channel-wise chain), |Y_l| its output's bytes (with
+`fuse`, the chain's output), o_0 the master's optimizer step, α + m/β the link's one-way
+time of m bytes:
 
     T = (t_0(B) − Σ_l t_0,l) + Σ_l [max_r (c_r,l/C_l) t_r,l + comm_l]
         + o_0 (1 − Σ_l (|W_l|/|W|)(1 − c_0,l/C_l)) + (2L + 2)⌈log2 n⌉α
