@@ -48,6 +48,10 @@ def test_channel_wise_layers_in_the_shards_equal_single_process(world):
     # and with `fuse: false` it keeps them on the master, as exact
     assert r["unfused"] == [[True, [0, 0]]] * n
     assert r["unfused_weights"] < TOL
+    # nn.ReLU(inplace=True) and pooling modules inside nn.Sequential, through the trace
+    assert r["modules_fused"] == ["features.0 + features.1 + features.2; "
+                                  "features.3 + features.4 + features.5"] * n
+    assert r["modules_weights"] < TOL
 
 
 def test_misconfigurations_are_refused(world):

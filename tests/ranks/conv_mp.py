@@ -161,9 +161,9 @@ for name, layer in (("conv1", c1), ("conv2", c2)):
 out["fused_conv_grads"] = grads
 
 # 2. The strategy: a few SGD steps (momentum, weight decay) equal the single-process run.
-def make(strategy_spec, seed=0):
+def make(strategy_spec, seed=0, build=None):
     s = ConvModelParallelStrategy(make_ctx(), strategy_spec)
-    s.setup(fresh(seed), sgd)
+    s.setup((build or fresh)(seed), sgd)
     return s
 
 s = make(spec())
@@ -197,10 +197,10 @@ if rank == 0:
     out["last_conv_s"] = s.last_conv_s                  # every rank's, gathered at the master
 out["conv_s"] = comm.gather(s.conv_s, root=0)
 
-def against_reference(strategy, steps=2, before_step=lambda step: None):
+def against_reference(strategy, steps=2, before_step=lambda step: None, build=fresh):
     """`steps` SGD steps of `strategy` and of a single-process reference from the same
     init on the same data: (the strategy's exported model, the reference) at the master."""
-    ref = fresh()
+    ref = build()
     ref_opt = sgd(ref.parameters())
     for step in range(steps):
         before_step(step)
@@ -219,6 +219,32 @@ export_nf, ref_nf = against_reference(s_nf)
 out["unfused"] = comm.gather([s_nf.fusion is None, [len(layer.followers) for layer in s_nf.layers.values()]], root=0)
 if rank == 0:
     out["unfused_weights"] = params_diff(export_nf, ref_nf)
+
+# 2c. Module followers, an in-place ReLU among them, inside nn.Sequential: fused through
+# the master's trace, and as exact.
+class ModuleCNN(nn.Module):
+    input_shape = (3, 12, 12)
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+                                      nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(inplace=True), nn.AvgPool2d(2))
+        self.fc = nn.Linear(16 * 3 * 3, 10)
+
+    def forward(self, x):
+        return self.fc(self.features(x).flatten(1))
+
+
+def fresh_modules(seed=0):
+    torch.manual_seed(seed)
+    return ModuleCNN()
+
+
+s_mod = make(spec(layers=["features.0", "features.3"]), build=fresh_modules)
+export_mod, ref_mod = against_reference(s_mod, steps=3, build=fresh_modules)
+out["modules_fused"] = comm.gather(s_mod.fusion.describe() if s_mod.fusion else None, root=0)
+if rank == 0:
+    out["modules_weights"] = params_diff(export_mod, ref_mod)
 
 # 3. eval_step agrees with the reference's summed loss and correct count.
 x, y = data(10)
