@@ -210,3 +210,15 @@ def test_what_a_trace_would_change_is_never_fused(caplog):
         assert fuse.plan(counting, ["conv1"]) is None
     assert "changes the grad mode" in caplog.text and "assigns to the module" in caplog.text
     assert counting.calls.item() == 0                  # tracing ran on a copy
+
+
+def test_a_second_backward_through_a_fused_shard_is_refused_not_wrong():
+    from training.strategies.conv_mp.comm import Timings
+    from training.strategies.conv_mp.layers import _ShardConv2d
+    w = torch.randn(4, 3, 3, 3, requires_grad=True)
+    x = torch.randn(2, 3, 8, 8)
+    y = _ShardConv2d.apply(x, w, None, ((1, 1), (1, 1), (1, 1)), Timings(), [nn.ReLU(), nn.MaxPool2d(2)], True)
+    loss = y.square().sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward.*fuse: false"):
+        loss.backward()
