@@ -128,7 +128,7 @@ def predict(case, config):
         return None
     n, master = len(devices), devices[0]
     B = master.profile.batch
-    fuse = getattr(config, "fuse", True)
+    fuse = config.fuse
     rest, layers, comm, opt_part = _conv_times(devices, link, names, layer_split, fuse)
     protocol = (2 * len(names) + 2) * log2(n) * link.latency_s if n > 1 else 0.0
     idle = [0.0] * (n - 1)

@@ -83,7 +83,10 @@ def _follower(node, modules, calls):
             return node.target
         return None
     if node.op == "call_function" and node.target in FUNCTIONS and not _returns_indices(node.kwargs):
-        return Call(node.target, rest_args, {**node.kwargs, **({"inplace": False} if "inplace" in node.kwargs else {})})
+        kwargs = dict(node.kwargs)
+        if "inplace" in kwargs:     # out of place inside a shard, as _out_of_place does for modules
+            kwargs["inplace"] = False
+        return Call(node.target, rest_args, kwargs)
     if node.op == "call_method" and node.target in METHODS:
         return Call(node.target, rest_args, node.kwargs)
     return None
@@ -140,9 +143,8 @@ def _why_not(model):
     fx records tensor operations only: a grad-mode context in forward would be dropped,
     arguments besides the input would become inputs the strategy never passes, and a
     state change (self.x = ...) would not be replayed."""
-    params = list(inspect.signature(model.forward).parameters.values())[1:]
     if any(p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-           for p in params):
+           for p in _other_arguments(model)):
         return "its forward takes more than one required argument"
     if set(GRAD_MODE) & _names(getattr(type(model).forward, "__code__", None)):
         return "its forward changes the grad mode, which a trace would drop"
@@ -160,24 +162,33 @@ def _names(code):
     return out
 
 
-def _trace(model, training):
-    """The graph of a copy of `model` in train or eval mode, and whether tracing changed
-    the copy's state (a forward that assigns to self)."""
-    probe = copy.deepcopy(model).train(training)
-    params = list(inspect.signature(probe.forward).parameters.values())[1:]
-    concrete = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
-    before = _state(probe)
-    graph = _Tracer().trace(probe, concrete_args=concrete or None)
-    return graph, _state(probe) != before
+def _other_arguments(model):
+    """The parameters of model.forward after the input."""
+    return list(inspect.signature(model.forward).parameters.values())[1:]
+
+
+def _traces(model):
+    """The graphs of one copy of `model` in train and in eval mode, and whether tracing
+    changed the copy's state (a forward that assigns to self). Optional arguments take
+    their defaults."""
+    probe = copy.deepcopy(model)
+    concrete = {p.name: p.default for p in _other_arguments(probe) if p.default is not inspect.Parameter.empty}
+    graphs, changed = [], False
+    for mode in (True, False):
+        probe.train(mode)
+        before = _state(probe)
+        graphs.append(_Tracer().trace(probe, concrete_args=concrete or None))
+        changed = changed or _state(probe) != before
+    return graphs, changed
 
 
 def _state(module):
-    """What a forward that assigns to self would change: every attribute of every module
-    (by identity) and every tensor's version (an in-place update)."""
-    return [(name, key, id(value), value._version if torch.is_tensor(value) else None)
-            for name, m in module.named_modules() for key, value in sorted(vars(m).items())
-            if not key.startswith("_") or key in ("_buffers", "_parameters")] + \
-           [(name, t._version, id(t)) for name, t in module.state_dict(keep_vars=True).items()]
+    """What a forward that assigns to self would change: every public attribute of every
+    module (by identity), every parameter and buffer (by identity and version: an
+    in-place update)."""
+    return [(name, key, id(value)) for name, m in module.named_modules()
+            for key, value in sorted(vars(m).items()) if not key.startswith("_")] + \
+           [(name, id(t), t._version) for name, t in module.state_dict(keep_vars=True).items()]
 
 
 def plan(model, names):
@@ -186,13 +197,12 @@ def plan(model, names):
     why = _why_not(model)
     if why is None:
         try:
-            graph, changed = _trace(model, True)
-            eval_graph, changed_eval = _trace(model, False)
+            (graph, eval_graph), changed = _traces(model)
         except Exception as e:  # noqa: BLE001 - any tracing failure means "do not fuse"
             first = (str(e).splitlines() or [""])[0][:200]
             why = f"torch.fx cannot trace the model ({type(e).__name__}: {first})"
         else:
-            if changed or changed_eval:
+            if changed:
                 why = "its forward assigns to the module, which a trace would not replay"
             elif str(graph) != str(eval_graph):
                 why = "the model's forward differs between training and evaluation"

@@ -58,7 +58,7 @@ class _ShardConv2d(torch.autograd.Function):
                     size = _chain(followers, x.new_zeros((1, 1, *size))).shape[2:]
                 return x.new_zeros((x.shape[0], 0, *size))
             y = F.conv2d(x, weight, bias, stride, padding, dilation)
-            if followers and track:          # the chain's own graph, run back in backward
+            if ctx.fused:                    # the chain's own graph, run back in backward
                 with torch.enable_grad():
                     y0 = y.detach().requires_grad_(True)
                     z = _chain(followers, y0)
