@@ -110,6 +110,8 @@ def test_calibrated_split(world):
     assert all(s == splits[0] for s in splits)              # every rank agrees
     assert sum(splits[0]["conv1"]) == 8 and sum(splits[0]["conv2"]) == 16
     assert all(c >= 1 for s in splits[0].values() for c in s)
+    from training.strategies.conv_mp.calibrate import kernel_block
+    assert r["block"] == [kernel_block("cpu")] * n          # every rank's, agreed
     speeds = r["calibrated_speeds"][0]
     assert all(len(v) == n and all(x > 0 for x in v) for v in speeds.values())
     assert r["calibrated"] < TOL
@@ -164,6 +166,46 @@ def test_proportional_split_rejects_bad_input():
         proportional_split(8, [])
 
 
+def test_block_split_gives_whole_vector_blocks():
+    # an AVX-512 core computes 16 kernels as one block: 65 cost as much as 80
+    assert proportional_split(128, [2, 1], block=16) == [96, 32]
+    assert proportional_split(384, [2, 1], block=16) == [256, 128]
+    assert proportional_split(128, [1.0, 1.05], block=16) == [64, 64]     # not [62, 66]
+    assert proportional_split(100, [1, 1], block=16) == [52, 48]          # 100 % 16 to one rank
+    # fewer kernels than a block per rank: plain proportional split
+    assert proportional_split(16, [1, 1], block=16) == proportional_split(16, [1, 1]) == [8, 8]
+    for kernels in (48, 100, 128, 384, 1500):
+        for speeds in ([1.0, 0.5], [3.0, 2.0, 1.0], [0.9, 1.1, 1.0, 0.3]):
+            split = proportional_split(kernels, speeds, block=16)
+            if kernels // 16 < len(speeds):       # 48 on 4 ranks: not a block each
+                assert split == proportional_split(kernels, speeds)
+                continue
+            assert sum(split) == kernels and all(c >= 16 for c in split)
+            assert sum(c % 16 != 0 for c in split) <= 1
+
+
+def test_block_split_makes_the_slowest_rank_fastest():
+    """Against every split in whole blocks (brute force), the greedy split's slowest rank
+    (padded kernels / speed) is as fast as the best one's."""
+    import itertools
+    from training.strategies.conv_mp.calibrate import padded
+    for kernels, speeds in ((128, [2.0, 1.0]), (200, [1.0, 0.7, 0.45]), (96, [1.0, 1.0, 3.0]), (130, [1.3, 1.0])):
+        units, rest = divmod(kernels, 16)
+        best = min(max(padded(c, 16) / s for c, s in zip(split, speeds))
+                   for us in itertools.product(range(1, units + 1), repeat=len(speeds)) if sum(us) == units
+                   for r in range(len(speeds))
+                   for split in [[16 * u + (rest if q == r else 0) for q, u in enumerate(us)]])
+        got = proportional_split(kernels, speeds, block=16)
+        assert max(padded(c, 16) / s for c, s in zip(got, speeds)) == pytest.approx(best)
+
+
+def test_kernel_block():
+    from training.strategies.conv_mp.calibrate import kernel_block
+    assert kernel_block("cuda") == 1                  # not assumed for a GPU
+    expected = {"AVX512": 16, "AVX2": 8}.get(torch.backends.cpu.get_cpu_capability(), 1)
+    assert kernel_block("cpu") == expected
+
+
 # -- corrected_speeds (recalibration from measured training times) ---------------------------
 
 def test_corrected_speeds_moves_work_off_the_slower_rank():
@@ -199,3 +241,6 @@ def test_a_kernel_or_two_of_noise_does_not_reshard():
     assert not worth_resharding([384, 384], [383, 385], [1.0, 0.995])     # 0.26% predicted gain
     assert worth_resharding([384, 384], [512, 256], [2.0, 1.0])            # 25%: move
     assert not worth_resharding([512, 256], [512, 256], [2.0, 1.0])
+    # in blocks of 16, a kernel more costs a whole block: [65, 63] is slower than [64, 64]
+    assert not worth_resharding([64, 64], [65, 63], [1.0, 0.98], block=16)
+    assert worth_resharding([64, 64], [80, 48], [1.6, 1.0], block=16)

@@ -291,6 +291,7 @@ s3 = make(spec(split=None, recalibrate_every=2))
 export, ref = against_reference(s3)
 out["calibrated_split"] = comm.gather(s3.layer_split, root=0)
 out["calibrated_speeds"] = comm.gather(s3.speeds, root=0)
+out["block"] = comm.gather(s3.block, root=0)
 if rank == 0:
     out["calibrated"] = params_diff(export, ref)
 

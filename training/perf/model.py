@@ -58,6 +58,7 @@ class Profile:
     rows_s: dict = dataclasses.field(default_factory=dict)     # {rows: t(rows)} measured
     shares_s: dict = dataclasses.field(default_factory=dict)   # {"layer/kernels": seconds} measured
     idle_s: float = 0.0           # rows_s and shares_s timed after this long an idle pause each
+    kernel_block: int = 1         # conv kernels computed as one vector block (conv_mp.calibrate.kernel_block)
 
     def fwd_bwd_s(self, rows):
         """t(rows): 0 for no rows, measured where it was (measure_rows), else the affine fit."""

@@ -24,7 +24,7 @@ from torch import nn
 
 from training.perf.model import Layer, Profile
 from training.strategies.conv_mp import fuse
-from training.strategies.conv_mp.calibrate import num_threads
+from training.strategies.conv_mp.calibrate import kernel_block, num_threads
 from training.strategies.conv_mp.layers import why_not_distributable
 
 
@@ -174,7 +174,8 @@ def measure_profile(model, sample_shape, batch, make_optimizer, threads=1, devic
     return Profile(device=dev.type, threads=int(threads), batch=int(batch), layers=layers,
                    step_s=step_s, intercept_s=intercept, optimizer_s=optimizer_s,
                    params=sum(p.numel() for p in params),
-                   param_bytes=sum(p.numel() * p.element_size() for p in params))
+                   param_bytes=sum(p.numel() * p.element_size() for p in params),
+                   kernel_block=kernel_block(dev))
 
 
 def _time_chains(model, layers, calls, min_time, min_reps, sync):

@@ -145,13 +145,37 @@ def measure_speeds(shapes, world_size, device="cpu", threads=None, min_time=0.3)
             for s in shapes]
 
 
-def proportional_split(kernels, speeds):
+def kernel_block(device="cpu"):
+    """Output channels a convolution on `device` computes as one vector block.
+
+    oneDNN, which runs torch's CPU convolutions, lays channels out in blocks of the vector
+    width (16 floats with AVX-512, 8 with AVX2) and pads the last one: on an AVX-512 core a
+    conv with 194 or 208 kernels costs the same, and 65 kernels of the seed network's
+    conv1 cost 1.5x 64 (`benchmarks/conv_mp.py` notes). Kernel shares in whole blocks
+    waste none of it. 1 (no blocking assumed) on a GPU and on other CPUs.
+    """
+    if torch.device(device).type != "cpu":
+        return 1
+    return {"AVX512": 16, "AVX2": 8}.get(torch.backends.cpu.get_cpu_capability(), 1)
+
+
+def padded(kernels, block):
+    """The kernels a share of `kernels` costs when computed in blocks of `block`."""
+    return -(-int(kernels) // block) * block
+
+
+def proportional_split(kernels, speeds, block=1):
     """Integers c_r ≥ 1 with Σ c_r = kernels, c_r as close to kernels·s_r/Σs as possible.
 
-    Largest-remainder rounding (Hamilton): every rank gets floor of its quota, then the
-    leftover kernels go one each to the largest fractional parts (ties to the lower
-    rank). A rank whose quota rounds to 0 then takes one kernel from the rank most above
-    its quota. Deterministic, so every rank computes the same split from the same speeds.
+    block 1: largest-remainder rounding (Hamilton): every rank gets floor of its quota,
+    then the leftover kernels go one each to the largest fractional parts (ties to the
+    lower rank). A rank whose quota rounds to 0 then takes one kernel from the rank most
+    above its quota.
+    block b > 1 (kernel_block), where every rank can have a whole block: shares in whole
+    blocks, each rank at least one, handed out one block at a time to the rank that
+    would finish it first (the split whose slowest rank is fastest), and the kernels
+    short of a block (kernels % b) to the rank where they cost least.
+    Deterministic, so every rank computes the same split from the same speeds.
     """
     speeds = [float(s) for s in speeds]
     n = len(speeds)
@@ -163,6 +187,8 @@ def proportional_split(kernels, speeds):
         raise ValueError(f"proportional_split: {kernels} kernels cannot give each of {n} ranks at "
                          "least one; distribute fewer ranks or leave this layer undistributed")
     kernels = int(kernels)
+    if block > 1 and kernels // block >= n:
+        return _block_split(kernels, speeds, int(block))
     total = sum(speeds)
     quota = [kernels * s / total for s in speeds]
     counts = [int(math.floor(q)) for q in quota]
@@ -176,6 +202,20 @@ def proportional_split(kernels, speeds):
             counts[r] = 1
     return counts
 
+
+def _block_split(kernels, speeds, block):
+    n = len(speeds)
+    units = [1] * n
+    for _ in range(kernels // block - n):       # greedy: optimal for min max_r units_r / s_r
+        r = min(range(n), key=lambda q: ((units[q] + 1) / speeds[q], q))
+        units[r] += 1
+    counts = [u * block for u in units]
+    rest = kernels % block
+    if rest:
+        def slowest(r):
+            return max(padded(c + (rest if q == r else 0), block) / speeds[q] for q, c in enumerate(counts))
+        counts[min(range(n), key=lambda r: (slowest(r), r))] += rest
+    return counts
 
 
 def corrected_speeds(speeds, split, seconds):
@@ -207,12 +247,12 @@ def corrected_speeds(speeds, split, seconds):
 RESHARD_GAIN = 0.02   # a layer is resharded only when its predicted time drops by more than this
 
 
-def worth_resharding(old, new, speeds, gain=RESHARD_GAIN):
+def worth_resharding(old, new, speeds, gain=RESHARD_GAIN, block=1):
     """Whether moving a layer from split `old` to `new` pays: its predicted time,
-    max_r c_r / s_r under the corrected `speeds`, drops by more than `gain`. Resharding
+    max_r padded(c_r) / s_r under the corrected `speeds`, drops by more than `gain`. Resharding
     moves weights and optimizer state, and a kernel or two either way is within the
     timing noise: without this, equal ranks reshard back and forth every recalibration."""
     def predicted(split):
-        return max(c / s for c, s in zip(split, speeds))
+        return max(padded(c, block) / s for c, s in zip(split, speeds))
     return predicted(new) < (1.0 - gain) * predicted(old)
 

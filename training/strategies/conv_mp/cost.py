@@ -65,13 +65,15 @@ def conv_fraction(device, names, fuse=True):
 
 def conv_split(devices, names, split):
     """{layer: kernels per rank}: `split` weights, else in proportion to the devices' speed on
-    each layer; None where a layer has fewer kernels than there are ranks."""
+    each layer, in whole vector blocks as the strategy splits; None where a layer has fewer
+    kernels than there are ranks."""
     out = {}
+    block = max(d.profile.kernel_block for d in devices)
     for name in names:
         kernels = devices[0].profile.layer(name)[0].out_channels
         weights = split if split is not None else [1.0 / d.layer_s(name) for d in devices]
         try:
-            out[name] = proportional_split(kernels, weights)
+            out[name] = proportional_split(kernels, weights, block)
         except ValueError:
             return None
     return out

@@ -45,7 +45,8 @@ from training.collectives import wait
 from training.strategies.base import StepStats, Strategy
 
 from . import fuse
-from .calibrate import conv_shapes, corrected_speeds, measure_speeds, proportional_split, worth_resharding
+from .calibrate import (conv_shapes, corrected_speeds, kernel_block, measure_speeds, proportional_split,
+                        worth_resharding)
 from .layers import DistributedConv2d, why_not_distributable
 from .protocol import ShardProtocol
 
@@ -89,6 +90,8 @@ class ConvModelParallelStrategy(Strategy):
         self.model = model
         self.make_optimizer = make_optimizer
         self.names = self._select_layers(model)
+        # shares in whole vector blocks of the ranks' convolutions (calibrate.kernel_block)
+        self.block = max(self.comm.allgather(kernel_block(self.device)))
         if self.is_master:
             model.to(self.device)
         mp = self.config
@@ -97,7 +100,7 @@ class ConvModelParallelStrategy(Strategy):
                 raise ValueError(f"training.strategy.split: {len(mp.split)} weights for "
                                  f"{self.world_size} ranks; give one per rank")
             convs = dict(model.named_modules())
-            self._shard({n: proportional_split(convs[n].out_channels, mp.split) for n in self.names})
+            self._shard({n: proportional_split(convs[n].out_channels, mp.split, self.block) for n in self.names})
         elif getattr(model, "input_shape", None) is not None:
             self._shard(self._calibrated_split(tuple(model.input_shape)))
         # else: sharded by the first train/eval step, once the batch shows the input shape
@@ -125,7 +128,7 @@ class ConvModelParallelStrategy(Strategy):
         mine = measure_speeds(shapes, self.world_size, self.device, threads=self.ctx.me.threads)
         every = self.comm.allgather(mine)
         speeds = {s.name: [every[r][i] for r in range(self.world_size)] for i, s in enumerate(shapes)}
-        split = {s.name: proportional_split(s.out_channels, speeds[s.name]) for s in shapes}
+        split = {s.name: proportional_split(s.out_channels, speeds[s.name], self.block) for s in shapes}
         self.speeds, split = self.comm.bcast((speeds, split), root=self.ROOT)
         if self.is_master:
             for name in self.names:
@@ -278,8 +281,9 @@ class ConvModelParallelStrategy(Strategy):
             self.speeds = corrected_speeds(speeds, self.layer_split, seconds)
             split = {}
             for n in self.names:
-                new = proportional_split(self.layers[n].out_channels, self.speeds[n])
-                split[n] = new if worth_resharding(self.layer_split[n], new, self.speeds[n]) else self.layer_split[n]
+                new = proportional_split(self.layers[n].out_channels, self.speeds[n], self.block)
+                worth = worth_resharding(self.layer_split[n], new, self.speeds[n], block=self.block)
+                split[n] = new if worth else self.layer_split[n]
         self.speeds, split = self.comm.bcast((self.speeds, split), root=self.ROOT)
         self._window = np.zeros((self.world_size, len(self.names)))
         self._window_steps = 0
