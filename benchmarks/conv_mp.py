@@ -218,7 +218,7 @@ def main(argv=None):
     if a.worker:
         worker(json.loads(a.worker))
         return 0
-    size = dict(conv1=128, conv2=384, batch=16, steps=5, warmup=1) if a.quick else \
+    size = dict(conv1=128, conv2=384, batch=16, steps=10, warmup=1) if a.quick else \
         dict(conv1=256, conv2=768, batch=16, steps=6, warmup=2)
     for k in size:
         if getattr(a, k) is not None:

@@ -168,35 +168,35 @@ def test_proportional_split_rejects_bad_input():
 
 def test_block_split_gives_whole_vector_blocks():
     # an AVX-512 core computes 16 kernels as one block: 65 cost as much as 80
-    assert proportional_split(128, [2, 1], block=16) == [96, 32]
-    assert proportional_split(384, [2, 1], block=16) == [256, 128]
     assert proportional_split(128, [1.0, 1.05], block=16) == [64, 64]     # not [62, 66]
-    assert proportional_split(100, [1, 1], block=16) == [52, 48]          # 100 % 16 to one rank
+    assert proportional_split(128, [1.3, 1.0], block=16) == [80, 48]      # not [72, 56]
+    assert proportional_split(384, [2, 1], block=16) == [256, 128]
     # fewer kernels than a block per rank: plain proportional split
     assert proportional_split(16, [1, 1], block=16) == proportional_split(16, [1, 1]) == [8, 8]
     for kernels in (48, 100, 128, 384, 1500):
         for speeds in ([1.0, 0.5], [3.0, 2.0, 1.0], [0.9, 1.1, 1.0, 0.3]):
             split = proportional_split(kernels, speeds, block=16)
-            if kernels // 16 < len(speeds):       # 48 on 4 ranks: not a block each
-                assert split == proportional_split(kernels, speeds)
-                continue
-            assert sum(split) == kernels and all(c >= 16 for c in split)
-            assert sum(c % 16 != 0 for c in split) <= 1
+            assert sum(split) == kernels
+            if split != proportional_split(kernels, speeds):       # else whole blocks
+                assert all(c >= 16 for c in split) and sum(c % 16 != 0 for c in split) <= 1
 
 
 def test_block_split_makes_the_slowest_rank_fastest():
-    """Against every split in whole blocks (brute force), the greedy split's slowest rank
-    (padded kernels / speed) is as fast as the best one's."""
+    """Against every split in whole blocks (brute force) and the plain split, the chosen
+    split's slowest rank (calibrate.share_cost / speed) is as fast as the best one's."""
     import itertools
-    from training.strategies.conv_mp.calibrate import padded
-    for kernels, speeds in ((128, [2.0, 1.0]), (200, [1.0, 0.7, 0.45]), (96, [1.0, 1.0, 3.0]), (130, [1.3, 1.0])):
+    from training.strategies.conv_mp.calibrate import slowest
+    for kernels, speeds in ((128, [2.0, 1.0]), (200, [1.0, 0.7, 0.45]), (96, [1.0, 1.0, 3.0]), (130, [1.3, 1.0]),
+                            (32, [1.0, 0.5]), (100, [1.0, 1.0])):
         units, rest = divmod(kernels, 16)
-        best = min(max(padded(c, 16) / s for c, s in zip(split, speeds))
-                   for us in itertools.product(range(1, units + 1), repeat=len(speeds)) if sum(us) == units
-                   for r in range(len(speeds))
-                   for split in [[16 * u + (rest if q == r else 0) for q, u in enumerate(us)]])
-        got = proportional_split(kernels, speeds, block=16)
-        assert max(padded(c, 16) / s for c, s in zip(got, speeds)) == pytest.approx(best)
+        candidates = [proportional_split(kernels, speeds)] + [
+            [16 * u + (rest if q == r else 0) for q, u in enumerate(us)]
+            for us in itertools.product(range(1, units + 1), repeat=len(speeds)) if sum(us) == units
+            for r in range(len(speeds))]
+        best = min(slowest(c, speeds, 16) for c in candidates)
+        assert slowest(proportional_split(kernels, speeds, block=16), speeds, 16) == pytest.approx(best)
+    # a partial block costs nearly a whole one, but not quite: [21, 11] beats [16, 16] at 2:1
+    assert proportional_split(32, [1.0, 0.5], block=16) == [21, 11]
 
 
 def test_kernel_block():

@@ -149,32 +149,46 @@ def kernel_block(device="cpu"):
     """Output channels a convolution on `device` computes as one vector block.
 
     oneDNN, which runs torch's CPU convolutions, lays channels out in blocks of the vector
-    width (16 floats with AVX-512, 8 with AVX2) and pads the last one: on an AVX-512 core a
-    conv with 194 or 208 kernels costs the same, and 65 kernels of the seed network's
-    conv1 cost 1.5x 64 (`benchmarks/conv_mp.py` notes). Kernel shares in whole blocks
-    waste none of it. 1 (no blocking assumed) on a GPU and on other CPUs.
+    width (16 floats with AVX-512, 8 with AVX2) and pads the last one: on an AVX-512 core,
+    one thread, batch 16, the seed network's conv2 (128 inputs) with 194 kernels costs as
+    much as with 208, and its conv1 with 65 kernels 1.5x as much as with 64 (forward +
+    backward). Kernel shares in whole blocks waste none of it. 1 (no blocking assumed) on
+    a GPU and on other CPUs.
     """
     if torch.device(device).type != "cpu":
         return 1
     return {"AVX512": 16, "AVX2": 8}.get(torch.backends.cpu.get_cpu_capability(), 1)
 
 
-def padded(kernels, block):
-    """The kernels a share of `kernels` costs when computed in blocks of `block`."""
-    return -(-int(kernels) // block) * block
+PARTIAL_BLOCK = 0.25   # what a block's missing kernels still save (measured: 8 of 16 cost 0.84 of 16)
+
+
+def share_cost(kernels, block):
+    """What a share of `kernels` costs, in kernels, when computed in blocks of `block`:
+    a partial last block costs nearly a whole one (AVX-512, one thread, batch 32, a 5x5
+    conv of 32 inputs: 19 kernels 8.9 ms, 24 9.2 ms, 32 9.3 ms; 8 kernels 6.8 ms, 16
+    8.1 ms; forward + backward)."""
+    whole = -(-int(kernels) // block) * block
+    return whole - PARTIAL_BLOCK * (whole - int(kernels))
+
+
+def slowest(split, speeds, block=1):
+    """The split's slowest rank: max_r share_cost(c_r) / s_r."""
+    return max(share_cost(c, block) / s for c, s in zip(split, speeds))
 
 
 def proportional_split(kernels, speeds, block=1):
     """Integers c_r ≥ 1 with Σ c_r = kernels, c_r as close to kernels·s_r/Σs as possible.
 
-    block 1: largest-remainder rounding (Hamilton): every rank gets floor of its quota,
-    then the leftover kernels go one each to the largest fractional parts (ties to the
-    lower rank). A rank whose quota rounds to 0 then takes one kernel from the rank most
-    above its quota.
-    block b > 1 (kernel_block), where every rank can have a whole block: shares in whole
-    blocks, each rank at least one, handed out one block at a time to the rank that
-    would finish it first (the split whose slowest rank is fastest), and the kernels
-    short of a block (kernels % b) to the rank where they cost least.
+    Largest-remainder rounding (Hamilton): every rank gets floor of its quota, then the
+    leftover kernels go one each to the largest fractional parts (ties to the lower
+    rank). A rank whose quota rounds to 0 then takes one kernel from the rank most above
+    its quota.
+    block b > 1 (kernel_block), where every rank can have a whole block: also the split
+    in whole blocks, each rank at least one, handed out one block at a time to the rank
+    that would finish it first, and the kernels short of a block (kernels % b) where
+    they cost least; of the two, the one whose slowest rank is faster (share_cost),
+    whole blocks on a tie.
     Deterministic, so every rank computes the same split from the same speeds.
     """
     speeds = [float(s) for s in speeds]
@@ -187,8 +201,6 @@ def proportional_split(kernels, speeds, block=1):
         raise ValueError(f"proportional_split: {kernels} kernels cannot give each of {n} ranks at "
                          "least one; distribute fewer ranks or leave this layer undistributed")
     kernels = int(kernels)
-    if block > 1 and kernels // block >= n:
-        return _block_split(kernels, speeds, int(block))
     total = sum(speeds)
     quota = [kernels * s / total for s in speeds]
     counts = [int(math.floor(q)) for q in quota]
@@ -200,6 +212,10 @@ def proportional_split(kernels, speeds, block=1):
             donor = max((d for d in range(n) if counts[d] > 1), key=lambda d: (counts[d] - quota[d], -d))
             counts[donor] -= 1
             counts[r] = 1
+    if block > 1 and kernels // block >= n:
+        blocks = _block_split(kernels, speeds, int(block))
+        if slowest(blocks, speeds, block) <= slowest(counts, speeds, block):
+            return blocks
     return counts
 
 
@@ -212,9 +228,9 @@ def _block_split(kernels, speeds, block):
     counts = [u * block for u in units]
     rest = kernels % block
     if rest:
-        def slowest(r):
-            return max(padded(c + (rest if q == r else 0), block) / speeds[q] for q, c in enumerate(counts))
-        counts[min(range(n), key=lambda r: (slowest(r), r))] += rest
+        def placed(r):
+            return [c + (rest if q == r else 0) for q, c in enumerate(counts)]
+        counts = placed(min(range(n), key=lambda r: (slowest(placed(r), speeds, block), r)))
     return counts
 
 
@@ -248,11 +264,10 @@ RESHARD_GAIN = 0.02   # a layer is resharded only when its predicted time drops 
 
 
 def worth_resharding(old, new, speeds, gain=RESHARD_GAIN, block=1):
-    """Whether moving a layer from split `old` to `new` pays: its predicted time,
-    max_r padded(c_r) / s_r under the corrected `speeds`, drops by more than `gain`. Resharding
+    """Whether moving a layer from split `old` to `new` pays: its predicted time, the
+    slowest rank's share_cost(c_r) / s_r under the corrected `speeds`, drops by more than
+    `gain`. Resharding
     moves weights and optimizer state, and a kernel or two either way is within the
     timing noise: without this, equal ranks reshard back and forth every recalibration."""
-    def predicted(split):
-        return max(padded(c, block) / s for c, s in zip(split, speeds))
-    return predicted(new) < (1.0 - gain) * predicted(old)
+    return slowest(new, speeds, block) < (1.0 - gain) * slowest(old, speeds, block)
 
