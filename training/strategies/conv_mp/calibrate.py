@@ -244,8 +244,9 @@ def corrected_speeds(speeds, split, seconds):
     where fused, the channel-wise chain after it): every distributed layer ends in a
     gather that waits for its slowest rank, so each layer must balance on its own, and a
     start-up calibration that misjudged one layer (a small conv timed while the machine
-    was busy, or a rank under a CPU quota that computes in bursts) is corrected where it
-    erred. A rank slower in training than predicted gets a smaller share, a faster one a
+    was busy) is corrected where it erred. (The strategy reports a rank under a CPU quota
+    by its CPU seconds over the quota, not its wall time: ConvModelParallelStrategy.
+    _share_seconds.) A rank slower in training than predicted gets a smaller share, a faster one a
     larger. The square root damps the correction, so a speed that depends on the share
     settles instead of oscillating. Only ratios between ranks matter.
     """

@@ -46,26 +46,34 @@ def offsets(split):
 class Timings:
     """Seconds spent by one layer (or the protocol) on this rank since the last reset()."""
     conv_s: float = 0.0      # local convolution, forward + backward
+    conv_cpu_s: float = 0.0  # ... the process's CPU seconds in it
     comm_s: float = 0.0      # inside MPI calls (including waiting for the other ranks)
 
     def reset(self):
         self.conv_s = 0.0
+        self.conv_cpu_s = 0.0
         self.comm_s = 0.0
 
 
 class _Clock:
-    """Adds the wall time of a `with` block to one field of a Timings (or to nothing)."""
+    """Adds the wall time of a `with` block to one field of a Timings (or to nothing), and
+    its CPU time (the whole process's) to `cpu_field` when given."""
 
-    def __init__(self, timings, field):
-        self.timings, self.field = timings, field
+    def __init__(self, timings, field, cpu_field=None):
+        self.timings, self.field, self.cpu_field = timings, field, cpu_field
 
     def __enter__(self):
         self.t0 = time.perf_counter()
+        if self.cpu_field:
+            self.c0 = time.process_time()
 
     def __exit__(self, *exc):
         if self.timings is not None:
             setattr(self.timings, self.field,
                     getattr(self.timings, self.field) + time.perf_counter() - self.t0)
+            if self.cpu_field:
+                setattr(self.timings, self.cpu_field,
+                        getattr(self.timings, self.cpu_field) + time.process_time() - self.c0)
 
 
 def _plane_type(mpi_type, samples, plane, channels):

@@ -50,7 +50,7 @@ class _ShardConv2d(torch.autograd.Function):
         ctx.geometry, ctx.timings, ctx.has_bias = geometry, timings, bias is not None
         ctx.save_for_backward(x, weight)
         ctx.chain, ctx.fused = None, bool(followers) and track
-        with _Clock(timings, "conv_s"):
+        with _Clock(timings, "conv_s", "conv_cpu_s"):
             if weight.shape[0] == 0:
                 size = [(x.shape[2 + d] + 2 * padding[d] - dilation[d] * (weight.shape[2 + d] - 1) - 1)
                         // stride[d] + 1 for d in range(2)]
@@ -80,7 +80,7 @@ class _ShardConv2d(torch.autograd.Function):
         stride, padding, dilation = ctx.geometry
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         none = (None, None, None, None)
-        with _Clock(ctx.timings, "conv_s"):
+        with _Clock(ctx.timings, "conv_s", "conv_cpu_s"):
             if weight.shape[0] == 0:
                 gx = torch.zeros_like(x) if need_x else None
                 gw = torch.zeros_like(weight) if need_w else None
