@@ -244,3 +244,23 @@ def test_a_kernel_or_two_of_noise_does_not_reshard():
     # in blocks of 16, a kernel more costs a whole block: [65, 63] is slower than [64, 64]
     assert not worth_resharding([64, 64], [65, 63], [1.0, 0.98], block=16)
     assert worth_resharding([64, 64], [80, 48], [1.6, 1.0], block=16)
+
+
+def test_a_throttled_rank_reports_its_cpu_seconds_over_its_quota():
+    """Recalibration balances what each rank's shares cost the others: wall time on a rank
+    with its cores, CPU seconds / quota on a rank under a CPU quota (its wall time leaves
+    out the quota's stops, in which the others wait for it)."""
+    from types import SimpleNamespace
+    from training.context import RankInfo
+    from training.strategies.conv_mp.comm import Timings
+    from training.strategies.conv_mp.strategy import ConvModelParallelStrategy
+
+    def seconds(vcores):
+        me = RankInfo(rank=1, group="w", instance=0, container="c", vcores=vcores, memory_mib=512, gpus=0)
+        layers = {"conv1": SimpleNamespace(timings=Timings(conv_s=0.010, conv_cpu_s=0.008)),
+                  "conv2": SimpleNamespace(timings=Timings(conv_s=0.030, conv_cpu_s=0.024))}
+        return ConvModelParallelStrategy._share_seconds(SimpleNamespace(layers=layers, ctx=SimpleNamespace(me=me)))
+
+    assert seconds(1.0).tolist() == [[0.010, 0.030], [0.010, 0.030]]            # wall, wall
+    assert seconds(0.5).ravel().tolist() == pytest.approx([0.010, 0.030, 0.016, 0.048])    # wall, CPU / 0.5
+    assert seconds(1.5).ravel().tolist() == pytest.approx([0.010, 0.030, 0.008 / 0.75, 0.024 / 0.75])
