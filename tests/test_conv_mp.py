@@ -255,12 +255,14 @@ def test_a_throttled_rank_reports_its_cpu_seconds_over_its_quota():
     from training.strategies.conv_mp.comm import Timings
     from training.strategies.conv_mp.strategy import ConvModelParallelStrategy
 
-    def seconds(vcores):
+    def seconds(vcores, device="cpu"):
         me = RankInfo(rank=1, group="w", instance=0, container="c", vcores=vcores, memory_mib=512, gpus=0)
         layers = {"conv1": SimpleNamespace(timings=Timings(conv_s=0.010, conv_cpu_s=0.008)),
                   "conv2": SimpleNamespace(timings=Timings(conv_s=0.030, conv_cpu_s=0.024))}
-        return ConvModelParallelStrategy._share_seconds(SimpleNamespace(layers=layers, ctx=SimpleNamespace(me=me)))
+        rank = SimpleNamespace(layers=layers, ctx=SimpleNamespace(me=me), device=torch.device(device))
+        return ConvModelParallelStrategy._share_seconds(rank)
 
     assert seconds(1.0).tolist() == [[0.010, 0.030], [0.010, 0.030]]            # wall, wall
     assert seconds(0.5).ravel().tolist() == pytest.approx([0.010, 0.030, 0.016, 0.048])    # wall, CPU / 0.5
     assert seconds(1.5).ravel().tolist() == pytest.approx([0.010, 0.030, 0.008 / 0.75, 0.024 / 0.75])
+    assert seconds(0.5, "cuda").tolist() == [[0.010, 0.030], [0.010, 0.030]]   # a GPU's share is not throttled

@@ -160,7 +160,7 @@ def kernel_block(device="cpu"):
     return {"AVX512": 16, "AVX2": 8}.get(torch.backends.cpu.get_cpu_capability(), 1)
 
 
-PARTIAL_BLOCK = 0.25   # what a block's missing kernels still save (measured: 8 of 16 cost 0.84 of 16)
+PARTIAL_BLOCK = 0.25   # the share of a partial block's missing kernels it still saves (share_cost)
 
 
 def share_cost(kernels, block):
@@ -244,9 +244,9 @@ def corrected_speeds(speeds, split, seconds):
     where fused, the channel-wise chain after it): every distributed layer ends in a
     gather that waits for its slowest rank, so each layer must balance on its own, and a
     start-up calibration that misjudged one layer (a small conv timed while the machine
-    was busy) is corrected where it erred. (The strategy reports a rank under a CPU quota
-    by its CPU seconds over the quota, not its wall time: ConvModelParallelStrategy.
-    _share_seconds.) A rank slower in training than predicted gets a smaller share, a faster one a
+    was busy) is corrected where it erred; a rank under a CPU quota reports its CPU
+    seconds over the quota, not its wall time (ConvModelParallelStrategy._share_seconds).
+    A rank slower in training than predicted gets a smaller share, a faster one a
     larger. The square root damps the correction, so a speed that depends on the share
     settles instead of oscillating. Only ratios between ranks matter.
     """
@@ -267,8 +267,8 @@ RESHARD_GAIN = 0.02   # a layer is resharded only when its predicted time drops 
 def worth_resharding(old, new, speeds, gain=RESHARD_GAIN, block=1):
     """Whether moving a layer from split `old` to `new` pays: its predicted time, the
     slowest rank's share_cost(c_r) / s_r under the corrected `speeds`, drops by more than
-    `gain`. Resharding
-    moves weights and optimizer state, and a kernel or two either way is within the
-    timing noise: without this, equal ranks reshard back and forth every recalibration."""
+    `gain`. Resharding moves weights and optimizer state, and a kernel or two either way
+    is within the timing noise: without this, equal ranks reshard back and forth every
+    recalibration."""
     return slowest(new, speeds, block) < (1.0 - gain) * slowest(old, speeds, block)
 

@@ -239,7 +239,7 @@ class ConvModelParallelStrategy(Strategy):
 
     def _share_seconds(self):
         """[wall, effective] conv seconds of each layer on this rank. Effective, what
-        recalibration balances: the wall time, except on a rank under a CPU quota (0.5
+        recalibration balances: the wall time, except on a CPU rank under a CPU quota (0.5
         vcore), whose CPU seconds over its quota count: its wall time in a share leaves
         out the stops of its quota, the one between a command's arrival and its start
         among them, in which the others wait for it. Counted by wall time, such a rank
@@ -248,7 +248,7 @@ class ConvModelParallelStrategy(Strategy):
         against 0.146 s for the split calibrated at start)."""
         wall = [layer.timings.conv_s for layer in self.layers.values()]
         me = self.ctx.me
-        if not me.throttled:
+        if not me.throttled or torch.device(self.device).type != "cpu":   # a GPU computes unthrottled
             return np.array([wall, wall])
         quota = me.vcores / me.threads
         return np.array([wall, [layer.timings.conv_cpu_s / quota for layer in self.layers.values()]])
