@@ -117,6 +117,21 @@ def test_calibrated_split(world):
     assert r["calibrated"] < TOL
 
 
+def test_manual_split_in_whole_vector_blocks(world):
+    """Weights 1.3 : 1 [: 1] on convs of 48 and 64 kernels: the split the strategy makes on
+    every rank is calibrate.proportional_split's with this machine's block (whole blocks of
+    16 on AVX-512), and training stays exact."""
+    from training.strategies.conv_mp.calibrate import kernel_block
+    n, r = world
+    block, weights = kernel_block("cpu"), [1.3] + [1.0] * (n - 1)
+    expected = {"conv1": proportional_split(48, weights, block), "conv2": proportional_split(64, weights, block)}
+    assert r["wide_split"] == [expected] * n
+    if block == 16:
+        assert expected == {2: {"conv1": [32, 16], "conv2": [32, 32]},
+                            3: {"conv1": [16, 16, 16], "conv2": [32, 16, 16]}}[n]
+    assert r["wide"] < TOL
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_ranks_equal_single_process():
     """Ranks on the GPU stage through host memory; the run stays equal to the CPU one."""
@@ -248,21 +263,30 @@ def test_a_kernel_or_two_of_noise_does_not_reshard():
 
 def test_a_throttled_rank_reports_its_cpu_seconds_over_its_quota():
     """Recalibration balances what each rank's shares cost the others: wall time on a rank
-    with its cores, CPU seconds / quota on a rank under a CPU quota (its wall time leaves
-    out the quota's stops, in which the others wait for it)."""
+    with its cores, CPU seconds / vcores (at least the wall time) on a CPU rank held back
+    by its CPU quota in the step (busy for most of it): its wall time leaves out the
+    quota's stops, in which the others wait for it."""
+    import time
     from types import SimpleNamespace
     from training.context import RankInfo
     from training.strategies.conv_mp.comm import Timings
     from training.strategies.conv_mp.strategy import ConvModelParallelStrategy
 
-    def seconds(vcores, device="cpu"):
+    def seconds(vcores, busy, device="cpu"):
+        """[wall, effective] of a rank whose step so far used `busy` CPUs on average."""
         me = RankInfo(rank=1, group="w", instance=0, container="c", vcores=vcores, memory_mib=512, gpus=0)
         layers = {"conv1": SimpleNamespace(timings=Timings(conv_s=0.010, conv_cpu_s=0.008)),
                   "conv2": SimpleNamespace(timings=Timings(conv_s=0.030, conv_cpu_s=0.024))}
-        rank = SimpleNamespace(layers=layers, ctx=SimpleNamespace(me=me), device=torch.device(device))
-        return ConvModelParallelStrategy._share_seconds(rank)
+        start = (time.perf_counter() - 10.0, time.process_time() - 10.0 * busy)
+        rank = SimpleNamespace(layers=layers, ctx=SimpleNamespace(me=me), device=torch.device(device),
+                               _step_start=start)
+        return ConvModelParallelStrategy._share_seconds(rank).ravel().tolist()
 
-    assert seconds(1.0).tolist() == [[0.010, 0.030], [0.010, 0.030]]            # wall, wall
-    assert seconds(0.5).ravel().tolist() == pytest.approx([0.010, 0.030, 0.016, 0.048])    # wall, CPU / 0.5
-    assert seconds(1.5).ravel().tolist() == pytest.approx([0.010, 0.030, 0.008 / 0.75, 0.024 / 0.75])
-    assert seconds(0.5, "cuda").tolist() == [[0.010, 0.030], [0.010, 0.030]]   # a GPU's share is not throttled
+    wall = [0.010, 0.030]
+    assert seconds(1.0, busy=1.0) == wall + wall                                  # its own core
+    assert seconds(0.5, busy=0.49) == pytest.approx(wall + [0.016, 0.048])        # CPU / 0.5 vcore
+    assert seconds(0.5, busy=0.2) == wall + wall                 # under a quota it does not use up
+    # 1.5 vcores, 2 threads: the process's CPU over its 1.5 vcores (not over 0.75 a thread),
+    # here below the wall time, so the wall time
+    assert seconds(1.5, busy=1.45) == wall + wall
+    assert seconds(0.5, busy=0.49, device="cuda") == wall + wall                 # a GPU's share: wall

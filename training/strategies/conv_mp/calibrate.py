@@ -153,7 +153,9 @@ def kernel_block(device="cpu"):
     one thread, batch 16, the seed network's conv2 (128 inputs) with 194 kernels costs as
     much as with 208, and its conv1 with 65 kernels 1.5x as much as with 64 (forward +
     backward). Kernel shares in whole blocks waste none of it. 1 (no blocking assumed) on
-    a GPU and on other CPUs.
+    a GPU and on other CPUs. Read from ATen's CPU capability (ATEN_CPU_CAPABILITY can
+    lower it); oneDNN chooses its own vector width, and small convs it does not run keep
+    the estimate only as a cost model.
     """
     if torch.device(device).type != "cpu":
         return 1
@@ -178,17 +180,19 @@ def slowest(split, speeds, block=1):
 
 
 def proportional_split(kernels, speeds, block=1):
-    """Integers c_r ≥ 1 with Σ c_r = kernels, c_r as close to kernels·s_r/Σs as possible.
+    """Integers c_r ≥ 1 with Σ c_r = kernels, in proportion to the speeds s_r.
 
-    Largest-remainder rounding (Hamilton): every rank gets floor of its quota, then the
-    leftover kernels go one each to the largest fractional parts (ties to the lower
-    rank). A rank whose quota rounds to 0 then takes one kernel from the rank most above
+    block 1: c_r as close to kernels·s_r/Σs as possible, by largest-remainder rounding
+    (Hamilton): every rank gets floor of its quota, then the leftover kernels go one each
+    to the largest fractional parts (ties to the lower rank). A rank whose quota rounds to 0 then takes one kernel from the rank most above
     its quota.
-    block b > 1 (kernel_block), where every rank can have a whole block: also the split
-    in whole blocks, each rank at least one, handed out one block at a time to the rank
-    that would finish it first, and the kernels short of a block (kernels % b) where
-    they cost least; of the two, the one whose slowest rank is faster (share_cost),
-    whole blocks on a tie.
+    block b > 1 (kernel_block), where every rank can have a whole block: the better of
+    that split and the split in whole blocks (each rank at least one, handed out one
+    block at a time to the rank that would finish it first, the kernels short of a
+    block, kernels % b, where they cost least): the one whose slowest rank is faster by
+    share_cost, whole blocks on a tie. Not the best of every integer split: with a share
+    below one block (32 kernels at speeds 1 : 0.39) another can be ~15% faster by
+    share_cost, whose fit is weakest there.
     Deterministic, so every rank computes the same split from the same speeds.
     """
     speeds = [float(s) for s in speeds]
@@ -234,13 +238,14 @@ def _block_split(kernels, speeds, block):
     return counts
 
 
-def corrected_speeds(speeds, split, seconds):
+def corrected_speeds(speeds, split, seconds, block=1):
     """Per-layer speeds corrected by what training measured, rank by rank.
 
     speeds[l][r]: the speeds the current split was made from (kernels/s, or any unit per
     layer); split[l][r]: kernels; seconds[l][r]: measured conv seconds per step.
     Layer by layer, each rank's speed is scaled by sqrt(predicted / measured), where
-    predicted = split[l][r] / speeds[l][r] and measured = seconds[l][r] (its share and,
+    predicted = share_cost(split[l][r], block) / speeds[l][r] (the kernels its share
+    costs in vector blocks) and measured = seconds[l][r] (its share and,
     where fused, the channel-wise chain after it): every distributed layer ends in a
     gather that waits for its slowest rank, so each layer must balance on its own, and a
     start-up calibration that misjudged one layer (a small conv timed while the machine
@@ -255,7 +260,7 @@ def corrected_speeds(speeds, split, seconds):
     out = {l: list(speeds[l]) for l in layers}
     for l in layers:
         for r in range(ranks):
-            predicted, measured = split[l][r] / speeds[l][r], seconds[l][r]
+            predicted, measured = share_cost(split[l][r], block) / speeds[l][r], seconds[l][r]
             if predicted > 0 and measured > 0:
                 out[l][r] = speeds[l][r] * math.sqrt(predicted / measured)
     return out

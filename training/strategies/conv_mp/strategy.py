@@ -58,6 +58,9 @@ def _set_module(model, name, module):
     setattr(model.get_submodule(parent) if parent else model, attr, module)
 
 
+BUSY_QUOTA = 0.8    # a rank busy for this much of its CPU quota in a step is held back by it
+
+
 class ConvModelParallelStrategy(Strategy):
     name = "conv_model_parallel"
     ROOT = 0
@@ -75,6 +78,7 @@ class ConvModelParallelStrategy(Strategy):
         self.layer_split = None     # layer name -> kernels per rank (None until sharded)
         self.speeds = None          # layer name -> kernels/s per rank, when measured
         self.conv_s = 0.0           # this rank's conv seconds in the last step
+        self._step_start = (0.0, 0.0)   # (wall, process CPU) at the start of this step
         self.steps = 0
         self._window = None         # master: [rank, layer] conv seconds since the last (re)calibration
         self._window_steps = 0
@@ -183,6 +187,7 @@ class ConvModelParallelStrategy(Strategy):
     def train_step(self, x, y):
         self._ensure_sharded(x)
         t0 = time.perf_counter()
+        self._step_start = (t0, time.process_time())
         self._reset_timings()
         self.optimizer.zero_grad(set_to_none=True)
         if self.is_master:
@@ -238,20 +243,25 @@ class ConvModelParallelStrategy(Strategy):
             self._gather_times_now()
 
     def _share_seconds(self):
-        """[wall, effective] conv seconds of each layer on this rank. Effective, what
-        recalibration balances: the wall time, except on a CPU rank under a CPU quota (0.5
-        vcore), whose CPU seconds over its quota count: its wall time in a share leaves
-        out the stops of its quota, the one between a command's arrival and its start
-        among them, in which the others wait for it. Counted by wall time, such a rank
-        looked faster than it is and recalibration gave it kernels the master then
-        waited for (1 + 0.5 vcore, `benchmarks/conv_mp.py --quick`: 0.169 s/step
-        against 0.146 s for the split calibrated at start)."""
-        wall = [layer.timings.conv_s for layer in self.layers.values()]
+        """[wall, effective] conv seconds of each layer on this rank in this step. Effective,
+        what recalibration balances: the wall time, except on a CPU rank whose CPU quota
+        held it back in this step (under a quota, 0.5 vcore, and busy for at least
+        BUSY_QUOTA of it): there its CPU seconds over its vcores count, at least the wall
+        time. Its wall time in a share leaves out the stops of its quota, the one between
+        a command's arrival and the share's start among them, in which the others wait
+        for it: counted by wall time, such a rank looked faster than it is, and
+        recalibration gave it kernels the master then waited for (1 + 0.5 vcore,
+        `benchmarks/conv_mp.py --quick`: 0.169 s/step against 0.146 s for the split
+        calibrated at start). A rank under a quota it does not use up is timed by the wall.
+        (CPU seconds are the whole process's: every thread of its convolutions.)"""
+        wall = np.array([layer.timings.conv_s for layer in self.layers.values()])
         me = self.ctx.me
-        if not me.throttled or torch.device(self.device).type != "cpu":   # a GPU computes unthrottled
+        step_wall = time.perf_counter() - self._step_start[0]
+        busy = (time.process_time() - self._step_start[1]) / max(step_wall, 1e-9)
+        if not me.throttled or torch.device(self.device).type != "cpu" or busy < BUSY_QUOTA * me.vcores:
             return np.array([wall, wall])
-        quota = me.vcores / me.threads
-        return np.array([wall, [layer.timings.conv_cpu_s / quota for layer in self.layers.values()]])
+        cpu = np.array([layer.timings.conv_cpu_s for layer in self.layers.values()])
+        return np.array([wall, np.maximum(wall, cpu / me.vcores)])
 
     def _gather_times_now(self):
         from mpi4py import MPI
@@ -294,7 +304,7 @@ class ConvModelParallelStrategy(Strategy):
         if self.is_master:
             seconds = {n: (self._window[:, i] / self._window_steps).tolist() for i, n in enumerate(self.names)}
             speeds = self.speeds or {n: [float(c) for c in self.layer_split[n]] for n in self.names}
-            self.speeds = corrected_speeds(speeds, self.layer_split, seconds)
+            self.speeds = corrected_speeds(speeds, self.layer_split, seconds, self.block)
             split = {}
             for n in self.names:
                 new = proportional_split(self.layers[n].out_channels, self.speeds[n], self.block)
