@@ -25,11 +25,11 @@ WEIGHTS = {2: [3.0, 1.0], 3: [5.0, 2.0, 1.0]}[n]     # uneven: conv1 (8) -> [6,2
 class SmallCNN(nn.Module):
     input_shape = (3, 12, 12)
 
-    def __init__(self):
+    def __init__(self, c1=8, c2=16):
         super().__init__()
-        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
-        self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
-        self.fc = nn.Linear(16 * 3 * 3, 10)
+        self.conv1 = nn.Conv2d(3, c1, 3, padding=1)
+        self.conv2 = nn.Conv2d(c1, c2, 3, padding=1)
+        self.fc = nn.Linear(c2 * 3 * 3, 10)
 
     def forward(self, x):
         x = F.max_pool2d(F.relu(self.conv1(x)), 2)
@@ -297,24 +297,9 @@ if rank == 0:
 
 # 7. Layers with a vector block of kernels per rank (calibrate.kernel_block) split in whole
 # blocks where that makes the slowest rank faster: here a manual 1.3 : 1 [: 1] split.
-class WideCNN(nn.Module):
-    input_shape = (3, 12, 12)
-
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 48, 3, padding=1)
-        self.conv2 = nn.Conv2d(48, 64, 3, padding=1)
-        self.fc = nn.Linear(64 * 3 * 3, 10)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        return self.fc(x.flatten(1))
-
-
 def wide(seed=0):
     torch.manual_seed(seed)
-    return WideCNN()
+    return SmallCNN(48, 64)
 
 
 s7 = make(spec(split=[1.3] + [1.0] * (n - 1)), build=wide)
