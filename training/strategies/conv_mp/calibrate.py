@@ -184,8 +184,8 @@ def proportional_split(kernels, speeds, block=1):
 
     block 1: c_r as close to kernels·s_r/Σs as possible, by largest-remainder rounding
     (Hamilton): every rank gets floor of its quota, then the leftover kernels go one each
-    to the largest fractional parts (ties to the lower rank). A rank whose quota rounds to 0 then takes one kernel from the rank most above
-    its quota.
+    to the largest fractional parts (ties to the lower rank). A rank whose quota rounds
+    to 0 then takes one kernel from the rank most above its quota.
     block b > 1 (kernel_block), where every rank can have a whole block: the better of
     that split and the split in whole blocks (each rank at least one, handed out one
     block at a time to the rank that would finish it first, the kernels short of a
