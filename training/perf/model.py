@@ -134,10 +134,10 @@ class Device:
     def optimizer_s(self, fraction=1.0, full=False):
         return self.profile.optimizer_s * fraction / self._per(full)
 
-    def sim_rank(self, sched, polite=False):
-        """This device as quota_sim sees it: a polite rank (throttled, or named in
-        `polite`) burns sched.wait_cpu of its speed while it waits, any other spins."""
-        polite = polite or self.quota < 1.0
+    def sim_rank(self, sched):
+        """This device as quota_sim sees it: a throttled rank waits politely and burns
+        sched.wait_cpu of its speed while it waits, any other spins."""
+        polite = self.quota < 1.0
         return quota_sim.Rank(quota=self.quota, threads=self.profile.threads, weight=self.vcores,
                               wait_cpu=sched.wait_cpu if polite else 1.0,
                               wait_s=sched.wait_s if polite else 0.0)
@@ -161,12 +161,10 @@ class Scheduling:
     byte_s: float = 0.0
     period_s: float = quota_sim.PERIOD_S
 
-    def step_s(self, devices, phases, syncs, waits, polite=()):
+    def step_s(self, devices, phases, syncs, waits):
         """quota_sim's mean step of `devices` running `phases` (full-speed seconds per
-        rank) each ended by the synchronisation in `syncs`, with waits[k] waits in phase
-        k; `polite`: ranks that wait politely whatever their quota (none of today's strategies
-        asks for that: a throttled rank is polite anyway)."""
-        ranks = [d.sim_rank(self, r in polite) for r, d in enumerate(devices)]
+        rank) each ended by the synchronisation in `syncs`, with waits[k] waits in phase k."""
+        ranks = [d.sim_rank(self) for d in devices]
         return quota_sim.step_s(phases, syncs, ranks, self.cores, self.period_s, waits=waits)
 
 

@@ -238,9 +238,10 @@ IDLE_S = 0.02    # the pause before each run of an idle profile: about half a st
 def idle_profile(profile, idle_s=IDLE_S):
     """A copy of `profile` whose rows and shares will be timed after `idle_s` of sleep each.
 
-    A rank that sleeps while it waits (a throttled rank, in every strategy) computes with cold caches and a CPU the host may have
-    given away: measured here, 11 rows of seed_cnn took 21.8 ms of CPU after 20 ms pauses
-    against 17.9 ms back to back. measure_rows/measure_shares fill it."""
+    A rank that sleeps while it waits (a throttled rank, in every strategy) computes with
+    cold caches and a CPU the host may have given away: measured here, 11 rows of
+    seed_cnn took 21.8 ms of CPU after 20 ms pauses against 17.9 ms back to back.
+    measure_rows/measure_shares fill it."""
     return dataclasses.replace(profile, rows_s={}, shares_s={}, idle_s=float(idle_s))
 
 
