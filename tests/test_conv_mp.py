@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import worlds
-from training.strategies.conv_mp.calibrate import corrected_speeds, proportional_split
+from training.strategies.conv_mp.calibrate import (corrected_speeds, kernel_block, proportional_split, slowest,
+                                                    worth_resharding)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -110,7 +111,6 @@ def test_calibrated_split(world):
     assert all(s == splits[0] for s in splits)              # every rank agrees
     assert sum(splits[0]["conv1"]) == 8 and sum(splits[0]["conv2"]) == 16
     assert all(c >= 1 for s in splits[0].values() for c in s)
-    from training.strategies.conv_mp.calibrate import kernel_block
     assert r["block"] == [kernel_block("cpu")] * n          # every rank's, agreed
     speeds = r["calibrated_speeds"][0]
     assert all(len(v) == n and all(x > 0 for x in v) for v in speeds.values())
@@ -121,7 +121,6 @@ def test_manual_split_in_whole_vector_blocks(world):
     """Weights 1.3 : 1 [: 1] on convs of 48 and 64 kernels: the split the strategy makes on
     every rank is calibrate.proportional_split's with this machine's block (whole blocks of
     16 on AVX-512), and training stays exact."""
-    from training.strategies.conv_mp.calibrate import kernel_block
     n, r = world
     block, weights = kernel_block("cpu"), [1.3] + [1.0] * (n - 1)
     expected = {"conv1": proportional_split(48, weights, block), "conv2": proportional_split(64, weights, block)}
@@ -200,7 +199,6 @@ def test_block_split_makes_the_slowest_rank_fastest():
     """Against every split in whole blocks (brute force) and the plain split, the chosen
     split's slowest rank (calibrate.share_cost / speed) is as fast as the best one's."""
     import itertools
-    from training.strategies.conv_mp.calibrate import slowest
     for kernels, speeds in ((128, [2.0, 1.0]), (200, [1.0, 0.7, 0.45]), (96, [1.0, 1.0, 3.0]), (130, [1.3, 1.0]),
                             (32, [1.0, 0.5]), (100, [1.0, 1.0])):
         units, rest = divmod(kernels, 16)
@@ -215,7 +213,6 @@ def test_block_split_makes_the_slowest_rank_fastest():
 
 
 def test_kernel_block():
-    from training.strategies.conv_mp.calibrate import kernel_block
     assert kernel_block("cuda") == 1                  # not assumed for a GPU
     expected = {"AVX512": 16, "AVX2": 8}.get(torch.backends.cpu.get_cpu_capability(), 1)
     assert kernel_block("cpu") == expected
@@ -252,7 +249,6 @@ def test_recalibration_converges_to_the_true_speed_ratio():
 
 
 def test_a_kernel_or_two_of_noise_does_not_reshard():
-    from training.strategies.conv_mp.calibrate import worth_resharding
     assert not worth_resharding([384, 384], [383, 385], [1.0, 0.995])     # 0.26% predicted gain
     assert worth_resharding([384, 384], [512, 256], [2.0, 1.0])            # 25%: move
     assert not worth_resharding([512, 256], [512, 256], [2.0, 1.0])
