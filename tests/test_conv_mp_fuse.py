@@ -99,25 +99,47 @@ def test_seed_cnn_moves_relu_and_pool_into_the_shards_and_computes_the_same():
     model = build_model("seed_cnn", (3, 16, 16), 10, {"conv1": 4, "conv2": 8})
     relu1, pool1 = model.relu1, model.pool1
     plan, same = fused_equals_model(model, ["conv1", "conv2"], (3, 16, 16))
-    assert plan.describe() == "conv1 + relu1 + pool1; conv2 + relu2 + pool2"
+    assert plan.describe() == "conv1 + relu1 + pool1; conv2 + relu2 + pool2; conv1 -> conv2"
+    assert plan.links == {"conv1": "conv2"}     # conv1's pooled map goes to conv2 alone
     assert plan.chains["conv1"] == ["relu1", "pool1"] and model.conv1.chain == [relu1, pool1]
     assert same
 
 
 def test_functional_and_method_followers_are_found_and_compute_the_same():
     plan, same = fused_equals_model(Functional(), ["conv1", "conv2"], (3, 8, 8))
-    assert plan.describe() == "conv1 + leaky_relu + max_pool2d; conv2 + relu + adaptive_avg_pool2d"
+    assert plan.describe() == ("conv1 + leaky_relu + max_pool2d; conv2 + relu + adaptive_avg_pool2d; "
+                               "conv1 -> conv2")
     assert same
     plan, _ = fused_equals_model(Functional(), ["conv2"], (3, 8, 8))      # only the distributed ones
-    assert list(plan.chains) == ["conv2"]
+    assert list(plan.chains) == ["conv2"] and plan.links == {}
 
 
 def test_shared_modules_and_reused_outputs_stay_on_the_master():
     # conv1's output feeds the residual too: nothing follows it into the shard; conv2's
     # ReLU does (its output, used twice, is what is gathered)
     plan, same = fused_equals_model(Branches(), ["conv1", "conv2"], (4, 8, 8))
-    assert plan.describe() == "conv2 + relu" and same
+    assert plan.describe() == "conv2 + relu" and same and plan.links == {}
     assert fuse.plan(Reused(), ["conv1", "conv2"]) is None     # one ReLU serves both convs
+
+
+class Direct(nn.Module):
+    """conv1 straight into conv2, then conv3 on conv2's output and on the input's again."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 5, 3, padding=1)
+        self.conv3 = nn.Conv2d(5, 5, 1)
+
+    def forward(self, x):
+        y = self.conv2(self.conv1(x))
+        return self.conv3(y) + y
+
+
+def test_a_conv_feeding_the_next_alone_is_linked_to_it_even_without_a_chain():
+    plan, same = fused_equals_model(Direct(), ["conv1", "conv2", "conv3"], (3, 6, 6))
+    # conv2's output also goes to the sum: not linked to conv3
+    assert plan.chains == {} and plan.links == {"conv1": "conv2"} and same
+    assert fuse.plan(Direct(), ["conv2", "conv3"]) is None   # conv1 is not distributed: no link to it
 
 
 def test_models_fx_cannot_trace_or_whose_training_forward_differs_are_not_fused(caplog):

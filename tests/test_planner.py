@@ -164,6 +164,17 @@ def test_conv_model_parallel_heterogeneous_split_and_communication_by_hand():
     assert q["step_s"] == pytest.approx(p["step_s"] + comm1 + comm2)
     # a layer with fewer kernels than ranks cannot be split
     assert predict("conv_model_parallel", [Device("a", prof)] * 9, Link(0.0, 1e9), conv_layers=["conv1"]) is None
+    # conv1 linked to conv2 (its output goes to conv2 alone): conv1's Y all-gathered and dY
+    # exchanged rank to rank (the fast rank receives the slow one's 3/8, the slow one the
+    # fast one's 5/8), and conv2's X is neither broadcast nor its dX reduced
+    linked = dataclasses.replace(prof, layers=[dataclasses.replace(layers[0], feeds="conv2"), layers[1]])
+    devs = [Device("fast", linked), Device("slow", linked, speed=0.5)]
+    r = predict("conv_model_parallel", devs, Link(0.0, 1e9), conv_layers=["conv1", "conv2"])
+    link1 = 100_000 / 1e9 + 2 * (5 / 8) * 1_000_000 / 1e9
+    assert r["comm_s"] == pytest.approx(link1 + 2 * (5 / 16) * 2_000_000 / 1e9)
+    # only where both convs are distributed, and only with fuse
+    assert predict("conv_model_parallel", devs, Link(0.0, 1e9), conv_layers=["conv1"])["comm_s"] == \
+        pytest.approx(comm1)
 
 
 # -- real measurements ---------------------------------------------------------------------
@@ -211,6 +222,19 @@ def test_measure_profile_of_a_real_model():
     assert prof.share_s("conv1", 4) == pytest.approx(prof.layer("conv1")[0].seconds / 2)   # not measured
     assert prof.share_s("conv2", 0) == 0.0
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())   # left untouched
+    # one ReLU serves both convs: nothing runs in the shards, and conv1 is not linked to conv2
+    assert (conv1.chain_out_bytes, conv1.feeds, conv2.feeds) == (0, "", "")
+
+
+def test_measured_profile_records_conv_mp_links():
+    """The seed network's conv1 (+ ReLU + pooling) feeds conv2 alone: a link the planner models."""
+    from training.models import build_model
+    model = build_model("seed_cnn", (3, 8, 8), 10, {"conv1": 4, "conv2": 8})
+    prof = planner.measure_profile(model, (3, 8, 8), 4, lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                   threads=1, min_time=0.0)
+    conv1, conv2 = prof.layer("conv1")[0], prof.layer("conv2")[0]
+    assert (conv1.feeds, conv2.feeds) == ("conv2", "")
+    assert conv1.chain_out_bytes == 4 * 4 * 4 * 4 * 4                     # pooled: 4 x 4 x 4 x 4 floats
 
 
 def test_measure_link_with_a_real_ping_pong():

@@ -160,6 +160,34 @@ for name, layer in (("conv1", c1), ("conv2", c2)):
         grads[name] = max(maxdiff(gw, r.weight.grad), maxdiff(gb, r.bias.grad))
 out["fused_conv_grads"] = grads
 
+# 1c. conv1 linked to conv2 (DistributedConv2d.link_to): conv1's pooled map all-gathered
+# on every rank, dX summed rank by rank, with no master in between; a rank owning none of
+# conv1's kernels, and rank 0 of 3 none of conv2's.
+ref = fresh()
+link_splits = {"conv1": {2: [8, 0], 3: [0, 5, 3]}[n], "conv2": splits["conv2"]}
+c1 = DistributedConv2d(ref.conv1, comm, link_splits["conv1"], followers=chain)
+c2 = DistributedConv2d(ref.conv2, comm, link_splits["conv2"], followers=chain)
+c1.link_to(c2)
+fc = copy.deepcopy(ref.fc)
+linked = ShardProtocol([c1, c2], comm)
+x, y = data(2)
+if rank == 0:
+    logits = fc(c2(c1(x)).flatten(1))
+    F.cross_entropy(logits, y).backward()
+    linked.finish()
+    ref_logits = ref(x)
+    F.cross_entropy(ref_logits, y).backward()
+    out["linked_forward"] = maxdiff(logits, ref_logits)
+else:
+    linked.serve()
+grads = {}
+for name, layer in (("conv1", c1), ("conv2", c2)):
+    gw, gb = layer.gather_full((layer.weight.grad, layer.bias.grad))
+    if rank == 0:
+        r = getattr(ref, name)
+        grads[name] = max(maxdiff(gw, r.weight.grad), maxdiff(gb, r.bias.grad))
+out["linked_conv_grads"] = grads
+
 # 2. The strategy: a few SGD steps (momentum, weight decay) equal the single-process run.
 def make(strategy_spec, seed=0, build=None):
     s = ConvModelParallelStrategy(make_ctx(), strategy_spec)

@@ -41,6 +41,7 @@ class Layer:
     distributable: bool           # a conv DistributedConv2d can split
     chain_s: float = 0.0          # convs: the channel-wise layers right after it (conv-MP runs them in the shards)
     chain_out_bytes: int = 0      # ... and their output's bytes (what is gathered then); 0 = no chain
+    feeds: str = ""               # convs: the conv its output (after the chain) goes to alone (a conv-MP link)
 
 
 @dataclasses.dataclass

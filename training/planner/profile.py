@@ -181,7 +181,7 @@ def measure_profile(model, sample_shape, batch, make_optimizer, threads=1, devic
 def _time_chains(model, layers, calls, min_time, min_reps, sync):
     """Layer.chain_s and chain_out_bytes of each distributable conv followed by channel-wise
     layers (training.strategies.conv_mp.fuse): forward + backward of the chain on the
-    conv's output, and the bytes of what it outputs."""
+    conv's output, and the bytes of what it outputs; Layer.feeds: the conv it is linked to."""
     names = list(dict.fromkeys(lay.name for lay in layers if lay.distributable))
     found = fuse.plan(model, names) if names else None
     if found is None:
@@ -189,6 +189,7 @@ def _time_chains(model, layers, calls, min_time, min_reps, sync):
     followers = found.followers(model)
     shapes = {name: out_shape for name, _, _, out_shape in calls}
     for lay in layers:
+        lay.feeds = found.links.get(lay.name, "")
         if lay.name not in followers:
             continue
         chain = nn.Sequential(*followers[lay.name])

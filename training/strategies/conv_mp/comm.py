@@ -3,6 +3,8 @@ each way, as fairscale/Megatron pair copy ↔ reduce and gather ↔ scatter):
 
     broadcast_from_master      forward Bcast      ↔ backward Reduce(SUM) to the master
     gather_channels_to_master  forward Gatherv    ↔ backward Scatterv of the channel slices
+    allgather_channels         forward Allgatherv ↔ backward each rank's channels of every
+                                                    rank's gradient (Alltoallw), summed
 
 and the plain collectives that move kernel rows (gather_rows_to_master,
 scatter_rows_from_master). Tensors go to and from MPI without copies: a CPU tensor is
@@ -248,6 +250,80 @@ def gather_channels_to_master(y, comm, counts, root=0, timings=None):
         raise ValueError(f"gather_channels_to_master: rank {comm.Get_rank()} has {y.shape[1]} "
                          f"channels but counts says {counts[comm.Get_rank()]}")
     return _GatherChannelsToMaster.apply(y, comm, list(counts), root, timings)
+
+
+class _AllgatherChannels(torch.autograd.Function):
+    """forward: Y = concat_r Y_r along dim 1 on every rank (MPI_Allgatherv, in place).
+    backward: every rank holds a gradient of the whole Y (its own conv's dX share);
+    rank r gets Σ_q dY^(q)[:, off_r:off_r + c_r]: each rank sends every other rank that
+    rank's channels (MPI_Alltoallw, the same strided plane types as Gatherv), and the
+    parts are summed in rank order, so the sum is the same on every run.
+    """
+
+    @staticmethod
+    def forward(ctx, y, comm, counts, timings):
+        ctx.comm, ctx.counts, ctx.timings, ctx.device = comm, counts, timings, y.device
+        n, c = y.shape[0], y.shape[1]
+        plane = int(np.prod(y.shape[2:], dtype=np.int64))
+        rank, total = comm.Get_rank(), sum(counts)
+        out = torch.empty((n, total, *y.shape[2:]), dtype=y.dtype)
+        off = offsets(counts)[rank]
+        out[:, off:off + c].copy_(y)
+        recv_t = _plane_type(mpi_datatype(y.dtype), n, plane, total)
+        try:
+            with _Clock(timings, "comm_s"):
+                wait(comm.Iallgatherv(_mpi().IN_PLACE, [_np(out), (list(counts), offsets(counts)), recv_t]))
+        finally:
+            recv_t.Free()
+        return out.to(y.device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with cputime.counting("protocol"):
+            return _AllgatherChannels._backward(ctx, grad)
+
+    @staticmethod
+    def _backward(ctx, grad):
+        comm, counts = ctx.comm, ctx.counts
+        rank, size = comm.Get_rank(), comm.Get_size()
+        g = _host(grad)
+        n, total, c = g.shape[0], g.shape[1], counts[rank]
+        plane = int(np.prod(g.shape[2:], dtype=np.int64))
+        mpi_type = mpi_datatype(g.dtype)
+        item = g.element_size()
+        offs = offsets(counts)
+        recv = torch.empty((size, n, c, *g.shape[2:]), dtype=g.dtype)
+        send_t = _plane_type(mpi_type, n, plane, total)
+        recv_t = _plane_type(mpi_type, n, plane, c)
+        others = [q != rank for q in range(size)]
+        try:
+            send = [_np(g), ([counts[q] * o for q, o in enumerate(others)], [off * plane * item for off in offs]),
+                    [send_t] * size]
+            into = [_np(recv), ([c * o for o in others], [q * n * c * plane * item for q in range(size)]),
+                    [recv_t] * size]
+            with _Clock(ctx.timings, "comm_s"):
+                wait(comm.Ialltoallw(send, into))
+        finally:
+            send_t.Free()
+            recv_t.Free()
+        mine = None
+        for q in range(size):       # in rank order
+            part = g[:, offs[rank]:offs[rank] + c] if q == rank else recv[q]
+            if mine is None:
+                mine = part.clone() if q == rank else part
+            else:
+                mine.add_(part)
+        return mine.to(ctx.device), None, None, None
+
+
+def allgather_channels(y, comm, counts, timings=None):
+    """Y = concat_r Y_r (dim 1) on every rank; backward: each rank's channels of the sum of
+    every rank's gradient. For two distributed convs in a row (a link): the second takes
+    the first's whole output on every rank, so nothing goes through the master."""
+    if y.shape[1] != counts[comm.Get_rank()]:
+        raise ValueError(f"allgather_channels: rank {comm.Get_rank()} has {y.shape[1]} "
+                         f"channels but counts says {counts[comm.Get_rank()]}")
+    return _AllgatherChannels.apply(y, comm, list(counts), timings)
 
 
 def gather_rows_to_master(t, comm, counts, root=0):

@@ -12,6 +12,9 @@ time of m bytes:
         + o_0 (1 − Σ_l (|W_l|/|W|)(1 − c_0,l/C_l)) + (2L + 2)⌈log2 n⌉α
     comm_l = bcast(|X_l|) + 2(1 − c_0,l/C_l)|Y_l|/β + 5⌈log2 n⌉α
              [+ reduce(|X_l|) where an earlier layer needs dX]
+    a link l → l+1 (l's output goes to l+1 alone, fuse's `links`): l's Y all-gathered and
+    dY exchanged rank to rank, 2 max_r(1 − c_r,l/C_l)|Y_l|/β + 4⌈log2 n⌉α, and no
+    bcast(|X_l+1|) or reduce(|X_l+1|)
     bcast(v) = reduce(v) = min(⌈log2 n⌉(α + v/β), 2(n−1)/n·v/β + (⌈log2 n⌉ + n − 1)α)
              (binomial tree, or scatter + all-gather, whichever MPI would pick)
 
@@ -84,6 +87,20 @@ def _out_bytes(call, fuse):
     return call.chain_out_bytes if fuse and call.chain_out_bytes else call.out_bytes
 
 
+def links_of(profile, names, fuse=True):
+    """{a: b}: distributed convs whose output goes to the next distributed conv alone
+    (Layer.feeds, found by training.strategies.conv_mp.fuse); none without `fuse`."""
+    if not fuse:
+        return {}
+    return {lay.name: lay.feeds for lay in profile.layers
+            if lay.name in names and lay.feeds and lay.feeds in names}
+
+
+def _received(counts):
+    """Each rank's share of a layer's output it does not compute itself, the largest."""
+    return max(1.0 - c / sum(counts) for c in counts)
+
+
 def _conv_times(devices, link, names, layer_split, fuse):
     """(rest on the master, [(each rank's full-speed share, comm) per layer], the
     communication in all, the fraction of the master's optimizer step it still runs)."""
@@ -91,6 +108,8 @@ def _conv_times(devices, link, names, layer_split, fuse):
     prof = master.profile
     lg, a, b = log2(n), link.latency_s, link.bandwidth_Bps
     rest = max(0.0, master.fwd_bwd_s(prof.batch) - sum(distributed_s(master, x, fuse) for x in names))
+    links = links_of(prof, names, fuse)
+    fed = set(links.values())
     layers, comm, moved = [], 0.0, 0.0
     for name in names:
         calls, counts = prof.layer(name), layer_split[name]
@@ -101,9 +120,12 @@ def _conv_times(devices, link, names, layer_split, fuse):
         layer_comm = 0.0
         if n > 1:
             for call in calls:
-                layer_comm += _bcast_s(call.in_bytes, n, link) + 2 * away * _out_bytes(call, fuse) / b + 5 * lg * a
-                if call.needs_input_grad:
-                    layer_comm += _bcast_s(call.in_bytes, n, link)
+                if name not in fed:     # X broadcast from the master, dX reduced there
+                    layer_comm += _bcast_s(call.in_bytes, n, link) * (1 + call.needs_input_grad)
+                if name in links:       # Y all-gathered, dY exchanged rank to rank
+                    layer_comm += 2 * _received(counts) * _out_bytes(call, fuse) / b + 4 * lg * a
+                else:                   # Y gathered at the master, dY scattered from it
+                    layer_comm += 2 * away * _out_bytes(call, fuse) / b + 5 * lg * a
         layers.append((shares, layer_comm))
         comm += layer_comm
     if n > 1:
@@ -137,9 +159,16 @@ def predict(case, config):
     calls = [len(master.profile.layer(x)) for x in names]
     mine = per_rank(own, n)
     # a worker copies what it receives and sends inside its waits: X, its share
-    # of Y and of dY, and dX where it is needed
-    copied = [[sum(call.in_bytes * (1 + call.needs_input_grad) + 2 * c / sum(layer_split[x]) * _out_bytes(call, fuse)
-                   for call in master.profile.layer(x)) * sched.byte_s if r else 0.0
+    # of Y and of dY, and dX where it is needed; over a link, the others' share of Y
+    # and of dY instead of X and dX
+    links = links_of(master.profile, names, fuse)
+    fed = set(links.values())
+
+    def worker_bytes(x, call, c):
+        own = c / sum(layer_split[x])
+        moved = 0.0 if x in fed else call.in_bytes * (1 + call.needs_input_grad)
+        return moved + 2 * (1 - own if x in links else own) * _out_bytes(call, fuse)
+    copied = [[sum(worker_bytes(x, call, c) for call in master.profile.layer(x)) * sched.byte_s if r else 0.0
                for r, c in enumerate(layer_split[x])] for x in names]
     layers = [([t + o * c / sum(calls) + b for t, o, b in zip(shares, mine, copy_l)], comm_l)
               for (shares, comm_l), c, copy_l in zip(layers, calls, copied)]
@@ -151,7 +180,8 @@ def predict(case, config):
     # a worker's waits: per call of a layer, the command, X's broadcast and the gather in
     # forward, the command and the scatter in backward (and dX's reduce where needed);
     # the step's end and the gather of conv times
-    waits = [sum(5 + call.needs_input_grad for call in master.profile.layer(x)) for x in names] + [0, 2]
+    waits = [sum(5 + call.needs_input_grad - (x in fed) * (1 + call.needs_input_grad) - (x in links)
+                 for call in master.profile.layer(x)) for x in names] + [0, 2]
     step = sched.step_s(devices, phases, [c for _, c in layers] + [0.0, protocol], waits)
     conv_s = sum(max(d.share_s(x, c, chain=fuse) for c, d in zip(layer_split[x], devices))
                  for x in names)

@@ -16,6 +16,10 @@ module called in more than one place (one ReLU reused after several layers) join
 chain: the master still needs it elsewhere. Dropout is not channel-wise in this sense
 (each rank would draw other random numbers), nor is BatchNorm in training (its
 statistics are per channel, but it holds parameters and buffers the master owns).
+A distributed conv whose output (after its chain) goes to the next distributed conv
+alone is linked to it (`links`): its output is all-gathered on every rank, not
+gathered at the master and broadcast again.
+
 The master then runs the trace, so nothing is fused where the trace would not do what
 the forward does: a model fx cannot trace, a forward that differs between train and
 eval, changes the grad mode, assigns to the module, takes a second required argument
@@ -94,10 +98,12 @@ def _follower(node, modules, calls):
 
 class Fusion:
     """The chains found in one model: `chains` {conv: [follower module name or Call]}
-    (in model order) and the traced graph with those chains removed."""
+    (in model order), the traced graph with those chains removed, and `links` {conv: next
+    conv}: a distributed conv whose output (after its chain) goes to the next distributed
+    conv alone (DistributedConv2d.link_to)."""
 
-    def __init__(self, chains, graph):
-        self.chains, self.graph = chains, graph
+    def __init__(self, chains, graph, links=None):
+        self.chains, self.graph, self.links = chains, graph, dict(links or {})
 
     def followers(self, model):
         """{conv: [nn.Module, ...]}: each chain's followers, resolved in `model`; an
@@ -114,9 +120,10 @@ class Fusion:
         return torch.fx.GraphModule(model, self.graph)
 
     def describe(self):
-        """'conv1 + ReLU + MaxPool2d; conv2 + relu' for a log line."""
-        return "; ".join(f"{conv} + " + " + ".join(f if isinstance(f, str) else f.extra_repr() for f in chain)
-                         for conv, chain in self.chains.items())
+        """'conv1 + ReLU + MaxPool2d; conv2 + relu; conv1 -> conv2' for a log line."""
+        return "; ".join([f"{conv} + " + " + ".join(f if isinstance(f, str) else f.extra_repr() for f in chain)
+                          for conv, chain in self.chains.items()] +
+                         [f"{a} -> {b}" for a, b in self.links.items()])
 
 
 def _out_of_place(module):
@@ -238,7 +245,24 @@ def plan(model, names):
                 graph.erase_node(cur)
                 cur = prev
             found[node.target] = chain
-    if not found:
+    links = _links(graph, names, calls)
+    if not found and not links:
         return None
     graph.lint()
-    return Fusion({n: found[n] for n in names if n in found}, graph)
+    return Fusion({n: found[n] for n in names if n in found}, graph, links)
+
+
+def _links(graph, names, calls):
+    """{a: b} for distributed convs a, b each called once, where b's only argument is a's
+    output (after a's chain) and nothing else uses it."""
+    links = {}
+    for node in graph.nodes:
+        if node.op != "call_module" or node.target not in names or calls[node.target] != 1:
+            continue
+        if len(node.users) != 1:
+            continue
+        user = next(iter(node.users))
+        if (user.op == "call_module" and user.target in names and user.target != node.target
+                and calls[user.target] == 1 and user.args == (node,) and not user.kwargs):
+            links[node.target] = user.target
+    return links

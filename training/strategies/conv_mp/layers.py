@@ -15,7 +15,9 @@ Because the kernels of a convolution are independent, Y and dW equal the single-
 layer's exactly up to float rounding, and dX differs only by the order of one sum.
 
 The communication comes in autograd pairs (training.strategies.conv_mp.comm):
-Bcast X ↔ Reduce dX, Gatherv Y ↔ Scatterv dY. Between distributed convs only the
+Bcast X ↔ Reduce dX, Gatherv Y ↔ Scatterv dY; where one distributed conv feeds the
+next alone (link_to), Allgatherv Y ↔ each rank's channels of Σ_i dX_i (Alltoallw and a
+sum in rank order), and the next conv's input is already on every rank. Between distributed convs only the
 master runs the network (training.strategies.conv_mp.protocol.ShardProtocol): the other
 ranks hold nothing but their kernel shards and are told by the master, layer by layer,
 when to run their share.
@@ -26,8 +28,8 @@ import torch.nn.functional as F
 
 from training import cputime
 
-from .comm import (Timings, _Clock, broadcast_from_master, gather_channels_to_master, gather_rows_to_master,
-                   offsets, scatter_rows_from_master)
+from .comm import (Timings, _Clock, allgather_channels, broadcast_from_master, gather_channels_to_master,
+                   gather_rows_to_master, offsets, scatter_rows_from_master)
 
 
 class _ShardConv2d(torch.autograd.Function):
@@ -168,6 +170,9 @@ class DistributedConv2d(nn.Module):
         self.padding = conv_padding(conv)
         self.timings = Timings()
         self.followers = tuple(followers)   # not submodules: the model owns them (state_dict unchanged)
+        self.feeds = None       # the distributed conv that takes this one's whole output (link_to)
+        self.fed = False        # takes its input from the one before it on every rank
+        self._linked_input = None
         self._set_split(split)
         lo, hi = self.offset, self.offset + self.count
         self.weight = nn.Parameter(conv.weight.detach()[lo:hi].clone())
@@ -193,11 +198,31 @@ class DistributedConv2d(nn.Module):
         with cputime.counting("protocol"):
             return self._forward(x)
 
+    def link_to(self, nxt):
+        """Feed `nxt`, the next distributed conv, directly: this layer's output (after its
+        chain) is all-gathered on every rank and is `nxt`'s input there, instead of going
+        to the master in a Gatherv and back in a Bcast (backward: each rank's channels of
+        the summed dX, instead of a Reduce at the master and a Scatterv). Only where the
+        model feeds this layer's output to `nxt` alone, and nothing else in between."""
+        object.__setattr__(self, "feeds", nxt)     # not a submodule: its parameters are its own
+        nxt.fed = True
+
     def _forward(self, x):
-        x = broadcast_from_master(x, self.comm, self.root, device=self.weight.device,
-                                  timings=self.timings)
+        if self.fed:            # the whole input is on every rank already (link_to)
+            if not self.is_master:
+                x, self._linked_input = self._linked_input, None
+                if x is None:
+                    raise RuntimeError("conv_model_parallel: a linked layer ran before the layer that feeds it")
+        else:
+            x = broadcast_from_master(x, self.comm, self.root, device=self.weight.device,
+                                      timings=self.timings)
         y = _ShardConv2d.apply(x, self.weight, self.bias, (self.stride, self.padding, self.dilation),
                                self.timings, self.followers, torch.is_grad_enabled())
+        if self.feeds is not None:
+            y = allgather_channels(y, self.comm, self.split, self.timings)
+            if not self.is_master:
+                self.feeds._linked_input = y
+            return y
         return gather_channels_to_master(y, self.comm, self.split, self.root, self.timings)
 
     def load_from_master(self, conv=None):

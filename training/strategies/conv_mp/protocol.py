@@ -29,7 +29,9 @@ class ShardProtocol:
     needs a gradient, the same Reduce. The master ends a step with [END, payload] (e.g.
     loss and correct count), which returns from `serve()` on every server. Commands
     carry the call index, so any order of layer calls (reuse, branches, eval without
-    backward) stays matched.
+    backward) stays matched. A layer linked to the next (DistributedConv2d.link_to) hands
+    its output to that layer on every rank: its backward runs inside the next layer's,
+    so the master announces none for it.
     """
     FORWARD, BACKWARD, END = 1.0, 2.0, 3.0
     _HEADER = 8
@@ -69,7 +71,7 @@ class ShardProtocol:
 
     def _after(self, index):
         def hook(module, args, output):
-            if output.requires_grad:
+            if output.requires_grad and module.feeds is None:   # a link's backward comes with the next layer's
                 return _AnnounceBackward.apply(output, self, index, self._current[index])
             return output
         return hook
@@ -101,7 +103,7 @@ class ShardProtocol:
             if op == self.FORWARD:
                 with torch.set_grad_enabled(bool(header[3])):
                     out = self.layers[index](None)
-                if out.requires_grad:
+                if out.requires_grad and self.layers[index].feeds is None:
                     calls[call] = out
             elif op == self.BACKWARD:
                 out = calls.pop(call)

@@ -25,8 +25,15 @@ the shards, each rank on its own channels (training.strategies.conv_mp.fuse; `fu
 the master then runs a traced copy of the model's forward without them, which shares
 the model's modules.
 
+A distributed conv whose output (after its chain) goes to the next distributed conv
+alone is linked to it (fuse's `links`, DistributedConv2d.link_to): its output is
+all-gathered on every rank and is the next conv's input there, so neither the Gatherv
+to the master nor the next Bcast is needed (in backward, each rank's channels of the
+summed dX instead of a Reduce and a Scatterv).
+
 Per step (see training.strategies.conv_mp.protocol.ShardProtocol for the commands):
-    master:  forward (each distributed conv: Bcast X, own share and its chain, Gatherv Y), loss,
+    master:  forward (each distributed conv: Bcast X, own share and its chain, Gatherv Y;
+             Allgatherv Y over a link), loss,
              backward (each: Scatterv dY, own share, Reduce dX), END(loss, correct, n)
     others:  serve() — run the commanded shares until END
     all:     optimizer.step() on own parameters; gather per-layer conv seconds at the master
@@ -158,6 +165,9 @@ class ConvModelParallelStrategy(Strategy):
             layer.load_from_master(conv)
             _set_module(self.model, name, layer)
             self.layers[name] = layer
+        links = self.comm.bcast(self.fusion.links if self.fusion else {}, root=self.ROOT)
+        for a, b in links.items():
+            self.layers[a].link_to(self.layers[b])
         self._net = self.fusion.graph_module(self.model) if self.fusion else self.model
         if self.fusion and self.is_master:
             log.info("conv_model_parallel: in the shards: %s", self.fusion.describe())
