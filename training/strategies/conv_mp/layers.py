@@ -16,11 +16,11 @@ layer's exactly up to float rounding, and dX differs only by the order of one su
 
 The communication comes in autograd pairs (training.strategies.conv_mp.comm):
 Bcast X ↔ Reduce dX, Gatherv Y ↔ Scatterv dY; where one distributed conv feeds the
-next alone (link_to), Allgatherv Y ↔ each rank's channels of Σ_i dX_i (Alltoallw and a
-sum in rank order), and the next conv's input is already on every rank. Between distributed convs only the
-master runs the network (training.strategies.conv_mp.protocol.ShardProtocol): the other
-ranks hold nothing but their kernel shards and are told by the master, layer by layer,
-when to run their share.
+next alone (link_to), Y all-gathered ↔ each rank's channels of Σ_i dX_i (both by
+Alltoallw, the sum in rank order), and the next conv's input is already on every rank.
+Between distributed convs only the master runs the network
+(training.strategies.conv_mp.protocol.ShardProtocol): the other ranks hold nothing but
+their kernel shards and are told by the master, layer by layer, when to run their share.
 """
 import torch
 import torch.nn as nn

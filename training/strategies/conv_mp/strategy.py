@@ -33,7 +33,7 @@ summed dX instead of a Reduce and a Scatterv).
 
 Per step (see training.strategies.conv_mp.protocol.ShardProtocol for the commands):
     master:  forward (each distributed conv: Bcast X, own share and its chain, Gatherv Y;
-             Allgatherv Y over a link), loss,
+             Y all-gathered over a link), loss,
              backward (each: Scatterv dY, own share, Reduce dX), END(loss, correct, n)
     others:  serve() — run the commanded shares until END
     all:     optimizer.step() on own parameters; gather per-layer conv seconds at the master
