@@ -133,32 +133,42 @@ for name, layer in (("conv1", model.conv1), ("conv2", model.conv2)):
 out["layers_conv_grads"] = grads
 out["rank_shards"] = comm.gather([model.conv1.count, model.conv2.count], root=0)
 
+
+def against_one_process(ref, c1, c2, step):
+    """fc(c2(c1(x))) with distributed c1, c2 against `ref` on step's batch: forward and fc
+    gradient differences (at the master), and each conv's largest gradient difference."""
+    fc = copy.deepcopy(ref.fc)
+    protocol = ShardProtocol([c1, c2], comm)
+    x, y = data(step)
+    diffs = {}
+    if rank == 0:
+        logits = fc(c2(c1(x)).flatten(1))
+        F.cross_entropy(logits, y).backward()
+        protocol.finish()
+        ref_logits = ref(x)
+        F.cross_entropy(ref_logits, y).backward()
+        diffs["forward"] = maxdiff(logits, ref_logits)
+        diffs["fc_grad"] = maxdiff(fc.weight.grad, ref.fc.weight.grad)
+    else:
+        protocol.serve()
+    grads = {}
+    for name, layer in (("conv1", c1), ("conv2", c2)):
+        gw, gb = layer.gather_full((layer.weight.grad, layer.bias.grad))
+        if rank == 0:
+            r = getattr(ref, name)
+            grads[name] = max(maxdiff(gw, r.weight.grad), maxdiff(gb, r.bias.grad))
+    return diffs, grads
+
+
 # 1b. The same with ReLU and pooling inside the shards (each rank on its own channels,
 # training.strategies.conv_mp.fuse), rank 0 of 3 again owning no kernel of conv2.
 ref = fresh()
 chain = [nn.ReLU(), Call(F.max_pool2d, (2,))]
 c1 = DistributedConv2d(ref.conv1, comm, splits["conv1"], followers=chain)
 c2 = DistributedConv2d(ref.conv2, comm, splits["conv2"], followers=chain)
-fc = copy.deepcopy(ref.fc)
-fused = ShardProtocol([c1, c2], comm)
-x, y = data(1)
+diffs, out["fused_conv_grads"] = against_one_process(ref, c1, c2, step=1)
 if rank == 0:
-    logits = fc(c2(c1(x)).flatten(1))
-    F.cross_entropy(logits, y).backward()
-    fused.finish()
-    ref_logits = ref(x)
-    F.cross_entropy(ref_logits, y).backward()
-    out["fused_forward"] = maxdiff(logits, ref_logits)
-    out["fused_fc_grad"] = maxdiff(fc.weight.grad, ref.fc.weight.grad)
-else:
-    fused.serve()
-grads = {}
-for name, layer in (("conv1", c1), ("conv2", c2)):
-    gw, gb = layer.gather_full((layer.weight.grad, layer.bias.grad))
-    if rank == 0:
-        r = getattr(ref, name)
-        grads[name] = max(maxdiff(gw, r.weight.grad), maxdiff(gb, r.bias.grad))
-out["fused_conv_grads"] = grads
+    out["fused_forward"], out["fused_fc_grad"] = diffs["forward"], diffs["fc_grad"]
 
 # 1c. conv1 linked to conv2 (DistributedConv2d.link_to): conv1's pooled map all-gathered
 # on every rank, dX summed rank by rank, with no master in between; a rank owning none of
@@ -168,25 +178,10 @@ link_splits = {"conv1": {2: [8, 0], 3: [0, 5, 3]}[n], "conv2": splits["conv2"]}
 c1 = DistributedConv2d(ref.conv1, comm, link_splits["conv1"], followers=chain)
 c2 = DistributedConv2d(ref.conv2, comm, link_splits["conv2"], followers=chain)
 c1.link_to(c2)
-fc = copy.deepcopy(ref.fc)
-linked = ShardProtocol([c1, c2], comm)
-x, y = data(2)
+diffs, out["linked_conv_grads"] = against_one_process(ref, c1, c2, step=2)
 if rank == 0:
-    logits = fc(c2(c1(x)).flatten(1))
-    F.cross_entropy(logits, y).backward()
-    linked.finish()
-    ref_logits = ref(x)
-    F.cross_entropy(ref_logits, y).backward()
-    out["linked_forward"] = maxdiff(logits, ref_logits)
-else:
-    linked.serve()
-grads = {}
-for name, layer in (("conv1", c1), ("conv2", c2)):
-    gw, gb = layer.gather_full((layer.weight.grad, layer.bias.grad))
-    if rank == 0:
-        r = getattr(ref, name)
-        grads[name] = max(maxdiff(gw, r.weight.grad), maxdiff(gb, r.bias.grad))
-out["linked_conv_grads"] = grads
+    out["linked_forward"] = diffs["forward"]
+
 
 # 2. The strategy: a few SGD steps (momentum, weight decay) equal the single-process run.
 def make(strategy_spec, seed=0, build=None):
