@@ -218,6 +218,8 @@ def main(argv=None):
     if a.worker:
         worker(json.loads(a.worker))
         return 0
+    from training.probes import stop_cleanly_on_sigterm
+    stop_cleanly_on_sigterm()       # a kill or `timeout` still removes the cgroups and ranks
     size = dict(conv1=128, conv2=384, batch=16, steps=10, warmup=1) if a.quick else \
         dict(conv1=256, conv2=768, batch=16, steps=6, warmup=2)
     for k in size:

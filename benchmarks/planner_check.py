@@ -324,6 +324,8 @@ def main(argv=None):
     if a.worker:
         worker(json.loads(a.worker))
         return 0
+    from training.probes import stop_cleanly_on_sigterm
+    stop_cleanly_on_sigterm()       # a kill or `timeout` still removes the cgroups and ranks
     seconds = a.seconds or (1.5 if a.quick else 4.0)
     warmup = a.warmup if a.warmup is not None else 2
     names = [s for s in a.strategies.split(",") if s]

@@ -4,13 +4,16 @@ import dataclasses
 import json
 import math
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 from torch import nn
 
 import conf
-from training import planner
+from training import planner, probes
 from training.planner import Case, Device, Layer, Link, Profile
 
 pytestmark = pytest.mark.multiprocess
@@ -371,3 +374,44 @@ def test_the_table_says_when_the_jobs_own_strategy_is_within_the_planners_error(
     assert "within" not in far[0]
     assert "within" not in line("digits-example")[0]           # 6.3% apart: past the tie
     assert line("one-rank-mlp") == []                          # the job's own is the recommendation
+
+
+CO_RUNNING_PLANNER = """
+import sys, time
+import conf
+from training.planner import co_runners
+job = conf.offline_job([1.0, 1.0], model="digits_cnn", batch_size=8)
+with co_runners(job, (1, 8, 8), 10) as procs:
+    print(" ".join(str(p.pid) for p in procs), flush=True)
+    time.sleep(600)
+"""
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"     # a zombie has stopped
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="co-runners run only where there is a second core")
+def test_co_runners_stop_when_the_planner_is_killed():
+    """The planner's co-runners (the other ranks' work while it measures) run in sessions of
+    their own and loop until stopped: killed with SIGKILL, the planner cannot stop them, so
+    each stops itself once its parent is gone."""
+    planner_proc = subprocess.Popen([sys.executable, "-c", CO_RUNNING_PLANNER], stdout=subprocess.PIPE, text=True,
+                                    env=probes.environment())
+    try:
+        pids = [int(p) for p in planner_proc.stdout.readline().split()]
+        assert pids and all(_alive(p) for p in pids)
+    finally:
+        planner_proc.kill()
+        planner_proc.wait()
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in pids if _alive(p)]
+    for p in left:          # a failing run leaves nothing behind either
+        os.kill(p, 9)
+    assert not left, f"co-runners {left} still run after the planner was killed"

@@ -46,3 +46,38 @@ def test_a_foreign_joiner_is_refused_and_the_job_succeeds(mode, why, yarnapp_hom
         foreign.kill()
         foreign.communicate()
     assert_nothing_left(run.app_id)
+
+
+WORLD_STARTER = """
+import sys
+from launcher.world import run_local
+from training.probes import stop_cleanly_on_sigterm
+stop_cleanly_on_sigterm()
+print("started", flush=True)
+run_local([sys.executable, "-c", "import os, sys, time; open(os.path.join(sys.argv[1], str(os.getpid())), 'w').close(); "
+           "time.sleep(600)", sys.argv[1]], 2, timeout=600)
+"""
+
+
+def test_a_script_killed_with_sigterm_stops_the_world_it_started(tmp_path):
+    """Benchmarks start worlds with launcher.world.run_local; `kill` or `timeout` (SIGTERM)
+    stops them through training.probes.stop_cleanly_on_sigterm as Ctrl-C does, so run_local
+    kills the ranks instead of leaving them to sleep."""
+    import time
+    script = subprocess.Popen([sys.executable, "-c", WORLD_STARTER, str(tmp_path)], stdout=subprocess.PIPE,
+                              text=True)
+    assert script.stdout.readline().strip() == "started"
+    deadline = time.monotonic() + 60
+    while len(os.listdir(tmp_path)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids = [int(p) for p in os.listdir(tmp_path)]
+    assert len(pids) == 2
+    script.terminate()
+    assert script.wait(timeout=30) != 0
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [p for p in pids if os.path.exists(f"/proc/{p}")]
+    for p in left:
+        os.kill(p, 9)
+    assert not left, f"ranks {left} still run after their starter was stopped"

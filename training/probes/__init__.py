@@ -28,6 +28,18 @@ class ProbeError(RuntimeError):
     """A probe that failed or did not finish; str() ends with the last line it wrote."""
 
 
+def stop_cleanly_on_sigterm():
+    """`kill` (SIGTERM) or `timeout` stops this process as Ctrl-C does: by an exception, so
+    its `finally` blocks run (worlds of run_local killed, cgroups removed), where the
+    default action would end it at once and leave them behind. For scripts that start
+    worlds (benchmarks); call it in the main process only."""
+    import signal
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt(f"stopped by signal {signum}")
+    signal.signal(signal.SIGTERM, stop)
+
+
 def arguments():
     """In a probe: the JSON it was given (argv[1]), or {}."""
     return json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
