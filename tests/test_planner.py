@@ -286,6 +286,44 @@ def test_measure_strategy_cpu_runs_every_strategy_on_two_ranks():
 
 # -- yarnapp plan ----------------------------------------------------------------------------
 
+def _probe_processes():
+    import psutil
+    out = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        if proc.info["status"] != psutil.STATUS_ZOMBIE and \
+                any("training.probes" in part for part in proc.info["cmdline"] or ()):
+            out.append(proc)
+    return out
+
+
+def test_cli_plan_stopped_by_kill_leaves_nothing_behind(yarnapp_home):
+    """`kill` (SIGTERM) in the middle of `yarnapp plan`'s measurements stops it as Ctrl-C
+    does: one line, status 130, and none of its probes, co-runners or busy processes left
+    (they run in sessions of their own, so nothing else would stop them)."""
+    assert not _probe_processes(), "probe processes of an earlier test still run"
+    plan = subprocess.Popen([sys.executable, "-m", "yarnapp.cli", "plan", "conf/examples/digits.yaml"],
+                            cwd=probes.ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _probe_processes() and plan.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert plan.poll() is None, "the plan ended before any probe started"
+        plan.terminate()
+        out, err = plan.communicate(timeout=60)
+    finally:
+        if plan.poll() is None:
+            plan.kill()
+    assert plan.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
+    deadline = time.monotonic() + 10
+    while _probe_processes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = _probe_processes()
+    for proc in left:
+        proc.kill()
+    assert not left, [p.info["cmdline"] for p in left]
+
+
 def test_cli_plan_prints_a_table_and_writes_png_and_json(cli, tmp_path):
     png, js = tmp_path / "plan.png", tmp_path / "plan.json"
     proc = cli("plan", "conf/examples/digits.yaml", "--bandwidth", "1gbit,10gbit", "--quick",
@@ -376,6 +414,16 @@ def test_the_table_says_when_the_jobs_own_strategy_is_within_the_planners_error(
     assert line("one-rank-mlp") == []                          # the job's own is the recommendation
 
 
+HOGGING_PLANNER = """
+import os, subprocess, sys, time
+from training import probes
+hog = subprocess.Popen([sys.executable, "-m", "training.probes.hog", "0.5", str(os.getpid())],
+                       env=probes.environment(), start_new_session=True)    # as training.planner.link does
+print(hog.pid, flush=True)
+time.sleep(600)
+"""
+
+
 CO_RUNNING_PLANNER = """
 import sys, time
 import conf
@@ -395,12 +443,16 @@ def _alive(pid):
         return False
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="co-runners run only where there is a second core")
-def test_co_runners_stop_when_the_planner_is_killed():
-    """The planner's co-runners (the other ranks' work while it measures) run in sessions of
-    their own and loop until stopped: killed with SIGKILL, the planner cannot stop them, so
-    each stops itself once its parent is gone."""
-    planner_proc = subprocess.Popen([sys.executable, "-c", CO_RUNNING_PLANNER], stdout=subprocess.PIPE, text=True,
+@pytest.mark.parametrize("planner_script", [
+    pytest.param(CO_RUNNING_PLANNER, id="co-runners", marks=pytest.mark.skipif(
+        (os.cpu_count() or 1) < 2, reason="co-runners run only where there is a second core")),
+    pytest.param(HOGGING_PLANNER, id="busy-process")])
+def test_planner_processes_stop_when_the_planner_is_killed(planner_script):
+    """The planner's co-runners (the other ranks' work while it measures) and busy processes
+    (ranks beyond the cores, while it measures the link) run in sessions of their own and
+    loop until stopped: killed with SIGKILL, the planner cannot stop them, so each stops
+    itself once its parent is gone."""
+    planner_proc = subprocess.Popen([sys.executable, "-c", planner_script], stdout=subprocess.PIPE, text=True,
                                     env=probes.environment())
     try:
         pids = [int(p) for p in planner_proc.stdout.readline().split()]
@@ -414,4 +466,4 @@ def test_co_runners_stop_when_the_planner_is_killed():
     left = [p for p in pids if _alive(p)]
     for p in left:          # a failing run leaves nothing behind either
         os.kill(p, 9)
-    assert not left, f"co-runners {left} still run after the planner was killed"
+    assert not left, f"processes {left} still run after the planner was killed"

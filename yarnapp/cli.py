@@ -129,13 +129,19 @@ def cmd_list(args):
     return 0
 
 
-def cmd_tensorboard(args):
+def _interrupt_on_sigterm():
+    """`kill` (SIGTERM) stops this command as cleanly as Ctrl-C: as a KeyboardInterrupt, so
+    its `finally` blocks stop what it started (the default action would end it at once)."""
     import signal
-    from . import tensorboard
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, interrupt)       # `kill` stops it as cleanly as Ctrl-C
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def cmd_tensorboard(args):
+    from . import tensorboard
+    _interrupt_on_sigterm()
     tb = tensorboard.for_app(args.app, port=args.port)
     try:
         _p(tb.url)
@@ -191,6 +197,7 @@ def cmd_plan(args):
     """Predicted step time and speedup of every strategy for a job (training.planner)."""
     spec = api.load(args.job)
     from training import planner   # imports torch: only for this command
+    _interrupt_on_sigterm()        # its probes, co-runners and busy processes are stopped
     # PlanError, ModelError, DataError are YarnappErrors: main() prints them as one line.
     opts = planner.parse_options(measure=args.measure, bandwidth=args.bandwidth, latency=args.latency,
                                  machines=args.machines, gpu_speed=args.gpu_speed, quick=args.quick,
@@ -342,6 +349,9 @@ def main(argv=None):
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.fn(args) or 0
+    except KeyboardInterrupt:       # Ctrl-C (or `kill`, where the command turns it into one)
+        print("interrupted", file=sys.stderr, flush=True)
+        return 130
     except YarnappError as e:
         print(f"Error: {e}", file=sys.stderr, flush=True)
         return 1

@@ -155,7 +155,8 @@ def co_runners(job, shape, classes, timeout=60):
         yield []
         return
     args = json.dumps({"model": spec.model, "shape": list(shape), "classes": classes,
-                       "options": dict(spec.model_options), "rows": max(1, spec.batch_size // n)})
+                       "options": dict(spec.model_options), "rows": max(1, spec.batch_size // n),
+                       "parent": os.getpid()})
     procs = [subprocess.Popen([sys.executable, "-m", "training.probes.co_runner", args], env=probes.environment(),
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                               start_new_session=True)        # each a session, as a rank's container is

@@ -23,7 +23,7 @@ def _pingpong(sizes, trials, timeout, busy=0, polite=False, duty=1.0, shm=None):
     `busy` processes each busy `duty` of the time (training.probes.hog)."""
     args = {"sizes": [list(s) for s in sizes], "trials": int(trials), "polite": bool(polite),
             "loaded": busy > 0, "work": 1e-3 if busy else 0.0, "shm": shm}
-    hogs = [subprocess.Popen([sys.executable, "-m", "training.probes.hog", repr(float(duty))],
+    hogs = [subprocess.Popen([sys.executable, "-m", "training.probes.hog", repr(float(duty)), str(os.getpid())],
                              env=probes.environment(), start_new_session=True)     # as a rank's container is
             for _ in range(busy)]
     try:
