@@ -1,5 +1,6 @@
 """Bad job.yaml files: one clear line naming the file and field, non-zero exit, nothing started."""
 import os
+import shutil
 
 import pytest
 import yaml
@@ -87,6 +88,12 @@ CASES = [
      "training.data.shuffle_window", "cannot parse"),
     ("data-factory", dict(_with("run.function", "training.runner:main"),
                           training={"data": {"dataset": "nocolon"}}), "training.data.dataset", "module:function"),
+    ("data-missing", dict(_with("run.function", "training.runner:main"),
+                          training={"data": {"train": "/nonexistent-yarnapp-data/train"}}),
+     "training.data.train", "no dataset at /nonexistent-yarnapp-data/train"),
+    ("data-bad-scheme", dict(_with("run.function", "training.runner:main"),
+                             training={"data": {"train": "nosuch://host/train"}}), "training.data.train",
+     "cannot open nosuch://host/train"),
     ("not-a-mapping", "- just\n- a list\n", "", "mapping"),
     ("yaml-syntax", "name: t\ngroups: [\n", ":", "not valid YAML"),
     ("gpus-unavailable", _with("groups.0.gpus", 64), "groups[0].gpus", "this machine has"),
@@ -108,6 +115,27 @@ def test_bad_job_is_one_clear_line_and_starts_nothing(case, job, field, words, t
     assert "Traceback" not in proc.stderr
     assert proc.stdout == ""
     assert apps(yarnapp_home) == [], "an application was created for a bad job"
+
+
+def test_a_corrupt_or_wrong_dataset_is_refused_before_anything_starts(tmp_path, cli, yarnapp_home, digits):
+    """The client reads every file's footer before starting containers: a file that is not
+    Parquet, or a dataset without the job's image column, is one line naming the field and
+    the file, and no application."""
+    bad = tmp_path / "bad"
+    shutil.copytree(os.path.join(digits, "train"), bad)
+    (bad / "part-zz.parquet").write_bytes(b"not parquet at all")
+    cases = [({"train": os.path.join(digits, "train"), "test": str(bad)}, "training.data.test",
+              f"{bad / 'part-zz.parquet'}: not a readable Parquet file"),
+             ({"train": os.path.join(digits, "train"), "columns": {"image": "pixels"}}, "training.data.train",
+              "no image column 'pixels'")]
+    for data, field, words in cases:
+        job = tmp_path / "job.yaml"
+        job.write_text(yaml.safe_dump(dict(_with("run.function", "training.runner:main"), training={"data": data})))
+        proc = cli("submit", job, "--wait", timeout=60)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.startswith(f"Error: {job}: {field}: ") and words in proc.stderr, proc.stderr
+        assert apps(yarnapp_home) == [], "an application was created for a dataset that cannot be read"
 
 
 def test_missing_job_file(cli, yarnapp_home, tmp_path):

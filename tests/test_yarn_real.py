@@ -115,6 +115,16 @@ def test_fractional_vcores_are_refused_with_one_line_and_nothing_submitted(clust
     proc = cluster.cli("submit", bad)
     assert proc.returncode == 1 and proc.stderr.startswith("Error: YARN refused the application: ") \
         and "nope" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    # A dataset missing on HDFS is refused by the client, before YARN hears of the job.
+    missing = cluster.uri("/user/shared/no-such-dataset")
+    before = cluster.cli("list", "--backend", "yarn").stdout
+    nodata = write(tmp_path / "nodata.yaml", {**digits_job("nodata", missing), "backend": "yarn",
+                                                "environment": {"packer": "none"}})
+    proc = cluster.cli("submit", nodata)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        f"Error: {nodata}: training.data.train: no dataset at {missing}/train: it does not exist; "
+        f"import one with `yarnapp data import KIND URI`"], proc.stderr
+    assert cluster.cli("list", "--backend", "yarn").stdout == before
     # With no global skein driver (a fresh SKEIN_CONFIG) the CLI starts a private one.
     private = cluster.cli("list", "--backend", "yarn", env={"SKEIN_CONFIG": str(tmp_path / "skein")})
     assert private.returncode == 0, private.stderr

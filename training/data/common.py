@@ -17,6 +17,11 @@ class DataError(YarnappError, ValueError):
     """A dataset that cannot be read or written. str() is one line naming the URI or file."""
 
 
+class Unreachable(DataError):
+    """A URI whose filesystem cannot be opened or reached from here (another machine, a
+    cluster's container, may still reach it)."""
+
+
 def one_line(exc):
     """The first line of an exception's message (arrow errors can span a page)."""
     text = str(exc).strip().splitlines()
@@ -32,7 +37,7 @@ def filesystem(uri):
         hint = ("hdfs:// needs Java and libhdfs here (JAVA_HOME, HADOOP_HOME, CLASSPATH) and a reachable "
                 "namenode" if uri.startswith(("hdfs://", "viewfs://")) else
                 "check the scheme (file://, hdfs://, s3://) and that its filesystem is reachable from here")
-        raise DataError(f"cannot open {uri}: {one_line(e)}; {hint}") from None
+        raise Unreachable(f"cannot open {uri}: {one_line(e)}; {hint}") from None
 
 
 def join(uri, name):
@@ -45,7 +50,7 @@ def info(fs, path, uri):
     try:
         return fs.get_file_info(path)
     except (pa.ArrowException, OSError) as e:
-        raise DataError(f"cannot reach {uri}: {one_line(e)}; check the URI and that its "
+        raise Unreachable(f"cannot reach {uri}: {one_line(e)}; check the URI and that its "
                         f"filesystem is up") from None
 
 

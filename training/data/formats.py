@@ -238,6 +238,28 @@ def inspect(uri, columns=None, shape=None):
     """The Layout of the dataset at `uri` (footers only: no data is read, except the label
     column when neither metadata nor statistics give the number of classes)."""
     columns = columns or Columns()
+    fs, paths, names, footers, meta, kind, raw_shape = _read_footers(uri, columns, shape)
+    first = footers[0].schema.to_arrow_schema()
+    wanted = {columns.image, columns.label} | ({columns.class_name} if columns.class_name else set())
+    blocks = [b for i, md in enumerate(footers) for b in blocks_of(i, md, wanted)]
+    if not blocks:
+        raise DataError(f"{uri}: the dataset has no rows; {IMPORT_HINT}")
+    layout = Layout(uri, fs, paths, names, columns, kind, raw_shape, meta, None, 0, blocks)
+    layout.classes, layout.num_classes = _classes(layout, first, footers, names)
+    log.info("%s: %d rows in %d files, %d blocks, %s images, %d classes, %.1f MB",
+             uri, layout.rows, len(paths), len(blocks), kind, layout.num_classes, layout.nbytes / 1e6)
+    return layout
+
+
+def check(uri, columns=None, shape=None):
+    """Raise DataError (Unreachable where the filesystem cannot be reached) unless `uri`
+    holds a dataset `inspect` can open: every file's footer read, no rows, no labels."""
+    _read_footers(uri, columns or Columns(), shape)
+
+
+def _read_footers(uri, columns, shape):
+    """(fs, paths, names, footers, meta, kind, raw_shape): every file's footer, and the
+    image column's kind, the same in every file."""
     fs, path = filesystem(uri)
     paths = list_files(uri, fs, path)
     names = [uri if p == path else join(uri, posixpath.basename(p)) for p in paths]
@@ -253,15 +275,7 @@ def inspect(uri, columns=None, shape=None):
         if schema.field(columns.image).type != image_type:
             raise DataError(f"{name}: column {columns.image!r} is {schema.field(columns.image).type}, "
                             f"{image_type} in {names[0]}; the directory mixes datasets")
-    wanted = {columns.image, columns.label} | ({columns.class_name} if columns.class_name else set())
-    blocks = [b for i, md in enumerate(footers) for b in blocks_of(i, md, wanted)]
-    if not blocks:
-        raise DataError(f"{uri}: the dataset has no rows; {IMPORT_HINT}")
-    layout = Layout(uri, fs, paths, names, columns, kind, raw_shape, meta, None, 0, blocks)
-    layout.classes, layout.num_classes = _classes(layout, first, footers, names)
-    log.info("%s: %d rows in %d files, %d blocks, %s images, %d classes, %.1f MB",
-             uri, layout.rows, len(paths), len(blocks), kind, layout.num_classes, layout.nbytes / 1e6)
-    return layout
+    return fs, paths, names, footers, meta, kind, raw_shape
 
 
 def _classes(layout, schema, footers, names):

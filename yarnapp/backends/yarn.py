@@ -49,7 +49,7 @@ import conf
 from launcher import exitcodes, keys, memory, results
 from launcher.failure import Failure
 
-from .. import packaging, shipping
+from .. import packaging, preflight, shipping
 from ..errors import BackendUnavailable, YarnappError
 from . import yarn_cluster
 from .base import Backend
@@ -466,7 +466,9 @@ def prepared(job, where=None, pack=True):
                 log.warning("%s is unset and no Hadoop configuration (HADOOP_CONF_DIR) names the cluster's "
                             "default filesystem: it defaults to a directory inside each container; set "
                             "yarn.storage or %s to shared storage (hdfs://...)", field, field)
-    shipment = shipping.plan(conf.absolutize(job, os.getcwd()))
+    job = conf.absolutize(job, os.getcwd())
+    preflight.check_data(job, where, on_cluster=True)
+    shipment = shipping.plan(job)
     with tempfile.TemporaryDirectory(prefix="yarnapp-stage-") as staging:
         os.chmod(staging, 0o700)
         files = stage_files(shipment.job, staging, shipped=shipment.entries, pack=pack)

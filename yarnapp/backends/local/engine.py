@@ -18,7 +18,7 @@ from launcher import keys
 from launcher.failure import Failure
 from launcher.store import FileStore
 
-from ... import shipping
+from ... import preflight, shipping
 from ...errors import YarnappError
 from ..base import TERMINAL, Backend
 from . import cgroups, gpus, netem, supervisor
@@ -66,7 +66,9 @@ class LocalBackend(Backend):
     def submit(self, job, where="job"):
         check_resources(job, where)
         netem.check(job, where)
-        shipment = shipping.plan(conf.absolutize(job, os.getcwd()))
+        job = conf.absolutize(job, os.getcwd())
+        preflight.check_data(job, where)
+        shipment = shipping.plan(job)
         job = shipment.job
         app_id = _new_app_id()
         d = os.path.join(apps_dir(), app_id)
