@@ -301,6 +301,9 @@ def plan_from(job, measured, options=PlanOptions()):
         why = f"rows per rank {best_p['split']} ({how})"
     else:
         why = f"kernels per rank {best_p['split']}"
+    if len(devices) == 1:   # nothing to spread: the predictions differ by their models' error only
+        best = spec.strategy.name if preds.get(spec.strategy.name) else "allreduce"
+        best_p, why = preds[best], "one rank: every strategy runs the whole model on it; the job's own is kept"
     f = conv_fraction(ref, names, configs["conv_model_parallel"].fuse) if names else 0.0
     conv = preds["conv_model_parallel"]
     plan = {
