@@ -147,6 +147,15 @@ def test_conv_model_parallel_reaches_the_bound_on_a_free_network():
     assert p["speedup"] == pytest.approx(p["bound"])                 # S = 1/((1-f)+f/k)
 
 
+def test_the_conv_share_is_at_most_the_whole_step():
+    """Layers timed one by one can add up past the step timed back to back; f stays 1 and
+    the bound k, not more."""
+    prof = _profile(step=0.1, opt=0.0, layers=[_conv("conv1", 0.06, 8), _conv("conv2", 0.05, 16)])
+    p = predict("conv_model_parallel", [Device("a", prof), Device("b", prof)], Link(0.0, 1e15),
+                conv_layers=["conv1", "conv2"])
+    assert p["conv_fraction"] == 1.0 and p["bound"] == pytest.approx(2.0)
+
+
 def test_conv_model_parallel_heterogeneous_split_and_communication_by_hand():
     layers = [_conv("conv1", 0.03, 8, in_bytes=100_000, out_bytes=1_000_000, needs=False),
               _conv("conv2", 0.05, 16, in_bytes=1_000_000, out_bytes=2_000_000, needs=True)]
