@@ -138,6 +138,20 @@ def test_a_corrupt_or_wrong_dataset_is_refused_before_anything_starts(tmp_path, 
         assert apps(yarnapp_home) == [], "an application was created for a dataset that cannot be read"
 
 
+def test_a_dry_run_checks_the_data_as_submit_does(tmp_path, cli, yarnapp_home, digits):
+    job = tmp_path / "job.yaml"
+    for train, rc in (("/nonexistent-yarnapp-data/train", 1), (os.path.join(digits, "train"), 0)):
+        job.write_text(yaml.safe_dump(dict(_with("run.function", "training.runner:main"),
+                                           training={"data": {"train": train}})))
+        proc = cli("submit", job, "--dry-run", timeout=60)
+        assert proc.returncode == rc, proc.stdout + proc.stderr
+        if rc:
+            assert proc.stderr.strip() == (f"Error: {job}: training.data.train: no dataset at {train}: it does "
+                                           f"not exist; import one with `yarnapp data import KIND URI`")
+    assert proc.stdout.startswith(f"# {job}: the resolved job") and f"train: {digits}/train" in proc.stdout
+    assert apps(yarnapp_home) == []
+
+
 def test_missing_job_file(cli, yarnapp_home, tmp_path):
     proc = cli("submit", tmp_path / "nope.yaml")
     assert proc.returncode == 1
