@@ -437,7 +437,8 @@ def test_one_rank_keeps_the_jobs_own_strategy():
         assert plan["recommended"]["strategy"] == name, plan["recommended"]
         assert plan["recommended"]["why"].startswith("one rank:")
     job = conf.load_job(dict(case["job"], training=dict(case["job"]["training"], strategy="hypergraph")))
-    assert planner.plan_from(job, measured, options)["recommended"]["strategy"] == "allreduce"  # no model of its own
+    r = planner.plan_from(job, measured, options)["recommended"]
+    assert r["strategy"] == "allreduce" and "hypergraph has no step-time model" in r["why"], r
 
 
 HOGGING_PLANNER = """

@@ -29,14 +29,25 @@ def one_line(exc):
     return line if len(line) <= 200 else line[:197] + "..."
 
 
+# What a filesystem raises when it cannot be reached or read from here: pyarrow's I/O
+# errors (OSError), and fsspec's WebHDFS server errors (RuntimeError, ValueError: a standby
+# NameNode, a DataNode only the cluster resolves).
+IO_ERRORS = (pa.ArrowException, OSError, RuntimeError, ValueError)
+
+
 def filesystem(uri):
-    """(pyarrow filesystem, path inside it) for a URI or a plain local path."""
+    """(pyarrow filesystem, path inside it) for a URI or a plain local path. A URI that
+    names no filesystem (an unknown scheme) is a DataError; one whose filesystem cannot be
+    set up or reached from here (no libhdfs, no network) is Unreachable."""
     try:
         return fsutil.resolve(uri)
-    except (pa.ArrowException, OSError, ValueError) as e:
+    except (pa.ArrowInvalid, fsutil.URIError) as e:
+        raise DataError(f"cannot open {uri}: {one_line(e)}; check the scheme (file://, hdfs://, webhdfs://, "
+                        f"s3://) and the URI") from None
+    except IO_ERRORS as e:
         hint = ("hdfs:// needs Java and libhdfs here (JAVA_HOME, HADOOP_HOME, CLASSPATH) and a reachable "
                 "namenode" if uri.startswith(("hdfs://", "viewfs://")) else
-                "check the scheme (file://, hdfs://, s3://) and that its filesystem is reachable from here")
+                "check that its filesystem is reachable from here")
         raise Unreachable(f"cannot open {uri}: {one_line(e)}; {hint}") from None
 
 
@@ -49,7 +60,7 @@ def join(uri, name):
 def info(fs, path, uri):
     try:
         return fs.get_file_info(path)
-    except (pa.ArrowException, OSError) as e:
+    except IO_ERRORS as e:
         raise Unreachable(f"cannot reach {uri}: {one_line(e)}; check the URI and that its "
                         f"filesystem is up") from None
 

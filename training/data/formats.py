@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from .common import IMPORT_HINT, DataError, filesystem, info, join, one_line
+from .common import IMPORT_HINT, IO_ERRORS, DataError, Unreachable, filesystem, info, join, one_line
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +105,8 @@ def list_files(uri, fs, path):
         return [path]
     try:
         entries = fs.get_file_info(pafs.FileSelector(path, recursive=False))
-    except (pa.ArrowException, OSError) as e:
-        raise DataError(f"cannot list {uri}: {one_line(e)}") from None
+    except IO_ERRORS as e:
+        raise Unreachable(f"cannot list {uri}: {one_line(e)}") from None
     files = sorted(e.path for e in entries if e.type == pafs.FileType.File
                    and e.base_name.endswith(".parquet") and not e.base_name.startswith((".", "_")))
     if not files:
@@ -118,9 +118,18 @@ def _footer(fs, path, name):
     try:
         with fs.open_input_file(path) as f:
             return pq.ParquetFile(f).metadata
-    except (pa.ArrowException, OSError) as e:
+    except IO_ERRORS as e:
+        if not _corrupt(e):              # not readable from here: permissions, a DataNode out of reach
+            raise Unreachable(f"{name}: cannot read it from here ({one_line(e)}); check its permissions and "
+                              f"that its filesystem is reachable") from None
         raise DataError(f"{name}: not a readable Parquet file ({one_line(e)}); re-import the dataset "
                         f"or remove the file") from None
+
+
+def _corrupt(exc):
+    """Whether reading a footer failed on its bytes: no magic, cut short (ArrowInvalid), or
+    a footer that does not parse (an OSError from the Thrift decoder)."""
+    return isinstance(exc, pa.ArrowInvalid) or "thrift" in str(exc).lower()
 
 
 def _yarnapp_meta(schema, name):
@@ -242,8 +251,6 @@ def inspect(uri, columns=None, shape=None):
     first = footers[0].schema.to_arrow_schema()
     wanted = {columns.image, columns.label} | ({columns.class_name} if columns.class_name else set())
     blocks = [b for i, md in enumerate(footers) for b in blocks_of(i, md, wanted)]
-    if not blocks:
-        raise DataError(f"{uri}: the dataset has no rows; {IMPORT_HINT}")
     layout = Layout(uri, fs, paths, names, columns, kind, raw_shape, meta, None, 0, blocks)
     layout.classes, layout.num_classes = _classes(layout, first, footers, names)
     log.info("%s: %d rows in %d files, %d blocks, %s images, %d classes, %.1f MB",
@@ -259,12 +266,14 @@ def check(uri, columns=None, shape=None):
 
 def _read_footers(uri, columns, shape):
     """(fs, paths, names, footers, meta, kind, raw_shape): every file's footer, and the
-    image column's kind, the same in every file."""
+    image column's kind, the same in every file; DataError for a dataset of no rows."""
     fs, path = filesystem(uri)
     paths = list_files(uri, fs, path)
     names = [uri if p == path else join(uri, posixpath.basename(p)) for p in paths]
     with concurrent.futures.ThreadPoolExecutor(min(8, len(paths))) as pool:
         footers = list(pool.map(lambda i: _footer(fs, paths[i], names[i]), range(len(paths))))
+    if not any(md.num_rows for md in footers):
+        raise DataError(f"{uri}: the dataset has no rows; {IMPORT_HINT}")
     first = footers[0].schema.to_arrow_schema()
     meta = _yarnapp_meta(first, names[0])
     kind, raw_shape = _kind(first, columns, names[0], shape, meta)

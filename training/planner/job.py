@@ -302,8 +302,10 @@ def plan_from(job, measured, options=PlanOptions()):
     else:
         why = f"kernels per rank {best_p['split']}"
     if len(devices) == 1:   # nothing to spread: the predictions differ by their models' error only
-        best = spec.strategy.name if preds.get(spec.strategy.name) else "allreduce"
-        best_p, why = preds[best], "one rank: every strategy runs the whole model on it; the job's own is kept"
+        mine = spec.strategy.name
+        best, why = (mine, "the job's own is kept") if preds.get(mine) else \
+            ("allreduce", f"{mine} has no step-time model, allreduce runs the model as it is")
+        best_p, why = preds[best], f"one rank: every strategy runs the whole model on it; {why}"
     f = conv_fraction(ref, names, configs["conv_model_parallel"].fuse) if names else 0.0
     conv = preds["conv_model_parallel"]
     plan = {

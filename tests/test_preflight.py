@@ -1,0 +1,68 @@
+"""The client's data check before submitting (yarnapp.preflight), at its boundary: which
+URIs it refuses, which it leaves to the containers, and which jobs it does not check."""
+import logging
+import socket
+
+import pytest
+
+import conf
+from yarnapp import preflight
+from yarnapp.errors import YarnappError
+
+pytestmark = pytest.mark.unit
+
+
+def _job(train, test=None, run=None):
+    data = {"train": train, **({"test": test} if test else {})}
+    return conf.load_job({"name": "t", "groups": [{"name": "w", "instances": 1, "vcores": 1}],
+                          **({"run": run} if run else {}), "training": {"data": data}})
+
+
+def _closed_port():
+    with socket.socket() as s:          # bound, never listening: connections are refused
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unknown_scheme_is_refused_on_both_backends():
+    for on_cluster in (False, True):
+        with pytest.raises(YarnappError, match=r"^job.yaml: training.data.train: cannot open hdsf://nn/x: "
+                                               r"Unrecognized filesystem type"):
+            preflight.check_data(_job("hdsf://nn/x"), "job.yaml", on_cluster=on_cluster)
+
+
+def test_a_filesystem_out_of_reach_is_left_to_the_cluster_once_and_refused_locally(caplog):
+    port = _closed_port()
+    train, test = f"webhdfs://127.0.0.1:{port}/d/train", f"webhdfs://127.0.0.1:{port}/d/test"
+    with caplog.at_level(logging.WARNING, logger="yarnapp.preflight"):
+        preflight.check_data(_job(train, test), "job.yaml", on_cluster=True)
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and warned[0].startswith("training.data.train not checked before submitting: "
+                                                     f"cannot reach {train}"), warned    # test: same host, not retried
+    with pytest.raises(YarnappError, match=rf"^job.yaml: training.data.train: cannot reach {train}"):
+        preflight.check_data(_job(train, test), "job.yaml")
+
+
+def test_local_paths_are_the_nodes_own_on_a_cluster(tmp_path):
+    preflight.check_data(_job(str(tmp_path / "nope")), "job.yaml", on_cluster=True)
+    with pytest.raises(YarnappError, match="no dataset at"):
+        preflight.check_data(_job(str(tmp_path / "nope")), "job.yaml")
+
+
+def test_own_code_with_a_training_section_is_not_checked(tmp_path):
+    """Only the built-in runner reads training.data; a function or script reads what it likes."""
+    missing = str(tmp_path / "nope")
+    for run in ({"function": "training.hello:main"}, {"script": str(tmp_path / "train.py")}):
+        preflight.check_data(_job(missing, run=run), "job.yaml")
+
+
+def test_an_empty_dataset_and_no_where(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    (tmp_path / "empty").mkdir()
+    pq.write_table(pa.table({"image": pa.array([], pa.binary()), "label": pa.array([], pa.int64())}),
+                   tmp_path / "empty" / "part-0.parquet")
+    with pytest.raises(YarnappError) as e:
+        preflight.check_data(_job(str(tmp_path / "empty")))
+    assert str(e.value) == f"training.data.train: {tmp_path / 'empty'}: the dataset has no rows; " \
+                           f"import one with `yarnapp data import KIND URI`"
