@@ -6,7 +6,7 @@ import yaml
 from pydantic import ValidationError
 
 from .errors import YarnappError
-from .schema import JobSpec, StrategyConfig, container_id, strategy_fields, strategy_names  # noqa: F401
+from .schema import BUILTIN_RUNNER, JobSpec, StrategyConfig, container_id, strategy_fields, strategy_names  # noqa: F401
 from .units import parse_duration_s, parse_memory_mib  # noqa: F401
 
 DEFAULTS_PATH = os.path.join(os.path.dirname(__file__), "defaults.yaml")

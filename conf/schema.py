@@ -36,6 +36,9 @@ def _ipv4_subnet(value):
     return str(net)
 
 
+BUILTIN_RUNNER = "training.runner:main"    # run.function of the built-in runner, which needs `training`
+
+
 class Model(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
@@ -343,7 +346,7 @@ class JobSpec(Model):
             if g.name in seen:
                 raise ValueError(f"groups: duplicate group name {g.name!r}")
             seen.add(g.name)
-        if self.run.function == "training.runner:main" and self.training is None:
+        if self.run.function == BUILTIN_RUNNER and self.training is None:
             raise ValueError("training: required when run.function is the built-in training.runner:main")
         if self.training and isinstance(self.training.shares, list) and len(self.training.shares) != self.world_size:
             raise ValueError(f"training.shares: {len(self.training.shares)} shares given for "

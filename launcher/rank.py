@@ -27,13 +27,13 @@ import time
 import traceback
 
 from conf.errors import YarnappError
+from conf.schema import BUILTIN_RUNNER
 
 from . import exitcodes, identity, keys, network, store as store_mod, torch_env, world
 from .failure import Failure
 
 log = logging.getLogger("launcher.rank")
 
-BUILTIN_RUNNER = "training.runner:main"
 LIVENESS_S = 1.0           # how often the liveness thread touches the heartbeat
 
 

@@ -12,11 +12,11 @@ scheme is refused on both backends.
 import logging
 import urllib.parse
 
+from conf import BUILTIN_RUNNER
+
 from .errors import YarnappError
 
 log = logging.getLogger(__name__)
-
-RUNNER = "training.runner:main"
 
 
 def check_data(job, where=None, on_cluster=False):
@@ -24,7 +24,7 @@ def check_data(job, where=None, on_cluster=False):
     job trains on cannot be opened from here (on_cluster: only a shared filesystem's URI
     that this client reaches is checked)."""
     data = job.training.data if job.training is not None else None
-    if data is None or data.dataset or job.run.function != RUNNER:
+    if data is None or data.dataset or job.run.function != BUILTIN_RUNNER:
         return                  # own code reads what it likes; a user's dataset is theirs to open
     from training import fsutil
     from training.data import DataError

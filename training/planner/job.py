@@ -294,18 +294,21 @@ def plan_from(job, measured, options=PlanOptions()):
     # The data-parallel strategies also with speed-proportional shares, for the recommendation.
     speed = dataclasses.replace(case, shares="speed")
     speed_preds = {name: predict(name, speed, configs[name]) for name in modelled() if registry.entry(name).data_parallel}
-    candidates = [(p["step_s"], k, p, "the job's shares") for k, p in preds.items() if p]
-    candidates += [(p["step_s"], k, p, "shares: speed") for k, p in speed_preds.items()]
-    _, best, best_p, how = min(candidates, key=lambda c: c[0])
-    if registry.entry(best).data_parallel:
-        why = f"rows per rank {best_p['split']} ({how})"
-    else:
-        why = f"kernels per rank {best_p['split']}"
+    mine = spec.strategy.name
     if len(devices) == 1:   # nothing to spread: the predictions differ by their models' error only
-        mine = spec.strategy.name
-        best, why = (mine, "the job's own is kept") if preds.get(mine) else \
-            ("allreduce", f"{mine} has no step-time model, allreduce runs the model as it is")
-        best_p, why = preds[best], f"one rank: every strategy runs the whole model on it; {why}"
+        best = mine if preds.get(mine) else "allreduce"
+        best_p = preds[best]
+        why = "one rank: every strategy runs the whole model on it; " + (
+            "the job's own is kept" if best == mine else f"{mine} has no step-time model, allreduce runs the "
+                                                        f"model as it is")
+    else:
+        candidates = [(p["step_s"], k, p, "the job's shares") for k, p in preds.items() if p]
+        candidates += [(p["step_s"], k, p, "shares: speed") for k, p in speed_preds.items()]
+        _, best, best_p, how = min(candidates, key=lambda c: c[0])
+        if registry.entry(best).data_parallel:
+            why = f"rows per rank {best_p['split']} ({how})"
+        else:
+            why = f"kernels per rank {best_p['split']}"
     f = conv_fraction(ref, names, configs["conv_model_parallel"].fuse) if names else 0.0
     conv = preds["conv_model_parallel"]
     plan = {
