@@ -81,3 +81,45 @@ def test_a_script_killed_with_sigterm_stops_the_world_it_started(tmp_path):
     for p in left:
         os.kill(p, 9)
     assert not left, f"ranks {left} still run after their starter was stopped"
+
+
+INTERRUPTED_STARTER = """
+import os, signal, subprocess, sys, threading
+from launcher.world import spawn_local
+from training.probes import stop_cleanly_on_sigterm
+stop_cleanly_on_sigterm()
+started, popen = [], subprocess.Popen
+def counted(*a, **kw):
+    p = popen(*a, **kw)
+    started.append(p.pid)
+    if len(started) == 3:                       # SIGTERM while the rest are still to start
+        threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGTERM)).start()
+    return p
+subprocess.Popen = counted
+try:
+    spawn_local(["sleep", sys.argv[1]], 60, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+except KeyboardInterrupt:
+    print(len(started), *started)
+    sys.exit(130)
+"""
+
+
+def test_sigterm_while_a_world_starts_stops_the_ranks_already_started():
+    """An interrupt that arrives while spawn_local is still starting ranks (`yarnapp plan`
+    stopped as its link probe starts) is handled once they have all started, and stops every
+    one: before, the ranks already started were lost with the half-built list and waited
+    for the rest of their world."""
+    import time
+    token = f"599.{os.getpid()}"                # `sleep 599.PID`: these ranks, by their command line
+    script = subprocess.run([sys.executable, "-c", INTERRUPTED_STARTER, token], capture_output=True, text=True,
+                            timeout=120)
+    assert script.returncode == 130, script.stderr
+    count, *pids = map(int, script.stdout.split())
+    assert count >= 3 and len(pids) == count
+    deadline = time.monotonic() + 10
+    while (left := subprocess.run(["pgrep", "-f", f"sleep {token}"], capture_output=True, text=True).stdout.split()) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for p in left:
+        os.kill(int(p), 9)
+    assert not left, f"{len(left)} of the {count} ranks started still run"
