@@ -22,14 +22,13 @@ collective): the agent of every container watches its rank and the generation's 
 key and ends its rank, which is what recovery needs anyway. Needs MPICH 4.3
 (5.0.x names every singleton "singleton": pmodels/mpich#7805).
 """
-import contextlib
 import hashlib
 import hmac
 import json
 import logging
 import time
 
-from . import keys
+from . import interrupts, keys
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +148,7 @@ def spawn_local(argv, size, env=None, **popen_kw):
     root = tempfile.mkdtemp(prefix="yarnapp-world-")
     procs = []
     try:
-        with _interrupts_deferred():
+        with interrupts.deferred():
             for rank in range(size):
                 e = dict(os.environ if env is None else env)
                 e[LOCAL_WORLD_ENV] = f"{root}:{rank}:{size}"
@@ -161,34 +160,6 @@ def spawn_local(argv, size, env=None, **popen_kw):
         shutil.rmtree(root, ignore_errors=True)
         raise
     return procs, root
-
-
-@contextlib.contextmanager
-def _interrupts_deferred():
-    """SIGINT and SIGTERM arriving inside are handled on leaving it, by the handlers they
-    would have met. Inside subprocess.Popen an interrupt would lose the process it had just
-    started (it raises before returning it); the kernel's signal mask is left alone, since
-    children inherit it. Outside the main thread (where Python runs no handler) it does
-    nothing."""
-    import signal
-    import threading
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    got = []
-    old = {s: signal.signal(s, lambda signum, frame: got.append((signum, frame)))
-           for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
-        for signum, frame in got:
-            handler = old[signum]
-            if callable(handler):
-                handler(signum, frame)
-            elif handler == signal.SIG_DFL:
-                signal.raise_signal(signum)
 
 
 def run_local(argv, size, env=None, timeout=600):

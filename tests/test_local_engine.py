@@ -1,4 +1,5 @@
 """The embedded local engine end to end: real containers, real MPI world, real cgroups."""
+import glob
 import json
 import os
 import re
@@ -11,7 +12,7 @@ import pytest
 
 import yarnapp
 from yarnapp.backends.local.engine import LocalBackend
-from util import app_id_from, assert_nothing_left, write_job
+from util import app_id_from, apps, assert_nothing_left, write_job
 
 pytestmark = pytest.mark.e2e
 
@@ -135,3 +136,34 @@ def test_python_api_submit_and_wait(yarnapp_home):
         yarnapp.submit({"name": "x", "groups": [{"name": "a", "instances": 0}], "run": {"function": "a:b"}})
     raw = json.load(open(os.path.join(st["app_dir"], "job.json")))
     assert raw["groups"][1]["vcores"] == 0.5
+
+
+def test_ctrl_c_while_submit_copies_the_files_leaves_no_application(yarnapp_home, tmp_path):
+    """Ctrl-C while `yarnapp submit` copies the job's files into the application: one
+    line, status 130, and no application left half-written (before, its directory stayed,
+    and `yarnapp list` showed an application that had never started)."""
+    import signal
+    code = tmp_path / "project"
+    code.mkdir()
+    for i in range(20000):                      # slow enough to copy to be interrupted in it
+        (code / f"part{i}.txt").write_text("x")
+    (code / "train.py").write_text("print('never runs')\n")
+    job = write_job(tmp_path / "big.yaml", {
+        "name": "big", "groups": [{"name": "a", "instances": 1, "vcores": 0.5, "memory": "256 MiB"}],
+        "run": {"script": str(code / "train.py")}})
+    submit = subprocess.Popen([sys.executable, "-m", "yarnapp.cli", "submit", job], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    try:
+        deadline = time.monotonic() + 60
+        while not glob.glob(str(yarnapp_home / "apps" / "*" / "files" / "project" / "*")) \
+                and submit.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert submit.poll() is None, "submit ended before it copied the files"
+        submit.send_signal(signal.SIGINT)
+        out, err = submit.communicate(timeout=60)
+    finally:
+        if submit.poll() is None:
+            submit.kill()
+    assert submit.returncode == 130, (out, err)
+    assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
+    assert apps(yarnapp_home) == []

@@ -14,7 +14,7 @@ import psutil
 
 import conf
 
-from launcher import keys
+from launcher import interrupts, keys
 from launcher.failure import Failure
 from launcher.store import FileStore
 
@@ -76,7 +76,7 @@ class LocalBackend(Backend):
         # everything the application writes later is created under umask 077 (see below).
         os.makedirs(d, mode=0o700)
         os.chmod(d, 0o700)
-        old = os.umask(0o077)
+        old, proc = os.umask(0o077), None
         try:
             os.makedirs(os.path.join(d, "containers"))
             shipping.copy_into(shipment.entries, os.path.join(d, "files"))   # copied into each container
@@ -89,12 +89,22 @@ class LocalBackend(Backend):
             FileStore(os.path.join(d, "store"))
             env = dict(os.environ, PYTHONUNBUFFERED="1")
             env.pop("YARNAPP_APP_ID", None)     # the supervisor is not a process of the application
-            with open(os.path.join(d, "supervisor.log"), "ab") as out:
-                proc = subprocess.Popen([sys.executable, "-m", "yarnapp.backends.local.supervisor", d], env=env,
-                                        cwd=d, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                        start_new_session=True, umask=0o077)
-            with open(supervisor.record_path(d), "w") as f:     # known before it writes it itself
-                json.dump({"pid": proc.pid, "attempts": []}, f)
+            with interrupts.deferred():     # a supervisor started is a supervisor recorded
+                with open(os.path.join(d, "supervisor.log"), "ab") as out:
+                    proc = subprocess.Popen([sys.executable, "-m", "yarnapp.backends.local.supervisor", d],
+                                            env=env, cwd=d, stdin=subprocess.DEVNULL, stdout=out,
+                                            stderr=subprocess.STDOUT, start_new_session=True, umask=0o077)
+                with open(supervisor.record_path(d), "w") as f:     # known before it writes it itself
+                    json.dump({"pid": proc.pid, "attempts": []}, f)
+        except BaseException:
+            # Ctrl-C or a failure (a disk full while copying the files) part way: nothing is
+            # left half-written, and an application that had just started is stopped, as
+            # Ctrl-C stops `submit --wait`.
+            if proc is None:
+                shutil.rmtree(d, ignore_errors=True)
+            else:
+                self.kill(app_id)
+            raise
         finally:
             os.umask(old)
         log.info("submitted %s", app_id)
