@@ -16,13 +16,15 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 @contextlib.contextmanager
 def deferred():
     """SIGINT and SIGTERM arriving inside are handled on leaving it. The kernel's signal
-    mask is left alone (children would inherit it); outside the main thread, where Python
-    runs no handler, it does nothing."""
+    mask is left alone (children would inherit it). An ignored signal stays ignored (and
+    so inherited as ignored), a handler installed outside Python (getsignal: None) stays in
+    place, and outside the main thread, where Python runs no handler, it does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     got = []
-    old = {s: signal.signal(s, lambda signum, frame: got.append((signum, frame))) for s in SIGNALS}
+    held = [s for s in SIGNALS if callable(signal.getsignal(s)) or signal.getsignal(s) == signal.SIG_DFL]
+    old = {s: signal.signal(s, lambda signum, frame: got.append((signum, frame))) for s in held}
     try:
         yield
     finally:

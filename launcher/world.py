@@ -154,12 +154,20 @@ def spawn_local(argv, size, env=None, **popen_kw):
                 e[LOCAL_WORLD_ENV] = f"{root}:{rank}:{size}"
                 procs.append(subprocess.Popen(argv, env=e, **{"start_new_session": True, **popen_kw}))
     except BaseException:
-        for p in procs:
-            p.kill()
-            p.communicate()
+        stop_all(procs)
         shutil.rmtree(root, ignore_errors=True)
         raise
     return procs, root
+
+
+def stop_all(procs):
+    """Kill every process first, then reap them: a second Ctrl-C while reaping leaves
+    none running."""
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        p.kill()
+    for p in running:
+        p.communicate()
 
 
 def run_local(argv, size, env=None, timeout=600):
@@ -177,10 +185,7 @@ def run_local(argv, size, env=None, timeout=600):
             outs.append((p.returncode, out, err))
         return outs
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+        stop_all(procs)
         shutil.rmtree(root, ignore_errors=True)
 
 

@@ -123,3 +123,22 @@ def test_sigterm_while_a_world_starts_stops_the_ranks_already_started():
     for p in left:
         os.kill(int(p), 9)
     assert not left, f"{len(left)} of the {count} ranks started still run"
+
+
+def test_interrupts_deferred_hands_a_signal_to_its_handler_on_leaving_and_keeps_ignored_ones():
+    import signal
+
+    from launcher import interrupts
+    seen, before = [], {s: signal.getsignal(s) for s in interrupts.SIGNALS}
+    try:
+        signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with interrupts.deferred():
+            signal.raise_signal(signal.SIGTERM)
+            assert seen == []                           # held back inside
+            assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN      # children still inherit it ignored
+        assert seen == [signal.SIGTERM]                 # handled once, on leaving
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
