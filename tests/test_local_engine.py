@@ -167,3 +167,40 @@ def test_ctrl_c_while_submit_copies_the_files_leaves_no_application(yarnapp_home
     assert submit.returncode == 130, (out, err)
     assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
     assert apps(yarnapp_home) == []
+
+
+def test_kill_of_submit_wait_stops_the_application_as_ctrl_c_does(yarnapp_home, tmp_path):
+    """`timeout 1h yarnapp submit job.yaml --wait` or a `kill` of it: SIGTERM stops the
+    application as Ctrl-C does (before, the command died and its application ran on)."""
+    import signal
+    submit = subprocess.Popen([sys.executable, "-m", "yarnapp.cli", "submit", _sleeper(tmp_path), "--wait"],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=dict(os.environ))
+    app = app_id_from(submit.stdout.readline())
+    run, deadline = yarnapp.Run(app), time.monotonic() + 60
+    try:
+        while not (run.status().get("progress") or {}).get(1):
+            assert time.monotonic() < deadline and submit.poll() is None, run.logs()
+            time.sleep(0.2)
+        submit.terminate()
+        out, err = submit.communicate(timeout=60)
+        assert submit.returncode == 130, (out, err)
+        assert f"interrupted: killed {app}" in out and "Traceback" not in err, (out, err)
+        assert run.status()["state"] == "KILLED"
+    finally:
+        if submit.poll() is None:
+            submit.kill()
+        if run.status()["state"] not in ("SUCCEEDED", "FAILED", "KILLED"):
+            run.kill()                      # a failed test leaves nothing running either
+    assert_nothing_left(app)
+
+
+def test_kill_right_after_submit_ends_the_application_killed(yarnapp_home, tmp_path):
+    """A kill the moment `submit` returns, while the supervisor is still starting: KILLED
+    (before, a supervisor stopped before it could pass the signal on left the application
+    FAILED, "the application master died", naming a log never written)."""
+    run = yarnapp.submit(_sleeper(tmp_path))
+    st = run.kill()
+    assert st["state"] == "KILLED" and st["diagnostics"] == "killed by the user", st
+    assert run.status()["state"] == "KILLED"
+    assert_nothing_left(run.app_id)

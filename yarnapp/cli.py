@@ -28,15 +28,16 @@ def cmd_submit(args):
     if args.dry_run:
         _p(api.dry_run(spec, where=args.job), end="")
         return 0
+    _interrupt_on_sigterm()         # `kill` or `timeout` stops a submit as Ctrl-C does
     t0 = time.time()
     run = api.start(spec, where=args.job)
     app_id = run.app_id
     if not args.wait:
         _p(app_id)
         return 0
-    _p(f"submitted {app_id} to the {spec.backend} backend: {spec.world_size} ranks in "
-       f"{len(spec.groups)} groups ({', '.join(f'{g.instances}x{g.name}' for g in spec.groups)})")
     try:
+        _p(f"submitted {app_id} to the {spec.backend} backend: {spec.world_size} ranks in "
+           f"{len(spec.groups)} groups ({', '.join(f'{g.instances}x{g.name}' for g in spec.groups)})")
         st = run.wait(progress=True)
     except KeyboardInterrupt:
         run.kill()
@@ -253,7 +254,7 @@ def build_parser():
     s.add_argument("job", help="path of the job.yaml")
     s.add_argument("--backend", choices=["local", "yarn"], help="overrides the job's backend")
     s.add_argument("--max-restarts", type=int, help="overrides the job's max_restarts")
-    s.add_argument("--wait", action="store_true", help="show progress until it ends; non-zero exit if it fails")
+    s.add_argument("--wait", action="store_true", help="show progress until it ends; non-zero exit if it fails; Ctrl-C or SIGTERM kills the application")
     s.add_argument("--nodes", type=int, help="overrides the job's network.nodes (emulated nodes; local engine, root)")
     s.add_argument("--dry-run", action="store_true", dest="dry_run",
                    help="print what would be submitted (YARN: the skein.ApplicationSpec YAML; local: the "

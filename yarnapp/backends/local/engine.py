@@ -22,7 +22,7 @@ from ... import preflight, shipping
 from ...errors import YarnappError
 from ..base import TERMINAL, Backend
 from . import cgroups, gpus, netem, supervisor
-from .state import app_processes, apps_dir, read_json
+from .state import app_processes, apps_dir, read_json, write_state
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,23 @@ def check_resources(job, where="job"):
                                f"({', '.join(f'{x.instances} x {x.gpus}' for x in job.groups if x.gpus)}) but this "
                                f"machine has {len(have)} (nvidia-smi{'' if have else ' finds none'}); ask for at most "
                                f"{len(have)}, set gpus: 0, or submit to a cluster with --backend yarn")
+
+
+def _stop_just_started(app_id, proc):
+    """Stop a supervisor started a moment ago (its record may not be written): its process
+    group (it is a session leader; its master starts in that group), then, should any have
+    started already, the application's processes and cgroups."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    for p in app_processes(app_id):
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    cgroups.Limits.remove_app(app_id)
 
 
 class LocalBackend(Backend):
@@ -98,12 +115,10 @@ class LocalBackend(Backend):
                     json.dump({"pid": proc.pid, "attempts": []}, f)
         except BaseException:
             # Ctrl-C or a failure (a disk full while copying the files) part way: nothing is
-            # left half-written, and an application that had just started is stopped, as
-            # Ctrl-C stops `submit --wait`.
-            if proc is None:
-                shutil.rmtree(d, ignore_errors=True)
-            else:
-                self.kill(app_id)
+            # left, neither half-written nor started.
+            if proc is not None:
+                _stop_just_started(app_id, proc)
+            shutil.rmtree(d, ignore_errors=True)
             raise
         finally:
             os.umask(old)
@@ -180,6 +195,10 @@ class LocalBackend(Backend):
         if netem.unavailable_reason() is None:
             netem.sweep(app_id)       # its emulated nodes, should its AM have died without removing them
         cgroups.Limits.remove_app(app_id)   # and its (now empty) cgroups, for the same reason
+        if st["state"] not in TERMINAL and (read_json(os.path.join(d, "state.json")) or {}).get("state") \
+                not in TERMINAL:      # killed before its master could end it (still starting)
+            write_state(d, {**{k: st[k] for k in ("app_id", "name", "submitted", "containers")},
+                            "state": "KILLED", "diagnostics": "killed by the user", "finished": time.time()})
         return self.status(app_id)
 
     def list(self):

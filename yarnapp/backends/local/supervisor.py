@@ -118,6 +118,8 @@ class Supervisor:
         while True:
             attempt += 1
             self.start_am(attempt)
+            if self.stopping:           # stopped while the master was starting: on_signal found no one
+                self.am.send_signal(signal.SIGTERM)
             rc = self.am.wait()
             self.attempts[-1].update(exit_code=rc, ended=time.time())
             self.save()
