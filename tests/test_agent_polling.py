@@ -77,7 +77,7 @@ def calls_per_poll(tmp_path, containers, polls=15):
         t.start()
         while counting.snapshots < polls:
             time.sleep(0.01)
-        calls = counting.calls
+        calls, snapshots = counting.calls, counting.snapshots      # at one moment, before the abort
         store.put(keys.abort(gen), json.dumps({"reason": "stop the test"}))
         t.join(10)
     finally:
@@ -85,7 +85,7 @@ def calls_per_poll(tmp_path, containers, polls=15):
         agent.child.wait()
     assert out["result"] == (Outcome.OTHER, None)
     # one put (this agent's incarnation) before the loop; every poll after it
-    return (calls - 1) / counting.snapshots
+    return (calls - 1) / snapshots
 
 
 @pytest.mark.parametrize("small,large", [(3, 12)])

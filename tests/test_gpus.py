@@ -86,14 +86,19 @@ def test_asking_for_more_gpus_than_the_machine_has_is_refused_at_submit(two_fake
 def test_an_application_whose_gpu_another_holds_waits_and_never_shares_it(monkeypatch, yarnapp_home):
     monkeypatch.setenv("YARNAPP_GPUS", "0")                      # one GPU on this machine
     first = _submit("first", [{"name": "g", "instances": 1, "gpus": 1, "vcores": 0.5, "memory": "512 MiB"}],
-                    seconds=5)     # its rank holds on 5 s: the GPU is still held at the check 2 s below
+                    seconds=10)    # its rank holds on 10 s: the GPU is still held when the second asks
     deadline = time.monotonic() + 60
     while first.state != "RUNNING" or not gpus.Leases().held():
         assert time.monotonic() < deadline, first.logs()
         time.sleep(0.1)
     second = _submit("second", [{"name": "g", "instances": 1, "gpus": 1, "vcores": 0.5, "memory": "512 MiB"}])
-    time.sleep(2)
-    st2 = second.status()
+    deadline = time.monotonic() + 30
+    while True:
+        running, st2 = first.state == "RUNNING", second.status()
+        if st2["diagnostics"] or not running or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert running, "the first ended before the second's master looked for a GPU"
     assert st2["state"] == "ACCEPTED" and st2["diagnostics"] == f"waiting for 1 GPU(s): held by {first.app_id}"
     assert first.wait(timeout=120)["state"] == "SUCCEEDED"
     st2 = second.wait(timeout=120)
