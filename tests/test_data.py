@@ -120,6 +120,26 @@ def test_failed_write_leaves_nothing_visible(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["blocker"]
 
 
+def test_ctrl_c_during_an_import_leaves_no_hidden_copy(tmp_path):
+    """Ctrl-C (a real SIGINT) while the second of four shards is being made: the import
+    stops with KeyboardInterrupt and neither the dataset nor its hidden staging copy is
+    left (before, `.ds.tmp-*` stayed, as large as what had been written)."""
+    import signal
+
+    from training.data import writer
+    images = np.zeros((8, 1, 2, 2), np.uint8)
+    m = writer.meta((1, 2, 2), 2, range(2), None, None, "test")
+    meta_bytes = json.dumps(m).encode()
+
+    def table_of(a, b):
+        if a:
+            signal.raise_signal(signal.SIGINT)
+        return writer._raw_table(images[a:b], np.arange(a, b) % 2, meta_bytes)
+    with pytest.raises(KeyboardInterrupt):
+        writer._write(str(tmp_path / "ds"), 8, 4, False, m, 2, table_of)
+    assert os.listdir(tmp_path) == []
+
+
 def test_synthetic_cifar_is_cifar_shaped_deterministic_and_learnable(tmp_path):
     data.import_synthetic_cifar(str(tmp_path / "a"), n_train=1000, n_test=300, shards=2, seed=7)
     data.import_synthetic_cifar(str(tmp_path / "b"), n_train=1000, n_test=300, shards=2, seed=7)

@@ -28,6 +28,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from launcher import interrupts
+
 from .common import DataError, exists, filesystem, one_line
 from .formats import META_KEY
 
@@ -146,18 +148,21 @@ def _write(uri, n, shards, overwrite, meta, rows_per_group, table_of):
                                row_group_size=rows_per_group)
         if there:
             old = posixpath.join(parent, f".{name}.old-{uuid.uuid4().hex[:12]}")
-            fs.move(path, old)
-            fs.move(tmp, path)
+            with interrupts.deferred():     # a Ctrl-C between the two moves would hide the dataset
+                fs.move(path, old)
+                fs.move(tmp, path)
             fs.delete_dir(old)
         else:
             fs.move(tmp, path)
-    except (pa.ArrowException, OSError) as e:
+    except BaseException as e:          # an I/O error, or Ctrl-C in a long import: no hidden copy left
         try:
             fs.delete_dir(tmp)
         except (pa.ArrowException, OSError):
             pass
-        raise DataError(f"cannot write {uri}: {one_line(e)}; check that its directory is "
-                        f"writable") from None
+        if isinstance(e, (pa.ArrowException, OSError)):
+            raise DataError(f"cannot write {uri}: {one_line(e)}; check that its directory is "
+                            f"writable") from None
+        raise
     log.info("wrote %s: %d rows in %d shards, %s images, %d classes",
              uri, n, shards, meta.get("encoding"), meta["num_classes"])
     return {"uri": uri, "rows": int(n), "shards": shards, "encoding": meta.get("encoding"),
