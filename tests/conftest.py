@@ -1,4 +1,5 @@
 import os
+import signal
 import subprocess
 import sys
 
@@ -9,6 +10,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def pytest_configure(config):
+    # Started in the background by a non-interactive shell (`pytest ... &`), Python finds
+    # SIGINT ignored and so would every process the tests start: the tests that press
+    # Ctrl-C need it as a user's terminal delivers it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     config.addinivalue_line("markers", "yarn: runs on a real YARN: the suite's own single-node Hadoop "
                             "(tests/test_yarn_real.py), or your cluster with YARNAPP_TEST_YARN=1")
     config.addinivalue_line("markers", "slow: a multi-process job taking more than a few seconds")

@@ -31,17 +31,19 @@ def cmd_submit(args):
     _interrupt_on_sigterm()         # `kill` or `timeout` stops a submit as Ctrl-C does
     t0 = time.time()
     run = api.start(spec, where=args.job)
-    app_id = run.app_id
-    if not args.wait:
-        _p(app_id)
-        return 0
     try:
+        app_id = run.app_id
+        if not args.wait:
+            _p(app_id)
+            return 0
         _p(f"submitted {app_id} to the {spec.backend} backend: {spec.world_size} ranks in "
            f"{len(spec.groups)} groups ({', '.join(f'{g.instances}x{g.name}' for g in spec.groups)})")
         st = run.wait(progress=True)
     except KeyboardInterrupt:
+        if not args.wait:
+            raise                   # submitted without --wait: it runs on, as it would have
         run.kill()
-        _p(f"interrupted: killed {app_id}")
+        _p(f"interrupted: killed {run.app_id}")
         return 130
     took = time.time() - t0
     if st.get("world_formed_s") is not None:

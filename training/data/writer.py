@@ -125,6 +125,13 @@ def write_encoded(uri, blobs, labels, meta, shards=2, overwrite=False):
                   lambda a, b: _encoded_table(blobs[a:b], labels[a:b], meta_bytes))
 
 
+def _remove(fs, path):
+    try:
+        fs.delete_dir(path)
+    except (pa.ArrowException, OSError):
+        pass
+
+
 def _write(uri, n, shards, overwrite, meta, rows_per_group, table_of):
     fs, path = filesystem(uri)
     path = path.rstrip("/") or "/"
@@ -135,6 +142,7 @@ def _write(uri, n, shards, overwrite, meta, rows_per_group, table_of):
     shards = max(1, min(int(shards), n))
     bounds = np.linspace(0, n, shards + 1).round().astype(int)
     tmp = posixpath.join(parent, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
+    old, replaced = posixpath.join(parent, f".{name}.old-{uuid.uuid4().hex[:12]}"), False
     try:
         fs.create_dir(tmp, recursive=True)
         for i in range(shards):
@@ -147,22 +155,25 @@ def _write(uri, n, shards, overwrite, meta, rows_per_group, table_of):
                                write_statistics=[LABEL], data_page_size=1 << 20,
                                row_group_size=rows_per_group)
         if there:
-            old = posixpath.join(parent, f".{name}.old-{uuid.uuid4().hex[:12]}")
-            with interrupts.deferred():     # a Ctrl-C between the two moves would hide the dataset
+            with interrupts.deferred():     # both moves or neither: a Ctrl-C between them would hide it
                 fs.move(path, old)
-                fs.move(tmp, path)
-            fs.delete_dir(old)
+                try:
+                    fs.move(tmp, path)
+                except BaseException:
+                    fs.move(old, path)      # the old dataset back where it was
+                    raise
+                replaced = True
         else:
             fs.move(tmp, path)
     except BaseException as e:          # an I/O error, or Ctrl-C in a long import: no hidden copy left
-        try:
-            fs.delete_dir(tmp)
-        except (pa.ArrowException, OSError):
-            pass
+        _remove(fs, tmp)
         if isinstance(e, (pa.ArrowException, OSError)):
             raise DataError(f"cannot write {uri}: {one_line(e)}; check that its directory is "
                             f"writable") from None
         raise
+    finally:
+        if replaced:                    # however this ends (a Ctrl-C held over the moves included)
+            _remove(fs, old)
     log.info("wrote %s: %d rows in %d shards, %s images, %d classes",
              uri, n, shards, meta.get("encoding"), meta["num_classes"])
     return {"uri": uri, "rows": int(n), "shards": shards, "encoding": meta.get("encoding"),

@@ -22,7 +22,7 @@ from ... import preflight, shipping
 from ...errors import YarnappError
 from ..base import TERMINAL, Backend
 from . import cgroups, gpus, netem, supervisor
-from .state import app_processes, apps_dir, read_json, write_state
+from .state import app_processes, apps_dir, read_json
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +177,10 @@ class LocalBackend(Backend):
         # The supervisor passes SIGTERM on to the master and starts no new attempt.
         target = sup if sup and supervisor.alive(d) else st.get("am_pid")
         if st["state"] not in TERMINAL and target and psutil.pid_exists(target):
-            os.kill(target, signal.SIGTERM)
+            try:
+                os.kill(target, signal.SIGTERM)
+            except ProcessLookupError:          # it ended between the two calls
+                pass
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and psutil.pid_exists(target):
                 try:
@@ -195,10 +198,12 @@ class LocalBackend(Backend):
         if netem.unavailable_reason() is None:
             netem.sweep(app_id)       # its emulated nodes, should its AM have died without removing them
         cgroups.Limits.remove_app(app_id)   # and its (now empty) cgroups, for the same reason
-        if st["state"] not in TERMINAL and (read_json(os.path.join(d, "state.json")) or {}).get("state") \
-                not in TERMINAL:      # killed before its master could end it (still starting)
-            write_state(d, {**{k: st[k] for k in ("app_id", "name", "submitted", "containers")},
-                            "state": "KILLED", "diagnostics": "killed by the user", "finished": time.time()})
+        raw = read_json(os.path.join(d, "state.json"))
+        if st["state"] not in TERMINAL and (raw or {}).get("state") not in TERMINAL and not supervisor.alive(d):
+            # Killed before its master could end it (still starting); a supervisor still
+            # alive ends it itself, once the master it waits for is gone.
+            supervisor.end(d, raw, "KILLED", "killed by the user", app_id=app_id, name=st["name"],
+                           submitted=st["submitted"])
         return self.status(app_id)
 
     def list(self):

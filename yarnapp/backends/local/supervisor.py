@@ -137,17 +137,21 @@ class Supervisor:
             log.warning("%s; starting attempt %d of %d", what, attempt + 1, self.job.am_attempts)
 
     def finish(self, st, state, diagnostics):
-        """The final state of an application whose last AM died without writing one."""
-        st = dict(st or {}, app_id=self.app_id, name=self.job.name, state=state, diagnostics=diagnostics,
-                  finished=time.time())
-        st.setdefault("containers", [])
-        for c in st["containers"]:
-            if c.get("state") == "RUNNING":
-                c["state"] = state
-        if state == "FAILED":
-            st["failure"] = Failure(reason=diagnostics, kind=Kind.CONTAINER.value, container="master",
-                                    log=os.path.join(self.dir, "am.log")).stamped().as_dict()
-        write_state(self.dir, st)
+        end(self.dir, st, state, diagnostics, app_id=self.app_id, name=self.job.name)
+
+
+def end(app_dir, st, state, diagnostics, **fields):
+    """Write the final state of an application whose master did not write one (it died, or
+    was killed before it could): `st` is what state.json held, `fields` what it lacks."""
+    st = dict(st or {}, **fields, state=state, diagnostics=diagnostics, finished=time.time())
+    st.setdefault("containers", [])
+    for c in st["containers"]:
+        if c.get("state") == "RUNNING":
+            c["state"] = state
+    if state == "FAILED":
+        st["failure"] = Failure(reason=diagnostics, kind=Kind.CONTAINER.value, container="master",
+                                log=os.path.join(app_dir, "am.log")).stamped().as_dict()
+    write_state(app_dir, st)
 
 
 def main(argv=None):
