@@ -63,6 +63,16 @@ class Identity:
         return self.job.checkpoint.uri or os.path.join(self.app_dir, "checkpoints")
 
     @property
+    def checkpoint_siblings(self):
+        """With checkpoint.uri unset, every application checkpoints in its own directory
+        (<dir>/<app id>/checkpoints): <dir>, where `resume` finds the others (the local
+        engine's applications, or yarn.storage). None when the URI is set (they are under it)."""
+        if self.job.checkpoint.uri:
+            return None
+        parent, _, name = self.app_dir.rstrip("/").rpartition("/")
+        return parent if name == self.app_id and parent else None
+
+    @property
     def logdir(self):
         return self.job.tensorboard.logdir or os.path.join(self.app_dir, "tensorboard")
 

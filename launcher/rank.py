@@ -185,7 +185,8 @@ def main(argv=None):
     from training.context import RunContext, rank_infos
     ctx = RunContext(comm=comm, rank=ident.rank, world_size=ident.world_size, ranks=rank_infos(job),
                      job=job, app_id=ident.app_id, generation=gen, workdir=workdir,
-                     checkpoint_uri=ident.checkpoint_uri, logdir=ident.logdir,
+                     checkpoint_uri=ident.checkpoint_uri, checkpoint_siblings=ident.checkpoint_siblings,
+                     logdir=ident.logdir,
                      publish=store.put, heartbeat_path=args.heartbeat,
                      local_rank=int(env["LOCAL_RANK"]), local_world_size=int(env["LOCAL_WORLD_SIZE"]),
                      group_rank=int(env["GROUP_RANK"]), master_addr=env["MASTER_ADDR"],

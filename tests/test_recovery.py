@@ -220,3 +220,21 @@ def test_resubmitting_a_job_does_not_resume_another_applications_checkpoints_unl
         in st["failure"]["reason"]
     for r in runs + (bad,):
         assert_nothing_left(r.app_id)
+
+
+def test_resume_finds_other_applications_when_checkpoint_uri_is_unset(digits, tmp_path, yarnapp_home):
+    """checkpoint.uri unset (the default): each application checkpoints in its own
+    directory, and `resume` (latest, or an application id) finds the others there. Before,
+    it looked only in the new application's own directory: `--resume latest` started from
+    step 0 and an application id failed."""
+    def job(steps, resume="never"):
+        j = digits_job(tmp_path, digits, "default-uri", steps=steps, instances=(1, 0))
+        j["checkpoint"] = {"every_steps": 10, "resume": resume}
+        return j
+    run1, _ = run_to_end(job(20))
+    run2, st2 = run_to_end(job(30, resume="latest"))
+    assert st2["final"]["resumed_app"] == run1.app_id and st2["final"]["resumed_from"] == 20
+    run3, st3 = run_to_end(job(30, resume=run1.app_id))
+    assert st3["final"]["resumed_app"] == run1.app_id and st3["final"]["resumed_from"] == 20
+    for r in (run1, run2, run3):
+        assert_nothing_left(r.app_id)

@@ -20,7 +20,9 @@ starts from nothing unless `checkpoint.resume` asks otherwise:
     latest   the newest complete checkpoint of the most recent earlier application of
              the same job name under this URI
     APP_ID   that application's newest complete checkpoint (any job name)
-It never writes into another application's directory.
+It never writes into another application's directory. With checkpoint.uri unset each
+application's URI is its own directory's `checkpoints` (`siblings`/<app_id>/checkpoints),
+and `resume` looks for the others there.
 """
 import json
 import logging
@@ -52,9 +54,11 @@ def set_rng_state(s):
 
 
 class Checkpointer:
-    def __init__(self, uri, comm, keep=3, generation=0, app_id="app", name="job", resume="never"):
+    def __init__(self, uri, comm, keep=3, generation=0, app_id="app", name="job", resume="never", siblings=None):
         self.uri = uri
         self.fs, self.base = fsutil.resolve(uri)
+        self.siblings = siblings            # the directory of the applications' own directories, or None
+        self._siblings = fsutil.resolve(siblings)[1].rstrip("/") if siblings else None
         self.root = f"{self.base.rstrip('/')}/{app_id}"
         self.comm = comm
         self.rank = comm.Get_rank()
@@ -71,12 +75,18 @@ class Checkpointer:
         return sorted(int(m.group(1)) for n in fsutil.listdir(self.fs, root or self.root)
                       if (m := _COMPLETE.match(n)))
 
+    def _app_root(self, app):
+        """Where application `app` checkpoints (`siblings`: in its own directory)."""
+        if self.siblings:
+            return f"{self._siblings}/{app}/checkpoints/{app}"
+        return f"{self.base.rstrip('/')}/{app}"
+
     def applications(self):
-        """[(created, app_id, name)] of every application with a directory under the URI."""
+        """[(created, app_id, name)] of every application with a checkpoint directory there."""
         out = []
-        for app in fsutil.listdir(self.fs, self.base):
+        for app in fsutil.listdir(self.fs, self._siblings or self.base):
             try:
-                meta = json.loads(fsutil.read_bytes(self.fs, f"{self.base}/{app}/application.json"))
+                meta = json.loads(fsutil.read_bytes(self.fs, f"{self._app_root(app)}/application.json"))
             except (OSError, ValueError, pa.ArrowException):
                 continue
             out.append((meta.get("created", 0), app, meta.get("name")))
@@ -89,19 +99,20 @@ class Checkpointer:
             return self.root, self.app_id, steps[-1]
         if self.resume == "never":
             return None, None, 0
+        where = self.siblings or self.uri
         if self.resume == "latest":
             for _, app, name in reversed(self.applications()):
-                root = f"{self.base}/{app}"
+                root = self._app_root(app)
                 if app != self.app_id and name == self.name and self.complete_steps(root):
                     return root, app, self.complete_steps(root)[-1]
             log.warning("checkpoint.resume latest: no earlier application of job %r has a complete "
-                        "checkpoint under %s; starting from step 0", self.name, self.uri)
+                        "checkpoint under %s; starting from step 0", self.name, where)
             return None, None, 0
-        root = f"{self.base}/{self.resume}"
+        root = self._app_root(self.resume)
         steps = self.complete_steps(root) if fsutil.exists(self.fs, root) else []
         if not steps:
             raise CheckpointError(f"checkpoint.resume {self.resume}: no complete checkpoint of that application "
-                                  f"under {self.uri}; give an application id listed there, latest or never")
+                                  f"under {where}; give an application id listed there, latest or never")
         return root, self.resume, steps[-1]
 
     def latest(self):

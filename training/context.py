@@ -58,6 +58,7 @@ class RunContext:
     group_rank: int = 0          # the index of this rank's host (torchrun's node rank)
     master_addr: str = "127.0.0.1"
     master_port: Optional[int] = None
+    checkpoint_siblings: Optional[str] = None    # checkpoint.uri unset: where other applications' directories are
 
     @classmethod
     def offline(cls, comm, job, app_id="offline", workdir="/tmp"):

@@ -47,7 +47,7 @@ class Runner:
         self.strategy.setup(model, make_optimizer_factory(spec), example_input=example)
         c = ctx.job.checkpoint
         self.ckpt = Checkpointer(ctx.checkpoint_uri, self.comm, c.keep, ctx.generation, app_id=ctx.app_id,
-                                 name=ctx.job.name, resume=c.resume)
+                                 name=ctx.job.name, resume=c.resume, siblings=ctx.checkpoint_siblings)
         self.start_step, state = self.ckpt.latest()
         if state is not None:
             self.strategy.load_state_dict(state["strategy"])
