@@ -148,6 +148,21 @@ def absolutize(job, base):
     return JobSpec.model_validate(d)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load, but a key given twice in one mapping is an error, not the last one
+    silently winning (two `run:` blocks: which one runs?)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def read_raw(source):
     """(where, the job as a plain dict) from a job.yaml path, a dict or a JobSpec, before
     defaults are merged; raises JobError for a file that cannot be read as a mapping."""
@@ -157,12 +172,15 @@ def read_raw(source):
     if isinstance(source, (str, os.PathLike)):
         where = str(source)
         try:
-            with open(source) as f:
-                raw = yaml.safe_load(f)
+            with open(source, encoding="utf-8") as f:
+                raw = yaml.load(f, Loader=_UniqueKeyLoader)
         except FileNotFoundError:
             raise JobError(f"{where}: no such file") from None
         except IsADirectoryError:
             raise JobError(f"{where}: is a directory, expected a job.yaml file") from None
+        except UnicodeDecodeError as e:
+            raise JobError(f"{where}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
+                           f"save it as UTF-8") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             pos = f":{mark.line + 1}:{mark.column + 1}" if mark else ""

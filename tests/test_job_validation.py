@@ -94,6 +94,12 @@ CASES = [
     ("data-bad-scheme", dict(_with("run.function", "training.runner:main"),
                              training={"data": {"train": "nosuch://host/train"}}), "training.data.train",
      "cannot open nosuch://host/train"),
+    ("script-missing", {**GOOD, "run": {"script": "/nonexistent-yarnapp/train.py"}}, "run.script",
+     "/nonexistent-yarnapp/train.py does not exist"),
+    ("script-a-directory", {**GOOD, "run": {"script": "/tmp"}}, "run.script", "/tmp is a directory"),
+    ("key-twice", "name: t\ngroups: [{name: w, instances: 1}]\nrun: {function: a:b}\nrun: {function: c:d}\n",
+     ":4:1", "the key 'run' is given twice"),
+    ("not-utf8", "name: caf\xe9\n".encode("latin-1"), "", "not UTF-8 text (byte 0xe9 at offset 9)"),
     ("not-a-mapping", "- just\n- a list\n", "", "mapping"),
     ("yaml-syntax", "name: t\ngroups: [\n", ":", "not valid YAML"),
     ("gpus-unavailable", _with("groups.0.gpus", 64), "groups[0].gpus", "this machine has"),
@@ -104,7 +110,10 @@ CASES = [
 @pytest.mark.parametrize("case,job,field,words", CASES, ids=[c[0] for c in CASES])
 def test_bad_job_is_one_clear_line_and_starts_nothing(case, job, field, words, tmp_path, cli, yarnapp_home):
     path = tmp_path / f"{case}.yaml"
-    path.write_text(job if isinstance(job, str) else yaml.safe_dump(job))
+    if isinstance(job, bytes):
+        path.write_bytes(job)
+    else:
+        path.write_text(job if isinstance(job, str) else yaml.safe_dump(job))
     proc = cli("submit", path, "--wait", timeout=60)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()

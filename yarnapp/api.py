@@ -5,7 +5,7 @@ import time
 
 import conf
 
-from . import backends, preflight
+from . import backends
 from .backends.base import TERMINAL
 from .errors import JobFailed, YarnappError
 
@@ -71,7 +71,9 @@ def dry_run(spec, where="job"):
         from .backends import yarn
         return yarn.dry_run(spec, where)
     import yaml
-    preflight.check_data(conf.absolutize(spec, os.getcwd()), where)      # as submit would
+
+    from .backends.local.engine import checked
+    checked(spec, where)                    # as submit would
     return (f"# {where}: the resolved job the local engine would run (no skein spec: it runs its own "
             f"application master)\n" + yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
 

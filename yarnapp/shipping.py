@@ -105,11 +105,21 @@ def editable_packages(exclude=PRODUCT):
     return out
 
 
-def plan(job):
+def plan(job, where=None):
     """The Shipment of `job` (a conf.JobSpec with absolute local paths: conf.absolutize).
 
-    Raises YarnappError naming the field for anything missing, clashing or too big.
+    Raises YarnappError naming the field (after `where`, the job's file) for anything
+    missing, clashing or too big.
     """
+    try:
+        return _plan(job)
+    except YarnappError as e:
+        if where:
+            raise YarnappError(f"{where}: {e}") from None
+        raise
+
+
+def _plan(job):
     run = job.run
     entries = {}
 
@@ -122,6 +132,9 @@ def plan(job):
                                f"container; rename one, or ship their common parent directory")
         entries[name] = path
 
+    if run.script and not os.path.isfile(run.script):
+        what = "is a directory" if os.path.isdir(run.script) else "does not exist"
+        raise YarnappError(f"run.script: {run.script} {what}; name the Python file the job runs")
     files = run.files
     if files is None and run.script:
         files = [os.path.dirname(run.script)]

@@ -51,6 +51,16 @@ def check_resources(job, where="job"):
                                f"{len(have)}, set gpus: 0, or submit to a cluster with --backend yarn")
 
 
+def checked(job, where="job"):
+    """What submit (and `submit --dry-run`) checks before anything is written or started;
+    the job's Shipment (its job with absolute paths, and the files it ships)."""
+    check_resources(job, where)
+    netem.check(job, where)
+    job = conf.absolutize(job, os.getcwd())
+    preflight.check_data(job, where)
+    return shipping.plan(job, where)
+
+
 def _stop_just_started(app_id, proc):
     """Stop a supervisor started a moment ago (its record may not be written): its process
     group (it is a session leader; its master starts in that group), then, should any have
@@ -81,11 +91,7 @@ class LocalBackend(Backend):
         return d
 
     def submit(self, job, where="job"):
-        check_resources(job, where)
-        netem.check(job, where)
-        job = conf.absolutize(job, os.getcwd())
-        preflight.check_data(job, where)
-        shipment = shipping.plan(job)
+        shipment = checked(job, where)
         job = shipment.job
         app_id = _new_app_id()
         d = os.path.join(apps_dir(), app_id)
