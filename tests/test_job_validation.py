@@ -201,3 +201,18 @@ def test_every_example_is_a_valid_job():
     assert "cifar_jpeg.yaml" in examples
     for name in examples:
         conf.load_job(os.path.join(conf.EXAMPLES_DIR, name))
+
+
+@pytest.mark.parametrize("args,words", [
+    (["synthetic-cifar", "--n-train", "-5"], "option n_train=-5 is not a valid value; give a whole number of at least 1"),
+    (["synthetic-cifar", "--n-test", "0"], "option n_test=0 is not a valid value"),       # 0 was the default's
+    (["synthetic-cifar", "--shards", "0"], "option shards=0 is not a valid value"),
+    (["synthetic-cifar", "--encoding", "jpeg", "--quality", "500"], "give a JPEG quality from 1 to 100"),
+    (["image-folder"], "data import image-folder: give --path"),
+    (["arrays"], "data import arrays: give --path"),
+])
+def test_bad_data_import_arguments_are_one_line_and_write_nothing(args, words, tmp_path, cli):
+    proc = cli("data", "import", args[0], tmp_path / "ds", *args[1:], timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1 and words in proc.stderr, proc.stderr
+    assert os.listdir(tmp_path) == []

@@ -186,10 +186,13 @@ def cmd_netem(args):
 def cmd_data_import(args):
     from training import data
     opts = {k: v for k, v in vars(args).items() if k in ("shards", "seed", "n_train", "n_test", "path",
-                                                         "encoding", "quality") and v not in (None, False)}
+                                                         "encoding", "quality") and v is not None}
     if args.overwrite:
         opts["overwrite"] = True
-    if args.kind == "image-folder" and "path" in opts:
+    if args.kind in ("arrays", "image-folder") and "path" not in opts:
+        raise YarnappError(f"data import {args.kind}: give --path ("
+                           f"{'an .npz with x and y' if args.kind == 'arrays' else 'the folder, a subfolder per class'})")
+    if args.kind == "image-folder":
         opts["folder"] = opts.pop("path")
     summary = data.run_import(args.kind, args.uri, opts)          # DataError: one line
     _p(json.dumps(summary))

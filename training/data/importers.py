@@ -212,6 +212,22 @@ def _to_int(v):
     return int(v)
 
 
+def _to_count(v):
+    """A whole number >= 1 (rows, shards, classes)."""
+    n = int(v)
+    if n < 1:
+        raise ValueError(v)
+    return n
+
+
+def _to_quality(v):
+    """A JPEG quality, 1..100."""
+    q = int(v)
+    if not 1 <= q <= 100:
+        raise ValueError(v)
+    return q
+
+
 def _to_bool(v):
     if isinstance(v, str):
         if v.lower() in ("1", "true", "yes", "on"):
@@ -239,14 +255,16 @@ def _load_npz(path):
 
 # kind -> (function, {option: converter}, required options)
 _IMPORTS = {
-    "digits": (import_digits, {"shards": _to_int, "overwrite": _to_bool}, ()),
-    "synthetic-cifar": (import_synthetic_cifar, {"n_train": _to_int, "n_test": _to_int, "shards": _to_int,
-                                                 "seed": _to_int, "encoding": str, "quality": _to_int,
+    "digits": (import_digits, {"shards": _to_count, "overwrite": _to_bool}, ()),
+    "synthetic-cifar": (import_synthetic_cifar, {"n_train": _to_count, "n_test": _to_count, "shards": _to_count,
+                                                 "seed": _to_int, "encoding": str, "quality": _to_quality,
                                                  "overwrite": _to_bool}, ()),
-    "arrays": (None, {"path": str, "shards": _to_int, "num_classes": _to_int, "overwrite": _to_bool},
+    "arrays": (None, {"path": str, "shards": _to_count, "num_classes": _to_count, "overwrite": _to_bool},
                ("path",)),
-    "image-folder": (import_image_folder, {"folder": str, "shards": _to_int, "overwrite": _to_bool}, ("folder",)),
+    "image-folder": (import_image_folder, {"folder": str, "shards": _to_count, "overwrite": _to_bool}, ("folder",)),
 }
+_WANTED = {_to_count: "a whole number of at least 1", _to_quality: "a JPEG quality from 1 to 100",
+           _to_int: "a whole number", _to_bool: "true or false"}
 IMPORT_KINDS = tuple(_IMPORTS)
 
 
@@ -276,7 +294,8 @@ def run_import(kind, uri, options=None):
         try:
             kwargs[key] = allowed[key](value)
         except (TypeError, ValueError):
-            raise DataError(f"{kind}: option {key}={value!r} is not a valid value") from None
+            raise DataError(f"{kind}: option {key}={value!r} is not a valid value; give "
+                            f"{_WANTED.get(allowed[key], 'another value')}") from None
     for key in required:
         if key not in kwargs:
             raise DataError(f"{kind}: option {key!r} is required")
