@@ -103,6 +103,21 @@ class LastLine:
         return getattr(self._stream, name)
 
 
+class ByOrigin(logging.StreamHandler):
+    """The rank's log handler: yarnapp's own records (launcher, training, yarnapp, conf)
+    go to the stream as they are, the job's code's through LastLine, so that a rank that
+    exits non-zero is described by the last line its code wrote, never by ours."""
+    OURS = ("launcher", "training", "yarnapp", "conf")
+
+    def __init__(self, ours, theirs):
+        super().__init__(theirs)
+        self.ours, self.theirs = ours, theirs
+
+    def emit(self, record):
+        self.stream = self.ours if record.name.split(".", 1)[0] in self.OURS else self.theirs
+        super().emit(record)
+
+
 class Liveness(threading.Thread):
     """Touches the heartbeat every LIVENESS_S while the code reports no progress itself."""
 
@@ -154,8 +169,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     ident = identity.from_env()
     stderr = sys.stderr = LastLine(sys.stderr)
-    logging.basicConfig(level=logging.INFO, stream=stderr,
-                        format=f"%(asctime)s rank{ident.rank} {ident.container} %(name)s: %(message)s")
+    handler = ByOrigin(ours=stderr._stream, theirs=stderr)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s rank{ident.rank} {ident.container} %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     store = store_mod.from_env()
     gen, job = args.generation, ident.job
     with open(args.heartbeat, "w") as f:

@@ -171,3 +171,20 @@ def test_ctx_init_process_group_joins_the_gloo_group_the_launcher_prepared(yarna
     assert st["state"] == "SUCCEEDED", run.logs()
     assert st["final"] == {"sum": 6.0, "backend": "gloo", "world": 3}
     assert_nothing_left(run.app_id)
+
+
+def test_a_script_exiting_non_zero_silently_is_described_by_its_status_not_our_log(cli, tmp_path):
+    """Every rank of a script that prints to stdout only and exits with status 3: the
+    reason is "exited with status 3", the same on every rank, so it is not retried (before,
+    it was the launcher's own last log line, which differs per rank: a restart was spent)."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "quits.py").write_text("import sys\nprint('nothing to do')\nsys.exit(3)\n")
+    job = write_job(tmp_path / "quits.yaml", {"name": "quits", "groups": GROUPS, "max_restarts": 3,
+                                              "run": {"script": str(code / "quits.py")}})
+    proc = cli("submit", job, "--wait")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    err = proc.stderr.strip().splitlines()[-1]
+    assert "FAILED after 1 attempt(s)" in err and "exited with status 3" in err, err
+    assert "launcher.rank" not in err and "world generation" not in err, err
+    assert_nothing_left(app_id_from(err))
