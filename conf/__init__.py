@@ -6,7 +6,8 @@ import yaml
 from pydantic import ValidationError
 
 from .errors import YarnappError
-from .schema import BUILTIN_RUNNER, JobSpec, StrategyConfig, container_id, strategy_fields, strategy_names  # noqa: F401
+from .schema import (BUILTIN_RUNNER, TENSORBOARD_SERVICE, JobSpec, StrategyConfig, container_id,  # noqa: F401
+                     strategy_fields, strategy_names)
 from .units import parse_duration_s, parse_memory_mib  # noqa: F401
 
 DEFAULTS_PATH = os.path.join(os.path.dirname(__file__), "defaults.yaml")
@@ -208,7 +209,7 @@ def load_job(source, overrides=None):
         first = errs[0]
         msg = _message(first)
         path = _path(first["loc"])
-        if msg.startswith(("groups: ", "training", "give ")) and ":" in msg and first["loc"] == ():
+        if msg.startswith(("groups", "training", "give ")) and ":" in msg and first["loc"] == ():
             path, msg = msg.split(": ", 1)
         elif msg.startswith("[") and "]" in msg.split(": ", 1)[0]:     # a list entry: field[i].key
             where_in, msg = msg.split(": ", 1)

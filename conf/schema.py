@@ -36,6 +36,7 @@ def _ipv4_subnet(value):
     return str(net)
 
 
+TENSORBOARD_SERVICE = "tensorboard"      # the TensorBoard service's name among the groups (YARN: a skein service)
 BUILTIN_RUNNER = "training.runner:main"    # run.function of the built-in runner, which needs `training`
 
 
@@ -342,10 +343,13 @@ class JobSpec(Model):
     @model_validator(mode="after")
     def _cross_checks(self):
         seen = set()
-        for g in self.groups:
+        for i, g in enumerate(self.groups):
             if g.name in seen:
                 raise ValueError(f"groups: duplicate group name {g.name!r}")
             seen.add(g.name)
+            if self.tensorboard.service and g.name == TENSORBOARD_SERVICE:     # on YARN, its skein service
+                raise ValueError(f"groups[{i}].name: {TENSORBOARD_SERVICE!r} names the TensorBoard service when "
+                                 f"tensorboard.service is true; rename the group")
         if self.run.function == BUILTIN_RUNNER and self.training is None:
             raise ValueError("training: required when run.function is the built-in training.runner:main")
         if self.training and isinstance(self.training.shares, list) and len(self.training.shares) != self.world_size:

@@ -100,6 +100,8 @@ CASES = [
     ("key-twice", "name: t\ngroups: [{name: w, instances: 1}]\nrun: {function: a:b}\nrun: {function: c:d}\n",
      ":4:1", "the key 'run' is given twice"),
     ("not-utf8", "name: caf\xe9\n".encode("latin-1"), "", "not UTF-8 text (byte 0xe9 at offset 9)"),
+    ("tensorboard-group", dict(_with("groups.0.name", "tensorboard"), tensorboard={"service": True}),
+     "groups[0].name", "names the TensorBoard service"),
     ("not-a-mapping", "- just\n- a list\n", "", "mapping"),
     ("yaml-syntax", "name: t\ngroups: [\n", ":", "not valid YAML"),
     ("gpus-unavailable", _with("groups.0.gpus", 64), "groups[0].gpus", "this machine has"),

@@ -5,6 +5,7 @@ keeps its traceback."""
 import argparse
 import json
 import logging
+import os
 import shlex
 import sys
 import time
@@ -145,6 +146,9 @@ def _interrupt_on_sigterm():
 def cmd_tensorboard(args):
     from . import tensorboard
     _interrupt_on_sigterm()
+    if "/" in args.app and "://" not in args.app and not os.path.isdir(args.app):
+        _p(f"note: {args.app} does not exist (yet); TensorBoard shows its runs once they are written there",
+           file=sys.stderr)
     tb = tensorboard.for_app(args.app, port=args.port)
     try:
         _p(tb.url)
@@ -358,6 +362,9 @@ def main(argv=None):
     except KeyboardInterrupt:       # Ctrl-C (or `kill`, where the command turns it into one)
         print("interrupted", file=sys.stderr, flush=True)
         return 130
+    except BrokenPipeError:         # `yarnapp status APP | head -1`: the reader is gone, as after SIGPIPE
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())     # and so is the final flush's
+        return 141
     except YarnappError as e:
         print(f"Error: {e}", file=sys.stderr, flush=True)
         return 1

@@ -57,7 +57,7 @@ from .base import Backend
 log = logging.getLogger(__name__)
 
 TAG = "yarnapp"                    # every application we submit carries it; list() filters on it
-TENSORBOARD_SERVICE = "tensorboard"
+TENSORBOARD_SERVICE = conf.TENSORBOARD_SERVICE
 TENSORBOARD_RESOURCES = {"memory": 1024, "vcores": 1}
 CLUSTER_PYTHON = "python3"         # packer: none
 _MARKER = "yarnapp container"      # first log line of every container: maps YARN ids to ours
@@ -78,9 +78,6 @@ def check_job(job, where=None):
         if not float(g.vcores).is_integer():
             raise YarnappError(f"{pre}groups[{i}].vcores: YARN allocates whole vcores; got {g.vcores:g} "
                                f"— use an integer")
-        if job.tensorboard.service and g.name == TENSORBOARD_SERVICE:
-            raise YarnappError(f"{pre}groups[{i}].name: {TENSORBOARD_SERVICE!r} names the TensorBoard service "
-                               f"when tensorboard.service is true; rename the group")
         for key in CONTRACT_KEYS:
             if key in g.env:
                 raise YarnappError(f"{pre}groups[{i}].env.{key}: set by yarnapp for every container; remove it")
