@@ -51,8 +51,8 @@ def resolve(raw, overrides=None):
     else:
         job.setdefault("training", None)
     for k, v in (overrides or {}).items():
-        if v is not None:
-            job[k] = v
+        if v is not None:           # a section's override merges into it (--resume: checkpoint.resume)
+            job[k] = _merge(job[k], v) if isinstance(job.get(k), dict) and isinstance(v, dict) else v
     return job
 
 

@@ -218,3 +218,19 @@ def test_bad_data_import_arguments_are_one_line_and_write_nothing(args, words, t
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.count("\n") == 1 and words in proc.stderr, proc.stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_flags_merge_into_their_section_and_a_bad_value_names_the_file(tmp_path, cli, yarnapp_home):
+    """--resume and --nodes set one field of their section (the rest stays the file's);
+    a bad value is one line naming the job's file and the field, like --max-restarts."""
+    from yarnapp import api
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({**GOOD, "checkpoint": {"every_steps": 7}}))
+    spec = api.load(str(path), checkpoint={"resume": "latest"})
+    assert spec.checkpoint.resume == "latest" and spec.checkpoint.every_steps == 7
+    for flag, value, field in (("--resume", "bogus", "checkpoint.resume"), ("--nodes", "-1", "network.nodes"),
+                               ("--max-restarts", "-1", "max_restarts")):
+        proc = cli("submit", path, flag, value, timeout=60)
+        assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stderr.startswith(f"Error: {path}: {field}: "), proc.stderr
+    assert apps(yarnapp_home) == []

@@ -32,7 +32,8 @@ def submit(job, backend=None, wait=False, progress=True, function=None, **overri
     wait: block until it ends (showing progress), raising JobFailed if it fails.
     function: a callable(ctx) to run on every rank instead of the job's `run` (say, one
         defined in a notebook cell): it is pickled with cloudpickle and shipped.
-    overrides: top-level job fields, e.g. max_restarts=1.
+    overrides: top-level job fields, e.g. max_restarts=1; a section given as a dict merges
+    into the job's, e.g. checkpoint={"resume": "latest"}.
     """
     where = str(job) if isinstance(job, (str, os.PathLike)) else "job"
     if function is None:

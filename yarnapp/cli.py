@@ -21,11 +21,9 @@ def _p(*a, **k):
 
 
 def cmd_submit(args):
-    spec = api.load(args.job, backend=args.backend, max_restarts=args.max_restarts)
-    if args.resume is not None:
-        spec = api.load(spec, checkpoint=dict(spec.checkpoint.model_dump(), resume=args.resume))
-    if args.nodes is not None:
-        spec = api.load(spec, network=dict(spec.network.model_dump(), nodes=args.nodes))
+    spec = api.load(args.job, backend=args.backend, max_restarts=args.max_restarts,   # errors name the file
+                    checkpoint=None if args.resume is None else {"resume": args.resume},
+                    network=None if args.nodes is None else {"nodes": args.nodes})
     if args.dry_run:
         _p(api.dry_run(spec, where=args.job), end="")
         return 0
