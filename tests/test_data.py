@@ -448,3 +448,18 @@ def test_single_file_and_hand_written_dataset_load(tmp_path):
 def test_module_imports_without_torch():
     code = "import sys, training.data; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_a_test_set_unlike_the_training_set_is_named_with_both(tmp_path):
+    """A 3-channel test set beside a 1-channel training set: one line naming both and the
+    channels (before, a mean/std message that pointed at training.data.mean)."""
+    train, test = str(tmp_path / "train"), str(tmp_path / "test")
+    data.import_arrays(train, np.zeros((8, 1, 4, 4), np.uint8), np.arange(8) % 2)
+    data.import_arrays(test, np.zeros((8, 3, 4, 4), np.uint8), np.arange(8) % 2)
+    with pytest.raises(DataError) as e:
+        ParquetSource(test, reference=ParquetSource(train))
+    _one_line_naming(e, test, "3 channel(s), the training set's", train)
+    data.import_arrays(test, np.zeros((8, 1, 6, 6), np.uint8), np.arange(8) % 2, overwrite=True)
+    with pytest.raises(DataError) as e:
+        ParquetSource(test, reference=ParquetSource(train))
+    _one_line_naming(e, test, "[1, 6, 6]", "[1, 4, 4]")

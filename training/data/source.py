@@ -146,6 +146,9 @@ class ParquetSource:
         if reference is not None:
             self.classes, self.num_classes = reference.classes, max(reference.num_classes, self.num_classes)
         self.channels = self._channels()
+        if reference is not None and self.channels != reference.channels:
+            raise DataError(f"{uri}: its images have {self.channels} channel(s), the training set's "
+                            f"({reference.uri}) {reference.channels}; give a test set of the same kind of images")
         self.train_ops, train_hooks = transforms.build(g("augment", []), "training.data.augment")
         self.test_ops, test_hooks = transforms.build(g("test_transforms", []), "training.data.test_transforms")
         user = _user_hook(g("transform"))
@@ -163,6 +166,10 @@ class ParquetSource:
         if ctx is not None or reference is not None:
             self._resolve_stats()
         self.shape = self._shape()
+        if reference is not None and self.shape != reference.shape:
+            raise DataError(f"{uri}: its images come out {list(self.shape)} for the model, the training set's "
+                            f"({reference.uri}) {list(reference.shape)}; give a test set of the same size, or "
+                            f"resize it in training.data.test_transforms")
 
     def __len__(self):
         return self.layout.rows
