@@ -64,18 +64,13 @@ def checked(job, where="job"):
 def _stop_just_started(app_id, proc):
     """Stop a supervisor started a moment ago (its record may not be written): its process
     group (it is a session leader; its master starts in that group), then, should any have
-    started already, the application's processes and cgroups."""
+    started already, what its master would have left (supervisor.clean_up)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     proc.wait()
-    for p in app_processes(app_id):
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    cgroups.Limits.remove_app(app_id)
+    supervisor.clean_up(app_id)
 
 
 class LocalBackend(Backend):
