@@ -162,6 +162,19 @@ def fail(store, gen, rank, line, phase, code=exitcodes.RANK_FAILED):
     os._exit(code)      # no MPI_Finalize: peers may be gone or blocked
 
 
+def close_user_process_group():
+    """Destroy the torch.distributed process group the user's code left open, as the end of
+    its process would under torchrun: a rank whose code returns early (sys.exit(0) at
+    step 3) then closes its sockets, so the ranks still in a collective with it fail at
+    once instead of waiting for ever on a peer that sits in the Barrier below."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the user's code is done; its group's teardown cannot fail it
+        log.warning("could not close the torch.distributed process group", exc_info=True)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--generation", type=int, required=True)
@@ -221,6 +234,7 @@ def main(argv=None):
     except BaseException as e:  # noqa: BLE001 - the user's error: its line, then its traceback
         print_user_traceback(e)
         fail(store, gen, ident.rank, f"{type(e).__name__}: {e}".splitlines()[0], ctx.phase)
+    close_user_process_group()
     comm.Barrier()
     logging.shutdown()
     sys.stdout.flush()

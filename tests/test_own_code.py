@@ -188,3 +188,27 @@ def test_a_script_exiting_non_zero_silently_is_described_by_its_status_not_our_l
     assert "FAILED after 1 attempt(s)" in err and "exited with status 3" in err, err
     assert "launcher.rank" not in err and "world generation" not in err, err
     assert_nothing_left(app_id_from(err))
+
+
+def test_a_torchrun_script_whose_rank_returns_early_fails_its_peers_instead_of_hanging(cli, tmp_path):
+    """Rank 1 of an unmodified gloo script leaves with sys.exit(0) at step 3 while the
+    others go on to all_reduce with it. Under torchrun its process would end and its peers
+    fail with "Connection closed"; here the rank waited in the launcher's closing Barrier
+    with its process group open, so the others waited for ever (no progress reports:
+    nothing ever looked hung). Now the launcher closes the group the code left open."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "early.py").write_text(
+        "import os, sys, time\nimport torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\nrank = int(os.environ['RANK'])\n"
+        "for i in range(200):\n"
+        "    if rank == 1 and i == 3:\n        sys.exit(0)\n"
+        "    t = torch.ones(1)\n    dist.all_reduce(t)\n    time.sleep(0.05)\n"
+        "dist.destroy_process_group()\n")
+    job = write_job(tmp_path / "early.yaml", {"name": "early", "groups": GROUPS, "max_restarts": 0,
+                                              "run": {"script": str(code / "early.py")}})
+    proc = cli("submit", job, "--wait", timeout=240)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    err = proc.stderr.strip().splitlines()[-1]
+    assert "FAILED after 1 attempt(s)" in err and "Connection closed" in err, err
+    assert_nothing_left(app_id_from(err))
