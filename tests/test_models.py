@@ -199,3 +199,43 @@ def test_digits_cnn_learns_the_real_digits(tmp_path, one_thread):
     assert evaluation.stats.samples == len(test) == 359
     assert accuracy >= 0.95, accuracy
     assert time.perf_counter() - start < 30
+
+
+def _flat(c, h, w, outputs):
+    return nn.Sequential(nn.Flatten(), nn.Linear(c * h * w, outputs))
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda: _flat(1, 8, 8, 13), "gives outputs of shape (2, 13), but the data has 10 classes"),
+    (lambda: _flat(1, 8, 8, 7), "gives outputs of shape (2, 7), but the data has 10 classes"),
+    (lambda: nn.Conv2d(1, 10, 3, padding=1), "gives outputs of shape (2, 10, 8, 8)"),
+    (lambda: _flat(3, 8, 8, 10), "shape (2, 1, 8, 8), does not go through it: RuntimeError: mat1 and mat2"),
+])
+def test_a_model_whose_output_does_not_fit_the_classes_is_one_line_before_training(make, says):
+    """Before, 13 outputs for 10 classes trained and reported success; 7 failed inside
+    cross_entropy with a torch traceback after a restart."""
+    from training.models import check_output
+    with pytest.raises(ModelError) as e:
+        check_output(make(), "mine:net", torch.randn(16, 1, 8, 8), 10)
+    assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert str(e.value).startswith("model 'mine:net': ")
+
+
+def test_checking_a_models_output_changes_nothing_it_touches():
+    """The check's forward runs in eval mode on a fork of the RNG: batch-norm statistics,
+    each module's train/eval flag and the random stream are as they were."""
+    from training.models import check_output
+    torch.manual_seed(0)
+    model = build_model("resnet", (3, 16, 16), 10, {"width": 4, "blocks": 1, "stages": 2})
+    frozen = next(m for m in model.modules() if isinstance(m, nn.BatchNorm2d))
+    frozen.eval()                                   # a user's frozen layer stays frozen
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    flags = [m.training for m in model.modules()]
+    check_output(model, "resnet", torch.randn(16, 3, 16, 16), 10)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert [m.training for m in model.modules()] == flags and not frozen.training
+    after = torch.rand(3)
+    torch.manual_seed(0)
+    build_model("resnet", (3, 16, 16), 10, {"width": 4, "blocks": 1, "stages": 2})
+    torch.randn(16, 3, 16, 16)
+    assert torch.equal(after, torch.rand(3))

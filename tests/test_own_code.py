@@ -212,3 +212,21 @@ def test_a_torchrun_script_whose_rank_returns_early_fails_its_peers_instead_of_h
     err = proc.stderr.strip().splitlines()[-1]
     assert "FAILED after 1 attempt(s)" in err and "Connection closed" in err, err
     assert_nothing_left(app_id_from(err))
+
+
+def test_a_users_model_with_the_wrong_number_of_outputs_fails_once_with_one_line(digits, cli, tmp_path):
+    """13 outputs for digits' 10 classes: before, it trained and reported SUCCEEDED."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "nets.py").write_text("import torch.nn as nn\n\ndef wrong(num_classes, input_shape):\n"
+                                  "    c, h, w = input_shape\n"
+                                  "    return nn.Sequential(nn.Flatten(), nn.Linear(c * h * w, num_classes + 3))\n")
+    job = write_job(tmp_path / "wrong.yaml", {
+        "name": "wrong", "groups": GROUPS, "max_restarts": 2, "run": {"files": [str(code / "nets.py")]},
+        "training": {"model": "nets:wrong", "data": {"train": f"{digits}/train", "test": f"{digits}/test"}}})
+    proc = cli("submit", job, "--wait")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    err = proc.stderr.strip().splitlines()[-1]
+    assert "FAILED after 1 attempt(s)" in err and "model 'nets:wrong'" in err, err
+    assert "gives outputs of shape (2, 13), but the data has 10 classes" in err, err
+    assert_nothing_left(app_id_from(err))

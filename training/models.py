@@ -282,10 +282,45 @@ def build_model(name, input_shape, num_classes, options=None):
     return model
 
 
+def check_output(model, name, example, num_classes):
+    """Raise ModelError (one line) unless `model` maps a batch like `example` (B x C x H x W,
+    the training data's first rows) to logits of shape (B, num_classes), as the built-in
+    runner's loss needs. Before this, a user's model with 13 outputs for 10 classes trained
+    and reported success, and one with 7 failed in cross_entropy with a torch traceback
+    after a restart. The pass runs in eval mode without gradients on a fork of the RNG, so
+    nothing it touches (batch-norm statistics, the random stream) differs afterwards."""
+    import torch
+    x = example[:2]
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        param = next(model.parameters(), None)
+        if param is not None:
+            x = x.to(param.device)
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            model.eval()
+            try:
+                out = model(x)
+            except Exception as e:  # noqa: BLE001 - the user's model: its error as one line, traceback in the log
+                log.error("model %r: forward pass on a batch of shape %s", name, tuple(x.shape), exc_info=True)
+                raise ModelError(f"model {name!r}: a batch of the training data, shape {tuple(x.shape)}, "
+                                 f"does not go through it: {type(e).__name__}: {e}".splitlines()[0]) from None
+    finally:
+        for m, training in modes:
+            m.training = training
+    if not isinstance(out, torch.Tensor):
+        raise ModelError(f"model {name!r}: its forward returns a {type(out).__name__}; the built-in runner "
+                         f"needs one tensor of logits, shape (batch, {num_classes})")
+    if tuple(out.shape) != (x.shape[0], num_classes):
+        raise ModelError(f"model {name!r}: a batch of {x.shape[0]} images {'x'.join(map(str, x.shape[1:]))} "
+                         f"gives outputs of shape {tuple(out.shape)}, but the data has {num_classes} classes: "
+                         f"the model must give ({x.shape[0]}, {num_classes}); build its last layer with the "
+                         f"num_classes it is given")
+
+
 def parameter_count(model):
     """Number of trainable parameters."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-__all__ = ["ModelError", "build_model", "conv_layers", "parameter_count", "MODELS",
+__all__ = ["ModelError", "build_model", "check_output", "conv_layers", "parameter_count", "MODELS",
            "DigitsCNN", "SeedCNN", "ResNet", "MLP", "BasicBlock"]

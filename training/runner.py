@@ -17,7 +17,7 @@ from launcher import memory   # plain functions reading this process's memory cg
 from . import collectives, strategies
 from .checkpoint import Checkpointer, rng_state, set_rng_state
 from .data import open_dataset
-from .models import build_model
+from .models import build_model, check_output
 from .tensorboard import TBLogger
 
 log = logging.getLogger(__name__)
@@ -42,8 +42,9 @@ class Runner:
         self.test = open_dataset(spec.data, "test", ctx, reference=self.train)
         torch.manual_seed(spec.seed)
         model = build_model(spec.model, self.train.shape, self.train.num_classes, spec.model_options)
-        self.strategy = strategies.get(spec.strategy.name)(ctx, spec)
         example = self.train.example(16)                                # e.g. for shares: speed
+        check_output(model, spec.model, example, self.train.num_classes)
+        self.strategy = strategies.get(spec.strategy.name)(ctx, spec)
         self.strategy.setup(model, make_optimizer_factory(spec), example_input=example)
         c = ctx.job.checkpoint
         self.ckpt = Checkpointer(ctx.checkpoint_uri, self.comm, c.keep, ctx.generation, app_id=ctx.app_id,
