@@ -204,3 +204,38 @@ def test_kill_right_after_submit_ends_the_application_killed(yarnapp_home, tmp_p
     assert st["state"] == "KILLED" and st["diagnostics"] == "killed by the user", st
     assert run.status()["state"] == "KILLED"
     assert_nothing_left(run.app_id)
+
+
+@pytest.mark.parametrize("how", ["submit_wait", "run_wait"])
+def test_ctrl_c_in_the_python_api(how, yarnapp_home, tmp_path):
+    """yarnapp.submit(job, wait=True) interrupted kills the application, as `submit --wait`
+    does (before, it ran on and the caller never got its Run); Run.wait() interrupted only
+    stops waiting, and says how to stop it."""
+    import signal
+    code = {"submit_wait": "yarnapp.submit(sys.argv[1], wait=True, progress=False)",
+            "run_wait": "run = yarnapp.submit(sys.argv[1])\n    run.wait()"}[how]
+    script = tmp_path / "nb.py"
+    script.write_text("import sys\nimport yarnapp\ntry:\n    " + code + "\nexcept KeyboardInterrupt as e:\n"
+                      "    print('caught:', e, flush=True)\n")
+    proc = subprocess.Popen([sys.executable, str(script), _sleeper(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    try:
+        deadline = time.monotonic() + 60
+        while not apps(yarnapp_home) or not (yarnapp.Run(apps(yarnapp_home)[0]).status().get("progress") or {}).get(1):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else ""
+            time.sleep(0.2)
+        app = apps(yarnapp_home)[0]
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    run = yarnapp.Run(app)
+    if how == "submit_wait":
+        assert out.strip() == f"caught: interrupted: killed {app}", (out, err)
+        assert run.status()["state"] == "KILLED"
+    else:
+        assert out.strip() == f"caught: stopped waiting for {app}, which runs on: Run('{app}').kill() stops it"
+        assert run.status()["state"] == "RUNNING"
+        run.kill()
+    assert_nothing_left(app)

@@ -29,7 +29,8 @@ def submit(job, backend=None, wait=False, progress=True, function=None, **overri
     """Start a job; return its Run. `job` is a job.yaml path, a dict or a conf.JobSpec.
 
     backend: 'local' or 'yarn' (default: the job's `backend`, else the defaults file's).
-    wait: block until it ends (showing progress), raising JobFailed if it fails.
+    wait: block until it ends (showing progress), raising JobFailed if it fails; interrupted
+        (Ctrl-C), it kills the application, as `yarnapp submit --wait` does.
     function: a callable(ctx) to run on every rank instead of the job's `run` (say, one
         defined in a notebook cell): it is pickled with cloudpickle and shipped.
     overrides: top-level job fields, e.g. max_restarts=1; a section given as a dict merges
@@ -59,7 +60,11 @@ def submit(job, backend=None, wait=False, progress=True, function=None, **overri
 
 def _started(run, wait, progress):
     if wait:
-        run.wait(progress=progress)
+        try:
+            run.wait(progress=progress)
+        except KeyboardInterrupt:   # as `yarnapp submit --wait`: the caller never got the Run to stop it
+            run.kill()
+            raise KeyboardInterrupt(f"interrupted: killed {run.app_id}") from None
         if run.state != "SUCCEEDED":
             raise JobFailed(run.failure_message())
     return run
@@ -125,7 +130,9 @@ class Run:
         return tb
 
     def wait(self, timeout=None, progress=False, interval=0.2):
-        """Block until the application ends; return its last status."""
+        """Block until the application ends; return its last status. Interrupted (Ctrl-C, a
+        notebook's interrupt), it stops waiting and leaves the application running: kill()
+        stops it. (submit(..., wait=True) interrupted kills it, as `yarnapp submit --wait`.)"""
         from .progress import Progress
         display = Progress(self) if progress else None
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -139,6 +146,9 @@ class Run:
                 if deadline and time.monotonic() > deadline:
                     raise TimeoutError(f"{self.app_id} still {st['state']} after {timeout:.0f}s")
                 time.sleep(interval)
+        except KeyboardInterrupt:
+            raise KeyboardInterrupt(f"stopped waiting for {self.app_id}, which runs on: "
+                                    f"Run({self.app_id!r}).kill() stops it") from None
         finally:
             if display:
                 display.close()
