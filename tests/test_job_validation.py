@@ -2,6 +2,7 @@
 import os
 import shutil
 
+import psutil
 import pytest
 import yaml
 
@@ -106,6 +107,12 @@ CASES = [
     ("yaml-syntax", "name: t\ngroups: [\n", ":", "not valid YAML"),
     ("gpus-unavailable", _with("groups.0.gpus", 64), "groups[0].gpus", "this machine has"),
     ("vcores-too-many", _with("groups.0.vcores", 4096), "groups[0].vcores", "this machine has"),
+    # each container fits, all of them do not (before: 200 x 1 vcore started ~400 processes)
+    ("vcores-in-all", _with("groups.0.instances", max(os.cpu_count() or 1, 8) + 1), "groups",
+     f"containers ask for {max(os.cpu_count() or 1, 8) + 1} vcores in all"),
+    ("memory-in-all", {**GOOD, "groups": [{"name": "w", "instances": 2, "vcores": 0.5,
+                                           "memory": f"{psutil.virtual_memory().total * 6 // 10 // 2**20} MiB"}]},
+     "groups", "of memory in all"),
 ]
 
 

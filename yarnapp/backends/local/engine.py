@@ -31,10 +31,20 @@ def _new_app_id():
     return time.strftime("app_%Y%m%d_%H%M%S_") + secrets.token_hex(3)
 
 
+# The local engine is one NodeManager: the machine's memory, and YARN's default vcores
+# (yarn.nodemanager.resource.cpu-vcores: 8) or the machine's cores where it has more. A CPU
+# quota is a cap, so containers may share the cores (1 + 0.5 + 0.5 + 1 on 2 cores); memory
+# is not shared, as on YARN.
+NODE_VCORES = 8
+
+
 def check_resources(job, where="job"):
-    """Refuse requests this machine can never satisfy (YARN would refuse them too)."""
+    """Refuse requests this machine can never satisfy (YARN would refuse them too): a
+    container larger than the machine, or containers that together ask for more than it
+    offers (YARN would wait for ever for the rest of the world's containers)."""
     cores = os.cpu_count() or 1
     mem_mib = psutil.virtual_memory().total // 2**20
+    node_vcores = max(cores, NODE_VCORES)
     want = sum(g.gpus * g.instances for g in job.groups)
     have = gpus.inventory() if want else []
     for i, g in enumerate(job.groups):
@@ -49,6 +59,20 @@ def check_resources(job, where="job"):
                                f"({', '.join(f'{x.instances} x {x.gpus}' for x in job.groups if x.gpus)}) but this "
                                f"machine has {len(have)} (nvidia-smi{'' if have else ' finds none'}); ask for at most "
                                f"{len(have)}, set gpus: 0, or submit to a cluster with --backend yarn")
+    instances = sum(g.instances for g in job.groups)
+    vcores = sum(g.vcores * g.instances for g in job.groups)
+    memory = sum(g.memory * g.instances for g in job.groups)
+    each = ", ".join(f"{g.instances} x {{}}" for g in job.groups)
+    if vcores > node_vcores:
+        raise YarnappError(f"{where}: groups: the job's {instances} containers ask for {vcores:g} vcores in all "
+                           f"({each.format(*(f'{g.vcores:g}' for g in job.groups))}) but the local engine offers "
+                           f"{node_vcores} on this {cores}-core machine; ask for fewer instances or vcores, "
+                           f"or submit to a cluster with --backend yarn")
+    if memory > mem_mib:
+        raise YarnappError(f"{where}: groups: the job's {instances} containers ask for {memory} MiB of memory in "
+                           f"all ({each.format(*(f'{g.memory} MiB' for g in job.groups))}) but this machine has "
+                           f"{mem_mib} MiB; ask for fewer instances or less memory, or submit to a cluster with "
+                           f"--backend yarn")
 
 
 def checked(job, where="job"):
