@@ -81,8 +81,11 @@ def run_code(job, ctx, fn):
     if fn is not None:
         return fn(ctx)
     path = script_path(job, ctx.workdir)
+    here = os.path.dirname(os.path.abspath(path))
     sys.argv = [path] + list(job.run.args)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))   # as `python script.py` does
+    sys.path.insert(0, here)                    # as `python script.py` does
+    if job.run.files is None:                   # its directory was shipped for it (yarnapp.shipping):
+        os.chdir(here)                          # run in the copy, as `python script.py` there
     runpy.run_path(path, run_name="__main__")
 
 

@@ -230,3 +230,23 @@ def test_a_users_model_with_the_wrong_number_of_outputs_fails_once_with_one_line
     assert "FAILED after 1 attempt(s)" in err and "model 'nets:wrong'" in err, err
     assert "gives outputs of shape (2, 13), but the data has 10 classes" in err, err
     assert_nothing_left(app_id_from(err))
+
+
+def test_a_script_shipped_with_its_directory_runs_in_it_and_opens_files_beside_it(cli, tmp_path):
+    """`python train.py` in its directory opens data.txt beside it; so does the script as
+    shipped by default (its directory, run.files unset). Before, it ran in the container's
+    working directory, one level up: FileNotFoundError: 'data.txt'."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "data.txt").write_text("41\n")
+    (code / "train.py").write_text(
+        "import json, os\nfrom training import context\n"
+        "with open('data.txt') as f:\n    n = int(f.read())\n"
+        "context.current().final(n=n + 1, beside=os.path.isfile('train.py'))\n")
+    job = write_job(tmp_path / "beside.yaml", {"name": "beside", "groups": GROUPS[:1], "max_restarts": 0,
+                                               "run": {"script": str(code / "train.py")}})
+    proc = cli("submit", job, "--wait")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    app = app_id_from(proc.stdout)
+    assert yarnapp.status(app)["final"] == {"n": 42, "beside": True}
+    assert_nothing_left(app)

@@ -37,7 +37,7 @@ def test_a_script_ships_its_own_directory_and_runs_from_the_copy(tmp_path):
     proj = _project(tmp_path / "proj")
     s = shipping.plan(_job({"script": str(proj / "train.py"), "args": ["--lr", "0.1"]}))
     assert s.entries == {"proj": str(proj)}
-    assert s.job.run.script == "proj/train.py" and s.job.run.files == ["proj"]
+    assert s.job.run.script == "proj/train.py" and s.job.run.files is None     # null: it runs in proj/
     assert s.job.run.args == ["--lr", "0.1"]
     dest = tmp_path / "container"
     shipping.copy_into(s.entries, str(dest))
@@ -54,6 +54,7 @@ def test_listed_files_ship_under_their_names_and_a_script_outside_them_too(tmp_p
     assert s.entries == {"pkg": str(proj / "pkg"), "helper.py": str(proj / "helper.py"),
                          "main.py": str(other / "main.py")}
     assert s.job.run.script == "main.py"
+    assert s.job.run.files == ["helper.py", "main.py", "pkg"]       # listed: it runs in the working directory
 
 
 def test_clashes_missing_files_and_data_sized_trees_are_refused_in_one_line(tmp_path):
