@@ -34,6 +34,7 @@ PEER_GRACE_S = 6.0       # after this rank died, how long to wait for a dead pee
                          # reported (YARN: a node heartbeat, then the master's allocate call)
 NOT_RETRIED = ("every rank failed the same way before training started, so it was not retried "
                "(a restart would fail the same way)")
+NOT_RETRIED_AGAIN = NOT_RETRIED.replace("not retried", "not retried again")
 
 
 # What a rank's error line says when it only lost a peer (MPI, gloo, NCCL, sockets).
@@ -379,7 +380,8 @@ class Agent:
         cause = Failure.load(self.store.get(keys.abort(gen))) or Failure(reason="")
         if self.store.get(keys.FAILED) is None and self.deterministic(gen, cause):
             self.store.put_if_absent(keys.FAILED, dataclasses.replace(
-                cause, attempts=gen + 1, retried=False, reason=f"{cause.reason}; {NOT_RETRIED}").dumps())
+                cause, attempts=gen + 1, retried=False,
+                reason=f"{cause.reason}; {NOT_RETRIED if gen == 0 else NOT_RETRIED_AGAIN}").dumps())
         if self.store.get(keys.FAILED) is not None or spent_restarts(self.store, gen) > self.job.max_restarts:
             first = Failure.load(self.store.get(keys.abort(0))) or cause
             self.store.put_if_absent(keys.FAILED, dataclasses.replace(first, attempts=gen + 1).dumps())

@@ -14,7 +14,7 @@ import pytest
 
 import conf
 from launcher import exitcodes, keys, memory
-from launcher.agent import NOT_RETRIED, TRANSITIONS, Agent, Outcome, State
+from launcher.agent import NOT_RETRIED, NOT_RETRIED_AGAIN, TRANSITIONS, Agent, Outcome, State
 from launcher.failure import Failure, Kind
 from launcher.identity import Identity
 from launcher.store import FileStore
@@ -150,6 +150,21 @@ def test_the_same_failure_in_setup_on_every_rank_is_not_retried(tmp_path):
     assert a.run() == 1 and a.spawned_gens == [0]
     failed = load(store, keys.FAILED)
     assert failed.retried is False and failed.attempts == 1 and failed.reason.endswith(NOT_RETRIED)
+
+
+def test_a_setup_failure_found_repeatable_on_the_second_attempt_says_not_retried_again(tmp_path):
+    """It said "so it was not retried" after 2 attempts."""
+    setup = crash(code=1, phase="setup", error="FileNotFoundError: 'data.txt'")
+
+    def recorded(phase):
+        def put(store, gen):
+            store.put_if_absent(keys.error(gen, 0), Failure(reason=setup.error, error=setup.error, phase=phase).dumps())
+        return put
+    a, store = agent(tmp_path, [(Outcome.OWN, crash(), recorded("train")), (Outcome.OWN, setup, recorded("setup"))],
+                     max_restarts=3)
+    assert a.run() == 1 and a.spawned_gens == [0, 1]
+    failed = load(store, keys.FAILED)
+    assert failed.attempts == 2 and failed.reason.endswith(NOT_RETRIED_AGAIN), failed.reason
 
 
 def test_a_failure_in_training_is_retried_even_when_it_repeats(tmp_path):
