@@ -50,7 +50,8 @@ def entry_point(job, workdir):
         try:
             fn = getattr(importlib.import_module(module), func)
         except ImportError as e:
-            raise UserCodeError(f"run.function {run.function}: {type(e).__name__}: {e}") from e
+            raise UserCodeError(f"run.function {run.function}: {type(e).__name__}: {e}; install it, or ship it "
+                                f"with the job (run.files)") from e
         except AttributeError:
             raise UserCodeError(f"run.function {run.function}: module {module} has no {func!r}") from None
         if not callable(fn):
@@ -63,8 +64,12 @@ def entry_point(job, workdir):
             with open(path, "rb") as f:
                 return cloudpickle.load(f)
         except Exception as e:  # noqa: BLE001 - any unpickling error is the job's
+            hint = ""
+            if isinstance(e, ModuleNotFoundError) and e.name:   # imported by the function: not by value
+                hint = (f"; install it in the environment, or ship it: yarnapp.submit(job, function=f, "
+                        f"run={{'files': ['{e.name.split('.')[0]}.py']}}) (or its package directory)")
             raise UserCodeError(f"run.pickle {run.pickle}: cannot load the shipped function: "
-                                f"{type(e).__name__}: {e}") from e
+                                f"{type(e).__name__}: {e}{hint}") from e
     path = script_path(job, workdir)
     if not os.path.isfile(path):
         raise UserCodeError(f"run.script {run.script}: no such file in the container ({path})")

@@ -4,6 +4,7 @@ the local engine: real containers, cgroups, MPI world, gloo."""
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -12,7 +13,7 @@ import torch
 
 import yarnapp
 from recovery_util import rank_pid
-from util import app_id_from, assert_nothing_left, write_job
+from util import app_id_from, apps, assert_nothing_left, write_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -115,6 +116,8 @@ def test_a_deterministic_startup_error_uses_one_attempt_and_prints_its_line(kind
     err = proc.stderr.strip().splitlines()[-1]
     assert err.startswith("Error: app_") and "FAILED after 1 attempt(s)" in err, err
     assert "ModuleNotFoundError: No module named 'not_a_module_of_anyone'" in err, err
+    if kind == "function":
+        assert "install it, or ship it with the job (run.files)" in err, err
     assert "every rank failed the same way before training started, so it was not retried" in err, err
     app = app_id_from(err)
     st = yarnapp.status(app)
@@ -250,3 +253,25 @@ def test_a_script_shipped_with_its_directory_runs_in_it_and_opens_files_beside_i
     app = app_id_from(proc.stdout)
     assert yarnapp.status(app)["final"] == {"n": 42, "beside": True}
     assert_nothing_left(app)
+
+
+def test_a_notebook_function_using_a_local_module_says_how_to_ship_it_and_that_works(tmp_path, yarnapp_home):
+    """cloudpickle sends a __main__ function by value but the modules it imports by name:
+    the containers lack `mylocal`. The line now says how to ship it, and doing so works."""
+    (tmp_path / "mylocal.py").write_text("def value():\n    return 7\n")
+    (tmp_path / "nb.py").write_text(
+        "import sys\nimport yarnapp\nimport mylocal\n\n"
+        "def f(ctx):\n    ctx.final(value=mylocal.value())\n\n"
+        "job = {'name': 'nb', 'groups': [{'name': 'w', 'instances': 1, 'vcores': 0.5}], 'max_restarts': 0}\n"
+        "try:\n    yarnapp.submit(job, function=f, wait=True, progress=False)\n"
+        "except yarnapp.JobFailed as e:\n    print('FAILED:', e)\n"
+        "run = yarnapp.submit(job, function=f, wait=True, progress=False, run={'files': ['mylocal.py']})\n"
+        "print('FINAL:', run.final)\n")
+    proc = subprocess.run([sys.executable, "nb.py"], cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                          env=dict(os.environ))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    failed = next(line for line in proc.stdout.splitlines() if line.startswith("FAILED:"))
+    assert "No module named 'mylocal'" in failed and "run={'files': ['mylocal.py']}" in failed, failed
+    assert "FINAL: {'value': 7}" in proc.stdout, proc.stdout
+    for app in apps(yarnapp_home):
+        assert_nothing_left(app)
