@@ -239,3 +239,17 @@ def test_ctrl_c_in_the_python_api(how, yarnapp_home, tmp_path):
         assert run.status()["state"] == "RUNNING"
         run.kill()
     assert_nothing_left(app)
+
+
+def test_logs_of_a_container_right_after_submit_are_empty_not_an_error(yarnapp_home, tmp_path):
+    """`yarnapp logs APP --container b_0 --follow` the moment submit returned said "has no
+    container 'b_0'; it has " (its directory did not exist yet)."""
+    run = yarnapp.submit(_sleeper(tmp_path))
+    try:
+        assert set(run.logs("b_0")) == {"b_0"}
+        assert {"a_0", "b_0"} <= set(run.logs())
+        with pytest.raises(yarnapp.YarnappError, match="has no container 'c_0'; it has a_0, b_0"):
+            run.logs("c_0")
+    finally:
+        run.kill()
+    assert_nothing_left(run.app_id)

@@ -172,10 +172,16 @@ class LocalBackend(Backend):
         st["app_dir"] = d
         return st
 
-    def logs(self, app_id, container=None):
-        d = self._dir(app_id)
+    def _containers(self, d):
+        """The application's containers: those its job names (a container just submitted
+        may not have its directory yet, and logs as empty), and any other that has one."""
         root = os.path.join(d, "containers")
-        names = sorted(os.listdir(root))
+        job = read_json(os.path.join(d, "job.json"))
+        named = [r["container"] for r in conf.load_job(job).ranks()] if job else []
+        return root, sorted(set(named) | set(os.listdir(root) if os.path.isdir(root) else ()))
+
+    def logs(self, app_id, container=None):
+        root, names = self._containers(self._dir(app_id))
         if container is not None:
             if container not in names:
                 raise YarnappError(f"application {app_id} has no container {container!r}; "
@@ -191,9 +197,8 @@ class LocalBackend(Backend):
         return out
 
     def log_paths(self, app_id):
-        d = self._dir(app_id)
-        return {n: os.path.join(d, "containers", n, "container.log")
-                for n in sorted(os.listdir(os.path.join(d, "containers")))}
+        root, names = self._containers(self._dir(app_id))
+        return {n: os.path.join(root, n, "container.log") for n in names}
 
     def kill(self, app_id, timeout=15):
         st = self.status(app_id)
