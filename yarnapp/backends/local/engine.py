@@ -21,8 +21,8 @@ from launcher.store import FileStore
 from ... import preflight, shipping
 from ...errors import YarnappError
 from ..base import TERMINAL, Backend
-from . import cgroups, gpus, netem, supervisor
-from .state import app_processes, apps_dir, read_json
+from . import gpus, netem, supervisor
+from .state import apps_dir, read_json
 
 log = logging.getLogger(__name__)
 
@@ -219,15 +219,10 @@ class LocalBackend(Backend):
                 except psutil.Error:
                     break
                 time.sleep(0.05)
-        # Backstop: nothing of the application may survive a kill.
-        for p in app_processes(app_id):
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        if netem.unavailable_reason() is None:
-            netem.sweep(app_id)       # its emulated nodes, should its AM have died without removing them
-        cgroups.Limits.remove_app(app_id)   # and its (now empty) cgroups, for the same reason
+        # Backstop: nothing of the application may survive a kill (its processes, cgroups,
+        # emulated nodes, as its master would have left them), waited for, so that a
+        # supervisor killed here counts as gone below (else the application stayed ACCEPTED).
+        supervisor.clean_up(app_id)
         raw = read_json(os.path.join(d, "state.json"))
         if st["state"] not in TERMINAL and (raw or {}).get("state") not in TERMINAL and not supervisor.alive(d):
             # Killed before its master could end it (still starting); a supervisor still
