@@ -275,3 +275,17 @@ def test_a_notebook_function_using_a_local_module_says_how_to_ship_it_and_that_w
     assert "FINAL: {'value': 7}" in proc.stdout, proc.stdout
     for app in apps(yarnapp_home):
         assert_nothing_left(app)
+
+
+def test_reports_without_a_step_show_in_submit_wait(cli, tmp_path):
+    """report(epoch=..., loss=...) without step= showed nothing while `submit --wait` waited."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "epochs.py").write_text(
+        "import time\nfrom training import context\nctx = context.current()\n"
+        "for epoch in range(2):\n    ctx.report(epoch=epoch, loss=1.5 - epoch)\n    time.sleep(1.5)\n")
+    job = write_job(tmp_path / "epochs.yaml", {"name": "epochs", "groups": GROUPS[:1], "max_restarts": 0,
+                                               "run": {"script": str(code / "epochs.py")}})
+    proc = cli("submit", job, "--wait")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "rank 0: epoch=1 loss=0.5 restarts=0" in proc.stderr, proc.stderr
