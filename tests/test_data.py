@@ -463,3 +463,16 @@ def test_a_test_set_unlike_the_training_set_is_named_with_both(tmp_path):
     with pytest.raises(DataError) as e:
         ParquetSource(test, reference=ParquetSource(train))
     _one_line_naming(e, test, "[1, 6, 6]", "[1, 4, 4]")
+
+
+def test_a_test_set_with_classes_the_training_set_lacks_is_one_line_before_training(tmp_path):
+    """Labels 0..6 in the test set, 0..3 in the training set: the model has 4 outputs. Before,
+    it trained to the end and failed at evaluation: IndexError: Target 6 is out of bounds."""
+    train, test = str(tmp_path / "train"), str(tmp_path / "test")
+    data.import_arrays(train, np.zeros((8, 1, 4, 4), np.uint8), np.arange(8) % 4)
+    data.import_arrays(test, np.zeros((8, 1, 4, 4), np.uint8), np.arange(8) % 7)
+    with pytest.raises(DataError) as e:
+        ParquetSource(test, reference=ParquetSource(train))
+    _one_line_naming(e, test, "labels go up to 6 (7 classes), the training set's", train)
+    data.import_arrays(test, np.zeros((8, 1, 4, 4), np.uint8), np.arange(8) % 2, overwrite=True)
+    assert ParquetSource(test, reference=ParquetSource(train)).num_classes == 4     # fewer classes: fine

@@ -144,7 +144,11 @@ class ParquetSource:
         self.layout = inspect(uri, Columns.of(g("columns")), tuple(shape) if shape else None)
         self.classes, self.num_classes = self.layout.classes, self.layout.num_classes
         if reference is not None:
-            self.classes, self.num_classes = reference.classes, max(reference.num_classes, self.num_classes)
+            if self.num_classes > reference.num_classes:    # labels the model has no output for
+                raise DataError(f"{uri}: its labels go up to {self.num_classes - 1} ({self.num_classes} classes), "
+                                f"the training set's ({reference.uri}) to {reference.num_classes - 1}: the model "
+                                f"has {reference.num_classes} outputs; give a test set of the training set's classes")
+            self.classes, self.num_classes = reference.classes, reference.num_classes
         self.channels = self._channels()
         if reference is not None and self.channels != reference.channels:
             raise DataError(f"{uri}: its images have {self.channels} channel(s), the training set's "
