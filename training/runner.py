@@ -15,12 +15,18 @@ import torch
 from launcher import memory   # plain functions reading this process's memory cgroup
 
 from . import collectives, strategies
-from .checkpoint import Checkpointer, rng_state, set_rng_state
+from .checkpoint import CheckpointError, Checkpointer, rng_state, set_rng_state
 from .data import open_dataset
 from .models import build_model, check_output
 from .tensorboard import TBLogger
 
 log = logging.getLogger(__name__)
+
+
+def _first_words(e, limit=160):
+    """An exception as a short one-line excerpt (torch's state_dict errors run to pages)."""
+    text = " ".join(f"{type(e).__name__}: {e}".replace(";", ",").split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def make_optimizer_factory(spec):
@@ -51,7 +57,15 @@ class Runner:
                                  name=ctx.job.name, resume=c.resume, siblings=ctx.checkpoint_siblings)
         self.start_step, state = self.ckpt.latest()
         if state is not None:
-            self.strategy.load_state_dict(state["strategy"])
+            try:
+                self.strategy.load_state_dict(state["strategy"])
+            except (RuntimeError, KeyError, ValueError, TypeError) as e:   # torch's: "Error(s) in loading..."
+                log.error("loading the checkpoint of step %d", self.start_step, exc_info=True)
+                raise CheckpointError(
+                    f"checkpoint.resume: the checkpoint of step {self.start_step} (application "
+                    f"{self.ckpt.resumed_app or ctx.app_id}) does not fit this job's model {spec.model!r} or "
+                    f"strategy {spec.strategy.name!r} ({_first_words(e)}); resume with the job that wrote it, "
+                    f"or start afresh (checkpoint.resume: never)") from None
             set_rng_state(state["rng"])
             log.info("resumed from the checkpoint of step %d", self.start_step)
         self.lo, self.hi = self.strategy.batch_slice(spec.batch_size)
