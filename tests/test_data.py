@@ -194,6 +194,10 @@ def test_run_import_arrays_from_npz(tmp_path):
     assert np.array_equal(xs, x) and np.array_equal(ys, y)          # order kept for user arrays
     assert np.allclose(ds.layout.meta["mean"], x.mean(axis=(0, 2, 3)), rtol=1e-5)
 
+    np.savez(tmp_path / "nhwc.npz", x=np.zeros((8, 16, 16, 3), np.uint8), y=np.arange(8) % 2)
+    with pytest.raises(DataError) as e:         # channels-last: before, 16 "channels" of 16 x 3 pixels
+        data.run_import("arrays", f"file://{tmp_path}/nhwc", {"path": str(tmp_path / "nhwc.npz")})
+    _one_line_naming(e, "(8, 16, 16, 3) look channels-last", "x.transpose(0, 3, 1, 2)")
     with pytest.raises(DataError) as e:
         data.run_import("arrays", uri, {"path": str(tmp_path / "arrays.npz"), "colour": "red"})
     _one_line_naming(e, "colour")

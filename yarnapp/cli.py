@@ -338,7 +338,8 @@ def build_parser():
     s.add_argument("--seed", type=int)
     s.add_argument("--n-train", type=int, dest="n_train")
     s.add_argument("--n-test", type=int, dest="n_test")
-    s.add_argument("--path", help="arrays: an .npz with x and y; image-folder: the folder (a subfolder per class)")
+    s.add_argument("--path", help="arrays: an .npz with x (uint8, N x C x H x W, or N x H x W) and y (integer "
+                   "labels); image-folder: the folder (a subfolder per class)")
     s.add_argument("--encoding", choices=["raw", "jpeg", "png"],
                    help="synthetic-cifar: raw pixels (default) or image files (image-folder keeps its files)")
     s.add_argument("--quality", type=int, help="synthetic-cifar --encoding jpeg: JPEG quality (default 90)")

@@ -152,6 +152,9 @@ def import_arrays(uri, x, y, shards=2, num_classes=None, overwrite=False):
         x = x.astype(np.uint8)
     if x.ndim != 4:
         raise DataError(f"{uri}: images must be (N, C, H, W) or (N, H, W), got shape {x.shape}")
+    if x.shape[-1] in (1, 3, 4) and x.shape[1] > 4:     # (N, H, W, C) would train on garbage
+        raise DataError(f"{uri}: images of shape {x.shape} look channels-last (N, H, W, C); give them as "
+                        f"(N, C, H, W): x.transpose(0, 3, 1, 2)")
     num_classes = int(num_classes) if num_classes is not None else int(y.max()) + 1 if y.size else 0
     if len(x) == 0:
         raise DataError(f"{uri}: no images to write")
