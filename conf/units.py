@@ -1,8 +1,8 @@
 """Parsing of the human-written quantities in a job.yaml: memory, durations, rates.
 
-Memory follows YARN and skein: a bare number is MiB; ``KiB/MiB/GiB/TiB`` are powers
-of 1024 and ``KB/MB/GB/TB`` powers of 1000. Anything else is rejected, so that
-``4 gigs`` or ``4G`` never silently become some other amount.
+Memory follows YARN and skein: a bare number is MiB; ``KiB/MiB/GiB/TiB`` and the single
+letters ``K/M/G/T`` are powers of 1024, ``KB/MB/GB/TB`` powers of 1000. Anything else is
+rejected, so that ``4 gigs`` never silently becomes some other amount.
 """
 import re
 
