@@ -37,6 +37,21 @@ def test_a_container_over_its_memory_limit_is_named_with_the_limit_to_raise(cli,
     assert_nothing_left(app)
 
 
+@pytest.mark.skipif(not CGROUPS, reason="memory limits need root and cgroup v1")
+def test_a_container_too_small_for_its_own_agent_is_named_as_over_its_memory(cli, tmp_path):
+    """10 MiB: the container's agent itself is OOM-killed as it starts, so no agent ends the
+    application. It said "container a_0 killed by signal 9", not a word of memory."""
+    job = write_job(tmp_path / "tiny.yaml", {
+        "name": "tiny", "max_restarts": 0, "run": {"function": "training.hello:main"},
+        "groups": [{"name": "a", "instances": 1, "vcores": 0.5, "memory": "10 MiB"}]})
+    proc = cli("submit", job, "--wait")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    err = proc.stderr.strip().splitlines()[-1]
+    assert "container a_0 was killed by the kernel: a_0 exceeded its memory limit of 10 MiB" in err, err
+    assert "raise groups[0].memory" in err, err
+    assert_nothing_left(app_id_from(err))
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A real 16 MiB tmpfs mounted for the test (root only), unmounted after it."""

@@ -318,7 +318,10 @@ class ApplicationMaster:
         cgroups.Limits.remove_app(self.app_id)
         failed = self.store.get(keys.FAILED)
         if self.state == "FAILED":
-            cause = Failure.load(failed) or next(
+            # No agent ended it (say every container died as it started: OOM-killed under a
+            # tiny memory limit): the generation's abort record says why, else the exit status.
+            last = max(agent_mod.current_generation(self.store) - 1, 0)     # the last generation aborted
+            cause = Failure.load(failed) or Failure.load(self.store.get(keys.abort(last))) or next(
                 (Failure(reason=f"container {c.id} {exitcodes.describe(c.exit_code)[0]}", kind=Kind.CONTAINER.value,
                          container=c.id, exit_code=c.exit_code, log=c.log)
                  for c in self.containers if c.state == "FAILED"), None)
