@@ -480,3 +480,16 @@ def test_a_test_set_with_classes_the_training_set_lacks_is_one_line_before_train
     _one_line_naming(e, test, "labels go up to 6 (7 classes), the training set's", train)
     data.import_arrays(test, np.zeros((8, 1, 4, 4), np.uint8), np.arange(8) % 2, overwrite=True)
     assert ParquetSource(test, reference=ParquetSource(train)).num_classes == 4     # fewer classes: fine
+
+
+def test_importing_train_and_test_into_a_dataset_directory_is_refused(tmp_path):
+    """digits into data/arr, where an arrays dataset already is: train/ and test/ nested
+    inside it, without --overwrite."""
+    arr = str(tmp_path / "arr")
+    data.import_arrays(arr, np.zeros((8, 1, 4, 4), np.uint8), np.arange(8) % 2)
+    for kind in ("digits", "synthetic-cifar"):
+        for overwrite in (False, True):
+            with pytest.raises(DataError) as e:
+                data.run_import(kind, arr, {"overwrite": overwrite})
+            _one_line_naming(e, f"{arr} holds a dataset of its own", "give another path")
+    assert not {"train", "test"} & set(os.listdir(arr))

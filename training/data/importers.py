@@ -12,7 +12,7 @@ import os
 import numpy as np
 
 from .common import DataError, join, one_line
-from .writer import channel_stats, check_absent, meta, write_dataset, write_encoded
+from .writer import channel_stats, check_absent, check_splits_parent, meta, write_dataset, write_encoded
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ def import_digits(uri, shards=2, overwrite=False):
     from sklearn.datasets import load_digits
 
     train_uri, test_uri = join(uri, "train"), join(uri, "test")
+    check_splits_parent(uri, "digits")
     for u in (train_uri, test_uri):
         check_absent(u, overwrite)
     digits = load_digits()
@@ -87,6 +88,7 @@ def import_synthetic_cifar(uri, n_train=10000, n_test=2000, shards=4, seed=0, en
     if encoding not in ("raw", "jpeg", "png"):
         raise DataError(f"synthetic-cifar: encoding {encoding!r}: choose raw, jpeg or png")
     train_uri, test_uri = join(uri, "train"), join(uri, "test")
+    check_splits_parent(uri, "synthetic-cifar")
     for u in (train_uri, test_uri):
         check_absent(u, overwrite)
     rng = np.random.default_rng([seed % 2 ** 63, 0])

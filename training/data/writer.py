@@ -26,11 +26,12 @@ import uuid
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from launcher import interrupts
 
-from .common import DataError, exists, filesystem, one_line
+from .common import DataError, exists, filesystem, info, one_line
 from .formats import META_KEY
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,18 @@ def check_absent(uri, overwrite):
     fs, path = filesystem(uri)
     if not overwrite and exists(fs, path, uri):
         raise DataError(f"{uri} already exists; delete it or import with overwrite")
+
+
+def check_splits_parent(uri, what):
+    """Refuse to write `uri`/train and `uri`/test into a directory that is itself a dataset
+    (its own Parquet shards): they would nest inside it, overwrite or not."""
+    fs, path = filesystem(uri)
+    if info(fs, path, uri).type != pafs.FileType.Directory:
+        return
+    if any(e.type == pafs.FileType.File and e.base_name.endswith(".parquet")
+           for e in fs.get_file_info(pafs.FileSelector(path, recursive=False))):
+        raise DataError(f"{uri} holds a dataset of its own (Parquet shards); {what} writes {uri}/train and "
+                        f"{uri}/test: give another path")
 
 
 def _raw_table(images, labels, meta_bytes):
