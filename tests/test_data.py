@@ -218,7 +218,7 @@ def test_run_import_digits_summary(tmp_path):
         [("train", 1438, 1), ("test", 359, 1)]
 
 
-def test_image_folder_import_keeps_the_files_as_they_are(tmp_path):
+def test_image_folder_import_keeps_the_files_as_they_are(tmp_path, caplog):
     rng = np.random.default_rng(1)
     files = {}
     for cls in ("dog", "cat"):
@@ -231,6 +231,7 @@ def test_image_folder_import_keeps_the_files_as_they_are(tmp_path):
     (tmp_path / "imgs" / "cat" / "notes.txt").write_text("not an image, skipped")
     summary = data.run_import("image-folder", str(tmp_path / "ds"), {"folder": str(tmp_path / "imgs")})
     assert summary["datasets"][0]["rows"] == 6 and summary["datasets"][0]["encoding"] == "encoded"
+    assert f"skipped 1 file(s) whose extension is not an image's, e.g. {tmp_path}/imgs/cat/notes.txt" in caplog.text
     table = pq.read_table(tmp_path / "ds")
     assert sorted(table.column("image").to_pylist()) == sorted(files)          # byte for byte
     for blob, label in zip(table.column("image").to_pylist(), table.column("label").to_pylist()):

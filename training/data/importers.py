@@ -187,11 +187,13 @@ def import_image_folder(uri, folder, shards=2, overwrite=False):
     extensions = {e.lower() for e in Image.registered_extensions()}
     classes = sorted(d for d in os.listdir(folder)
                      if os.path.isdir(os.path.join(folder, d)) and not d.startswith("."))
-    blobs, labels, grey = [], [], True
+    blobs, labels, grey, skipped = [], [], True, []
     for label, cls in enumerate(classes):
         for name in sorted(os.listdir(os.path.join(folder, cls))):
             path = os.path.join(folder, cls, name)
             if name.startswith(".") or os.path.splitext(name)[1].lower() not in extensions:
+                if not name.startswith(".") and os.path.isfile(path):
+                    skipped.append(path)
                 continue
             with open(path, "rb") as f:
                 blob = f.read()
@@ -206,6 +208,8 @@ def import_image_folder(uri, folder, shards=2, overwrite=False):
             labels.append(label)
     if not blobs:
         raise DataError(f"{folder}: no images found; expected {folder}/<class>/<image files>")
+    if skipped:     # as torchvision's ImageFolder: only image extensions count, but say so
+        log.warning("skipped %d file(s) whose extension is not an image's, e.g. %s", len(skipped), skipped[0])
     order = np.random.default_rng(IMAGE_FOLDER_SEED).permutation(len(blobs))
     m = meta(None, len(classes), classes, None, None, f"image-folder {folder}", encoding="encoded")
     m["channels"] = 1 if grey else 3
