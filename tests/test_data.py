@@ -32,7 +32,9 @@ def _shards(path):
 
 
 def _one_line_naming(exc_info, *parts):
-    msg = str(exc_info.value)
+    """exc_info: pytest.raises' ExceptionInfo, or the DataError itself."""
+    assert isinstance(getattr(exc_info, "value", exc_info), DataError), exc_info
+    msg = str(getattr(exc_info, "value", exc_info))
     assert "\n" not in msg, msg
     for part in parts:
         assert str(part) in msg, (part, msg)
@@ -455,32 +457,34 @@ def test_module_imports_without_torch():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
+def _test_beside_train(tmp_path, test_shape, test_classes, train_classes=2):
+    """(test uri, train uri, the test set opened against the training set: a ParquetSource
+    or the DataError raised), arrays of 8 zero images, labels i % classes."""
+    train, test = str(tmp_path / "train"), str(tmp_path / "test")
+    data.import_arrays(train, np.zeros((8, 1, 4, 4), np.uint8), np.arange(8) % train_classes, overwrite=True)
+    data.import_arrays(test, np.zeros((8, *test_shape), np.uint8), np.arange(8) % test_classes, overwrite=True)
+    try:
+        return test, train, ParquetSource(test, reference=ParquetSource(train))
+    except DataError as e:
+        return test, train, e
+
+
 def test_a_test_set_unlike_the_training_set_is_named_with_both(tmp_path):
     """A 3-channel test set beside a 1-channel training set: one line naming both and the
     channels (before, a mean/std message that pointed at training.data.mean)."""
-    train, test = str(tmp_path / "train"), str(tmp_path / "test")
-    data.import_arrays(train, np.zeros((8, 1, 4, 4), np.uint8), np.arange(8) % 2)
-    data.import_arrays(test, np.zeros((8, 3, 4, 4), np.uint8), np.arange(8) % 2)
-    with pytest.raises(DataError) as e:
-        ParquetSource(test, reference=ParquetSource(train))
+    test, train, e = _test_beside_train(tmp_path, (3, 4, 4), 2)
     _one_line_naming(e, test, "3 channel(s), the training set's", train)
-    data.import_arrays(test, np.zeros((8, 1, 6, 6), np.uint8), np.arange(8) % 2, overwrite=True)
-    with pytest.raises(DataError) as e:
-        ParquetSource(test, reference=ParquetSource(train))
+    test, train, e = _test_beside_train(tmp_path, (1, 6, 6), 2)
     _one_line_naming(e, test, "[1, 6, 6]", "[1, 4, 4]")
 
 
 def test_a_test_set_with_classes_the_training_set_lacks_is_one_line_before_training(tmp_path):
     """Labels 0..6 in the test set, 0..3 in the training set: the model has 4 outputs. Before,
     it trained to the end and failed at evaluation: IndexError: Target 6 is out of bounds."""
-    train, test = str(tmp_path / "train"), str(tmp_path / "test")
-    data.import_arrays(train, np.zeros((8, 1, 4, 4), np.uint8), np.arange(8) % 4)
-    data.import_arrays(test, np.zeros((8, 1, 4, 4), np.uint8), np.arange(8) % 7)
-    with pytest.raises(DataError) as e:
-        ParquetSource(test, reference=ParquetSource(train))
+    test, train, e = _test_beside_train(tmp_path, (1, 4, 4), 7, train_classes=4)
     _one_line_naming(e, test, "labels go up to 6 (7 classes), the training set's", train)
-    data.import_arrays(test, np.zeros((8, 1, 4, 4), np.uint8), np.arange(8) % 2, overwrite=True)
-    assert ParquetSource(test, reference=ParquetSource(train)).num_classes == 4     # fewer classes: fine
+    _, _, fewer = _test_beside_train(tmp_path, (1, 4, 4), 2, train_classes=4)
+    assert fewer.num_classes == 4                                   # fewer classes than training: fine
 
 
 def test_importing_train_and_test_into_a_dataset_directory_is_refused(tmp_path):

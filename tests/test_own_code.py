@@ -22,6 +22,17 @@ GROUPS = [{"name": "big", "instances": 1, "vcores": 1, "memory": "2 GiB"},
           {"name": "small", "instances": 2, "vcores": 0.5, "memory": "2 GiB"}]
 
 
+def _script_job(tmp_path, name, source, groups=GROUPS, max_restarts=0, files=None):
+    """job.yaml of `run.script: code/<name>.py` holding `source` ({name: text} of other files beside it)."""
+    code = tmp_path / "code"
+    code.mkdir(exist_ok=True)
+    for fname, text in (files or {}).items():
+        (code / fname).write_text(text)
+    (code / f"{name}.py").write_text(source)
+    return write_job(tmp_path / f"{name}.yaml", {"name": name, "groups": groups, "max_restarts": max_restarts,
+                                                 "run": {"script": str(code / f"{name}.py")}})
+
+
 def _ranks(out, n=3):
     return ([torch.load(out / f"rank{r}.pt") for r in range(n)],
             [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)])
@@ -180,11 +191,7 @@ def test_a_script_exiting_non_zero_silently_is_described_by_its_status_not_our_l
     """Every rank of a script that prints to stdout only and exits with status 3: the
     reason is "exited with status 3", the same on every rank, so it is not retried (before,
     it was the launcher's own last log line, which differs per rank: a restart was spent)."""
-    code = tmp_path / "code"
-    code.mkdir()
-    (code / "quits.py").write_text("import sys\nprint('nothing to do')\nsys.exit(3)\n")
-    job = write_job(tmp_path / "quits.yaml", {"name": "quits", "groups": GROUPS, "max_restarts": 3,
-                                              "run": {"script": str(code / "quits.py")}})
+    job = _script_job(tmp_path, "quits", "import sys\nprint('nothing to do')\nsys.exit(3)\n", max_restarts=3)
     proc = cli("submit", job, "--wait")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     err = proc.stderr.strip().splitlines()[-1]
@@ -199,17 +206,13 @@ def test_a_torchrun_script_whose_rank_returns_early_fails_its_peers_instead_of_h
     fail with "Connection closed"; here the rank waited in the launcher's closing Barrier
     with its process group open, so the others waited for ever (no progress reports:
     nothing ever looked hung). Now the launcher closes the group the code left open."""
-    code = tmp_path / "code"
-    code.mkdir()
-    (code / "early.py").write_text(
-        "import os, sys, time\nimport torch, torch.distributed as dist\n"
-        "dist.init_process_group('gloo')\nrank = int(os.environ['RANK'])\n"
-        "for i in range(200):\n"
-        "    if rank == 1 and i == 3:\n        sys.exit(0)\n"
-        "    t = torch.ones(1)\n    dist.all_reduce(t)\n    time.sleep(0.05)\n"
-        "dist.destroy_process_group()\n")
-    job = write_job(tmp_path / "early.yaml", {"name": "early", "groups": GROUPS, "max_restarts": 0,
-                                              "run": {"script": str(code / "early.py")}})
+    job = _script_job(tmp_path, "early",
+                      "import os, sys, time\nimport torch, torch.distributed as dist\n"
+                      "dist.init_process_group('gloo')\nrank = int(os.environ['RANK'])\n"
+                      "for i in range(200):\n"
+                      "    if rank == 1 and i == 3:\n        sys.exit(0)\n"
+                      "    t = torch.ones(1)\n    dist.all_reduce(t)\n    time.sleep(0.05)\n"
+                      "dist.destroy_process_group()\n")
     proc = cli("submit", job, "--wait", timeout=240)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     err = proc.stderr.strip().splitlines()[-1]
@@ -239,15 +242,10 @@ def test_a_script_shipped_with_its_directory_runs_in_it_and_opens_files_beside_i
     """`python train.py` in its directory opens data.txt beside it; so does the script as
     shipped by default (its directory, run.files unset). Before, it ran in the container's
     working directory, one level up: FileNotFoundError: 'data.txt'."""
-    code = tmp_path / "code"
-    code.mkdir()
-    (code / "data.txt").write_text("41\n")
-    (code / "train.py").write_text(
-        "import json, os\nfrom training import context\n"
-        "with open('data.txt') as f:\n    n = int(f.read())\n"
-        "context.current().final(n=n + 1, beside=os.path.isfile('train.py'))\n")
-    job = write_job(tmp_path / "beside.yaml", {"name": "beside", "groups": GROUPS[:1], "max_restarts": 0,
-                                               "run": {"script": str(code / "train.py")}})
+    job = _script_job(tmp_path, "train", "import os\nfrom training import context\n"
+                                         "with open('data.txt') as f:\n    n = int(f.read())\n"
+                                         "context.current().final(n=n + 1, beside=os.path.isfile('train.py'))\n",
+                      groups=GROUPS[:1], files={"data.txt": "41\n"})
     proc = cli("submit", job, "--wait")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     app = app_id_from(proc.stdout)
@@ -279,13 +277,9 @@ def test_a_notebook_function_using_a_local_module_says_how_to_ship_it_and_that_w
 
 def test_reports_without_a_step_show_in_submit_wait(cli, tmp_path):
     """report(epoch=..., loss=...) without step= showed nothing while `submit --wait` waited."""
-    code = tmp_path / "code"
-    code.mkdir()
-    (code / "epochs.py").write_text(
-        "import time\nfrom training import context\nctx = context.current()\n"
-        "for epoch in range(2):\n    ctx.report(epoch=epoch, loss=1.5 - epoch)\n    time.sleep(1.5)\n")
-    job = write_job(tmp_path / "epochs.yaml", {"name": "epochs", "groups": GROUPS[:1], "max_restarts": 0,
-                                               "run": {"script": str(code / "epochs.py")}})
+    job = _script_job(tmp_path, "epochs", "import time\nfrom training import context\nctx = context.current()\n"
+                                          "for epoch in range(2):\n    ctx.report(epoch=epoch, loss=1.5 - epoch)\n"
+                                          "    time.sleep(1.5)\n", groups=GROUPS[:1])
     proc = cli("submit", job, "--wait")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "rank 0: epoch=1 loss=0.5 restarts=0" in proc.stderr, proc.stderr
