@@ -106,3 +106,18 @@ def test_digits_with_conv_model_parallel_on_three_ranks(tmp_path, digits, yarnap
     split = _curve(job, "model_parallel/split/rank0"), _curve(job, "model_parallel/split/rank1")
     assert split[0][-1][1] > split[1][-1][1]        # the 1-vcore master holds more kernels than a 0.5
     assert_nothing_left(run.app_id)
+
+
+def test_a_strategy_that_cannot_run_the_model_is_one_line_without_a_traceback(tmp_path, digits, cli):
+    """conv_model_parallel told to split a layer the model lacks: the rank raised a ValueError,
+    and `submit --wait` showed its traceback before the failure line."""
+    job = _job(tmp_path, digits, "layers", THREE)
+    job["training"]["strategy"] = {"name": "conv_model_parallel", "layers": ["nosuchconv"]}
+    job["max_restarts"] = 2
+    path = tmp_path / "layers.yaml"
+    path.write_text(json.dumps(job))
+    proc = cli("submit", path, "--wait")
+    assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    err = proc.stderr.strip().splitlines()[-1]
+    assert "FAILED after 1 attempt(s)" in err and "training.strategy.layers: ['nosuchconv'] are not Conv2d" in err
+    assert_nothing_left(app_id_from(err))

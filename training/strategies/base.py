@@ -24,6 +24,13 @@ protocol, MPI calls): what the planner's strategy probe reads to predict its cos
 import abc
 import dataclasses
 
+from conf.errors import YarnappError
+
+
+class StrategyError(YarnappError, ValueError):
+    """A strategy that cannot run the job's model as configured: one line naming the field
+    (the rank reports it without a traceback; every rank fails alike, so it is not retried)."""
+
 
 @dataclasses.dataclass
 class StepStats:

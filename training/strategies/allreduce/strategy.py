@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from training import collectives, cputime, devices
 from training.precision import Precision
-from training.strategies.base import StepStats, Strategy
+from training.strategies.base import StepStats, Strategy, StrategyError
 from training.strategies.shares import SPEED_PROBE_ROWS, costly_ranks, measure_speed, split_rows
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class AllReduceStrategy(Strategy):
         shares = self.spec.shares
         if isinstance(shares, (list, tuple)):
             if len(shares) != self.world_size:
-                raise ValueError(f"training.shares: {len(shares)} shares given for "
+                raise StrategyError(f"training.shares: {len(shares)} shares given for "
                                  f"{self.world_size} ranks")
             return [float(s) for s in shares]
         if shares == "equal":
@@ -105,7 +105,7 @@ class AllReduceStrategy(Strategy):
         if shares == "vcores":
             return [float(r.vcores) for r in self.ctx.ranks]
         if shares != "speed":
-            raise ValueError(f"training.shares: expected 'equal', 'vcores', 'speed' or a list, "
+            raise StrategyError(f"training.shares: expected 'equal', 'vcores', 'speed' or a list, "
                              f"got {shares!r}")
         if example_input is None and getattr(self.model, "input_shape", None) is not None:
             gen = torch.Generator().manual_seed(self.rank)

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from training import cputime
 from training.collectives import wait
-from training.strategies.base import StepStats, Strategy
+from training.strategies.base import StepStats, Strategy, StrategyError
 
 from . import fuse
 from .calibrate import (conv_shapes, corrected_speeds, kernel_block, measure_speeds, proportional_split,
@@ -126,11 +126,11 @@ class ConvModelParallelStrategy(Strategy):
         else:
             unknown = [n for n in wanted if n not in convs]
             if unknown:
-                raise ValueError(f"training.strategy.layers: {unknown} are not Conv2d layers of "
+                raise StrategyError(f"training.strategy.layers: {unknown} are not Conv2d layers of "
                                  f"the model; its Conv2d layers are {sorted(convs)}")
             names = [n for n in convs if n in set(wanted)]  # model order, duplicates dropped
         if not names:
-            raise ValueError("conv_model_parallel: the model has no Conv2d layer to distribute; "
+            raise StrategyError("conv_model_parallel: the model has no Conv2d layer to distribute; "
                              "use the allreduce strategy for it")
         return names
 

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from training import cputime
 from training.collectives import mpi_datatype
 from training.partition import PartitionError, build_hypergraph, evaluate, hypergraph_partition, layer_chain
-from training.strategies.base import StepStats, Strategy
+from training.strategies.base import StepStats, Strategy, StrategyError
 
 from .execution import ROOT, PartitionedModel
 
@@ -97,7 +97,7 @@ class HypergraphStrategy(Strategy):
         given = caps if caps is not None else (shares if isinstance(shares, (list, tuple)) else None)
         if given is not None:
             if len(given) != self.world_size:
-                raise ValueError(f"hypergraph strategy: {len(given)} capacities for {self.world_size} ranks "
+                raise StrategyError(f"hypergraph strategy: {len(given)} capacities for {self.world_size} ranks "
                                  "(training.strategy.capacities or training.shares); give one per rank")
             return [float(s) for s in given]
         if shares == "equal":

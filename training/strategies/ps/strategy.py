@@ -51,6 +51,7 @@ from training import cputime
 from training.collectives import as_buffer, wait
 from training.precision import Precision
 from training.strategies.allreduce.strategy import AllReduceStrategy
+from training.strategies.base import StrategyError
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +102,10 @@ class _ParameterServer(AllReduceStrategy):
     def _flatten(self, model):
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
-            raise ValueError(f"{self.name}: the model has no trainable parameters")
+            raise StrategyError(f"{self.name}: the model has no trainable parameters")
         dtypes = {p.dtype for p in self.params}
         if len(dtypes) != 1:
-            raise ValueError(f"{self.name}: needs all trainable parameters with one dtype, "
+            raise StrategyError(f"{self.name}: needs all trainable parameters with one dtype, "
                              f"got {sorted(map(str, dtypes))}; use the allreduce strategy for this model")
         total = sum(p.numel() for p in self.params)
         cuda = self.device.type == "cuda"
