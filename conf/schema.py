@@ -248,6 +248,17 @@ def strategy_fields(name):
     return [f for f in cfg.model_fields if f != "name"]
 
 
+def _shares(value):
+    """A precise line for a bad weight (the union's own error named neither the entry nor the rule)."""
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"weight [{i}] must be a number > 0, got {v!r}; give one weight per rank")
+    elif value not in ("speed", "equal", "vcores"):
+        raise ValueError(f"expected equal, vcores, speed or a list of weights > 0 (one per rank), got {value!r}")
+    return value
+
+
 class Training(Model):
     """The built-in runner's configuration (run.function = training.runner:main)."""
     strategy: StrategyConfig
@@ -262,7 +273,8 @@ class Training(Model):
     momentum: Annotated[float, Field(ge=0, lt=1)]
     weight_decay: Annotated[float, Field(ge=0)]
     seed: int
-    shares: Union[Literal["speed", "equal", "vcores"], List[Annotated[float, Field(gt=0)]]]
+    shares: Annotated[Union[Literal["speed", "equal", "vcores"], List[Annotated[float, Field(gt=0)]]],
+                      BeforeValidator(_shares)]
     precision: Literal["fp32", "bf16", "fp16"]
     log_every: Annotated[int, Field(ge=1)]
 

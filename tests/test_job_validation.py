@@ -107,6 +107,9 @@ CASES = [
     ("yaml-syntax", "name: t\ngroups: [\n", ":", "not valid YAML"),
     ("gpus-unavailable", _with("groups.0.gpus", 64), "groups[0].gpus", "this machine has"),
     ("vcores-too-many", _with("groups.0.vcores", 4096), "groups[0].vcores", "this machine has"),
+    ("shares-weight", dict(_with("run.function", "training.runner:main"),
+                           training={"shares": [1, 0], "data": {"train": "/nonexistent-yarnapp-data/train"}}),
+     "training.shares", "weight [1] must be a number > 0, got 0"),
     # each container fits, all of them do not (before: 200 x 1 vcore started ~400 processes)
     ("vcores-in-all", _with("groups.0.instances", max(os.cpu_count() or 1, 8) + 1), "groups",
      f"containers ask for {max(os.cpu_count() or 1, 8) + 1} vcores in all"),
