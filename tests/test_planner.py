@@ -377,6 +377,24 @@ def test_cli_plan_errors_are_one_line(cli):
     assert len(proc.stderr.strip().splitlines()) == 1
     proc = cli("plan", "conf/examples/digits.yaml", "--bandwidth", "fast", check=1)
     assert proc.stderr.startswith("Error: ") and "cannot parse 'fast' as a rate" in proc.stderr
+    for flags, says in ((["--latency", "1ms"], "--latency: it sets the latency of the links --bandwidth names"),
+                        (["--machines", "a,b"], "--machines: expected positive integers"),
+                        (["--classes", "0"], "--classes: must be at least 1, got 0"),
+                        (["--json", "/nonexistent-yarnapp/x.json"], "directory /nonexistent-yarnapp does not exist")):
+        proc = cli("plan", "conf/examples/digits.yaml", *flags, check=1)      # before any measuring
+        assert proc.stderr.startswith("Error: --") and says in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_the_table_says_when_no_strategy_beats_one_container():
+    """Every prediction under 1x (a model too small to spread): it recommended the fastest,
+    speedup 0.82, without saying that one container is faster still."""
+    from training.planner import present
+    plan = _regression_cases()["digits-example"]["plan"] | {"volumes": {}}
+    assert "run it on one" not in present.format_table(plan)
+    plan["recommended"] = dict(plan["recommended"], speedup=0.82)
+    assert ("every strategy is predicted slower than one container like rank 0's (best speedup 0.82): spreading "
+            "this model costs more than it saves; run it on one") in present.format_table(plan)
 
 
 # -- the predictions from fixed measurements (a regression guard) ---------------------------

@@ -204,6 +204,10 @@ def cmd_data_import(args):
 def cmd_plan(args):
     """Predicted step time and speedup of every strategy for a job (training.planner)."""
     spec = api.load(args.job)
+    for flag, path in (("--json", args.json), ("--png", args.png)):     # before minutes of measuring
+        where = os.path.dirname(os.path.abspath(path)) if path else None
+        if where and not os.path.isdir(where):
+            raise YarnappError(f"{flag} {path}: directory {where} does not exist; create it or give another path")
     from training import planner   # imports torch: only for this command
     _interrupt_on_sigterm()        # its probes, co-runners and busy processes are stopped
     # PlanError, ModelError, DataError are YarnappErrors: main() prints them as one line.

@@ -31,17 +31,29 @@ def parse_options(measure=False, bandwidth=None, latency=None, machines=None, gp
 
     def items(text):
         return [s.strip() for s in str(text).split(",") if s.strip()]
+    def each(flag, parse, text):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise PlanError(f"{flag}: {e}") from None
+    bws = tuple(each("--bandwidth", parse_rate_bps, b) for b in items(bandwidth)) if bandwidth else ()
+    lat = each("--latency", parse_duration_s, latency) if latency else None
+    if lat is not None and not bws:
+        raise PlanError("--latency: it sets the latency of the links --bandwidth names; give --bandwidth too")
     try:
-        bws = tuple(parse_rate_bps(b) for b in items(bandwidth)) if bandwidth else ()
-        lat = parse_duration_s(latency) if latency else None
         mach = tuple(int(m) for m in items(machines)) if machines else PlanOptions.machines
-        shape = tuple(int(s) for s in str(input_shape).lower().split("x")) if input_shape else None
-    except ValueError as e:
-        raise PlanError(f"plan options: {e}") from None
+    except ValueError:
+        mach = ()
     if any(m < 1 for m in mach) or not mach:
         raise PlanError(f"--machines: expected positive integers such as 1,2,4,8,16, got {machines!r}")
-    if shape is not None and len(shape) != 3:
+    try:
+        shape = tuple(int(s) for s in str(input_shape).lower().split("x")) if input_shape else None
+    except ValueError:
+        shape = ()
+    if shape is not None and (len(shape) != 3 or min(shape) < 1):
         raise PlanError(f"--input-shape: expected CxHxW such as 3x32x32, got {input_shape!r}")
+    if classes is not None and classes < 1:
+        raise PlanError(f"--classes: must be at least 1, got {classes}")
     if gpu_speed is not None and gpu_speed <= 0:
         raise PlanError(f"--gpu-speed: must be > 0, got {gpu_speed}")
     return PlanOptions(measure_link=bool(measure), bandwidths_bps=bws, latency_s=lat, machines=mach,
