@@ -386,6 +386,17 @@ def test_cli_plan_errors_are_one_line(cli):
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
+def test_the_table_marks_a_simulated_speedup_beyond_the_machines_it_has():
+    """3.68x on 2 machines (noisy timings on a busy machine) stood in the table as a prediction."""
+    from training.planner import present
+    plan = _regression_cases()["digits-example"]["plan"] | {"volumes": {}}
+    assert "!" not in present.format_table(plan)
+    row = next(r for r in plan["scaling"] if r["machines"] == 2 and r["cluster"] == "cpu")
+    row["strategies"]["allreduce"] = dict(row["strategies"]["allreduce"], speedup=3.68)
+    out = present.format_table(plan)
+    assert "3.68!" in out and "! more than m times faster on m machines" in out, out
+
+
 def test_the_table_says_when_no_strategy_beats_one_container():
     """Every prediction under 1x (a model too small to spread): it recommended the fastest,
     speedup 0.82, without saying that one container is faster still."""

@@ -101,13 +101,23 @@ def format_table(plan):
         names = [s for s in _modelled() if s in plan["scaling"][0]["strategies"]]
         lines.append(f"{'cluster':8s} {'bandwidth':>11s} {'machines':>8s} " +
                      " ".join(f"{s[:12]:>12s}" for s in names) + f" {'bound':>6s}")
+        beyond = False
         for row in plan["scaling"]:
-            cells = [f"{row['strategies'][s]['speedup']:12.2f}" if row["strategies"][s] else f"{'n/a':>12s}"
-                     for s in names]
+            cells = []
+            for s in names:
+                p = row["strategies"][s]
+                # more than m times faster on m like machines: a noisy measurement
+                over = bool(p) and row["cluster"] == "cpu" and p["speedup"] > row["machines"] * (1 + TIE)
+                beyond = beyond or over
+                cells.append(f"{p['speedup']:11.2f}{'!' if over else ' '}" if p else f"{'n/a':>12s}")
             bound = f"{row['bound']:6.2f}" if row["bound"] else f"{'-':>6s}"
             lines.append(f"{row['cluster']:8s} {_rate(row['bandwidth_bps']):>11s} {row['machines']:8d} "
                          + " ".join(cells) + " " + bound)
-        lines.append("(speedup over one machine like rank 0's container; gpu+cpu: over the GPU alone)")
+        lines.append("(speedup over one machine like rank 0's container; gpu+cpu: over the GPU alone; bound: "
+                     "conv_model_parallel's, splitting the convs only: data parallelism splits the whole step)")
+        if beyond:
+            lines.append("! more than m times faster on m machines: the layers' timings were noisy (a busy "
+                         "machine, or --quick); plan again on a quiet machine")
     return "\n".join(lines)
 
 
