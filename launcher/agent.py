@@ -383,9 +383,9 @@ class Agent:
                 cause, attempts=gen + 1, retried=False,
                 reason=f"{cause.reason}; {NOT_RETRIED if gen == 0 else NOT_RETRIED_AGAIN}").dumps())
         if self.store.get(keys.FAILED) is not None or spent_restarts(self.store, gen) > self.job.max_restarts:
-            first = Failure.load(self.store.get(keys.abort(0))) or cause
-            self.store.put_if_absent(keys.FAILED, dataclasses.replace(first, attempts=gen + 1).dumps())
-            log.error("FAILED after %d attempt(s): %s", gen + 1, first.reason)
+            # The failure that spent the last restart (the earlier ones are the restarts' records).
+            self.store.put_if_absent(keys.FAILED, dataclasses.replace(cause, attempts=gen + 1).dumps())
+            log.error("FAILED after %d attempt(s): %s", gen + 1, cause.reason)
             return State.FAILED
         self.gen = gen + 1
         self.store.put_if_absent(keys.restart(self.gen), dataclasses.replace(

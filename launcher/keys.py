@@ -74,7 +74,7 @@ def node(container):
 
 
 FINAL = "final"            # rank 0's final metrics (JSON)
-FAILED = "failed"          # the application failed for good: JSON with the root cause
+FAILED = "failed"          # the application failed for good: JSON with the last generation's cause
 RESTARTS = "restarts/"     # restarts/<gen> : JSON reason of each world restart
 TENSORBOARD = "tensorboard/url"
 

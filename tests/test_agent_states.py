@@ -107,14 +107,17 @@ def test_a_crash_restarts_in_the_next_generation_with_the_cause_recorded(tmp_pat
     assert store.get(keys.FAILED) is None
 
 
-def test_spent_restarts_fail_the_application_with_the_first_cause_and_the_ranks_status(tmp_path):
+def test_spent_restarts_fail_the_application_with_the_last_cause_and_the_ranks_status(tmp_path):
+    """The failure that spent the last restart is the application's; the earlier one is the
+    restart's record. (It named generation 0's, which the restart had survived: a rank
+    killed once, then a checkpoint that would not load, read "killed by signal 9".)"""
     second = crash(code=9, error="ValueError: again")
     a, store = agent(tmp_path, [(Outcome.OWN, crash(), None), (Outcome.OWN, second, None)], max_restarts=1)
     assert a.run() == 9                                   # this container's rank caused it: its status
     assert a.transitions[-1] == ("RESTARTING", "FAILED") and a.spawned_gens == [0, 1]
     failed = load(store, keys.FAILED)
-    assert (failed.reason, failed.attempts) == (crash().reason, 2)     # the root cause: generation 0's
-    assert load(store, keys.abort(1)).reason == second.reason
+    assert (failed.reason, failed.attempts) == (second.reason, 2)
+    assert load(store, keys.restart(1)).reason == crash().reason
 
 
 def test_another_agents_abort_is_kept_and_followed(tmp_path):
@@ -237,9 +240,9 @@ def test_a_rank_that_crashes_is_restarted_and_its_status_is_the_containers(tmp_p
     a, store = agent(tmp_path, [["sh", "-c", "exit 5"], ["sh", "-c", "exit 6"]], cls=ProcessAgent, max_restarts=1)
     assert a.run() == 6                                   # its rank's status in the last generation
     failed = load(store, keys.FAILED)
-    assert (failed.kind, failed.exit_code, failed.attempts) == (Kind.CRASHED.value, 5, 2)
-    assert failed.reason == "rank 0 (w_0) exited with status 5"
-    assert load(store, keys.abort(1)).exit_code == 6
+    assert (failed.kind, failed.exit_code, failed.attempts) == (Kind.CRASHED.value, 6, 2)
+    assert failed.reason == "rank 0 (w_0) exited with status 6"
+    assert load(store, keys.restart(1)).exit_code == 5
 
 
 def test_the_transitions_drawn_on_the_states_are_the_ones_the_agent_takes():
