@@ -257,3 +257,27 @@ def test_resuming_a_checkpoint_of_another_model_is_one_line_and_not_retried(digi
     assert f"the checkpoint of step 10 (application {run1.app_id}) does not fit this job's model 'mlp'" in reason
     assert "\n" not in reason and "not retried" in reason, reason
     assert_nothing_left(run2.app_id)
+
+
+def test_a_checkpoint_with_an_unreadable_file_is_passed_over_for_the_one_before(digits, tmp_path, yarnapp_home):
+    """Rank 1's file of the newest checkpoint truncated: every restart failed on it
+    (PytorchStreamReader ... a traceback naming no file) and the intact checkpoint before it
+    was never tried. Now it resumes from that one; when none can be read, one line, not retried."""
+    first = digits_job(tmp_path, digits, "ckpt", steps=20, instances=(1, 1))
+    run1, _ = run_to_end(first)
+    root = tmp_path / "ckpt" / "ckpt" / run1.app_id
+    with open(root / "step-00000020" / "rank-00001.pt", "r+b") as f:
+        f.truncate(1000)
+    again = digits_job(tmp_path, digits, "ckpt", steps=30, instances=(1, 1))
+    again["checkpoint"]["resume"] = run1.app_id
+    run2, st2 = run_to_end(again)
+    assert st2["final"]["resumed_app"] == run1.app_id and st2["final"]["resumed_from"] == 10
+    assert "the checkpoint of step 20 cannot be read" in run2.logs()["big_0"]
+    (root / "step-00000010" / "rank-00000.pt").unlink()
+    run3 = yarnapp.submit(again)
+    st3 = run3.wait(timeout=300)
+    assert st3["state"] == "FAILED" and st3["failure"]["attempts"] == 1, st3
+    assert f"no complete checkpoint of application {run1.app_id} can be read (step 20: " in st3["failure"]["reason"]
+    assert "rank-00001.pt" in st3["failure"]["reason"] and "not retried" in st3["failure"]["reason"]
+    for r in (run1, run2, run3):
+        assert_nothing_left(r.app_id)

@@ -93,31 +93,38 @@ class Checkpointer:
         return sorted(out)
 
     def _source(self):
-        """(directory, app_id, step) to start from, or (None, None, 0). Rank 0 only."""
+        """(directory, app_id, complete steps, oldest first) to start from, or (None, None, []).
+        Rank 0 only."""
         steps = self.complete_steps()
         if steps:
-            return self.root, self.app_id, steps[-1]
+            return self.root, self.app_id, steps
         if self.resume == "never":
-            return None, None, 0
+            return None, None, []
         where = self.siblings or self.uri
         if self.resume == "latest":
             for _, app, name in reversed(self.applications()):
                 root = self._app_root(app)
                 if app != self.app_id and name == self.name and self.complete_steps(root):
-                    return root, app, self.complete_steps(root)[-1]
+                    return root, app, self.complete_steps(root)
             log.warning("checkpoint.resume latest: no earlier application of job %r has a complete "
                         "checkpoint under %s; starting from step 0", self.name, where)
-            return None, None, 0
+            return None, None, []
         root = self._app_root(self.resume)
         steps = self.complete_steps(root) if fsutil.exists(self.fs, root) else []
         if not steps:
             raise CheckpointError(f"checkpoint.resume {self.resume}: no complete checkpoint of that application "
                                   f"under {where}; give an application id listed there, latest or never")
-        return root, self.resume, steps[-1]
+        return root, self.resume, steps
 
     def latest(self):
         """(step, this rank's state) to start from (see the module docstring), or (0, None).
-        Collective; rank 0 also records this application under the URI."""
+        Collective; rank 0 also records this application under the URI.
+
+        The newest complete checkpoint every rank can read: one whose file of some rank is
+        missing or does not load (a disk's fault, a hand's truncate) is passed over, with a
+        warning naming the file, for the one before it; when none can be read, every rank
+        raises the same CheckpointError naming the newest's bad file (so no restart is
+        spent on it: it would fail the same way)."""
         found = None
         if self.rank == 0:
             error = _attempt(self._register)
@@ -129,16 +136,32 @@ class Checkpointer:
         found = self.comm.bcast(found, root=0)
         if isinstance(found, str):                    # every rank fails the same way
             raise CheckpointError(found)
-        root, app, step = found
+        root, app, steps = found
         if root is None:
             return 0, None
+        first_bad = None
+        for step in reversed(steps):
+            path = f"{self._dir(step, root=root)}/rank-{self.rank:05d}.pt"
+            try:
+                state, bad = fsutil.torch_load(fsutil.read_bytes(self.fs, path)), None
+            except Exception as e:  # noqa: BLE001 - any unreadable file: try the checkpoint before
+                state, bad = None, f"{path}: {type(e).__name__}: {e}".splitlines()[0]
+            bad = next((b for b in self.comm.allgather(bad) if b), None)
+            if bad is None:
+                break
+            first_bad = first_bad or bad
+            if self.rank == 0:
+                log.warning("the checkpoint of step %d cannot be read (%s); trying the one before it", step, bad)
+        else:
+            raise CheckpointError(f"no complete checkpoint of application {app} can be read (step {steps[-1]}: "
+                                  f"{first_bad}); remove the broken step directories, or start afresh "
+                                  f"(checkpoint.resume: never)")
         if app != self.app_id:
             self.resumed_app = app
             if self.rank == 0:
                 log.info("resuming from application %s's checkpoint of step %d (checkpoint.resume: %s)",
                          app, step, self.resume)
-        data = fsutil.read_bytes(self.fs, f"{self._dir(step, root=root)}/rank-{self.rank:05d}.pt")
-        return step, fsutil.torch_load(data)
+        return step, state
 
     def _register(self):
         path = f"{self.root}/application.json"
