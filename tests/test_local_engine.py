@@ -248,8 +248,12 @@ def test_logs_of_a_container_right_after_submit_are_empty_not_an_error(yarnapp_h
     try:
         assert set(run.logs("b_0")) == {"b_0"}
         assert {"a_0", "b_0"} <= set(run.logs())
-        with pytest.raises(yarnapp.YarnappError, match="has no container 'c_0'; it has a_0, b_0"):
+        with pytest.raises(yarnapp.YarnappError, match="has no container 'c_0'; it has a_0, b_0 "):
             run.logs("c_0")
+        deadline = time.monotonic() + 30          # the master's own log: what a failure of it names
+        while "started a_0" not in run.logs("master")["master"]:
+            assert time.monotonic() < deadline, run.logs("master")
+            time.sleep(0.1)
     finally:
         run.kill()
     assert_nothing_left(run.app_id)

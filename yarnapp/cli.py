@@ -83,7 +83,8 @@ def cmd_status(args):
         if c.get("memory_kill"):
             _p(f"    {c['memory_kill']}")
     for r in st.get("restarts") or []:
-        _p(f"  restart {r.get('generation')}: {r.get('reason')}")
+        _p(f"  restart {r.get('generation')}: {r.get('reason')}"
+           + (" (spends no restart)" if r.get("external") else ""))
     p = (st.get("progress") or {}).get(0)
     if p:
         _p("  progress: " + " ".join(f"{k}={_fmt(v)}" for k, v in p.items() if k not in ("rank", "time")))

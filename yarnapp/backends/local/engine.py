@@ -181,11 +181,18 @@ class LocalBackend(Backend):
         return root, sorted(set(named) | set(os.listdir(root) if os.path.isdir(root) else ()))
 
     def logs(self, app_id, container=None):
-        root, names = self._containers(self._dir(app_id))
+        d = self._dir(app_id)
+        root, names = self._containers(d)
+        if container == "master":       # the application master's own log (a failure may name it)
+            try:
+                with open(os.path.join(d, "am.log"), errors="replace") as f:
+                    return {"master": f.read()}
+            except FileNotFoundError:
+                return {"master": ""}
         if container is not None:
             if container not in names:
                 raise YarnappError(f"application {app_id} has no container {container!r}; "
-                                   f"it has {', '.join(names)}")
+                                   f"it has {', '.join(names)} (and master, the application master's log)")
             names = [container]
         out = {}
         for n in names:
