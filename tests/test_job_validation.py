@@ -110,6 +110,8 @@ CASES = [
     ("shares-weight", dict(_with("run.function", "training.runner:main"),
                            training={"shares": [1, 0], "data": {"train": "/nonexistent-yarnapp-data/train"}}),
      "training.shares", "weight [1] must be a number > 0, got 0"),
+    ("resume-unknown", dict(GOOD, checkpoint={"resume": "app_20200101_000000_abcdef"}), "checkpoint.resume",
+     "no checkpoints of application app_20200101_000000_abcdef under"),
     # each container fits, all of them do not (before: 200 x 1 vcore started ~400 processes)
     ("vcores-in-all", _with("groups.0.instances", max(os.cpu_count() or 1, 8) + 1), "groups",
      f"containers ask for {max(os.cpu_count() or 1, 8) + 1} vcores in all"),

@@ -213,12 +213,12 @@ def test_resubmitting_a_job_does_not_resume_another_applications_checkpoints_unl
     assert st5["final"]["resumed_from"] == 0                   # latest never takes another job's
     runs = (run1, run2, run3, run4, run5)
     assert sorted(os.listdir(tmp_path / "ckpt")) == sorted(r.app_id for r in runs)
-    bad = yarnapp.submit(job(resume="app_20200101_000000_abcdef"))
-    st = bad.wait(timeout=300)
-    assert st["state"] == "FAILED" and st["failure"]["attempts"] == 1
-    assert "checkpoint.resume app_20200101_000000_abcdef: no complete checkpoint of that application" \
-        in st["failure"]["reason"]
-    for r in runs + (bad,):
+    before = sorted(os.listdir(yarnapp_home / "apps"))
+    with pytest.raises(yarnapp.YarnappError, match="checkpoint.resume: no checkpoints of application "
+                                                   "app_20200101_000000_abcdef under "):
+        yarnapp.submit(job(resume="app_20200101_000000_abcdef"))      # before anything starts
+    assert sorted(os.listdir(yarnapp_home / "apps")) == before
+    for r in runs:
         assert_nothing_left(r.app_id)
 
 

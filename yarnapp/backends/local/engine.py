@@ -75,6 +75,21 @@ def check_resources(job, where="job"):
                            f"--backend yarn")
 
 
+def check_resume(job, where="job"):
+    """checkpoint.resume naming an application whose checkpoints are not on this machine
+    (its own directory here, or a local checkpoint.uri): one line before anything starts
+    (else the containers start, then report it)."""
+    app, uri = job.checkpoint.resume, job.checkpoint.uri
+    if app in ("never", "latest") or (uri and not uri.startswith(("/", "file://"))):
+        return
+    root = os.path.join(uri[len("file://"):] if uri.startswith("file://") else uri, app) if uri \
+        else os.path.join(apps_dir(), app, "checkpoints", app)
+    if not os.path.isdir(root):
+        under = uri or apps_dir()
+        raise YarnappError(f"{where}: checkpoint.resume: no checkpoints of application {app} under {under}; "
+                           f"give an application id `yarnapp list` shows, latest or never")
+
+
 def checked(job, where="job"):
     """What submit (and `submit --dry-run`) checks before anything is written or started;
     the job's Shipment (its job with absolute paths, and the files it ships)."""
@@ -82,6 +97,7 @@ def checked(job, where="job"):
     netem.check(job, where)
     job = conf.absolutize(job, os.getcwd())
     preflight.check_data(job, where)
+    check_resume(job, where)
     return shipping.plan(job, where)
 
 
