@@ -21,6 +21,8 @@ import json
 import logging
 import os
 import runpy
+import shutil
+import stat
 import sys
 import threading
 import time
@@ -90,8 +92,26 @@ def run_code(job, ctx, fn):
     sys.argv = [path] + list(job.run.args)
     sys.path.insert(0, here)                    # as `python script.py` does
     if job.run.files is None:                   # its directory was shipped for it (yarnapp.shipping):
-        os.chdir(here)                          # run in the copy, as `python script.py` there
+        os.chdir(private_copy(here, ctx.workdir))   # run in the copy, as `python script.py` there
     runpy.run_path(path, run_name="__main__")
+
+
+def private_copy(here, workdir):
+    """`here` if this container owns it (the local engine copies the files into each
+    container), else a copy of it in the working directory: YARN localizes a shipped
+    directory once per node, read-only, and links it into every container, where a
+    script's relative writes would fail or meet the other ranks' on the node."""
+    real = os.path.realpath(here)
+    if real == here or real.startswith(os.path.realpath(workdir) + os.sep):
+        return here
+    mine = os.path.join(workdir, f".run-{os.path.basename(here)}")
+    if not os.path.isdir(mine):
+        shutil.copytree(real, mine, symlinks=True)
+        for root, dirs, files in os.walk(mine):     # localized files are read-only (0500)
+            for path in [root] + [os.path.join(root, n) for n in dirs + files]:
+                if not os.path.islink(path):
+                    os.chmod(path, os.stat(path).st_mode | stat.S_IWUSR)
+    return mine
 
 
 class LastLine:

@@ -238,15 +238,16 @@ def test_a_users_model_with_the_wrong_number_of_outputs_fails_once_with_one_line
     assert_nothing_left(app_id_from(err))
 
 
-def test_a_script_shipped_with_its_directory_runs_in_it_and_opens_files_beside_it(cli, tmp_path):
+def test_a_script_shipped_with_its_directory_runs_in_it_and_opens_files_beside_it(yarnapp_home, tmp_path):
     """`python train.py` in its directory opens data.txt beside it; so does the script as
-    shipped by default (its directory, run.files unset). Before, it ran in the container's
-    working directory, one level up: FileNotFoundError: 'data.txt'."""
+    shipped by default (its directory, run.files unset) and submitted from there. Before, it
+    ran in the container's working directory, one level up: FileNotFoundError: 'data.txt'."""
     job = _script_job(tmp_path, "train", "import os\nfrom training import context\n"
                                          "with open('data.txt') as f:\n    n = int(f.read())\n"
                                          "context.current().final(n=n + 1, beside=os.path.isfile('train.py'))\n",
                       groups=GROUPS[:1], files={"data.txt": "41\n"})
-    proc = cli("submit", job, "--wait")
+    proc = subprocess.run([sys.executable, "-m", "yarnapp.cli", "submit", str(job), "--wait"], cwd=tmp_path / "code",
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ))   # from its directory
     assert proc.returncode == 0, proc.stdout + proc.stderr
     app = app_id_from(proc.stdout)
     assert yarnapp.status(app)["final"] == {"n": 42, "beside": True}

@@ -33,11 +33,14 @@ def _job(run, backend="local"):
                                           "run": dict(run, editable=False)}), os.getcwd())
 
 
-def test_a_script_ships_its_own_directory_and_runs_from_the_copy(tmp_path):
+def test_a_script_ships_its_own_directory_and_runs_from_the_copy(tmp_path, monkeypatch):
     proj = _project(tmp_path / "proj")
     s = shipping.plan(_job({"script": str(proj / "train.py"), "args": ["--lr", "0.1"]}))
     assert s.entries == {"proj": str(proj)}
-    assert s.job.run.script == "proj/train.py" and s.job.run.files is None     # null: it runs in proj/
+    # submitted from elsewhere: it runs in the working directory, where proj/ lands
+    assert s.job.run.script == "proj/train.py" and s.job.run.files == ["proj"]
+    monkeypatch.chdir(proj)     # submitted from its directory: it runs in proj/ (files null), as `python train.py`
+    assert shipping.plan(_job({"script": str(proj / "train.py")})).job.run.files is None
     assert s.job.run.args == ["--lr", "0.1"]
     dest = tmp_path / "container"
     shipping.copy_into(s.entries, str(dest))
@@ -131,3 +134,26 @@ def test_a_pickled_function_ships_as_function_pkl(tmp_path):
     (tmp_path / "f.pkl").write_bytes(b"x")
     s = shipping.plan(_job({"pickle": str(tmp_path / "f.pkl")}))
     assert s.entries == {"function.pkl": str(tmp_path / "f.pkl")} and s.job.run.pickle == "function.pkl"
+
+
+def test_a_script_runs_in_a_private_copy_of_a_directory_yarn_shares_read_only(tmp_path):
+    """YARN localizes a shipped directory once per node, read-only, linked into every
+    container: the script runs in a writable copy of its own (launcher.rank.private_copy);
+    a directory the container owns (the local engine's copy) is used as it is."""
+    from launcher.rank import private_copy
+    cache = _project(tmp_path / "filecache" / "proj")
+    for path in (cache / "train.py", cache / "helper.py", cache):
+        os.chmod(path, 0o500)
+    work = tmp_path / "container"
+    work.mkdir()
+    (work / "proj").symlink_to(cache)
+    mine = private_copy(str(work / "proj"), str(work))
+    assert mine == str(work / ".run-proj") and sorted(os.listdir(mine)) == sorted(os.listdir(cache))
+    with open(os.path.join(mine, "out.txt"), "w") as f:       # relative writes: in its own copy
+        f.write("x")
+    open(os.path.join(mine, "helper.py"), "a").close()
+    assert not os.path.exists(cache / "out.txt")
+    owned = work / "own"
+    owned.mkdir()
+    assert private_copy(str(owned), str(work)) == str(owned)
+    os.chmod(cache, 0o700)

@@ -14,9 +14,9 @@ What goes (`plan`):
 
 The working directory is on PYTHONPATH in every container (launcher.agent), and a
 script runs with its own directory first on sys.path, as `python script.py` does. A
-script whose directory was shipped for it (run.files null) runs in that directory's copy,
-so it opens the files beside it by their names; with run.files listed, in the working
-directory, where the listed entries are.
+script whose directory was shipped for it (run.files null), submitted from that directory,
+runs in the directory's copy, so it opens the files beside it by their names; otherwise
+it runs in the working directory, where the entries are.
 On the local engine the shipment is staged in the application's directory at submit
 and copied into each container's working directory; on YARN every entry is a skein
 file that the NodeManager localizes (a directory travels as a zip archive, unpacked
@@ -163,9 +163,13 @@ def _plan(job):
             raise YarnappError(f"run.files: {path} holds {size / 2**20:.0f} MiB, more than the "
                                f"{LIMIT_BYTES // 2**20} MiB of code yarnapp ships; list only code in run.files "
                                f"and put data on a URI (training.data)")
-    # files null with a script: its directory was shipped for it, and it runs in that copy
-    # (launcher.rank.run_code), as `python script.py` there; listed files: in the working directory.
-    listed = sorted(entries) if entries and not (run.files is None and run.script) else None
+    # files null with a script: its directory was shipped for it and the job submitted from
+    # that directory, so it runs in the copy (launcher.rank.run_code), as `python script.py`
+    # run there; otherwise in the working directory, where each entry lands by its name (as
+    # `python dir/script.py` from the directory above it).
+    in_its_dir = bool(run.files is None and run.script and
+                      os.path.realpath(os.path.dirname(run.script)) == os.path.realpath(os.getcwd()))
+    listed = sorted(entries) if entries and not in_its_dir else None
     shipped = job.model_copy(update={"run": run.model_copy(update={
         "script": script, "pickle": pickle, "files": listed})})
     return Shipment(job=shipped, entries=entries)
