@@ -273,6 +273,10 @@ def test_a_checkpoint_with_an_unreadable_file_is_passed_over_for_the_one_before(
     run2, st2 = run_to_end(again)
     assert st2["final"]["resumed_app"] == run1.app_id and st2["final"]["resumed_from"] == 10
     assert "the checkpoint of step 20 cannot be read" in run2.logs()["big_0"]
+    wider = digits_job(tmp_path, digits, "ckpt", steps=30, instances=(1, 2))       # 3 ranks: no file for rank 2
+    wider["checkpoint"]["resume"] = run1.app_id
+    st = yarnapp.submit(wider).wait(timeout=300)
+    assert st["state"] == "FAILED" and "was written by 2 ranks, and this job has 3" in st["failure"]["reason"], st
     (root / "step-00000010" / "rank-00000.pt").unlink()
     run3 = yarnapp.submit(again)
     st3 = run3.wait(timeout=300)

@@ -131,6 +131,7 @@ class Checkpointer:
             try:
                 found = (f"checkpoint.uri {self.uri}: cannot write to it: {error}" if error
                          else self._source())
+                found = self._written_by_fewer(*found) or found
             except CheckpointError as e:
                 found = str(e)
         found = self.comm.bcast(found, root=0)
@@ -152,6 +153,8 @@ class Checkpointer:
             first_bad = first_bad or bad
             if self.rank == 0:
                 log.warning("the checkpoint of step %d cannot be read (%s); trying the one before it", step, bad)
+                if root == self.root:       # this application's own: set aside, so the step is written anew
+                    _attempt(lambda: self.fs.move(self._dir(step), f"{self._dir(step)}.unreadable-{self.generation}"))
         else:
             raise CheckpointError(f"no complete checkpoint of application {app} can be read (step {steps[-1]}: "
                                   f"{first_bad}); remove the broken step directories, or start afresh "
@@ -162,6 +165,20 @@ class Checkpointer:
                 log.info("resuming from application %s's checkpoint of step %d (checkpoint.resume: %s)",
                          app, step, self.resume)
         return step, state
+
+    def _written_by_fewer(self, root, app, steps):
+        """The line refusing a checkpoint written by fewer ranks than this world has (its
+        files are not broken: there is none for the others), or None."""
+        if root is None:
+            return None
+        ranks = max(sum(1 for n in fsutil.listdir(self.fs, self._dir(step, root=root)) if n.startswith("rank-"))
+                    for step in steps)        # the most any step has: one missing file is a broken step
+        size = self.comm.Get_size()
+        if 0 < ranks < size:
+            return (f"checkpoint.resume: the checkpoint of step {steps[-1]} (application {app}) was written by "
+                    f"{ranks} ranks, and this job has {size}; resume it with {ranks}, or start afresh "
+                    f"(checkpoint.resume: never)")
+        return None
 
     def _register(self):
         path = f"{self.root}/application.json"
