@@ -250,7 +250,7 @@ def strategy_fields(name):
 
 def _shares(value):
     """A precise line for a bad weight (the union's own error named neither the entry nor the rule)."""
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"weight [{i}] must be a number > 0, got {v!r}; give one weight per rank")

@@ -225,8 +225,12 @@ def test_checking_a_models_output_changes_nothing_it_touches():
     """The check's forward runs in eval mode on a fork of the RNG: batch-norm statistics,
     each module's train/eval flag and the random stream are as they were."""
     from training.models import check_output
+
+    class Noisy(nn.Module):                         # draws from the RNG in eval mode too
+        def forward(self, x):
+            return x + 0 * torch.rand_like(x)
     torch.manual_seed(0)
-    model = build_model("resnet", (3, 16, 16), 10, {"width": 4, "blocks": 1, "stages": 2})
+    model = nn.Sequential(build_model("resnet", (3, 16, 16), 10, {"width": 4, "blocks": 1, "stages": 2}), Noisy())
     frozen = next(m for m in model.modules() if isinstance(m, nn.BatchNorm2d))
     frozen.eval()                                   # a user's frozen layer stays frozen
     before = {k: v.clone() for k, v in model.state_dict().items()}

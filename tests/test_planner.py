@@ -377,7 +377,7 @@ def test_cli_plan_errors_are_one_line(cli):
     assert len(proc.stderr.strip().splitlines()) == 1
     proc = cli("plan", "conf/examples/digits.yaml", "--bandwidth", "fast", check=1)
     assert proc.stderr.startswith("Error: ") and "cannot parse 'fast' as a rate" in proc.stderr
-    for flags, says in ((["--latency", "1ms"], "--latency: it sets the latency of the links --bandwidth names"),
+    for flags, says in ((["--latency", "1 parsec"], "--latency: cannot parse"),
                         (["--machines", "a,b"], "--machines: expected positive integers"),
                         (["--classes", "0"], "--classes: must be at least 1, got 0"),
                         (["--json", "/nonexistent-yarnapp/x.json"], "directory /nonexistent-yarnapp does not exist")):

@@ -60,6 +60,8 @@ class Runner:
             try:
                 self.strategy.load_state_dict(state["strategy"])
             except (RuntimeError, KeyError, ValueError, TypeError) as e:   # torch's: "Error(s) in loading..."
+                if "out of memory" in str(e) or type(e).__module__.startswith("mpi4py"):
+                    raise                                   # not the checkpoint's fault: retried as any crash
                 log.error("loading the checkpoint of step %d", self.start_step, exc_info=True)
                 raise CheckpointError(
                     f"checkpoint.resume: the checkpoint of step {self.start_step} (application "

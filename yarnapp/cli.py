@@ -312,7 +312,8 @@ def build_parser():
     s.add_argument("job", help="path of the job.yaml")
     s.add_argument("--measure", action="store_true", help="measure the link with an MPI ping-pong (2 processes)")
     s.add_argument("--bandwidth", help="link rate(s), e.g. 1gbit or 1gbit,10gbit (simulated clusters use all)")
-    s.add_argument("--latency", help="one-way link latency with --bandwidth, e.g. 0.05ms (default 0.05ms)")
+    s.add_argument("--latency", help="one-way link latency, e.g. 0.05ms (default: measured with --measure, "
+                   "else 0.05ms)")
     s.add_argument("--machines", default="1,2,4,8,16", help="simulated cluster sizes (default 1,2,4,8,16)")
     s.add_argument("--gpu-speed", type=float, dest="gpu_speed",
                    help="also simulate one GPU this many times faster than rank 0's container, plus CPUs")

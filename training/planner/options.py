@@ -38,8 +38,6 @@ def parse_options(measure=False, bandwidth=None, latency=None, machines=None, gp
             raise PlanError(f"{flag}: {e}") from None
     bws = tuple(each("--bandwidth", parse_rate_bps, b) for b in items(bandwidth)) if bandwidth else ()
     lat = each("--latency", parse_duration_s, latency) if latency else None
-    if lat is not None and not bws:
-        raise PlanError("--latency: it sets the latency of the links --bandwidth names; give --bandwidth too")
     try:
         mach = tuple(int(m) for m in items(machines)) if machines else PlanOptions.machines
     except ValueError:

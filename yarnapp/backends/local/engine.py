@@ -60,7 +60,7 @@ def check_resources(job, where="job"):
                                f"machine has {len(have)} (nvidia-smi{'' if have else ' finds none'}); ask for at most "
                                f"{len(have)}, set gpus: 0, or submit to a cluster with --backend yarn")
     instances = sum(g.instances for g in job.groups)
-    vcores = sum(g.vcores * g.instances for g in job.groups)
+    vcores = round(sum(g.vcores * g.instances for g in job.groups), 6)      # 7 x 1.1 + 0.3 is 8
     memory = sum(g.memory * g.instances for g in job.groups)
     each = ", ".join(f"{g.instances} x {{}}" for g in job.groups)
     if vcores > node_vcores:
