@@ -48,22 +48,18 @@ class Progress:
         for r in st.get("restarts") or []:
             self.say(f"restart{r.get('generation')}", f"restart {r.get('generation')}: {r.get('reason')}")
         p = (st.get("progress") or {}).get(0)
-        if p and "step" not in p:
-            # A report without a step (say training.dist's report(epoch=..., loss=...)): its
-            # fields, one plain line per new record.
-            fields = " ".join(f"{k}={_fmt(v)}" for k, v in p.items() if k not in ("rank", "time", "generation"))
-            if fields and p.get("time") != self.last:
+        if p and ("step" not in p or not self.tty):
+            # One plain line per new progress record: not a terminal (CI, a log file), or a
+            # report without a step (say training.dist's report(epoch=..., loss=...): no bar).
+            if "step" in p:
+                head, shown = f"step {p['step']}/{p.get('total_steps', '?')} ", [
+                    k for k in ("epoch", "loss", "accuracy", "samples_per_s") if k in p]
+            else:
+                head, shown = "rank 0: ", [k for k in p if k not in ("rank", "time", "generation")]
+            if (shown or "step" in p) and p.get("time") != self.last:
                 self.last = p.get("time")
-                print(f"rank 0: {fields} restarts={len(st.get('restarts') or [])}", file=self.file, flush=True)
-            return
-        if p and "step" in p and not self.tty:
-            # Not a terminal (CI, a log file): one plain line per new progress record.
-            if p.get("time") != self.last:
-                self.last = p.get("time")
-                fields = " ".join(f"{k}={_fmt(p[k])}" for k in ("epoch", "loss", "accuracy", "samples_per_s")
-                                  if k in p)
-                print(f"step {p['step']}/{p.get('total_steps', '?')} {fields} "
-                      f"restarts={len(st.get('restarts') or [])}", file=self.file, flush=True)
+                fields = " ".join(f"{k}={_fmt(p[k])}" for k in shown)
+                print(f"{head}{fields} restarts={len(st.get('restarts') or [])}", file=self.file, flush=True)
             return
         if p and "step" in p:
             if self.bar is None:
