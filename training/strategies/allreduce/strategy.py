@@ -98,7 +98,7 @@ class AllReduceStrategy(Strategy):
         if isinstance(shares, (list, tuple)):
             if len(shares) != self.world_size:
                 raise StrategyError(f"training.shares: {len(shares)} shares given for "
-                                 f"{self.world_size} ranks")
+                                    f"{self.world_size} ranks")
             return [float(s) for s in shares]
         if shares == "equal":
             return [1.0] * self.world_size
@@ -106,7 +106,7 @@ class AllReduceStrategy(Strategy):
             return [float(r.vcores) for r in self.ctx.ranks]
         if shares != "speed":
             raise StrategyError(f"training.shares: expected 'equal', 'vcores', 'speed' or a list, "
-                             f"got {shares!r}")
+                                f"got {shares!r}")
         if example_input is None and getattr(self.model, "input_shape", None) is not None:
             gen = torch.Generator().manual_seed(self.rank)
             example_input = torch.randn((SPEED_PROBE_ROWS, *self.model.input_shape), generator=gen)

@@ -127,11 +127,11 @@ class ConvModelParallelStrategy(Strategy):
             unknown = [n for n in wanted if n not in convs]
             if unknown:
                 raise StrategyError(f"training.strategy.layers: {unknown} are not Conv2d layers of "
-                                 f"the model; its Conv2d layers are {sorted(convs)}")
+                                    f"the model; its Conv2d layers are {sorted(convs)}")
             names = [n for n in convs if n in set(wanted)]  # model order, duplicates dropped
         if not names:
             raise StrategyError("conv_model_parallel: the model has no Conv2d layer to distribute; "
-                             "use the allreduce strategy for it")
+                                "use the allreduce strategy for it")
         return names
 
     def _calibrated_split(self, sample_shape):

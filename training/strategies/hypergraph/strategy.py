@@ -98,7 +98,7 @@ class HypergraphStrategy(Strategy):
         if given is not None:
             if len(given) != self.world_size:
                 raise StrategyError(f"hypergraph strategy: {len(given)} capacities for {self.world_size} ranks "
-                                 "(training.strategy.capacities or training.shares); give one per rank")
+                                    "(training.strategy.capacities or training.shares); give one per rank")
             return [float(s) for s in given]
         if shares == "equal":
             return [1.0] * self.world_size

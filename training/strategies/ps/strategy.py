@@ -106,7 +106,7 @@ class _ParameterServer(AllReduceStrategy):
         dtypes = {p.dtype for p in self.params}
         if len(dtypes) != 1:
             raise StrategyError(f"{self.name}: needs all trainable parameters with one dtype, "
-                             f"got {sorted(map(str, dtypes))}; use the allreduce strategy for this model")
+                                f"got {sorted(map(str, dtypes))}; use the allreduce strategy for this model")
         total = sum(p.numel() for p in self.params)
         cuda = self.device.type == "cuda"
         # W and the gradients live in host memory, where the exchange and the servers'
