@@ -77,6 +77,15 @@ class Identity:
         return self.job.tensorboard.logdir or os.path.join(self.app_dir, "tensorboard")
 
 
+def checkpoint_dir(app, base=None, siblings=None):
+    """Where application `app` checkpoints: `base`/<app> under a checkpoint.uri's path; with
+    the URI unset, in its own directory, `siblings`/<app>/checkpoints/<app> (its URI is
+    Identity.checkpoint_uri, <app dir>/checkpoints, and training.checkpoint adds <app>)."""
+    if siblings:
+        return f"{siblings.rstrip('/')}/{app}/checkpoints/{app}"
+    return f"{base.rstrip('/')}/{app}"
+
+
 def secret_from_env(env):
     if env.get("YARNAPP_SECRET_FILE"):
         with open(env["YARNAPP_SECRET_FILE"]) as f:

@@ -36,6 +36,7 @@ import pyarrow as pa
 import torch
 
 from conf.errors import YarnappError
+from launcher.identity import checkpoint_dir
 
 from . import fsutil
 
@@ -59,7 +60,7 @@ class Checkpointer:
         self.fs, self.base = fsutil.resolve(uri)
         self.siblings = siblings            # the directory of the applications' own directories, or None
         self._siblings = fsutil.resolve(siblings)[1].rstrip("/") if siblings else None
-        self.root = f"{self.base.rstrip('/')}/{app_id}"
+        self.root = checkpoint_dir(app_id, self.base)
         self.comm = comm
         self.rank = comm.Get_rank()
         self.keep = keep
@@ -77,9 +78,7 @@ class Checkpointer:
 
     def _app_root(self, app):
         """Where application `app` checkpoints (`siblings`: in its own directory)."""
-        if self.siblings:
-            return f"{self._siblings}/{app}/checkpoints/{app}"
-        return f"{self.base.rstrip('/')}/{app}"
+        return checkpoint_dir(app, self.base, self._siblings)
 
     def applications(self):
         """[(created, app_id, name)] of every application with a checkpoint directory there."""

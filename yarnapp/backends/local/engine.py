@@ -15,6 +15,8 @@ import psutil
 import conf
 
 from launcher import interrupts, keys
+from launcher.identity import checkpoint_dir
+from training import fsutil
 from launcher.failure import Failure
 from launcher.store import FileStore
 
@@ -80,10 +82,9 @@ def check_resume(job, where="job"):
     (its own directory here, or a local checkpoint.uri): one line before anything starts
     (else the containers start, then report it)."""
     app, uri = job.checkpoint.resume, job.checkpoint.uri
-    if app in ("never", "latest") or (uri and not uri.startswith(("/", "file://"))):
+    if app in ("never", "latest") or (uri and not fsutil.is_local(uri)):
         return
-    root = os.path.join(uri[len("file://"):] if uri.startswith("file://") else uri, app) if uri \
-        else os.path.join(apps_dir(), app, "checkpoints", app)
+    root = checkpoint_dir(app, fsutil.local_path(uri)) if uri else checkpoint_dir(app, siblings=apps_dir())
     if not os.path.isdir(root):
         under = uri or apps_dir()
         raise YarnappError(f"{where}: checkpoint.resume: no checkpoints of application {app} under {under}; "
