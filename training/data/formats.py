@@ -97,6 +97,12 @@ class Layout:
         return [self.columns.image, self.columns.label] + ([self.columns.class_name] if self.columns.class_name else [])
 
 
+def is_shard(entry):
+    """Whether a directory entry (pyarrow FileInfo) is one of a dataset's Parquet shards."""
+    return (entry.type == pafs.FileType.File and entry.base_name.endswith(".parquet")
+            and not entry.base_name.startswith((".", "_")))
+
+
 def list_files(uri, fs, path):
     found = info(fs, path, uri)
     if found.type == pafs.FileType.NotFound:
@@ -107,8 +113,7 @@ def list_files(uri, fs, path):
         entries = fs.get_file_info(pafs.FileSelector(path, recursive=False))
     except IO_ERRORS as e:
         raise Unreachable(f"cannot list {uri}: {one_line(e)}") from None
-    files = sorted(e.path for e in entries if e.type == pafs.FileType.File
-                   and e.base_name.endswith(".parquet") and not e.base_name.startswith((".", "_")))
+    files = sorted(e.path for e in entries if is_shard(e))
     if not files:
         raise DataError(f"no dataset at {uri}: the directory holds no .parquet shards; {IMPORT_HINT}")
     return files

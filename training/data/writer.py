@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 from launcher import interrupts
 
 from .common import DataError, exists, filesystem, info, one_line
-from .formats import META_KEY
+from .formats import META_KEY, is_shard
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +77,7 @@ def check_splits_parent(uri, what):
     fs, path = filesystem(uri)
     if info(fs, path, uri).type != pafs.FileType.Directory:
         return
-    if any(e.type == pafs.FileType.File and e.base_name.endswith(".parquet")
-           for e in fs.get_file_info(pafs.FileSelector(path, recursive=False))):
+    if any(map(is_shard, fs.get_file_info(pafs.FileSelector(path, recursive=False)))):
         raise DataError(f"{uri} holds a dataset of its own (Parquet shards); {what} writes {uri}/train and "
                         f"{uri}/test: give another path")
 
