@@ -216,7 +216,8 @@ def test_a_torchrun_script_whose_rank_returns_early_fails_its_peers_instead_of_h
     proc = cli("submit", job, "--wait", timeout=240)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     err = proc.stderr.strip().splitlines()[-1]
-    assert "FAILED after 1 attempt(s)" in err and "Connection closed" in err, err
+    # gloo says either, depending on whether the peer's close or its reset arrives first
+    assert "FAILED after 1 attempt(s)" in err and ("Connection closed" in err or "Connection reset" in err), err
     assert_nothing_left(app_id_from(err))
 
 
