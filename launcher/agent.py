@@ -4,8 +4,9 @@ It is a loop around an explicit state machine (`State`, as torchrun's agent): it
 one rank process per generation of the world (launcher.rank), watches it and the store,
 and ends the generation everywhere when anything goes wrong, so that a rank never hangs
 forever inside a collective. START publishes `alive/<container>` (owned: the resource
-manager deletes it when the container exits) and finds the current generation (the
-first without an abort record). Why a generation ended is one `launcher.failure.Failure`;
+manager deletes it when the container exits), starts the container's beat and finds the
+current generation (the first without an abort record). A peer whose beat stops
+(launcher.beats) ends the generation too, and is replaced through the resource manager. Why a generation ended is one `launcher.failure.Failure`;
 the container's exit status is decided in `launcher.exitcodes`.
 """
 import ctypes
@@ -22,7 +23,7 @@ import sys
 import time
 import uuid
 
-from . import exitcodes, identity, keys, memory, network, results, store as store_mod
+from . import beats, exitcodes, identity, keys, memory, network, results, store as store_mod
 from .failure import Failure, Kind
 
 log = logging.getLogger("launcher.agent")
@@ -145,6 +146,7 @@ class Agent:
         self.members = ident.job.ranks()
         self.cgroup = memory.own_cgroup()          # to tell a memory kill from any SIGKILL
         self.group_index = next(i for i, g in enumerate(ident.job.groups) if g.name == ident.group)
+        self.peers = beats.Watch(self.members, ident.container, ident.job.launcher.heartbeat_timeout)
 
     # -- the rank process -------------------------------------------------
     def spawn(self, gen):
@@ -172,8 +174,10 @@ class Agent:
     # -- watching -----------------------------------------------------------
     def observe(self, gen):
         """Everything monitor needs from the store for one poll, in ONE store call whatever
-        the world's size: the generation's keys, who is alive, who is done, and FAILED."""
-        return self.store.snapshot(prefixes=(f"{keys.ABORT_PREFIX}{gen:04d}/", "alive/", "done/"),
+        the world's size: the generation's keys, who is alive, beating, done or being
+        replaced, and FAILED."""
+        return self.store.snapshot(prefixes=(f"{keys.ABORT_PREFIX}{gen:04d}/", "alive/", "done/", keys.BEAT_PREFIX,
+                                             keys.REPLACE_PREFIX),
                                    keys=(keys.FAILED,))
 
     def lost_member(self, gen, seen):
@@ -192,6 +196,22 @@ class Agent:
             if json.loads(a)["incarnation"] != (inc.decode() if inc else None):
                 return m["container"], "its container was replaced"
         return None
+
+    def replace_frozen(self, container, silent, beat):
+        """The Failure naming a frozen peer; the first agent to see this incarnation of it
+        silent asks the resource manager to replace it (launcher.keys.replace)."""
+        request = json.dumps({"by": self.ident.container, "silent_s": round(silent, 1), **beat})
+        if self.store.put_if_absent(keys.replace(container, beat["incarnation"]), request):
+            log.error("%s is frozen (its agent silent for %.1fs): asking for its replacement", container, silent)
+            try:
+                self.store.replace_container(beat["engine_id"], beat["group"])
+            except Exception as e:          # the master's own checks still end the world
+                log.error("could not ask for %s's replacement: %s", container, e)
+        return Failure(kind=Kind.LOST.value, container=container, observed_by=self.ident.container,
+                       reason=f"lost {container}: it stopped responding (its agent has been silent for "
+                              f"{silent:.1f}s, limit {self.peers.limit:g}s: launcher.heartbeat_timeout; the "
+                              f"container is frozen or its host unreachable); the resource manager is asked "
+                              f"to replace it")
 
     def peer_cause(self, gen, grace):
         """After this rank died of something other than SIGKILL: was it collateral? A rank that
@@ -264,8 +284,11 @@ class Agent:
                 if abort.phase == "setup" and self.read_heartbeat(time.monotonic())[0] == "setup":
                     self.let_fail(SETUP_GRACE_S)   # will it fail the same way? (see deterministic)
                 return Outcome.OTHER, None
-            formed = keys.formed(gen) in seen
             now = time.monotonic()
+            frozen = self.peers.frozen(seen, now)
+            if frozen:
+                return Outcome.OWN, self.replace_frozen(*frozen)
+            formed = keys.formed(gen) in seen
             if not formed and now - self.spawned > lj.rendezvous_timeout:
                 missing = [m["container"] for m in self.members
                            if m["rank"] and keys.joined(gen, m["rank"]) not in seen]
@@ -332,6 +355,9 @@ class Agent:
         self.store.put(keys.alive(self.ident.container),
                        json.dumps({"incarnation": self.incarnation, "pid": os.getpid(), "time": time.time()}),
                        owned=True)
+        beats.start(self.store, self.ident.container, {
+            "incarnation": self.incarnation, "group": self.ident.group,
+            "engine_id": os.environ.get("SKEIN_CONTAINER_ID") or self.ident.container})   # whom to kill on YARN
         self.state, self.gen, self.found = State.START, current_generation(self.store), None
         while self.state not in (State.SUCCEEDED, State.FAILED):
             before = self.state

@@ -15,6 +15,26 @@ def alive(container):
     return f"alive/{container}"
 
 
+def beat(container):
+    """Owned by the container's agent, rewritten every second from a thread of its own:
+    JSON {"incarnation", "engine_id", "n"}. A peer whose beat stops changing for
+    launcher.heartbeat_timeout is frozen (stopped, or its host unreachable)."""
+    return f"beat/{container}"
+
+
+BEAT_PREFIX = "beat/"
+
+
+def replace(container, incarnation):
+    """A request to the resource manager to replace `container`, whose agent `incarnation`
+    went silent (first writer wins: one request per incarnation). The local master acts on
+    it; on YARN the agent that wrote it asks skein (launcher.store.Store.replace)."""
+    return f"replace/{container}/{incarnation}"
+
+
+REPLACE_PREFIX = "replace/"
+
+
 def abort(gen):
     """Why generation `gen` ended abnormally (first failure wins); JSON."""
     return f"gen/{gen:04d}/abort"

@@ -4,6 +4,7 @@ the local engine. Values are bytes; `owned` keys disappear when their container 
 """
 import abc
 import os
+import threading
 import time
 import urllib.parse
 
@@ -42,6 +43,11 @@ class Store(abc.ABC):
                 out[k] = v
         return out
 
+    def replace_container(self, engine_id, group):
+        """Ask the resource manager to replace the container `engine_id` of `group` (its
+        agent went silent; launcher.keys.replace is the request every engine can read). The
+        local engine's master watches those keys and replaces it itself: nothing to do here."""
+
     def wait(self, key, timeout=None, interval=0.01, cancel=None):
         """Block until key exists and return its value.
 
@@ -75,6 +81,7 @@ class FileStore(Store):
     def __init__(self, root, container=None):
         self.root = root
         self.container = container
+        self._owned = set()          # keys this process has listed as owned already
         os.makedirs(os.path.join(root, "kv"), exist_ok=True)
         os.makedirs(os.path.join(root, "owners"), exist_ok=True)
 
@@ -82,13 +89,14 @@ class FileStore(Store):
         return os.path.join(self.root, "kv", urllib.parse.quote(key, safe=""))
 
     def _tmp(self, value):
-        tmp = os.path.join(self.root, f".tmp.{os.getpid()}.{time.monotonic_ns()}")
+        tmp = os.path.join(self.root, f".tmp.{os.getpid()}.{threading.get_ident()}.{time.monotonic_ns()}")
         with open(tmp, "wb") as f:
             f.write(_b(value))
         return tmp
 
     def _own(self, key):
-        if self.container:
+        if self.container and key not in self._owned:     # a key put every second is listed once
+            self._owned.add(key)
             with open(os.path.join(self.root, "owners", self.container), "a") as f:
                 f.write(key + "\n")
 
@@ -203,6 +211,12 @@ class SkeinStore(Store):
             out.update(r)
         out.update({k: v for k, v in zip(keys, res.results[len(prefixes):]) if v is not None})
         return out
+
+    def replace_container(self, engine_id, group):
+        # Skein does not restart a container it killed on request: a new instance of the
+        # service is added, and its agent adopts the freed slot (launcher.identity.adopt).
+        self.app.kill_container(engine_id)
+        self.app.add_container(group)
 
     def set_progress(self, fraction):
         """The application's progress as YARN shows it (0..1)."""

@@ -305,3 +305,24 @@ def test_a_rank_that_raised_its_own_error_is_the_cause_even_if_a_peer_then_goes(
     assert outcome is Outcome.OWN
     assert failure.kind == Kind.CRASHED.value and failure.rank == 0, failure
     assert "ValueError: bad label 11" in failure.reason
+
+
+def test_a_peer_whose_agent_falls_silent_is_named_and_its_replacement_asked_for_once(tmp_path):
+    """A peer's beat that stops changing (its whole container stopped) ends the generation
+    naming that peer, not this rank, and asks for its replacement (launcher.keys.replace),
+    once: in the next generation the same silent incarnation is not judged again."""
+    frozen = {"incarnation": "i1", "engine_id": "w_1", "group": "w", "n": 7}
+
+    def before(store, gen, agent):
+        if gen == 0:
+            store.put(keys.beat("w_1"), json.dumps(frozen))
+    a, store = agent(tmp_path, [["sleep", "60"], ["true"]], cls=ProcessAgent, before=before, instances=2)
+    a.peers.limit = 0.3
+    started = time.monotonic()
+    assert a.run() == exitcodes.SUCCEEDED
+    assert time.monotonic() - started < 10
+    lost = load(store, keys.abort(0))
+    assert (lost.kind, lost.container, lost.observed_by) == (Kind.LOST.value, "w_1", "w_0"), lost
+    assert "stopped responding" in lost.reason and "launcher.heartbeat_timeout" in lost.reason
+    assert json.loads(store.get(keys.replace("w_1", "i1")))["by"] == "w_0"
+    assert a.children[0].poll() == -signal.SIGKILL and store.get(keys.abort(1)) is None

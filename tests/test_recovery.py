@@ -113,6 +113,31 @@ def test_sigstopped_rank_is_detected_and_recovered(reference, digits, tmp_path, 
     assert_nothing_left(run.app_id)
 
 
+def test_a_frozen_container_is_named_replaced_and_training_resumes_bit_identically(
+        reference, digits, tmp_path, yarnapp_home):
+    """A whole container stops (its agent and its rank: a frozen VM, a host cut off), so
+    nobody is left inside it to say so. Its peers see its agent's beat stop, name it (not a
+    healthy rank, whose collective merely waits for it), and it is replaced; the job ends
+    as the uninterrupted one does."""
+    job = digits_job(tmp_path, digits, "frozen", heartbeat="4s")
+    run = yarnapp.submit(job)
+    rank_pid(run, rank=2)
+    wait_step(run, rank=2, step=15)
+    agent = next(c for c in run.status()["containers"] if c["id"] == "small_1")["pid"]
+    os.killpg(agent, signal.SIGSTOP)             # the container's process group: agent and rank
+    t_stop = time.time()
+    st = run.wait(timeout=600)
+    assert st["state"] == "SUCCEEDED", (st.get("diagnostics"), run.logs())
+    abort = json.loads(store_of(run).get(keys.abort(0)))
+    assert abort["container"] == "small_1" and "stopped responding" in abort["reason"], abort
+    assert abort["time"] - t_stop <= 5 + 2, abort["time"] - t_stop        # FROZEN_MIN_S + a beat
+    assert [r["generation"] for r in st["restarts"]] == [1], st["restarts"]
+    small_1 = next(c for c in st["containers"] if c["id"] == "small_1")
+    assert small_1["attempts"] == 2, small_1
+    assert _equal(final_weights(job), reference["allreduce"])
+    assert_nothing_left(run.app_id)
+
+
 @pytest.mark.parametrize("fault, rank, resumed", [("crash_in_checkpoint", 1, 10),   # step 20 never completed
                                                    ("crash_after_commit", 0, 20),    # it did, just
                                                    ("crash_in_cleanup", 0, 40)])     # keep=3: step 10 goes at 40

@@ -315,6 +315,26 @@ def test_digits_on_hdfs_survives_a_sigkilled_container_bit_identically(cluster, 
     mid-run: skein restarts the container (a new instance number), its agent adopts the free
     slot, the world re-forms and training resumes from the last checkpoint on HDFS, ending
     with the very weights of an uninterrupted run and accuracy >= 0.97."""
+    st = _survives(cluster, reference_weights, "digits-hdfs", freeze=False)
+    assert "small_0" in st["restarts"][0]["reason"], st["restarts"]
+
+
+def test_a_frozen_container_is_killed_through_skein_and_replaced_bit_identically(
+        cluster, shell, tmp_path, reference_weights):
+    """Rank 1's whole container stopped (its agent and its rank: SIGSTOP, as a frozen host):
+    the peers see its agent's beat stop, name it, and ask skein to kill it and add a container
+    to its service (skein does not restart a container it killed); the new one adopts the
+    slot and training ends with the weights of an uninterrupted run."""
+    st = _survives(cluster, reference_weights, "digits-frozen", freeze=True,
+                   launcher={"heartbeat_timeout": "10s"})
+    cause = st["restarts"][0]
+    assert cause["container"] == "small_0" and "stopped responding" in cause["reason"], cause
+
+
+def _survives(cluster, reference_weights, name, freeze, **extra):
+    """Run the digits job on HDFS, fault rank 1's container at step 45 (SIGKILL its agent, or
+    SIGSTOP its agent and rank), and check the end: one restart, the replacement in the
+    slot, the uninterrupted run's weights, nothing left. Returns the final status."""
     import torch
 
     from training import fsutil
@@ -323,8 +343,7 @@ def test_digits_on_hdfs_survives_a_sigkilled_container_bit_identically(cluster, 
     imp = cluster.cli("data", "import", "digits", data, "--overwrite")
     assert imp.returncode == 0, imp.stderr
     backend = cluster.backend()
-    job = conf.load_job({**digits_job("digits-hdfs", data), "backend": "yarn",
-                         "environment": {"packer": "none"}})
+    job = conf.load_job({**digits_job(name, data, **extra), "backend": "yarn", "environment": {"packer": "none"}})
     app = backend.submit(job)
     try:
         kv = None
@@ -342,7 +361,11 @@ def test_digits_on_hdfs_survives_a_sigkilled_container_bit_identically(cluster, 
         rank1 = psutil.Process(next(m["pid"] for m in members if m["rank"] == 1))
         agent = rank1.parent()
         assert "launcher.agent" in " ".join(agent.cmdline())
-        os.kill(agent.pid, signal.SIGKILL)                 # the container's process
+        if freeze:
+            for p in (agent, rank1):
+                os.kill(p.pid, signal.SIGSTOP)
+        else:
+            os.kill(agent.pid, signal.SIGKILL)                 # the container's process
         st = backend.status(app)
         deadline = time.monotonic() + 600
         while st["state"] in ("NEW", "RUNNING"):
@@ -354,7 +377,6 @@ def test_digits_on_hdfs_survives_a_sigkilled_container_bit_identically(cluster, 
             backend.client.kill_application(app)
     assert st["state"] == "SUCCEEDED", (st, backend.logs(app))
     assert [r["generation"] for r in st["restarts"]] == [1], st["restarts"]
-    assert "small_0" in st["restarts"][0]["reason"], st["restarts"]
     assert st["final"]["accuracy"] >= 0.97, st["final"]
     assert 0 < st["final"]["resumed_from"] <= 45
     ref, ref_final = reference_weights.result()
@@ -366,6 +388,7 @@ def test_digits_on_hdfs_survives_a_sigkilled_container_bit_identically(cluster, 
     fs, tb = fsutil.resolve(f"{cluster.storage()}/{app}/tensorboard/{app}")
     assert any(n.startswith("events.out.tfevents") for n in fsutil.listdir(fs, tb))
     assert cluster.hadoop.container_pids(app) == []
+    return st
 
 
 # What a job of tests/jobs/mpi_hello.py needs in a container (no torch, no pyarrow): yarnapp

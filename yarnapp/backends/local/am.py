@@ -2,7 +2,8 @@
 
 It owns the containers (a process group and cgroups each) and the coordination
 store (a directory), writes `state.json` for clients in other shells, replaces a
-container that exits abnormally (as YARN/skein restart a service instance), and on
+container that exits abnormally (as YARN/skein restart a service instance) or that its
+peers found frozen (launcher.keys.replace), and on
 SIGTERM (`yarnapp kill`) or at the end leaves no process of the application behind.
 
     python -m yarnapp.backends.local.am APP_DIR
@@ -53,6 +54,7 @@ class Container:
         self.memory = None        # its memory cgroup's latest state (memory.state)
         self.memory_start = None  # ... and when its current attempt started
         self.group_index = next(i for i, g in enumerate(app.job.groups) if g.name == group.name)
+        self.replacing = None     # why the master killed it to replace it (its agent went silent)
 
     def memory_state(self):
         return memory.state(self.limits.paths.get("memory"))
@@ -157,6 +159,15 @@ class ApplicationMaster:
         if rc == exitcodes.APP_FAILED or failed or self.stopping:
             c.state = "FAILED"
             return
+        if c.replacing:
+            # Killed on an agent's request: that agent already ended the generation, naming it.
+            c.replacing = None
+            if c.attempts <= self.job.max_restarts:
+                log.warning("replacing %s", c.id)
+                c.start()
+            else:
+                c.state = "FAILED"
+            return
         # The container itself died (not its rank): tell the world, then replace it.
         gen = agent_mod.current_generation(self.store)
         what, kind = exitcodes.describe(rc)[0], Kind.CONTAINER
@@ -171,6 +182,24 @@ class ApplicationMaster:
             c.start()
         else:
             c.state = "FAILED"
+
+    def replace_frozen(self, handled):
+        """Act on the agents' requests (launcher.keys.replace) to replace a container whose
+        agent went silent: kill it, when that incarnation still holds it; the loop then sees
+        it exit and starts it anew (container_exited)."""
+        for key, raw in self.store.get_prefix(keys.REPLACE_PREFIX).items():
+            if key in handled:
+                continue
+            handled.add(key)
+            _, container, incarnation = key.split("/")
+            c = next((c for c in self.containers if c.id == container and c.state == "RUNNING"), None)
+            alive = self.store.get(keys.alive(container))
+            if c is None or alive is None or json.loads(alive).get("incarnation") != incarnation:
+                continue             # it exited or was replaced meanwhile
+            c.replacing = json.loads(raw)
+            log.warning("killing %s to replace it: its agent was silent for %ss (seen by %s)",
+                        c.id, c.replacing.get("silent_s"), c.replacing.get("by"))
+            c.kill()
 
     def take_over(self):
         """Attempt n > 1: the previous master died, and its containers with it. Their owned
@@ -203,8 +232,10 @@ class ApplicationMaster:
         self.state, self.diagnostics = "RUNNING", ""
         self.save()
         failed_since = None
+        handled = set()              # replacement requests acted on
         while True:
             changed = False
+            self.replace_frozen(handled)
             for c in self.containers:
                 if c.state == "RUNNING":
                     rc = c.proc.poll()
