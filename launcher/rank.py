@@ -194,13 +194,18 @@ def close_user_process_group():
     """Destroy the torch.distributed process group the user's code left open, as the end of
     its process would under torchrun: a rank whose code returns early (sys.exit(0) at
     step 3) then closes its sockets, so the ranks still in a collective with it fail at
-    once instead of waiting for ever on a peer that sits in the Barrier below."""
+    once. True when there was one: the sockets of a group something still holds (a
+    DistributedDataParallel model) close only with the process, so the caller ends it at
+    once instead of waiting for its peers in the Barrier, where they would wait on it."""
     dist = sys.modules.get("torch.distributed")
     try:
         if dist is not None and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+            return True
     except Exception:  # noqa: BLE001 - the user's code is done; its group's teardown cannot fail it
         log.warning("could not close the torch.distributed process group", exc_info=True)
+        return True
+    return False
 
 
 def main(argv=None):
@@ -262,13 +267,14 @@ def main(argv=None):
     except BaseException as e:  # noqa: BLE001 - the user's error: its line, then its traceback
         print_user_traceback(e)
         fail(store, gen, ident.rank, f"{type(e).__name__}: {e}".splitlines()[0], ctx.phase)
-    close_user_process_group()
-    comm.Barrier()
+    if not close_user_process_group():
+        comm.Barrier()          # code on the MPI world: every rank is done with it before any leaves
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    # Skip MPI_Finalize's disconnect handshake between singleton-joined processes:
-    # the world already agreed (Barrier) that every rank is done.
+    # Skip MPI_Finalize's disconnect handshake between singleton-joined processes: the world
+    # agreed (Barrier) that every rank is done, or its code talked over torch.distributed
+    # and, as under torchrun, each rank's process ends when its code does.
     os._exit(exitcodes.SUCCEEDED)
 
 

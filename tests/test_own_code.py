@@ -200,18 +200,24 @@ def test_a_script_exiting_non_zero_silently_is_described_by_its_status_not_our_l
     assert_nothing_left(app_id_from(err))
 
 
-def test_a_torchrun_script_whose_rank_returns_early_fails_its_peers_instead_of_hanging(cli, tmp_path):
+@pytest.mark.parametrize("ddp", [False, True])
+def test_a_torchrun_script_whose_rank_returns_early_fails_its_peers_instead_of_hanging(cli, tmp_path, ddp):
     """Rank 1 of an unmodified gloo script leaves with sys.exit(0) at step 3 while the
     others go on to all_reduce with it. Under torchrun its process would end and its peers
     fail with "Connection closed"; here the rank waited in the launcher's closing Barrier
     with its process group open, so the others waited for ever (no progress reports:
-    nothing ever looked hung). Now the launcher closes the group the code left open."""
+    nothing ever looked hung). Now the launcher closes the group the code left open, and
+    when something still holds it (a DistributedDataParallel model: its sockets close only
+    with the process), the rank's process ends at once instead of waiting for its peers."""
+    step = ("    loss = model(torch.ones(4, 8)).sum()\n    loss.backward()\n" if ddp else
+            "    t = torch.ones(1)\n    dist.all_reduce(t)\n")
     job = _script_job(tmp_path, "early",
                       "import os, sys, time\nimport torch, torch.distributed as dist\n"
                       "dist.init_process_group('gloo')\nrank = int(os.environ['RANK'])\n"
+                      "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 2))\n"
                       "for i in range(200):\n"
                       "    if rank == 1 and i == 3:\n        sys.exit(0)\n"
-                      "    t = torch.ones(1)\n    dist.all_reduce(t)\n    time.sleep(0.05)\n"
+                      + step + "    time.sleep(0.05)\n"
                       "dist.destroy_process_group()\n")
     proc = cli("submit", job, "--wait", timeout=240)
     assert proc.returncode == 1, proc.stdout + proc.stderr
