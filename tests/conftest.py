@@ -28,10 +28,19 @@ def pytest_configure(config):
 
 @pytest.fixture
 def yarnapp_home(tmp_path, monkeypatch):
-    """Every test gets its own local-engine home (applications, logs, stores)."""
+    """Every test gets its own local-engine home (applications, logs, stores). A test that
+    fails (or times out) with its application still running kills it, so that it does not
+    take the CPUs of the tests after it."""
     home = tmp_path / "yarnapp-home"
     monkeypatch.setenv("YARNAPP_HOME", str(home))
-    return home
+    yield home
+    if (home / "apps").is_dir():
+        from yarnapp.backends.base import TERMINAL
+        from yarnapp.backends.local.engine import LocalBackend
+        backend = LocalBackend()
+        for app in backend.list():
+            if app["state"] not in TERMINAL:
+                backend.kill(app["app_id"])
 
 
 @pytest.fixture
