@@ -356,7 +356,7 @@ class Agent:
                        json.dumps({"incarnation": self.incarnation, "pid": os.getpid(), "time": time.time()}),
                        owned=True)
         beats.start(self.store, self.ident.container, {
-            "incarnation": self.incarnation, "group": self.ident.group,
+            "incarnation": self.incarnation, "group": self.ident.group, "rank": self.ident.rank,
             "engine_id": os.environ.get("SKEIN_CONTAINER_ID") or self.ident.container})   # whom to kill on YARN
         self.state, self.gen, self.found = State.START, current_generation(self.store), None
         while self.state not in (State.SUCCEEDED, State.FAILED):

@@ -356,6 +356,8 @@ def _survives(cluster, reference_weights, name, freeze, **extra):
                 break
             assert time.monotonic() < deadline, st
             time.sleep(0.3)
+        held = {c["id"]: c["rank"] for c in st["containers"] if c["group"] in ("big", "small")}
+        assert held == {"big_0": 0, "small_0": 1, "small_1": 2}, st["containers"]    # status names the ranks
         kv = backend.client.connect(app, wait=False).kv
         members = json.loads(kv[keys.formed(0)])["members"]
         rank1 = psutil.Process(next(m["pid"] for m in members if m["rank"] == 1))

@@ -20,7 +20,7 @@ from yarnapp import packaging
 from yarnapp.backends import get as get_backend
 from yarnapp.backends.base import TERMINAL
 from yarnapp.backends.yarn import (YarnBackend, kv_fields, app_record, app_state, build_spec, check_job,
-                                   container_record, name_memory_kills, named_logs, stage_files)
+                                   container_record, name_memory_kills, named_logs, stage_files, with_ranks)
 from yarnapp.errors import BackendUnavailable, YarnappError
 
 pytestmark = pytest.mark.unit
@@ -270,10 +270,17 @@ def test_running_application_fields_come_from_the_coordination_keys(tmp_path):
     store.put(keys.formed(0), json.dumps({"seconds": 3.5, "time": 1000.5}))
     store.put(keys.formed(1), json.dumps({"seconds": 1.25, "time": 1200.0}))
     store.put(keys.TENSORBOARD, "http://node1:6006")
+    for slot, engine_id, rank in (("big_0", "big_0", 0), ("small_0", "small_2", 1)):    # small_2 replaced small_0
+        store.put(keys.beat(slot), json.dumps({"incarnation": "i", "group": slot[:-2], "rank": rank,
+                                               "engine_id": engine_id, "n": 3}))
     fields = kv_fields(store)
+    ranks = {"big_0": {"rank": 0, "slot": "big_0"}, "small_2": {"rank": 1, "slot": "small_0"}}
     assert fields == {"progress": {1: {"step": 7}}, "restarts": [{"generation": 0, "reason": "rank 1 exited 1"}],
                       "final": None, "failure": None, "tensorboard": "http://node1:6006",
-                      "world_formed_time": 1000.5}          # the first world: submit -> formed
+                      "world_formed_time": 1000.5, "ranks": ranks}      # the first world: submit -> formed
+    containers = [{"id": i, "rank": None} for i in ("big_0", "small_1", "small_2")]
+    assert with_ranks({"containers": containers, "ranks": ranks})["containers"] == [
+        {"id": "big_0", "rank": 0}, {"id": "small_1", "rank": None}, {"id": "small_2", "rank": 1, "slot": "small_0"}]
     store.put(keys.FINAL, json.dumps({"accuracy": 0.9}))
     store.put(keys.FAILED, json.dumps({"reason": "rank 2 exited 1", "container": "edge_0"}))
     fields = kv_fields(store)

@@ -264,7 +264,21 @@ def kv_fields(kv):
     out["tensorboard"] = tb.decode() if tb else None
     formed = sorted(k for k in kv.get_prefix(keys.ABORT_PREFIX) if k.endswith("/formed"))
     out["world_formed_time"] = json.loads(kv.get(formed[0])).get("time") if formed else None
+    # Which rank each running container holds: a replacement (small_2) adopts a slot (small_0).
+    beats = [(k[len(keys.BEAT_PREFIX):], json.loads(v)) for k, v in kv.get_prefix(keys.BEAT_PREFIX).items()]
+    out["ranks"] = {b["engine_id"]: {"rank": b.get("rank"), "slot": slot} for slot, b in beats}
     return out
+
+
+def with_ranks(record):
+    """The containers' records with the rank (and slot) their agents hold (kv_fields' ranks)."""
+    for c in record.get("containers") or []:
+        held = (record.get("ranks") or {}).get(c["id"])
+        if held:
+            c["rank"] = held["rank"]
+            if held["slot"] != c["id"]:
+                c["slot"] = held["slot"]
+    return record
 
 
 # ---- the backend ----
@@ -359,7 +373,7 @@ class YarnBackend(Backend):
                 containers = app.get_containers(states=list(skein.model.ContainerState))
                 record["containers"] = [container_record(c) for c in containers]
                 record.update(kv_fields(app.kv))
-                name_memory_kills(with_formed_s(record))
+                name_memory_kills(with_formed_s(with_ranks(record)))
                 if record["tensorboard"]:      # reachable through the ResourceManager's proxy
                     record["tensorboard_node"] = record["tensorboard"]
                     record["tensorboard"] = proxied(report.tracking_url, TENSORBOARD_PAGE)
