@@ -209,6 +209,23 @@ def test_with_no_attempts_left_a_killed_master_fails_the_application_naming_it(d
     assert_nothing_left(run.app_id)
 
 
+def test_a_master_killed_with_its_supervisor_fails_the_application_and_leaves_nothing(
+        digits, tmp_path, yarnapp_home):
+    """A double fault: the supervisor, which would start a new master, and the master are
+    both SIGKILLed. The containers die with their master; status says the master died and
+    removes the application's cgroups, which nobody was left to remove."""
+    from yarnapp.backends.local import supervisor
+    job = dict(digits_job(tmp_path, digits, "double", steps=400), am_attempts=2)
+    run = yarnapp.submit(job)
+    wait_step(run, rank=0, step=5)
+    st = run.status()
+    os.kill(json.load(open(supervisor.record_path(st["app_dir"])))["pid"], signal.SIGKILL)
+    os.kill(st["am_pid"], signal.SIGKILL)
+    st = run.wait(timeout=120)
+    assert st["state"] == "FAILED" and "the application master died" in st["diagnostics"], st
+    assert_nothing_left(run.app_id)
+
+
 def test_resubmitting_a_job_does_not_resume_another_applications_checkpoints_unless_asked(
         reference, digits, tmp_path, yarnapp_home):
     """One checkpoint.uri, several applications. Resubmitted as it is (resume: never, the

@@ -23,7 +23,7 @@ from launcher.store import FileStore
 from ... import preflight, shipping
 from ...errors import YarnappError
 from ..base import TERMINAL, Backend
-from . import gpus, netem, supervisor
+from . import cgroups, gpus, netem, supervisor
 from .state import apps_dir, read_json
 
 log = logging.getLogger(__name__)
@@ -175,8 +175,10 @@ class LocalBackend(Backend):
             "submitted": meta["submitted"], "diagnostics": ""}
         if st["state"] not in TERMINAL and not supervisor.alive(d) and \
                 not (st.get("am_pid") and psutil.pid_exists(st["am_pid"])):
-            # Neither the master nor the supervisor that restarts it runs (both were killed).
+            # Neither the master nor the supervisor that restarts it runs (both were killed). The
+            # containers died with the master; their cgroups, empty, are left for us to remove.
             st["state"], st["diagnostics"] = "FAILED", f"the application master died; see {d}/am.log"
+            cgroups.Limits.remove_app(app_id)
         st["am_attempts"] = (read_json(supervisor.record_path(d)) or {}).get("attempts", [])
         store = FileStore(os.path.join(d, "store"))
         st["progress"] = {int(k.rsplit("/", 1)[1]): json.loads(v)
