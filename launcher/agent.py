@@ -197,21 +197,36 @@ class Agent:
                 return m["container"], "its container was replaced"
         return None
 
-    def replace_frozen(self, container, silent, beat):
-        """The Failure naming a frozen peer; the first agent to see this incarnation of it
-        silent asks the resource manager to replace it (launcher.keys.replace)."""
-        request = json.dumps({"by": self.ident.container, "silent_s": round(silent, 1), **beat})
-        if self.store.put_if_absent(keys.replace(container, beat["incarnation"]), request):
-            log.error("%s is frozen (its agent silent for %.1fs): asking for its replacement", container, silent)
+    def replace_frozen(self, gen, seen, container, silent, beat):
+        """End generation `gen` naming a frozen peer (the abort record first, so that nobody
+        names what its replacement does next), and, as the first agent to see this
+        incarnation of it silent, ask the resource manager to replace it
+        (launcher.keys.replace; a request that fails is withdrawn, so that it is asked again)."""
+        failure = Failure(kind=Kind.LOST.value, container=container, observed_by=self.ident.container,
+                          reason=f"lost {container}: it stopped responding (its agent has been silent for "
+                                 f"{silent:.1f}s, limit {self.peers.limit:g}s: launcher.heartbeat_timeout; the "
+                                 f"container is frozen or the store cannot reach it); the resource manager is "
+                                 f"asked to replace it")
+        if self.store.put_if_absent(keys.abort(gen), failure.stamped(generation=gen, log=self.log_path).dumps()):
+            log.error("generation %d aborted: %s", gen, failure.reason)
+        request = keys.replace(container, beat["incarnation"])
+        if keys.FAILED not in seen and self.store.put_if_absent(request, json.dumps(
+                {"by": self.ident.container, "silent_s": round(silent, 1), **beat})):
+            instances = next(g.instances for g in self.job.groups if g.name == beat["group"])
             try:
-                self.store.replace_container(beat["engine_id"], beat["group"])
-            except Exception as e:          # the master's own checks still end the world
-                log.error("could not ask for %s's replacement: %s", container, e)
-        return Failure(kind=Kind.LOST.value, container=container, observed_by=self.ident.container,
-                       reason=f"lost {container}: it stopped responding (its agent has been silent for "
-                              f"{silent:.1f}s, limit {self.peers.limit:g}s: launcher.heartbeat_timeout; the "
-                              f"container is frozen or its host unreachable); the resource manager is asked "
-                              f"to replace it")
+                self.store.replace_container(beat["engine_id"], beat["group"], instances)
+            except Exception as e:
+                self.store.delete(request)
+                log.error("could not ask for %s's replacement (it will be asked again): %s", container, e)
+        return failure
+
+    def fence(self):
+        """This incarnation was judged frozen and is being replaced (it resumed in time to
+        see so): its slot is another's now. Leave without a word."""
+        log.error("this container was judged frozen and is being replaced; leaving")
+        self.kill_child()
+        logging.shutdown()
+        os._exit(exitcodes.RANK_FAILED)
 
     def peer_cause(self, gen, grace):
         """After this rank died of something other than SIGKILL: was it collateral? A rank that
@@ -285,9 +300,11 @@ class Agent:
                     self.let_fail(SETUP_GRACE_S)   # will it fail the same way? (see deterministic)
                 return Outcome.OTHER, None
             now = time.monotonic()
+            if keys.replace(me, self.incarnation) in seen:
+                self.fence()
             frozen = self.peers.frozen(seen, now)
             if frozen:
-                return Outcome.OWN, self.replace_frozen(*frozen)
+                return Outcome.OWN, self.replace_frozen(gen, seen, *frozen)
             formed = keys.formed(gen) in seen
             if not formed and now - self.spawned > lj.rendezvous_timeout:
                 missing = [m["container"] for m in self.members
@@ -305,6 +322,10 @@ class Agent:
                 # and go silent too: a rank that is merely waiting gives the stopped one's
                 # agent a grace period to name the real culprit first.
                 if silent > limit + (0 if stopped else min(2.0, limit / 2)):
+                    # ... or a peer whose whole container stopped, whose agent cannot say so.
+                    suspect = None if stopped else self.peers.silent(now, beats.SUSPECT_S)
+                    if suspect:
+                        return Outcome.OWN, self.replace_frozen(gen, seen, *suspect)
                     return Outcome.OWN, Failure(
                         kind=Kind.HUNG.value, container=me, rank=rank,
                         reason=f"rank {rank} ({me}) hung{' (process stopped)' if stopped else ''}: "
@@ -355,7 +376,7 @@ class Agent:
         self.store.put(keys.alive(self.ident.container),
                        json.dumps({"incarnation": self.incarnation, "pid": os.getpid(), "time": time.time()}),
                        owned=True)
-        beats.start(self.store, self.ident.container, {
+        beating = beats.start(self.store, self.ident.container, {
             "incarnation": self.incarnation, "group": self.ident.group, "rank": self.ident.rank,
             "engine_id": os.environ.get("SKEIN_CONTAINER_ID") or self.ident.container})   # whom to kill on YARN
         self.state, self.gen, self.found = State.START, current_generation(self.store), None
@@ -365,6 +386,7 @@ class Agent:
             if self.state not in TRANSITIONS[before]:
                 raise RuntimeError(f"no transition {before.name} -> {self.state.name} (launcher.agent.State)")
             log.info("%s -> %s (generation %d)", before.name, self.state.name, self.gen)
+        beating.set()
         if self.state is State.SUCCEEDED:
             return exitcodes.SUCCEEDED
         return exitcodes.agent_status(self.found, self.ident.rank)
@@ -377,6 +399,8 @@ class Agent:
                 return State.FAILED
             return State.RENDEZVOUS
         if state is State.RENDEZVOUS:
+            if self.store.get(keys.replace(self.ident.container, self.incarnation)) is not None:
+                self.fence()
             log.info("generation %d as rank %d of %d", self.gen, self.ident.rank, self.ident.world_size)
             self.spawn(self.gen)
             return State.RUNNING
@@ -434,6 +458,8 @@ def main():
         # The resource manager stops a container with SIGTERM (preemption, decommission,
         # `yarnapp kill`): say so, so that this generation's end does not spend the budget.
         agent.kill_child()
+        if agent.store.get(keys.replace(ident.container, agent.incarnation)) is not None:
+            os._exit(exitcodes.signalled(signum))    # replaced as frozen: the peers said why
         try:
             gen = current_generation(agent.store)
             agent.store.put_if_absent(keys.abort(gen), Failure(

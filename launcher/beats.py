@@ -1,11 +1,12 @@
 """Whether a whole container still lives: every agent's beat, and the peers whose beat stopped.
 
 A rank that stops is seen by its own agent (launcher.agent: its heartbeat file). A container
-that stops whole (its agent and its rank: a frozen VM, a host cut off, SIGSTOP of its process
-group) has nobody left inside to say so, and its peers' ranks merely wait in a collective.
-So every agent rewrites `launcher.keys.beat(container)` every BEAT_S from a thread of its
-own, and every agent watches its peers' beats: one that has not changed for the limit, on
-the watcher's own clock (no clocks are compared across hosts), is frozen.
+that stops whole (its agent and its rank: a frozen VM, a host the store cannot reach, SIGSTOP
+of its process group) has nobody left inside to say so, and its peers' ranks merely wait in
+a collective. So every agent rewrites `launcher.keys.beat(container)` every BEAT_S from a
+thread of its own, and every agent watches its peers' beats: one that has not changed for
+the limit, on the watcher's own clock (no clocks are compared across hosts), is frozen. A
+watcher whose own beat is not fresh judges nobody: the store, or the watcher, stalled.
 """
 import json
 import logging
@@ -17,38 +18,46 @@ from . import keys
 log = logging.getLogger("launcher.beats")
 
 BEAT_S = 1.0             # how often an agent's thread rewrites its beat
-FROZEN_MIN_S = 5.0       # a peer is judged after launcher.heartbeat_timeout, never sooner
+FROZEN_MIN_S = 10.0      # a peer is judged after launcher.heartbeat_timeout, never sooner (above the
+                         # seconds YARN takes to report a dead container: launcher.agent.PEER_GRACE_S)
+FRESH_S = 3 * BEAT_S     # a watcher whose own beat is unchanged longer judges nobody
+SUSPECT_S = 3 * BEAT_S   # a peer silent this long, while this agent's rank waits in vain, is the cause
 
 
 def start(store, container, record):
     """Rewrite `container`'s beat (`record` plus a count) every BEAT_S from a daemon thread,
-    so that it stops only when the whole process does, not while the agent's loop waits."""
+    so that it stops only when the whole process does, not while the agent's loop waits.
+    Returns the Event that stops it."""
+    stop = threading.Event()
+
     def beat():
         n = 0
-        while True:
+        while not stop.is_set():
             n += 1
             try:
                 store.put(keys.beat(container), json.dumps({**record, "n": n}), owned=True)
             except Exception as e:      # the store unreachable for a moment: the peers judge
                 log.warning("could not write the beat: %s", e)
-            time.sleep(BEAT_S)
+            stop.wait(BEAT_S)
     threading.Thread(target=beat, name="beat", daemon=True).start()
+    return stop
 
 
 class Watch:
-    """The peers' beats as one agent has seen them change."""
+    """The beats (a watcher's own and its peers') as one agent has seen them change."""
 
     def __init__(self, members, me, limit):
+        self.me = me
         self.peers = [m["container"] for m in members if m["container"] != me]
         self.limit = max(limit, FROZEN_MIN_S)
-        self.seen = {}           # peer -> (its last beat, when this agent saw it change: monotonic)
+        self.seen = {}           # container -> (its last beat, when this agent saw it change: monotonic)
+        self.trusted_since = None    # since when this agent's own beat has been fresh
 
-    def frozen(self, snapshot, now):
-        """A peer whose beat has not changed for `limit` seconds: (container, seconds, its
-        last beat as a dict), or None. `snapshot` holds the beat/, done/ and replace/ keys. A
-        peer without a beat (not started, or finished) is not judged, nor one whose
-        replacement was asked for already (its beat goes with it)."""
-        for c in self.peers:
+    def update(self, snapshot, now):
+        """Take the beats in `snapshot` (with its done/ and replace/ keys). A peer without a
+        beat (not started, or finished), or whose replacement was asked for already (its beat
+        goes with it), is not watched."""
+        for c in [self.me, *self.peers]:
             raw = snapshot.get(keys.beat(c))
             if raw is None or keys.done(c) in snapshot or \
                     keys.replace(c, json.loads(raw)["incarnation"]) in snapshot:
@@ -57,6 +66,24 @@ class Watch:
             last = self.seen.get(c)
             if last is None or last[0] != raw:
                 self.seen[c] = (raw, now)
-            elif now - last[1] > self.limit:
-                return c, now - last[1], json.loads(raw)
-        return None
+                if c == self.me and (last is None or now - last[1] > FRESH_S):
+                    self.trusted_since = now     # from here on a peer's silence is its own
+
+    def silent(self, now, at_least):
+        """The peer silent longest, if for more than `at_least` seconds: (container, seconds,
+        its last beat as a dict), or None. Silence counts only while this watcher's own beat
+        is fresh: a stalled store stills every beat at once, and a watcher cannot tell that
+        from a frozen peer."""
+        own = self.seen.get(self.me)
+        if own is None or now - own[1] > FRESH_S:
+            return None
+        worst = max(((c, now - max(self.seen[c][1], self.trusted_since)) for c in self.peers if c in self.seen),
+                    key=lambda cs: cs[1], default=None)
+        if worst is None or worst[1] <= at_least:
+            return None
+        return worst[0], worst[1], json.loads(self.seen[worst[0]][0])
+
+    def frozen(self, snapshot, now):
+        """update, then the peer silent for longer than the limit (see silent), or None."""
+        self.update(snapshot, now)
+        return self.silent(now, self.limit)

@@ -17,8 +17,9 @@ def alive(container):
 
 def beat(container):
     """Owned by the container's agent, rewritten every second from a thread of its own:
-    JSON {"incarnation", "engine_id", "n"}. A peer whose beat stops changing for
-    launcher.heartbeat_timeout is frozen (stopped, or its host unreachable)."""
+    JSON {"incarnation", "group", "rank", "engine_id" (the resource manager's name of the
+    container: skein's id of a replacement differs from its slot's), "n"}. A peer whose
+    beat stops changing for launcher.heartbeat_timeout is frozen (launcher.beats)."""
     return f"beat/{container}"
 
 
@@ -28,7 +29,7 @@ BEAT_PREFIX = "beat/"
 def replace(container, incarnation):
     """A request to the resource manager to replace `container`, whose agent `incarnation`
     went silent (first writer wins: one request per incarnation). The local master acts on
-    it; on YARN the agent that wrote it asks skein (launcher.store.Store.replace)."""
+    it; on YARN the agent that wrote it asks skein (launcher.store.Store.replace_container)."""
     return f"replace/{container}/{incarnation}"
 
 
@@ -61,6 +62,12 @@ def master(gen):
     """Where rank 0's torch.distributed TCPStore listens in generation `gen`: JSON
     {"addr", "port"} (launcher.torch_env; MASTER_ADDR / MASTER_PORT of every rank)."""
     return f"gen/{gen:04d}/master"
+
+
+def finished(gen, rank=None):
+    """Written by a rank whose code on torch.distributed returned (launcher.rank waits a
+    bounded time for every rank's); without `rank`, the generation's prefix of them."""
+    return f"gen/{gen:04d}/finished/" + ("" if rank is None else f"{rank:05d}")
 
 
 def error(gen, rank):

@@ -43,10 +43,11 @@ class Store(abc.ABC):
                 out[k] = v
         return out
 
-    def replace_container(self, engine_id, group):
-        """Ask the resource manager to replace the container `engine_id` of `group` (its
-        agent went silent; launcher.keys.replace is the request every engine can read). The
-        local engine's master watches those keys and replaces it itself: nothing to do here."""
+    def replace_container(self, engine_id, group, instances):
+        """Ask the resource manager to replace the container `engine_id` of `group` (of
+        `instances`), whose agent went silent (launcher.keys.replace is the request every
+        engine can read). The local engine's master watches those keys and replaces it
+        itself: nothing to do here."""
 
     def wait(self, key, timeout=None, interval=0.01, cancel=None):
         """Block until key exists and return its value.
@@ -212,11 +213,13 @@ class SkeinStore(Store):
         out.update({k: v for k, v in zip(keys, res.results[len(prefixes):]) if v is not None})
         return out
 
-    def replace_container(self, engine_id, group):
+    def replace_container(self, engine_id, group, instances):
         # Skein does not restart a container it killed on request: a new instance of the
-        # service is added, and its agent adopts the freed slot (launcher.identity.adopt).
+        # service is added, and its agent adopts the freed slot (launcher.identity.adopt),
+        # unless skein has started one already (it had seen the container fail).
         self.app.kill_container(engine_id)
-        self.app.add_container(group)
+        if len(self.app.get_containers(services=[group])) < instances:     # waiting, requested, running
+            self.app.add_container(group)
 
     def set_progress(self, fraction):
         """The application's progress as YARN shows it (0..1)."""

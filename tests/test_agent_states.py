@@ -13,7 +13,7 @@ import time
 import pytest
 
 import conf
-from launcher import exitcodes, keys, memory
+from launcher import beats, exitcodes, keys, memory
 from launcher.agent import NOT_RETRIED, NOT_RETRIED_AGAIN, TRANSITIONS, Agent, Outcome, State
 from launcher.failure import Failure, Kind
 from launcher.identity import Identity
@@ -326,3 +326,35 @@ def test_a_peer_whose_agent_falls_silent_is_named_and_its_replacement_asked_for_
     assert "stopped responding" in lost.reason and "launcher.heartbeat_timeout" in lost.reason
     assert json.loads(store.get(keys.replace("w_1", "i1")))["by"] == "w_0"
     assert a.children[0].poll() == -signal.SIGKILL and store.get(keys.abort(1)) is None
+
+
+def test_a_rank_waiting_in_vain_on_a_silent_peer_names_the_peer_not_itself(tmp_path, monkeypatch):
+    """This rank stops making progress, and a peer's beat has been still for a while
+    (beats.SUSPECT_S), though not yet for the frozen limit: the silent peer is the cause."""
+    monkeypatch.setattr(beats, "SUSPECT_S", 0.2)
+
+    def before(store, gen, agent):
+        if gen == 0:
+            store.put(keys.beat("w_1"), json.dumps({"incarnation": "i1", "engine_id": "w_1", "group": "w", "n": 1}))
+            formed_and_training(store, gen, agent)
+    a, store = agent(tmp_path, [["sleep", "60"], ["true"]], cls=ProcessAgent, before=before, instances=2,
+                     launcher={"heartbeat_timeout": "300ms"})
+    a.peers.limit = 60
+    assert a.run() == exitcodes.SUCCEEDED
+    lost = load(store, keys.abort(0))
+    assert (lost.kind, lost.container) == (Kind.LOST.value, "w_1") and "stopped responding" in lost.reason, lost
+    assert store.get(keys.replace("w_1", "i1")) is not None
+
+
+def test_a_watcher_whose_own_beat_is_stale_judges_nobody():
+    """A stalled store stills every beat at once: each agent would name another. An agent
+    judges its peers only while it sees its own beat change."""
+    watch = beats.Watch([{"container": "a"}, {"container": "b"}], "a", limit=10)
+    snap = lambda na, nb: {keys.beat("a"): json.dumps({"incarnation": "x", "n": na}).encode(),   # noqa: E731
+                           keys.beat("b"): json.dumps({"incarnation": "y", "n": nb}).encode()}
+    watch.update(snap(1, 1), now=0.0)
+    assert watch.frozen(snap(1, 1), now=20.0) is None       # every beat still for 20 s: the store stalled
+    assert watch.frozen(snap(2, 1), now=20.5) is None       # a's beat moves again; b's silence counts from here
+    assert [watch.frozen(snap(n, 1), now=float(n)) for n in range(21, 31)] == [None] * 10
+    assert watch.frozen(snap(31, 1), now=31.0)[0] == "b"     # b still for 10.5 s of a fresh own beat: frozen
+    assert watch.frozen(snap(31, 1), now=40.0) is None      # a's own beat still for 9 s: nobody judged

@@ -130,7 +130,7 @@ def test_a_frozen_container_is_named_replaced_and_training_resumes_bit_identical
     assert st["state"] == "SUCCEEDED", (st.get("diagnostics"), run.logs())
     abort = json.loads(store_of(run).get(keys.abort(0)))
     assert abort["container"] == "small_1" and "stopped responding" in abort["reason"], abort
-    assert abort["time"] - t_stop <= 5 + 2, abort["time"] - t_stop        # FROZEN_MIN_S + a beat
+    assert abort["time"] - t_stop <= 10 + 2, abort["time"] - t_stop       # beats.FROZEN_MIN_S + a beat
     assert [r["generation"] for r in st["restarts"]] == [1], st["restarts"]
     small_1 = next(c for c in st["containers"] if c["id"] == "small_1")
     assert small_1["attempts"] == 2, small_1
