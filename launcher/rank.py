@@ -37,6 +37,7 @@ from .failure import Failure
 log = logging.getLogger("launcher.rank")
 
 LIVENESS_S = 1.0           # how often the liveness thread touches the heartbeat
+FINISH_WAIT_S = 10.0       # how long code on torch.distributed waits at its end for every rank
 
 
 class UserCodeError(YarnappError):
@@ -195,8 +196,8 @@ def close_user_process_group():
     its process would under torchrun: a rank whose code returns early (sys.exit(0) at
     step 3) then closes its sockets, so the ranks still in a collective with it fail at
     once. True when there was one: the sockets of a group something still holds (a
-    DistributedDataParallel model) close only with the process, so the caller ends it at
-    once instead of waiting for its peers in the Barrier, where they would wait on it."""
+    DistributedDataParallel model) close only with the process, so the caller does not
+    wait for its peers in the Barrier, where they would wait on it (meet_at_the_end)."""
     dist = sys.modules.get("torch.distributed")
     try:
         if dist is not None and dist.is_available() and dist.is_initialized():
@@ -206,6 +207,18 @@ def close_user_process_group():
         log.warning("could not close the torch.distributed process group", exc_info=True)
         return True
     return False
+
+
+def meet_at_the_end(store, gen, rank, world_size, wait=FINISH_WAIT_S):
+    """The end of code on torch.distributed: say so in the store, and wait up to `wait`
+    seconds for every rank to, without an MPI call (a rank that left early is gone, and
+    its MPI peers would fail on it). Code that also used the MPI world is then done with
+    it on every rank, as after the Barrier; a rank whose peers still wait on it in a
+    collective leaves after `wait`, and its closed sockets fail them, as under torchrun."""
+    store.put(keys.finished(gen, rank), "1")
+    deadline = time.monotonic() + wait
+    while len(store.get_prefix(keys.finished(gen))) < world_size and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def main(argv=None):
@@ -267,14 +280,16 @@ def main(argv=None):
     except BaseException as e:  # noqa: BLE001 - the user's error: its line, then its traceback
         print_user_traceback(e)
         fail(store, gen, ident.rank, f"{type(e).__name__}: {e}".splitlines()[0], ctx.phase)
-    if not close_user_process_group():
+    if close_user_process_group():
+        meet_at_the_end(store, gen, ident.rank, ident.world_size)
+    else:
         comm.Barrier()          # code on the MPI world: every rank is done with it before any leaves
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip MPI_Finalize's disconnect handshake between singleton-joined processes: the world
-    # agreed (Barrier) that every rank is done, or its code talked over torch.distributed
-    # and, as under torchrun, each rank's process ends when its code does.
+    # agreed (the Barrier, or the store) that every rank is done, or this rank waited long
+    # enough on peers that still wait on it.
     os._exit(exitcodes.SUCCEEDED)
 
 

@@ -209,12 +209,12 @@ def test_a_torchrun_script_whose_rank_returns_early_fails_its_peers_instead_of_h
     nothing ever looked hung). Now the launcher closes the group the code left open, and
     when something still holds it (a DistributedDataParallel model: its sockets close only
     with the process), the rank's process ends at once instead of waiting for its peers."""
+    model = "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 2))\n" if ddp else ""
     step = ("    loss = model(torch.ones(4, 8)).sum()\n    loss.backward()\n" if ddp else
             "    t = torch.ones(1)\n    dist.all_reduce(t)\n")
     job = _script_job(tmp_path, "early",
                       "import os, sys, time\nimport torch, torch.distributed as dist\n"
-                      "dist.init_process_group('gloo')\nrank = int(os.environ['RANK'])\n"
-                      "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 2))\n"
+                      "dist.init_process_group('gloo')\nrank = int(os.environ['RANK'])\n" + model +
                       "for i in range(200):\n"
                       "    if rank == 1 and i == 3:\n        sys.exit(0)\n"
                       + step + "    time.sleep(0.05)\n"
@@ -225,6 +225,25 @@ def test_a_torchrun_script_whose_rank_returns_early_fails_its_peers_instead_of_h
     # gloo says either, depending on whether the peer's close or its reset arrives first
     assert "FAILED after 1 attempt(s)" in err and ("Connection closed" in err or "Connection reset" in err), err
     assert_nothing_left(app_id_from(err))
+
+
+def test_code_on_both_torch_distributed_and_the_mpi_world_whose_ranks_end_apart_succeeds(cli, tmp_path):
+    """Code that uses torch.distributed and the MPI world (ctx.comm) and leaves its group
+    open ends without the MPI Barrier; the ranks meet in the store instead, and one that
+    ends long after the others (rank 0 writes a report for 12 s, beyond the 10 s the others
+    wait) still succeeds: no MPI call is made on peers that have left."""
+    out = tmp_path / "out"
+    out.mkdir()
+    job = _script_job(tmp_path, "mixed",
+                      "import json, time\nimport torch, torch.distributed as dist\n"
+                      "from training.context import current\nctx = current()\nctx.init_process_group()\n"
+                      "t = torch.ones(1)\ndist.all_reduce(t)\ns = ctx.comm.allreduce(ctx.rank)\n"
+                      "if ctx.rank == 0:\n    time.sleep(12)\n"
+                      f"open(f'{out}/rank{{ctx.rank}}.json', 'w').write(json.dumps([t.item(), s]))\n")
+    proc = cli("submit", job, "--wait", timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)] == [[3.0, 3]] * 3
+    assert_nothing_left(app_id_from(proc.stdout))
 
 
 def test_a_users_model_with_the_wrong_number_of_outputs_fails_once_with_one_line(digits, cli, tmp_path):
