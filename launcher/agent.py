@@ -6,8 +6,9 @@ and ends the generation everywhere when anything goes wrong, so that a rank neve
 forever inside a collective. START publishes `alive/<container>` (owned: the resource
 manager deletes it when the container exits), starts the container's beat and finds the
 current generation (the first without an abort record). A peer whose beat stops
-(launcher.beats) ends the generation too, and is replaced through the resource manager. Why a generation ended is one `launcher.failure.Failure`;
-the container's exit status is decided in `launcher.exitcodes`.
+(launcher.beats) ends the generation too, and is replaced through the resource manager.
+Why a generation ended is one `launcher.failure.Failure`; the container's exit status is
+decided in `launcher.exitcodes`.
 """
 import ctypes
 import dataclasses
