@@ -198,27 +198,31 @@ class Agent:
                 return m["container"], "its container was replaced"
         return None
 
-    def replace_frozen(self, gen, seen, container, silent, beat):
-        """End generation `gen` naming a frozen peer (the abort record first, so that nobody
-        names what its replacement does next), and, as the first agent to see this
-        incarnation of it silent, ask the resource manager to replace it
-        (launcher.keys.replace; a request that fails is withdrawn, so that it is asked again)."""
+    def replace_frozen(self, gen, seen, frozen):
+        """End generation `gen` naming the frozen peer silent longest (the abort record first,
+        so that nobody names what its replacement does next), and ask the resource manager
+        to replace each of `frozen` ([(container, seconds silent, its last beat)]) whose
+        incarnation nobody has asked for yet (launcher.keys.replace; a request that fails is
+        withdrawn, so that it is asked again). Several frozen at once (a host with two
+        containers) are replaced together, not one restart each."""
+        (container, silent, _), others = frozen[0], [c for c, _, _ in frozen[1:]]
         failure = Failure(kind=Kind.LOST.value, container=container, observed_by=self.ident.container,
                           reason=f"lost {container}: it stopped responding (its agent has been silent for "
                                  f"{silent:.1f}s, limit {self.peers.limit:g}s: launcher.heartbeat_timeout; the "
                                  f"container is frozen or the store cannot reach it); the resource manager is "
-                                 f"asked to replace it")
+                                 f"asked to replace it" + (f" (and {', '.join(others)}, silent too)" if others else ""))
         if self.store.put_if_absent(keys.abort(gen), failure.stamped(generation=gen, log=self.log_path).dumps()):
             log.error("generation %d aborted: %s", gen, failure.reason)
-        request = keys.replace(container, beat["incarnation"])
-        if keys.FAILED not in seen and self.store.put_if_absent(request, json.dumps(
-                {"by": self.ident.container, "silent_s": round(silent, 1), **beat})):
-            instances = next(g.instances for g in self.job.groups if g.name == beat["group"])
-            try:
-                self.store.replace_container(beat["engine_id"], beat["group"], instances)
-            except Exception as e:
-                self.store.delete(request)
-                log.error("could not ask for %s's replacement (it will be asked again): %s", container, e)
+        for c, quiet, beat in ([] if keys.FAILED in seen else frozen):
+            request = keys.replace(c, beat["incarnation"])
+            if self.store.put_if_absent(request, json.dumps({"by": self.ident.container, "silent_s": round(quiet, 1),
+                                                             **beat})):
+                instances = next(g.instances for g in self.job.groups if g.name == beat["group"])
+                try:
+                    self.store.replace_container(beat["engine_id"], beat["group"], instances)
+                except Exception as e:
+                    self.store.delete(request)
+                    log.error("could not ask for %s's replacement (it will be asked again): %s", c, e)
         return failure
 
     def fence(self):
@@ -305,7 +309,7 @@ class Agent:
                 self.fence()
             frozen = self.peers.frozen(seen, now)
             if frozen:
-                return Outcome.OWN, self.replace_frozen(gen, seen, *frozen)
+                return Outcome.OWN, self.replace_frozen(gen, seen, frozen)
             formed = keys.formed(gen) in seen
             if not formed and now - self.spawned > lj.rendezvous_timeout:
                 missing = [m["container"] for m in self.members
@@ -324,9 +328,9 @@ class Agent:
                 # agent a grace period to name the real culprit first.
                 if silent > limit + (0 if stopped else min(2.0, limit / 2)):
                     # ... or a peer whose whole container stopped, whose agent cannot say so.
-                    suspect = None if stopped else self.peers.silent(now, beats.SUSPECT_S)
-                    if suspect:
-                        return Outcome.OWN, self.replace_frozen(gen, seen, *suspect)
+                    suspects = [] if stopped else self.peers.silent(now, beats.SUSPECT_S)
+                    if suspects:
+                        return Outcome.OWN, self.replace_frozen(gen, seen, suspects)
                     return Outcome.OWN, Failure(
                         kind=Kind.HUNG.value, container=me, rank=rank,
                         reason=f"rank {rank} ({me}) hung{' (process stopped)' if stopped else ''}: "

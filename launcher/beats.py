@@ -70,20 +70,18 @@ class Watch:
                     self.trusted_since = now     # from here on a peer's silence is its own
 
     def silent(self, now, at_least):
-        """The peer silent longest, if for more than `at_least` seconds: (container, seconds,
-        its last beat as a dict), or None. Silence counts only while this watcher's own beat
-        is fresh: a stalled store stills every beat at once, and a watcher cannot tell that
-        from a frozen peer."""
+        """The peers silent for more than `at_least` seconds, longest first: a list of
+        (container, seconds, its last beat as a dict). Silence counts only while this
+        watcher's own beat is fresh: a stalled store stills every beat at once, and a
+        watcher cannot tell that from a frozen peer."""
         own = self.seen.get(self.me)
         if own is None or now - own[1] > FRESH_S:
-            return None
-        worst = max(((c, now - max(self.seen[c][1], self.trusted_since)) for c in self.peers if c in self.seen),
-                    key=lambda cs: cs[1], default=None)
-        if worst is None or worst[1] <= at_least:
-            return None
-        return worst[0], worst[1], json.loads(self.seen[worst[0]][0])
+            return []
+        quiet = [(c, now - max(self.seen[c][1], self.trusted_since)) for c in self.peers if c in self.seen]
+        return [(c, s, json.loads(self.seen[c][0])) for c, s in sorted(quiet, key=lambda cs: -cs[1])
+                if s > at_least]
 
     def frozen(self, snapshot, now):
-        """update, then the peer silent for longer than the limit (see silent), or None."""
+        """update, then the peers silent for longer than the limit (see silent)."""
         self.update(snapshot, now)
         return self.silent(now, self.limit)

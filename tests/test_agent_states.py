@@ -310,13 +310,13 @@ def test_a_rank_that_raised_its_own_error_is_the_cause_even_if_a_peer_then_goes(
 def test_a_peer_whose_agent_falls_silent_is_named_and_its_replacement_asked_for_once(tmp_path):
     """A peer's beat that stops changing (its whole container stopped) ends the generation
     naming that peer, not this rank, and asks for its replacement (launcher.keys.replace),
-    once: in the next generation the same silent incarnation is not judged again."""
-    frozen = {"incarnation": "i1", "engine_id": "w_1", "group": "w", "n": 7}
-
+    once: in the next generation the same silent incarnation is not judged again. Two
+    peers frozen together (one host) are both replaced at once, not one restart each."""
     def before(store, gen, agent):
         if gen == 0:
-            store.put(keys.beat("w_1"), json.dumps(frozen))
-    a, store = agent(tmp_path, [["sleep", "60"], ["true"]], cls=ProcessAgent, before=before, instances=2)
+            for c in ("w_1", "w_2"):
+                store.put(keys.beat(c), json.dumps({"incarnation": f"i{c[-1]}", "engine_id": c, "group": "w", "n": 7}))
+    a, store = agent(tmp_path, [["sleep", "60"], ["true"]], cls=ProcessAgent, before=before, instances=3)
     a.peers.limit = 0.3
     started = time.monotonic()
     assert a.run() == exitcodes.SUCCEEDED
@@ -324,7 +324,9 @@ def test_a_peer_whose_agent_falls_silent_is_named_and_its_replacement_asked_for_
     lost = load(store, keys.abort(0))
     assert (lost.kind, lost.container, lost.observed_by) == (Kind.LOST.value, "w_1", "w_0"), lost
     assert "stopped responding" in lost.reason and "launcher.heartbeat_timeout" in lost.reason
+    assert "(and w_2, silent too)" in lost.reason, lost.reason
     assert json.loads(store.get(keys.replace("w_1", "i1")))["by"] == "w_0"
+    assert json.loads(store.get(keys.replace("w_2", "i2")))["by"] == "w_0"
     assert a.children[0].poll() == -signal.SIGKILL and store.get(keys.abort(1)) is None
 
 
@@ -353,8 +355,8 @@ def test_a_watcher_whose_own_beat_is_stale_judges_nobody():
     snap = lambda na, nb: {keys.beat("a"): json.dumps({"incarnation": "x", "n": na}).encode(),   # noqa: E731
                            keys.beat("b"): json.dumps({"incarnation": "y", "n": nb}).encode()}
     watch.update(snap(1, 1), now=0.0)
-    assert watch.frozen(snap(1, 1), now=20.0) is None       # every beat still for 20 s: the store stalled
-    assert watch.frozen(snap(2, 1), now=20.5) is None       # a's beat moves again; b's silence counts from here
-    assert [watch.frozen(snap(n, 1), now=float(n)) for n in range(21, 31)] == [None] * 10
-    assert watch.frozen(snap(31, 1), now=31.0)[0] == "b"     # b still for 10.5 s of a fresh own beat: frozen
-    assert watch.frozen(snap(31, 1), now=40.0) is None      # a's own beat still for 9 s: nobody judged
+    assert watch.frozen(snap(1, 1), now=20.0) == []         # every beat still for 20 s: the store stalled
+    assert watch.frozen(snap(2, 1), now=20.5) == []         # a's beat moves again; b's silence counts from here
+    assert [watch.frozen(snap(n, 1), now=float(n)) for n in range(21, 31)] == [[]] * 10
+    assert watch.frozen(snap(31, 1), now=31.0)[0][0] == "b"  # b still for 10.5 s of a fresh own beat: frozen
+    assert watch.frozen(snap(31, 1), now=40.0) == []        # a's own beat still for 9 s: nobody judged
