@@ -206,14 +206,17 @@ class Agent:
         withdrawn, so that it is asked again). Several frozen at once (a host with two
         containers) are replaced together, not one restart each."""
         (container, silent, _), others = frozen[0], [c for c, _, _ in frozen[1:]]
+        # With the restarts spent by this abort the application fails: nothing is replaced.
+        last = keys.FAILED in seen or spent_restarts(self.store, gen - 1) + 1 > self.job.max_restarts
         failure = Failure(kind=Kind.LOST.value, container=container, observed_by=self.ident.container,
                           reason=f"lost {container}: it stopped responding (its agent has been silent for "
                                  f"{silent:.1f}s, limit {self.peers.limit:g}s: launcher.heartbeat_timeout; the "
-                                 f"container is frozen or the store cannot reach it); the resource manager is "
-                                 f"asked to replace it" + (f" (and {', '.join(others)}, silent too)" if others else ""))
-        if self.store.put_if_absent(keys.abort(gen), failure.stamped(generation=gen, log=self.log_path).dumps()):
+                                 f"container is frozen or the store cannot reach it)"
+                                 + (f" (and {', '.join(others)}, silent too)" if others else "")
+                                 + ("" if last else "; the resource manager is asked to replace it"))
+        if self.store.put_if_absent(keys.abort(gen), failure.stamped(generation=gen).dumps()):
             log.error("generation %d aborted: %s", gen, failure.reason)
-        for c, quiet, beat in ([] if keys.FAILED in seen else frozen):
+        for c, quiet, beat in ([] if last else frozen):
             request = keys.replace(c, beat["incarnation"])
             if self.store.put_if_absent(request, json.dumps({"by": self.ident.container, "silent_s": round(quiet, 1),
                                                              **beat})):
@@ -428,7 +431,8 @@ class Agent:
             reason="ended without an error line", rank=self.ident.rank, generation=gen).stamped().dumps())
         if found:
             own = found.rank == self.ident.rank and not found.observed_by
-            found = found.stamped(generation=gen, log=self.log_path,
+            # The log is this container's: only for a failure of its own (not one it observed).
+            found = found.stamped(generation=gen, log=self.log_path if own else "",
                                   log_tail=log_tail(self.log_path) if own else "")
             if self.store.put_if_absent(keys.abort(gen), found.dumps()):
                 log.error("generation %d aborted: %s", gen, found.reason)

@@ -24,6 +24,11 @@ FRESH_S = 3 * BEAT_S     # a watcher whose own beat is unchanged longer judges n
 SUSPECT_S = 3 * BEAT_S   # a peer silent this long, while this agent's rank waits in vain, is the cause
 
 
+def limit_for(heartbeat_timeout):
+    """How long a container's agent may stay silent before it is judged frozen."""
+    return max(heartbeat_timeout, FROZEN_MIN_S)
+
+
 def start(store, container, record):
     """Rewrite `container`'s beat (`record` plus a count) every BEAT_S from a daemon thread,
     so that it stops only when the whole process does, not while the agent's loop waits.
@@ -49,7 +54,7 @@ class Watch:
     def __init__(self, members, me, limit):
         self.me = me
         self.peers = [m["container"] for m in members if m["container"] != me]
-        self.limit = max(limit, FROZEN_MIN_S)
+        self.limit = limit_for(limit)
         self.seen = {}           # container -> (its last beat, when this agent saw it change: monotonic)
         self.trusted_since = None    # since when this agent's own beat has been fresh
 

@@ -360,3 +360,17 @@ def test_a_watcher_whose_own_beat_is_stale_judges_nobody():
     assert [watch.frozen(snap(n, 1), now=float(n)) for n in range(21, 31)] == [[]] * 10
     assert watch.frozen(snap(31, 1), now=31.0)[0][0] == "b"  # b still for 10.5 s of a fresh own beat: frozen
     assert watch.frozen(snap(31, 1), now=40.0) == []        # a's own beat still for 9 s: nobody judged
+
+
+def test_a_frozen_peer_that_spends_the_last_restart_fails_the_job_and_is_not_replaced(tmp_path):
+    """With no restart left, the line does not promise a replacement, none is asked for,
+    and the failure carries no log of this (healthy) container."""
+    def before(store, gen, agent):
+        store.put(keys.beat("w_1"), json.dumps({"incarnation": "i1", "engine_id": "w_1", "group": "w", "n": 1}))
+    a, store = agent(tmp_path, [["sleep", "60"]], cls=ProcessAgent, before=before, instances=2, max_restarts=0)
+    a.peers.limit = 0.3
+    assert a.run() == exitcodes.APP_FAILED             # this container is fine; the job failed
+    failed = load(store, keys.FAILED)
+    assert failed.container == "w_1" and "stopped responding" in failed.reason, failed
+    assert "replace" not in failed.reason and not failed.log, failed
+    assert store.get_prefix(keys.REPLACE_PREFIX) == {}

@@ -138,6 +138,27 @@ def test_a_frozen_container_is_named_replaced_and_training_resumes_bit_identical
     assert_nothing_left(run.app_id)
 
 
+def test_a_container_frozen_as_it_starts_is_named_and_replaced_by_the_master(digits, tmp_path, yarnapp_home):
+    """small_1 stops before its agent writes a single beat (a sitecustomize SIGSTOPs its
+    first agent as the interpreter starts), so its peers have no beat to watch. The
+    master, which started it, sees none within the limit, ends the generation naming it
+    and replaces it, instead of every generation waiting out the rendezvous for it."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os, signal\n"
+        "if os.environ.get('YARNAPP_CONTAINER_ID') == 'small_1' and os.environ.get('YARNAPP_ATTEMPT') == '1' \\\n"
+        "        and 'YARNAPP_RANK' not in os.environ:\n"
+        "    os.kill(os.getpid(), signal.SIGSTOP)\n")
+    job = digits_job(tmp_path, digits, "frozen-start", heartbeat="4s", env={"PYTHONPATH": str(hook)})
+    run, st = run_to_end(job)
+    abort = json.loads(store_of(run).get(keys.abort(0)))
+    assert abort["container"] == "small_1" and "never reported" in abort["reason"], abort
+    assert [r["generation"] for r in st["restarts"]] == [1] and st["final"]["steps"] == 40
+    assert next(c for c in st["containers"] if c["id"] == "small_1")["attempts"] == 2
+    assert_nothing_left(run.app_id)
+
+
 @pytest.mark.parametrize("fault, rank, resumed", [("crash_in_checkpoint", 1, 10),   # step 20 never completed
                                                    ("crash_after_commit", 0, 20),    # it did, just
                                                    ("crash_in_cleanup", 0, 40)])     # keep=3: step 10 goes at 40

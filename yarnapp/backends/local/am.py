@@ -20,7 +20,7 @@ import time
 
 import psutil
 
-from launcher import agent as agent_mod, exitcodes, keys, memory, tensorboard_service
+from launcher import agent as agent_mod, beats, exitcodes, keys, memory, tensorboard_service
 from launcher.failure import Failure, Kind
 from launcher.store import FileStore
 
@@ -61,6 +61,7 @@ class Container:
 
     def start(self):
         self.attempts += 1
+        self.started, self.beaten = time.monotonic(), False     # (ApplicationMaster.never_beaten)
         self.memory = self.memory_start = self.memory_state()
         env = dict(os.environ)
         env.update(self.group.env)
@@ -201,6 +202,29 @@ class ApplicationMaster:
                         c.id, c.replacing.get("silent_s"), c.replacing.get("by"))
             c.kill()
 
+    def never_beaten(self):
+        """A container whose agent has not beaten within the frozen limit of its start (it
+        froze, or hangs, as it started): its peers cannot watch a beat that never came, but
+        the master, which started it, can. The generation ends naming it, and it is replaced
+        while restarts remain (the agents' count, launcher.agent.spent_restarts)."""
+        limit = beats.limit_for(self.job.launcher.heartbeat_timeout)
+        for c in self.containers:
+            if c.state != "RUNNING" or c.beaten or c.replacing:
+                continue
+            if self.store.get(keys.beat(c.id)) is not None:
+                c.beaten = True
+            elif time.monotonic() - c.started > limit:
+                gen = agent_mod.current_generation(self.store)
+                last = agent_mod.spent_restarts(self.store, gen - 1) + 1 > self.job.max_restarts
+                self.store.put_if_absent(keys.abort(gen), Failure(
+                    kind=Kind.LOST.value, container=c.id, rank=c.member["rank"], observed_by="master",
+                    reason=f"lost {c.id}: its agent never reported (no beat within {limit:g}s of its start, "
+                           f"limit: launcher.heartbeat_timeout; frozen or stuck as it started)"
+                           + ("" if last else "; it is replaced")).stamped(generation=gen).dumps())
+                log.warning("killing %s to replace it: no beat within %gs of its start", c.id, limit)
+                c.replacing = {"by": "master"}
+                c.kill()
+
     def take_over(self):
         """Attempt n > 1: the previous master died, and its containers with it. Their owned
         keys go (as YARN releases a dead container's), and the world's generation they were
@@ -236,6 +260,7 @@ class ApplicationMaster:
         while True:
             changed = False
             self.replace_frozen(handled)
+            self.never_beaten()
             for c in self.containers:
                 if c.state == "RUNNING":
                     rc = c.proc.poll()
