@@ -368,6 +368,10 @@ class Agent:
             records = [self.rank_error(gen, m["rank"]) for m in self.members]
             if all(records) or time.monotonic() > deadline:
                 break
+            # A rank that succeeded (its code returned early) records no failure: not the same.
+            if any(self.store.get(keys.done(m["container"])) is not None
+                   for m, r in zip(self.members, records) if r is None):
+                return False
             time.sleep(self.job.launcher.poll_interval)
         return all(r and r.phase == "setup" and r.error == cause.error for r in records)
 

@@ -170,6 +170,21 @@ def test_a_setup_failure_found_repeatable_on_the_second_attempt_says_not_retried
     assert failed.attempts == 2 and failed.reason.endswith(NOT_RETRIED_AGAIN), failed.reason
 
 
+def test_a_setup_failure_beside_a_rank_that_succeeded_is_retried_at_once(tmp_path):
+    """A peer's rank returned early and succeeded, so it records no failure: the failure is
+    not every rank's, and the agent says so at once instead of waiting out the grace
+    (SETUP_GRACE_S + 5 s) for a record that never comes."""
+    setup = crash(code=1, phase="setup", error="RuntimeError: Connection closed by peer")
+
+    def recorded(store, gen):
+        store.put_if_absent(keys.error(gen, 0), Failure(reason=setup.error, error=setup.error, phase="setup").dumps())
+        store.put(keys.done("w_1"), json.dumps({"generation": gen}))
+    a, store = agent(tmp_path, [(Outcome.OWN, setup, recorded)], max_restarts=0, instances=2)
+    started = time.monotonic()
+    assert a.run() == 1 and time.monotonic() - started < 5
+    assert load(store, keys.FAILED).retried is None           # failed for its budget, not as deterministic
+
+
 def test_a_failure_in_training_is_retried_even_when_it_repeats(tmp_path):
     def rank_recorded(store, gen):
         store.put_if_absent(keys.error(gen, 0), Failure(reason="", error=crash().error, phase="train").dumps())
