@@ -125,6 +125,12 @@ def spent_restarts(store, upto):
     return n
 
 
+def spends_the_last_restart(store, gen, max_restarts):
+    """Whether an abort of generation `gen` that counts (not external) would leave no restart,
+    so that the application fails: asked before that abort is written."""
+    return spent_restarts(store, gen - 1) + 1 > max_restarts
+
+
 def log_tail(path, lines=20):
     try:
         with open(path, "rb") as f:
@@ -207,7 +213,7 @@ class Agent:
         containers) are replaced together, not one restart each."""
         (container, silent, _), others = frozen[0], [c for c, _, _ in frozen[1:]]
         # With the restarts spent by this abort the application fails: nothing is replaced.
-        last = keys.FAILED in seen or spent_restarts(self.store, gen - 1) + 1 > self.job.max_restarts
+        last = keys.FAILED in seen or spends_the_last_restart(self.store, gen, self.job.max_restarts)
         failure = Failure(kind=Kind.LOST.value, container=container, observed_by=self.ident.container,
                           reason=f"lost {container}: it stopped responding (its agent has been silent for "
                                  f"{silent:.1f}s, limit {self.peers.limit:g}s: launcher.heartbeat_timeout; the "

@@ -161,23 +161,19 @@ class ApplicationMaster:
             c.state = "FAILED"
             return
         if c.replacing:
-            # Killed on an agent's request: that agent already ended the generation, naming it.
-            c.replacing = None
-            if c.attempts <= self.job.max_restarts:
-                log.warning("replacing %s", c.id)
-                c.start()
-            else:
-                c.state = "FAILED"
-            return
-        # The container itself died (not its rank): tell the world, then replace it.
-        gen = agent_mod.current_generation(self.store)
-        what, kind = exitcodes.describe(rc)[0], Kind.CONTAINER
-        oom = memory.killed_for_memory(c.memory_start, c.memory, c.id, c.group_index)
-        if oom:
-            what, kind = f"was killed by the kernel: {oom}", Kind.OOM
-        self.store.put_if_absent(keys.abort(gen), Failure(
-            kind=kind.value, container=c.id, rank=c.member["rank"], exit_code=rc, reason=f"container {c.id} {what}",
-            log=c.log, log_tail=agent_mod.log_tail(c.log)).stamped(generation=gen).dumps())
+            # Killed to be replaced (frozen): whoever asked already ended the generation, naming it.
+            c.replacing, what = None, "was killed as frozen"
+        else:
+            # The container itself died (not its rank): tell the world, then replace it.
+            gen = agent_mod.current_generation(self.store)
+            what, kind = exitcodes.describe(rc)[0], Kind.CONTAINER
+            oom = memory.killed_for_memory(c.memory_start, c.memory, c.id, c.group_index)
+            if oom:
+                what, kind = f"was killed by the kernel: {oom}", Kind.OOM
+            self.store.put_if_absent(keys.abort(gen), Failure(
+                kind=kind.value, container=c.id, rank=c.member["rank"], exit_code=rc,
+                reason=f"container {c.id} {what}", log=c.log,
+                log_tail=agent_mod.log_tail(c.log)).stamped(generation=gen).dumps())
         if c.attempts <= self.job.max_restarts:
             log.warning("container %s %s; replacing it", c.id, what)
             c.start()
@@ -215,7 +211,7 @@ class ApplicationMaster:
                 c.beaten = True
             elif time.monotonic() - c.started > limit:
                 gen = agent_mod.current_generation(self.store)
-                last = agent_mod.spent_restarts(self.store, gen - 1) + 1 > self.job.max_restarts
+                last = agent_mod.spends_the_last_restart(self.store, gen, self.job.max_restarts)
                 self.store.put_if_absent(keys.abort(gen), Failure(
                     kind=Kind.LOST.value, container=c.id, rank=c.member["rank"], observed_by="master",
                     reason=f"lost {c.id}: its agent never reported (no beat within {limit:g}s of its start, "
