@@ -206,6 +206,13 @@ def test_kill_right_after_submit_ends_the_application_killed(yarnapp_home, tmp_p
     assert_nothing_left(run.app_id)
 
 
+def _first_progress(home):
+    """The first application's progress at step 1, or None while it is not yet readable."""
+    if not apps(home) or not os.path.exists(os.path.join(home, "apps", apps(home)[0], "app.json")):
+        return None
+    return (yarnapp.Run(apps(home)[0]).status().get("progress") or {}).get(1)
+
+
 @pytest.mark.parametrize("how", ["submit_wait", "run_wait"])
 def test_ctrl_c_in_the_python_api(how, yarnapp_home, tmp_path):
     """yarnapp.submit(job, wait=True) interrupted kills the application, as `submit --wait`
@@ -221,7 +228,7 @@ def test_ctrl_c_in_the_python_api(how, yarnapp_home, tmp_path):
                             stderr=subprocess.PIPE, text=True, env=dict(os.environ))
     try:
         deadline = time.monotonic() + 60
-        while not apps(yarnapp_home) or not (yarnapp.Run(apps(yarnapp_home)[0]).status().get("progress") or {}).get(1):
+        while not _first_progress(yarnapp_home):   # the app directory exists before its app.json
             assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else ""
             time.sleep(0.2)
         app = apps(yarnapp_home)[0]

@@ -24,7 +24,7 @@ from ... import preflight, shipping
 from ...errors import YarnappError
 from ..base import TERMINAL, Backend
 from . import cgroups, gpus, netem, supervisor
-from .state import apps_dir, read_json
+from .state import apps_dir, read_json, write_json
 
 log = logging.getLogger(__name__)
 
@@ -142,9 +142,8 @@ class LocalBackend(Backend):
             with open(os.path.join(d, "job.json"), "w") as f:
                 f.write(job.model_dump_json(indent=1))
             submitted = time.time()
-            with open(os.path.join(d, "app.json"), "w") as f:
-                json.dump({"app_id": app_id, "secret": secrets.token_hex(16), "submitted": submitted,
-                           "name": job.name}, f)
+            write_json(os.path.join(d, "app.json"), {"app_id": app_id, "secret": secrets.token_hex(16),
+                                                      "submitted": submitted, "name": job.name})
             FileStore(os.path.join(d, "store"))
             env = dict(os.environ, PYTHONUNBUFFERED="1")
             env.pop("YARNAPP_APP_ID", None)     # the supervisor is not a process of the application

@@ -1,7 +1,7 @@
 """The on-disk layout of a local application, shared by the AM and the client.
 
     $YARNAPP_HOME/apps/<app_id>/
-        app.json        id, secret, submit time (written once by the client)
+        app.json        id, secret, submit time (written once by the client, atomic rename)
         job.json        the resolved job spec
         state.json      written by the AM on every change (atomic rename)
         am.log          the AM's log
@@ -22,11 +22,16 @@ def apps_dir():
     return os.path.join(home(), "apps")
 
 
-def write_state(app_dir, state):
-    tmp = os.path.join(app_dir, f".state.{os.getpid()}.tmp")
+def write_json(path, obj):
+    """Write whole or not at all (a temporary file renamed): a reader never sees half of it."""
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
-        json.dump(state, f, indent=1)
-    os.replace(tmp, os.path.join(app_dir, "state.json"))
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+def write_state(app_dir, state):
+    write_json(os.path.join(app_dir, "state.json"), state)
 
 
 def read_json(path, default=None):
