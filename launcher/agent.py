@@ -223,16 +223,51 @@ class Agent:
         if self.store.put_if_absent(keys.abort(gen), failure.stamped(generation=gen).dumps()):
             log.error("generation %d aborted: %s", gen, failure.reason)
         for c, quiet, beat in ([] if last else frozen):
-            request = keys.replace(c, beat["incarnation"])
-            if self.store.put_if_absent(request, json.dumps({"by": self.ident.container, "silent_s": round(quiet, 1),
-                                                             **beat})):
-                instances = next(g.instances for g in self.job.groups if g.name == beat["group"])
-                try:
-                    self.store.replace_container(beat["engine_id"], beat["group"], instances)
-                except Exception as e:
-                    self.store.delete(request)
-                    log.error("could not ask for %s's replacement (it will be asked again): %s", c, e)
+            self.ask_replacement(keys.replace(c, beat["incarnation"]), {"silent_s": round(quiet, 1), **beat})
         return failure
+
+    def ask_replacement(self, request, record):
+        """Ask the resource manager to replace record["engine_id"] of record["group"], once:
+        the first writer of `request` (launcher.keys.replace) asks, and withdraws a request
+        that fails, so that it is asked again."""
+        if self.store.put_if_absent(request, json.dumps({"by": self.ident.container, **record})):
+            instances = next(g.instances for g in self.job.groups if g.name == record["group"])
+            try:
+                self.store.replace_container(record["engine_id"], record["group"], instances)
+            except Exception as e:
+                self.store.delete(request)
+                log.error("could not ask for %s's replacement (it will be asked again): %s", record["engine_id"], e)
+
+    def not_formed(self, gen, seen):
+        """The world did not form within launcher.rendezvous_timeout: who is missing (rank 0
+        when its port is not out, else the ranks that did not join). A container the resource
+        manager runs whose agent never beat is named too, and replaced (launcher.beats.unheard),
+        so that the next generation does not wait for it again."""
+        lj = self.job.launcher
+        missing = [m["container"] for m in self.members if (keys.joined(gen, m["rank"]) if m["rank"]
+                                                               else keys.port(gen)) not in seen]
+        if keys.port(gen) not in seen:
+            missing = missing[:1]
+        nodes = network.members_from(self.store)
+        missing = [f"{c} on {nodes[c]['node']} ({nodes[c]['addr']})" if c in nodes else c for c in missing]
+        try:
+            unheard = beats.unheard(self.store, self.members, seen)
+        except Exception as e:
+            log.warning("could not ask the resource manager which containers run: %s", e)
+            unheard = []
+        note = ""
+        if unheard:
+            last = keys.FAILED in seen or spends_the_last_restart(self.store, gen, self.job.max_restarts)
+            for engine_id, group in ([] if last else unheard):
+                self.ask_replacement(keys.replace(engine_id, "unheard"), {"engine_id": engine_id, "group": group})
+            one = len(unheard) == 1
+            note = (f"; {', '.join(e for e, _ in unheard)} {'runs' if one else 'run'}, but "
+                    f"{'its agent' if one else 'their agents'} never reported (frozen or stuck as it started, "
+                    f"or slower to start than launcher.rendezvous_timeout)"
+                    + ("" if last else f"; the resource manager is asked to replace {'it' if one else 'them'}"))
+        return Failure(kind=Kind.NOT_FORMED.value, container=self.ident.container, rank=self.ident.rank,
+                       reason=f"world not formed within {lj.rendezvous_timeout:.0f}s; missing: "
+                              f"{', '.join(missing) or 'none'}" + note + self.network_note())
 
     def fence(self):
         """This incarnation was judged frozen and is being replaced (it resumed in time to
@@ -321,13 +356,7 @@ class Agent:
                 return Outcome.OWN, self.replace_frozen(gen, seen, frozen)
             formed = keys.formed(gen) in seen
             if not formed and now - self.spawned > lj.rendezvous_timeout:
-                missing = [m["container"] for m in self.members
-                           if m["rank"] and keys.joined(gen, m["rank"]) not in seen]
-                nodes = network.members_from(self.store)
-                missing = [f"{c} on {nodes[c]['node']} ({nodes[c]['addr']})" if c in nodes else c for c in missing]
-                return Outcome.OWN, Failure(kind=Kind.NOT_FORMED.value, container=me, rank=rank,
-                                            reason=f"world not formed within {lj.rendezvous_timeout:.0f}s; "
-                                                   f"missing: {', '.join(missing) or 'none'}" + self.network_note())
+                return Outcome.OWN, self.not_formed(gen, seen)
             if formed:
                 phase, silent = self.read_heartbeat(now)
                 limit = lj.heartbeat_timeout if phase == "train" else lj.rendezvous_timeout

@@ -90,3 +90,16 @@ class Watch:
         """update, then the peers silent for longer than the limit (see silent)."""
         self.update(snapshot, now)
         return self.silent(now, self.limit)
+
+
+def unheard(store, members, seen):
+    """The containers the resource manager runs for members without a beat in `seen` (an
+    agent's snapshot of the store): their agents never beat, frozen or stuck as they started,
+    so no peer has a beat to watch. [(engine_id, group)]; none on the local engine, whose
+    master replaces those itself (launcher.store.Store.unheard)."""
+    quiet = sorted({m["group"] for m in members
+                    if keys.beat(m["container"]) not in seen and keys.done(m["container"]) not in seen})
+    if not quiet:
+        return []
+    heard = {json.loads(v)["engine_id"] for k, v in seen.items() if k.startswith(keys.BEAT_PREFIX)}
+    return store.unheard(quiet, heard)

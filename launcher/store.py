@@ -49,6 +49,13 @@ class Store(abc.ABC):
         engine can read). The local engine's master watches those keys and replaces it
         itself: nothing to do here."""
 
+    def unheard(self, groups, heard):
+        """The containers of `groups` the resource manager runs whose engine ids are not in
+        `heard` (their agents never beat: frozen or stuck as they started): [(engine_id,
+        group)]. The local engine's master starts every container and replaces those itself
+        (ApplicationMaster.never_beaten): none here."""
+        return []
+
     def wait(self, key, timeout=None, interval=0.01, cancel=None):
         """Block until key exists and return its value.
 
@@ -220,6 +227,10 @@ class SkeinStore(Store):
         self.app.kill_container(engine_id)
         if len(self.app.get_containers(services=[group])) < instances:     # waiting, requested, running
             self.app.add_container(group)
+
+    def unheard(self, groups, heard):
+        return [(c.id, c.service_name) for c in self.app.get_containers(services=groups, states=["RUNNING"])
+                if c.id not in heard]
 
     def set_progress(self, fraction):
         """The application's progress as YARN shows it (0..1)."""

@@ -242,12 +242,18 @@ def test_a_rank_still_beating_is_not_hung(tmp_path):
     assert a.run() == exitcodes.SUCCEEDED and store.get(keys.abort(0)) is None
 
 
-def test_a_world_that_does_not_form_fails_naming_who_is_missing(tmp_path):
-    a, store = agent(tmp_path, [["sleep", "60"]], cls=ProcessAgent, max_restarts=0, instances=2,
+@pytest.mark.parametrize("port, missing", [(True, "w_1, w_2"), (False, "w_0")])
+def test_a_world_that_does_not_form_fails_naming_who_is_missing(port, missing, tmp_path):
+    """Ranks that did not join are missing; with rank 0's port not out, rank 0 alone (nobody
+    else could join: before, it named every other rank)."""
+    def rank0(store, gen, agent):
+        if port:
+            store.put(keys.port(gen), "tag#port")
+    a, store = agent(tmp_path, [["sleep", "60"]], cls=ProcessAgent, max_restarts=0, instances=3, before=rank0,
                      launcher={"rendezvous_timeout": "300ms"})
     assert a.run() == exitcodes.RANK_FAILED
     failed = load(store, keys.FAILED)
-    assert failed.kind == Kind.NOT_FORMED.value and "missing: w_1" in failed.reason
+    assert failed.kind == Kind.NOT_FORMED.value and failed.reason.split("missing: ")[1].split(";")[0] == missing, failed.reason
     assert a.children[0].poll() == -signal.SIGKILL
 
 

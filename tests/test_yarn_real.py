@@ -249,12 +249,12 @@ def _others_can_read(path):
         d = os.path.dirname(d)
 
 
-def digits_job(name, data, **extra):
+def digits_job(name, data, env=ENV, **extra):
     """3 ranks (1 + 2 containers of 1 vcore), data-parallel digits to >= 0.97 (4 epochs, 88 steps:
     0.986 on the held-out digits, the same on every run: the seed fixes it)."""
     return {"name": name, "max_restarts": 2,
-            "groups": [{"name": "big", "instances": 1, "vcores": 1, "memory": "2 GiB", "env": ENV},
-                       {"name": "small", "instances": 2, "vcores": 1, "memory": "2 GiB", "env": ENV}],
+            "groups": [{"name": "big", "instances": 1, "vcores": 1, "memory": "2 GiB", "env": env},
+                       {"name": "small", "instances": 2, "vcores": 1, "memory": "2 GiB", "env": env}],
             "training": {"strategy": "allreduce", "model": "digits_cnn", "batch_size": 64, "epochs": 4,
                          "lr": 0.05, "seed": 5, "log_every": 5,
                          "data": {"train": f"{data}/train", "test": f"{data}/test"}},
@@ -319,22 +319,37 @@ def test_digits_on_hdfs_survives_a_sigkilled_container_bit_identically(cluster, 
     assert "small_0" in st["restarts"][0]["reason"], st["restarts"]
 
 
-def test_a_frozen_container_is_killed_through_skein_and_replaced_bit_identically(
+def test_frozen_containers_are_killed_through_skein_and_replaced_bit_identically(
         cluster, shell, tmp_path, reference_weights):
-    """Rank 1's whole container stopped (its agent and its rank: SIGSTOP, as a frozen host):
-    the peers see its agent's beat stop, name it, and ask skein to kill it and add a container
-    to its service (skein does not restart a container it killed); the new one adopts the
-    slot and training ends with the weights of an uninterrupted run."""
-    st = _survives(cluster, reference_weights, "digits-frozen", freeze=True,
-                   launcher={"heartbeat_timeout": "10s"})
-    cause = st["restarts"][0]
-    assert cause["container"] == "small_0" and "stopped responding" in cause["reason"], cause
+    """Two containers frozen, each as a frozen host would be (agent and rank stopped), and
+    each killed through skein and replaced by a container added to its service (skein does
+    not restart a container it killed), which adopts the slot:
+    - small_1 stops as its agent starts (a sitecustomize SIGSTOPs it), before a single beat,
+      so no peer has a beat to watch. At the rendezvous timeout the agents find it running in
+      skein and silent, name it and have it replaced (before, every generation waited for it
+      again until the restarts were spent);
+    - at step 45, rank 1's container (small_0): the peers see its agent's beat stop.
+    Training ends with the weights of an uninterrupted run."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os, signal\n"
+        "if os.environ.get('SKEIN_CONTAINER_ID') == 'small_1' and 'YARNAPP_RANK' not in os.environ:\n"
+        "    os.kill(os.getpid(), signal.SIGSTOP)\n")
+    st = _survives(cluster, reference_weights, "digits-frozen", freeze=True, env={"PYTHONPATH": f"{hook}:{ROOT}"},
+                   replaced={"small_2": "small_1", "small_3": "small_0"},
+                   launcher={"heartbeat_timeout": "10s", "rendezvous_timeout": "20s"})
+    at_start, frozen = st["restarts"]
+    assert "world not formed within 20s; missing: small_1; small_1 runs, but its agent never reported" \
+           in at_start["reason"] and "asked to replace it" in at_start["reason"], at_start
+    assert frozen["container"] == "small_0" and "stopped responding" in frozen["reason"], frozen
 
 
-def _survives(cluster, reference_weights, name, freeze, **extra):
+def _survives(cluster, reference_weights, name, freeze, replaced=None, **extra):
     """Run the digits job on HDFS, fault rank 1's container at step 45 (SIGKILL its agent, or
-    SIGSTOP its agent and rank), and check the end: one restart, the replacement in the
-    slot, the uninterrupted run's weights, nothing left. Returns the final status."""
+    SIGSTOP its agent and rank), and check the end: a restart for each replacement in
+    `replaced` ({replacement: the slot it took}, by default small_2 in small_0's), the
+    uninterrupted run's weights, nothing left. Returns the final status."""
     import torch
 
     from training import fsutil
@@ -356,10 +371,15 @@ def _survives(cluster, reference_weights, name, freeze, **extra):
                 break
             assert time.monotonic() < deadline, st
             time.sleep(0.3)
-        held = {c["id"]: c["rank"] for c in st["containers"] if c["group"] in ("big", "small")}
-        assert held == {"big_0": 0, "small_0": 1, "small_1": 2}, st["containers"]    # status names the ranks
+        replaced = replaced or {"small_2": "small_0"}
+        held = {c["id"]: c["rank"] for c in st["containers"] if c["group"] in ("big", "small")
+                and c["state"] == "RUNNING"}
+        before = {"big_0": 0, "small_0": 1, "small_1": 2}       # status names the ranks
+        before.update({new: before.pop(old) for new, old in replaced.items() if old != "small_0"})
+        assert held == before, st["containers"]
         kv = backend.client.connect(app, wait=False).kv
-        members = json.loads(kv[keys.formed(0)])["members"]
+        formed = max(k for k in kv.get_prefix(keys.ABORT_PREFIX) if k.endswith("/formed"))   # this generation's
+        members = json.loads(kv[formed])["members"]
         rank1 = psutil.Process(next(m["pid"] for m in members if m["rank"] == 1))
         agent = rank1.parent()
         assert "launcher.agent" in " ".join(agent.cmdline())
@@ -378,7 +398,7 @@ def _survives(cluster, reference_weights, name, freeze, **extra):
         if backend.status(app)["state"] in ("NEW", "RUNNING"):
             backend.client.kill_application(app)
     assert st["state"] == "SUCCEEDED", (st, backend.logs(app))
-    assert [r["generation"] for r in st["restarts"]] == [1], st["restarts"]
+    assert [r["generation"] for r in st["restarts"]] == list(range(1, len(replaced) + 1)), st["restarts"]
     assert st["final"]["accuracy"] >= 0.97, st["final"]
     assert 0 < st["final"]["resumed_from"] <= 45
     ref, ref_final = reference_weights.result()
@@ -386,7 +406,8 @@ def _survives(cluster, reference_weights, name, freeze, **extra):
     assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
     assert st["final"]["accuracy"] == ref_final["accuracy"]
     logs = backend.logs(app)
-    assert "small_2" in logs and "agent small_0" in logs["small_2"]   # the replacement took the slot
+    for new, slot in replaced.items():                                     # each replacement took its slot
+        assert new in logs and f"agent {slot}" in logs[new], (new, slot, sorted(logs))
     fs, tb = fsutil.resolve(f"{cluster.storage()}/{app}/tensorboard/{app}")
     assert any(n.startswith("events.out.tfevents") for n in fsutil.listdir(fs, tb))
     assert cluster.hadoop.container_pids(app) == []
