@@ -63,6 +63,10 @@ def test_sigkill_one_of_three_ranks_resumes_bit_identically(strategy, victim, re
     resumed = st["final"]["resumed_from"]
     assert kill_at - 10 <= resumed <= kill_at + 1, (kill_at, resumed)   # at most one interval recomputed
     assert _equal(final_weights(job), reference[strategy])
+    if strategy == "allreduce":     # the model and optimizer, the same on every rank, are written once
+        last = os.path.join(job["checkpoint"]["uri"], run.app_id, f"step-{st['final']['steps'] - 10:08d}")
+        parts = [torch.load(os.path.join(last, f"rank-{r:05d}.pt"), weights_only=False)["strategy"] for r in range(3)]
+        assert {"model", "optimizer"} <= set(parts[0]) and parts[1] == parts[2] == {}, [list(p) for p in parts]
     formed1 = json.loads(store_of(run).get(keys.formed(1)))
     print(f"{strategy}: killed at step {kill_at}, resumed from {resumed}, world re-formed "
           f"{formed1['time'] - t_kill:.1f}s after the kill")

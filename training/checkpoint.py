@@ -8,10 +8,11 @@ Layout under the job's checkpoint URI:
     <app_id>/step-00000050/rank-00000.pt ...     complete: renamed after every rank wrote
     <app_id>/final/model.pt                      the trained model (rank 0)
 
-Every rank writes its own part (model/optimizer shard, RNG states, data position)
-into the temporary directory; after every rank wrote, rank 0 renames it. A name is
-never overwritten (HDFS refuses to rename onto an existing path), so a checkpoint for a
-step that already exists is skipped. The last `keep` complete checkpoints are kept.
+Every rank writes its own part (its model/optimizer shard, RNG states, data position;
+all-reduce's model and optimizer, the same on every rank, by rank 0 alone) into the
+temporary directory; after every rank wrote, rank 0 renames it. A name is never
+overwritten (HDFS refuses to rename onto an existing path), so a checkpoint for a step
+that already exists is skipped. The last `keep` complete checkpoints are kept.
 
 Where a run starts (`latest`): a restarted world (a later generation of the same
 application) resumes from its own newest complete checkpoint. A new application
