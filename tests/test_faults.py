@@ -3,6 +3,7 @@ memory limit (the cgroup's OOM killer), named as such with the limit to raise; a
 checkpoint directory that turns read-only or fills up (a real tmpfs) mid-run."""
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -100,3 +101,15 @@ def test_a_checkpoint_that_cannot_be_written_fails_in_one_line_and_the_previous_
         state = torch.load(mine / "step-00000010" / f"rank-{r:05d}.pt", weights_only=False)
         assert state["step"] == 10
     assert_nothing_left(run.app_id)
+
+
+def test_a_checkpoint_uri_the_containers_cannot_write_is_one_line(tmp_path):
+    """What a container meets when its checkpoint.uri cannot be written at the start (on
+    YARN, a local path is the nodes' own and not checked at submit). Before, the error
+    string was spread into _written_by_fewer's arguments: a TypeError of 144 of them."""
+    code = ("import sys\nfrom mpi4py import MPI\nfrom training.checkpoint import Checkpointer, CheckpointError\n"
+            "try:\n    Checkpointer('/proc/nope/ckpt', MPI.COMM_SELF).latest()\n"
+            "except CheckpointError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.startswith("checkpoint.uri /proc/nope/ckpt: cannot write to it: "), (out.stdout, out.stderr)
+    assert len(out.stdout.splitlines()) == 1

@@ -1,6 +1,7 @@
-"""The client's data check before submitting (yarnapp.preflight), at its boundary: which
+"""The client's data and output checks before submitting (yarnapp.preflight), at its boundary: which
 URIs it refuses, which it leaves to the containers, and which jobs it does not check."""
 import logging
+import os
 import socket
 
 import pytest
@@ -66,3 +67,30 @@ def test_an_empty_dataset_and_no_where(tmp_path):
         preflight.check_data(_job(str(tmp_path / "empty")))
     assert str(e.value) == f"training.data.train: {tmp_path / 'empty'}: the dataset has no rows; " \
                            f"import one with `yarnapp data import KIND URI`"
+
+
+def _outputs(ckpt=None, logdir=None):
+    return conf.load_job({"name": "t", "groups": [{"name": "w", "instances": 1, "vcores": 1}],
+                          "run": {"function": "training.hello:main"},
+                          "checkpoint": {"uri": ckpt}, "tensorboard": {"logdir": logdir}})
+
+
+def test_outputs_that_cannot_be_written_are_refused_before_anything_starts(tmp_path, caplog):
+    """checkpoint.uri and tensorboard.logdir: before, an unwritable checkpoint.uri crashed the
+    checkpoint code in the containers (a TypeError), and an unreachable logdir failed the
+    job at its end, after the whole training."""
+    (tmp_path / "a-file").write_text("x")
+    preflight.check_outputs(_outputs(str(tmp_path / "new" / "ckpt"), f"file://{tmp_path}/tb"), "job.yaml")
+    assert sorted(os.listdir(tmp_path)) == ["a-file"]               # tried, and nothing left
+    with pytest.raises(YarnappError, match=rf"^job.yaml: checkpoint.uri: {tmp_path}/a-file/c: {tmp_path}/a-file "
+                                           r"is not a directory; give a directory you can write to$"):
+        preflight.check_outputs(_outputs(str(tmp_path / "a-file" / "c")), "job.yaml")
+    with pytest.raises(YarnappError, match=r"^job.yaml: tensorboard.logdir: /proc/nope/tb: cannot write under /proc"):
+        preflight.check_outputs(_outputs(logdir="/proc/nope/tb"), "job.yaml")
+    port = _closed_port()
+    far = f"webhdfs://127.0.0.1:{port}/ckpt"
+    with pytest.raises(YarnappError, match=rf"^job.yaml: checkpoint.uri: cannot reach {far}"):
+        preflight.check_outputs(_outputs(far), "job.yaml")
+    with caplog.at_level(logging.WARNING, logger="yarnapp.preflight"):      # the nodes' paths; their reach
+        preflight.check_outputs(_outputs(far, "/proc/nope/tb"), "job.yaml", on_cluster=True)
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["checkpoint.uri not checked before submitting"]

@@ -129,9 +129,11 @@ class Checkpointer:
         if self.rank == 0:
             error = _attempt(self._register)
             try:
-                found = (f"checkpoint.uri {self.uri}: cannot write to it: {error}" if error
-                         else self._source())
-                found = self._written_by_fewer(*found) or found
+                if error:
+                    found = f"checkpoint.uri {self.uri}: cannot write to it: {error}"
+                else:
+                    found = self._source()
+                    found = self._written_by_fewer(*found) or found
             except CheckpointError as e:
                 found = str(e)
         found = self.comm.bcast(found, root=0)

@@ -1,4 +1,5 @@
-"""What the client checks before anything starts: the job's datasets are there and readable.
+"""What the client checks before anything starts: the job's datasets are there and
+readable, and where it writes (checkpoints, TensorBoard) can be written.
 
 A job whose data is missing, empty, not Parquet, or lacks its image and label columns
 would start its containers only to fail in them. For a job of the built-in runner (the
@@ -7,9 +8,13 @@ training.data.formats.check, what each rank does at start) and refuses such a jo
 line naming the field. On YARN, a local path (one on the nodes' own disks) and a
 filesystem the client cannot reach (no libhdfs here, a NameNode or DataNode only the
 cluster sees) are left to the containers, which report them in one line too; an unknown
-scheme is refused on both backends.
+scheme is refused on both backends. The same holds for checkpoint.uri and
+tensorboard.logdir (`check_outputs`), which a job would otherwise find unwritable only
+at its first checkpoint, or at its end.
 """
 import logging
+import os
+import tempfile
 import urllib.parse
 
 from conf import BUILTIN_RUNNER
@@ -49,3 +54,46 @@ def check_data(job, where=None, on_cluster=False):
                         "cannot reach it either)", split, e)
         except DataError as e:
             raise YarnappError(f"{pre}training.data.{split}: {e}") from None
+
+
+def check_outputs(job, where=None, on_cluster=False):
+    """Raise YarnappError naming checkpoint.uri or tensorboard.logdir when the job could not
+    write there: a local directory that cannot be created or written (tried with a
+    temporary directory, removed at once: nothing is left), or a filesystem the client
+    cannot open or reach. On a cluster a local path is the nodes' own, and a filesystem
+    this client cannot reach is left to the containers, as for data."""
+    from training import fsutil
+    from training.data import DataError
+    from training.data.common import Unreachable, filesystem, info
+    pre = f"{where}: " if where else ""
+    for field, uri in (("checkpoint.uri", job.checkpoint.uri), ("tensorboard.logdir", job.tensorboard.logdir)):
+        if not uri or (on_cluster and fsutil.is_local(uri)):
+            continue
+        try:
+            if fsutil.is_local(uri):
+                _writable(os.path.abspath(fsutil.local_path(uri)))
+            else:
+                fs, path = filesystem(uri)
+                info(fs, path, uri)
+        except Unreachable as e:
+            if not on_cluster:
+                raise YarnappError(f"{pre}{field}: {e}") from None
+            log.warning("%s not checked before submitting: %s (the containers report it if they cannot "
+                        "reach it either)", field, e)
+        except (DataError, OSError) as e:
+            raise YarnappError(f"{pre}{field}: {e}") from None
+
+
+def _writable(path):
+    """OSError naming `path` when a directory cannot be made there: its nearest existing
+    ancestor must be a directory this process can create in (tried, then removed)."""
+    probe = path
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise OSError(f"{path}: {probe} is not a directory; give a directory you can write to")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".yarnapp-probe-", dir=probe))
+    except OSError as e:
+        raise OSError(f"{path}: cannot write under {probe} ({e.strerror}); give a directory you can "
+                      f"write to") from None

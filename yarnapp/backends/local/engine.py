@@ -98,6 +98,7 @@ def checked(job, where="job"):
     netem.check(job, where)
     job = conf.absolutize(job, os.getcwd())
     preflight.check_data(job, where)
+    preflight.check_outputs(job, where)
     check_resume(job, where)
     return shipping.plan(job, where)
 
