@@ -13,34 +13,40 @@ from training.data.order import split_rows   # noqa: F401  (its home: the data o
 from training.devices import synchronize
 
 SPEED_PROBE_ROWS = 16     # rows of the timed forward/backward passes behind shares: speed
-SPEED_PROBE_PASSES = 2    # timed passes (after one warm-up); the fastest counts
+SPEED_PROBE_PASSES = 2    # timed passes at least (after one warm-up)
+SPEED_PROBE_S = 0.3       # ... and at least this long: three CFS periods (100 ms), so that a
+                          # container's CPU quota shows (a pass shorter than its quota's share
+                          # of a period runs at the full core's speed)
 
 
-def measure_speed(model, example, passes=SPEED_PROBE_PASSES):
-    """Rows per second of forward + backward on `example` (a batch of inputs).
+def measure_speed(model, example, passes=SPEED_PROBE_PASSES, min_time=SPEED_PROBE_S):
+    """Rows per second of forward + backward on `example` (a batch of inputs): the rows of
+    every timed pass over their whole time, `passes` at least and `min_time` seconds at least.
 
     On the device `example` is on (a GPU rank's is timed with its queue drained), so
-    shares: speed weighs a GPU rank against CPU ranks on real rows. Leaves the model as it found it: parameters, gradients, buffers (BatchNorm
-    statistics) and the torch random state are restored afterwards.
+    shares: speed weighs a GPU rank against CPU ranks on real rows. Leaves the model as it
+    found it: parameters, gradients, buffers (BatchNorm statistics) and the torch random
+    state are restored afterwards.
     """
     buffers = [b.detach().clone() for b in model.buffers()]
     grads = [p.grad for p in model.parameters()]
     rng = torch.get_rng_state()
     was_training = model.training
     model.train()
-    best = float("inf")
+    def once():
+        model(example).float().sum().backward()
+        for p in model.parameters():
+            p.grad = None
+
     try:
-        for i in range(passes + 1):
-            synchronize(example.device)             # a GPU's queued work is not this pass's
-            t = time.perf_counter()
-            out = model(example)
-            out.float().sum().backward()
+        once()                                      # warm-up: allocator, kernel selection
+        synchronize(example.device)                 # a GPU's queued work is not the probe's
+        reps, t0 = 0, time.perf_counter()
+        while reps < passes or time.perf_counter() - t0 < min_time:
+            once()
+            reps += 1
             synchronize(example.device)
-            dt = time.perf_counter() - t
-            if i:                                   # the first pass warms up
-                best = min(best, dt)
-            for p in model.parameters():
-                p.grad = None
+        elapsed = time.perf_counter() - t0
     finally:
         with torch.no_grad():
             for b, saved in zip(model.buffers(), buffers):
@@ -49,7 +55,7 @@ def measure_speed(model, example, passes=SPEED_PROBE_PASSES):
             p.grad = g
         torch.set_rng_state(rng)
         model.train(was_training)
-    return len(example) / best
+    return len(example) * reps / elapsed
 
 
 def costly_ranks(speeds, batch, ring_s):
