@@ -270,13 +270,15 @@ def test_a_script_shipped_with_its_directory_runs_in_it_and_opens_files_beside_i
     ran in the container's working directory, one level up: FileNotFoundError: 'data.txt'."""
     job = _script_job(tmp_path, "train", "import os\nfrom training import context\n"
                                          "with open('data.txt') as f:\n    n = int(f.read())\n"
-                                         "context.current().final(n=n + 1, beside=os.path.isfile('train.py'))\n",
+                                         "import numpy, torch\n"      # numbers a loop has at hand (they crashed it)
+                                         "context.current().final(n=numpy.int64(n + 1), beside=os.path.isfile('train.py'),"
+                                         " loss=torch.tensor(0.5), acc=numpy.float32(0.75))\n",
                       groups=GROUPS[:1], files={"data.txt": "41\n"})
     proc = subprocess.run([sys.executable, "-m", "yarnapp.cli", "submit", str(job), "--wait"], cwd=tmp_path / "code",
                           capture_output=True, text=True, timeout=300, env=dict(os.environ))   # from its directory
     assert proc.returncode == 0, proc.stdout + proc.stderr
     app = app_id_from(proc.stdout)
-    assert yarnapp.status(app)["final"] == {"n": 42, "beside": True}
+    assert yarnapp.status(app)["final"] == {"n": 42, "beside": True, "loss": 0.5, "acc": 0.75}
     assert_nothing_left(app)
 
 

@@ -121,13 +121,25 @@ class RunContext:
         if self.publish:
             from launcher import keys  # keys is plain data: no launcher state is touched
             self.publish(keys.progress(self.rank), json.dumps(
-                {"rank": self.rank, "time": time.time(), "generation": self.generation, **metrics}))
+                {"rank": self.rank, "time": time.time(), "generation": self.generation, **metrics}, default=plain))
 
     def final(self, **metrics):
         """Rank 0's final metrics: printed by `submit --wait` as `final: k=v ...`."""
         if self.publish and self.rank == 0:
             from launcher import keys
-            self.publish(keys.FINAL, json.dumps(metrics))
+            self.publish(keys.FINAL, json.dumps(metrics, default=plain))
+
+
+def plain(value):
+    """A metric JSON can hold: a numpy or torch number (np.float32, a 0-d tensor: what a loop
+    has at hand) as a Python one, an array as a list, anything else as its text. A metric
+    never stops training (before, np.float32(0.9) crashed the rank, and its restarts)."""
+    for convert in ("item", "tolist"):
+        try:
+            return getattr(value, convert)()
+        except (AttributeError, TypeError, ValueError, RuntimeError):
+            continue
+    return str(value)
 
 
 _current: Optional[RunContext] = None
@@ -136,7 +148,7 @@ _current: Optional[RunContext] = None
 def current():
     """The RunContext of this process (for `run.script` jobs)."""
     if _current is None:
-        raise RuntimeError("no yarnapp RunContext: this code runs inside a yarnapp container")
+        raise RuntimeError("no yarnapp RunContext: this code must run inside a yarnapp container (yarnapp submit)")
     return _current
 
 
