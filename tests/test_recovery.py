@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import yarnapp
 from launcher import keys
@@ -63,6 +64,9 @@ def test_sigkill_one_of_three_ranks_resumes_bit_identically(strategy, victim, re
     resumed = st["final"]["resumed_from"]
     assert kill_at - 10 <= resumed <= kill_at + 1, (kill_at, resumed)   # at most one interval recomputed
     assert _equal(final_weights(job), reference[strategy])
+    tb = EventAccumulator(os.path.join(job["tensorboard"]["logdir"], run.app_id), size_guidance={"scalars": 0})
+    tb.Reload()       # one point a step: the resumed step's was purged too (purge_step was resumed, not + 1)
+    assert [e.step for e in tb.Scalars("train/loss")] == list(range(1, 41))
     if strategy == "allreduce":     # the model and optimizer, the same on every rank, are written once
         last = os.path.join(job["checkpoint"]["uri"], run.app_id, f"step-{st['final']['steps'] - 10:08d}")
         parts = [torch.load(os.path.join(last, f"rank-{r:05d}.pt"), weights_only=False)["strategy"] for r in range(3)]

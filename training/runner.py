@@ -80,7 +80,9 @@ class Runner:
         self.groups = [r.group for r in ctx.ranks]
         self.tb = None
         if ctx.rank == 0:
-            self.tb = TBLogger(ctx.logdir, ctx.app_id, purge_step=self.start_step or None,
+            # What an earlier generation logged after the step resumed from is gone from the
+            # curves (TensorBoard drops steps >= purge_step); the resumed step's own stays.
+            self.tb = TBLogger(ctx.logdir, ctx.app_id, purge_step=self.start_step + 1 if self.start_step else None,
                                sync_every=ctx.job.tensorboard.sync_every, hparams=self._hparams())
         self.last_ckpt_time = time.monotonic()
         self.cgroup = memory.own_cgroup()
