@@ -157,3 +157,31 @@ def test_a_script_runs_in_a_private_copy_of_a_directory_yarn_shares_read_only(tm
     owned.mkdir()
     assert private_copy(str(owned), str(work)) == str(owned)
     os.chmod(cache, 0o700)
+
+
+def test_a_function_that_cannot_be_shipped_is_one_line_naming_it(yarnapp_home, monkeypatch):
+    """What a notebook function captures goes with it. A lock gave a bare TypeError; a large
+    captured array said `run.files: /tmp/yarnapp-fn-.../function.pkl holds 250 MiB`, naming a
+    field never set and a file the user never saw. Nothing is started either way."""
+    import threading
+
+    import yarnapp
+    lock = threading.Lock()
+    big = bytes(3 * 2**20)
+    monkeypatch.setattr(shipping, "LIMIT_BYTES", 2 * 2**20)       # 3 MiB over a 2 MiB limit, not 200 MiB
+
+    def locked(ctx):
+        with lock:
+            pass
+
+    def captures(ctx):
+        return len(big)
+    job = {"name": "t", "groups": [{"name": "a", "instances": 1, "vcores": 1, "memory": "256 MiB"}]}
+    with pytest.raises(YarnappError, match=r"^function: test_a_function_that_cannot_be_shipped_is_one_line_naming_it"
+                                           r"\.<locals>\.locked cannot be pickled to ship it \(TypeError: cannot "
+                                           r"pickle '_thread\.lock' object\): what it captures"):
+        yarnapp.submit(job, function=locked)
+    with pytest.raises(YarnappError, match=r"\.captures pickles to 3 MiB with what it captures \(its closure and the "
+                                           r"globals it uses\), more than the 2 MiB"):
+        yarnapp.submit(job, function=captures)
+    assert not os.path.isdir(os.path.join(yarnapp_home, "apps")) or os.listdir(os.path.join(yarnapp_home, "apps")) == []

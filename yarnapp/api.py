@@ -50,12 +50,31 @@ def submit(job, backend=None, wait=False, progress=True, function=None, **overri
         raise YarnappError(str(e)) from None
     with tempfile.TemporaryDirectory(prefix="yarnapp-fn-") as tmp:
         path = os.path.join(tmp, "function.pkl")
-        with open(path, "wb") as f:
-            cloudpickle.dump(function, f)
+        _pickle(cloudpickle, function, path)
         user_run = raw.get("run") if isinstance(raw.get("run"), dict) else {}
         raw["run"] = {**user_run, "function": None, "script": None, "pickle": path}
         run = start(load(raw, backend=backend, **overrides), where=where)   # ships it before tmp goes
     return _started(run, wait, progress)
+
+
+def _pickle(cloudpickle, function, path):
+    """Pickle `function` to `path`, or say in one line why it cannot be shipped: what it
+    captures (its closure, the globals it uses) goes with it."""
+    from .shipping import LIMIT_BYTES
+    name = getattr(function, "__qualname__", None) or type(function).__name__
+    try:
+        with open(path, "wb") as f:
+            cloudpickle.dump(function, f)
+    except Exception as e:  # noqa: BLE001 - pickle raises TypeError, PicklingError, AttributeError...
+        raise YarnappError(f"function: {name} cannot be pickled to ship it ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''}): what it captures, its closure and the "
+                           f"globals it uses, goes with it; create such objects (locks, open files, "
+                           f"connections) inside the function") from None
+    size = os.path.getsize(path)
+    if size > LIMIT_BYTES:
+        raise YarnappError(f"function: {name} pickles to {size / 2**20:.0f} MiB with what it captures (its closure "
+                           f"and the globals it uses), more than the {LIMIT_BYTES // 2**20} MiB of code yarnapp "
+                           f"ships; load large data inside the function (from a URI) instead of capturing it")
 
 
 def _started(run, wait, progress):
