@@ -259,10 +259,20 @@ def _shares(value):
     return value
 
 
+BUILTIN_MODELS = ("digits_cnn", "seed_cnn", "resnet", "mlp")   # training.models.MODELS' names
+
+
+def _model_name(value):
+    if value in BUILTIN_MODELS or ":" in value:
+        return value
+    raise ValueError(f"{value!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) nor a "
+                     f"'package.module:factory'")
+
+
 class Training(Model):
     """The built-in runner's configuration (run.function = training.runner:main)."""
     strategy: StrategyConfig
-    model: str
+    model: Annotated[str, AfterValidator(_model_name)]
     model_options: Dict[str, Any]
     data: Data
     batch_size: Annotated[int, Field(ge=1)]

@@ -66,6 +66,9 @@ CASES = [
     ("split-count", dict(_with("run.function", "training.runner:main"),
                          training={"strategy": {"name": "conv_model_parallel", "split": [2, 1]},
                                    "data": {"train": "/x"}}), "training.strategy.split", "2 weights given for 1"),
+    ("model-typo", dict(_with("run.function", "training.runner:main"),      # before: failed in the containers
+                        training={"model": "digits_cnnn", "data": {"train": "/x"}}), "training.model",
+     "'digits_cnnn' is neither a built-in model (digits_cnn, seed_cnn, resnet, mlp) nor a 'package.module:factory'"),
     ("zero-batch", dict(_with("run.function", "training.runner:main"),
                         training={"batch_size": 0, "data": {"train": "/x"}}), "training.batch_size", "1"),
     ("shares-count", dict(_with("run.function", "training.runner:main"),

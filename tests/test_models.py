@@ -40,6 +40,13 @@ def test_output_shapes(name, shape, options):
     assert all(p.grad is not None for p in model.parameters())
 
 
+def test_the_job_schema_knows_every_built_in_model():
+    """conf checks training.model before anything starts, without importing torch."""
+    import conf.schema
+    from training.models import MODELS
+    assert conf.schema.BUILTIN_MODELS == tuple(MODELS)
+
+
 def test_seed_cnn_defaults_are_the_papers_widths():
     model = build_model("seed_cnn", (3, 32, 32), 10)
     (n1, c1), (n2, c2) = conv_layers(model)
