@@ -249,3 +249,33 @@ def test_flags_merge_into_their_section_and_a_bad_value_names_the_file(tmp_path,
         assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
         assert proc.stderr.startswith(f"Error: {path}: {field}: "), proc.stderr
     assert apps(yarnapp_home) == []
+
+
+def test_what_a_new_user_got_wrong_is_one_line_that_says_what_to_do(tmp_path, cli, yarnapp_home):
+    """From a new user's pass: each case below gave a misleading line (numpy's 'load it
+    unsafely', PIL's buffer address, 'import with overwrite', 'remove' /etc/passwd), a
+    TensorBoard launched only to fail on the port, or a silently ignored --wait."""
+    (tmp_path / "g.npz").write_text("garbage\n")
+    (tmp_path / "imgs" / "cat").mkdir(parents=True)
+    (tmp_path / "imgs" / "cat" / "a.jpg").write_text("not an image\n")
+    (tmp_path / "dd" / "train").mkdir(parents=True)
+    job = tmp_path / "passwd.yaml"
+    job.write_text(yaml.safe_dump(dict(_with("run.function", "training.runner:main"),
+                                       training={"data": {"train": "/etc/passwd"}})))
+    cases = [(["data", "import", "arrays", tmp_path / "ds", "--path", tmp_path / "g.npz"],
+              "cannot read the .npz (not an .npz of plain arrays); save it with np.savez(path, x=images, y=labels)"),
+             (["data", "import", "image-folder", tmp_path / "ds", "--path", tmp_path / "imgs"],
+              "a.jpg: not a readable image (cannot identify image file); remove or replace it"),
+             (["data", "import", "digits", tmp_path / "dd"],
+              f"{tmp_path / 'dd' / 'train'} already exists; delete it, or import again with --overwrite"),
+             (["submit", job], "/etc/passwd: not a readable Parquet file (Parquet magic bytes not found in footer. "
+                               "Either the file is corrupted or this is not a parquet file.); give a dataset's "
+                               "directory or Parquet file (import one with `yarnapp data import KIND URI`)"),
+             (["submit", job, "--dry-run", "--wait"], "--wait: a --dry-run starts nothing to wait for"),
+             (["tensorboard", "app_x", "--port", "99999"], "--port 99999: give a port from 1 to 65535")]
+    for args, words in cases:
+        proc = cli(*args, timeout=120)
+        assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and words in proc.stderr, (args, proc.stderr)
+    assert sorted(os.listdir(tmp_path)) == ["dd", "g.npz", "imgs", "passwd.yaml", "yarnapp-home"]
+    assert apps(yarnapp_home) == []
+    assert os.listdir(tmp_path / "dd") == ["train"]

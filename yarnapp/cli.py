@@ -25,6 +25,8 @@ def cmd_submit(args):
                     checkpoint=None if args.resume is None else {"resume": args.resume},
                     network=None if args.nodes is None else {"nodes": args.nodes})
     if args.dry_run:
+        if args.wait:
+            raise YarnappError("--wait: a --dry-run starts nothing to wait for; give one of them")
         _p(api.dry_run(spec, where=args.job), end="")
         return 0
     _interrupt_on_sigterm()         # `kill` or `timeout` stops a submit as Ctrl-C does
@@ -143,6 +145,8 @@ def _interrupt_on_sigterm():
 
 
 def cmd_tensorboard(args):
+    if not 0 <= args.port <= 65535:
+        raise YarnappError(f"--port {args.port}: give a port from 1 to 65535, or 0 for a free one")
     from . import tensorboard
     _interrupt_on_sigterm()
     if "/" in args.app and "://" not in args.app and not os.path.isdir(args.app):

@@ -119,7 +119,9 @@ def list_files(uri, fs, path):
     return files
 
 
-def _footer(fs, path, name):
+def _footer(fs, path, name, single=False):
+    """A Parquet file's footer (`single`: the file is the dataset's URI itself, not a shard
+    of its directory)."""
     try:
         with fs.open_input_file(path) as f:
             return pq.ParquetFile(f).metadata
@@ -127,8 +129,9 @@ def _footer(fs, path, name):
         if not _corrupt(e):              # not readable from here: permissions, a DataNode out of reach
             raise Unreachable(f"{name}: cannot read it from here ({one_line(e)}); check its permissions and "
                               f"that its filesystem is reachable") from None
-        raise DataError(f"{name}: not a readable Parquet file ({one_line(e)}); re-import the dataset "
-                        f"or remove the file") from None
+        raise DataError(f"{name}: not a readable Parquet file ({one_line(e)}); "
+                        + (f"give a dataset's directory or Parquet file ({IMPORT_HINT})" if single else
+                           "re-import the dataset or remove the file")) from None
 
 
 def _corrupt(exc):
@@ -276,7 +279,8 @@ def _read_footers(uri, columns, shape):
     paths = list_files(uri, fs, path)
     names = [uri if p == path else join(uri, posixpath.basename(p)) for p in paths]
     with concurrent.futures.ThreadPoolExecutor(min(8, len(paths))) as pool:
-        footers = list(pool.map(lambda i: _footer(fs, paths[i], names[i]), range(len(paths))))
+        footers = list(pool.map(lambda i: _footer(fs, paths[i], names[i], single=paths[i] == path),
+                                range(len(paths))))
     if not any(md.num_rows for md in footers):
         raise DataError(f"{uri}: the dataset has no rows; {IMPORT_HINT}")
     first = footers[0].schema.to_arrow_schema()

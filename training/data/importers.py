@@ -8,6 +8,7 @@ Pillow and simplejpeg are imported inside the importers that need them.
 import io
 import logging
 import os
+import re
 
 import numpy as np
 
@@ -202,7 +203,8 @@ def import_image_folder(uri, folder, shards=2, overwrite=False):
                     mode = im.mode
                     im.verify()
             except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
-                raise DataError(f"{path}: not a readable image ({one_line(e)}); remove or replace it") from None
+                why = re.sub(r" <_io\.BytesIO object at 0x[0-9a-f]+>", "", one_line(e))    # PIL names its buffer
+                raise DataError(f"{path}: not a readable image ({why}); remove or replace it") from None
             grey = grey and mode in ("1", "L", "LA", "I", "I;16", "F")
             blobs.append(blob)
             labels.append(label)
@@ -258,7 +260,8 @@ def _load_npz(path):
     except (OSError, ValueError) as e:
         if isinstance(e, DataError):
             raise
-        raise DataError(f"{path}: cannot read the .npz ({one_line(e)}); save it with "
+        why = ("not an .npz of plain arrays" if "allow_pickle" in str(e) else one_line(e))   # numpy's: load unsafely
+        raise DataError(f"{path}: cannot read the .npz ({why}); save it with "
                         f"np.savez(path, x=images, y=labels)") from None
 
 

@@ -68,7 +68,7 @@ def channel_stats(images):
 def check_absent(uri, overwrite):
     fs, path = filesystem(uri)
     if not overwrite and exists(fs, path, uri):
-        raise DataError(f"{uri} already exists; delete it or import with overwrite")
+        raise DataError(f"{uri} already exists; delete it, or import again with --overwrite")
 
 
 def check_splits_parent(uri, what):
@@ -150,7 +150,7 @@ def _write(uri, n, shards, overwrite, meta, rows_per_group, table_of):
     parent, name = posixpath.split(path)
     there = exists(fs, path, uri)
     if there and not overwrite:
-        raise DataError(f"{uri} already exists; delete it or import with overwrite")
+        raise DataError(f"{uri} already exists; delete it, or import again with --overwrite")
     shards = max(1, min(int(shards), n))
     bounds = np.linspace(0, n, shards + 1).round().astype(int)
     tmp = posixpath.join(parent, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
