@@ -87,7 +87,11 @@ def run_code(job, ctx, fn):
     from training import context as context_mod
     context_mod._set_current(ctx)
     if fn is not None:
-        return fn(ctx)
+        result = fn(ctx)
+        if result is not None and not ctx.finished:    # a notebook function's result, as Hopsworks keeps it
+            ctx.final(**(result if isinstance(result, dict) and all(isinstance(k, str) for k in result)
+                         else {"result": result}))
+        return result
     path = script_path(job, ctx.workdir)
     here = os.path.dirname(os.path.abspath(path))
     sys.argv = [path] + list(job.run.args)
@@ -269,6 +273,9 @@ def main(argv=None):
     ctx.heartbeat("setup")
     if job.run.function != BUILTIN_RUNNER:
         Liveness(ctx).start()
+        if ident.rank == 0:         # own code's TensorBoard: what it reports (the runner logs its own)
+            from training.tensorboard import ReportLog
+            ctx.tensorboard = ReportLog(ident.logdir, ident.app_id, job.tensorboard.sync_every)
     try:
         run_code(job, ctx, fn)
     except SystemExit as e:
@@ -280,6 +287,8 @@ def main(argv=None):
     except BaseException as e:  # noqa: BLE001 - the user's error: its line, then its traceback
         print_user_traceback(e)
         fail(store, gen, ident.rank, f"{type(e).__name__}: {e}".splitlines()[0], ctx.phase)
+    if ctx.tensorboard is not None:
+        ctx.tensorboard.close()
     if close_user_process_group():
         meet_at_the_end(store, gen, ident.rank, ident.world_size)
     else:

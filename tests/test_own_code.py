@@ -312,3 +312,32 @@ def test_reports_without_a_step_show_in_submit_wait(cli, tmp_path):
     proc = cli("submit", job, "--wait")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "rank 0: epoch=1 loss=0.5 restarts=0" in proc.stderr, proc.stderr
+
+
+def test_a_functions_reports_are_tensorboard_scalars_and_its_return_value_its_result(tmp_path, yarnapp_home):
+    """Own code had no TensorBoard at all (only the built-in runner wrote events, while
+    `Run.tensorboard()` served an empty folder), and a notebook function's return value was
+    dropped. Rank 0's reported numbers (numpy's too) are now report/<name> at their step, and
+    its return value, with no ctx.final, is the run's final."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def train(ctx):
+        import numpy as np
+
+        import training.dist as yd
+        yd.init()
+        for step in range(1, 6):
+            yd.report(step=step, loss=np.float32(1.0 / step), note="not a number", rank_seen=ctx.rank)
+        return {"acc": 0.75, "steps": 5}
+    logdir = tmp_path / "tb"
+    run = yarnapp.submit({"name": "fn-tb", "groups": GROUPS[:2], "max_restarts": 0,
+                          "tensorboard": {"logdir": str(logdir)}}, function=train, wait=True, progress=False)
+    assert run.final == {"acc": 0.75, "steps": 5}
+    tb = EventAccumulator(str(logdir / run.app_id), size_guidance={"scalars": 0})
+    tb.Reload()
+    assert sorted(tb.Tags()["scalars"]) == ["final/acc", "final/steps", "report/loss", "report/rank_seen"]
+    assert [(e.step, round(e.value, 4)) for e in tb.Scalars("report/loss")] == [(1, 1.0), (2, 0.5), (3, 0.3333),
+                                                                                (4, 0.25), (5, 0.2)]
+    assert {e.value for e in tb.Scalars("report/rank_seen")} == {0.0}          # rank 0's
+    assert [e.step for e in tb.Scalars("final/acc")] == [5]
+    assert_nothing_left(run.app_id)

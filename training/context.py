@@ -59,6 +59,8 @@ class RunContext:
     master_addr: str = "127.0.0.1"
     master_port: Optional[int] = None
     checkpoint_siblings: Optional[str] = None    # checkpoint.uri unset: where other applications' directories are
+    tensorboard: Any = None      # own code's rank 0: a training.tensorboard.ReportLog of report()/final()
+    finished: bool = False       # final() was called
 
     @classmethod
     def offline(cls, comm, job, app_id="offline", workdir="/tmp"):
@@ -116,18 +118,25 @@ class RunContext:
                 f.write(f"{phase} {time.time()}")
 
     def report(self, **metrics):
-        """Publish this rank's progress (shown by `yarnapp status`/`submit --wait`)."""
+        """Publish this rank's progress (shown by `yarnapp status`/`submit --wait`); rank 0's
+        numbers are TensorBoard scalars too (report/<name>, at `step`) when the code is the
+        user's own (the built-in runner logs its own)."""
         self.heartbeat()
         if self.publish:
             from launcher import keys  # keys is plain data: no launcher state is touched
             self.publish(keys.progress(self.rank), json.dumps(
                 {"rank": self.rank, "time": time.time(), "generation": self.generation, **metrics}, default=plain))
+        if self.tensorboard is not None:
+            self.tensorboard.report(metrics)
 
     def final(self, **metrics):
         """Rank 0's final metrics: printed by `submit --wait` as `final: k=v ...`."""
+        self.finished = True
         if self.publish and self.rank == 0:
             from launcher import keys
             self.publish(keys.FINAL, json.dumps(metrics, default=plain))
+        if self.tensorboard is not None:
+            self.tensorboard.report(metrics, prefix="final/")
 
 
 def plain(value):

@@ -4,7 +4,8 @@ Rank 0 writes; the run appears as `<logdir>/<app_id>` so runs of one experiment
 sit side by side. After a restart the writer purges events past the resumed step,
 so curves continue without duplicated steps. A logdir that is not local (hdfs://,
 s3://...) is written to a local cache and copied up every `sync_every` seconds and
-at the end.
+at the end. Own code (a script, a function, a loop on training.dist) gets a `ReportLog`
+instead: the numbers rank 0 reports.
 """
 import logging
 import os
@@ -65,3 +66,36 @@ class TBLogger:
         if self.remote:
             self._stop.set()
             self._sync()
+
+
+class ReportLog:
+    """Own code's TensorBoard: the numbers rank 0 passes to ctx.report(...) (and final(...)),
+    as scalars report/<name> at their `step` (else the count of reports so far), in the
+    run `<logdir>/<app_id>` the built-in runner writes. The writer opens at the first number."""
+
+    def __init__(self, logdir, run_name, sync_every=5.0):
+        self.logdir, self.run_name, self.sync_every = logdir, run_name, sync_every
+        self.tb, self.count, self.step = None, 0, 0
+
+    def report(self, metrics, prefix="report/"):
+        from .context import plain
+        self.count += 1
+        values = {}
+        for k, v in metrics.items():
+            v = v if isinstance(v, (int, float, str)) else plain(v)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                values[k] = v
+        step = values.pop("step", None)
+        self.step = int(step) if step is not None else (self.step if prefix == "final/" else self.count)
+        if not values:
+            return
+        try:
+            if self.tb is None:
+                self.tb = TBLogger(self.logdir, self.run_name, sync_every=self.sync_every)
+            self.tb.scalars(self.step, values, prefix=prefix)
+        except Exception as e:  # noqa: BLE001 - a metric never stops training (e.g. a full disk)
+            log.warning("TensorBoard: could not log %s at step %d: %s", sorted(values), self.step, e)
+
+    def close(self):
+        if self.tb is not None:
+            self.tb.close()
