@@ -265,14 +265,14 @@ BUILTIN_MODELS = ("digits_cnn", "seed_cnn", "resnet", "mlp")   # training.models
 def _model_name(value):
     if value in BUILTIN_MODELS or ":" in value:
         return value
-    raise ValueError(f"{value!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) nor a "
-                     f"'package.module:factory'")
+    raise ValueError(f"training.model: {value!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) "
+                     f"nor a 'package.module:factory'")
 
 
 class Training(Model):
     """The built-in runner's configuration (run.function = training.runner:main)."""
     strategy: StrategyConfig
-    model: Annotated[str, AfterValidator(_model_name)]
+    model: str
     model_options: Dict[str, Any]
     data: Data
     batch_size: Annotated[int, Field(ge=1)]
@@ -374,6 +374,8 @@ class JobSpec(Model):
                                  f"tensorboard.service is true; rename the group")
         if self.run.function == BUILTIN_RUNNER and self.training is None:
             raise ValueError("training: required when run.function is the built-in training.runner:main")
+        if self.run.function == BUILTIN_RUNNER:       # own code may name its models as it likes
+            _model_name(self.training.model)
         if self.training and isinstance(self.training.shares, list) and len(self.training.shares) != self.world_size:
             raise ValueError(f"training.shares: {len(self.training.shares)} shares given for "
                              f"{self.world_size} ranks")

@@ -241,8 +241,9 @@ class Agent:
     def not_formed(self, gen, seen):
         """The world did not form within launcher.rendezvous_timeout: who is missing (rank 0
         when its port is not out, else the ranks that did not join). A container the resource
-        manager runs whose agent never beat is named too, and replaced (launcher.beats.unheard),
-        so that the next generation does not wait for it again."""
+        manager has run for a while (launcher.beats.unheard) whose agent never beat is named too,
+        and replaced (launcher.beats.unheard), so that the next generation does not wait for it
+        again; one that is merely late (allocated late, still localizing) is waited for."""
         lj = self.job.launcher
         missing = [m["container"] for m in self.members if (keys.joined(gen, m["rank"]) if m["rank"]
                                                                else keys.port(gen)) not in seen]
@@ -251,7 +252,7 @@ class Agent:
         nodes = network.members_from(self.store)
         missing = [f"{c} on {nodes[c]['node']} ({nodes[c]['addr']})" if c in nodes else c for c in missing]
         try:
-            unheard = beats.unheard(self.store, self.members, seen)
+            unheard = beats.unheard(self.store, self.members, seen, lj.heartbeat_timeout, lj.rendezvous_timeout)
         except Exception as e:
             log.warning("could not ask the resource manager which containers run: %s", e)
             unheard = []
@@ -338,7 +339,7 @@ class Agent:
                 err = self.rank_error(gen, rank) or Failure(reason="")
                 line = f": {err.error}" if err.error else ""
                 return Outcome.OWN, Failure(kind=kind.value, container=me, rank=rank, exit_code=rc,
-                                            error=err.error, phase=err.phase,
+                                            error=err.error, phase=err.phase, input_error=err.input_error,
                                             reason=f"rank {rank} ({me}) {what}{line}" + self.network_note())
             seen = self.observe(gen)
             if keys.FAILED in seen:
@@ -472,7 +473,7 @@ class Agent:
             own = found.rank == self.ident.rank and not found.observed_by
             # The log is this container's: only for a failure of its own (not one it observed).
             found = found.stamped(generation=gen, log=self.log_path if own else "",
-                                  log_tail=log_tail(self.log_path) if own else "")
+                                  log_tail=log_tail(self.log_path) if own and not found.input_error else "")
             if self.store.put_if_absent(keys.abort(gen), found.dumps()):
                 log.error("generation %d aborted: %s", gen, found.reason)
         cause = Failure.load(self.store.get(keys.abort(gen))) or Failure(reason="")

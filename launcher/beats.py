@@ -92,14 +92,23 @@ class Watch:
         return self.silent(now, self.limit)
 
 
-def unheard(store, members, seen):
-    """The containers the resource manager runs for members without a beat in `seen` (an
-    agent's snapshot of the store): their agents never beat, frozen or stuck as they started,
-    so no peer has a beat to watch. [(engine_id, group)]; none on the local engine, whose
-    master replaces those itself (launcher.store.Store.unheard)."""
+def unheard(store, members, seen, heartbeat_timeout, rendezvous_timeout):
+    """The containers the resource manager has run for longer than the frozen limit (see
+    limit_for) and half the rendezvous timeout (skein reports a container running while its
+    node may still localize its files), for members without a beat in `seen` (an agent's
+    snapshot of the store):
+    their agents never beat, frozen or stuck as they started, so no peer has a beat to
+    watch. [(engine_id, group)]; none on the local engine, whose master replaces those
+    itself (launcher.store.Store.unheard). The beats are read again before the answer: an
+    agent that beat meanwhile is heard."""
     quiet = sorted({m["group"] for m in members
                     if keys.beat(m["container"]) not in seen and keys.done(m["container"]) not in seen})
     if not quiet:
         return []
-    heard = {json.loads(v)["engine_id"] for k, v in seen.items() if k.startswith(keys.BEAT_PREFIX)}
-    return store.unheard(quiet, heard)
+    found = store.unheard(quiet, _engine_ids(seen), max(limit_for(heartbeat_timeout), rendezvous_timeout / 2))
+    heard = _engine_ids(store.get_prefix(keys.BEAT_PREFIX)) if found else set()
+    return [(e, g) for e, g in found if e not in heard]
+
+
+def _engine_ids(beats):
+    return {json.loads(v)["engine_id"] for k, v in beats.items() if k.startswith(keys.BEAT_PREFIX)}

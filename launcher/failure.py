@@ -43,6 +43,8 @@ class Failure:
     time: Optional[float] = None
     log: str = ""
     log_tail: str = ""
+    input_error: Optional[bool] = None       # the rank's line is the whole story (a job's mistake it
+                                             # found: a YarnappError), so `submit --wait` shows no log tail
     attempts: Optional[int] = None           # on FAILED: how many generations ran
     retried: Optional[bool] = None           # on FAILED: False when not retried (deterministic)
     aborted_generation: Optional[int] = None  # on a restart record: the generation that ended

@@ -89,8 +89,7 @@ def run_code(job, ctx, fn):
     if fn is not None:
         result = fn(ctx)
         if result is not None and not ctx.finished:    # a notebook function's result, as Hopsworks keeps it
-            ctx.final(**(result if isinstance(result, dict) and all(isinstance(k, str) for k in result)
-                         else {"result": result}))
+            keep_result(ctx, result)
         return result
     path = script_path(job, ctx.workdir)
     here = os.path.dirname(os.path.abspath(path))
@@ -99,6 +98,34 @@ def run_code(job, ctx, fn):
     if job.run.files is None:                   # its directory was shipped for it (yarnapp.shipping):
         os.chdir(private_copy(here, ctx.workdir))   # run in the copy, as `python script.py` there
     runpy.run_path(path, run_name="__main__")
+
+
+def keep_result(ctx, result):
+    """Rank 0's return value as its final, when it called no ctx.final: a dict's scalar
+    values (numbers, booleans, short text; numpy and torch numbers too), or a scalar as
+    {"result": value}. Anything larger (a state_dict, an array) is left out with a warning:
+    the final is a few numbers in the store, not a channel for tensors."""
+    from training.context import plain
+
+    def scalar(v):
+        v = v if isinstance(v, (bool, int, float, str)) else plain(v)
+        return isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= 200), v
+    items = result.items() if isinstance(result, dict) else [("result", result)]
+    kept, left = {}, []
+    for k, v in items:
+        ok, v = scalar(v) if isinstance(k, str) else (False, v)
+        if ok:
+            kept[k] = v
+        else:
+            left.append(str(k))
+    if left and ctx.rank == 0:
+        log.warning("the function's return value: %s not kept (only numbers and short text are; pass "
+                    "what you need to ctx.final, or save it under ctx.checkpoint_uri)", ", ".join(left[:5]))
+    if kept:
+        try:
+            ctx.final(**kept)
+        except Exception as e:  # noqa: BLE001 - the code is done; its result is a courtesy
+            log.warning("the function's return value was not kept: %s", e)
 
 
 def private_copy(here, workdir):
@@ -177,18 +204,20 @@ def print_user_traceback(exc):
     traceback.print_exception(type(exc), exc, tb or exc.__traceback__)
 
 
-def record_error(store, gen, rank, line, phase):
-    """Write this rank's one-line error for the agents (first write wins)."""
+def record_error(store, gen, rank, line, phase, input_error=None):
+    """Write this rank's one-line error for the agents (first write wins); input_error: the
+    line is the whole story (see launcher.failure.Failure)."""
     try:
         line = line[:500]
         store.put_if_absent(keys.error(gen, rank), Failure(reason=line, error=line, phase=phase, rank=rank,
-                                                           generation=gen).stamped().dumps())
+                                                           generation=gen, input_error=input_error
+                                                           ).stamped().dumps())
     except Exception:  # noqa: BLE001 - reporting must never hide the failure itself
         log.exception("could not record the error in the store")
 
 
-def fail(store, gen, rank, line, phase, code=exitcodes.RANK_FAILED):
-    record_error(store, gen, rank, line, phase)
+def fail(store, gen, rank, line, phase, code=exitcodes.RANK_FAILED, input_error=None):
+    record_error(store, gen, rank, line, phase, input_error)
     log.error("%s", line)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -244,7 +273,7 @@ def main(argv=None):
         fn = entry_point(job, workdir)
     except UserCodeError as e:
         traceback.print_exception(e.__cause__ or e)
-        fail(store, gen, ident.rank, str(e), "setup")
+        fail(store, gen, ident.rank, str(e), "setup", input_error=e.__cause__ is None or None)
 
     net = network.configure()   # MPI over this container's own address (emulated nodes); else no-op
     comm, took = world.join(store, gen, ident.rank, ident.world_size, ident.secret,
@@ -283,7 +312,7 @@ def main(argv=None):
             line = e.code if isinstance(e.code, str) else (stderr.last or f"exited with status {e.code}")
             fail(store, gen, ident.rank, line, ctx.phase, e.code if isinstance(e.code, int) else exitcodes.RANK_FAILED)
     except YarnappError as e:       # bad input (data, model...): its one line is the whole story
-        fail(store, gen, ident.rank, str(e), ctx.phase)
+        fail(store, gen, ident.rank, str(e), ctx.phase, input_error=True)
     except BaseException as e:  # noqa: BLE001 - the user's error: its line, then its traceback
         print_user_traceback(e)
         fail(store, gen, ident.rank, f"{type(e).__name__}: {e}".splitlines()[0], ctx.phase)

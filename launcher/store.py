@@ -49,11 +49,11 @@ class Store(abc.ABC):
         engine can read). The local engine's master watches those keys and replaces it
         itself: nothing to do here."""
 
-    def unheard(self, groups, heard):
-        """The containers of `groups` the resource manager runs whose engine ids are not in
-        `heard` (their agents never beat: frozen or stuck as they started): [(engine_id,
-        group)]. The local engine's master starts every container and replaces those itself
-        (ApplicationMaster.never_beaten): none here."""
+    def unheard(self, groups, heard, older_than):
+        """The containers of `groups` the resource manager has run for more than `older_than`
+        seconds whose engine ids are not in `heard` (their agents never beat: frozen or stuck
+        as they started): [(engine_id, group)]. The local engine's master starts every
+        container and replaces those itself (ApplicationMaster.never_beaten): none here."""
         return []
 
     def wait(self, key, timeout=None, interval=0.01, cancel=None):
@@ -228,9 +228,12 @@ class SkeinStore(Store):
         if len(self.app.get_containers(services=[group])) < instances:     # waiting, requested, running
             self.app.add_container(group)
 
-    def unheard(self, groups, heard):
+    def unheard(self, groups, heard, older_than):
+        # skein's start_time is the master's clock: hosts of one cluster keep theirs in step
+        # (NTP) well within a limit of 10 s or more.
+        now = time.time()
         return [(c.id, c.service_name) for c in self.app.get_containers(services=groups, states=["RUNNING"])
-                if c.id not in heard]
+                if c.id not in heard and c.start_time is not None and now - c.start_time.timestamp() > older_than]
 
     def set_progress(self, fraction):
         """The application's progress as YARN shows it (0..1)."""

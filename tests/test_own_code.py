@@ -258,6 +258,7 @@ def test_a_users_model_with_the_wrong_number_of_outputs_fails_once_with_one_line
         "training": {"model": "nets:wrong", "data": {"train": f"{digits}/train", "test": f"{digits}/test"}}})
     proc = cli("submit", job, "--wait")
     assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "--- last lines of" not in proc.stderr, proc.stderr     # the job's mistake is its line: no log dump
     err = proc.stderr.strip().splitlines()[-1]
     assert "FAILED after 1 attempt(s)" in err and "model 'nets:wrong'" in err, err
     assert "gives outputs of shape (2, 13), but the data has 10 classes" in err, err
@@ -328,7 +329,7 @@ def test_a_functions_reports_are_tensorboard_scalars_and_its_return_value_its_re
         yd.init()
         for step in range(1, 6):
             yd.report(step=step, loss=np.float32(1.0 / step), note="not a number", rank_seen=ctx.rank)
-        return {"acc": 0.75, "steps": 5}
+        return {"acc": 0.75, "steps": np.int64(5), "weights": np.zeros(10_000)}     # an array is left out
     logdir = tmp_path / "tb"
     run = yarnapp.submit({"name": "fn-tb", "groups": GROUPS[:2], "max_restarts": 0,
                           "tensorboard": {"logdir": str(logdir)}}, function=train, wait=True, progress=False)

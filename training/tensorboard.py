@@ -1,13 +1,14 @@
 """TensorBoard event files for a run, written live (flushed as they are logged).
 
 Rank 0 writes; the run appears as `<logdir>/<app_id>` so runs of one experiment
-sit side by side. After a restart the writer purges events past the resumed step,
-so curves continue without duplicated steps. A logdir that is not local (hdfs://,
+sit side by side. After a restart the runner's writer purges events past the resumed
+step, so curves continue without duplicated steps. A logdir that is not local (hdfs://,
 s3://...) is written to a local cache and copied up every `sync_every` seconds and
 at the end. Own code (a script, a function, a loop on training.dist) gets a `ReportLog`
 instead: the numbers rank 0 reports.
 """
 import logging
+import math
 import os
 import tempfile
 import threading
@@ -71,7 +72,10 @@ class TBLogger:
 class ReportLog:
     """Own code's TensorBoard: the numbers rank 0 passes to ctx.report(...) (and final(...)),
     as scalars report/<name> at their `step` (else the count of reports so far), in the
-    run `<logdir>/<app_id>` the built-in runner writes. The writer opens at the first number."""
+    run `<logdir>/<app_id>` the built-in runner writes. The writer opens at the first number.
+    Nothing is purged after a restart (where the code resumed is its own business): a
+    restarted generation's points sit beside the earlier ones. A metric never stops the
+    code: a write or a sync that fails is a warning."""
 
     def __init__(self, logdir, run_name, sync_every=5.0):
         self.logdir, self.run_name, self.sync_every = logdir, run_name, sync_every
@@ -86,7 +90,10 @@ class ReportLog:
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 values[k] = v
         step = values.pop("step", None)
-        self.step = int(step) if step is not None else (self.step if prefix == "final/" else self.count)
+        if step is not None and math.isfinite(step):
+            self.step = int(step)
+        elif prefix != "final/":
+            self.step = self.count
         if not values:
             return
         try:
@@ -98,4 +105,7 @@ class ReportLog:
 
     def close(self):
         if self.tb is not None:
-            self.tb.close()
+            try:
+                self.tb.close()             # a remote logdir's last copy
+            except Exception as e:  # noqa: BLE001 - the code is done; its result stands
+                log.warning("TensorBoard: could not close %s: %s", self.logdir, e)

@@ -1,5 +1,7 @@
 """What the client checks before anything starts: the job's datasets are there and
-readable, and where it writes (checkpoints, TensorBoard) can be written.
+readable, and where it writes (checkpoints, TensorBoard) can be written (a local
+directory) or reached (a remote filesystem: whether this user may write there is found
+at the first checkpoint).
 
 A job whose data is missing, empty, not Parquet, or lacks its image and label columns
 would start its containers only to fail in them. For a job of the built-in runner (the
@@ -88,7 +90,7 @@ def _writable(path):
     """OSError naming `path` when a directory cannot be made there: its nearest existing
     ancestor must be a directory this process can create in (tried, then removed)."""
     probe = path
-    while not os.path.exists(probe):
+    while not os.path.lexists(probe):
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
         raise OSError(f"{path}: {probe} is not a directory; give a directory you can write to")

@@ -225,20 +225,21 @@ class AllReduceStrategy(Strategy):
     # -- checkpoints and export -------------------------------------------------------
 
     def state_dict(self):
-        """The whole model and optimizer (the loss scale with fp16), from rank 0 only: they are
-        identical on every rank, so the others write none (a checkpoint of N ranks is one
-        model's bytes, not N)."""
+        """The whole model and optimizer from rank 0 only: they are identical on every rank,
+        so the others write none (a checkpoint of N ranks is one model's bytes, not N).
+        Every rank keeps its own precision state (fp16's loss scale lives on GPU ranks)."""
+        own = self.precision.state_dict()
         if self.rank != 0:
-            return {}
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                **self.precision.state_dict()}
+            return own
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), **own}
 
     def load_state_dict(self, state):
-        """Collective: rank 0's state, broadcast to every rank (each loads the same, so a
-        checkpoint that does not fit fails on every rank alike)."""
-        state = self.comm.bcast(state if self.rank == 0 else None, root=0)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Collective: rank 0's model and optimizer, broadcast to every rank (each loads the
+        same, so a checkpoint that does not fit fails on every rank alike); this rank's own
+        precision state."""
+        full = self.comm.bcast(state if self.rank == 0 else None, root=0)
+        self.model.load_state_dict(full["model"])
+        self.optimizer.load_state_dict(full["optimizer"])
         self.precision.load_state_dict(state)
 
     def model_for_export(self):
