@@ -94,3 +94,14 @@ def test_outputs_that_cannot_be_written_are_refused_before_anything_starts(tmp_p
     with caplog.at_level(logging.WARNING, logger="yarnapp.preflight"):      # the nodes' paths; their reach
         preflight.check_outputs(_outputs(far, "/proc/nope/tb"), "job.yaml", on_cluster=True)
     assert [r.getMessage().split(":")[0] for r in caplog.records] == ["checkpoint.uri not checked before submitting"]
+
+
+def test_a_batch_larger_than_the_training_set_is_refused_before_anything_starts(digits):
+    """It started the containers, whose loader then found no whole batch in 1438 rows."""
+    job = conf.load_job({"name": "t", "groups": [{"name": "w", "instances": 1, "vcores": 1}],
+                         "training": {"batch_size": 1439, "data": {"train": f"{digits}/train"}}})
+    with pytest.raises(YarnappError, match=rf"^job.yaml: training.batch_size: 1439 is more than the 1438 rows of "
+                                           rf"training.data.train \({digits}/train\); lower it$"):
+        preflight.check_data(job, "job.yaml")
+    preflight.check_data(job.model_copy(update={"training": job.training.model_copy(update={"batch_size": 1438})}),
+                         "job.yaml")

@@ -47,7 +47,7 @@ def check_data(job, where=None, on_cluster=False):
         if (u.scheme, u.netloc) in unreachable:
             continue
         try:
-            check(uri, Columns.of(data.columns), tuple(data.shape) if data.shape else None)
+            rows = check(uri, Columns.of(data.columns), tuple(data.shape) if data.shape else None)
         except Unreachable as e:
             if not on_cluster:
                 raise YarnappError(f"{pre}training.data.{split}: {e}") from None
@@ -56,6 +56,11 @@ def check_data(job, where=None, on_cluster=False):
                         "cannot reach it either)", split, e)
         except DataError as e:
             raise YarnappError(f"{pre}training.data.{split}: {e}") from None
+        else:
+            batch = job.training.batch_size
+            if split == "train" and rows < batch:         # not one whole batch: no step (drop_last)
+                raise YarnappError(f"{pre}training.batch_size: {batch} is more than the {rows} rows of "
+                                   f"training.data.train ({uri}); lower it")
 
 
 def check_outputs(job, where=None, on_cluster=False):
