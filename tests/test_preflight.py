@@ -105,3 +105,13 @@ def test_a_batch_larger_than_the_training_set_is_refused_before_anything_starts(
         preflight.check_data(job, "job.yaml")
     preflight.check_data(job.model_copy(update={"training": job.training.model_copy(update={"batch_size": 1438})}),
                          "job.yaml")
+
+
+def test_an_option_a_built_in_model_does_not_take_is_refused_before_anything_starts():
+    job = conf.load_job({"name": "t", "groups": [{"name": "w", "instances": 1, "vcores": 1}],
+                         "training": {"model": "digits_cnn", "model_options": {"widht": 32}, "data": {"train": "/x"}}})
+    with pytest.raises(YarnappError, match=r"^job.yaml: training.model_options: model 'digits_cnn': unknown option "
+                                           r"'widht'; options are conv1, conv2, hidden$"):
+        preflight.check_model(job, "job.yaml")
+    preflight.check_model(conf.load_job({**job.model_dump(mode="json"), "training": {
+        **job.training.model_dump(mode="json"), "model_options": {"conv1": 8}}}), "job.yaml")

@@ -230,6 +230,13 @@ MODELS = {      # conf.schema.BUILTIN_MODELS names them for the job check (a tes
 }
 
 
+def check_options(name, options):
+    """ModelError naming the first option a built-in model `name` does not take (a user's
+    factory is called as it is: its own errors say)."""
+    if name in MODELS:
+        _check_options(name, MODELS[name], options)
+
+
 def _check_options(name, cls, options):
     params = inspect.signature(cls.__init__).parameters
     if any(p.kind == p.VAR_KEYWORD for p in params.values()):

@@ -63,6 +63,20 @@ def check_data(job, where=None, on_cluster=False):
                                    f"training.data.train ({uri}); lower it")
 
 
+def check_model(job, where=None):
+    """Raise YarnappError naming training.model_options when a built-in model does not take
+    one of them (a misspelt width): the containers would start only to fail on it. Imports
+    torch, so only when there are options to check."""
+    t = job.training
+    if t is None or job.run.function != BUILTIN_RUNNER or not t.model_options:
+        return
+    from training.models import ModelError, check_options
+    try:
+        check_options(t.model, t.model_options)
+    except ModelError as e:
+        raise YarnappError(f"{where + ': ' if where else ''}training.model_options: {e}") from None
+
+
 def check_outputs(job, where=None, on_cluster=False):
     """Raise YarnappError naming checkpoint.uri or tensorboard.logdir when the job could not
     write there: a local directory that cannot be created or written (tried with a

@@ -480,6 +480,7 @@ def prepared(job, where=None, pack=True):
     job = conf.absolutize(job, os.getcwd())
     preflight.check_data(job, where, on_cluster=True)
     preflight.check_outputs(job, where, on_cluster=True)
+    preflight.check_model(job, where)
     shipment = shipping.plan(job, where)
     with tempfile.TemporaryDirectory(prefix="yarnapp-stage-") as staging:
         os.chmod(staging, 0o700)

@@ -99,6 +99,7 @@ def checked(job, where="job"):
     job = conf.absolutize(job, os.getcwd())
     preflight.check_data(job, where)
     preflight.check_outputs(job, where)
+    preflight.check_model(job, where)
     check_resume(job, where)
     return shipping.plan(job, where)
 
