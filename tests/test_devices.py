@@ -48,6 +48,27 @@ def test_precision_on_a_cpu_rank_is_fp32_and_said_once(caplog):
         Precision("fp8", "cpu")
 
 
+def test_a_cpu_rank_beside_fp16_gpu_ranks_scales_its_loss_as_they_do():
+    """The all-reduce sums every rank's gradient: a CPU rank that did not scale its loss
+    added an unscaled gradient to the GPU ranks' scaled ones, and stepped on the scaled sum
+    (the reviewer's reading; the GPU test test_dp_devices covers the mixed world). Scaled
+    by the same power of two, its step is still fp32's exactly."""
+    torch.manual_seed(0)
+    plain, scaled = torch.nn.Linear(6, 3), torch.nn.Linear(6, 3)
+    scaled.load_state_dict(plain.state_dict())
+    x = torch.randn(5, 6)
+    for model, p in ((plain, Precision("fp16", "cpu")), (scaled, Precision("fp16", "cpu", scaled=True))):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with p.autocast():
+            loss = model(x).square().mean()
+        p.backward(loss)
+        if p.scaler:
+            assert p.scaler.get_scale() == 65536.0 and model.weight.grad.abs().max() > 100     # scaled, as a GPU's
+        p.step(opt)
+    assert Precision("fp16", "cpu").scaler is None and "grad_scaler" in Precision("fp16", "cpu", True).state_dict()
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), scaled.parameters()))
+
+
 @pytest.mark.parametrize("strategy,precision,words", [
     ("conv_model_parallel", "bf16", "is for the data-parallel strategies"),
     ("ps_central", "fp16", "needs the loss scaling of allreduce")])

@@ -4,8 +4,10 @@ bf16 and fp16 run the forward pass (and the loss) under torch.autocast on a GPU 
 fp16 also scales the loss (torch.amp.GradScaler) so small gradients survive, unscales
 before the optimizer and skips a step whose gradients overflowed. Parameters, gradients,
 the gradient exchange and the optimizer stay fp32. Every rank skips or takes a step alike:
-the gradients it checks are the all-reduced ones, equal everywhere. A CPU rank trains in
-fp32 whatever the setting (it says so once).
+the gradients it checks are the all-reduced ones, equal everywhere. A CPU rank computes in
+fp32 whatever the setting (it says so once); in an fp16 world with GPU ranks it scales
+its loss too (`scaled`), since the all-reduce sums every rank's gradient: all must carry
+the same scale (a power of two, exact in fp32), and all unscale, skip and grow alike.
 """
 import contextlib
 import logging
@@ -18,16 +20,20 @@ MODES = ("fp32", "bf16", "fp16")
 
 
 class Precision:
-    def __init__(self, mode, device):
+    def __init__(self, mode, device, scaled=False):
         mode = mode or "fp32"
         if mode not in MODES:
             raise ValueError(f"training.precision: expected one of {', '.join(MODES)}, got {mode!r}")
         self.device = torch.device(device)
+        scaler = None
+        if mode == "fp16" and (self.device.type == "cuda" or scaled):
+            scaler = torch.amp.GradScaler(self.device.type)
         if mode != "fp32" and self.device.type != "cuda":
-            log.info("training.precision %s applies to GPU ranks: this rank computes in fp32 on the CPU", mode)
+            log.info("training.precision %s applies to GPU ranks: this rank computes in fp32 on the CPU%s", mode,
+                     " (its loss scaled as theirs are)" if scaler else "")
             mode = "fp32"
         self.mode = mode
-        self.scaler = torch.amp.GradScaler("cuda") if mode == "fp16" else None
+        self.scaler = scaler
 
     def autocast(self):
         """The context the forward pass (and the loss) runs in."""

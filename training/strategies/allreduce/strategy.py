@@ -70,7 +70,8 @@ class AllReduceStrategy(Strategy):
         self.model = model.to(self.device)
         self._broadcast_state()
         self.optimizer = make_optimizer(model.parameters())
-        self.precision = Precision(self.spec.precision, self.device)
+        # a CPU rank beside fp16 GPU ranks scales its loss as they do (training.precision)
+        self.precision = Precision(self.spec.precision, self.device, scaled=any(r.gpus for r in self.ctx.ranks))
         ar = self.config
         overlap = self.overlap
         if overlap is None:
