@@ -241,9 +241,9 @@ class Agent:
     def not_formed(self, gen, seen):
         """The world did not form within launcher.rendezvous_timeout: who is missing (rank 0
         when its port is not out, else the ranks that did not join). A container the resource
-        manager has run for a while (launcher.beats.unheard) whose agent never beat is named too,
-        and replaced (launcher.beats.unheard), so that the next generation does not wait for it
-        again; one that is merely late (allocated late, still localizing) is waited for."""
+        manager has run for a while whose agent never beat is named too, and replaced
+        (launcher.beats.unheard), so that the next generation does not wait for it again; one
+        that is merely late (allocated late) is waited for."""
         lj = self.job.launcher
         missing = [m["container"] for m in self.members if (keys.joined(gen, m["rank"]) if m["rank"]
                                                                else keys.port(gen)) not in seen]
@@ -264,7 +264,7 @@ class Agent:
             one = len(unheard) == 1
             note = (f"; {', '.join(e for e, _ in unheard)} {'runs' if one else 'run'}, but "
                     f"{'its agent' if one else 'their agents'} never reported (frozen or stuck as it started, "
-                    f"or slower to start than launcher.rendezvous_timeout)"
+                    f"or still localizing its files: raise launcher.rendezvous_timeout for those)"
                     + ("" if last else f"; the resource manager is asked to replace {'it' if one else 'them'}"))
         return Failure(kind=Kind.NOT_FORMED.value, container=self.ident.container, rank=self.ident.rank,
                        reason=f"world not formed within {lj.rendezvous_timeout:.0f}s; missing: "

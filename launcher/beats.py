@@ -96,11 +96,10 @@ def unheard(store, members, seen, heartbeat_timeout, rendezvous_timeout):
     """The containers the resource manager has run for longer than the frozen limit (see
     limit_for) and half the rendezvous timeout (skein reports a container running while its
     node may still localize its files), for members without a beat in `seen` (an agent's
-    snapshot of the store):
-    their agents never beat, frozen or stuck as they started, so no peer has a beat to
-    watch. [(engine_id, group)]; none on the local engine, whose master replaces those
-    itself (launcher.store.Store.unheard). The beats are read again before the answer: an
-    agent that beat meanwhile is heard."""
+    snapshot of the store): their agents never beat, frozen or stuck as they started, so no
+    peer has a beat to watch. [(engine_id, group)]; none on the local engine, whose master
+    replaces those itself (launcher.store.Store.unheard). The beats are read again before
+    the answer: an agent that beat meanwhile is heard."""
     quiet = sorted({m["group"] for m in members
                     if keys.beat(m["container"]) not in seen and keys.done(m["container"]) not in seen})
     if not quiet:
