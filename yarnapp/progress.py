@@ -1,7 +1,11 @@
 """Live progress of a run: a tqdm bar in a terminal, a widget in a notebook."""
 import sys
 
-from tqdm.auto import tqdm
+try:        # tqdm.auto's notebook widget needs ipywidgets; without it, it warns and falls back
+    import ipywidgets  # noqa: F401
+    from tqdm.auto import tqdm
+except ImportError:
+    from tqdm import tqdm
 
 
 def _fmt(v):
