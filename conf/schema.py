@@ -259,14 +259,8 @@ def _shares(value):
     return value
 
 
-BUILTIN_MODELS = ("digits_cnn", "seed_cnn", "resnet", "mlp")   # training.models.MODELS' names
-
-
-def _model_name(value):
-    if value in BUILTIN_MODELS or ":" in value:
-        return value
-    raise ValueError(f"training.model: {value!r} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) "
-                     f"nor a 'package.module:factory'")
+BUILTIN_MODELS = ("digits_cnn", "seed_cnn", "resnet", "mlp")   # training.models.MODELS' names (the
+                                                                # client checks training.model against them)
 
 
 class Training(Model):
@@ -374,8 +368,6 @@ class JobSpec(Model):
                                  f"tensorboard.service is true; rename the group")
         if self.run.function == BUILTIN_RUNNER and self.training is None:
             raise ValueError("training: required when run.function is the built-in training.runner:main")
-        if self.run.function == BUILTIN_RUNNER:       # own code may name its models as it likes
-            _model_name(self.training.model)
         if self.training and isinstance(self.training.shares, list) and len(self.training.shares) != self.world_size:
             raise ValueError(f"training.shares: {len(self.training.shares)} shares given for "
                              f"{self.world_size} ranks")

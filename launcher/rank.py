@@ -303,8 +303,11 @@ def main(argv=None):
     if job.run.function != BUILTIN_RUNNER:
         Liveness(ctx).start()
         if ident.rank == 0:         # own code's TensorBoard: what it reports (the runner logs its own)
-            from training.tensorboard import ReportLog
-            ctx.tensorboard = ReportLog(ident.logdir, ident.app_id, job.tensorboard.sync_every)
+            try:
+                from training.tensorboard import ReportLog
+                ctx.tensorboard = ReportLog(ident.logdir, ident.app_id, job.tensorboard.sync_every)
+            except ImportError as e:    # an environment of the job's own, without pyarrow or tensorboard
+                log.warning("no TensorBoard for what this code reports: %s", e)
     try:
         run_code(job, ctx, fn)
     except SystemExit as e:

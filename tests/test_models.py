@@ -41,7 +41,7 @@ def test_output_shapes(name, shape, options):
 
 
 def test_the_job_schema_knows_every_built_in_model():
-    """conf checks training.model before anything starts, without importing torch."""
+    """The client checks training.model before anything starts, without importing torch."""
     import conf.schema
     from training.models import MODELS
     assert conf.schema.BUILTIN_MODELS == tuple(MODELS)

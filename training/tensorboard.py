@@ -21,14 +21,39 @@ from . import fsutil
 log = logging.getLogger(__name__)
 
 
+class _Scalars:
+    """Scalars only, through tensorboard's own event writer: no torch (own code may not load
+    it, and torch.utils.tensorboard costs a process ~450 MiB more than this)."""
+
+    def __init__(self, logdir):
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+        os.makedirs(logdir, exist_ok=True)
+        self.events = EventFileWriter(logdir, flush_secs=1)
+
+    def add_scalar(self, tag, value, step):
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        self.events.add_event(Event(wall_time=time.time(), step=int(step), summary=Summary(
+            value=[Summary.Value(tag=tag, simple_value=float(value))])))
+
+    def flush(self):
+        self.events.flush()
+
+    def close(self):
+        self.events.close()
+
+
 class TBLogger:
-    def __init__(self, logdir, run_name, purge_step=None, sync_every=5.0, hparams=None):
-        from torch.utils.tensorboard import SummaryWriter
+    def __init__(self, logdir, run_name, purge_step=None, sync_every=5.0, hparams=None, scalars_only=False):
         self.remote = None if fsutil.is_local(logdir) else logdir
         base = fsutil.local_path(logdir) if self.remote is None else tempfile.mkdtemp(prefix="yarnapp-tb-")
         self.local_dir = os.path.join(base, run_name)
         self.run_name = run_name
-        self.writer = SummaryWriter(self.local_dir, purge_step=purge_step, flush_secs=1)
+        if scalars_only:
+            self.writer = _Scalars(self.local_dir)
+        else:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(self.local_dir, purge_step=purge_step, flush_secs=1)
         self.hparams = hparams or {}
         if self.hparams:
             self.writer.add_text("job", "\n".join(f"    {k}: {v}" for k, v in self.hparams.items()), 0)
@@ -98,7 +123,7 @@ class ReportLog:
             return
         try:
             if self.tb is None:
-                self.tb = TBLogger(self.logdir, self.run_name, sync_every=self.sync_every)
+                self.tb = TBLogger(self.logdir, self.run_name, sync_every=self.sync_every, scalars_only=True)
             self.tb.scalars(self.step, values, prefix=prefix)
         except Exception as e:  # noqa: BLE001 - a metric never stops training (e.g. a full disk)
             log.warning("TensorBoard: could not log %s at step %d: %s", sorted(values), self.step, e)

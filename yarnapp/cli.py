@@ -209,6 +209,8 @@ def cmd_data_import(args):
 def cmd_plan(args):
     """Predicted step time and speedup of every strategy for a job (training.planner)."""
     spec = api.load(args.job)
+    from . import preflight
+    preflight.check_model(spec, args.job)
     for flag, path in (("--json", args.json), ("--png", args.png)):     # before minutes of measuring
         where = os.path.dirname(os.path.abspath(path)) if path else None
         if where and not os.path.isdir(where):

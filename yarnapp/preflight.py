@@ -20,6 +20,7 @@ import tempfile
 import urllib.parse
 
 from conf import BUILTIN_RUNNER
+from conf.schema import BUILTIN_MODELS
 
 from .errors import YarnappError
 
@@ -64,17 +65,25 @@ def check_data(job, where=None, on_cluster=False):
 
 
 def check_model(job, where=None):
-    """Raise YarnappError naming training.model_options when a built-in model does not take
-    one of them (a misspelt width): the containers would start only to fail on it. Imports
-    torch, so only when there are options to check."""
+    """Raise YarnappError naming training.model when it is neither a built-in model nor a
+    'package.module:factory' (a misspelt name), or training.model_options when a built-in
+    model does not take one of them (a misspelt width): the containers would start only to
+    fail on it. Imports torch, so only when there are options to check. (Own code, and the
+    planner's offline jobs, may name their models as they like.)"""
     t = job.training
-    if t is None or job.run.function != BUILTIN_RUNNER or not t.model_options:
+    if t is None or job.run.function != BUILTIN_RUNNER:
+        return
+    pre = f"{where}: " if where else ""
+    if t.model not in BUILTIN_MODELS and ":" not in t.model:
+        raise YarnappError(f"{pre}training.model: {t.model!r} is neither a built-in model "
+                           f"({', '.join(BUILTIN_MODELS)}) nor a 'package.module:factory'")
+    if not t.model_options:
         return
     from training.models import ModelError, check_options
     try:
         check_options(t.model, t.model_options)
     except ModelError as e:
-        raise YarnappError(f"{where + ': ' if where else ''}training.model_options: {e}") from None
+        raise YarnappError(f"{pre}training.model_options: {e}") from None
 
 
 def check_outputs(job, where=None, on_cluster=False):
@@ -83,11 +92,15 @@ def check_outputs(job, where=None, on_cluster=False):
     temporary directory, removed at once: nothing is left), or a filesystem the client
     cannot open or reach. On a cluster a local path is the nodes' own, and a filesystem
     this client cannot reach is left to the containers, as for data."""
+    outputs = [(f, u) for f, u in (("checkpoint.uri", job.checkpoint.uri), ("tensorboard.logdir",
+                                                                          job.tensorboard.logdir)) if u]
+    if not outputs:
+        return              # nothing to import either (a job's environment may lack pyarrow)
     from training import fsutil
     from training.data import DataError
     from training.data.common import Unreachable, filesystem, info
     pre = f"{where}: " if where else ""
-    for field, uri in (("checkpoint.uri", job.checkpoint.uri), ("tensorboard.logdir", job.tensorboard.logdir)):
+    for field, uri in outputs:
         if not uri or (on_cluster and fsutil.is_local(uri)):
             continue
         try:

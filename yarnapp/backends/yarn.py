@@ -478,9 +478,9 @@ def prepared(job, where=None, pack=True):
                             "default filesystem: it defaults to a directory inside each container; set "
                             "yarn.storage or %s to shared storage (hdfs://...)", field, field)
     job = conf.absolutize(job, os.getcwd())
+    preflight.check_model(job, where)
     preflight.check_data(job, where, on_cluster=True)
     preflight.check_outputs(job, where, on_cluster=True)
-    preflight.check_model(job, where)
     shipment = shipping.plan(job, where)
     with tempfile.TemporaryDirectory(prefix="yarnapp-stage-") as staging:
         os.chmod(staging, 0o700)

@@ -97,9 +97,9 @@ def checked(job, where="job"):
     check_resources(job, where)
     netem.check(job, where)
     job = conf.absolutize(job, os.getcwd())
+    preflight.check_model(job, where)
     preflight.check_data(job, where)
     preflight.check_outputs(job, where)
-    preflight.check_model(job, where)
     check_resume(job, where)
     return shipping.plan(job, where)
 
