@@ -190,17 +190,17 @@ def test_a_rank_that_always_fails_spends_the_budget_then_fails(tmp_path, cli, ya
     job = tmp_path / "fail.yaml"
     import yaml
     job.write_text(yaml.safe_dump({
-        "name": "always-fails", "max_restarts": 2, "run": {"script": str(script)},
+        "name": "always-fails", "max_restarts": 1, "run": {"script": str(script)},
         "groups": [{"name": "w", "instances": 3, "vcores": 0.5, "memory": "256 MiB"}]}))
     proc = cli("submit", job, "--wait")
     assert proc.returncode == 1
     err = proc.stderr.strip().splitlines()[-1]
-    assert "FAILED after 3 attempt(s)" in err and "w_1" in err and "exited with status 5" in err, err
+    assert "FAILED after 2 attempt(s)" in err and "w_1" in err and "exited with status 5" in err, err
     app = err.split()[1]
     st = yarnapp.status(app)
     store = store_of(yarnapp.Run(app))
-    assert [g for g in range(5) if store.get(keys.abort(g))] == [0, 1, 2]     # exactly max_restarts + 1
-    assert [r["generation"] for r in st["restarts"]] == [1, 2]
+    assert [g for g in range(5) if store.get(keys.abort(g))] == [0, 1]     # exactly max_restarts + 1
+    assert [r["generation"] for r in st["restarts"]] == [1]
     assert "restart 1" in cli("status", app).stdout
     assert_nothing_left(app)
 

@@ -310,46 +310,42 @@ def reference_weights(tmp_path_factory, digits):
     ref.close()
 
 
-def test_digits_on_hdfs_survives_a_sigkilled_container_bit_identically(cluster, shell, tmp_path, reference_weights):
-    """Data, checkpoints and TensorBoard on HDFS; the agent of rank 1's container SIGKILLed
-    mid-run: skein restarts the container (a new instance number), its agent adopts the free
-    slot, the world re-forms and training resumes from the last checkpoint on HDFS, ending
-    with the very weights of an uninterrupted run and accuracy >= 0.97."""
-    st = _survives(cluster, reference_weights, "digits-hdfs", freeze=False)
-    assert "small_0" in st["restarts"][0]["reason"], st["restarts"]
-
-
-def test_frozen_containers_are_killed_through_skein_and_replaced_bit_identically(
+def test_containers_killed_and_frozen_are_replaced_through_skein_bit_identically(
         cluster, shell, tmp_path, reference_weights):
-    """Two containers frozen, each as a frozen host would be (agent and rank stopped), and
-    each killed through skein and replaced by a container added to its service (skein does
-    not restart a container it killed), which adopts the slot:
+    """Data, checkpoints and TensorBoard on HDFS, and three faults in one application, each
+    replaced through skein by a container that adopts the free slot; training ends with the
+    very weights of an uninterrupted run and accuracy >= 0.97:
     - small_1 stops as its agent starts (a sitecustomize SIGSTOPs it), before a single beat,
-      so no peer has a beat to watch. At the rendezvous timeout the agents find it running in
-      skein and silent, name it and have it replaced (before, every generation waited for it
-      again until the restarts were spent);
-    - at step 45, rank 1's container (small_0): the peers see its agent's beat stop.
-    Training ends with the weights of an uninterrupted run."""
+      so no peer has a beat to watch. At the rendezvous timeout the agents find it running
+      in skein and silent, name it and have it killed and a container added (before, every
+      generation waited for it again until the restarts were spent);
+    - at step 30 rank 1's agent is SIGKILLed: skein restarts the container itself;
+    - at step 60 rank 1's whole container (agent and rank) is SIGSTOPped, as a frozen host:
+      the peers see its agent's beat stop, and ask skein to kill it and add one (skein does
+      not restart a container it killed)."""
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(
         "import os, signal\n"
         "if os.environ.get('SKEIN_CONTAINER_ID') == 'small_1' and 'YARNAPP_RANK' not in os.environ:\n"
         "    os.kill(os.getpid(), signal.SIGSTOP)\n")
-    st = _survives(cluster, reference_weights, "digits-frozen", freeze=True, env={"PYTHONPATH": f"{hook}:{ROOT}"},
-                   replaced={"small_2": "small_1", "small_3": "small_0"},
+    st = _survives(cluster, reference_weights, "digits-faults", faults=[(30, "kill"), (60, "freeze")],
+                   replaced={"small_2": "small_1", "small_3": "small_0", "small_4": "small_0"},
+                   env={"PYTHONPATH": f"{hook}:{ROOT}"}, max_restarts=3,
                    launcher={"heartbeat_timeout": "10s", "rendezvous_timeout": "20s"})
-    at_start, frozen = st["restarts"]
+    at_start, killed, frozen = st["restarts"]
     assert "world not formed within 20s; missing: small_1; small_1 runs, but its agent never reported" \
            in at_start["reason"] and "asked to replace it" in at_start["reason"], at_start
+    assert "small_0" in killed["reason"], killed
     assert frozen["container"] == "small_0" and "stopped responding" in frozen["reason"], frozen
 
 
-def _survives(cluster, reference_weights, name, freeze, replaced=None, **extra):
-    """Run the digits job on HDFS, fault rank 1's container at step 45 (SIGKILL its agent, or
-    SIGSTOP its agent and rank), and check the end: a restart for each replacement in
-    `replaced` ({replacement: the slot it took}, by default small_2 in small_0's), the
-    uninterrupted run's weights, nothing left. Returns the final status."""
+def _survives(cluster, reference_weights, name, faults, replaced, **extra):
+    """Run the digits job on HDFS; at each (step, fault) of `faults`, in its own generation,
+    fault rank 1's container (kill: SIGKILL its agent; freeze: SIGSTOP its agent and rank);
+    then check the end: one restart for each replacement in `replaced` ({replacement: the
+    slot it took}), status naming the ranks, the uninterrupted run's weights, nothing left.
+    Returns the final status."""
     import torch
 
     from training import fsutil
@@ -360,34 +356,32 @@ def _survives(cluster, reference_weights, name, freeze, replaced=None, **extra):
     backend = cluster.backend()
     job = conf.load_job({**digits_job(name, data, **extra), "backend": "yarn", "environment": {"packer": "none"}})
     app = backend.submit(job)
+    slots = {"big_0": 0, "small_0": 1, "small_1": 2}
     try:
-        kv = None
-        deadline = time.monotonic() + 300
-        while True:
-            st = backend.status(app)
-            assert st["state"] in ("NEW", "RUNNING"), st
-            step = ((st.get("progress") or {}).get(1) or {}).get("step", -1)
-            if step >= 45:
-                break
-            assert time.monotonic() < deadline, st
-            time.sleep(0.3)
-        replaced = replaced or {"small_2": "small_0"}
-        held = {c["id"]: c["rank"] for c in st["containers"] if c["group"] in ("big", "small")
-                and c["state"] == "RUNNING"}
-        before = {"big_0": 0, "small_0": 1, "small_1": 2}       # status names the ranks
-        before.update({new: before.pop(old) for new, old in replaced.items() if old != "small_0"})
-        assert held == before, st["containers"]
-        kv = backend.client.connect(app, wait=False).kv
-        formed = max(k for k in kv.get_prefix(keys.ABORT_PREFIX) if k.endswith("/formed"))   # this generation's
-        members = json.loads(kv[formed])["members"]
-        rank1 = psutil.Process(next(m["pid"] for m in members if m["rank"] == 1))
-        agent = rank1.parent()
-        assert "launcher.agent" in " ".join(agent.cmdline())
-        if freeze:
-            for p in (agent, rank1):
-                os.kill(p.pid, signal.SIGSTOP)
-        else:
-            os.kill(agent.pid, signal.SIGKILL)                 # the container's process
+        kv = backend.client.connect(app, wait=True).kv
+        for at, fault in faults:
+            deadline = time.monotonic() + 300
+            while True:
+                st = backend.status(app)
+                assert st["state"] in ("NEW", "RUNNING"), st
+                rec = (st.get("progress") or {}).get(1) or {}
+                if rec.get("step", -1) >= at and rec.get("generation") == len(st["restarts"]):
+                    break
+                assert time.monotonic() < deadline, st
+                time.sleep(0.3)
+            held = {c["id"]: c["rank"] for c in st["containers"] if c["group"] in ("big", "small")
+                    and c["state"] == "RUNNING"}
+            assert sorted(held.values()) == [0, 1, 2] and all(   # status names the ranks, and each slot's
+                r == slots[replaced.get(c, c)] for c, r in held.items()), st["containers"]
+            members = json.loads(kv[keys.formed(len(st["restarts"]))])["members"]
+            rank1 = psutil.Process(next(m["pid"] for m in members if m["rank"] == 1))
+            agent = rank1.parent()
+            assert "launcher.agent" in " ".join(agent.cmdline())
+            if fault == "freeze":
+                for p in (agent, rank1):
+                    os.kill(p.pid, signal.SIGSTOP)
+            else:
+                os.kill(agent.pid, signal.SIGKILL)                 # the container's process
         st = backend.status(app)
         deadline = time.monotonic() + 600
         while st["state"] in ("NEW", "RUNNING"):
@@ -400,7 +394,7 @@ def _survives(cluster, reference_weights, name, freeze, replaced=None, **extra):
     assert st["state"] == "SUCCEEDED", (st, backend.logs(app))
     assert [r["generation"] for r in st["restarts"]] == list(range(1, len(replaced) + 1)), st["restarts"]
     assert st["final"]["accuracy"] >= 0.97, st["final"]
-    assert 0 < st["final"]["resumed_from"] <= 45
+    assert 0 < st["final"]["resumed_from"] <= faults[-1][0]
     ref, ref_final = reference_weights.result()
     got = load_final(f"{cluster.storage()}/{app}/checkpoints")     # default checkpoint.uri on HDFS
     assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
