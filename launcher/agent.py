@@ -212,8 +212,7 @@ class Agent:
         withdrawn, so that it is asked again). Several frozen at once (a host with two
         containers) are replaced together, not one restart each."""
         (container, silent, _), others = frozen[0], [c for c, _, _ in frozen[1:]]
-        # With the restarts spent by this abort the application fails: nothing is replaced.
-        last = keys.FAILED in seen or spends_the_last_restart(self.store, gen, self.job.max_restarts)
+        last = self.fails_with(gen, seen)       # then nothing is replaced
         failure = Failure(kind=Kind.LOST.value, container=container, observed_by=self.ident.container,
                           reason=f"lost {container}: it stopped responding (its agent has been silent for "
                                  f"{silent:.1f}s, limit {self.peers.limit:g}s: launcher.heartbeat_timeout; the "
@@ -225,6 +224,11 @@ class Agent:
         for c, quiet, beat in ([] if last else frozen):
             self.ask_replacement(keys.replace(c, beat["incarnation"]), {"silent_s": round(quiet, 1), **beat})
         return failure
+
+    def fails_with(self, gen, seen):
+        """Whether an abort of generation `gen` ends the application (it failed already, or
+        this abort spends the last restart): then no replacement is asked for."""
+        return keys.FAILED in seen or spends_the_last_restart(self.store, gen, self.job.max_restarts)
 
     def ask_replacement(self, request, record):
         """Ask the resource manager to replace record["engine_id"] of record["group"], once:
@@ -245,10 +249,10 @@ class Agent:
         (launcher.beats.unheard), so that the next generation does not wait for it again; one
         that is merely late (allocated late) is waited for."""
         lj = self.job.launcher
-        missing = [m["container"] for m in self.members if (keys.joined(gen, m["rank"]) if m["rank"]
-                                                               else keys.port(gen)) not in seen]
-        if keys.port(gen) not in seen:
-            missing = missing[:1]
+        if keys.port(gen) not in seen:          # nobody could join: rank 0 is the one missing
+            missing = [self.members[0]["container"]]
+        else:
+            missing = [m["container"] for m in self.members[1:] if keys.joined(gen, m["rank"]) not in seen]
         nodes = network.members_from(self.store)
         missing = [f"{c} on {nodes[c]['node']} ({nodes[c]['addr']})" if c in nodes else c for c in missing]
         try:
@@ -258,7 +262,7 @@ class Agent:
             unheard = []
         note = ""
         if unheard:
-            last = keys.FAILED in seen or spends_the_last_restart(self.store, gen, self.job.max_restarts)
+            last = self.fails_with(gen, seen)
             for engine_id, group in ([] if last else unheard):
                 self.ask_replacement(keys.replace(engine_id, "unheard"), {"engine_id": engine_id, "group": group})
             one = len(unheard) == 1

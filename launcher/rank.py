@@ -108,7 +108,7 @@ def keep_result(ctx, result):
     from training.context import plain
 
     def scalar(v):
-        v = v if isinstance(v, (bool, int, float, str)) else plain(v)
+        v = plain(v)
         return isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= 200), v
     items = result.items() if isinstance(result, dict) else [("result", result)]
     kept, left = {}, []

@@ -140,9 +140,12 @@ class RunContext:
 
 
 def plain(value):
-    """A metric JSON can hold: a numpy or torch number (np.float32, a 0-d tensor: what a loop
-    has at hand) as a Python one, an array as a list, anything else as its text. A metric
-    never stops training (before, np.float32(0.9) crashed the rank, and its restarts)."""
+    """A metric JSON can hold: JSON's own values as they are, a numpy or torch number
+    (np.float32, a 0-d tensor: what a loop has at hand) as a Python one, an array as a list,
+    anything else as its text. A metric never stops training (before, np.float32(0.9)
+    crashed the rank, and its restarts)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
     for convert in ("item", "tolist"):
         try:
             return getattr(value, convert)()

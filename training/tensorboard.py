@@ -111,7 +111,7 @@ class ReportLog:
         self.count += 1
         values = {}
         for k, v in metrics.items():
-            v = v if isinstance(v, (int, float, str)) else plain(v)
+            v = plain(v)
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 values[k] = v
         step = values.pop("step", None)

@@ -101,7 +101,7 @@ def check_outputs(job, where=None, on_cluster=False):
     from training.data.common import Unreachable, filesystem, info
     pre = f"{where}: " if where else ""
     for field, uri in outputs:
-        if not uri or (on_cluster and fsutil.is_local(uri)):
+        if on_cluster and fsutil.is_local(uri):
             continue
         try:
             if fsutil.is_local(uri):
