@@ -32,8 +32,6 @@ log = logging.getLogger("launcher.agent")
 _PR_SET_PDEATHSIG = 1
 SETUP_GRACE_S = 8.0      # after a peer failed in setup, how long a rank in setup may take to fail
                          # the same way on its own (ranks start seconds apart on a busy host)
-PEER_GRACE_S = 6.0       # after this rank died, how long to wait for a dead peer's container to be
-                         # reported (YARN: a node heartbeat, then the master's allocate call)
 NOT_RETRIED = ("every rank failed the same way before training started, so it was not retried "
                "(a restart would fail the same way)")
 NOT_RETRIED_AGAIN = NOT_RETRIED.replace("not retried", "not retried again")
@@ -319,6 +317,7 @@ class Agent:
         lj = self.job.launcher
         self.store.put(keys.incarnation(gen, self.ident.rank), self.incarnation)
         me, rank = self.ident.container, self.ident.rank
+        self.formed_seen = None     # when this agent first saw the world formed (monotonic)
         while True:
             rc = self.child.poll()
             if rc == 0:
@@ -326,10 +325,10 @@ class Agent:
             if rc is not None and rc != -signal.SIGKILL:
                 # Collateral or cause? A rank that raised its own error (not a lost
                 # connection) is the cause. Otherwise, once the world has formed, wait for a
-                # dead peer: the resource manager reports a dead container seconds late.
+                # dead peer: the resource manager reports a dead container late (YARN: seconds).
                 err = self.rank_error(gen, rank)
                 suspect = err is None or not err.error or looks_collateral(err.error)
-                grace = PEER_GRACE_S if suspect and keys.formed(gen) in self.observe(gen) else 1.0
+                grace = self.store.death_notice_s if suspect and keys.formed(gen) in self.observe(gen) else 1.0
                 cause = self.peer_cause(gen, grace)
                 if cause is True:
                     return Outcome.OTHER, None
@@ -346,12 +345,14 @@ class Agent:
                                             error=err.error, phase=err.phase, input_error=err.input_error,
                                             reason=f"rank {rank} ({me}) {what}{line}" + self.network_note())
             seen = self.observe(gen)
+            if self.formed_seen is None and keys.formed(gen) in seen:
+                self.formed_seen = time.monotonic()
             if keys.FAILED in seen:
                 return Outcome.OTHER, None
             abort = Failure.load(seen.get(keys.abort(gen)))
             if abort is not None:
                 if abort.phase == "setup" and self.read_heartbeat(time.monotonic())[0] == "setup":
-                    self.let_fail(SETUP_GRACE_S)   # will it fail the same way? (see deterministic)
+                    self.let_fail(self.setup_grace())   # will it fail the same way? (see deterministic)
                 return Outcome.OTHER, None
             now = time.monotonic()
             if keys.replace(me, self.incarnation) in seen:
@@ -390,6 +391,16 @@ class Agent:
         """The Failure a rank left for generation `gen` (launcher.rank: its error line and
         phase; or its agent's record that it ended without one), or None."""
         return Failure.load(self.store.get(keys.error(gen, rank)))
+
+    def setup_grace(self):
+        """How long this rank, still in setup when a peer failed there, may take to fail the
+        same way. Before the world formed, ranks start seconds apart (SETUP_GRACE_S); after,
+        the join lined them up, so a rank that would fail as the peer did does so within a few
+        times the peer's time since then (up to three times slower: a container of a third
+        of the vcores), plus a second."""
+        if self.formed_seen is None:
+            return SETUP_GRACE_S
+        return min(SETUP_GRACE_S, 1.0 + 3 * (time.monotonic() - self.formed_seen))
 
     def let_fail(self, seconds):
         """Give the rank, still in setup, up to `seconds` to end on its own."""

@@ -19,7 +19,7 @@ log = logging.getLogger("launcher.beats")
 
 BEAT_S = 1.0             # how often an agent's thread rewrites its beat
 FROZEN_MIN_S = 10.0      # a peer is judged after launcher.heartbeat_timeout, never sooner (above the
-                         # seconds YARN takes to report a dead container: launcher.agent.PEER_GRACE_S)
+                         # seconds YARN takes to report a dead container: launcher.store.Store.death_notice_s)
 FRESH_S = 3 * BEAT_S     # a watcher whose own beat is unchanged longer judges nobody
 SUSPECT_S = 3 * BEAT_S   # a peer silent this long, while this agent's rank waits in vain, is the cause
 

@@ -10,6 +10,12 @@ import urllib.parse
 
 
 class Store(abc.ABC):
+    # Seconds the resource manager may take to report a container that died (its owned keys
+    # gone, its abort written): how long an agent whose rank died waits for a dead peer to
+    # show before it names its own rank (launcher.agent.Agent.monitor). YARN: a node
+    # manager's heartbeat, then the master's allocate call.
+    death_notice_s = 6.0
+
     @abc.abstractmethod
     def put(self, key, value, owned=False):
         """Set key to value (bytes or str). Owned keys vanish when this container exits."""
@@ -85,6 +91,8 @@ class FileStore(Store):
     Owned keys are listed under `owners/<container>`; the application master calls
     `release(container)` when that container exits, as YARN does for skein.
     """
+
+    death_notice_s = 1.0     # the local master polls its containers every 50 ms
 
     def __init__(self, root, container=None):
         self.root = root

@@ -17,7 +17,7 @@ from launcher import beats, exitcodes, keys, memory
 from launcher.agent import NOT_RETRIED, NOT_RETRIED_AGAIN, TRANSITIONS, Agent, Outcome, State
 from launcher.failure import Failure, Kind
 from launcher.identity import Identity
-from launcher.store import FileStore
+from launcher.store import FileStore, SkeinStore
 
 pytestmark = pytest.mark.unit
 
@@ -311,11 +311,23 @@ def test_a_rank_that_aborts_after_its_peer_died_names_the_peer_the_rm_reports_la
     """rank 1's container died with its agent (nobody writes its abort); rank 0 dies of MPI's
     SIGABRT at once, but YARN drops w_1's alive key only a moment later: the cause is w_1."""
     a, store = watched(tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGABRT)")
+    store.death_notice_s = SkeinStore.death_notice_s      # a store that hears of dead containers as YARN does
     threading.Timer(1.5, lambda: store.delete(keys.alive("w_1"))).start()
     outcome, failure = a.monitor(0)
     assert outcome is Outcome.OWN
     assert failure.kind == Kind.LOST.value and failure.container == "w_1", failure
     assert failure.observed_by == "w_0"
+
+
+def test_on_the_local_engine_a_rank_that_died_alone_is_named_without_waiting_for_yarns_delay(tmp_path):
+    """The local master hears of a dead container within its 50 ms poll: a peer container
+    that goes 3 s after this rank died (no error line: os._exit) is another matter, and this
+    rank is named (on YARN, 6 s of grace would name the peer: the test above)."""
+    a, store = watched(tmp_path, "import os; os._exit(99)")
+    threading.Timer(3.0, lambda: store.delete(keys.alive("w_1"))).start()
+    outcome, failure = a.monitor(0)
+    assert outcome is Outcome.OWN
+    assert failure.kind == Kind.CRASHED.value and failure.rank == 0 and "status 99" in failure.reason, failure
 
 
 def test_a_rank_that_raised_its_own_error_is_the_cause_even_if_a_peer_then_goes(tmp_path):

@@ -45,35 +45,76 @@ def _equal(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("strategy,victim", [("allreduce", 0), ("conv_model_parallel", 1)])
-def test_sigkill_one_of_three_ranks_resumes_bit_identically(strategy, victim, reference, digits, tmp_path,
-                                                            yarnapp_home):
-    """Rank 0 (the ring's first, the one that writes checkpoints) or rank 1 SIGKILLed mid-run."""
-    kill_at = random.Random(f"kill-{strategy}").randint(12, 30)
-    job = digits_job(tmp_path, digits, "killed", strategy)
+def _tb_steps(job, run):
+    tb = EventAccumulator(os.path.join(job["tensorboard"]["logdir"], run.app_id), size_guidance={"scalars": 0})
+    tb.Reload()
+    return [e.step for e in tb.Scalars("train/loss")]
+
+
+def _resumed(run):
+    """The step each generation after the first resumed from, as rank 0 logged it."""
+    return [int(line.rsplit(" ", 1)[1]) for line in run.logs()["big_0"].splitlines()
+            if "resumed from the checkpoint of step" in line]
+
+
+def test_a_sigkilled_rank_of_conv_model_parallel_resumes_bit_identically(reference, digits, tmp_path, yarnapp_home):
+    """Rank 1 of the conv-layer split (a kernel share of its own) SIGKILLed mid-run."""
+    kill_at = random.Random("kill-conv_model_parallel").randint(12, 30)
+    job = digits_job(tmp_path, digits, "killed", "conv_model_parallel")
     run = yarnapp.submit(job)
-    pid = rank_pid(run, rank=victim)
-    wait_step(run, rank=victim, step=kill_at)
+    pid = rank_pid(run, rank=1)
+    wait_step(run, rank=1, step=kill_at)
     os.kill(pid, signal.SIGKILL)
     t_kill = time.time()
     st = run.wait(timeout=600)
     assert st["state"] == "SUCCEEDED", (st.get("diagnostics"), run.logs())
     assert [r["generation"] for r in st["restarts"]] == [1]
-    name = {0: "big_0", 1: "small_0"}[victim]
-    assert f"rank {victim} ({name}) killed by signal 9" in st["restarts"][0]["reason"], st["restarts"]
+    assert "rank 1 (small_0) killed by signal 9" in st["restarts"][0]["reason"], st["restarts"]
     resumed = st["final"]["resumed_from"]
     assert kill_at - 10 <= resumed <= kill_at + 1, (kill_at, resumed)   # at most one interval recomputed
-    assert _equal(final_weights(job), reference[strategy])
-    tb = EventAccumulator(os.path.join(job["tensorboard"]["logdir"], run.app_id), size_guidance={"scalars": 0})
-    tb.Reload()       # one point a step: the resumed step's was purged too (purge_step was resumed, not + 1)
-    assert [e.step for e in tb.Scalars("train/loss")] == list(range(1, 41))
-    if strategy == "allreduce":     # the model and optimizer, the same on every rank, are written once
-        last = os.path.join(job["checkpoint"]["uri"], run.app_id, f"step-{st['final']['steps'] - 10:08d}")
-        parts = [torch.load(os.path.join(last, f"rank-{r:05d}.pt"), weights_only=False)["strategy"] for r in range(3)]
-        assert {"model", "optimizer"} <= set(parts[0]) and parts[1] == parts[2] == {}, [list(p) for p in parts]
+    assert _equal(final_weights(job), reference["conv_model_parallel"])
+    assert _tb_steps(job, run) == list(range(1, 41))     # one point a step: the resumed steps' were purged
     formed1 = json.loads(store_of(run).get(keys.formed(1)))
-    print(f"{strategy}: killed at step {kill_at}, resumed from {resumed}, world re-formed "
+    print(f"conv: killed at step {kill_at}, resumed from {resumed}, world re-formed "
           f"{formed1['time'] - t_kill:.1f}s after the kill")
+    assert_nothing_left(run.app_id)
+
+
+def test_rank_0_sigkilled_then_the_master_killed_resume_bit_identically(reference, digits, tmp_path, yarnapp_home):
+    """Rank 0 (the ring's first, the one that writes the checkpoints) SIGKILLed mid-run;
+    then, in the generation that resumed, the application master. The local engine's
+    answer to YARN's AM attempts: the supervisor starts a new master, which starts every
+    container again, and the world's next generation resumes from the newest complete
+    checkpoint, spending no restart (max_restarts: 1, spent on the rank)."""
+    kill_at = random.Random("kill-allreduce").randint(12, 20)
+    am_at = kill_at + 10
+    job = dict(digits_job(tmp_path, digits, "killed"), max_restarts=1, am_attempts=2)
+    run = yarnapp.submit(job)
+    pid = rank_pid(run, rank=0)
+    wait_step(run, rank=0, step=kill_at)
+    os.kill(pid, signal.SIGKILL)
+    t_kill = time.time()
+    rank_pid(run, rank=0, generation=1)
+    wait_step(run, rank=0, step=am_at)
+    os.kill(run.status()["am_pid"], signal.SIGKILL)
+    st = run.wait(timeout=600)
+    assert st["state"] == "SUCCEEDED", (st.get("diagnostics"), run.logs())
+    assert [r["generation"] for r in st["restarts"]] == [1, 2], st["restarts"]
+    assert "rank 0 (big_0) killed by signal 9" in st["restarts"][0]["reason"], st["restarts"]
+    assert "the application master died (attempt 1)" in st["restarts"][1]["reason"], st["restarts"]
+    assert [a["attempt"] for a in st["am_attempts"]] == [1, 2] and st["am_attempts"][0]["exit_code"] == -9
+    resumed = _resumed(run)
+    assert len(resumed) == 2 and kill_at - 10 <= resumed[0] <= kill_at + 1, (kill_at, resumed)
+    assert resumed[1] >= resumed[0] and resumed[1] == st["final"]["resumed_from"], resumed
+    assert _equal(final_weights(job), reference["allreduce"])
+    assert _tb_steps(job, run) == list(range(1, 41))
+    # the model and optimizer, the same on every rank, are written once
+    last = os.path.join(job["checkpoint"]["uri"], run.app_id, f"step-{st['final']['steps'] - 10:08d}")
+    parts = [torch.load(os.path.join(last, f"rank-{r:05d}.pt"), weights_only=False)["strategy"] for r in range(3)]
+    assert {"model", "optimizer"} <= set(parts[0]) and parts[1] == parts[2] == {}, [list(p) for p in parts]
+    formed1 = json.loads(store_of(run).get(keys.formed(1)))
+    print(f"allreduce: rank 0 killed at step {kill_at}, resumed from {resumed[0]}, world re-formed "
+          f"{formed1['time'] - t_kill:.1f}s after the kill; master killed at step {am_at}, resumed from {resumed[1]}")
     assert_nothing_left(run.app_id)
 
 
@@ -105,43 +146,36 @@ def test_sigkill_with_augmentation_and_unequal_shares_resumes_bit_identically(di
     assert_nothing_left(run.app_id)
 
 
-def test_sigstopped_rank_is_detected_and_recovered(reference, digits, tmp_path, yarnapp_home):
+def test_a_stopped_rank_then_a_frozen_container_are_named_and_training_resumes_bit_identically(
+        reference, digits, tmp_path, yarnapp_home):
+    """Two hangs, one a generation. First rank 2's process alone is SIGSTOPped: its agent
+    sees its heartbeat stop and names it hung. Then, in the generation that resumed, a whole
+    container (its agent and its rank: a frozen VM, a host cut off), so nobody is left
+    inside it to say so: its peers see its agent's beat stop, name it (not a healthy rank,
+    whose collective merely waits for it), and it is replaced. The job ends as the
+    uninterrupted one does."""
     job = digits_job(tmp_path, digits, "stopped", heartbeat="4s")
     run = yarnapp.submit(job)
     pid = rank_pid(run, rank=2)
     wait_step(run, rank=2, step=15)
     os.kill(pid, signal.SIGSTOP)
     t_stop = time.time()
-    st = run.wait(timeout=600)
-    assert st["state"] == "SUCCEEDED", (st.get("diagnostics"), run.logs())
-    abort = json.loads(store_of(run).get(keys.abort(0)))
-    assert "hung" in abort["reason"] and abort["container"] == "small_1", abort
-    assert abort["time"] - t_stop <= 4 + 2, abort["time"] - t_stop      # heartbeat timeout + 2 s
-    assert _equal(final_weights(job), reference["allreduce"])
-    assert_nothing_left(run.app_id)
-
-
-def test_a_frozen_container_is_named_replaced_and_training_resumes_bit_identically(
-        reference, digits, tmp_path, yarnapp_home):
-    """A whole container stops (its agent and its rank: a frozen VM, a host cut off), so
-    nobody is left inside it to say so. Its peers see its agent's beat stop, name it (not a
-    healthy rank, whose collective merely waits for it), and it is replaced; the job ends
-    as the uninterrupted one does."""
-    job = digits_job(tmp_path, digits, "frozen", heartbeat="4s")
-    run = yarnapp.submit(job)
-    rank_pid(run, rank=2)
-    wait_step(run, rank=2, step=15)
-    agent = next(c for c in run.status()["containers"] if c["id"] == "small_1")["pid"]
+    rank_pid(run, rank=1, generation=1)
+    wait_step(run, rank=1, step=25)
+    agent = next(c for c in run.status()["containers"] if c["id"] == "small_0")["pid"]
     os.killpg(agent, signal.SIGSTOP)             # the container's process group: agent and rank
-    t_stop = time.time()
+    t_freeze = time.time()
     st = run.wait(timeout=600)
     assert st["state"] == "SUCCEEDED", (st.get("diagnostics"), run.logs())
-    abort = json.loads(store_of(run).get(keys.abort(0)))
-    assert abort["container"] == "small_1" and "stopped responding" in abort["reason"], abort
-    assert abort["time"] - t_stop <= 10 + 2, abort["time"] - t_stop       # beats.FROZEN_MIN_S + a beat
-    assert [r["generation"] for r in st["restarts"]] == [1], st["restarts"]
-    small_1 = next(c for c in st["containers"] if c["id"] == "small_1")
-    assert small_1["attempts"] == 2, small_1
+    hung = json.loads(store_of(run).get(keys.abort(0)))
+    assert "hung" in hung["reason"] and hung["container"] == "small_1", hung
+    assert hung["time"] - t_stop <= 4 + 2, hung["time"] - t_stop        # heartbeat timeout + 2 s
+    frozen = json.loads(store_of(run).get(keys.abort(1)))
+    assert frozen["container"] == "small_0" and "stopped responding" in frozen["reason"], frozen
+    assert frozen["time"] - t_freeze <= 10 + 2, frozen["time"] - t_freeze     # beats.FROZEN_MIN_S + a beat
+    assert [r["generation"] for r in st["restarts"]] == [1, 2], st["restarts"]
+    attempts = {c["id"]: c["attempts"] for c in st["containers"]}
+    assert attempts == {"big_0": 1, "small_0": 2, "small_1": 1}, attempts
     assert _equal(final_weights(job), reference["allreduce"])
     assert_nothing_left(run.app_id)
 
@@ -167,16 +201,19 @@ def test_a_container_frozen_as_it_starts_is_named_and_replaced_by_the_master(dig
     assert_nothing_left(run.app_id)
 
 
-@pytest.mark.parametrize("fault, rank, resumed", [("crash_in_checkpoint", 1, 10),   # step 20 never completed
-                                                   ("crash_after_commit", 0, 20),    # it did, just
-                                                   ("crash_in_cleanup", 0, 40)])     # keep=3: step 10 goes at 40
-def test_crash_while_checkpointing_resumes_from_the_newest_complete_one(
-        fault, rank, resumed, reference, digits, tmp_path, yarnapp_home):
-    at = 40 if fault == "crash_in_cleanup" else 20
-    job = digits_job(tmp_path, digits, "ckptcrash", env={"YARNAPP_FAULT": f"{fault}:{at}:{rank}"})
+def test_crashes_while_checkpointing_resume_from_the_newest_complete_one(reference, digits, tmp_path, yarnapp_home):
+    """Three crashes in one application, one a generation: rank 1 with its part of step 20
+    written but before the commit (step 20 never completed: back to 10); rank 0 right after
+    committing step 30 (it did, just: 30); rank 0 half-way through removing step 10 once 40
+    is done (keep: 3: 40). Each generation resumes from the newest complete checkpoint and
+    the job ends as the uninterrupted one does."""
+    faults = "crash_in_checkpoint:20:1:0,crash_after_commit:30:0:1,crash_in_cleanup:40:0:2"
+    job = dict(digits_job(tmp_path, digits, "ckptcrash", env={"YARNAPP_FAULT": faults}), max_restarts=3)
     run, st = run_to_end(job)
-    assert st["final"]["resumed_from"] == resumed
-    assert "exited with status 99" in st["restarts"][0]["reason"]
+    assert [(r["generation"], r["rank"]) for r in st["restarts"]] == [(1, 1), (2, 0), (3, 0)], st["restarts"]
+    assert all("exited with status 99" in r["reason"] for r in st["restarts"]), st["restarts"]
+    resumed = _resumed(run)
+    assert resumed == [10, 30, 40] and st["final"]["resumed_from"] == 40, resumed
     assert _equal(final_weights(job), reference["allreduce"])
     steps = sorted(os.listdir(os.path.join(job["checkpoint"]["uri"], run.app_id)))
     assert steps == ["application.json", "final", "step-00000020", "step-00000030", "step-00000040"], steps
@@ -203,26 +240,6 @@ def test_a_rank_that_always_fails_spends_the_budget_then_fails(tmp_path, cli, ya
     assert [r["generation"] for r in st["restarts"]] == [1]
     assert "restart 1" in cli("status", app).stdout
     assert_nothing_left(app)
-
-
-def test_a_killed_application_master_is_restarted_and_training_resumes_bit_identically(
-        reference, digits, tmp_path, yarnapp_home):
-    """The local engine's answer to YARN's AM attempts: the supervisor starts a new master,
-    which starts every container again; the world's new generation resumes from the newest
-    complete checkpoint, spending no restart of max_restarts."""
-    job = dict(digits_job(tmp_path, digits, "am-killed"), max_restarts=0, am_attempts=2)
-    run = yarnapp.submit(job)
-    wait_step(run, rank=0, step=random.Random("am-kill").randint(12, 30))
-    am = run.status()["am_pid"]
-    os.kill(am, signal.SIGKILL)
-    st = run.wait(timeout=600)
-    assert st["state"] == "SUCCEEDED", (st.get("diagnostics"), run.logs())
-    assert [a["attempt"] for a in st["am_attempts"]] == [1, 2] and st["am_attempts"][0]["exit_code"] == -9
-    assert [r["generation"] for r in st["restarts"]] == [1]
-    assert "the application master died (attempt 1)" in st["restarts"][0]["reason"]
-    assert st["final"]["resumed_from"] >= 10
-    assert _equal(final_weights(job), reference["allreduce"])
-    assert_nothing_left(run.app_id)
 
 
 def test_with_no_attempts_left_a_killed_master_fails_the_application_naming_it(digits, tmp_path, yarnapp_home):
