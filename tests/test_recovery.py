@@ -314,37 +314,27 @@ def test_resume_finds_other_applications_when_checkpoint_uri_is_unset(digits, tm
     """checkpoint.uri unset (the default): each application checkpoints in its own
     directory, and `resume` (latest, or an application id) finds the others there. Before,
     it looked only in the new application's own directory: `--resume latest` started from
-    step 0 and an application id failed."""
-    def job(steps, resume="never"):
+    step 0 and an application id failed. Resumed into a job of another model (mlp), the
+    checkpoint is refused in one line, not retried: before, a torch 'Error(s) in loading
+    state_dict for MLP' cut off at its first line, after a traceback, and a restart spent."""
+    def job(steps, resume="never", model="digits_cnn"):
         j = digits_job(tmp_path, digits, "default-uri", steps=steps, instances=(1, 0))
         j["checkpoint"] = {"every_steps": 10, "resume": resume}
+        j["training"]["model"] = model
         return j
     run1, _ = run_to_end(job(20))
     run2, st2 = run_to_end(job(30, resume="latest"))
     assert st2["final"]["resumed_app"] == run1.app_id and st2["final"]["resumed_from"] == 20
     run3, st3 = run_to_end(job(30, resume=run1.app_id))
     assert st3["final"]["resumed_app"] == run1.app_id and st3["final"]["resumed_from"] == 20
-    for r in (run1, run2, run3):
-        assert_nothing_left(r.app_id)
-
-
-def test_resuming_a_checkpoint_of_another_model_is_one_line_and_not_retried(digits, tmp_path, yarnapp_home):
-    """--resume APP where APP trained digits_cnn, into a job of mlp: before, a torch
-    'Error(s) in loading state_dict for MLP' cut off at its first line, after a traceback,
-    and a restart spent on it."""
-    first = digits_job(tmp_path, digits, "cnn", steps=10, instances=(1, 0))
-    first["checkpoint"] = {"every_steps": 10}
-    run1, _ = run_to_end(first)
-    second = digits_job(tmp_path, digits, "mlp", steps=20, instances=(1, 0))
-    second["training"]["model"] = "mlp"
-    second["checkpoint"] = {"every_steps": 10, "resume": run1.app_id}
-    run2 = yarnapp.submit(second)
-    st = run2.wait(timeout=300)
+    run4 = yarnapp.submit(job(30, resume=run1.app_id, model="mlp"))
+    st = run4.wait(timeout=300)
     assert st["state"] == "FAILED" and st["failure"]["attempts"] == 1, st
     reason = st["failure"]["reason"]
-    assert f"the checkpoint of step 10 (application {run1.app_id}) does not fit this job's model 'mlp'" in reason
+    assert f"the checkpoint of step 20 (application {run1.app_id}) does not fit this job's model 'mlp'" in reason
     assert "\n" not in reason and "not retried" in reason, reason
-    assert_nothing_left(run2.app_id)
+    for r in (run1, run2, run3, run4):
+        assert_nothing_left(r.app_id)
 
 
 def test_a_checkpoint_with_an_unreadable_file_is_passed_over_for_the_one_before(digits, tmp_path, yarnapp_home):
