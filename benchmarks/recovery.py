@@ -1,13 +1,14 @@
 """Recovery time: from killing a rank to the first resumed training step.
 
 Runs the digits job (3 ranks: 1 x 1 vcore + 2 x 0.5 vcore, ring all-reduce) on the
-local engine, SIGKILLs rank 1 mid-run, and times detection (abort written), the new
-world formed, and the first step of the resumed generation. The alternative users
+local engine, SIGKILLs rank 1 mid-run (or, with --fault crash, rank 0 exits with status
+99 and no error line right after committing step 20: YARNAPP_FAULT), and times detection
+(abort written), the new world formed, and the first step of the resumed generation. The alternative users
 have elsewhere (TonY, tf-yarn: the whole application is restarted) is measured as a
 fresh submit's time to its first step, the least such a restart costs.
 
-    python benchmarks/recovery.py [--repeat 3]
-Prints a table and writes benchmarks/results/recovery.json.
+    python benchmarks/recovery.py [--repeat 3] [--fault sigkill|crash]
+Prints a table and writes benchmarks/results/recovery.json (recovery_crash.json).
 """
 import argparse
 import atexit
@@ -19,6 +20,8 @@ import statistics
 import sys
 import tempfile
 import time
+
+import psutil
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
@@ -38,15 +41,20 @@ def first_step_of(run, generation, after_step, timeout=300):
     raise TimeoutError("no resumed step")
 
 
-def once(tmp, data, i):
-    job = digits_job(tmp, data, f"rec{i}", steps=60, every=10)
+def once(tmp, data, i, fault):
+    env = {"YARNAPP_FAULT": "crash_after_commit:20:0"} if fault == "crash" else {}
+    job = digits_job(tmp, data, f"rec{i}", steps=60, every=10, env=env)
     t_submit = time.time()
     run = yarnapp.submit(job)
-    pid = rank_pid(run, rank=1)
+    pid = rank_pid(run, rank=0 if fault == "crash" else 1)
     wait_step(run, rank=0, step=1)
     first_step = (run.status()["progress"][0])["time"]
-    wait_step(run, rank=1, step=15)
-    os.kill(pid, signal.SIGKILL)
+    if fault == "crash":
+        while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.005)
+    else:
+        wait_step(run, rank=1, step=15)
+        os.kill(pid, signal.SIGKILL)
     t_kill = time.time()
     store = store_of(run)
     while store.get(keys.abort(0)) is None:
@@ -64,13 +72,15 @@ def once(tmp, data, i):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--fault", choices=["sigkill", "crash"], default="sigkill")
     args = p.parse_args(argv)
     from training.data import import_digits
     tmp = tempfile.mkdtemp(prefix="yarnapp-recovery-")
     atexit.register(shutil.rmtree, tmp, True)
     os.environ.setdefault("YARNAPP_HOME", os.path.join(tmp, "home"))
     import_digits(os.path.join(tmp, "digits"))
-    rows = [once(__import__("pathlib").Path(tmp), os.path.join(tmp, "digits"), i) for i in range(args.repeat)]
+    rows = [once(__import__("pathlib").Path(tmp), os.path.join(tmp, "digits"), i, args.fault)
+            for i in range(args.repeat)]
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     print(f"{'run':>4} {'detect s':>9} {'re-formed s':>12} {'resumed step s':>15} {'fresh app s':>12}")
     for i, r in enumerate(rows):
@@ -81,8 +91,9 @@ def main(argv=None):
           f"restart needs at least {med['fresh_submit_to_first_step_s']:.2f}s ({ratio:.2f}x ours), "
           f"plus the steps since the user's own last checkpoint")
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "recovery.json"), "w") as f:
-        json.dump({"runs": rows, "median": med, "whole_app_restart_over_ours": ratio,
+    name = "recovery.json" if args.fault == "sigkill" else f"recovery_{args.fault}.json"
+    with open(os.path.join(HERE, "results", name), "w") as f:
+        json.dump({"fault": args.fault, "runs": rows, "median": med, "whole_app_restart_over_ours": ratio,
                    "load_average": os.getloadavg()}, f, indent=1)
 
 
