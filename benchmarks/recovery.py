@@ -50,7 +50,12 @@ def once(tmp, data, i, fault):
     wait_step(run, rank=0, step=1)
     first_step = (run.status()["progress"][0])["time"]
     if fault == "crash":
-        while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        while True:                 # until the rank's process is gone (or a zombie its agent has not reaped)
+            try:
+                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
             time.sleep(0.005)
     else:
         wait_step(run, rank=1, step=15)

@@ -152,6 +152,7 @@ class Agent:
         self.cgroup = memory.own_cgroup()          # to tell a memory kill from any SIGKILL
         self.group_index = next(i for i, g in enumerate(ident.job.groups) if g.name == ident.group)
         self.peers = beats.Watch(self.members, ident.container, ident.job.launcher.heartbeat_timeout)
+        self.formed_seen = None          # when this agent first saw this generation's world formed
 
     # -- the rank process -------------------------------------------------
     def spawn(self, gen):
@@ -317,7 +318,7 @@ class Agent:
         lj = self.job.launcher
         self.store.put(keys.incarnation(gen, self.ident.rank), self.incarnation)
         me, rank = self.ident.container, self.ident.rank
-        self.formed_seen = None     # when this agent first saw the world formed (monotonic)
+        self.formed_seen = None
         while True:
             rc = self.child.poll()
             if rc == 0:
@@ -325,10 +326,15 @@ class Agent:
             if rc is not None and rc != -signal.SIGKILL:
                 # Collateral or cause? A rank that raised its own error (not a lost
                 # connection) is the cause. Otherwise, once the world has formed, wait for a
-                # dead peer: the resource manager reports a dead container late (YARN: seconds).
+                # dead peer: the resource manager reports a dead container late (YARN:
+                # seconds), and a dead rank's agent within its poll. A lost connection waits
+                # a poll longer still, so that a rank that died first, without a word (its
+                # agent waits too), is named, not the ranks it took with it.
                 err = self.rank_error(gen, rank)
-                suspect = err is None or not err.error or looks_collateral(err.error)
-                grace = self.store.death_notice_s if suspect and keys.formed(gen) in self.observe(gen) else 1.0
+                collateral = bool(err and err.error and looks_collateral(err.error))
+                grace = 1.0
+                if (collateral or not (err and err.error)) and keys.formed(gen) in self.observe(gen):
+                    grace = self.store.death_notice_s + lj.poll_interval + (lj.poll_interval + 0.5) * collateral
                 cause = self.peer_cause(gen, grace)
                 if cause is True:
                     return Outcome.OTHER, None
@@ -395,12 +401,15 @@ class Agent:
     def setup_grace(self):
         """How long this rank, still in setup when a peer failed there, may take to fail the
         same way. Before the world formed, ranks start seconds apart (SETUP_GRACE_S); after,
-        the join lined them up, so a rank that would fail as the peer did does so within a few
-        times the peer's time since then (up to three times slower: a container of a third
-        of the vcores), plus a second."""
+        the join lined them up, so a rank that would fail as the peer did does so within a
+        few times the time from the world's forming to the abort (the peer's own time, its
+        agent's checks and grace): as many times as this rank's container has fewer vcores
+        than the job's largest, and at least three, plus a second; at most SETUP_GRACE_S.
+        Misjudged, the cost is a restart."""
         if self.formed_seen is None:
             return SETUP_GRACE_S
-        return min(SETUP_GRACE_S, 1.0 + 3 * (time.monotonic() - self.formed_seen))
+        slower = max(3.0, max(g.vcores for g in self.job.groups) / self.job.groups[self.group_index].vcores)
+        return min(SETUP_GRACE_S, 1.0 + slower * (time.monotonic() - self.formed_seen))
 
     def let_fail(self, seconds):
         """Give the rank, still in setup, up to `seconds` to end on its own."""

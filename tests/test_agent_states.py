@@ -14,7 +14,7 @@ import pytest
 
 import conf
 from launcher import beats, exitcodes, keys, memory
-from launcher.agent import NOT_RETRIED, NOT_RETRIED_AGAIN, TRANSITIONS, Agent, Outcome, State
+from launcher.agent import NOT_RETRIED, NOT_RETRIED_AGAIN, SETUP_GRACE_S, TRANSITIONS, Agent, Outcome, State
 from launcher.failure import Failure, Kind
 from launcher.identity import Identity
 from launcher.store import FileStore, SkeinStore
@@ -324,10 +324,37 @@ def test_on_the_local_engine_a_rank_that_died_alone_is_named_without_waiting_for
     that goes 3 s after this rank died (no error line: os._exit) is another matter, and this
     rank is named (on YARN, 6 s of grace would name the peer: the test above)."""
     a, store = watched(tmp_path, "import os; os._exit(99)")
-    threading.Timer(3.0, lambda: store.delete(keys.alive("w_1"))).start()
-    outcome, failure = a.monitor(0)
+    a.child.wait()
+    later = threading.Timer(FileStore.death_notice_s + 2, lambda: store.delete(keys.alive("w_1")))
+    later.start()
+    try:
+        outcome, failure = a.monitor(0)
+    finally:
+        later.cancel()
     assert outcome is Outcome.OWN
     assert failure.kind == Kind.CRASHED.value and failure.rank == 0 and "status 99" in failure.reason, failure
+
+
+def test_a_peers_setup_failure_is_waited_on_briefly_once_the_world_formed_longer_on_fewer_vcores(tmp_path):
+    """Before the world formed, ranks start seconds apart: SETUP_GRACE_S. After, 1 s plus a
+    multiple of the time since it formed: 3, or the job's largest container's vcores over
+    this one's (4 over 0.5: 8), at most SETUP_GRACE_S."""
+    job = conf.load_job({"name": "grace", "run": {"function": "training.hello:main"},
+                         "groups": [{"name": "big", "instances": 1, "vcores": 4},
+                                    {"name": "small", "instances": 1, "vcores": 0.5}]})
+    os.makedirs(tmp_path, exist_ok=True)
+    grace = {}
+    for rank, group in enumerate(("big", "small")):
+        ident = Identity(backend="local", app_id="a", container=f"{group}_0", group=group, instance=0, rank=rank,
+                         job=job, secret="s", app_dir=str(tmp_path))
+        a = Agent(ident, FileStore(str(tmp_path / "store")))
+        assert a.setup_grace() == SETUP_GRACE_S                    # the world has not formed
+        a.formed_seen = time.monotonic() - 0.5
+        grace[group] = a.setup_grace()
+        a.formed_seen = time.monotonic() - 60
+        assert a.setup_grace() == SETUP_GRACE_S
+    assert 1 + 3 * 0.5 <= grace["big"] < 1 + 3 * 0.5 + 0.2, grace
+    assert 1 + 8 * 0.5 <= grace["small"] < 1 + 8 * 0.5 + 0.2, grace
 
 
 def test_a_rank_that_raised_its_own_error_is_the_cause_even_if_a_peer_then_goes(tmp_path):

@@ -260,11 +260,11 @@ def _attempt(fn):
 def _maybe_fault(kind, step, rank, generation):
     """Fault injection for recovery tests and demos: YARNAPP_FAULT=KIND:STEP:RANK makes
     that rank die at that point of generation 0 (set it in a group's `env`); KIND:STEP:RANK:GEN
-    in generation GEN, and several, comma-separated, one after another. Kinds:
+    in generation GEN; several, comma-separated, each matched on its own. Kinds:
     crash_in_checkpoint (its part written, before the commit), crash_after_commit (rank 0,
     right after the rename), crash_in_cleanup (rank 0, an old checkpoint half removed)."""
     here = f"{kind}:{step}:{rank}"
-    for fault in os.environ.get("YARNAPP_FAULT", "").split(","):
+    for fault in (f.strip() for f in os.environ.get("YARNAPP_FAULT", "").split(",")):
         if fault == here and generation == 0 or fault == f"{here}:{generation}":
             log.error("fault injection: %s at step %d on rank %d", kind, step, rank)
             os._exit(99)
