@@ -17,7 +17,6 @@ import json
 import logging
 import math
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -25,7 +24,8 @@ import time
 import uuid
 
 from . import beats, exitcodes, identity, keys, memory, network, results, store as store_mod
-from .failure import Failure, Kind
+from .failure import (Failure, Kind, current_generation, log_tail, looks_collateral, spends_the_last_restart,
+                      spent_restarts)
 
 log = logging.getLogger("launcher.agent")
 
@@ -35,15 +35,6 @@ SETUP_GRACE_S = 8.0      # after a peer failed in setup, how long a rank in setu
 NOT_RETRIED = ("every rank failed the same way before training started, so it was not retried "
                "(a restart would fail the same way)")
 NOT_RETRIED_AGAIN = NOT_RETRIED.replace("not retried", "not retried again")
-
-
-# What a rank's error line says when it only lost a peer (MPI, gloo, NCCL, sockets).
-_COLLATERAL = re.compile(r"MPI|gloo|NCCL|[Cc]onnection (closed|reset|refused)|[Bb]roken pipe|peer")
-
-
-def looks_collateral(line):
-    """Whether a rank's error line reads like a lost peer's consequence, not its own fault."""
-    return bool(_COLLATERAL.search(line))
 
 
 class State(enum.Enum):
@@ -95,14 +86,6 @@ def die_with_parent():
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def current_generation(store):
-    aborted = {k.split("/")[1] for k in store.get_prefix(keys.ABORT_PREFIX) if k.endswith("/abort")}
-    gen = 0
-    while f"{gen:04d}" in aborted:
-        gen += 1
-    return gen
-
-
 def process_state(pid):
     """The one-letter state of a process (R, S, D, T for stopped...), or None."""
     try:
@@ -110,33 +93,6 @@ def process_state(pid):
             return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return None
-
-
-def spent_restarts(store, upto):
-    """Aborted generations 0..upto that count against max_restarts: all but those whose
-    container the resource manager stopped (preemption, node decommission...)."""
-    n = 0
-    for g in range(upto + 1):
-        f = Failure.load(store.get(keys.abort(g)))
-        if f is not None and not f.external:
-            n += 1
-    return n
-
-
-def spends_the_last_restart(store, gen, max_restarts):
-    """Whether an abort of generation `gen` that counts (not external) would leave no restart,
-    so that the application fails: asked before that abort is written."""
-    return spent_restarts(store, gen - 1) + 1 > max_restarts
-
-
-def log_tail(path, lines=20):
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, 2)
-            f.seek(max(0, f.tell() - 8192))
-            return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
 
 
 class Agent:

@@ -7,13 +7,18 @@ application's end); a rank writes its own error line the same way (`keys.error(g
 `error` and `phase`, read by the agents to tell a deterministic failure). Status (both
 engines), results and the YARN backend read every one back through this type
 (`Failure.load`, or `Failure.record` for the plain dict they show). On the wire it is a
-JSON object; readers ignore fields they do not know.
+JSON object; readers ignore fields they do not know. Below it, what both the agents and
+the master read from those records: the generation now, the restarts spent, and whether
+an error line reads like a lost peer's.
 """
 import dataclasses
 import enum
 import json
+import re
 import time
 from typing import Optional
+
+from . import keys
 
 
 class Kind(str, enum.Enum):
@@ -86,3 +91,49 @@ class Failure:
         if given is None:
             return None
         return {k: v for k, v in cls.load(given).as_dict().items() if k in given or k == "reason"}
+
+
+# What a rank's error line says when it only lost a peer (MPI, gloo, NCCL, sockets).
+_COLLATERAL = re.compile(r"MPI|gloo|NCCL|[Cc]onnection (closed|reset|refused)|[Bb]roken pipe|peer")
+
+
+def looks_collateral(line):
+    """Whether a rank's error line reads like a lost peer's consequence, not its own fault."""
+    return bool(_COLLATERAL.search(line))
+
+
+def current_generation(store):
+    """The world's generation now: the first without an abort record."""
+    aborted = {k.split("/")[1] for k in store.get_prefix(keys.ABORT_PREFIX) if k.endswith("/abort")}
+    gen = 0
+    while f"{gen:04d}" in aborted:
+        gen += 1
+    return gen
+
+
+def spent_restarts(store, upto):
+    """Aborted generations 0..upto that count against max_restarts: all but those whose
+    container the resource manager stopped (preemption, node decommission...)."""
+    n = 0
+    for g in range(upto + 1):
+        f = Failure.load(store.get(keys.abort(g)))
+        if f is not None and not f.external:
+            n += 1
+    return n
+
+
+def spends_the_last_restart(store, gen, max_restarts):
+    """Whether an abort of generation `gen` that counts (not external) would leave no restart,
+    so that the application fails: asked before that abort is written."""
+    return spent_restarts(store, gen - 1) + 1 > max_restarts
+
+
+def log_tail(path, lines=20):
+    """The last `lines` lines of a container's log, for a Failure's log_tail ("" if unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 8192))
+            return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""

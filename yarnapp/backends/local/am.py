@@ -21,7 +21,7 @@ import time
 import psutil
 
 from launcher import agent as agent_mod, beats, exitcodes, keys, memory, tensorboard_service
-from launcher.failure import Failure, Kind
+from launcher.failure import Failure, Kind, current_generation, log_tail, spends_the_last_restart
 from launcher.store import FileStore
 
 from . import cgroups, gpus, netem
@@ -165,7 +165,7 @@ class ApplicationMaster:
             c.replacing, what = None, "was killed as frozen"
         else:
             # The container itself died (not its rank): tell the world, then replace it.
-            gen = agent_mod.current_generation(self.store)
+            gen = current_generation(self.store)
             what, kind = exitcodes.describe(rc)[0], Kind.CONTAINER
             oom = memory.killed_for_memory(c.memory_start, c.memory, c.id, c.group_index)
             if oom:
@@ -173,7 +173,7 @@ class ApplicationMaster:
             self.store.put_if_absent(keys.abort(gen), Failure(
                 kind=kind.value, container=c.id, rank=c.member["rank"], exit_code=rc,
                 reason=f"container {c.id} {what}", log=c.log,
-                log_tail=agent_mod.log_tail(c.log)).stamped(generation=gen).dumps())
+                log_tail=log_tail(c.log)).stamped(generation=gen).dumps())
         if c.attempts <= self.job.max_restarts:
             log.warning("container %s %s; replacing it", c.id, what)
             c.start()
@@ -202,7 +202,7 @@ class ApplicationMaster:
         """A container whose agent has not beaten within the frozen limit of its start (it
         froze, or hangs, as it started): its peers cannot watch a beat that never came, but
         the master, which started it, can. The generation ends naming it, and it is replaced
-        while restarts remain (the agents' count, launcher.agent.spent_restarts)."""
+        while restarts remain (the agents' count, launcher.failure.spent_restarts)."""
         limit = beats.limit_for(self.job.launcher.heartbeat_timeout)
         for c in self.containers:
             if c.state != "RUNNING" or c.beaten or c.replacing:
@@ -210,8 +210,8 @@ class ApplicationMaster:
             if self.store.get(keys.beat(c.id)) is not None:
                 c.beaten = True
             elif time.monotonic() - c.started > limit:
-                gen = agent_mod.current_generation(self.store)
-                last = agent_mod.spends_the_last_restart(self.store, gen, self.job.max_restarts)
+                gen = current_generation(self.store)
+                last = spends_the_last_restart(self.store, gen, self.job.max_restarts)
                 self.store.put_if_absent(keys.abort(gen), Failure(
                     kind=Kind.LOST.value, container=c.id, rank=c.member["rank"], observed_by="master",
                     reason=f"lost {c.id}: its agent never reported (no beat within {limit:g}s of its start, "
@@ -228,7 +228,7 @@ class ApplicationMaster:
         the next one and training resumes from the newest complete checkpoint."""
         for c in self.containers:
             self.store.release(c.id)
-        gen = agent_mod.current_generation(self.store)
+        gen = current_generation(self.store)
         why = f"the application master died (attempt {self.attempt - 1}); attempt {self.attempt} restarts every container"
         cause = Failure(kind=Kind.EXTERNAL.value, container="master", external=True, reason=why).stamped(generation=gen)
         if self.store.put_if_absent(keys.abort(gen), cause.dumps()):
@@ -372,7 +372,7 @@ class ApplicationMaster:
         if self.state == "FAILED":
             # No agent ended it (say every container died as it started: OOM-killed under a
             # tiny memory limit): the generation's abort record says why, else the exit status.
-            last = max(agent_mod.current_generation(self.store) - 1, 0)     # the last generation aborted
+            last = max(current_generation(self.store) - 1, 0)     # the last generation aborted
             cause = Failure.load(failed) or Failure.load(self.store.get(keys.abort(last))) or next(
                 (Failure(reason=f"container {c.id} {exitcodes.describe(c.exit_code)[0]}", kind=Kind.CONTAINER.value,
                          container=c.id, exit_code=c.exit_code, log=c.log)
