@@ -21,12 +21,11 @@ import sys
 import tempfile
 import time
 
-import psutil
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 import yarnapp  # noqa: E402
+from yarnapp.backends.local.state import wait_ended  # noqa: E402
 from launcher import keys  # noqa: E402
 from recovery_util import digits_job, rank_pid, store_of, wait_step  # noqa: E402
 
@@ -50,13 +49,7 @@ def once(tmp, data, i, fault):
     wait_step(run, rank=0, step=1)
     first_step = (run.status()["progress"][0])["time"]
     if fault == "crash":
-        while True:                 # until the rank's process is gone (or a zombie its agent has not reaped)
-            try:
-                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                    break
-            except psutil.NoSuchProcess:
-                break
-            time.sleep(0.005)
+        wait_ended(pid, timeout=300, interval=0.005)      # the rank's process ends
     else:
         wait_step(run, rank=1, step=15)
         os.kill(pid, signal.SIGKILL)

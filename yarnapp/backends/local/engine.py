@@ -24,7 +24,7 @@ from ... import preflight, shipping
 from ...errors import YarnappError
 from ..base import TERMINAL, Backend
 from . import cgroups, gpus, netem, supervisor
-from .state import apps_dir, read_json, write_json
+from .state import apps_dir, read_json, wait_ended, write_json
 
 log = logging.getLogger(__name__)
 
@@ -238,14 +238,7 @@ class LocalBackend(Backend):
                 os.kill(target, signal.SIGTERM)
             except ProcessLookupError:          # it ended between the two calls
                 pass
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline and psutil.pid_exists(target):
-                try:
-                    if psutil.Process(target).status() == psutil.STATUS_ZOMBIE:
-                        break
-                except psutil.Error:
-                    break
-                time.sleep(0.05)
+            wait_ended(target, timeout)
         # Backstop: nothing of the application may survive a kill (its processes, cgroups,
         # emulated nodes, as its master would have left them), waited for, so that a
         # supervisor killed here counts as gone below (else the application stayed ACCEPTED).

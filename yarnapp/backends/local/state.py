@@ -10,6 +10,7 @@
 """
 import json
 import os
+import time
 
 import psutil
 
@@ -57,3 +58,16 @@ def app_processes(app_id, exclude=None):
         except (OSError, psutil.Error):
             continue
     return out
+
+
+def wait_ended(pid, timeout, interval=0.05):
+    """Wait up to `timeout` seconds for process `pid` to end: gone, or a zombie its parent
+    has not reaped yet."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and psutil.pid_exists(pid):
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.Error:
+            return
+        time.sleep(interval)
