@@ -286,10 +286,10 @@ class Agent:
                 # seconds), and a dead rank's agent within its poll. A lost connection waits
                 # a poll longer still, so that a rank that died first, without a word (its
                 # agent waits too), is named, not the ranks it took with it.
-                err = self.rank_error(gen, rank)
-                collateral = bool(err and err.error and looks_collateral(err.error))
+                said = (self.rank_error(gen, rank) or Failure(reason="")).error
+                collateral = bool(said) and looks_collateral(said)
                 grace = 1.0
-                if (collateral or not (err and err.error)) and keys.formed(gen) in self.observe(gen):
+                if (collateral or not said) and keys.formed(gen) in self.observe(gen):
                     grace = self.store.death_notice_s + lj.poll_interval + (lj.poll_interval + 0.5) * collateral
                 cause = self.peer_cause(gen, grace)
                 if cause is True:
