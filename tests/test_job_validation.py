@@ -184,9 +184,20 @@ def test_missing_job_file(cli, yarnapp_home, tmp_path):
     assert proc.stderr.strip() == f"Error: {tmp_path / 'nope.yaml'}: no such file"
 
 
-def test_bad_cli_argument_is_usage_error(cli):
-    proc = cli("submit")
-    assert proc.returncode == 2 and "usage:" in proc.stderr and "Traceback" not in proc.stderr
+def test_a_wrong_cli_argument_is_one_line_naming_the_command(cli):
+    """argparse printed its usage lines before the error; now one line, exit status 2."""
+    for argv, line in [(["submit"], "Error: yarnapp submit: the following arguments are required: job "
+                                    "(see `yarnapp submit --help`)"),
+                       (["submitt", "job.yaml"], "Error: yarnapp: argument COMMAND: invalid choice: 'submitt' "
+                                                 "(choose from 'submit', "),
+                       (["data", "import", "digitz", "/tmp/x"], "did you mean 'digits'? "
+                                                                "(see `yarnapp data import --help`)"),
+                       (["plan", "job.yaml", "--classes", "ten"], "Error: yarnapp plan: argument --classes: "
+                                                                  "invalid int value: 'ten'")]:
+        proc = cli(*argv)
+        assert proc.returncode == 2 and proc.stdout == "", (argv, proc.stdout + proc.stderr)
+        assert proc.stderr.count("\n") == 1 and line in proc.stderr, (argv, proc.stderr)
+    assert "did you mean 'submit'?" in cli("submitt", "job.yaml").stderr
     proc = cli("status", "app_that_does_not_exist")
     assert proc.returncode == 1
     assert proc.stderr.strip().startswith("Error: no application 'app_that_does_not_exist'")

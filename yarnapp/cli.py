@@ -1,11 +1,13 @@
 """`yarnapp` command line. Expected errors print one `Error: ...` line and exit 1: every
 YarnappError (conf.errors, the one root), and an OSError that names a path it could not
-open (a file the user named, or one the command must write). Anything else is a bug and
-keeps its traceback."""
+open (a file the user named, or one the command must write); a wrong argument is one line
+too, with exit status 2 (argparse's). Anything else is a bug and keeps its traceback."""
 import argparse
+import difflib
 import json
 import logging
 import os
+import re
 import shlex
 import sys
 import time
@@ -263,8 +265,21 @@ def cmd_hadoop(args):
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a wrong argument is one line naming the command, the closest command
+    to a misspelt one, and where the usage is (argparse prints the usage, then the error)."""
+
+    def error(self, message):
+        bad = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if bad:
+            close = difflib.get_close_matches(bad.group(1), re.findall(r"'([^']*)'", bad.group(2)), n=1)
+            if close:
+                message += f"; did you mean {close[0]!r}?"
+        self.exit(2, f"Error: {self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser():
-    p = argparse.ArgumentParser(prog="yarnapp", description="Train CNNs on YARN or the embedded local engine.")
+    p = _Parser(prog="yarnapp", description="Train CNNs on YARN or the embedded local engine.")
     p.add_argument("-v", "--verbose", action="store_true", help="log what the client does")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
