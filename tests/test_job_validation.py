@@ -98,6 +98,17 @@ CASES = [
     ("data-bad-scheme", dict(_with("run.function", "training.runner:main"),
                              training={"data": {"train": "nosuch://host/train"}}), "training.data.train",
      "cannot open nosuch://host/train"),
+    # a module neither installed nor shipped (before: the containers started, and failed importing it)
+    ("function-module-missing", _with("run.function", "no_module_of_yarnapp_tests:main"), "run.function",
+     "no_module_of_yarnapp_tests:main: no module named 'no_module_of_yarnapp_tests' in this environment or in "
+     "what the job ships; install it, or ship it with the job (run.files"),
+    ("model-module-missing", dict(_with("run.function", "training.runner:main"),
+                                  training={"model": "no_nets_of_yarnapp_tests:build",
+                                            "data": {"dataset": "training.hello:main"}}), "training.model",
+     "no module named 'no_nets_of_yarnapp_tests'"),
+    ("dataset-module-missing", dict(_with("run.function", "training.runner:main"),
+                                    training={"data": {"dataset": "no_sets_of_yarnapp_tests.sub:make"}}),
+     "training.data.dataset", "no module named 'no_sets_of_yarnapp_tests'"),
     ("script-missing", {**GOOD, "run": {"script": "/nonexistent-yarnapp/train.py"}}, "run.script",
      "/nonexistent-yarnapp/train.py does not exist"),
     ("script-a-directory", {**GOOD, "run": {"script": "/tmp"}}, "run.script", "/tmp is a directory"),

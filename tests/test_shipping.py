@@ -185,3 +185,31 @@ def test_a_function_that_cannot_be_shipped_is_one_line_naming_it(yarnapp_home, m
                                            r"globals it uses\), more than the 2 MiB"):
         yarnapp.submit(job, function=captures)
     assert not os.path.isdir(os.path.join(yarnapp_home, "apps")) or os.listdir(os.path.join(yarnapp_home, "apps")) == []
+
+
+def test_a_module_neither_installed_nor_shipped_is_refused_and_one_beside_the_job_is_named(tmp_path, monkeypatch):
+    """Before, such a job started its containers, which failed importing the module."""
+    (tmp_path / "mymod.py").write_text("def main(ctx):\n    pass\n")
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text("name: own\n")
+    monkeypatch.chdir(tmp_path.parent)
+    with pytest.raises(YarnappError) as e:
+        shipping.plan(_job({"function": "mymod:main"}), where=str(job_file))
+    assert str(e.value) == (f"{job_file}: run.function: mymod:main: no module named 'mymod' in this environment or "
+                            f"in what the job ships; there is {tmp_path / 'mymod.py'}: add it to run.files")
+    assert shipping.plan(_job({"function": "mymod:main", "files": [str(tmp_path / "mymod.py")]})).entries == {
+        "mymod.py": str(tmp_path / "mymod.py")}
+    assert shipping.plan(_job({"function": "pkg.sub:main", "files": [str(tmp_path / "pkg")]})).entries == {
+        "pkg": str(tmp_path / "pkg")}
+    assert shipping.plan(_job({"function": "training.hello:main"})).entries == {}     # installed
+    with pytest.raises(YarnappError, match=r"^run.function: nowhere:main: no module named 'nowhere' .*; install it"):
+        shipping.plan(_job({"function": "nowhere:main"}))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "nets.py").write_text("")
+    with pytest.raises(YarnappError) as e:      # the working directory is on sys.path, not src/
+        shipping.plan(_job({"function": "nets:main", "files": [str(src)]}))
+    assert str(e.value).endswith(f"; it is in the shipped src/: name it src.nets:main, or ship {src / 'nets.py'} "
+                                 f"itself"), str(e.value)

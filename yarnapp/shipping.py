@@ -34,6 +34,8 @@ import shutil
 import urllib.parse
 import urllib.request
 
+from conf import BUILTIN_RUNNER
+
 from .errors import YarnappError
 
 log = logging.getLogger(__name__)
@@ -115,14 +117,14 @@ def plan(job, where=None):
     missing, clashing or too big.
     """
     try:
-        return _plan(job)
+        return _plan(job, where)
     except YarnappError as e:
         if where:
             raise YarnappError(f"{where}: {e}") from None
         raise
 
 
-def _plan(job):
+def _plan(job, where=None):
     run = job.run
     entries = {}
 
@@ -163,6 +165,7 @@ def _plan(job):
             raise YarnappError(f"run.files: {path} holds {size / 2**20:.0f} MiB, more than the "
                                f"{LIMIT_BYTES // 2**20} MiB of code yarnapp ships; list only code in run.files "
                                f"and put data on a URI (training.data)")
+    _check_importable(job, entries, where)
     # files null with a script: its directory was shipped for it and the job submitted from
     # that directory, so it runs in the copy (launcher.rank.run_code), as `python script.py`
     # run there; otherwise in the working directory, where each entry lands by its name (as
@@ -173,6 +176,45 @@ def _plan(job):
     shipped = job.model_copy(update={"run": run.model_copy(update={
         "script": script, "pickle": pickle, "files": listed})})
     return Shipment(job=shipped, entries=entries)
+
+
+def _check_importable(job, entries, where=None):
+    """Refuse a 'module:function' (run.function, a model factory, a dataset or transform)
+    whose top-level module the containers could not import: neither shipped (run.files, the
+    editable packages) nor installed in this environment, which the containers run in (the
+    local engine's own, YARN's packed copy). Found without importing it (find_spec); a
+    module that is there but fails as it imports is the container's to report."""
+    t = job.training
+    named = [("run.function", job.run.function)]
+    if t is not None and job.run.function == BUILTIN_RUNNER:       # what the built-in runner imports
+        named += [("training.model", t.model if ":" in t.model else None),
+                  ("training.data.dataset", t.data.dataset), ("training.data.transform", t.data.transform)]
+    shipped = {n[:-3] if n.endswith(".py") else n for n in entries}
+    for field, target in named:
+        top = (target or "").split(":")[0].split(".")[0]
+        if not top or top in shipped or _installed(top):
+            continue
+        beside = os.path.dirname(os.path.abspath(where)) if where and os.path.isfile(where) else None
+        dirs = [(d, None) for d in dict.fromkeys((os.getcwd(), beside)) if d]
+        dirs += [(src, name) for name, src in entries.items() if os.path.isdir(src)]
+        found = next(((os.path.join(d, top + ext), name) for d, name in dirs for ext in (".py", "")
+                      if os.path.exists(os.path.join(d, top + ext))), None)
+        if found and found[1]:      # inside a shipped directory, which is not itself on sys.path
+            hint = f"; it is in the shipped {found[1]}/: name it {found[1]}.{target}, or ship {found[0]} itself"
+        elif found:
+            hint = f"; there is {found[0]}: add it to run.files"
+        else:
+            hint = "; install it, or ship it with the job (run.files: its .py file or package directory)"
+        raise YarnappError(f"{field}: {target}: no module named {top!r} in this environment or in what the "
+                           f"job ships{hint}")
+
+
+def _installed(top):
+    import importlib.util
+    try:
+        return importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _inside(path, entries):
