@@ -2,6 +2,7 @@
 import os
 import shutil
 
+import numpy as np
 import psutil
 import pytest
 import yaml
@@ -173,6 +174,32 @@ def test_a_corrupt_or_wrong_dataset_is_refused_before_anything_starts(tmp_path, 
         assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
         assert proc.stderr.startswith(f"Error: {job}: {field}: ") and words in proc.stderr, proc.stderr
         assert apps(yarnapp_home) == [], "an application was created for a dataset that cannot be read"
+
+
+def test_images_that_would_come_out_in_other_sizes_are_refused_before_anything_starts(tmp_path, cli, yarnapp_home,
+                                                                                         digits):
+    """A crop larger than digits' 8x8 images in training.data.augment alone, and a test set of
+    6x6 images: before, the application started and its ranks failed on it."""
+    from training.data import import_arrays
+    small = str(tmp_path / "small")
+    import_arrays(small, np.zeros((8, 1, 6, 6), np.uint8), np.arange(8) % 10)
+    train = os.path.join(digits, "train")
+    cases = [({"train": train, "augment": [{"random_crop": {"size": 12}}]}, "training.data.augment: training "
+              "images come out [1, 12, 12], test images [1, 8, 8] (training.data.test_transforms); make them the "
+              "same size"),
+             ({"train": train, "test": small}, "training.data.test: its images come out [1, 6, 6] for the model, "
+              "the training set's [1, 8, 8]; give a test set of the same size, or resize it in "
+              "training.data.test_transforms")]
+    for data, words in cases:
+        job = tmp_path / "job.yaml"
+        job.write_text(yaml.safe_dump(dict(_with("run.function", "training.runner:main"), training={"data": data})))
+        proc = cli("submit", job, "--wait", timeout=60)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert proc.stderr == f"Error: {job}: {words}\n", proc.stderr
+        assert apps(yarnapp_home) == []
+    data = {"train": train, "test": small, "test_transforms": [{"resize": {"size": 8}}]}   # the fix it names
+    job.write_text(yaml.safe_dump(dict(_with("run.function", "training.runner:main"), training={"data": data})))
+    assert cli("submit", job, "--dry-run", timeout=60).returncode == 0
 
 
 def test_a_dry_run_checks_the_data_as_submit_does(tmp_path, cli, yarnapp_home, digits):

@@ -7,10 +7,12 @@ A job whose data is missing, empty, not Parquet, or lacks its image and label co
 would start its containers only to fail in them. For a job of the built-in runner (the
 one that reads `training.data`), the client reads every file's footer first (no rows:
 training.data.formats.check, what each rank does at start) and refuses such a job in one
-line naming the field. On YARN, a local path (one on the nodes' own disks) and a
-filesystem the client cannot reach (no libhdfs here, a NameNode or DataNode only the
-cluster sees) are left to the containers, which report them in one line too; an unknown
-scheme is refused on both backends. The same holds for checkpoint.uri and
+line naming the field; where the files give the images' size (raw pixels), it plays the
+augmentation and test transforms on one blank image of it, so that sizes which differ
+(a crop larger than the test images) are refused too. On YARN, a local path (one on the
+nodes' own disks) and a filesystem the client cannot reach (no libhdfs here, a NameNode
+or DataNode only the cluster sees) are left to the containers, which report them in one
+line too; an unknown scheme is refused on both backends. The same holds for checkpoint.uri and
 tensorboard.logdir (`check_outputs`), which a job would otherwise find unwritable only
 at its first checkpoint, or at its end.
 """
@@ -30,7 +32,8 @@ log = logging.getLogger(__name__)
 def check_data(job, where=None, on_cluster=False):
     """Raise YarnappError naming `where` and training.data.train/test when a dataset the
     job trains on cannot be opened from here (on_cluster: only a shared filesystem's URI
-    that this client reaches is checked)."""
+    that this client reaches is checked), or when its images would come out of the
+    augmentation and the test transforms in sizes the model cannot take together."""
     data = job.training.data if job.training is not None else None
     if data is None or data.dataset or job.run.function != BUILTIN_RUNNER:
         return                  # own code reads what it likes; a user's dataset is theirs to open
@@ -40,6 +43,7 @@ def check_data(job, where=None, on_cluster=False):
     from training.data.formats import Columns, check
     pre = f"{where}: " if where else ""
     unreachable = set()         # (scheme, host) already found out of reach: not tried again
+    shapes = {}                 # split -> [C, H, W] of its raw images (None: encoded, or not checked)
     for split in ("train", "test"):
         uri = getattr(data, split)
         if not uri or (on_cluster and fsutil.is_local(uri)):
@@ -48,7 +52,7 @@ def check_data(job, where=None, on_cluster=False):
         if (u.scheme, u.netloc) in unreachable:
             continue
         try:
-            rows = check(uri, Columns.of(data.columns), tuple(data.shape) if data.shape else None)
+            rows, shapes[split] = check(uri, Columns.of(data.columns), tuple(data.shape) if data.shape else None)
         except Unreachable as e:
             if not on_cluster:
                 raise YarnappError(f"{pre}training.data.{split}: {e}") from None
@@ -62,6 +66,41 @@ def check_data(job, where=None, on_cluster=False):
             if split == "train" and rows < batch:         # not one whole batch: no step (drop_last)
                 raise YarnappError(f"{pre}training.batch_size: {batch} is more than the {rows} rows of "
                                    f"training.data.train ({uri}); lower it")
+    if not data.transform:      # the user's own transform runs in the containers only
+        _check_sizes(data, shapes, pre)
+
+
+def _check_sizes(data, shapes, pre):
+    """The sizes the images come out of training.data.augment and test_transforms, played on
+    one blank image of each dataset's size where the files give it (raw pixels): the
+    containers refuse sizes that differ (training.data.source), and ops that do not fit."""
+    import numpy as np
+    from training.data import DataError, transforms
+    out = {}
+    for split, field in (("train", "augment"), ("train", "test_transforms"), ("test", "test_transforms")):
+        if shapes.get(split) is None:
+            continue
+        c, h, w = shapes[split]
+        try:
+            ops, hooks = transforms.build(getattr(data, field), f"training.data.{field}")
+            if hooks:           # torchvision's ops: left to the containers
+                return
+            hwc = transforms.apply(ops, np.zeros((1, h, w, c), np.uint8), 0, 0, np.zeros(1, np.int64))
+        except DataError as e:
+            raise YarnappError(f"{pre}{e}") from None
+        out[split, field] = [hwc.shape[3], hwc.shape[1], hwc.shape[2]]
+    aug, test = out.get(("train", "augment")), out.get(("train", "test_transforms"))
+    if aug and test and aug != test:
+        raise YarnappError(f"{pre}training.data.augment: training images come out {aug}, test images {test} "
+                           f"(training.data.test_transforms); make them the same size")
+    other = out.get(("test", "test_transforms"))
+    if aug and other and aug[0] != other[0]:
+        raise YarnappError(f"{pre}training.data.test: its images have {other[0]} channel(s), the training set's "
+                           f"{aug[0]}; give a test set of the same kind of images")
+    if aug and other and aug != other:
+        raise YarnappError(f"{pre}training.data.test: its images come out {other} for the model, the training "
+                           f"set's {aug}; give a test set of the same size, or resize it in "
+                           f"training.data.test_transforms")
 
 
 def check_model(job, where=None):

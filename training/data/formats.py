@@ -269,8 +269,10 @@ def inspect(uri, columns=None, shape=None):
 def check(uri, columns=None, shape=None):
     """Raise DataError (Unreachable where the filesystem cannot be reached) unless `uri`
     holds a dataset `inspect` can open: every file's footer read, no rows, no labels.
-    Returns its number of rows."""
-    return sum(md.num_rows for md in _read_footers(uri, columns or Columns(), shape)[3])
+    Returns (its number of rows, its images' [C, H, W] where the files say: raw pixels,
+    else None)."""
+    footers, _, kind, raw_shape = _read_footers(uri, columns or Columns(), shape)[3:]
+    return sum(md.num_rows for md in footers), raw_shape if kind == RAW else None
 
 
 def _read_footers(uri, columns, shape):
