@@ -264,28 +264,31 @@ def test_a_throttled_rank_reports_its_cpu_seconds_over_its_quota():
     """Recalibration balances what each rank's shares cost the others: wall time on a rank
     with its cores, CPU seconds / vcores (at least the wall time) on a CPU rank held back
     by its CPU quota in the step (busy for most of it): its wall time leaves out the
-    quota's stops, in which the others wait for it."""
+    quota's stops, in which the others wait for it. There each share is charged its part
+    of the whole step's CPU (protocol, optimizer, waits): the quota pays for all of it."""
     import time
     from types import SimpleNamespace
     from training.context import RankInfo
     from training.strategies.conv_mp.comm import Timings
     from training.strategies.conv_mp.strategy import ConvModelParallelStrategy
 
-    def seconds(vcores, busy, device="cpu"):
-        """[wall, effective] of a rank whose step so far used `busy` CPUs on average."""
+    def seconds(vcores, busy, device="cpu", step=0.08):
+        """[wall, effective] of a rank whose step so far (`step` seconds) used `busy` CPUs on
+        average, 0.032 CPU-s of it in its shares."""
         me = RankInfo(rank=1, group="w", instance=0, container="c", vcores=vcores, memory_mib=512, gpus=0)
         layers = {"conv1": SimpleNamespace(timings=Timings(conv_s=0.010, conv_cpu_s=0.008)),
                   "conv2": SimpleNamespace(timings=Timings(conv_s=0.030, conv_cpu_s=0.024))}
-        start = (time.perf_counter() - 10.0, time.process_time() - 10.0 * busy)
+        start = (time.perf_counter() - step, time.process_time() - step * busy)
         rank = SimpleNamespace(layers=layers, ctx=SimpleNamespace(me=me), device=torch.device(device),
                                _step_start=start)
         return ConvModelParallelStrategy._share_seconds(rank).ravel().tolist()
 
     wall = [0.010, 0.030]
     assert seconds(1.0, busy=1.0) == wall + wall                                  # its own core
-    assert seconds(0.5, busy=0.49) == pytest.approx(wall + [0.016, 0.048])        # CPU / 0.5 vcore
+    # 0.5 vcore, 0.0392 CPU-s in the step, 0.032 of it in shares: CPU x 1.225 / 0.5 vcore
+    assert seconds(0.5, busy=0.49) == pytest.approx(wall + [0.0196, 0.0588], rel=0.02)
     assert seconds(0.5, busy=0.2) == wall + wall                 # under a quota it does not use up
     # 1.5 vcores, 2 threads: the process's CPU over its 1.5 vcores (not over 0.75 a thread),
     # here below the wall time, so the wall time
-    assert seconds(1.5, busy=1.45) == wall + wall
+    assert seconds(1.5, busy=1.45, step=0.03) == wall + wall
     assert seconds(0.5, busy=0.49, device="cuda") == wall + wall                 # a GPU's share: wall

@@ -263,15 +263,27 @@ class ConvModelParallelStrategy(Strategy):
         recalibration gave it kernels the master then waited for (1 + 0.5 vcore,
         `benchmarks/conv_mp.py --quick`: 0.169 s/step against 0.146 s for the split
         calibrated at start). A rank under a quota it does not use up is timed by the wall.
-        (CPU seconds are the whole process's: every thread of its convolutions.)"""
+        (CPU seconds are the whole process's: every thread of its convolutions.)
+
+        The quota is spent on the whole step, not on the shares alone: the rank's protocol,
+        its optimizer and its polite waits take ~20% of it (a 0.5-vcore worker at `--quick`:
+        14 of 73 ms a step). So each share is charged its part of all the step's CPU (its
+        CPU times the step's CPU over the shares'): the time the rank has left for
+        convolutions is what its kernels follow. Charged the shares' CPU alone, it was given
+        kernels it had no quota for, and the master waited 10–18 ms a step for it (1 + 0.5
+        vcore, `benchmarks/conv_mp.py --quick`'s hetero prop, 6 interleaved runs each: conv2
+        split [256, 128] in 4 of 6 and 0.169 s a step (0.160–0.180), against [272, 112] in
+        all and 0.163 s (0.162–0.166) charged whole)."""
         wall = np.array([layer.timings.conv_s for layer in self.layers.values()])
         me = self.ctx.me
         step_wall = time.perf_counter() - self._step_start[0]
-        busy = (time.process_time() - self._step_start[1]) / max(step_wall, 1e-9)
-        if not me.throttled or torch.device(self.device).type != "cpu" or busy < BUSY_QUOTA * me.vcores:
+        step_cpu = time.process_time() - self._step_start[1]
+        if not me.throttled or torch.device(self.device).type != "cpu" or \
+                step_cpu < BUSY_QUOTA * me.vcores * step_wall:
             return np.array([wall, wall])
         cpu = np.array([layer.timings.conv_cpu_s for layer in self.layers.values()])
-        return np.array([wall, np.maximum(wall, cpu / me.vcores)])
+        whole = cpu * max(1.0, step_cpu / max(float(cpu.sum()), 1e-9))
+        return np.array([wall, np.maximum(wall, whole / me.vcores)])
 
     def _gather_times_now(self):
         from mpi4py import MPI
