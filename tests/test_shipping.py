@@ -206,6 +206,13 @@ def test_a_module_neither_installed_nor_shipped_is_refused_and_one_beside_the_jo
     assert shipping.plan(_job({"function": "training.hello:main"})).entries == {}     # installed
     with pytest.raises(YarnappError, match=r"^run.function: nowhere:main: no module named 'nowhere' .*; install it"):
         shipping.plan(_job({"function": "nowhere:main"}))
+    yarn = _job({"function": "nowhere:main"}, backend="yarn")
+
+    def on_yarn(**env):
+        return shipping.plan(yarn.model_copy(update={"environment": yarn.environment.model_copy(update=env)}))
+    with pytest.raises(YarnappError, match="no module named 'nowhere'"):
+        on_yarn(packer="venv-pack")                         # this environment, packed
+    assert on_yarn(packer="none") and on_yarn(packer="venv-pack", archive="hdfs:///envs/py311.tar.gz")
     src = tmp_path / "src"
     src.mkdir()
     (src / "nets.py").write_text("")

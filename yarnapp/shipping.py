@@ -183,7 +183,11 @@ def _check_importable(job, entries, where=None):
     whose top-level module the containers could not import: neither shipped (run.files, the
     editable packages) nor installed in this environment, which the containers run in (the
     local engine's own, YARN's packed copy). Found without importing it (find_spec); a
-    module that is there but fails as it imports is the container's to report."""
+    module that is there but fails as it imports is the container's to report. Where YARN's
+    containers run another environment (environment.archive, or packer none: the cluster's
+    python3), what it has is not known here, and nothing is refused."""
+    if job.backend == "yarn" and (job.environment.archive or job.environment.packer == "none"):
+        return
     t = job.training
     named = [("run.function", job.run.function)]
     if t is not None and job.run.function == BUILTIN_RUNNER:       # what the built-in runner imports
