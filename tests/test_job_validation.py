@@ -236,6 +236,8 @@ def test_a_wrong_cli_argument_is_one_line_naming_the_command(cli):
         assert proc.returncode == 2 and proc.stdout == "", (argv, proc.stdout + proc.stderr)
         assert proc.stderr.count("\n") == 1 and line in proc.stderr, (argv, proc.stderr)
     assert "did you mean 'submit'?" in cli("submitt", "job.yaml").stderr
+    version = cli("--version")
+    assert version.returncode == 0 and version.stdout.startswith("yarnapp 0."), version.stdout + version.stderr
     proc = cli("status", "app_that_does_not_exist")
     assert proc.returncode == 1
     assert proc.stderr.strip().startswith("Error: no application 'app_that_does_not_exist'")

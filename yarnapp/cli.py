@@ -14,7 +14,7 @@ import time
 
 import conf
 
-from . import api
+from . import __version__, api
 from .errors import YarnappError
 
 
@@ -281,6 +281,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser():
     p = _Parser(prog="yarnapp", description="Train CNNs on YARN or the embedded local engine.")
     p.add_argument("-v", "--verbose", action="store_true", help="log what the client does")
+    p.add_argument("--version", action="version", version=f"yarnapp {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     s = sub.add_parser("submit", help="start an application from a job.yaml")
