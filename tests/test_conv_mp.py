@@ -260,6 +260,47 @@ def test_a_kernel_or_two_of_noise_does_not_reshard():
     assert worth_resharding([64, 64], [80, 48], [1.6, 1.0], block=16)
 
 
+def test_recalibration_of_quota_bound_ranks_charged_their_whole_cpu_settles_where_it_balances():
+    """Two 0.5-vcore ranks, one conv of 384 kernels (200 ms of CPU), each rank with CPU
+    outside its shares (the master 40 ms a step: the rest of the network; the worker
+    10 ms). Charged its whole CPU, a rank's cost per kernel grows as its kernels shrink;
+    recalibration (the strategy's own functions, every step) must still stop where the
+    ranks' whole CPU over their vcores balances, not drain the master (a review's worry),
+    and stay there."""
+    import time
+    from types import SimpleNamespace
+    from training.context import RankInfo
+    from training.strategies.conv_mp.calibrate import corrected_speeds
+    from training.strategies.conv_mp.comm import Timings
+    from training.strategies.conv_mp.strategy import ConvModelParallelStrategy
+
+    per_kernel, fixed, vcores = 0.2 / 384, [0.040, 0.010], 0.5
+
+    def charged(r, kernels):
+        """rank r's [wall, effective] conv seconds after a step with `kernels`: quota-bound,
+        its wall step its whole CPU over its quota."""
+        share = kernels * per_kernel
+        step_cpu = share + fixed[r]
+        me = RankInfo(rank=r, group="w", instance=r, container=f"w_{r}", vcores=vcores, memory_mib=512, gpus=0)
+        layers = {"conv": SimpleNamespace(timings=Timings(conv_s=share, conv_cpu_s=share))}
+        rank = SimpleNamespace(layers=layers, ctx=SimpleNamespace(me=me), device=torch.device("cpu"),
+                               _step_start=(time.perf_counter() - step_cpu / vcores, time.process_time() - step_cpu))
+        return ConvModelParallelStrategy._share_seconds(rank)[1][0]
+
+    split, speeds, seen = [192, 192], {"conv": [1.0, 1.0]}, []
+    for _ in range(40):
+        seconds = {"conv": [charged(r, split[r]) for r in range(2)]}
+        speeds = corrected_speeds(speeds, {"conv": split}, seconds, block=16)
+        new = proportional_split(384, speeds["conv"], 16)
+        if worth_resharding(split, new, speeds["conv"], block=16):
+            split = new
+        seen.append(split[0])
+    # balanced: k0 c + 40 ms = k1 c + 10 ms, k0 + k1 = 384: k0 = 163.2, in blocks of 16 160 or 176
+    whole = [(split[r] * per_kernel + fixed[r]) / vcores for r in range(2)]
+    assert split[0] in (160, 176) and abs(whole[0] - whole[1]) <= 16 * per_kernel / vcores, (split, whole)
+    assert set(seen[-10:]) == {split[0]}, seen                        # and it stays there
+
+
 def test_a_throttled_rank_reports_its_cpu_seconds_over_its_quota():
     """Recalibration balances what each rank's shares cost the others: wall time on a rank
     with its cores, CPU seconds / vcores (at least the wall time) on a CPU rank held back
@@ -288,7 +329,8 @@ def test_a_throttled_rank_reports_its_cpu_seconds_over_its_quota():
     # 0.5 vcore, 0.0392 CPU-s in the step, 0.032 of it in shares: CPU x 1.225 / 0.5 vcore
     assert seconds(0.5, busy=0.49) == pytest.approx(wall + [0.0196, 0.0588], rel=0.02)
     assert seconds(0.5, busy=0.2) == wall + wall                 # under a quota it does not use up
-    # 1.5 vcores, 2 threads: the process's CPU over its 1.5 vcores (not over 0.75 a thread),
-    # here below the wall time, so the wall time
-    assert seconds(1.5, busy=1.45, step=0.03) == wall + wall
+    # 1.5 vcores, 2 threads: the process's CPU over its 1.5 vcores (not over 0.75 a thread):
+    # 0.116 CPU-s in the step, 0.032 of it in shares, CPU x 3.625 / 1.5 vcores
+    assert seconds(1.5, busy=1.45) == pytest.approx(wall + [0.0193, 0.058], rel=0.02)
+    assert seconds(1.5, busy=1.45, step=0.03) == wall + wall     # below the wall time: the wall time
     assert seconds(0.5, busy=0.49, device="cuda") == wall + wall                 # a GPU's share: wall

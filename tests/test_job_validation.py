@@ -200,6 +200,11 @@ def test_images_that_would_come_out_in_other_sizes_are_refused_before_anything_s
     data = {"train": train, "test": small, "test_transforms": [{"resize": {"size": 8}}]}   # the fix it names
     job.write_text(yaml.safe_dump(dict(_with("run.function", "training.runner:main"), training={"data": data})))
     assert cli("submit", job, "--dry-run", timeout=60).returncode == 0
+    # torchvision's ops are the containers' (their environment may have torchvision where the
+    # client has none): not built here, and the sizes not checked
+    data = {"train": train, "augment": [{"random_crop": {"size": 12}}, {"torchvision.NoSuchOp": {}}]}
+    job.write_text(yaml.safe_dump(dict(_with("run.function", "training.runner:main"), training={"data": data})))
+    assert cli("submit", job, "--dry-run", timeout=60).returncode == 0
 
 
 def test_a_dry_run_checks_the_data_as_submit_does(tmp_path, cli, yarnapp_home, digits):
@@ -231,7 +236,9 @@ def test_a_wrong_cli_argument_is_one_line_naming_the_command(cli):
                        (["data", "import", "digitz", "/tmp/x"], "did you mean 'digits'? "
                                                                 "(see `yarnapp data import --help`)"),
                        (["plan", "job.yaml", "--classes", "ten"], "Error: yarnapp plan: argument --classes: "
-                                                                  "invalid int value: 'ten'")]:
+                                                                  "invalid int value: 'ten'"),
+                       (["submit", "job.yaml", "--bogus"], "Error: yarnapp submit: unrecognized arguments: --bogus "
+                                                           "(see `yarnapp submit --help`)")]:
         proc = cli(*argv)
         assert proc.returncode == 2 and proc.stdout == "", (argv, proc.stdout + proc.stderr)
         assert proc.stderr.count("\n") == 1 and line in proc.stderr, (argv, proc.stderr)

@@ -220,3 +220,33 @@ def test_a_module_neither_installed_nor_shipped_is_refused_and_one_beside_the_jo
         shipping.plan(_job({"function": "nets:main", "files": [str(src)]}))
     assert str(e.value).endswith(f"; it is in the shipped src/: name it src.nets:main, or ship {src / 'nets.py'} "
                                  f"itself"), str(e.value)
+
+
+def test_modules_on_a_groups_pythonpath_and_compiled_extensions_count_as_shipped(tmp_path, monkeypatch):
+    """From the review: a group's env PYTHONPATH (absolute, or relative to the working
+    directory where the shipped entries land) and a shipped compiled extension worked before
+    the check, and still do."""
+    lib, src = tmp_path / "lib", tmp_path / "src"
+    lib.mkdir()
+    src.mkdir()
+    (lib / "mymod.py").write_text("def main(ctx):\n    pass\n")
+    (src / "nets.py").write_text("def main(ctx):\n    pass\n")
+    ext = tmp_path / f"fastops.cpython-{sys.version_info[0]}{sys.version_info[1]}-x86_64-linux-gnu.so"
+    ext.write_bytes(b"")
+    monkeypatch.chdir(tmp_path.parent)
+
+    def job(function, env, files=None, backend="local"):
+        return conf.absolutize(conf.load_job({
+            "name": "own", "backend": backend, "environment": {"packer": "venv-pack"},
+            "groups": [{"name": "w", "instances": 1, "env": env}],
+            "run": {"function": function, "files": files, "editable": False}}), os.getcwd())
+    assert shipping.plan(job("mymod:main", {"PYTHONPATH": str(lib)}))
+    assert shipping.plan(job("nets:main", {"PYTHONPATH": "src"}, files=[str(src)]))
+    assert shipping.plan(job("nets:main", {"PYTHONPATH": "elsewhere"}))          # not known here: not refused
+    assert shipping.plan(job("mymod:main", {"PYTHONPATH": "/opt/lib"}, backend="yarn"))     # the nodes' own
+    with pytest.raises(YarnappError, match="no module named 'mymod'"):
+        shipping.plan(job("mymod:main", {"PYTHONPATH": str(src)}))
+    assert shipping.plan(job("fastops:main", {}, files=[str(ext)]))
+    monkeypatch.chdir(src)          # the current directory shipped whole: the hint names the shipped copy
+    with pytest.raises(YarnappError, match=r"it is in the shipped src/: name it src.nets:main"):
+        shipping.plan(job("nets:main", {}, files=[str(src)]))

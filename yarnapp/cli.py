@@ -373,13 +373,26 @@ def build_parser():
     s.add_argument("--quality", type=int, help="synthetic-cifar --encoding jpeg: JPEG quality (default 90)")
     s.add_argument("--overwrite", action="store_true", help="replace an existing dataset")
     s.set_defaults(fn=cmd_data_import)
+    _name_leaves(p)
     return p
+
+
+def _name_leaves(parser):
+    """Each subcommand's parser in its own namespace (`_parser`), so that an argument it does
+    not know is refused naming it and its --help (`main`), not the top-level one."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                sub.set_defaults(_parser=sub)
+                _name_leaves(sub)
 
 
 def main(argv=None):
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 2
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,

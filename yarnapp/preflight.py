@@ -76,15 +76,16 @@ def _check_sizes(data, shapes, pre):
     containers refuse sizes that differ (training.data.source), and ops that do not fit."""
     import numpy as np
     from training.data import DataError, transforms
+    if any(name.startswith("torchvision.") for field in ("augment", "test_transforms")
+           for entry in getattr(data, field) or [] for name in entry):
+        return                  # torchvision's ops: left to the containers (their environment's)
     out = {}
     for split, field in (("train", "augment"), ("train", "test_transforms"), ("test", "test_transforms")):
         if shapes.get(split) is None:
             continue
         c, h, w = shapes[split]
         try:
-            ops, hooks = transforms.build(getattr(data, field), f"training.data.{field}")
-            if hooks:           # torchvision's ops: left to the containers
-                return
+            ops, _ = transforms.build(getattr(data, field), f"training.data.{field}")
             hwc = transforms.apply(ops, np.zeros((1, h, w, c), np.uint8), 0, 0, np.zeros(1, np.int64))
         except DataError as e:
             raise YarnappError(f"{pre}{e}") from None

@@ -181,26 +181,32 @@ def _plan(job, where=None):
 def _check_importable(job, entries, where=None):
     """Refuse a 'module:function' (run.function, a model factory, a dataset or transform)
     whose top-level module the containers could not import: neither shipped (run.files, the
-    editable packages) nor installed in this environment, which the containers run in (the
-    local engine's own, YARN's packed copy). Found without importing it (find_spec); a
-    module that is there but fails as it imports is the container's to report. Where YARN's
-    containers run another environment (environment.archive, or packer none: the cluster's
-    python3), what it has is not known here, and nothing is refused."""
+    editable packages; a .py file, a package, a compiled extension) nor on a PYTHONPATH a
+    group sets (a relative entry is the container's working directory's, where the shipped
+    entries land) nor installed in this environment, which the containers run in (the local
+    engine's own, YARN's packed copy). Found without importing it (find_spec); a module that
+    is there but fails as it imports is the container's to report. Where what the
+    containers can import is not known here (YARN's containers running another environment:
+    environment.archive, or packer none, the cluster's python3; an absolute PYTHONPATH on
+    YARN's nodes), nothing is refused."""
     if job.backend == "yarn" and (job.environment.archive or job.environment.packer == "none"):
+        return
+    paths = _group_paths(job, entries)
+    if paths is None:
         return
     t = job.training
     named = [("run.function", job.run.function)]
     if t is not None and job.run.function == BUILTIN_RUNNER:       # what the built-in runner imports
         named += [("training.model", t.model if ":" in t.model else None),
                   ("training.data.dataset", t.data.dataset), ("training.data.transform", t.data.transform)]
-    shipped = {n[:-3] if n.endswith(".py") else n for n in entries}
+    shipped = {_module_name(n) for n in entries}
     for field, target in named:
         top = (target or "").split(":")[0].split(".")[0]
-        if not top or top in shipped or _installed(top):
+        if not top or top in shipped or _installed(top, paths):
             continue
         beside = os.path.dirname(os.path.abspath(where)) if where and os.path.isfile(where) else None
-        dirs = [(d, None) for d in dict.fromkeys((os.getcwd(), beside)) if d]
-        dirs += [(src, name) for name, src in entries.items() if os.path.isdir(src)]
+        dirs = [(src, name) for name, src in entries.items() if os.path.isdir(src)]
+        dirs += [(d, None) for d in dict.fromkeys((os.getcwd(), beside)) if d]
         found = next(((os.path.join(d, top + ext), name) for d, name in dirs for ext in (".py", "")
                       if os.path.exists(os.path.join(d, top + ext))), None)
         if found and found[1]:      # inside a shipped directory, which is not itself on sys.path
@@ -213,10 +219,42 @@ def _check_importable(job, entries, where=None):
                            f"job ships{hint}")
 
 
-def _installed(top):
+def _module_name(entry):
+    """The module a shipped entry is imported as: 'm' for m.py and m.cpython-311-....so."""
+    import importlib.machinery
+    for suffix in sorted(importlib.machinery.all_suffixes(), key=len, reverse=True):
+        if entry.endswith(suffix):
+            return entry[:-len(suffix)]
+    return entry
+
+
+def _group_paths(job, entries):
+    """The local directories behind the PYTHONPATH the groups set (groups[].env), which the
+    containers search too: an absolute one as it is (None on YARN: the nodes' own), a
+    relative one inside the shipped entry it names (None where it names none)."""
+    paths = []
+    for group in job.groups:
+        for p in (group.env.get("PYTHONPATH") or "").split(os.pathsep):
+            if not p or p == ".":
+                continue
+            if os.path.isabs(p):
+                if job.backend == "yarn":
+                    return None
+                paths.append(p)
+                continue
+            head, _, rest = os.path.normpath(p).partition(os.sep)
+            if head not in entries:
+                return None
+            paths.append(os.path.join(entries[head], rest))
+    return paths
+
+
+def _installed(top, paths=()):
+    import importlib.machinery
     import importlib.util
     try:
-        return importlib.util.find_spec(top) is not None
+        return (importlib.util.find_spec(top) is not None or
+                bool(paths) and importlib.machinery.PathFinder.find_spec(top, list(paths)) is not None)
     except (ImportError, ValueError):
         return False
 

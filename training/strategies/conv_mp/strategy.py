@@ -273,7 +273,10 @@ class ConvModelParallelStrategy(Strategy):
         kernels it had no quota for, and the master waited 10–18 ms a step for it (1 + 0.5
         vcore, `benchmarks/conv_mp.py --quick`'s hetero prop, 6 interleaved runs each: conv2
         split [256, 128] in 4 of 6 and 0.169 s a step (0.160–0.180), against [272, 112] in
-        all and 0.163 s (0.162–0.166) charged whole)."""
+        all and 0.163 s (0.162–0.166) charged whole). What is charged per kernel grows as a
+        rank's kernels shrink (its fixed CPU, a throttled master's rest of the network,
+        spread over fewer), yet recalibration settles: where it stops, every quota-bound
+        rank's whole CPU a step over its vcores is the same (a unit test plays it out)."""
         wall = np.array([layer.timings.conv_s for layer in self.layers.values()])
         me = self.ctx.me
         step_wall = time.perf_counter() - self._step_start[0]
@@ -282,7 +285,8 @@ class ConvModelParallelStrategy(Strategy):
                 step_cpu < BUSY_QUOTA * me.vcores * step_wall:
             return np.array([wall, wall])
         cpu = np.array([layer.timings.conv_cpu_s for layer in self.layers.values()])
-        whole = cpu * max(1.0, step_cpu / max(float(cpu.sum()), 1e-9))
+        shares = float(cpu.sum())
+        whole = cpu * max(1.0, step_cpu / shares) if shares > 1e-6 else cpu     # no kernels: nothing to charge
         return np.array([wall, np.maximum(wall, whole / me.vcores)])
 
     def _gather_times_now(self):
