@@ -23,7 +23,7 @@ import sys
 import time
 import uuid
 
-from . import beats, exitcodes, identity, keys, memory, network, results, store as store_mod
+from . import beats, exitcodes, identity, keys, memory, network, results, stacks, store as store_mod
 from .failure import (Failure, Kind, current_generation, log_tail, looks_collateral, spends_the_last_restart,
                       spent_restarts)
 
@@ -275,6 +275,7 @@ class Agent:
         self.store.put(keys.incarnation(gen, self.ident.rank), self.incarnation)
         me, rank = self.ident.container, self.ident.rank
         self.formed_seen = None
+        waited = 0.0            # extra silence allowed a rank found waiting for its peers (launcher.stacks)
         while True:
             rc = self.child.poll()
             if rc == 0:
@@ -332,16 +333,22 @@ class Agent:
                 # When one rank stops, the others soon block in a collective waiting for it
                 # and go silent too: a rank that is merely waiting gives the stopped one's
                 # agent a grace period to name the real culprit first.
-                if silent > limit + (0 if stopped else min(2.0, limit / 2)):
+                if silent > limit + (0 if stopped else min(2.0, limit / 2)) + waited:
                     # ... or a peer whose whole container stopped, whose agent cannot say so.
                     suspects = [] if stopped else self.peers.silent(now, beats.SUSPECT_S)
                     if suspects:
                         return Outcome.OWN, self.replace_frozen(gen, seen, suspects)
+                    at = None if stopped else stacks.where(stacks.dump(self.child.pid, self.heartbeat + stacks.SUFFIX))
+                    if at and at.waiting and not waited:    # the rank it waits for is named first
+                        waited = min(limit, stacks.WAITING_GRACE_S)
+                        continue
                     return Outcome.OWN, Failure(
                         kind=Kind.HUNG.value, container=me, rank=rank,
                         reason=f"rank {rank} ({me}) hung{' (process stopped)' if stopped else ''}: "
                                f"no progress for {silent:.1f}s in {phase} (limit {limit:g}s: "
                                f"launcher.{'heartbeat' if phase == 'train' else 'rendezvous'}_timeout)"
+                               + (f"; its main thread is at {at.frame}"
+                                  f"{', waiting for its peers' if at.waiting else ''}" if at else "")
                                + self.network_note())
             lost = self.lost_member(gen, seen)
             if lost:

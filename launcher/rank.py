@@ -31,7 +31,7 @@ import traceback
 from conf.errors import YarnappError
 from conf.schema import BUILTIN_RUNNER
 
-from . import exitcodes, identity, keys, network, store as store_mod, torch_env, world
+from . import exitcodes, identity, keys, network, stacks, store as store_mod, torch_env, world
 from .failure import Failure
 
 log = logging.getLogger("launcher.rank")
@@ -268,6 +268,7 @@ def main(argv=None):
     gen, job = args.generation, ident.job
     with open(args.heartbeat, "w") as f:
         f.write(f"setup {time.time()}")
+    stacks.enable(args.heartbeat + stacks.SUFFIX)     # where it is, should it hang (launcher.stacks)
     workdir = os.getcwd()
     try:
         fn = entry_point(job, workdir)

@@ -4,6 +4,7 @@ workers). What the transitions write to the store and the container's exit statu
 what the AM, status and results read."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import time
 import pytest
 
 import conf
-from launcher import beats, exitcodes, keys, memory
+from launcher import beats, exitcodes, keys, memory, stacks
 from launcher.agent import NOT_RETRIED, NOT_RETRIED_AGAIN, SETUP_GRACE_S, TRANSITIONS, Agent, Outcome, State
 from launcher.failure import Failure, Kind
 from launcher.identity import Identity
@@ -230,6 +231,34 @@ def test_a_rank_whose_heartbeat_goes_stale_is_hung_and_restarted(tmp_path, stopp
     assert ("(process stopped)" in hung.reason) == stopped
     assert a.children[0].poll() == -signal.SIGKILL          # the hung rank was killed, not left behind
     assert load(store, keys.restart(1)).kind == Kind.HUNG.value
+
+
+@pytest.mark.parametrize("waiting", [False, True])
+def test_a_hung_rank_is_named_with_where_its_main_thread_is(tmp_path, waiting):
+    """Before, a silent rank's reason said only "no progress". Its agent now asks the rank
+    for its stack (launcher.stacks, SIGUSR1): the reason names the main thread's frame. A
+    rank found waiting for its peers (a frame in training/collectives/, torch/distributed/,
+    mpi4py/) is given as long again first, so that the rank it waits on, still computing
+    (here: spinning), is the one named: before, every silent rank named itself at once."""
+    where = tmp_path / "code" / ("training/collectives" if waiting else "user")
+    where.mkdir(parents=True)
+    (where / "loop.py").write_text(
+        f"import sys, time\nsys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r})\n"
+        "from launcher import stacks\nstacks.enable(sys.argv[1])\n\n\n"
+        "def wait_here():\n    while True:\n        time.sleep(0.01)\n\n\n"
+        "def spin_here():\n    while True:\n        pass\n\n\n"
+        f"{'wait_here' if waiting else 'spin_here'}()\n")
+    cmd = [sys.executable, str(where / "loop.py"), str(tmp_path / "heartbeat") + stacks.SUFFIX]
+    a, store = agent(tmp_path, [cmd, ["true"]], cls=ProcessAgent, before=formed_and_training,
+                     launcher={"heartbeat_timeout": "300ms"})
+    assert a.run() == exitcodes.SUCCEEDED
+    hung = load(store, keys.abort(0))
+    assert re.search(rf"; its main thread is at {re.escape(str(where / 'loop.py'))}:\d+ in "
+                     rf"{'wait_here' if waiting else 'spin_here'}", hung.reason), hung.reason
+    assert (", waiting for its peers" in hung.reason) == waiting, hung.reason
+    silent = float(hung.reason.split("no progress for ")[1].split("s")[0])
+    assert silent >= 0.3 + 0.15 + (0.3 if waiting else 0), hung.reason      # limit, grace (and as long again)
+    assert a.children[0].poll() == -signal.SIGKILL
 
 
 def test_a_rank_still_beating_is_not_hung(tmp_path):

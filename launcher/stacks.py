@@ -1,0 +1,82 @@
+"""Where a hung rank is: its Python stack, dumped on request.
+
+The rank process registers faulthandler for SIGUSR1 (`enable`): its C handler writes
+every thread's Python stack to a file, whatever the rank is doing (a busy loop, a blocking
+MPI call), without needing the GIL. When a rank's heartbeat goes silent, its agent asks
+for the dump (`dump`) and reads where the main thread is (`where`): the frame goes into
+the failure's reason, and a rank found waiting for its peers (in a collective) is given
+time for the rank it waits on, the one still computing, to be named first. Each agent
+judges only its own rank; before, every silent rank named itself at the same moment, and
+whichever wrote first was blamed.
+"""
+import dataclasses
+import faulthandler
+import os
+import re
+import signal
+import time
+
+SUFFIX = ".stack"      # a rank's dump file: its heartbeat file's path and this
+WAITING_GRACE_S = 5.0  # a rank found waiting is declared hung this much later (at most its limit):
+                       # time for the agent of the rank it waits on to dump that one's stack and say so
+# A main thread with a frame in one of these waits for its peers.
+WAITING = ("training/collectives/", "torch/distributed/", "mpi4py/")
+_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+) in (\S+)')
+
+
+def enable(path):
+    """Rank side: dump every thread's stack to `path` on SIGUSR1 (the file stays open, in
+    append mode: each dump lands at the start of the file `dump` truncated)."""
+    faulthandler.register(signal.SIGUSR1, file=open(path, "a"), all_threads=True, chain=False)
+
+
+def dump(pid, path, timeout=1.0):
+    """Agent side: the stack dump of process `pid` (which called `enable(path)`), or None
+    when none comes within `timeout` (a process that registered nothing dies of SIGUSR1,
+    which is what would have been done to a hung rank anyway)."""
+    try:
+        os.truncate(path, 0)
+        os.kill(pid, signal.SIGUSR1)
+    except OSError:
+        return None
+    deadline, size = time.monotonic() + timeout, -1
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        try:
+            now = os.path.getsize(path)
+        except OSError:
+            return None
+        if now and now == size:             # written, and no longer growing
+            with open(path, errors="replace") as f:
+                return f.read()
+        size = now
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Where:
+    frame: str          # the main thread's innermost frame: "file:line in function"
+    waiting: bool       # the main thread is inside a collective (a frame in WAITING)
+
+
+def where(text):
+    """The main thread's innermost frame in a faulthandler dump (the thread whose outermost
+    frame is launcher/rank.py's, else the thread that took the signal), or None."""
+    if not text:
+        return None
+    threads, current = [], None
+    for line in text.splitlines():
+        if line.startswith(("Thread 0x", "Current thread 0x")):
+            current = []
+            threads.append((line.startswith("Current"), current))
+        elif current is not None:
+            m = _FRAME.match(line)
+            if m:
+                current.append(m.groups())
+    main = next((frames for _, frames in threads if frames and frames[-1][0].endswith("launcher/rank.py")), None)
+    if main is None:
+        main = next((frames for taken, frames in threads if taken and frames), None)
+    if not main:
+        return None
+    path, line, fn = main[0]
+    return Where(frame=f"{path}:{line} in {fn}", waiting=any(w in p for p, _, _ in main for w in WAITING))
