@@ -60,8 +60,9 @@ class Where:
 
 
 def where(text):
-    """The main thread's innermost frame in a faulthandler dump (the thread whose outermost
-    frame is launcher/rank.py's, else the thread that took the signal), or None."""
+    """The main thread's innermost frame in a faulthandler dump, or None: the thread that
+    runs launcher/rank.py and was not started by `threading` (the liveness thread runs
+    rank.py's code too), else the thread that took the signal."""
     if not text:
         return None
     threads, current = [], None
@@ -73,7 +74,8 @@ def where(text):
             m = _FRAME.match(line)
             if m:
                 current.append(m.groups())
-    main = next((frames for _, frames in threads if frames and frames[-1][0].endswith("launcher/rank.py")), None)
+    main = next((frames for _, frames in threads if frames and not frames[-1][0].endswith("threading.py")
+                 and any(path.endswith("launcher/rank.py") for path, _, _ in frames)), None)
     if main is None:
         main = next((frames for taken, frames in threads if taken and frames), None)
     if not main:

@@ -261,6 +261,22 @@ def test_a_hung_rank_is_named_with_where_its_main_thread_is(tmp_path, waiting):
     assert a.children[0].poll() == -signal.SIGKILL
 
 
+def test_the_main_thread_is_found_in_a_rank_dump_whichever_thread_took_the_signal():
+    """A rank runs as `python -m launcher.rank` (runpy outermost); its liveness thread runs
+    rank.py's code too. The signal may land on any thread."""
+    dump = ('Current thread 0x00007f01 (most recent call first):\n'
+            '  File "/w/launcher/rank.py", line 190 in run\n'
+            '  File "/usr/lib/python3.11/threading.py", line 1045 in _bootstrap_inner\n'
+            '  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap\n\n'
+            'Thread 0x00007f02 (most recent call first):\n'
+            '  File "/w/training/collectives/ring.py", line 205 in wait\n'
+            '  File "/w/work/train.py", line 19 in main\n'
+            '  File "/w/launcher/rank.py", line 313 in main\n'
+            '  File "<frozen runpy>", line 198 in _run_module_as_main\n')
+    assert stacks.where(dump) == stacks.Where(frame="/w/training/collectives/ring.py:205 in wait", waiting=True)
+    assert stacks.where("") is None and stacks.where("garbage") is None
+
+
 def test_a_rank_still_beating_is_not_hung(tmp_path):
     def beating(store, gen, agent):
         formed_and_training(store, gen, agent)
