@@ -260,6 +260,21 @@ def test_a_kernel_or_two_of_noise_does_not_reshard():
     assert worth_resharding([64, 64], [80, 48], [1.6, 1.0], block=16)
 
 
+def _share_seconds_after(vcores, timings, step_s, step_cpu, device="cpu", rank=1):
+    """ConvModelParallelStrategy._share_seconds of a rank whose layers timed `timings`
+    ({layer: (wall, CPU)}) in a step of `step_s` seconds so far, `step_cpu` of CPU."""
+    import time
+    from types import SimpleNamespace
+    from training.context import RankInfo
+    from training.strategies.conv_mp.comm import Timings
+    from training.strategies.conv_mp.strategy import ConvModelParallelStrategy
+    me = RankInfo(rank=rank, group="w", instance=rank, container=f"w_{rank}", vcores=vcores, memory_mib=512, gpus=0)
+    layers = {n: SimpleNamespace(timings=Timings(conv_s=wall, conv_cpu_s=cpu)) for n, (wall, cpu) in timings.items()}
+    stand_in = SimpleNamespace(layers=layers, ctx=SimpleNamespace(me=me), device=torch.device(device),
+                               _step_start=(time.perf_counter() - step_s, time.process_time() - step_cpu))
+    return ConvModelParallelStrategy._share_seconds(stand_in)
+
+
 def test_recalibration_of_quota_bound_ranks_charged_their_whole_cpu_settles_where_it_balances():
     """Two 0.5-vcore ranks, one conv of 384 kernels (200 ms of CPU), each rank with CPU
     outside its shares (the master 40 ms a step: the rest of the network; the worker
@@ -267,25 +282,14 @@ def test_recalibration_of_quota_bound_ranks_charged_their_whole_cpu_settles_wher
     recalibration (the strategy's own functions, every step) must still stop where the
     ranks' whole CPU over their vcores balances, not drain the master (a review's worry),
     and stay there."""
-    import time
-    from types import SimpleNamespace
-    from training.context import RankInfo
-    from training.strategies.conv_mp.calibrate import corrected_speeds
-    from training.strategies.conv_mp.comm import Timings
-    from training.strategies.conv_mp.strategy import ConvModelParallelStrategy
-
     per_kernel, fixed, vcores = 0.2 / 384, [0.040, 0.010], 0.5
 
     def charged(r, kernels):
-        """rank r's [wall, effective] conv seconds after a step with `kernels`: quota-bound,
-        its wall step its whole CPU over its quota."""
+        """rank r's effective conv seconds after a step with `kernels`: quota-bound, its wall
+        step its whole CPU over its quota."""
         share = kernels * per_kernel
         step_cpu = share + fixed[r]
-        me = RankInfo(rank=r, group="w", instance=r, container=f"w_{r}", vcores=vcores, memory_mib=512, gpus=0)
-        layers = {"conv": SimpleNamespace(timings=Timings(conv_s=share, conv_cpu_s=share))}
-        rank = SimpleNamespace(layers=layers, ctx=SimpleNamespace(me=me), device=torch.device("cpu"),
-                               _step_start=(time.perf_counter() - step_cpu / vcores, time.process_time() - step_cpu))
-        return ConvModelParallelStrategy._share_seconds(rank)[1][0]
+        return _share_seconds_after(vcores, {"conv": (share, share)}, step_cpu / vcores, step_cpu, rank=r)[1][0]
 
     split, speeds, seen = [192, 192], {"conv": [1.0, 1.0]}, []
     for _ in range(40):
@@ -307,22 +311,11 @@ def test_a_throttled_rank_reports_its_cpu_seconds_over_its_quota():
     by its CPU quota in the step (busy for most of it): its wall time leaves out the
     quota's stops, in which the others wait for it. There each share is charged its part
     of the whole step's CPU (protocol, optimizer, waits): the quota pays for all of it."""
-    import time
-    from types import SimpleNamespace
-    from training.context import RankInfo
-    from training.strategies.conv_mp.comm import Timings
-    from training.strategies.conv_mp.strategy import ConvModelParallelStrategy
-
     def seconds(vcores, busy, device="cpu", step=0.08):
         """[wall, effective] of a rank whose step so far (`step` seconds) used `busy` CPUs on
         average, 0.032 CPU-s of it in its shares."""
-        me = RankInfo(rank=1, group="w", instance=0, container="c", vcores=vcores, memory_mib=512, gpus=0)
-        layers = {"conv1": SimpleNamespace(timings=Timings(conv_s=0.010, conv_cpu_s=0.008)),
-                  "conv2": SimpleNamespace(timings=Timings(conv_s=0.030, conv_cpu_s=0.024))}
-        start = (time.perf_counter() - step, time.process_time() - step * busy)
-        rank = SimpleNamespace(layers=layers, ctx=SimpleNamespace(me=me), device=torch.device(device),
-                               _step_start=start)
-        return ConvModelParallelStrategy._share_seconds(rank).ravel().tolist()
+        timings = {"conv1": (0.010, 0.008), "conv2": (0.030, 0.024)}
+        return _share_seconds_after(vcores, timings, step, step * busy, device).ravel().tolist()
 
     wall = [0.010, 0.030]
     assert seconds(1.0, busy=1.0) == wall + wall                                  # its own core

@@ -27,9 +27,9 @@ def _project(root):
     return root
 
 
-def _job(run, backend="local"):
-    return conf.absolutize(conf.load_job({"name": "own", "groups": [{"name": "w", "instances": 2}],
-                                          "backend": backend, "environment": {"packer": "none"},
+def _job(run, backend="local", environment=None, env=None):
+    return conf.absolutize(conf.load_job({"name": "own", "groups": [{"name": "w", "instances": 2, "env": env or {}}],
+                                          "backend": backend, "environment": environment or {"packer": "none"},
                                           "run": dict(run, editable=False)}), os.getcwd())
 
 
@@ -206,10 +206,8 @@ def test_a_module_neither_installed_nor_shipped_is_refused_and_one_beside_the_jo
     assert shipping.plan(_job({"function": "training.hello:main"})).entries == {}     # installed
     with pytest.raises(YarnappError, match=r"^run.function: nowhere:main: no module named 'nowhere' .*; install it"):
         shipping.plan(_job({"function": "nowhere:main"}))
-    yarn = _job({"function": "nowhere:main"}, backend="yarn")
-
-    def on_yarn(**env):
-        return shipping.plan(yarn.model_copy(update={"environment": yarn.environment.model_copy(update=env)}))
+    def on_yarn(**environment):
+        return shipping.plan(_job({"function": "nowhere:main"}, backend="yarn", environment=environment))
     with pytest.raises(YarnappError, match="no module named 'nowhere'"):
         on_yarn(packer="venv-pack")                         # this environment, packed
     assert on_yarn(packer="none") and on_yarn(packer="venv-pack", archive="hdfs:///envs/py311.tar.gz")
@@ -236,10 +234,8 @@ def test_modules_on_a_groups_pythonpath_and_compiled_extensions_count_as_shipped
     monkeypatch.chdir(tmp_path.parent)
 
     def job(function, env, files=None, backend="local"):
-        return conf.absolutize(conf.load_job({
-            "name": "own", "backend": backend, "environment": {"packer": "venv-pack"},
-            "groups": [{"name": "w", "instances": 1, "env": env}],
-            "run": {"function": function, "files": files, "editable": False}}), os.getcwd())
+        return _job({"function": function, "files": files}, backend=backend, environment={"packer": "venv-pack"},
+                    env=env)
     assert shipping.plan(job("mymod:main", {"PYTHONPATH": str(lib)}))
     assert shipping.plan(job("nets:main", {"PYTHONPATH": "src"}, files=[str(src)]))
     assert shipping.plan(job("nets:main", {"PYTHONPATH": "elsewhere"}))          # not known here: not refused

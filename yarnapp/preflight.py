@@ -79,17 +79,20 @@ def _check_sizes(data, shapes, pre):
     if any(name.startswith("torchvision.") for field in ("augment", "test_transforms")
            for entry in getattr(data, field) or [] for name in entry):
         return                  # torchvision's ops: left to the containers (their environment's)
+    if not any(shapes.values()):
+        return                  # no size known here (encoded images): nothing to play
     out = {}
-    for split, field in (("train", "augment"), ("train", "test_transforms"), ("test", "test_transforms")):
-        if shapes.get(split) is None:
-            continue
-        c, h, w = shapes[split]
-        try:
-            ops, _ = transforms.build(getattr(data, field), f"training.data.{field}")
-            hwc = transforms.apply(ops, np.zeros((1, h, w, c), np.uint8), 0, 0, np.zeros(1, np.int64))
-        except DataError as e:
-            raise YarnappError(f"{pre}{e}") from None
-        out[split, field] = [hwc.shape[3], hwc.shape[1], hwc.shape[2]]
+    try:
+        ops = {field: transforms.build(getattr(data, field), f"training.data.{field}")[0]
+               for field in ("augment", "test_transforms")}
+        for split, field in (("train", "augment"), ("train", "test_transforms"), ("test", "test_transforms")):
+            if shapes.get(split) is None:
+                continue
+            c, h, w = shapes[split]
+            hwc = transforms.apply(ops[field], np.zeros((1, h, w, c), np.uint8), 0, 0, np.zeros(1, np.int64))
+            out[split, field] = [hwc.shape[3], hwc.shape[1], hwc.shape[2]]
+    except DataError as e:
+        raise YarnappError(f"{pre}{e}") from None
     aug, test = out.get(("train", "augment")), out.get(("train", "test_transforms"))
     if aug and test and aug != test:
         raise YarnappError(f"{pre}training.data.augment: training images come out {aug}, test images {test} "

@@ -26,7 +26,9 @@ The job the containers read names the shipped copies: run.script and run.pickle
 become paths relative to the working directory.
 """
 import dataclasses
+import importlib.machinery
 import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
@@ -221,7 +223,6 @@ def _check_importable(job, entries, where=None):
 
 def _module_name(entry):
     """The module a shipped entry is imported as: 'm' for m.py and m.cpython-311-....so."""
-    import importlib.machinery
     for suffix in sorted(importlib.machinery.all_suffixes(), key=len, reverse=True):
         if entry.endswith(suffix):
             return entry[:-len(suffix)]
@@ -250,8 +251,6 @@ def _group_paths(job, entries):
 
 
 def _installed(top, paths=()):
-    import importlib.machinery
-    import importlib.util
     try:
         return (importlib.util.find_spec(top) is not None or
                 bool(paths) and importlib.machinery.PathFinder.find_spec(top, list(paths)) is not None)
