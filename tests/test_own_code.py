@@ -283,24 +283,27 @@ def test_a_script_shipped_with_its_directory_runs_in_it_and_opens_files_beside_i
     assert_nothing_left(app)
 
 
-def test_a_notebook_function_using_a_local_module_says_how_to_ship_it_and_that_works(tmp_path, yarnapp_home):
-    """cloudpickle sends a __main__ function by value but the modules it imports by name:
-    the containers lack `mylocal`. The line now says how to ship it, and doing so works."""
-    (tmp_path / "mylocal.py").write_text("def value():\n    return 7\n")
+def test_a_notebook_function_using_a_local_module_takes_it_along(tmp_path, yarnapp_home):
+    """cloudpickle sends a __main__ function by value but what it uses from other modules
+    by name, and the containers lack a module beside the notebook. Before, every rank
+    failed: "No module named 'mylocal'", and the user had to add run.files. Now what the
+    function uses from such modules (a module, a function, a class) travels by value; a
+    job that ships the module in run.files still imports it by name there."""
+    (tmp_path / "mylocal.py").write_text("class Scale:\n    k = 3\n\ndef value():\n    return 7\n")
     (tmp_path / "nb.py").write_text(
-        "import sys\nimport yarnapp\nimport mylocal\n\n"
-        "def f(ctx):\n    ctx.final(value=mylocal.value())\n\n"
+        "import yarnapp\nimport mylocal\nfrom mylocal import Scale\n\n"
+        "def f(ctx):\n    import sys\n"
+        "    ctx.final(value=mylocal.value() * Scale.k, imported='mylocal' in sys.modules)\n\n"
         "job = {'name': 'nb', 'groups': [{'name': 'w', 'instances': 1, 'vcores': 0.5}], 'max_restarts': 0}\n"
-        "try:\n    yarnapp.submit(job, function=f, wait=True, progress=False)\n"
-        "except yarnapp.JobFailed as e:\n    print('FAILED:', e)\n"
+        "run = yarnapp.submit(job, function=f, wait=True, progress=False)\n"
+        "print('BY VALUE:', run.final)\n"
         "run = yarnapp.submit(job, function=f, wait=True, progress=False, run={'files': ['mylocal.py']})\n"
-        "print('FINAL:', run.final)\n")
+        "print('SHIPPED:', run.final)\n")
     proc = subprocess.run([sys.executable, "nb.py"], cwd=tmp_path, capture_output=True, text=True, timeout=240,
                           env=dict(os.environ))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    failed = next(line for line in proc.stdout.splitlines() if line.startswith("FAILED:"))
-    assert "No module named 'mylocal'" in failed and "run={'files': ['mylocal.py']}" in failed, failed
-    assert "FINAL: {'value': 7}" in proc.stdout, proc.stdout
+    assert "BY VALUE: {'value': 21, 'imported': False}" in proc.stdout, proc.stdout
+    assert "SHIPPED: {'value': 21, 'imported': True}" in proc.stdout, proc.stdout
     for app in apps(yarnapp_home):
         assert_nothing_left(app)
 

@@ -1,5 +1,6 @@
 """Shipping the user's code (yarnapp.shipping): what goes, under which names, what is
 refused; and the skein spec of a job with shipped files, validated by skein itself."""
+import importlib
 import json
 import os
 import sys
@@ -218,6 +219,27 @@ def test_a_module_neither_installed_nor_shipped_is_refused_and_one_beside_the_jo
         shipping.plan(_job({"function": "nets:main", "files": [str(src)]}))
     assert str(e.value).endswith(f"; it is in the shipped src/: name it src.nets:main, or ship {src / 'nets.py'} "
                                  f"itself"), str(e.value)
+
+
+def test_a_module_only_on_this_processs_sys_path_is_not_the_containers(tmp_path, monkeypatch):
+    """`python -m yarnapp.cli`, a notebook or a script has its own directory first on
+    sys.path; the containers' interpreter does not. Before, a module there passed the check
+    and every container failed importing it. Now it is refused as not shipped, and a
+    function pickled here takes it by value (local_modules)."""
+    name = "cwdmod_of_yarnapp_tests"
+    (tmp_path / f"{name}.py").write_text("def main(ctx):\n    return 1\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend("")
+    assert importlib.util.find_spec(name) is not None                  # this process finds it
+    with pytest.raises(YarnappError, match=f"no module named '{name}' .*; there is {tmp_path / name}.py: add it"):
+        shipping.plan(_job({"function": f"{name}:main"}))
+    module = importlib.import_module(name)
+    try:
+        local = {m.__name__ for m in shipping.local_modules()}
+        assert name in local and not local & {"os", "json", "numpy", "torch", "yarnapp", "training"}, local
+        assert name not in {m.__name__ for m in shipping.local_modules(skip={name})}
+    finally:
+        sys.modules.pop(module.__name__)
 
 
 def test_modules_on_a_groups_pythonpath_and_compiled_extensions_count_as_shipped(tmp_path, monkeypatch):

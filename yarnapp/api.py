@@ -5,7 +5,7 @@ import time
 
 import conf
 
-from . import backends
+from . import backends, shipping
 from .backends.base import TERMINAL
 from .errors import JobFailed, YarnappError
 
@@ -50,19 +50,35 @@ def submit(job, backend=None, wait=False, progress=True, function=None, **overri
         raise YarnappError(str(e)) from None
     with tempfile.TemporaryDirectory(prefix="yarnapp-fn-") as tmp:
         path = os.path.join(tmp, "function.pkl")
-        _pickle(cloudpickle, function, path)
+        _pickle(cloudpickle, function, path, shipped=_shipped_names(raw, overrides))
         user_run = raw.get("run") if isinstance(raw.get("run"), dict) else {}
         raw["run"] = {**user_run, "function": None, "script": None, "pickle": path}
         run = start(load(raw, backend=backend, **overrides), where=where)   # ships it before tmp goes
     return _started(run, wait, progress)
 
 
-def _pickle(cloudpickle, function, path):
+def _shipped_names(raw, overrides):
+    """The module names the job's run.files (an override's first) ship: the containers
+    import those themselves."""
+    runs = [r for r in (overrides.get("run"), raw.get("run")) if isinstance(r, dict) and "files" in r]
+    files = runs[0]["files"] if runs else None
+    files = [files] if isinstance(files, str) else files if isinstance(files, list) else []
+    return {shipping.module_name(os.path.basename(os.path.normpath(str(f)))) for f in files}
+
+
+def _pickle(cloudpickle, function, path, shipped=()):
     """Pickle `function` to `path`, or say in one line why it cannot be shipped: what it
-    captures (its closure, the globals it uses) goes with it."""
-    from .shipping import LIMIT_BYTES
+    captures (its closure, the globals it uses) goes with it. Functions, classes and
+    modules it uses from modules the containers cannot import (a notebook's helpers.py
+    beside it, not shipped in run.files) go by value too (cloudpickle's
+    register_pickle_by_value); by name they would fail to load in every container."""
     name = getattr(function, "__qualname__", None) or type(function).__name__
+    local = shipping.local_modules(skip=shipped)
+    if local:
+        log.info("function: %s from this machine's %s travel by value", name, ", ".join(m.__name__ for m in local))
     try:
+        for module in local:
+            cloudpickle.register_pickle_by_value(module)
         with open(path, "wb") as f:
             cloudpickle.dump(function, f)
     except Exception as e:  # noqa: BLE001 - pickle raises TypeError, PicklingError, AttributeError...
@@ -70,10 +86,13 @@ def _pickle(cloudpickle, function, path):
                            f"{str(e).splitlines()[0] if str(e) else ''}): what it captures, its closure and the "
                            f"globals it uses, goes with it; create such objects (locks, open files, "
                            f"connections) inside the function") from None
+    finally:
+        for module in local:
+            cloudpickle.unregister_pickle_by_value(module)
     size = os.path.getsize(path)
-    if size > LIMIT_BYTES:
+    if size > shipping.LIMIT_BYTES:
         raise YarnappError(f"function: {name} pickles to {size / 2**20:.0f} MiB with what it captures (its closure "
-                           f"and the globals it uses), more than the {LIMIT_BYTES // 2**20} MiB of code yarnapp "
+                           f"and the globals it uses), more than the {shipping.LIMIT_BYTES // 2**20} MiB of code yarnapp "
                            f"ships; load large data inside the function (from a URI) instead of capturing it")
 
 

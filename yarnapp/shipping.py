@@ -26,6 +26,7 @@ The job the containers read names the shipped copies: run.script and run.pickle
 become paths relative to the working directory.
 """
 import dataclasses
+import functools
 import importlib.machinery
 import importlib.metadata
 import importlib.util
@@ -33,6 +34,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import urllib.parse
 import urllib.request
 
@@ -201,7 +204,7 @@ def _check_importable(job, entries, where=None):
     if t is not None and job.run.function == BUILTIN_RUNNER:       # what the built-in runner imports
         named += [("training.model", t.model if ":" in t.model else None),
                   ("training.data.dataset", t.data.dataset), ("training.data.transform", t.data.transform)]
-    shipped = {_module_name(n) for n in entries}
+    shipped = {module_name(n) for n in entries}
     for field, target in named:
         top = (target or "").split(":")[0].split(".")[0]
         if not top or top in shipped or _installed(top, paths):
@@ -221,7 +224,7 @@ def _check_importable(job, entries, where=None):
                            f"job ships{hint}")
 
 
-def _module_name(entry):
+def module_name(entry):
     """The module a shipped entry is imported as: 'm' for m.py and m.cpython-311-....so."""
     for suffix in sorted(importlib.machinery.all_suffixes(), key=len, reverse=True):
         if entry.endswith(suffix):
@@ -251,11 +254,61 @@ def _group_paths(job, entries):
 
 
 def _installed(top, paths=()):
+    """Whether the containers' interpreter finds top-level module `top`."""
+    return _container_spec(top, paths) is not None
+
+
+def _container_spec(top, paths=()):
+    """The spec under which the containers' interpreter finds top-level module `top`, found
+    without importing it: a fresh interpreter's finders (built-ins, editable installs'
+    hooks) over its sys.path and `paths`. What this process added is left out: the working
+    directory that a notebook, `python -m` or a script's own directory puts first on
+    sys.path, and entries added at run time."""
+    fresh_path, finders = _fresh_interpreter()
     try:
-        return (importlib.util.find_spec(top) is not None or
-                bool(paths) and importlib.machinery.PathFinder.find_spec(top, list(paths)) is not None)
+        for finder in sys.meta_path:
+            if finder is importlib.machinery.PathFinder:
+                spec = finder.find_spec(top, [*fresh_path, *paths])
+            elif getattr(finder, "__module__", None) in finders and hasattr(finder, "find_spec"):
+                spec = finder.find_spec(top, None)
+            else:
+                continue
+            if spec is not None:
+                return spec
     except (ImportError, ValueError):
-        return False
+        pass
+    return None
+
+
+@functools.cache
+def _fresh_interpreter():
+    """(sys.path, the modules of the meta-path finders) of a fresh interpreter of this
+    environment, as a container starts one, its own first entry ('' for -c) left out."""
+    code = ("import json, sys; print(json.dumps([sys.path[1:], "
+            "[getattr(f, '__module__', '') for f in sys.meta_path]]))")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                             check=True, cwd=os.path.dirname(os.path.abspath(sys.executable))).stdout
+        path, finders = json.loads(out.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return tuple(sys.path[1:]), frozenset(getattr(f, "__module__", "") for f in sys.meta_path)
+    return tuple(path), frozenset(finders)
+
+
+def local_modules(skip=()):
+    """The imported top-level modules the containers cannot import as they are here (a
+    notebook's helpers.py beside it, a directory it put on sys.path): not found by their
+    interpreter, or found elsewhere. A function shipped from here is pickled with them by
+    value (yarnapp.api). Names in `skip` (shipped) are left out."""
+    out = []
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if "." in name or name in skip or name in ("__main__", "__mp_main__") or not file:
+            continue
+        spec = _container_spec(name)
+        if spec is None or spec.has_location and os.path.realpath(spec.origin) != os.path.realpath(file):
+            out.append(module)
+    return out
 
 
 def _inside(path, entries):
