@@ -83,6 +83,29 @@ def test_epoch_order_is_a_stratified_windowed_shuffle_determined_by_seed_and_epo
     assert len(set((full[:50] // 50).tolist())) == 12
 
 
+def test_step_bytes_estimates_the_largest_step_of_the_real_plan_on_layouts_it_was_not_fitted_on():
+    """Order.step_bytes (what submit checks against a rank's data budget) against the real
+    plan's largest step, on random layouts: block sizes, windows, batches and shares. Its
+    form was fitted on seed 1's layouts; these are seed 7's."""
+    from training.data.order import Schedule
+    rng = np.random.default_rng(7)
+    ratios = []
+    for _ in range(30):
+        rows = rng.integers(25, 3000, int(rng.integers(20, 300)))
+        o = Order(rows, rows * 3072, int(rng.choice([0, 2**20, 16 * 2**20, 64 * 2**20, 2**31])))
+        B = int(rng.choice([16, 64, 128, 256]))
+        if o.n < 2 * B:
+            continue
+        s = int(rng.integers(1, B + 1))
+        lo = int(rng.integers(0, B - s + 1))
+        plan = Schedule(o, 0, B, lo, lo + s).plan(0)
+        exact = max(int(o.block_bytes[list(b)].sum()) for b in plan.index["step_blocks"])
+        ratios.append((o.step_bytes(B, s) / exact, exact / o.block_bytes.mean()))
+    big = [r for r, blocks in ratios if blocks >= 8]          # the steps a budget is about
+    assert len(big) >= 10 and 0.75 <= min(big) and max(big) <= 1.25, big
+    assert all(0.6 <= r <= 2.0 for r, _ in ratios), ratios
+
+
 @pytest.mark.parametrize("drop_last", [True, False])
 def test_rank_slices_tile_the_same_global_batches_and_read_their_share(drop_last):
     o = Order([50] * 12, [1000] * 12, window_bytes=6000)

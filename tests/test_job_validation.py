@@ -207,6 +207,30 @@ def test_images_that_would_come_out_in_other_sizes_are_refused_before_anything_s
     assert cli("submit", job, "--dry-run", timeout=60).returncode == 0
 
 
+def test_a_shuffle_window_a_step_of_which_overflows_a_ranks_data_memory_is_refused(tmp_path, cli, yarnapp_home):
+    """Before, such a rank went over its data budget on every step: with a 2 GiB window, batch
+    256 and 768 MiB containers (a 382 MiB dataset) the kernel killed it, and the line said
+    only to raise groups[].memory. The window it names fits."""
+    from training.data import import_arrays
+    train = str(tmp_path / "train")
+    import_arrays(train, np.zeros((3000, 3, 32, 32), np.uint8), np.arange(3000) % 10)   # 9 MB, 2 MiB row groups
+    job = tmp_path / "job.yaml"
+
+    def submit(**data):
+        job.write_text(yaml.safe_dump(dict(_with("run.function", "training.runner:main"), training={
+            "batch_size": 64, "data": {"train": train, "memory": "6 MiB", **data}})))
+        return cli("submit", job, "--dry-run", timeout=60)
+    proc = submit()
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr == (f"Error: {job}: training.data.shuffle_window: a step of group 'w' reads 64 rows of each "
+                           f"batch of 64 from about 9 MiB of training.data.train's row groups, more than the 6 MiB "
+                           f"its ranks hold data in (training.data.memory); lower training.data.shuffle_window to "
+                           f"2 MiB or less, or raise training.data.memory to 9 MiB\n"), proc.stderr
+    assert apps(yarnapp_home) == []
+    assert submit(shuffle_window="2 MiB").returncode == 0
+    assert submit(memory="9 MiB").returncode == 0
+
+
 def test_a_dry_run_checks_the_data_as_submit_does(tmp_path, cli, yarnapp_home, digits):
     job = tmp_path / "job.yaml"
     for train, rc in (("/nonexistent-yarnapp-data/train", 1), (os.path.join(digits, "train"), 0)):

@@ -28,6 +28,9 @@ from .errors import YarnappError
 
 log = logging.getLogger(__name__)
 
+SLACK = 1.25        # a step's bytes are refused only this far over the budget: Order.step_bytes is
+                    # within 0.75-1.2 of the exact plan's largest step (tests/test_data_loading.py)
+
 
 def check_data(job, where=None, on_cluster=False):
     """Raise YarnappError naming `where` and training.data.train/test when a dataset the
@@ -52,7 +55,7 @@ def check_data(job, where=None, on_cluster=False):
         if (u.scheme, u.netloc) in unreachable:
             continue
         try:
-            rows, shapes[split] = check(uri, Columns.of(data.columns), tuple(data.shape) if data.shape else None)
+            rows, shapes[split], blocks = check(uri, Columns.of(data.columns), tuple(data.shape) if data.shape else None)
         except Unreachable as e:
             if not on_cluster:
                 raise YarnappError(f"{pre}training.data.{split}: {e}") from None
@@ -66,8 +69,64 @@ def check_data(job, where=None, on_cluster=False):
             if split == "train" and rows < batch:         # not one whole batch: no step (drop_last)
                 raise YarnappError(f"{pre}training.batch_size: {batch} is more than the {rows} rows of "
                                    f"training.data.train ({uri}); lower it")
+            if split == "train":
+                _check_window(job, blocks, pre)
     if not data.transform:      # the user's own transform runs in the containers only
         _check_sizes(data, shapes, pre)
+
+
+def _check_window(job, blocks, pre):
+    """Refuse a shuffle window from which one step of a rank reads more bytes of row groups
+    than the rank holds data in (training.data.memory, by default a quarter of its
+    container): its reader would go over that on every step, and the kernel kill the
+    container for its memory (a 2 GiB window and batch 256 in 512 MiB containers)."""
+    from training.data.order import Order
+    from training.data.source import MEMORY_FRACTION
+    t, data = job.training, job.training.data
+    order = Order([b.rows for b in blocks], [b.nbytes for b in blocks], (data.shuffle_window or 0) << 20)
+    for i, group, rows in _rows_per_step(job):
+        need = order.step_bytes(t.batch_size, rows)
+        budget = (data.memory or group.memory * MEMORY_FRACTION) * 2**20
+        if need <= budget * SLACK:
+            continue
+        held = "training.data.memory" if data.memory else f"a quarter of groups[{i}].memory"
+        row = order.block_bytes.sum() / order.n
+        block = (order.block_bytes.astype(float) ** 2).sum() / order.block_bytes.sum()
+        batches = int((budget - 2 * block) // (rows * row))        # a window of this many batches fits
+        fix = (f"lower training.data.shuffle_window to {max(1, int(batches * t.batch_size * row) >> 20)} MiB or less"
+               if batches >= 1 else "lower training.batch_size, or write smaller row groups")
+        mib = -(-need // 2**20)
+        raise_ = (f"training.data.memory to {mib} MiB" if data.memory else
+                  f"groups[{i}].memory to {-(-mib // MEMORY_FRACTION):.0f} MiB")
+        raise YarnappError(f"{pre}training.data.shuffle_window: a step of group {group.name!r} reads {rows} rows of "
+                           f"each batch of {t.batch_size} from about {need / 2**20:.0f} MiB of training.data.train's "
+                           f"row groups, more than the {budget / 2**20:.0f} MiB its ranks hold data in ({held}); "
+                           f"{fix}, or raise {raise_}")
+
+
+def _rows_per_step(job):
+    """(group index, group, the most rows of each global batch one of its ranks reads) for
+    each group, by the strategy and training.shares; nothing where the shares are only
+    measured at start (speed, with GPU ranks)."""
+    from training.data.order import split_rows
+    t, ranks = job.training, job.ranks()
+    B = t.batch_size
+    if t.strategy.name == "hypergraph":                 # every rank reads the whole batch
+        rows = [B] * len(ranks)
+    elif t.strategy.name == "conv_model_parallel":      # the master reads it, for everyone
+        rows = [B] + [0] * (len(ranks) - 1)
+    elif t.shares == "equal":
+        rows = split_rows(B, [1] * len(ranks))
+    elif t.shares == "vcores" or t.shares == "speed" and not any(g.gpus for g in job.groups):
+        rows = split_rows(B, [r["vcores"] for r in ranks])
+    elif isinstance(t.shares, list):
+        rows = split_rows(B, t.shares)
+    else:
+        return []
+    most = {}
+    for r, n in zip(ranks, rows):
+        most[r["group"]] = max(most.get(r["group"], 0), n)
+    return [(i, g, most[g.name]) for i, g in enumerate(job.groups) if most.get(g.name)]
 
 
 def _check_sizes(data, shapes, pre):

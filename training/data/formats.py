@@ -257,8 +257,7 @@ def inspect(uri, columns=None, shape=None):
     columns = columns or Columns()
     fs, paths, names, footers, meta, kind, raw_shape = _read_footers(uri, columns, shape)
     first = footers[0].schema.to_arrow_schema()
-    wanted = {columns.image, columns.label} | ({columns.class_name} if columns.class_name else set())
-    blocks = [b for i, md in enumerate(footers) for b in blocks_of(i, md, wanted)]
+    blocks = [b for i, md in enumerate(footers) for b in blocks_of(i, md, _wanted(columns))]
     layout = Layout(uri, fs, paths, names, columns, kind, raw_shape, meta, None, 0, blocks)
     layout.classes, layout.num_classes = _classes(layout, first, footers, names)
     log.info("%s: %d rows in %d files, %d blocks, %s images, %d classes, %.1f MB",
@@ -270,9 +269,16 @@ def check(uri, columns=None, shape=None):
     """Raise DataError (Unreachable where the filesystem cannot be reached) unless `uri`
     holds a dataset `inspect` can open: every file's footer read, no rows, no labels.
     Returns (its number of rows, its images' [C, H, W] where the files say: raw pixels,
-    else None)."""
-    footers, _, kind, raw_shape = _read_footers(uri, columns or Columns(), shape)[3:]
-    return sum(md.num_rows for md in footers), raw_shape if kind == RAW else None
+    else None, its Blocks)."""
+    columns = columns or Columns()
+    footers, _, kind, raw_shape = _read_footers(uri, columns, shape)[3:]
+    blocks = [b for i, md in enumerate(footers) for b in blocks_of(i, md, _wanted(columns))]
+    return sum(md.num_rows for md in footers), raw_shape if kind == RAW else None, blocks
+
+
+def _wanted(columns):
+    """The columns a rank reads."""
+    return {columns.image, columns.label} | ({columns.class_name} if columns.class_name else set())
 
 
 def _read_footers(uri, columns, shape):

@@ -116,6 +116,20 @@ class Order:
         row_bytes = max(1.0, float(self.block_bytes.sum()) / max(1, self.n))
         return max(1, int(round(self.window_bytes / row_bytes / global_batch))) * global_batch
 
+    def step_bytes(self, global_batch, rows):
+        """About the most bytes of blocks one step of a rank reading `rows` of each global
+        batch reads at once (what the reader must hold, whatever its budget): the step takes
+        one row of each of `rows` strata of K consecutive positions, so it touches a block
+        per row where a stratum spans a block or more, else the blocks under its strata and
+        one at each end. Blocks weighed by their rows, as a random row falls in them."""
+        B, rows = int(global_batch), int(rows)
+        if rows <= 0 or self.n < B:
+            return 0
+        K = max(1, min(self.window_rows(B) or self.n, self.n) // B)
+        row = float(self.block_bytes.sum()) / self.n
+        block = float((self.block_bytes.astype(np.float64) ** 2).sum() / self.block_bytes.sum())
+        return int(min(min(rows, rows * K * row / block + 2) * block, self.block_bytes.sum()))
+
     def positions(self, seed, epoch, global_batch, shuffle=True):
         """(u, perm, cum): the epoch's sequence u of positions in the row space laid out in
         block order perm (cum[j] = rows before the j-th block of perm)."""
