@@ -189,6 +189,32 @@ def test_conv_model_parallel_heterogeneous_split_and_communication_by_hand():
         pytest.approx(comm1)
 
 
+def test_recalibration_moves_kernels_off_a_quota_bound_rank_as_the_strategy_does():
+    """With recalibrate_every, the plan is of the split recalibration settles on: a 0.5-vcore
+    worker whose own CPU (protocol, copies, polite waits) takes its quota too is charged
+    its whole step's CPU (ConvModelParallelStrategy._share_seconds), so it keeps fewer
+    kernels than its speed gives it at start, and the step is shorter. Before, the plan
+    showed the split at start (seed network, 1 + 0.5 vcore: conv2 [256, 128] predicted,
+    [272, 112] settled in training)."""
+    layers = [_conv("conv1", 0.03, 64, needs=False), _conv("conv2", 0.06, 128)]
+    prof = _profile(step=0.1, opt=0.002, layers=layers)
+    devs = [Device("big", prof, vcores=1.0), Device("small", prof, vcores=0.5, quota=0.5)]
+    own = {"conv_model_parallel": (0.002, 0.01)}
+    free = Link(0.0, 1e15)
+    start = predict("conv_model_parallel", devs, free, own=own, conv_layers=["conv1", "conv2"])
+    settled = predict("conv_model_parallel", devs, free, own=own, conv_layers=["conv1", "conv2"],
+                      recalibrate_every=3)
+    assert start["split"] == {"conv1": [43, 21], "conv2": [85, 43]}          # by speed, 2:1
+    assert settled["split"]["conv1"][1] < 21 and settled["split"]["conv2"][1] < 43, settled["split"]
+    assert settled["step_s"] < 0.95 * start["step_s"]
+    # where no rank is under a quota, or the split is manual, there is nothing to settle
+    equal = [Device("a", prof), Device("b", prof)]
+    assert predict("conv_model_parallel", equal, free, own=own, conv_layers=["conv1", "conv2"],
+                   recalibrate_every=3)["split"] == {"conv1": [32, 32], "conv2": [64, 64]}
+    assert predict("conv_model_parallel", devs, free, own=own, conv_layers=["conv1", "conv2"], recalibrate_every=3,
+                   split=[2, 1])["split"] == start["split"]
+
+
 # -- real measurements ---------------------------------------------------------------------
 
 class Tiny(nn.Module):

@@ -69,6 +69,8 @@ def format_table(plan):
                          "(a layer has fewer kernels than there are ranks, or no conv layer to distribute)")
             continue
         note = f"{title}; {_split_text(name, p['split'])}"
+        if p.get("settled_from"):
+            note += f" (recalibration settles there, from {_split_text(name, p['settled_from'])})"
         if p.get("bounds"):
             note += f"; best/worst case before quotas {p['bounds'][0] * 1e3:.1f}..{p['bounds'][1] * 1e3:.1f} ms"
         if p.get("bound"):

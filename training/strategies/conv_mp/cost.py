@@ -23,6 +23,11 @@ phase per conv layer, the rest of the network, the optimizer; the workers wait
 politely, and copy what they receive inside their waits). The shares' times are the
 measured times of convs of that many kernels (a small share is slower per kernel).
 
+With `recalibrate_every`, the split is the one recalibration settles on (`_settled`,
+the strategy's own rules played on these times): a rank its CPU quota holds back is
+charged its whole step's CPU for its shares, so it keeps fewer kernels than its speed
+alone gives it.
+
     the bound   S ≤ 1 / ((1 − f) + f/k)  (seed 1), f = Σ_l t_0,l / (t_0(B) + o_0) the
                 distributed convs' share of one device's step; k = Σ_r s_r / s_0 with
                 s_r = 1/t_r(B) (k = n for equal devices)
@@ -30,7 +35,7 @@ measured times of convs of that many kernels (a small share is slower per kernel
 from training.perf.formulas import amdahl_bound, log2, proportional_s
 from training.perf.model import PlanError, per_rank, prediction
 
-from .calibrate import proportional_split
+from .calibrate import corrected_speeds, proportional_split, worth_resharding
 
 
 def _bcast_s(nbytes, n, link):
@@ -135,26 +140,12 @@ def _conv_times(devices, link, names, layer_split, fuse):
     return rest, layers, comm, 1.0 - moved / prof.param_bytes
 
 
-def predict(case, config):
-    """Conv-layer model parallelism over case.conv_layers, rank 0 the master (module
-    docstring), played out under the ranks' quotas (quota_sim; throttled ranks wait politely).
-
-    config.split: kernel weights, one per rank, else each layer's kernels in proportion
-    to the devices' speed on it. The strategy's own CPU (case.own_cpu): the master's
-    protocol CPU per step and a worker's CPU per step besides its shares and waits,
-    spread over the layers by their calls. None where there is no conv layer to
-    distribute, or a layer has fewer kernels than there are ranks (it cannot be split).
-    """
-    devices, link, names, sched = case.devices, case.link, list(case.conv_layers), case.sched
-    if not names:
-        return None
-    own = case.own_cpu("conv_model_parallel")
-    layer_split = conv_split(devices, names, config.split)
-    if layer_split is None:
-        return None
+def _play(case, names, layer_split, own, fuse):
+    """The step of `layer_split` played under the ranks' quotas: (step seconds, phases,
+    waits, each layer's full-speed shares and exchange, rest, comm, the master's part of
+    the optimizer)."""
+    devices, link, sched = case.devices, case.link, case.sched
     n, master = len(devices), devices[0]
-    B = master.profile.batch
-    fuse = config.fuse
     rest, layers, comm, opt_part = _conv_times(devices, link, names, layer_split, fuse)
     protocol = (2 * len(names) + 2) * log2(n) * link.latency_s if n > 1 else 0.0
     idle = [0.0] * (n - 1)
@@ -172,19 +163,93 @@ def predict(case, config):
         return moved + 2 * (1 - own if x in links else own) * _out_bytes(call, fuse)
     copied = [[sum(worker_bytes(x, call, c) for call in master.profile.layer(x)) * sched.byte_s if r else 0.0
                for r, c in enumerate(layer_split[x])] for x in names]
-    layers = [([t + o * c / sum(calls) + b for t, o, b in zip(shares, mine, copy_l)], comm_l)
-              for (shares, comm_l), c, copy_l in zip(layers, calls, copied)]
+    charged = [([t + o * c / sum(calls) + b for t, o, b in zip(shares, mine, copy_l)], comm_l)
+               for (shares, comm_l), c, copy_l in zip(layers, calls, copied)]
     # each layer's shares (and the workers' protocol) and its exchanges; the rest of the
     # network on the master (at full speed: rest is at its quota already); the master's
     # optimizer and the step's protocol
-    phases = [shares for shares, _ in layers] + [[rest * master.quota] + idle,
-                                                 [master.optimizer_s(opt_part, full=True)] + idle]
+    phases = [shares for shares, _ in charged] + [[rest * master.quota] + idle,
+                                                  [master.optimizer_s(opt_part, full=True)] + idle]
     # a worker's waits: per call of a layer, the command, X's broadcast and the gather in
     # forward, the command and the scatter in backward (and dX's reduce where needed);
     # the step's end and the gather of conv times
     waits = [sum(5 + call.needs_input_grad - (x in fed) * (1 + call.needs_input_grad) - (x in links)
                  for call in master.profile.layer(x)) for x in names] + [0, 2]
-    step = sched.step_s(devices, phases, [c for _, c in layers] + [0.0, protocol], waits)
+    step = sched.step_s(devices, phases, [c for _, c in charged] + [0.0, protocol], waits)
+    return step, phases, waits, layers, rest, comm, opt_part
+
+
+RECALIBRATIONS = 20     # recalibrations played out at most (a job makes one every recalibrate_every steps)
+SETTLED = 0.005         # ... until no rank's corrected speed moves by more than this
+
+
+def _settled(case, names, layer_split, played, play, fuse):
+    """The split recalibration settles on (training.strategy's recalibrate_every), played
+    with the strategy's own rules (ConvModelParallelStrategy._recalibrate): each rank's
+    seconds per layer, corrected speeds (calibrate.corrected_speeds), a new proportional
+    split where it pays (worth_resharding). A rank with a core of its own reports its
+    shares' full-speed time; one that its quota holds back (under a quota and busy for
+    BUSY_QUOTA of it) each share's part of its whole step's CPU over its vcores (its
+    protocol, copies and polite waits included: _share_seconds), so it settles on fewer
+    kernels than its speed alone would give it."""
+    from .strategy import BUSY_QUOTA
+    devices, sched = case.devices, case.sched
+    block = max(d.profile.kernel_block for d in devices)
+    kernels = {x: sum(layer_split[x]) for x in names}
+    speeds = {x: [kernels[x] / d.layer_s(x) for d in devices] for x in names}
+    for _ in range(RECALIBRATIONS):
+        step, phases, waits = played[:3]
+        seconds = {x: [d.share_s(x, c, full=True, chain=fuse) for c, d in zip(layer_split[x], devices)]
+                   for x in names}
+        for r, d in enumerate(devices):
+            if d.quota >= 1.0:
+                continue
+            compute = sum(p[r] for p in phases) + sum(waits) * sched.wait_s
+            cpu = min(d.quota * step, compute + sched.wait_cpu * max(0.0, step - compute / d.quota))
+            shares = sum(seconds[x][r] for x in names)
+            if cpu >= BUSY_QUOTA * d.quota * step and shares > 0:
+                for x in names:
+                    seconds[x][r] *= max(1.0, cpu / shares) / d.quota
+        before, speeds = speeds, corrected_speeds(speeds, layer_split, seconds, block)
+        new = {}
+        for x in names:
+            split = proportional_split(kernels[x], speeds[x], block)
+            new[x] = split if worth_resharding(layer_split[x], split, speeds[x], block=block) else layer_split[x]
+        if new != layer_split:
+            layer_split, played = new, play(new)
+        elif all(abs(a / b - 1.0) < SETTLED for x in names for a, b in zip(speeds[x], before[x])):
+            break           # the speeds too: no later recalibration moves a kernel
+    return layer_split, played
+
+
+def predict(case, config):
+    """Conv-layer model parallelism over case.conv_layers, rank 0 the master (module
+    docstring), played out under the ranks' quotas (quota_sim; throttled ranks wait politely).
+
+    config.split: kernel weights, one per rank, else each layer's kernels in proportion
+    to the devices' speed on it, and with config.recalibrate_every where recalibration
+    settles (_settled: it moves kernels off quota-bound ranks). The strategy's own CPU (case.own_cpu): the master's
+    protocol CPU per step and a worker's CPU per step besides its shares and waits,
+    spread over the layers by their calls. None where there is no conv layer to
+    distribute, or a layer has fewer kernels than there are ranks (it cannot be split).
+    """
+    devices, names = case.devices, list(case.conv_layers)
+    if not names:
+        return None
+    own = case.own_cpu("conv_model_parallel")
+    layer_split = conv_split(devices, names, config.split)
+    if layer_split is None:
+        return None
+    master = devices[0]
+    B = master.profile.batch
+    fuse = config.fuse
+
+    def play(split):
+        return _play(case, names, split, own, fuse)
+    played, start = play(layer_split), layer_split
+    if config.split is None and getattr(config, "recalibrate_every", 0) and any(d.quota < 1.0 for d in devices):
+        layer_split, played = _settled(case, names, layer_split, played, play, fuse)
+    step, phases, _, _, rest, comm, opt_part = played
     conv_s = sum(max(d.share_s(x, c, chain=fuse) for c, d in zip(layer_split[x], devices))
                  for x in names)
     speeds = [1.0 / d.fwd_bwd_s(B) for d in devices]
@@ -195,4 +260,5 @@ def predict(case, config):
     rank_s = [sum(p[r] for p in phases) / d.quota for r, d in enumerate(devices)]   # each one's compute
     return prediction("conv_model_parallel", devices, step, step - comm, comm, layer_split,
                        rank_s=rank_s, formula_s=formula, conv_s=conv_s, conv_ideal_s=ideal, rest_s=rest,
-                       conv_fraction=f, effective_devices=k, bound=amdahl_bound(f, k))
+                       conv_fraction=f, effective_devices=k, bound=amdahl_bound(f, k),
+                       **({"settled_from": start} if layer_split != start else {}))
