@@ -84,9 +84,9 @@ def test_epoch_order_is_a_stratified_windowed_shuffle_determined_by_seed_and_epo
 
 
 def test_step_bytes_estimates_the_largest_step_of_the_real_plan_on_layouts_it_was_not_fitted_on():
-    """Order.step_bytes (what submit checks against a rank's data budget) against the real
-    plan's largest step, on random layouts: block sizes, windows, batches and shares. Its
-    form was fitted on seed 1's layouts; these are seed 7's."""
+    """Order.step_bytes (what submit checks past a million rows, where it does not play the
+    plan) against the real plan's largest step, on random layouts: block sizes, windows,
+    batches and shares. Its form was fitted on seed 1's layouts; these are seed 7's."""
     from training.data.order import Schedule
     rng = np.random.default_rng(7)
     ratios = []

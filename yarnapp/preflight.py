@@ -28,8 +28,8 @@ from .errors import YarnappError
 
 log = logging.getLogger(__name__)
 
-SLACK = 1.25        # a step's bytes are refused only this far over the budget: Order.step_bytes is
-                    # within 0.75-1.2 of the exact plan's largest step (tests/test_data_loading.py)
+SLACK = 1.25        # a step's blocks are refused only this far over the rank's data budget, where its
+                    # reader warns (a 1024 MiB container ran 1.5x over it, at its memory limit)
 
 
 def check_data(job, where=None, on_cluster=False):
@@ -77,31 +77,35 @@ def check_data(job, where=None, on_cluster=False):
 
 def _check_window(job, blocks, pre):
     """Refuse a shuffle window from which one step of a rank reads more bytes of row groups
-    than the rank holds data in (training.data.memory, by default a quarter of its
-    container): its reader would go over that on every step, and the kernel kill the
-    container for its memory (a 2 GiB window and batch 256 in 512 MiB containers)."""
+    than SLACK times what the rank holds data in (training.data.memory, by default a
+    quarter of its container): its reader goes over that on every step, with a warning in
+    the rank's log, and a step's blocks take about twice their bytes while they are read,
+    so the kernel kills the container (a 2 GiB window, batch 256 and a 381 MiB dataset in
+    768 and in 896 MiB containers), and the line said only to raise groups[].memory."""
     from training.data.order import Order
     from training.data.source import MEMORY_FRACTION
     t, data = job.training, job.training.data
     order = Order([b.rows for b in blocks], [b.nbytes for b in blocks], (data.shuffle_window or 0) << 20)
     for i, group, rows in _rows_per_step(job):
-        need = order.step_bytes(t.batch_size, rows)
         budget = (data.memory or group.memory * MEMORY_FRACTION) * 2**20
+        need = order.largest_step_bytes(t.batch_size, rows, job.training.seed)
         if need <= budget * SLACK:
             continue
-        held = "training.data.memory" if data.memory else f"a quarter of groups[{i}].memory"
-        row = order.block_bytes.sum() / order.n
-        block = (order.block_bytes.astype(float) ** 2).sum() / order.block_bytes.sum()
-        batches = int((budget - 2 * block) // (rows * row))        # a window of this many batches fits
-        fix = (f"lower training.data.shuffle_window to {max(1, int(batches * t.batch_size * row) >> 20)} MiB or less"
-               if batches >= 1 else "lower training.batch_size, or write smaller row groups")
+        window = order.window_within(t.batch_size, rows, budget)
+        fix = (f"{'lower' if data.shuffle_window else 'set'} training.data.shuffle_window to "
+               f"{_size(window)} or less" if window else "write smaller row groups")
         mib = -(-need // 2**20)
         raise_ = (f"training.data.memory to {mib} MiB" if data.memory else
                   f"groups[{i}].memory to {-(-mib // MEMORY_FRACTION):.0f} MiB")
+        held = "training.data.memory" if data.memory else f"a quarter of groups[{i}].memory"
         raise YarnappError(f"{pre}training.data.shuffle_window: a step of group {group.name!r} reads {rows} rows of "
                            f"each batch of {t.batch_size} from about {need / 2**20:.0f} MiB of training.data.train's "
                            f"row groups, more than the {budget / 2**20:.0f} MiB its ranks hold data in ({held}); "
                            f"{fix}, or raise {raise_}")
+
+
+def _size(nbytes):
+    return f"{nbytes >> 20} MiB" if nbytes >= 2**20 else f"{max(1, nbytes >> 10)} KiB"
 
 
 def _rows_per_step(job):
