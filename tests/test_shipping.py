@@ -221,7 +221,7 @@ def test_a_module_neither_installed_nor_shipped_is_refused_and_one_beside_the_jo
                                  f"itself"), str(e.value)
 
 
-def test_a_module_only_on_this_processs_sys_path_is_not_the_containers(tmp_path, monkeypatch):
+def test_a_module_only_on_this_processs_sys_path_is_not_the_containers(tmp_path, monkeypatch, yarnapp_home):
     """`python -m yarnapp.cli`, a notebook or a script has its own directory first on
     sys.path; the containers' interpreter does not. Before, a module there passed the check
     and every container failed importing it. Now it is refused as not shipped, and a
@@ -235,11 +235,25 @@ def test_a_module_only_on_this_processs_sys_path_is_not_the_containers(tmp_path,
         shipping.plan(_job({"function": f"{name}:main"}))
     module = importlib.import_module(name)
     try:
-        local = {m.__name__ for m in shipping.local_modules()}
+        local = {m.__name__ for m in shipping.local_modules(shipping.plan(_job({"function": "training.hello:main"})))}
         assert name in local and not local & {"os", "json", "numpy", "torch", "yarnapp", "training"}, local
-        assert name not in {m.__name__ for m in shipping.local_modules(skip={name})}
+        shipped = _job({"function": "training.hello:main", "files": [str(tmp_path / f"{name}.py")]})
+        on_path = _job({"function": "training.hello:main", "files": [str(tmp_path)]},     # its directory shipped,
+                       env={"PYTHONPATH": tmp_path.name})                                  # on a group's PYTHONPATH
+        for job in (shipped, on_path):
+            assert name not in {m.__name__ for m in shipping.local_modules(shipping.plan(job))}
+        (tmp_path / "lockmod_of_yarnapp_tests.py").write_text("import threading\nLOCK = threading.Lock()\n")
+        locks = importlib.import_module("lockmod_of_yarnapp_tests")      # a module-level lock goes by value too
+
+        def uses(ctx):
+            return locks
+        import yarnapp
+        with pytest.raises(YarnappError, match=r"cannot pickle '_thread.lock' object.*; or ship "
+                                               r"lockmod_of_yarnapp_tests in run\.files"):
+            yarnapp.submit({"name": "t", "groups": [{"name": "a", "instances": 1}]}, function=uses)
     finally:
         sys.modules.pop(module.__name__)
+        sys.modules.pop("lockmod_of_yarnapp_tests", None)
 
 
 def test_modules_on_a_groups_pythonpath_and_compiled_extensions_count_as_shipped(tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 import logging
 import os
 import time
+import types
 
 import conf
 
@@ -50,50 +51,67 @@ def submit(job, backend=None, wait=False, progress=True, function=None, **overri
         raise YarnappError(str(e)) from None
     with tempfile.TemporaryDirectory(prefix="yarnapp-fn-") as tmp:
         path = os.path.join(tmp, "function.pkl")
-        _pickle(cloudpickle, function, path, shipped=_shipped_names(raw, overrides))
         user_run = raw.get("run") if isinstance(raw.get("run"), dict) else {}
         raw["run"] = {**user_run, "function": None, "script": None, "pickle": path}
-        run = start(load(raw, backend=backend, **overrides), where=where)   # ships it before tmp goes
+        spec = load(raw, backend=backend, **overrides)
+        open(path, "wb").close()            # planned before it is written: what the job ships besides
+        _pickle(cloudpickle, function, path, shipping.local_modules(shipping.plan(spec, where)))
+        run = start(spec, where=where)      # ships it before tmp goes
     return _started(run, wait, progress)
 
 
-def _shipped_names(raw, overrides):
-    """The module names the job's run.files (an override's first) ship: the containers
-    import those themselves."""
-    runs = [r for r in (overrides.get("run"), raw.get("run")) if isinstance(r, dict) and "files" in r]
-    files = runs[0]["files"] if runs else None
-    files = [files] if isinstance(files, str) else files if isinstance(files, list) else []
-    return {shipping.module_name(os.path.basename(os.path.normpath(str(f)))) for f in files}
-
-
-def _pickle(cloudpickle, function, path, shipped=()):
+def _pickle(cloudpickle, function, path, local=()):
     """Pickle `function` to `path`, or say in one line why it cannot be shipped: what it
-    captures (its closure, the globals it uses) goes with it. Functions, classes and
-    modules it uses from modules the containers cannot import (a notebook's helpers.py
-    beside it, not shipped in run.files) go by value too (cloudpickle's
-    register_pickle_by_value); by name they would fail to load in every container."""
+    captures (its closure, the globals it uses) goes with it. What it uses from `local`,
+    modules the containers cannot import (a notebook's helpers.py beside it, not shipped),
+    goes by value too (cloudpickle's register_pickle_by_value): by name it would fail to
+    load in every container."""
     name = getattr(function, "__qualname__", None) or type(function).__name__
-    local = shipping.local_modules(skip=shipped)
+    already = getattr(getattr(cloudpickle, "cloudpickle", None), "_PICKLE_BY_VALUE_MODULES", set())
+    added = []
     if local:
         log.info("function: %s from this machine's %s travel by value", name, ", ".join(m.__name__ for m in local))
     try:
         for module in local:
-            cloudpickle.register_pickle_by_value(module)
+            if module.__name__ not in already:
+                cloudpickle.register_pickle_by_value(module)
+                added.append(module)
         with open(path, "wb") as f:
             cloudpickle.dump(function, f)
     except Exception as e:  # noqa: BLE001 - pickle raises TypeError, PicklingError, AttributeError...
+        also = (f"; or ship {', '.join(_used(function, local))} in run.files: what the function uses of it goes "
+                f"with it by value, module-level objects and all" if local else "")
         raise YarnappError(f"function: {name} cannot be pickled to ship it ({type(e).__name__}: "
                            f"{str(e).splitlines()[0] if str(e) else ''}): what it captures, its closure and the "
                            f"globals it uses, goes with it; create such objects (locks, open files, "
-                           f"connections) inside the function") from None
+                           f"connections) inside the function{also}") from None
     finally:
-        for module in local:
+        for module in added:
             cloudpickle.unregister_pickle_by_value(module)
     size = os.path.getsize(path)
     if size > shipping.LIMIT_BYTES:
         raise YarnappError(f"function: {name} pickles to {size / 2**20:.0f} MiB with what it captures (its closure "
                            f"and the globals it uses), more than the {shipping.LIMIT_BYTES // 2**20} MiB of code yarnapp "
                            f"ships; load large data inside the function (from a URI) instead of capturing it")
+
+
+def _used(function, local):
+    """The names of the `local` modules that `function`'s globals and closure come from (all
+    of them where none is found: what it reaches further in is not looked into)."""
+    names = {m.__name__ for m in local}
+    found = set()
+    used = [getattr(function, "__globals__", {}).get(attr)
+            for attr in getattr(getattr(function, "__code__", None), "co_names", ())]
+    for cell in getattr(function, "__closure__", None) or ():
+        try:
+            used.append(cell.cell_contents)
+        except ValueError:          # a cell not yet filled
+            pass
+    for value in used:
+        module = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
+        if isinstance(module, str) and module.split(".")[0] in names:
+            found.add(module.split(".")[0])
+    return sorted(found or names)
 
 
 def _started(run, wait, progress):

@@ -36,6 +36,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 import urllib.parse
 import urllib.request
 
@@ -284,7 +285,7 @@ def _container_spec(top, paths=()):
 def _fresh_interpreter():
     """(sys.path, the modules of the meta-path finders) of a fresh interpreter of this
     environment, as a container starts one, its own first entry ('' for -c) left out."""
-    code = ("import json, sys; print(json.dumps([sys.path[1:], "
+    code = ("import json, sys; print(json.dumps([sys.path[0 if sys.flags.safe_path else 1:], "
             "[getattr(f, '__module__', '') for f in sys.meta_path]]))")
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
@@ -295,17 +296,23 @@ def _fresh_interpreter():
     return tuple(path), frozenset(finders)
 
 
-def local_modules(skip=()):
-    """The imported top-level modules the containers cannot import as they are here (a
-    notebook's helpers.py beside it, a directory it put on sys.path): not found by their
-    interpreter, or found elsewhere. A function shipped from here is pickled with them by
-    value (yarnapp.api). Names in `skip` (shipped) are left out."""
+def local_modules(shipment):
+    """The imported top-level modules the containers of `shipment` cannot import as they are
+    here (a notebook's helpers.py beside it, a directory it put on sys.path): files outside
+    the environment, neither shipped nor found by their interpreter (a group's PYTHONPATH
+    included), or found elsewhere. A function shipped from here is pickled with them by
+    value (yarnapp.api)."""
+    shipped = {module_name(n) for n in shipment.entries}
+    paths = _group_paths(shipment.job, shipment.entries) or []
+    environment = tuple(os.path.join(os.path.realpath(p), "") for p in _fresh_interpreter()[0] if p)
     out = []
     for name, module in list(sys.modules.items()):
         file = getattr(module, "__file__", None)
-        if "." in name or name in skip or name in ("__main__", "__mp_main__") or not file:
+        if ("." in name or name in shipped or name in ("__main__", "__mp_main__") or not file
+                or not isinstance(module, types.ModuleType) or module.__name__ != name
+                or os.path.realpath(file).startswith(environment)):     # a file of the environment (vendored)
             continue
-        spec = _container_spec(name)
+        spec = _container_spec(name, paths)
         if spec is None or spec.has_location and os.path.realpath(spec.origin) != os.path.realpath(file):
             out.append(module)
     return out

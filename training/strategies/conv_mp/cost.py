@@ -202,7 +202,7 @@ def _settled(case, names, layer_split, played, play, fuse):
         seconds = {x: [d.share_s(x, c, full=True, chain=fuse) for c, d in zip(layer_split[x], devices)]
                    for x in names}
         for r, d in enumerate(devices):
-            if d.quota >= 1.0:
+            if d.quota >= 1.0 or d.profile.device != "cpu":        # charged so on CPU ranks only
                 continue
             compute = sum(p[r] for p in phases) + sum(waits) * sched.wait_s
             cpu = min(d.quota * step, compute + sched.wait_cpu * max(0.0, step - compute / d.quota))
