@@ -79,9 +79,9 @@ def _check_window(job, blocks, pre):
     """Refuse a shuffle window from which one step of a rank reads more bytes of row groups
     than SLACK times what the rank holds data in (training.data.memory, by default a
     quarter of its container): its reader goes over that on every step, with a warning in
-    the rank's log, and a step's blocks take about twice their bytes while they are read,
-    so the kernel kills the container (a 2 GiB window, batch 256 and a 381 MiB dataset in
-    768 and in 896 MiB containers), and the line said only to raise groups[].memory."""
+    the rank's log, and a step's blocks take more than their bytes while they are read:
+    the kernel killed 768 and 896 MiB containers for a step of 377 MiB (a 2 GiB window,
+    batch 256, a 381 MiB dataset), and the line said only to raise groups[].memory."""
     from training.data.order import Order
     from training.data.source import MEMORY_FRACTION
     t, data = job.training, job.training.data

@@ -10,7 +10,8 @@ What goes (`plan`):
                     does: the distribution's direct_url.json, then find_packages)
     run.pickle      a function pickled with cloudpickle (the Python API writes it for
                     `yarnapp.submit(job, function=f)`: a notebook cell's function travels
-                    by value)
+                    by value, and so does what it uses of modules the containers cannot
+                    import: `local_modules`)
 
 The working directory is on PYTHONPATH in every container (launcher.agent), and a
 script runs with its own directory first on sys.path, as `python script.py` does. A
