@@ -256,6 +256,31 @@ def test_a_module_only_on_this_processs_sys_path_is_not_the_containers(tmp_path,
         sys.modules.pop("lockmod_of_yarnapp_tests", None)
 
 
+def test_a_module_on_the_clients_pythonpath_is_not_on_yarns_containers(tmp_path, monkeypatch):
+    """The local engine's containers inherit the client's environment, PYTHONPATH included;
+    YARN's are given the groups' env only, so a module found through the client's
+    PYTHONPATH is refused there, and a notebook function takes it by value."""
+    name = "pathmod_of_yarnapp_tests"
+    (tmp_path / f"{name}.py").write_text("def main(ctx):\n    pass\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    shipping._fresh_interpreter.cache_clear()
+    try:
+        def job(backend):
+            return _job({"function": f"{name}:main"}, backend=backend, environment={"packer": "venv-pack"})
+        assert shipping.plan(job("local"))
+        with pytest.raises(YarnappError, match=f"no module named '{name}'"):
+            shipping.plan(job("yarn"))
+        module = importlib.import_module(name)
+        hello = {"function": "training.hello:main"}
+        assert module not in shipping.local_modules(shipping.plan(_job(hello)))
+        assert module in shipping.local_modules(shipping.plan(_job(hello, backend="yarn",
+                                                                   environment={"packer": "venv-pack"})))
+    finally:
+        sys.modules.pop(name, None)
+        shipping._fresh_interpreter.cache_clear()
+
+
 def test_modules_on_a_groups_pythonpath_and_compiled_extensions_count_as_shipped(tmp_path, monkeypatch):
     """From the review: a group's env PYTHONPATH (absolute, or relative to the working
     directory where the shipped entries land) and a shipped compiled extension worked before

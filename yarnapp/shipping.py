@@ -209,7 +209,7 @@ def _check_importable(job, entries, where=None):
     shipped = {module_name(n) for n in entries}
     for field, target in named:
         top = (target or "").split(":")[0].split(".")[0]
-        if not top or top in shipped or _installed(top, paths):
+        if not top or top in shipped or _installed(top, paths, job.backend == "yarn"):
             continue
         beside = os.path.dirname(os.path.abspath(where)) if where and os.path.isfile(where) else None
         dirs = [(src, name) for name, src in entries.items() if os.path.isdir(src)]
@@ -255,18 +255,19 @@ def _group_paths(job, entries):
     return paths
 
 
-def _installed(top, paths=()):
+def _installed(top, paths=(), yarn=False):
     """Whether the containers' interpreter finds top-level module `top`."""
-    return _container_spec(top, paths) is not None
+    return _container_spec(top, paths, yarn) is not None
 
 
-def _container_spec(top, paths=()):
+def _container_spec(top, paths=(), yarn=False):
     """The spec under which the containers' interpreter finds top-level module `top`, found
     without importing it: a fresh interpreter's finders (built-ins, editable installs'
     hooks) over its sys.path and `paths`. What this process added is left out: the working
     directory that a notebook, `python -m` or a script's own directory puts first on
-    sys.path, and entries added at run time."""
-    fresh_path, finders = _fresh_interpreter()
+    sys.path, and entries added at run time; on YARN (`yarn`) the client's PYTHONPATH too,
+    which its containers are not given (yarnapp.backends.yarn: the groups' env only)."""
+    fresh_path, finders = _fresh_interpreter(yarn)
     try:
         for finder in sys.meta_path:
             if finder is importlib.machinery.PathFinder:
@@ -283,13 +284,15 @@ def _container_spec(top, paths=()):
 
 
 @functools.cache
-def _fresh_interpreter():
+def _fresh_interpreter(yarn=False):
     """(sys.path, the modules of the meta-path finders) of a fresh interpreter of this
-    environment, as a container starts one, its own first entry ('' for -c) left out."""
+    environment, as a container starts one, its own first entry ('' for -c) left out: the
+    local engine's containers inherit this process's environment, YARN's get no PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items() if not (yarn and k == "PYTHONPATH")}
     code = ("import json, sys; print(json.dumps([sys.path[0 if sys.flags.safe_path else 1:], "
             "[getattr(f, '__module__', '') for f in sys.meta_path]]))")
     try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env,
                              check=True, cwd=os.path.dirname(os.path.abspath(sys.executable))).stdout
         path, finders = json.loads(out.strip().splitlines()[-1])
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
@@ -305,7 +308,8 @@ def local_modules(shipment):
     value (yarnapp.api)."""
     shipped = {module_name(n) for n in shipment.entries}
     paths = _group_paths(shipment.job, shipment.entries) or []
-    environment = tuple(os.path.join(os.path.realpath(p), "") for p in _fresh_interpreter()[0] if p)
+    yarn = shipment.job.backend == "yarn"
+    environment = tuple(os.path.join(os.path.realpath(p), "") for p in _fresh_interpreter(yarn)[0] if p)
     out = []
     for name, module in list(sys.modules.items()):
         file = getattr(module, "__file__", None)
@@ -313,7 +317,7 @@ def local_modules(shipment):
                 or not isinstance(module, types.ModuleType) or module.__name__ != name
                 or os.path.realpath(file).startswith(environment)):     # a file of the environment (vendored)
             continue
-        spec = _container_spec(name, paths)
+        spec = _container_spec(name, paths, yarn)
         if spec is None or spec.has_location and os.path.realpath(spec.origin) != os.path.realpath(file):
             out.append(module)
     return out
