@@ -83,11 +83,11 @@ def _check_window(job, blocks, pre):
     the kernel killed 768 and 896 MiB containers for a step of 377 MiB (a 2 GiB window,
     batch 256, a 381 MiB dataset), and the line said only to raise groups[].memory."""
     from training.data.order import Order
-    from training.data.source import MEMORY_FRACTION
+    from training.data.source import MEMORY_FRACTION, data_budget
     t, data = job.training, job.training.data
     order = Order([b.rows for b in blocks], [b.nbytes for b in blocks], (data.shuffle_window or 0) << 20)
     for i, group, rows in _rows_per_step(job):
-        budget = (data.memory or group.memory * MEMORY_FRACTION) * 2**20
+        budget = data_budget(data.memory, group.memory)
         need = order.largest_step_bytes(t.batch_size, rows, job.training.seed)
         if need <= budget * SLACK:
             continue

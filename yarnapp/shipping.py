@@ -30,7 +30,6 @@ import dataclasses
 import functools
 import importlib.machinery
 import importlib.metadata
-import importlib.util
 import json
 import logging
 import os
@@ -209,7 +208,7 @@ def _check_importable(job, entries, where=None):
     shipped = {module_name(n) for n in entries}
     for field, target in named:
         top = (target or "").split(":")[0].split(".")[0]
-        if not top or top in shipped or _installed(top, paths, job.backend == "yarn"):
+        if not top or top in shipped or _container_spec(top, paths, job.backend == "yarn") is not None:
             continue
         beside = os.path.dirname(os.path.abspath(where)) if where and os.path.isfile(where) else None
         dirs = [(src, name) for name, src in entries.items() if os.path.isdir(src)]
@@ -253,11 +252,6 @@ def _group_paths(job, entries):
                 return None
             paths.append(os.path.join(entries[head], rest))
     return paths
-
-
-def _installed(top, paths=(), yarn=False):
-    """Whether the containers' interpreter finds top-level module `top`."""
-    return _container_spec(top, paths, yarn) is not None
 
 
 def _container_spec(top, paths=(), yarn=False):

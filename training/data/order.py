@@ -128,8 +128,8 @@ class Order:
             return 0
         if self.n > self.EXACT_ROWS or self.map_style:
             return self.step_bytes(B, rows)
-        plan = self.plan(seed, 0, B, 0, rows)
-        return int(max(self.block_bytes[list(b)].sum() for b in _index(plan)["step_blocks"]))
+        blocks, steps = _block_steps(self.plan(seed, 0, B, 0, rows))
+        return int(np.bincount(steps, weights=self.block_bytes[blocks]).max())
 
     def step_bytes(self, global_batch, rows):
         """An estimate of largest_step_bytes: a step takes one row of each of `rows` strata
@@ -141,15 +141,18 @@ class Order:
         if rows <= 0 or self.n < B:
             return 0
         K = max(1, min(self.window_rows(B) or self.n, self.n) // B)
-        row = float(self.block_bytes.sum()) / self.n
-        block = float((self.block_bytes.astype(np.float64) ** 2).sum() / self.block_bytes.sum())
+        row, block = self._row_and_block()
         return int(min(min(rows, rows * K * row / block + 2) * block, self.block_bytes.sum()))
+
+    def _row_and_block(self):
+        """(bytes a row, bytes of the block a random row falls in: blocks weighed by size)."""
+        return (float(self.block_bytes.sum()) / self.n,
+                float((self.block_bytes.astype(np.float64) ** 2).sum() / self.block_bytes.sum()))
 
     def window_within(self, global_batch, rows, nbytes):
         """The largest shuffle window (bytes, whole batches) whose steps of `rows` rows
         step_bytes keeps within `nbytes`; 0 where even a window of one batch does not."""
-        row = float(self.block_bytes.sum()) / self.n
-        block = float((self.block_bytes.astype(np.float64) ** 2).sum() / self.block_bytes.sum())
+        row, block = self._row_and_block()
         batches = int((nbytes - 2 * block) // (rows * row)) if nbytes > 2 * block else 0
         return int(batches * int(global_batch) * row) if batches >= 1 else 0
 
@@ -268,14 +271,19 @@ class Schedule:
         return e * self.spe + int(steps[k]) if k < len(steps) else None
 
 
+def _block_steps(plan):
+    """(blocks, steps): every distinct (block, step) pair of `plan`, by block then step."""
+    step_of = np.repeat(np.arange(plan.steps), np.diff(plan.ptr))
+    pairs = np.unique(plan.blocks.astype(np.int64) * (plan.steps + 1) + step_of)
+    return pairs // (plan.steps + 1), pairs % (plan.steps + 1)
+
+
 def _index(plan):
     """Per step its distinct blocks; per block its steps and last step; per step the
     blocks it is the last to read."""
-    step_of = np.repeat(np.arange(plan.steps), np.diff(plan.ptr))
     if plan.blocks.size == 0 or plan.blocks[0] < 0:
         return {"step_blocks": [()] * plan.steps, "last": {}, "releases": {}, "steps_of": {}}
-    pairs = np.unique(plan.blocks.astype(np.int64) * (plan.steps + 1) + step_of)
-    blocks, steps = pairs // (plan.steps + 1), pairs % (plan.steps + 1)
+    blocks, steps = _block_steps(plan)
     step_blocks = [[] for _ in range(plan.steps)]
     for b, s in zip(blocks.tolist(), steps.tolist()):
         step_blocks[s].append(b)

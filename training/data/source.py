@@ -119,11 +119,15 @@ def _user_hook(ref):
 
 
 def _budget(spec, ctx):
-    if spec is not None and getattr(spec, "memory", None):
-        return int(spec.memory) << 20
-    if ctx is not None:
-        return int(ctx.me.memory_mib * MEMORY_FRACTION) << 20
+    memory = getattr(spec, "memory", None) if spec is not None else None
+    if memory or ctx is not None:
+        return data_budget(memory, ctx.me.memory_mib if ctx is not None else 0)
     return OFFLINE_MEMORY
+
+
+def data_budget(memory_mib, container_mib):
+    """Bytes of the memory bound: training.data.memory, else MEMORY_FRACTION of the container."""
+    return int(memory_mib) << 20 if memory_mib else int(container_mib * MEMORY_FRACTION) << 20
 
 
 def _workers(spec, ctx):

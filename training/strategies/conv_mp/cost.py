@@ -32,6 +32,8 @@ alone gives it.
                 distributed convs' share of one device's step; k = Σ_r s_r / s_0 with
                 s_r = 1/t_r(B) (k = n for equal devices)
 """
+import collections
+
 from training.perf.formulas import amdahl_bound, log2, proportional_s
 from training.perf.model import PlanError, per_rank, prediction
 
@@ -140,10 +142,14 @@ def _conv_times(devices, link, names, layer_split, fuse):
     return rest, layers, comm, 1.0 - moved / prof.param_bytes
 
 
+Played = collections.namedtuple("Played", "step phases waits layers rest comm opt_part")
+Played.__doc__ = """A split's step played under the ranks' quotas: its seconds, the phases and
+waits quota_sim played, each layer's (full-speed shares per rank, exchange seconds), the
+rest of the network on the master, the communication, the master's part of the optimizer."""
+
+
 def _play(case, names, layer_split, own, fuse):
-    """The step of `layer_split` played under the ranks' quotas: (step seconds, phases,
-    waits, each layer's full-speed shares and exchange, rest, comm, the master's part of
-    the optimizer)."""
+    """The step of `layer_split` played under the ranks' quotas (Played)."""
     devices, link, sched = case.devices, case.link, case.sched
     n, master = len(devices), devices[0]
     rest, layers, comm, opt_part = _conv_times(devices, link, names, layer_split, fuse)
@@ -176,14 +182,14 @@ def _play(case, names, layer_split, own, fuse):
     waits = [sum(5 + call.needs_input_grad - (x in fed) * (1 + call.needs_input_grad) - (x in links)
                  for call in master.profile.layer(x)) for x in names] + [0, 2]
     step = sched.step_s(devices, phases, [c for _, c in charged] + [0.0, protocol], waits)
-    return step, phases, waits, layers, rest, comm, opt_part
+    return Played(step, phases, waits, layers, rest, comm, opt_part)
 
 
 RECALIBRATIONS = 20     # recalibrations played out at most (a job makes one every recalibrate_every steps)
 SETTLED = 0.005         # ... until no rank's corrected speed moves by more than this
 
 
-def _settled(case, names, layer_split, played, play, fuse):
+def _settled(case, names, layer_split, played, play):
     """The split recalibration settles on (training.strategy's recalibrate_every), played
     with the strategy's own rules (ConvModelParallelStrategy._recalibrate): each rank's
     seconds per layer, corrected speeds (calibrate.corrected_speeds), a new proportional
@@ -198,9 +204,8 @@ def _settled(case, names, layer_split, played, play, fuse):
     kernels = {x: sum(layer_split[x]) for x in names}
     speeds = {x: [kernels[x] / d.layer_s(x) for d in devices] for x in names}
     for _ in range(RECALIBRATIONS):
-        step, phases, waits = played[:3]
-        seconds = {x: [d.share_s(x, c, full=True, chain=fuse) for c, d in zip(layer_split[x], devices)]
-                   for x in names}
+        step, phases, waits = played.step, played.phases, played.waits
+        seconds = {x: list(shares) for x, (shares, _) in zip(names, played.layers)}
         for r, d in enumerate(devices):
             if d.quota >= 1.0 or d.profile.device != "cpu":        # charged so on CPU ranks only
                 continue
@@ -228,9 +233,9 @@ def predict(case, config):
 
     config.split: kernel weights, one per rank, else each layer's kernels in proportion
     to the devices' speed on it, and with config.recalibrate_every where recalibration
-    settles (_settled: it moves kernels off quota-bound ranks). The strategy's own CPU (case.own_cpu): the master's
-    protocol CPU per step and a worker's CPU per step besides its shares and waits,
-    spread over the layers by their calls. None where there is no conv layer to
+    settles (_settled: it moves kernels off quota-bound ranks). The strategy's own CPU
+    (case.own_cpu): the master's protocol CPU per step and a worker's CPU per step besides
+    its shares and waits, spread over the layers by their calls. None where there is no conv layer to
     distribute, or a layer has fewer kernels than there are ranks (it cannot be split).
     """
     devices, names = case.devices, list(case.conv_layers)
@@ -248,8 +253,8 @@ def predict(case, config):
         return _play(case, names, split, own, fuse)
     played, start = play(layer_split), layer_split
     if config.split is None and getattr(config, "recalibrate_every", 0) and any(d.quota < 1.0 for d in devices):
-        layer_split, played = _settled(case, names, layer_split, played, play, fuse)
-    step, phases, _, _, rest, comm, opt_part = played
+        layer_split, played = _settled(case, names, layer_split, played, play)
+    step, phases, rest, comm, opt_part = played.step, played.phases, played.rest, played.comm, played.opt_part
     conv_s = sum(max(d.share_s(x, c, chain=fuse) for c, d in zip(layer_split[x], devices))
                  for x in names)
     speeds = [1.0 / d.fwd_bwd_s(B) for d in devices]
