@@ -23,7 +23,7 @@ import sys
 import time
 import uuid
 
-from . import beats, exitcodes, identity, keys, memory, network, results, stacks, store as store_mod
+from . import beats, exitcodes, identity, keys, malloc, memory, network, results, stacks, store as store_mod
 from .failure import (Failure, Kind, current_generation, log_tail, looks_collateral, spends_the_last_restart,
                       spent_restarts)
 
@@ -115,9 +115,10 @@ class Agent:
         threads = str(max(1, math.ceil(self.ident.rank_info()["vcores"])))
         # The working directory holds the user's shipped code (yarnapp.shipping): importable.
         path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
-        env = dict(os.environ, YARNAPP_RANK=str(self.ident.rank), YARNAPP_WORLD_SIZE=str(self.ident.world_size),
-                   YARNAPP_GENERATION=str(gen), YARNAPP_INCARNATION=self.incarnation,
-                   OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONPATH=path)
+        env = malloc.environment(dict(os.environ, YARNAPP_RANK=str(self.ident.rank),
+                                      YARNAPP_WORLD_SIZE=str(self.ident.world_size),
+                                      YARNAPP_GENERATION=str(gen), YARNAPP_INCARNATION=self.incarnation,
+                                      OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONPATH=path))
         try:
             os.unlink(self.heartbeat)
         except FileNotFoundError:

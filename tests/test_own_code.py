@@ -45,7 +45,8 @@ def _equal(a, b):
 def test_an_unmodified_torchrun_ddp_script_trains_and_its_replicas_end_equal(tmp_path, yarnapp_home):
     out = tmp_path / "out"
     out.mkdir()
-    job = {"name": "ddp", "groups": GROUPS, "max_restarts": 0,
+    groups = [GROUPS[0], {**GROUPS[1], "env": {"MALLOC_TRIM_THRESHOLD_": "1073741824"}}]
+    job = {"name": "ddp", "groups": groups, "max_restarts": 0,
            "run": {"script": os.path.join(JOBS, "ddp_train.py"), "args": ["--out", str(out), "--epochs", "2"]}}
     run = yarnapp.submit(job)
     st = run.wait(timeout=300)
@@ -58,6 +59,9 @@ def test_an_unmodified_torchrun_ddp_script_trains_and_its_replicas_end_equal(tmp
     assert {e["LOCAL_WORLD_SIZE"] for e in envs} == {"3"} and {e["GROUP_RANK"] for e in envs} == {"0"}
     assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs}) == 1
     assert {e["TORCHELASTIC_RESTART_COUNT"] for e in envs} == {"0"}
+    # launcher.malloc's settings, unless the group sets its own (then none of ours)
+    assert [(e["MALLOC_MMAP_THRESHOLD_"], e["MALLOC_TRIM_THRESHOLD_"]) for e in envs] == \
+        [(str(32 << 20), str(256 << 20))] + [(None, "1073741824")] * 2
     # the script was shipped: every container ran its own copy, not the repository's
     for c in ("big_0", "small_0", "small_1"):
         assert os.path.isfile(os.path.join(st["app_dir"], "containers", c, "work", "jobs", "ddp_train.py"))

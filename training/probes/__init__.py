@@ -62,9 +62,11 @@ def finish(comm):
 
 
 def environment(extra_paths=(), **env):
-    """The environment of a probe: this one, one torch/OpenMP thread, the repository (and
-    `extra_paths`) first on PYTHONPATH; `env` is set over it (OMP_NUM_THREADS included)."""
-    e = dict(os.environ, **{"OMP_NUM_THREADS": "1", **env})
+    """The environment of a probe: this one, one torch/OpenMP thread, a rank's malloc
+    settings (launcher.malloc), the repository (and `extra_paths`) first on PYTHONPATH;
+    `env` is set over it (OMP_NUM_THREADS included)."""
+    from launcher import malloc
+    e = malloc.environment(dict(os.environ, **{"OMP_NUM_THREADS": "1", **env}))
     e["PYTHONPATH"] = os.pathsep.join([*extra_paths, ROOT, e.get("PYTHONPATH", "")])
     return e
 
