@@ -2,13 +2,14 @@
 
 torch allocates a CPU tensor's storage with malloc and frees it when the tensor dies, so a
 training step allocates and frees the same large buffers (activations, their gradients)
-every time. glibc's defaults adapt to that badly: after the first step its mmap threshold
-rises to the largest freed block and its trim threshold to twice that, and then every
-step ends with the heap's free top (tens of MB) handed back to the kernel, and the next
-step faults it in again, page by page, zeroed. The seed network at `--quick` widths on one
-rank (`benchmarks/conv_mp.py`; 2-core Xeon VM): 6-10 thousand minor faults and 10-17 ms of
-system time a step, against none with these settings. A throttled rank pays those
-faults out of its CPU quota.
+every time. glibc's defaults adapt to that badly: its mmap threshold rises to the largest
+block freed (up to 32 MiB) and its trim threshold to twice that, so a step that frees more
+than that at the heap's top hands it back to the kernel, and the next step faults it in
+again, page by page, zeroed. How often depends on the order of a step's allocations. The
+seed network at `--quick` widths on one rank (`benchmarks/conv_mp.py`; 2-core Xeon VM):
+6-10 thousand minor faults and 10-17 ms of system time a step under conv-MP, ~500 and
+1-4 ms as the plain model, against almost none with these settings. A throttled rank pays
+those faults out of its CPU quota.
 
 So a rank's process gets (unless its environment sets either; glibc reads them at start):
     MALLOC_MMAP_THRESHOLD_  32 MiB: blocks below it come from the heap (the most glibc
