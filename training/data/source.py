@@ -119,7 +119,7 @@ def _user_hook(ref):
 
 
 def _budget(spec, ctx):
-    memory = getattr(spec, "memory", None) if spec is not None else None
+    memory = getattr(spec, "memory", None)
     if memory or ctx is not None:
         return data_budget(memory, ctx.me.memory_mib if ctx is not None else 0)
     return OFFLINE_MEMORY

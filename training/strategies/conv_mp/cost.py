@@ -191,7 +191,7 @@ SETTLED = 0.005         # ... until no rank's corrected speed moves by more than
 
 def _settled(case, names, layer_split, played, play):
     """The split recalibration settles on (training.strategy's recalibrate_every), played
-    with the strategy's own rules (ConvModelParallelStrategy._recalibrate): each rank's
+    with the strategy's own rules (ConvModelParallelStrategy.recalibrate): each rank's
     seconds per layer, corrected speeds (calibrate.corrected_speeds), a new proportional
     split where it pays (worth_resharding). A rank with a core of its own reports its
     shares' full-speed time; one that its quota holds back (under a quota and busy for
