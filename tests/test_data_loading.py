@@ -64,6 +64,22 @@ def test_split_rows_and_map_permutation():
     assert shares.split_rows is split_rows
 
 
+def test_one_rule_gives_the_weights_of_training_shares():
+    from training.data.order import given_weights
+    from training.perf.model import share_weights as planned
+    assert given_weights("vcores", [1, 0.5, 0.5]) == [1.0, 0.5, 0.5]
+    assert given_weights("equal", [1, 0.5, 0.5]) == [1.0, 1.0, 1.0]
+    assert given_weights([3, 1], [1, 1]) == [3.0, 1.0]
+    assert given_weights("speed", [1, 1]) is None               # measured by the ranks at start
+    with pytest.raises(ValueError, match="training.shares: 3 shares given for 2 ranks"):
+        given_weights([1, 1, 1], [1, 1])
+    with pytest.raises(ValueError, match="training.shares: expected"):
+        given_weights("fastest", [1, 1])
+    from training.perf.model import PlanError
+    with pytest.raises(PlanError, match="training.shares: expected"):
+        planned([], "fastest")
+
+
 def test_epoch_order_is_a_stratified_windowed_shuffle_determined_by_seed_and_epoch():
     rows = [50] * 12
     o = Order(rows, [1000] * 12, window_bytes=4000)             # 20 B a row: windows of 4 batches of 50

@@ -107,21 +107,17 @@ def share_weights(shares="equal", ctx=None, model=None, example=None):
     """One weight per rank: "equal", "vcores" (each rank's container), "speed" (rows per
     second of forward+backward of `model` on `example`, measured on every rank now), or a
     list of numbers."""
+    from .data.order import given_weights
     ctx = ctx or context()
-    if isinstance(shares, (list, tuple)):
-        if len(shares) != ctx.world_size or not all(float(w) > 0 for w in shares):
-            raise ValueError(f"shares: expected {ctx.world_size} positive weights, got {list(shares)}")
-        return [float(w) for w in shares]
-    if shares == "equal":
-        return [1.0] * ctx.world_size
-    if shares == "vcores":
-        return [float(r.vcores) for r in ctx.ranks]
-    if shares == "speed":
-        if model is None or example is None:
-            raise ValueError("shares 'speed' needs model= and example= (a batch of inputs) to measure")
-        from .strategies.shares import measure_speed
-        return [float(s) for s in ctx.comm.allgather(measure_speed(model, example))]
-    raise ValueError(f"shares: expected 'equal', 'vcores', 'speed' or a list of weights, got {shares!r}")
+    if isinstance(shares, (list, tuple)) and not all(float(w) > 0 for w in shares):
+        raise ValueError(f"shares: expected {ctx.world_size} positive weights, got {list(shares)}")
+    given = given_weights(shares, [r.vcores for r in ctx.ranks])
+    if given is not None:
+        return given
+    if model is None or example is None:
+        raise ValueError("shares 'speed' needs model= and example= (a batch of inputs) to measure")
+    from .strategies.shares import measure_speed
+    return [float(s) for s in ctx.comm.allgather(measure_speed(model, example))]
 
 
 def permutation(n, seed, epoch):

@@ -112,21 +112,19 @@ def _rows_per_step(job):
     """(group index, group, the most rows of each global batch one of its ranks reads) for
     each group, by the strategy and training.shares; nothing where the shares are only
     measured at start (speed, with GPU ranks)."""
-    from training.data.order import split_rows
+    from training.data.order import given_weights, split_rows
     t, ranks = job.training, job.ranks()
-    B = t.batch_size
+    B, vcores = t.batch_size, [r["vcores"] for r in ranks]
     if t.strategy.name == "hypergraph":                 # every rank reads the whole batch
         rows = [B] * len(ranks)
     elif t.strategy.name == "conv_model_parallel":      # the master reads it, for everyone
         rows = [B] + [0] * (len(ranks) - 1)
-    elif t.shares == "equal":
-        rows = split_rows(B, [1] * len(ranks))
-    elif t.shares == "vcores" or t.shares == "speed" and not any(g.gpus for g in job.groups):
-        rows = split_rows(B, [r["vcores"] for r in ranks])
-    elif isinstance(t.shares, list):
-        rows = split_rows(B, t.shares)
+    elif t.shares == "speed":                           # CPU ranks' speeds go about as their vcores
+        if any(g.gpus for g in job.groups):
+            return []
+        rows = split_rows(B, vcores)
     else:
-        return []
+        rows = split_rows(B, given_weights(t.shares, vcores))
     most = {}
     for r, n in zip(ranks, rows):
         most[r["group"]] = max(most.get(r["group"], 0), n)

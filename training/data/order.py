@@ -53,6 +53,26 @@ def split_rows(total, weights):
     return [int(n) for n in rows]
 
 
+def given_weights(shares, vcores):
+    """One weight per rank for `training.shares` where nothing has to be measured: a list
+    as given, "equal", or "vcores" (`vcores`: each rank's container's, in rank order);
+    None for "speed", whose weights the ranks measure at start. The one rule behind every
+    strategy's shares, training.dist's, the planner's and submit's preflight. ValueError,
+    naming training.shares, for any other value or a list not of one weight per rank."""
+    n = len(vcores)
+    if isinstance(shares, (list, tuple)):
+        if len(shares) != n:
+            raise ValueError(f"training.shares: {len(shares)} shares given for {n} ranks; give one per rank")
+        return [float(s) for s in shares]
+    if shares == "equal":
+        return [1.0] * n
+    if shares == "vcores":
+        return [float(v) for v in vcores]
+    if shares == "speed":
+        return None
+    raise ValueError(f"training.shares: expected 'equal', 'vcores', 'speed' or a list of weights, got {shares!r}")
+
+
 def map_permutation(n, seed, epoch):
     """The order in which `epoch` visits the n rows of a map-style dataset: numpy's PCG64
     seeded with SeedSequence([seed, epoch]), the same on every rank. Ranks of one world

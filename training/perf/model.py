@@ -172,18 +172,14 @@ class Scheduling:
 def share_weights(devices, shares):
     """One weight per rank for `shares` (equal | vcores | speed | a list), as the strategies
     weigh them; 'speed' is rows per second of each device's forward + backward."""
-    n = len(devices)
-    if isinstance(shares, (list, tuple)):
-        if len(shares) != n:
-            raise PlanError(f"training.shares: {len(shares)} shares given for {n} ranks")
-        return [float(s) for s in shares]
-    if shares == "equal":
-        return [1.0] * n
-    if shares == "vcores":
-        return [float(d.vcores) for d in devices]
-    if shares == "speed":
-        return [1.0 / d.fwd_bwd_s(d.profile.batch) for d in devices]
-    raise PlanError(f"training.shares: expected equal, vcores, speed or a list, got {shares!r}")
+    from training.data.order import given_weights
+    try:
+        given = given_weights(shares, [d.vcores for d in devices])
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    if given is not None:
+        return given
+    return [1.0 / d.fwd_bwd_s(d.profile.batch) for d in devices]
 
 
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from training import collectives, cputime, devices
 from training.precision import Precision
 from training.strategies.base import StepStats, Strategy, StrategyError
-from training.strategies.shares import SPEED_PROBE_ROWS, costly_ranks, measure_speed, split_rows
+from training.strategies.shares import SPEED_PROBE_ROWS, costly_ranks, given_weights, measure_speed, split_rows
 
 log = logging.getLogger(__name__)
 
@@ -95,19 +95,12 @@ class AllReduceStrategy(Strategy):
                 devices.bcast_(self.comm, t, root=0)
 
     def _share_weights(self, example_input):
-        shares = self.spec.shares
-        if isinstance(shares, (list, tuple)):
-            if len(shares) != self.world_size:
-                raise StrategyError(f"training.shares: {len(shares)} shares given for "
-                                    f"{self.world_size} ranks")
-            return [float(s) for s in shares]
-        if shares == "equal":
-            return [1.0] * self.world_size
-        if shares == "vcores":
-            return [float(r.vcores) for r in self.ctx.ranks]
-        if shares != "speed":
-            raise StrategyError(f"training.shares: expected 'equal', 'vcores', 'speed' or a list, "
-                                f"got {shares!r}")
+        try:
+            given = given_weights(self.spec.shares, [r.vcores for r in self.ctx.ranks])
+        except ValueError as e:
+            raise StrategyError(str(e)) from None
+        if given is not None:
+            return given
         if example_input is None and getattr(self.model, "input_shape", None) is not None:
             gen = torch.Generator().manual_seed(self.rank)
             example_input = torch.randn((SPEED_PROBE_ROWS, *self.model.input_shape), generator=gen)

@@ -93,18 +93,19 @@ class HypergraphStrategy(Strategy):
                 p.copy_(host.to(p.device))
 
     def _capacities(self):
-        caps, shares = self.config.capacities, self.spec.shares
-        given = caps if caps is not None else (shares if isinstance(shares, (list, tuple)) else None)
+        caps = self.config.capacities
+        if caps is not None:
+            if len(caps) != self.world_size:
+                raise StrategyError(f"hypergraph strategy: {len(caps)} capacities for {self.world_size} ranks "
+                                    "(training.strategy.capacities); give one per rank")
+            return [float(c) for c in caps]
+        from training.strategies.shares import SPEED_PROBE_ROWS, given_weights, measure_speed
+        try:
+            given = given_weights(self.spec.shares, [r.vcores for r in self.ctx.ranks])
+        except ValueError as e:
+            raise StrategyError(str(e)) from None
         if given is not None:
-            if len(given) != self.world_size:
-                raise StrategyError(f"hypergraph strategy: {len(given)} capacities for {self.world_size} ranks "
-                                    "(training.strategy.capacities or training.shares); give one per rank")
-            return [float(s) for s in given]
-        if shares == "equal":
-            return [1.0] * self.world_size
-        if shares == "vcores":
-            return [float(r.vcores) for r in self.ctx.ranks]
-        from training.strategies.shares import SPEED_PROBE_ROWS, measure_speed
+            return given
         gen = torch.Generator().manual_seed(self.rank)
         example = torch.randn((SPEED_PROBE_ROWS, *self.input_shape), generator=gen).to(self.device)
         speeds = self.comm.allgather(measure_speed(self.model.to(self.device), example))
