@@ -118,19 +118,19 @@ def test_rank_0_sigkilled_then_the_master_killed_resume_bit_identically(referenc
     assert_nothing_left(run.app_id)
 
 
-def test_sigkill_with_augmentation_and_unequal_shares_resumes_bit_identically(digits, tmp_path, yarnapp_home):
-    """Random crops and flips drawn per (seed, epoch, row), shares 3:1:2, a rank killed
-    mid-epoch: the resumed run reads and augments exactly the rows the uninterrupted
-    one did, so the final weights are equal."""
-    def job(name):
+def test_sigkill_with_augmentation_and_measured_shares_resumes_bit_identically(digits, tmp_path, yarnapp_home):
+    """Random crops and flips drawn per (seed, epoch, row), shares measured at start
+    (speed: 1 + 0.5 + 0.5 vcores), a rank killed mid-epoch: the resumed generation splits
+    its batches by the shares the checkpoint's run measured, not by its own measurement,
+    and reads and augments exactly the rows the uninterrupted run did, so the final
+    weights equal those of a run given those shares."""
+    def job(name, shares):
         j = digits_job(tmp_path, digits, name, steps=45, every=10)
-        j["training"]["shares"] = [3, 1, 2]
+        j["training"]["shares"] = shares
         j["training"]["data"].update({"augment": [{"random_crop": {"size": 8, "padding": 1}}, "hflip"],
                                       "shuffle_window": "16 KiB"})     # windows of one block
         return j
-    ref = job("aug-ref")
-    run_to_end(ref)
-    killed = job("aug-killed")
+    killed = job("aug-killed", "speed")
     run = yarnapp.submit(killed)
     pid = rank_pid(run, rank=2)
     kill_at = random.Random("kill-augment").randint(33, 42)          # in the second epoch (29 steps each)
@@ -141,8 +141,15 @@ def test_sigkill_with_augmentation_and_unequal_shares_resumes_bit_identically(di
     assert [r["generation"] for r in st["restarts"]] == [1]
     resumed = st["final"]["resumed_from"]
     assert resumed in (30, 40) and resumed <= kill_at + 1, (kill_at, resumed)
+    assert "resumed with the checkpoint's measured shares" in run.logs()["big_0"]
+    ckpt = os.path.join(killed["checkpoint"]["uri"], run.app_id)
+    shares = [torch.load(os.path.join(ckpt, f"step-{step:08d}", "rank-00000.pt"),
+                         weights_only=False)["strategy"]["shares"] for step in (resumed, 45)]
+    assert shares[0] == shares[1] and shares[0][0] > shares[0][1], shares   # gen 0's, kept by gen 1
+    ref = job("aug-ref", shares[0])
+    run_to_end(ref)
     assert _equal(final_weights(killed), final_weights(ref))
-    print(f"augmented: killed at step {kill_at}, resumed from {resumed}")
+    print(f"augmented, shares {[round(w) for w in shares[0]]} measured: killed at step {kill_at}, resumed from {resumed}")
     assert_nothing_left(run.app_id)
 
 

@@ -11,7 +11,8 @@ is the gradient of the mean loss over the global batch: every step equals the st
 one process would take on the whole batch, whatever the split. The gradients are
 reduced in buckets while backward runs (training.collectives.GradientReducer), in
 a fixed summation order, so a run is bit-identical to the next with the same seed
-and the same shares (measured 'speed' shares may differ from run to run).
+and the same shares (measured 'speed' shares may differ from run to run; a checkpoint
+keeps the ones measured, so a run resumed from it splits its batches as before).
 
 Parameters and buffers are broadcast from rank 0 at setup; floating buffers (e.g.
 BatchNorm running statistics, computed from local rows) are broadcast from rank 0
@@ -225,7 +226,8 @@ class AllReduceStrategy(Strategy):
         own = self.precision.state_dict()
         if self.rank != 0:
             return own
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), **own}
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "shares": self.weights, **own}
 
     def load_state_dict(self, state):
         """Collective: rank 0's model and optimizer, broadcast to every rank (each loads the
@@ -235,6 +237,21 @@ class AllReduceStrategy(Strategy):
         self.model.load_state_dict(full["model"])
         self.optimizer.load_state_dict(full["optimizer"])
         self.precision.load_state_dict(state)
+        self._keep_measured_shares(full.get("shares"))
+
+    def _keep_measured_shares(self, saved):
+        """shares: speed, resumed: split the batches by the weights the checkpoint's run
+        measured, not by today's. Another split sums each gradient in another order, equal
+        to rounding but not to the bit, so the resumed steps would not be the steps the
+        uninterrupted run took. Measured afresh where the world's size changed."""
+        if self.spec.shares != "speed" or not saved or len(saved) != self.world_size:
+            return
+        saved = [float(w) for w in saved]
+        if saved != self.weights and self.rank == 0:
+            log.info("shares: speed: resumed with the checkpoint's measured shares %s (measured now: %s), "
+                     "so that the steps split their batches as before", [round(w, 3) for w in saved],
+                     [round(w, 3) for w in self.weights])
+        self.weights = saved
 
     def model_for_export(self):
         return self.model if self.rank == 0 else None

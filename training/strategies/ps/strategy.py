@@ -239,7 +239,7 @@ class CentralPSStrategy(_ParameterServer):
     def state_dict(self):
         """The whole model on every rank (all equal); the optimizer on the server."""
         return {"strategy": self.name, "rank": self.rank, "world_size": self.world_size,
-                "model": self.model.state_dict(),
+                "model": self.model.state_dict(), "shares": self.weights,
                 "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None}
 
     def load_state_dict(self, state):
@@ -249,6 +249,7 @@ class CentralPSStrategy(_ParameterServer):
         self._sync_host()
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
+        self._keep_measured_shares(state.get("shares"))
 
 
 class ShardedPSStrategy(_ParameterServer):
@@ -298,7 +299,7 @@ class ShardedPSStrategy(_ParameterServer):
     def state_dict(self):
         """The whole model (equal on every rank) and this rank's segment's optimizer state."""
         return {"strategy": self.name, "rank": self.rank, "world_size": self.world_size,
-                "segment": [self.lo, self.hi], "model": self.model.state_dict(),
+                "segment": [self.lo, self.hi], "model": self.model.state_dict(), "shares": self.weights,
                 "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state):
@@ -310,3 +311,4 @@ class ShardedPSStrategy(_ParameterServer):
         self.model.load_state_dict(state["model"])     # copies into the views of W (or of its device copy)
         self._sync_host()
         self.optimizer.load_state_dict(state["optimizer"])
+        self._keep_measured_shares(state.get("shares"))
