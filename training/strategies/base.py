@@ -53,6 +53,15 @@ class Strategy(abc.ABC):
         self.world_size = ctx.world_size
         self.device = ctx.device         # training.devices: cuda:0 on a rank with GPUs, else cpu
 
+    def given_shares(self):
+        """One weight per rank from training.shares (training.data.order.given_weights), or
+        None where the ranks measure them (speed)."""
+        from training.data.order import given_weights
+        try:
+            return given_weights(self.spec.shares, [r.vcores for r in self.ctx.ranks])
+        except ValueError as e:
+            raise StrategyError(str(e)) from None
+
     @abc.abstractmethod
     def setup(self, model, make_optimizer, example_input=None):
         """Take the model (built alike on every rank from the same seed) and build the

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from training import collectives, cputime, devices
 from training.precision import Precision
 from training.strategies.base import StepStats, Strategy, StrategyError
-from training.strategies.shares import SPEED_PROBE_ROWS, costly_ranks, given_weights, measure_speed, split_rows
+from training.strategies.shares import SPEED_PROBE_ROWS, costly_ranks, measure_speed, split_rows
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +96,7 @@ class AllReduceStrategy(Strategy):
                 devices.bcast_(self.comm, t, root=0)
 
     def _share_weights(self, example_input):
-        try:
-            given = given_weights(self.spec.shares, [r.vcores for r in self.ctx.ranks])
-        except ValueError as e:
-            raise StrategyError(str(e)) from None
+        given = self.given_shares()
         if given is not None:
             return given
         if example_input is None and getattr(self.model, "input_shape", None) is not None:

@@ -99,11 +99,8 @@ class HypergraphStrategy(Strategy):
                 raise StrategyError(f"hypergraph strategy: {len(caps)} capacities for {self.world_size} ranks "
                                     "(training.strategy.capacities); give one per rank")
             return [float(c) for c in caps]
-        from training.strategies.shares import SPEED_PROBE_ROWS, given_weights, measure_speed
-        try:
-            given = given_weights(self.spec.shares, [r.vcores for r in self.ctx.ranks])
-        except ValueError as e:
-            raise StrategyError(str(e)) from None
+        from training.strategies.shares import SPEED_PROBE_ROWS, measure_speed
+        given = self.given_shares()
         if given is not None:
             return given
         gen = torch.Generator().manual_seed(self.rank)
