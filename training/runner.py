@@ -14,7 +14,7 @@ import torch
 
 from launcher import memory   # plain functions reading this process's memory cgroup
 
-from . import collectives, strategies
+from . import collectives, lazy_dynamo, strategies
 from .checkpoint import CheckpointError, Checkpointer, rng_state, set_rng_state
 from .data import open_dataset
 from .models import build_model, check_output
@@ -42,6 +42,7 @@ class Runner:
         self.ctx = ctx
         self.spec = spec = ctx.job.training
         self.comm = ctx.comm
+        lazy_dynamo.defer()             # no torch._dynamo import for the optimizer: 1.4 CPU-s a start
         torch.set_num_threads(ctx.me.threads)
         collectives.set_polite(ctx.me.throttled)
         self.train = open_dataset(spec.data, "train", ctx)
