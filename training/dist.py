@@ -109,7 +109,7 @@ def share_weights(shares="equal", ctx=None, model=None, example=None):
     list of numbers."""
     from .data.order import given_weights
     ctx = ctx or context()
-    if isinstance(shares, (list, tuple)) and not all(float(w) > 0 for w in shares):
+    if isinstance(shares, (list, tuple)) and (len(shares) != ctx.world_size or not all(float(w) > 0 for w in shares)):
         raise ValueError(f"shares: expected {ctx.world_size} positive weights, got {list(shares)}")
     given = given_weights(shares, [r.vcores for r in ctx.ranks])
     if given is not None:
