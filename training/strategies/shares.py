@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from training.data.order import given_weights, split_rows   # noqa: F401  (their home: the data order)
+from training.data.order import split_rows   # noqa: F401  (its home: the data order)
 from training.devices import synchronize
 
 SPEED_PROBE_ROWS = 16     # rows of the timed forward/backward passes behind shares: speed
