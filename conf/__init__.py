@@ -124,6 +124,8 @@ def _message(err):
         return "must have at least one entry"
     if kind == "missing":
         return "required field is missing"
+    if kind == "finite_number":
+        return f"must be a finite number (got {inp!r})"
     if kind == "string_pattern_mismatch":
         return f"{inp!r} must be lower-case letters, digits and '-', starting with a letter (at most 31)"
     msg = msg.removeprefix("Value error, ")

@@ -37,11 +37,12 @@ def _ipv4_subnet(value):
 
 
 TENSORBOARD_SERVICE = "tensorboard"      # the TensorBoard service's name among the groups (YARN: a skein service)
-BUILTIN_RUNNER = "training.runner:main"    # run.function of the built-in runner, which needs `training`
+BUILTIN_RUNNER = "training.runner:main"
+MIN_VCORES = 0.01    # a CPU quota of 1 ms per 100 ms period: the least the kernel's CFS accepts    # run.function of the built-in runner, which needs `training`
 
 
 class Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
 class Group(Model):
@@ -49,7 +50,7 @@ class Group(Model):
     name: Name
     instances: Annotated[int, Field(ge=1)]
     memory: MemoryMiB
-    vcores: Annotated[float, Field(gt=0)]
+    vcores: Annotated[float, Field(ge=MIN_VCORES)]
     gpus: Annotated[int, Field(ge=0)]
     node_label: Optional[str]
     env: Dict[str, str]
@@ -252,8 +253,8 @@ def _shares(value):
     """A precise line for a bad weight (the union's own error named neither the entry nor the rule)."""
     if isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(f"weight [{i}] must be a number > 0, got {v!r}; give one weight per rank")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+                raise ValueError(f"weight [{i}] must be a finite number > 0, got {v!r}; give one weight per rank")
     elif value not in ("speed", "equal", "vcores"):
         raise ValueError(f"expected equal, vcores, speed or a list of weights > 0 (one per rank), got {value!r}")
     return value

@@ -4,6 +4,7 @@ Memory follows YARN and skein: a bare number is MiB; ``KiB/MiB/GiB/TiB`` and the
 letters ``K/M/G/T`` are powers of 1024, ``KB/MB/GB/TB`` powers of 1000. Anything else is
 rejected, so that ``4 gigs`` never silently becomes some other amount.
 """
+import math
 import re
 
 _MEM_UNITS = {
@@ -34,8 +35,8 @@ def parse_memory_mib(value):
         if not m or unit not in _MEM_UNITS:
             raise ValueError(f"cannot parse {value!r} as memory; write e.g. 512 MiB, 2 GiB or 4 GB")
         nbytes = float(m.group(1)) * _MEM_UNITS[unit]
-    if nbytes <= 0:
-        raise ValueError(f"must be more than 0 (got {value!r})")
+    if not math.isfinite(nbytes) or nbytes <= 0:
+        raise ValueError(f"must be a finite size more than 0 (got {value!r})")
     return max(1, int(-(-nbytes // 2**20)))
 
 
@@ -50,8 +51,8 @@ def parse_duration_s(value):
         if not m or m.group(2) not in _DUR_UNITS:
             raise ValueError(f"cannot parse {value!r} as a duration; write e.g. 500ms, 30s or 2m")
         seconds = float(m.group(1)) * _DUR_UNITS[m.group(2)]
-    if seconds <= 0:
-        raise ValueError(f"must be more than 0 (got {value!r})")
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"must be a finite duration more than 0 (got {value!r})")
     return seconds
 
 
@@ -67,6 +68,6 @@ def parse_rate_bps(value):
         if not m or unit not in _RATE_UNITS:
             raise ValueError(f"cannot parse {value!r} as a rate; write e.g. 100mbit, 1gbit or 10gbit (bits per second)")
         bps = float(m.group(1)) * _RATE_UNITS[unit]
-    if bps <= 0:
-        raise ValueError(f"must be more than 0 (got {value!r})")
+    if not math.isfinite(bps) or bps <= 0:
+        raise ValueError(f"must be a finite rate more than 0 (got {value!r})")
     return bps

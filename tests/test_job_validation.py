@@ -44,7 +44,7 @@ CASES = [
     ("memory-gigs", _with("groups.0.memory", "4 gigs"), "groups[0].memory", "cannot parse"),
     ("memory-zero", _with("groups.0.memory", 0), "groups[0].memory", "more than 0"),
     ("memory-negative", _with("groups.0.memory", "-1 GiB"), "groups[0].memory", "cannot parse"),
-    ("vcores-zero", _with("groups.0.vcores", 0), "groups[0].vcores", "greater than 0"),
+    ("vcores-zero", _with("groups.0.vcores", 0), "groups[0].vcores", "greater than or equal to 0.01 (got 0)"),
     ("negative-gpus", _with("groups.0.gpus", -1), "groups[0].gpus", "greater than or equal to 0"),
     ("duplicate-groups", _with("groups", [GOOD["groups"][0], GOOD["groups"][0]]), "groups", "duplicate"),
     ("bad-group-name", _with("groups.0.name", "Worker Group"), "groups[0].name", "lower-case"),
@@ -124,7 +124,17 @@ CASES = [
     ("vcores-too-many", _with("groups.0.vcores", 4096), "groups[0].vcores", "this machine has"),
     ("shares-weight", dict(_with("run.function", "training.runner:main"),
                            training={"shares": [1, 0], "data": {"train": "/nonexistent-yarnapp-data/train"}}),
-     "training.shares", "weight [1] must be a number > 0, got 0"),
+     "training.shares", "weight [1] must be a finite number > 0, got 0"),
+    # non-finite numbers (before: .inf passed, job.json wrote it as null, and the master died)
+    ("lr-inf", dict(_with("run.function", "training.runner:main"),
+                    training={"lr": float("inf"), "data": {"train": "/x"}}), "training.lr",
+     "must be a finite number (got inf)"),
+    ("shares-inf", dict(_with("run.function", "training.runner:main"),
+                        training={"shares": [float("inf")], "data": {"train": "/x"}}), "training.shares",
+     "weight [0] must be a finite number > 0, got inf"),
+    ("memory-inf", _with("groups.0.memory", float("inf")), "groups[0].memory", "must be a finite size"),
+    # under CFS's least quota (before: the kernel refused it, and both limits were dropped)
+    ("vcores-too-few", _with("groups.0.vcores", 0.005), "groups[0].vcores", "greater than or equal to 0.01"),
     ("resume-unknown", dict(GOOD, checkpoint={"resume": "app_20200101_000000_abcdef"}), "checkpoint.resume",
      "no checkpoints of application app_20200101_000000_abcdef under"),
     # each container fits, all of them do not (before: 200 x 1 vcore started ~400 processes)
