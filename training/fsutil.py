@@ -7,8 +7,9 @@ TensorBoard and the YARN backend all open URIs through it):
     webhdfs://HOST:PORT/path  HDFS through the NameNode's WebHDFS REST API (fsspec's
                               `webhdfs`, wrapped as a pyarrow filesystem); no libhdfs
                               needed, as user $HADOOP_USER_NAME, else the login user
-    hdfs://, s3://, ...       pyarrow's own (`pyarrow.fs.FileSystem.from_uri`; hdfs://
-                              is libhdfs, which needs Java and Hadoop's native library)
+    hdfs://, s3://, gs://...  pyarrow's own (`pyarrow.fs.FileSystem.from_uri`; hdfs://
+                              is libhdfs, which needs Java and Hadoop's native library;
+                              gs:// retries for GCS_RETRY_S, not google-cloud-cpp's minutes)
 
 On WebHDFS a rename is atomic and refused when the destination exists (FileExistsError),
 which the checkpoints' never-overwrite rule relies on. That is HDFS's rename2
@@ -26,6 +27,9 @@ import pyarrow.fs as pafs
 from conf.errors import YarnappError
 
 
+GCS_RETRY_S = 20    # how long a gs:// URI's requests are retried, unless its query sets retry_limit_seconds
+
+
 class URIError(YarnappError, ValueError):
     """A URI that names no filesystem we can open (a ValueError too, as pyarrow's are)."""
 
@@ -39,6 +43,10 @@ def resolve(uri):
         if not u.hostname:
             raise URIError(f"{uri}: a webhdfs URI names the NameNode's HTTP address: webhdfs://HOST:PORT/path")
         return _webhdfs(u.hostname, u.port or 9870, hdfs_user()), u.path or "/"
+    if uri.startswith(("gs://", "gcs://")) and "retry_limit_seconds=" not in uri:
+        # google-cloud-cpp retries for many minutes by default, deaf to Ctrl-C: an unreachable
+        # bucket (no credentials, no network) hung submit; this fails it in ~2x the limit
+        uri += ("&" if "?" in uri else "?") + f"retry_limit_seconds={GCS_RETRY_S}"
     return pafs.FileSystem.from_uri(uri)
 
 
