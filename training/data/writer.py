@@ -162,9 +162,10 @@ def _write(uri, n, shards, overwrite, meta, rows_per_group, table_of):
             with fs.open_output_stream(posixpath.join(tmp, f"part-{i:05d}.parquet")) as f:
                 # images: no compression (raw pixels read fast; JPEG/PNG are compressed
                 # already), no dictionary, no statistics; labels: both (the statistics
-                # tell a reader the number of classes without reading them)
+                # tell a reader the number of classes without reading them); every page
+                # with its CRC, which the ranks' reader verifies (training.data.reader)
                 pq.write_table(table, f, compression="none", use_dictionary=[LABEL],
-                               write_statistics=[LABEL], data_page_size=1 << 20,
+                               write_statistics=[LABEL], data_page_size=1 << 20, write_page_checksum=True,
                                row_group_size=rows_per_group)
         if there:
             with interrupts.deferred():     # both moves or neither: a Ctrl-C between them would hide it
