@@ -99,9 +99,13 @@ def _check_window(job, blocks, pre):
                   f"groups[{i}].memory to {-(-mib // MEMORY_FRACTION):.0f} MiB")
         held = "training.data.memory" if data.memory else f"a quarter of groups[{i}].memory"
         raise YarnappError(f"{pre}training.data.shuffle_window: a step of group {group.name!r} reads {rows} rows of "
-                           f"each batch of {t.batch_size} from about {need / 2**20:.0f} MiB of training.data.train's "
-                           f"row groups, more than the {budget / 2**20:.0f} MiB its ranks hold data in ({held}); "
+                           f"each batch of {t.batch_size} from about {_about(need)} of training.data.train's "
+                           f"row groups, more than the {_about(budget)} its ranks hold data in ({held}); "
                            f"{fix}, or raise {raise_}")
+
+
+def _about(nbytes):
+    return f"{nbytes / 2**20:.0f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.0f} KiB"
 
 
 def _size(nbytes):
