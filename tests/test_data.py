@@ -384,6 +384,18 @@ def test_truncated_shard_names_the_file(digits_dir, tmp_path):
     _one_line_naming(e, victim.name, "Parquet")
 
 
+def test_a_gs_uri_retries_for_seconds_not_minutes():
+    """google-cloud-cpp's own retry policy kept an unreachable bucket's submit for over 10
+    minutes, deaf to Ctrl-C; an unreachable one now fails in ~2x the limit (24 s measured)."""
+    from datetime import timedelta
+
+    from training import fsutil
+    for uri, limit in (("gs://bucket/train", fsutil.GCS_RETRY_S), ("gs://bucket/train?retry_limit_seconds=3", 3)):
+        fs, path = fsutil.resolve(uri)
+        assert path == "bucket/train"
+        assert fs.__reduce__()[1][0]["retry_time_limit"] == timedelta(seconds=limit)
+
+
 def test_corrupt_page_data_names_the_file(digits_dir, tmp_path):
     """A shard whose footer is intact but whose pages are garbage: found when read."""
     src, _ = digits_dir
