@@ -77,6 +77,36 @@ def test_clashes_missing_files_and_data_sized_trees_are_refused_in_one_line(tmp_
         shipping.plan(_job({"function": "m:f", "files": [str(big)]}))
 
 
+def test_a_module_of_the_users_named_as_yarnapps_own_packages_is_refused_where_imported(tmp_path):
+    """A conf.py beside the script: every rank has yarnapp's conf imported before the script
+    runs, so its `import conf` got yarnapp's, and every rank failed with an AttributeError."""
+    import shutil
+    import subprocess
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "conf.py").write_text("LR = 0.1\n")
+    (proj / "train.py").write_text("import helper\n")
+    (proj / "helper.py").write_text("from conf import LR\n")
+    with pytest.raises(YarnappError) as e:
+        shipping.plan(_job({"script": str(proj / "train.py")}))
+    assert str(e.value) == (f"run.script: {proj / 'conf.py'} is named as yarnapp's own package 'conf', which every "
+                            f"rank imports before your code, so `import conf` in {proj / 'helper.py'} would get "
+                            f"yarnapp's; rename your module (say, my_conf)")
+    (proj / "helper.py").write_text("import config\n")          # not imported: no clash
+    assert shipping.plan(_job({"script": str(proj / "train.py")})).entries == {"proj": str(proj)}
+    (proj / "conf.py").unlink()                                  # a copy of yarnapp's own package: no clash
+    shutil.copytree(os.path.dirname(importlib.util.find_spec("training").origin), proj / "training")
+    (proj / "train.py").write_text("from training import dist\n")
+    assert shipping.plan(_job({"script": str(proj / "train.py")})).entries == {"proj": str(proj)}
+    # a notebook's own conf.py in its directory: `import yarnapp` there says what shadows what
+    (tmp_path / "conf.py").write_text("LR = 0.1\n")
+    out = subprocess.run([sys.executable, "-c", "import yarnapp"], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"ImportError: {tmp_path / 'conf.py'} shadows yarnapp's own package 'conf' (in "
+        f"{os.path.dirname(os.path.dirname(conf.__file__))}): rename it, or import yarnapp from another directory")
+
+
 def test_the_local_engines_own_directories_are_never_shipped(tmp_path, monkeypatch):
     proj = _project(tmp_path / "proj")
     home = proj / "yarnapp-home"

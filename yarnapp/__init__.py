@@ -4,6 +4,28 @@
     run = yarnapp.submit("conf/examples/digits.yaml")   # or a dict / conf.JobSpec
     run.wait(progress=True); run.final; run.logs(); run.kill()
 """
+
+
+def _own_packages_first():
+    """yarnapp's sibling packages (conf, training, launcher) are top-level names: a user's
+    conf.py or training/ in the notebook's directory, first on sys.path, would shadow them
+    and break `import yarnapp` with a bare ModuleNotFoundError. Say so in one line."""
+    import importlib.util
+    import os
+    import sys
+    home = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for name in ("conf", "training", "launcher"):
+        module = sys.modules.get(name)
+        origin = getattr(module, "__file__", None) if module else None
+        if module is None:
+            spec = importlib.util.find_spec(name)
+            origin = spec.origin if spec else None
+        if origin and os.path.dirname(os.path.dirname(os.path.abspath(origin))) != home:
+            raise ImportError(f"{origin} shadows yarnapp's own package {name!r} (in {home}): rename it, or "
+                              f"import yarnapp from another directory")
+
+
+_own_packages_first()
 from .api import Run, kill, list_apps, load, status, submit  # noqa: F401
 from .errors import JobFailed, YarnappError  # noqa: F401
 
