@@ -218,6 +218,38 @@ def test_a_function_that_cannot_be_shipped_is_one_line_naming_it(yarnapp_home, m
     assert not os.path.isdir(os.path.join(yarnapp_home, "apps")) or os.listdir(os.path.join(yarnapp_home, "apps")) == []
 
 
+def test_a_function_its_module_does_not_define_and_a_script_that_does_not_compile_are_refused(tmp_path):
+    """Read, not run: before, the containers started and every rank failed on the import
+    (`training.hello:mian`) or on the user's SyntaxError."""
+    proj = tmp_path / "proj"
+    (proj / "nets").mkdir(parents=True)
+    (proj / "nets" / "__init__.py").write_text("")
+    (proj / "nets" / "small.py").write_text(
+        "import torch as _t\nfrom os import path as p\ndef build(ctx):\n    pass\n"
+        "try:\n    from fast import Net\nexcept ImportError:\n    class Net:\n        pass\n"
+        "if p:\n    WIDTH, (DEPTH, _) = 3, (4, 5)\n")
+    (proj / "lazy.py").write_text("def __getattr__(name):\n    return name\n")
+    (proj / "star.py").write_text("from os.path import *\n")
+    files = {"files": [str(proj / "nets"), str(proj / "lazy.py"), str(proj / "star.py")]}
+    for defined in ("nets.small:build", "nets.small:Net", "nets.small:DEPTH", "nets.small:p", "lazy:anything",
+                    "star:join", "training.hello:main"):
+        shipping.plan(_job({"function": defined, **files}))
+    with pytest.raises(YarnappError) as e:
+        shipping.plan(_job({"function": "nets.small:biuld", **files}))
+    assert str(e.value) == (f"run.function: nets.small:biuld: module nets.small ({proj / 'nets' / 'small.py'}) "
+                            f"has no 'biuld'; did you mean 'build'?")
+    with pytest.raises(YarnappError, match=r"^run.function: training.hello:mian: module training.hello \(.*hello.py\) "
+                                           r"has no 'mian'; did you mean 'main'\?$"):
+        shipping.plan(_job({"function": "training.hello:mian"}))
+    with pytest.raises(YarnappError, match=r"^run.function: nets.smal:build: no module nets.smal \(no smal.py or "
+                                           r"smal/ in .*nets\); check its name$"):
+        shipping.plan(_job({"function": "nets.smal:build", **files}))
+    (proj / "train.py").write_text("import os\nprint('x'\n")
+    with pytest.raises(YarnappError, match=r"^run.script: .*train.py line 2: SyntaxError: .*; fix it, or run "
+                                           r"`python -m py_compile .*train.py`$"):
+        shipping.plan(_job({"script": str(proj / "train.py")}))
+
+
 def test_a_module_neither_installed_nor_shipped_is_refused_and_one_beside_the_job_is_named(tmp_path, monkeypatch):
     """Before, such a job started its containers, which failed importing the module."""
     (tmp_path / "mymod.py").write_text("def main(ctx):\n    pass\n")
@@ -232,6 +264,7 @@ def test_a_module_neither_installed_nor_shipped_is_refused_and_one_beside_the_jo
                             f"in what the job ships; there is {tmp_path / 'mymod.py'}: add it to run.files")
     assert shipping.plan(_job({"function": "mymod:main", "files": [str(tmp_path / "mymod.py")]})).entries == {
         "mymod.py": str(tmp_path / "mymod.py")}
+    (tmp_path / "pkg" / "sub.py").write_text("def main(ctx):\n    pass\n")
     assert shipping.plan(_job({"function": "pkg.sub:main", "files": [str(tmp_path / "pkg")]})).entries == {
         "pkg": str(tmp_path / "pkg")}
     assert shipping.plan(_job({"function": "training.hello:main"})).entries == {}     # installed

@@ -42,6 +42,7 @@ import urllib.request
 
 from conf import BUILTIN_RUNNER
 
+from . import codecheck
 from .errors import YarnappError
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,6 @@ LIMIT_BYTES = 200 * 2**20          # code, not data: more than this is refused
 SKIP = {"__pycache__", ".git", ".hg", ".svn", ".ipynb_checkpoints", ".pytest_cache", ".mypy_cache",
         ".DS_Store", ".venv", "node_modules"}
 PRODUCT = {"yarnapp"}              # distributions never shipped: the environment brings them
-OWN_PACKAGES = ("conf", "training", "launcher", "yarnapp")     # its top-level packages, in every rank
 PICKLE_NAME = "function.pkl"
 
 
@@ -173,7 +173,9 @@ def _plan(job, where=None):
                                f"{LIMIT_BYTES // 2**20} MiB of code yarnapp ships; list only code in run.files "
                                f"and put data on a URI (training.data)")
     _check_importable(job, entries, where)
-    _check_own_names(run, entries, "run.files" if run.files else "run.script")
+    if run.script and not (job.backend == "yarn" and (job.environment.archive or job.environment.packer == "none")):
+        codecheck.syntax(run.script)        # (another interpreter, YARN's own, may read other syntax)
+    codecheck.own_names(run, entries, "run.files" if run.files else "run.script")
     # files null with a script: its directory was shipped for it and the job submitted from
     # that directory, so it runs in the copy (launcher.rank.run_code), as `python script.py`
     # run there; otherwise in the working directory, where each entry lands by its name (as
@@ -207,10 +209,20 @@ def _check_importable(job, entries, where=None):
     if t is not None and job.run.function == BUILTIN_RUNNER:       # what the built-in runner imports
         named += [("training.model", t.model if ":" in t.model else None),
                   ("training.data.dataset", t.data.dataset), ("training.data.transform", t.data.transform)]
-    shipped = {module_name(n) for n in entries}
+    shipped = {module_name(n): src for n, src in entries.items()}
     for field, target in named:
         top = (target or "").split(":")[0].split(".")[0]
-        if not top or top in shipped or _container_spec(top, paths, job.backend == "yarn") is not None:
+        if not top:
+            continue
+        spec = None if top in shipped else _container_spec(top, paths, job.backend == "yarn")
+        if top in shipped:
+            src = shipped[top]
+            codecheck.attribute(field, target, None if os.path.isdir(src) else src,
+                                [src] if os.path.isdir(src) else None)
+            continue
+        if spec is not None:
+            codecheck.attribute(field, target, spec.origin if spec.has_location else None,
+                                list(spec.submodule_search_locations or []) or None)
             continue
         beside = os.path.dirname(os.path.abspath(where)) if where and os.path.isfile(where) else None
         dirs = [(src, name) for name, src in entries.items() if os.path.isdir(src)]
@@ -225,55 +237,6 @@ def _check_importable(job, entries, where=None):
             hint = "; install it, or ship it with the job (run.files: its .py file or package directory)"
         raise YarnappError(f"{field}: {target}: no module named {top!r} in this environment or in what the "
                            f"job ships{hint}")
-
-
-def _check_own_names(run, entries, field):
-    """Refuse shipped code that imports a module of its own named as one of yarnapp's
-    top-level packages (a conf.py, a training/ package): every rank has imported yarnapp's
-    before the user's code runs, so the user's `import conf` would get yarnapp's (every rank
-    failed with an AttributeError). Found by reading the imports of the script and the .py
-    files shipped (and beside the script), without running them; a copy of yarnapp's own
-    package is no clash."""
-    import ast
-    places = {module_name(n): src for n, src in entries.items() if module_name(n) in OWN_PACKAGES}
-    beside = os.path.dirname(os.path.abspath(run.script)) if run.script else None
-    for name in OWN_PACKAGES:
-        for path in ((os.path.join(beside, name + ".py"), os.path.join(beside, name)) if beside else ()):
-            if name not in places and (os.path.isfile(path) or os.path.isfile(os.path.join(path, "__init__.py"))):
-                places[name] = path
-    places = {n: p for n, p in places.items() if not _is_own_package(n, p)}
-    if not places:
-        return
-    files = [run.script] if run.script else []
-    for d in [src for src in entries.values() if os.path.isdir(src)] + ([beside] if beside else []):
-        files += sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".py"))
-    files += [src for src in entries.values() if src.endswith(".py")]
-    for path in dict.fromkeys(files):
-        try:
-            if os.path.getsize(path) > 2**20:
-                continue
-            with open(path, "rb") as f:
-                tree = ast.parse(f.read(), path)
-        except (OSError, SyntaxError, ValueError):
-            continue                    # unreadable or not Python: not this check's to report
-        for node in ast.walk(tree):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                     [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
-            for top in {n.split(".")[0] for n in names} & set(places):
-                raise YarnappError(f"{field}: {places[top]} is named as yarnapp's own package {top!r}, which every "
-                                   f"rank imports before your code, so `import {top}` in {path} would get "
-                                   f"yarnapp's; rename your module (say, my_{top})")
-
-
-def _is_own_package(name, path):
-    """Whether `path` is yarnapp's package `name`, or a copy of it (its __init__.py the same)."""
-    import filecmp
-    import importlib.util
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.origin or not os.path.isdir(path):
-        return False
-    ours, theirs = spec.origin, os.path.join(path, "__init__.py")
-    return os.path.isfile(theirs) and filecmp.cmp(ours, theirs, shallow=False)
 
 
 def module_name(entry):

@@ -1,0 +1,154 @@
+"""What the client reads of the user's code before anything starts, without running it:
+mistakes the containers would otherwise find one by one after the application started.
+
+- `syntax`: the script compiles (a SyntaxError in train.py);
+- `attribute`: a 'module:function' the job names is defined in its module's source
+  (`training.hello:mian`), where the source shows it;
+- `own_names`: no shipped module of the user's that their code imports is named as one
+  of yarnapp's own top-level packages, which every rank imports first.
+
+Each raises YarnappError of one line naming the field; where the source cannot tell (a
+compiled module, a module-level __getattr__, a star import), nothing is refused.
+"""
+import ast
+import difflib
+import os
+
+from .errors import YarnappError
+
+OWN_PACKAGES = ("conf", "training", "launcher", "yarnapp")     # its top-level packages, in every rank
+MAX_SOURCE = 2**20                 # larger files are not read
+
+
+def _parse(path):
+    """The AST of the Python file at `path`; None where it is not readable source."""
+    try:
+        if os.path.getsize(path) > MAX_SOURCE:
+            return None
+        with open(path, "rb") as f:
+            return ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return None
+
+
+def syntax(script, field="run.script"):
+    """Refuse a script that does not compile (every rank failed with the user's SyntaxError
+    under yarnapp's frames, after the application started)."""
+    try:
+        with open(script, "rb") as f:
+            compile(f.read(), script, "exec", dont_inherit=True)
+    except SyntaxError as e:
+        where = f" line {e.lineno}" if e.lineno else ""
+        raise YarnappError(f"{field}: {script}{where}: {type(e).__name__}: {e.msg}; fix it, or run "
+                           f"`python -m py_compile {script}`") from None
+    except (OSError, ValueError):
+        pass                        # unreadable, null bytes: the container reports it
+
+
+def _defined(tree):
+    """Names a module's source binds at its top level (into if/try/with blocks, not into
+    functions or classes); None where it may bind others (a star import, __getattr__)."""
+    names, todo = set(), list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for a in node.names:
+                if a.name == "*":
+                    return None
+                names.add(a.asname or a.name.split(".")[0])
+        elif isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While)) or type(node).__name__ == "TryStar":
+            for block in ("body", "orelse", "finalbody", "handlers"):
+                todo.extend(getattr(node, block, None) or [])
+        elif isinstance(node, ast.ExceptHandler):
+            todo.extend(node.body)
+        else:
+            for sub in ast.walk(node) if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) else ():
+                if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
+                    names.add(sub.id)
+    return None if "__getattr__" in names else names
+
+
+def _dynamic(init):
+    """Whether a package's __init__.py may add submodules its directory does not hold."""
+    try:
+        with open(init, "rb") as f:
+            text = f.read(MAX_SOURCE)
+    except (OSError, TypeError):
+        return False
+    return b"__path__" in text or b"sys.modules" in text
+
+
+def attribute(field, target, origin, locations):
+    """Refuse `target` ('pkg.mod:attr') whose module, found under its top-level module's
+    `origin` file or package `locations`, lacks `attr` in its source. A submodule not found
+    on disk, or a source that cannot tell, is left to the containers."""
+    module, _, attr = target.partition(":")
+    parts = module.split(".")
+    for part in parts[1:]:
+        if not locations or _dynamic(origin):
+            return
+        found = [os.path.join(d, part) for d in locations if os.path.isdir(os.path.join(d, part))]
+        files = [os.path.join(d, part + ".py") for d in locations if os.path.isfile(os.path.join(d, part + ".py"))]
+        if files:
+            origin, locations = files[0], None
+        elif found:
+            init = os.path.join(found[0], "__init__.py")
+            origin, locations = (init if os.path.isfile(init) else None), found
+        elif any(f.startswith(part + ".") for d in locations for f in os.listdir(d)):
+            return                  # compiled (part.cpython-311-....so), or a .pyc: not read here
+        else:
+            raise YarnappError(f"{field}: {target}: no module {module} (no {part}.py or {part}/ in "
+                               f"{', '.join(locations)}); check its name")
+    if not origin or not origin.endswith(".py"):
+        return
+    tree = _parse(origin)
+    names = _defined(tree) if tree is not None else None
+    if names is None or attr in names:
+        return
+    close = difflib.get_close_matches(attr, sorted(n for n in names if not n.startswith("_")), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else "; define it there, or name one that is"
+    raise YarnappError(f"{field}: {target}: module {module} ({origin}) has no {attr!r}{hint}")
+
+
+def own_names(run, entries, field):
+    """Refuse shipped code that imports a module of its own named as one of yarnapp's
+    top-level packages (a conf.py, a training/ package): every rank has imported yarnapp's
+    before the user's code runs, so the user's `import conf` would get yarnapp's (every rank
+    failed with an AttributeError). Found by reading the imports of the script and the .py
+    files shipped (and beside the script); a copy of yarnapp's own package is no clash."""
+    from .shipping import module_name
+    places = {module_name(n): src for n, src in entries.items() if module_name(n) in OWN_PACKAGES}
+    beside = os.path.dirname(os.path.abspath(run.script)) if run.script else None
+    for name in OWN_PACKAGES:
+        for path in ((os.path.join(beside, name + ".py"), os.path.join(beside, name)) if beside else ()):
+            if name not in places and (os.path.isfile(path) or os.path.isfile(os.path.join(path, "__init__.py"))):
+                places[name] = path
+    places = {n: p for n, p in places.items() if not _is_own_package(n, p)}
+    if not places:
+        return
+    files = [run.script] if run.script else []
+    for d in [src for src in entries.values() if os.path.isdir(src)] + ([beside] if beside else []):
+        files += sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".py"))
+    files += [src for src in entries.values() if src.endswith(".py")]
+    for path in dict.fromkeys(files):
+        tree = _parse(path)
+        for node in ast.walk(tree) if tree is not None else ():
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+            for top in {n.split(".")[0] for n in names} & set(places):
+                raise YarnappError(f"{field}: {places[top]} is named as yarnapp's own package {top!r}, which every "
+                                   f"rank imports before your code, so `import {top}` in {path} would get "
+                                   f"yarnapp's; rename your module (say, my_{top})")
+
+
+def _is_own_package(name, path):
+    """Whether `path` is yarnapp's package `name`, or a copy of it (its __init__.py the same)."""
+    import filecmp
+    import importlib.util
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.origin or not os.path.isdir(path):
+        return False
+    ours, theirs = spec.origin, os.path.join(path, "__init__.py")
+    return os.path.isfile(theirs) and filecmp.cmp(ours, theirs, shallow=False)
