@@ -133,6 +133,11 @@ def test_digits_notebook_trains_shows_progress_and_tensorboard_and_leaves_nothin
         assert f"{app}: 100%" in shown and f"{steps}/{steps}" in shown, shown[-2000:]
         assert "IProgress not found" not in shown, shown[:2000]
     assert "world formed" in shown, shown[:2000]
+    assert f"{app} SUCCEEDED; final: accuracy=" in shown, shown[-2000:]      # how it ended, said at the end
+    # the last record: the test set's metrics beside training's, not under training's names
+    last = st["progress"][0]
+    assert last["test_accuracy"] == st["final"]["accuracy"] and last["test_loss"] == st["final"]["loss"], last
+    assert last["loss"] == st["final"]["train_loss"], last
 
     # The final accuracy, as the notebook printed it, is the job's and is good.
     printed = _outputs(_cell(nb, "run.final"))

@@ -209,9 +209,12 @@ class Runner:
         if self.tb:
             self.tb.scalars(step, {f"eval/{k}": v for k, v in ev.items()})
             self.tb.close(final)
+        # the last record: training's loss and accuracy as before, and the test set's beside them
+        # (under the same names they read as training getting worse)
         ctx.report(step=step, total_steps=self.total_steps, epoch=math.ceil(step / self.steps_per_epoch),
-                   **{k: v for k, v in final.items() if k in ("accuracy", "loss", "samples_per_s")},
-                   **self.resources())
+                   **{k: v for k, v in rec.items() if k in ("loss", "accuracy")},
+                   **{f"test_{k}": v for k, v in ev.items() if k in ("loss", "accuracy")},
+                   samples_per_s=final["samples_per_s"], **self.resources())
         ctx.final(**final)
         return final
 

@@ -117,12 +117,15 @@ def _used(function, local):
 def _started(run, wait, progress):
     if wait:
         try:
-            run.wait(progress=progress)
+            run.wait(progress=progress, summary=False)     # a failure is raised, not said twice
         except KeyboardInterrupt:   # as `yarnapp submit --wait`: the caller never got the Run to stop it
             run.kill()
             raise KeyboardInterrupt(f"interrupted: killed {run.app_id}") from None
         if run.state != "SUCCEEDED":
             raise JobFailed(run.failure_message())
+        if progress:
+            from .progress import Progress
+            Progress(run).end(run.status())
     return run
 
 
@@ -185,10 +188,12 @@ class Run:
         tensorboard.show_in_notebook(tb)
         return tb
 
-    def wait(self, timeout=None, progress=False, interval=0.2):
-        """Block until the application ends; return its last status. Interrupted (Ctrl-C, a
-        notebook's interrupt), it stops waiting and leaves the application running: kill()
-        stops it. (submit(..., wait=True) interrupted kills it, as `yarnapp submit --wait`.)"""
+    def wait(self, timeout=None, progress=False, interval=0.2, summary=True):
+        """Block until the application ends; return its last status. progress: show a bar
+        (a widget in a notebook) and, with summary, a last line of how it ended: the final
+        metrics, or why it failed. Interrupted (Ctrl-C, a notebook's interrupt), it stops
+        waiting and leaves the application running: kill() stops it. (submit(..., wait=True)
+        interrupted kills it, as `yarnapp submit --wait`.)"""
         from .progress import Progress
         display = Progress(self) if progress else None
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -198,6 +203,8 @@ class Run:
                 if display:
                     display.update(st)
                 if st["state"] in TERMINAL:
+                    if display and summary:
+                        display.end(st)
                     return st
                 if deadline and time.monotonic() > deadline:
                     raise TimeoutError(f"{self.app_id} still {st['state']} after {timeout:.0f}s")

@@ -41,7 +41,7 @@ def cmd_submit(args):
             return 0
         _p(f"submitted {app_id} to the {spec.backend} backend: {spec.world_size} ranks in "
            f"{len(spec.groups)} groups ({', '.join(f'{g.instances}x{g.name}' for g in spec.groups)})")
-        st = run.wait(progress=True)
+        st = run.wait(progress=True, summary=False)       # it ends with its own lines, on stdout
     except KeyboardInterrupt:
         if not args.wait:
             raise                   # submitted without --wait: it runs on, as it would have
@@ -49,14 +49,13 @@ def cmd_submit(args):
         _p(f"interrupted: killed {run.app_id}")
         return 130
     took = time.time() - t0
-    if st.get("world_formed_s") is not None:
-        _p(f"world formed in {st['world_formed_s']:.2f}s after submit")
     if st["state"] != "SUCCEEDED":
         f = st.get("failure") or {}
         if f.get("log_tail"):
             _p(f"--- last lines of {f.get('container')}'s log ---\n{f['log_tail']}\n---", file=sys.stderr)
         raise YarnappError(run.failure_message())
-    _p(f"{app_id} SUCCEEDED in {took:.1f}s")
+    formed = st.get("world_formed_s")
+    _p(f"{app_id} SUCCEEDED in {took:.1f}s" + (f" (world formed in {formed:.2f}s after submit)" if formed else ""))
     if st.get("final"):
         _p("final: " + " ".join(f"{k}={_fmt(v)}" for k, v in st["final"].items()))
     return 0

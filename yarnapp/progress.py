@@ -8,6 +8,9 @@ except ImportError:
     from tqdm import tqdm
 
 
+SHOWN = ("epoch", "loss", "accuracy", "test_loss", "test_accuracy", "samples_per_s")   # of a step's record
+
+
 def _fmt(v):
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
@@ -44,8 +47,8 @@ class Progress:
                 print(text, file=self.file, flush=True)
 
     def update(self, st):
-        self.say("submitted", f"{self.run.app_id}: {len(st.get('containers') or []) or '...'} containers, "
-                              f"state {st['state']}")
+        n = len(st.get("containers") or [])
+        self.say("submitted", f"{self.run.app_id}: {f'{n} containers, ' if n else ''}state {st['state']}")
         if st.get("world_formed_s") is not None:
             self.say("formed", f"world formed {st['world_formed_s']:.2f}s after submit "
                                f"({len(st.get('containers', []))} ranks)")
@@ -57,7 +60,7 @@ class Progress:
             # report without a step (say training.dist's report(epoch=..., loss=...): no bar).
             if "step" in p:
                 head, shown = f"step {p['step']}/{p.get('total_steps', '?')} ", [
-                    k for k in ("epoch", "loss", "accuracy", "samples_per_s") if k in p]
+                    k for k in SHOWN if k in p]
             else:
                 head, shown = "rank 0: ", [k for k in p if k not in ("rank", "time", "generation")]
             if (shown or "step" in p) and p.get("time") != self.last:
@@ -71,9 +74,17 @@ class Progress:
                                 dynamic_ncols=True, leave=True)
             self.bar.total = p.get("total_steps") or self.bar.total
             self.bar.n = p["step"]
-            self.bar.set_postfix({k: _fmt(p[k]) for k in ("epoch", "loss", "accuracy", "samples_per_s")
-                                  if k in p} | {"restarts": len(st.get("restarts") or [])}, refresh=False)
+            self.bar.set_postfix({k: _fmt(p[k]) for k in SHOWN if k in p}
+                                 | {"restarts": len(st.get("restarts") or [])}, refresh=False)
             self.bar.refresh()
+
+    def end(self, st):
+        """Say how the run ended: its final metrics, or why it failed."""
+        if st["state"] == "SUCCEEDED":
+            final = " ".join(f"{k}={_fmt(v)}" for k, v in (st.get("final") or {}).items())
+            self.say("end", f"{self.run.app_id} SUCCEEDED" + (f"; final: {final}" if final else ""))
+        else:
+            self.say("end", self.run.failure_message())
 
     def close(self):
         if self.bar is not None:
