@@ -189,21 +189,26 @@ def read_raw(source):
             pos = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
             problem = getattr(e, "problem", None) or str(e).splitlines()[0]
             raise JobError(f"{where}{pos}: not valid YAML: {problem}") from None
-    else:
+    elif isinstance(source, dict):
         raw = copy.deepcopy(source)
+    else:
+        raise JobError(f"job: expected a job.yaml path, a dict of job fields or a conf.JobSpec, got "
+                       f"{type(source).__name__}")
     if not isinstance(raw, dict):
         raise JobError(f"{where}: expected a mapping of job fields at the top level")
     return where, raw
 
 
-def load_job(source, overrides=None):
-    """Return a validated JobSpec from a path, a dict or a JobSpec.
+def load_job(source, overrides=None, where=None):
+    """Return a validated JobSpec from a path, a dict or a JobSpec (`where`: what errors
+    call a dict, say the file it was read from; by default its path, or "job").
 
     Raises JobError with one line `FILE: FIELD: what is wrong`.
     """
     if isinstance(source, JobSpec) and not overrides:
         return source
-    where, raw = read_raw(source)
+    name, raw = read_raw(source)
+    where = where or name
     try:
         return JobSpec.model_validate(resolve(raw, overrides))
     except ValidationError as e:

@@ -304,7 +304,7 @@ class Agent:
                 if oom:
                     what, kind = f"was killed by the kernel: {oom}", Kind.OOM
                 err = self.rank_error(gen, rank) or Failure(reason="")
-                line = f": {err.error}" if err.error else ""
+                line = f": {err.error}" if err.error and err.error != what else ""     # sys.exit(3) says no more
                 return Outcome.OWN, Failure(kind=kind.value, container=me, rank=rank, exit_code=rc,
                                             error=err.error, phase=err.phase, input_error=err.input_error,
                                             reason=f"rank {rank} ({me}) {what}{line}" + self.network_note())

@@ -313,9 +313,10 @@ def test_every_example_is_a_valid_job():
 
 
 @pytest.mark.parametrize("args,words", [
-    (["synthetic-cifar", "--n-train", "-5"], "option n_train=-5 is not a valid value; give a whole number of at least 1"),
-    (["synthetic-cifar", "--n-test", "0"], "option n_test=0 is not a valid value"),       # 0 was the default's
-    (["synthetic-cifar", "--shards", "0"], "option shards=0 is not a valid value"),
+    (["synthetic-cifar", "--n-train", "-5"], "option --n-train=-5 is not a valid value; give a whole number of at least 1"),
+    (["synthetic-cifar", "--n-test", "0"], "option --n-test=0 is not a valid value"),       # 0 was the default's
+    (["synthetic-cifar", "--shards", "0"], "option --shards=0 is not a valid value"),
+    (["digits", "--n-train", "5"], "digits: unknown option --n-train; options are --overwrite, --shards"),
     (["synthetic-cifar", "--encoding", "jpeg", "--quality", "500"], "give a JPEG quality from 1 to 100"),
     (["image-folder"], "data import image-folder: give --path"),
     (["arrays"], "data import arrays: give --path"),
@@ -371,3 +372,17 @@ def test_what_a_new_user_got_wrong_is_one_line_that_says_what_to_do(tmp_path, cl
     assert sorted(os.listdir(tmp_path)) == ["dd", "g.npz", "imgs", "passwd.yaml", "yarnapp-home"]
     assert apps(yarnapp_home) == []
     assert os.listdir(tmp_path / "dd") == ["train"]
+
+
+def test_the_python_api_names_what_it_was_given(tmp_path, yarnapp_home):
+    """submit(42) said "expected a mapping of job fields"; with function=, a job file's
+    mistake was said of "job", not of the file."""
+    import yarnapp
+    with pytest.raises(yarnapp.YarnappError, match=r"^job: expected a job.yaml path, a dict of job fields or a "
+                                                   r"conf.JobSpec, got int$"):
+        yarnapp.submit(42)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(GOOD))
+    with pytest.raises(yarnapp.YarnappError, match=rf"^{path}: groupz: unknown field"):
+        yarnapp.submit(str(path), function=lambda ctx: None, groupz=[])
+    assert not os.path.isdir(os.path.join(yarnapp_home, "apps")) or os.listdir(os.path.join(yarnapp_home, "apps")) == []

@@ -200,6 +200,7 @@ def test_a_script_exiting_non_zero_silently_is_described_by_its_status_not_our_l
     assert proc.returncode == 1, proc.stdout + proc.stderr
     err = proc.stderr.strip().splitlines()[-1]
     assert "FAILED after 1 attempt(s)" in err and "exited with status 3" in err, err
+    assert "exited with status 3: exited with status 3" not in err, err          # said once
     assert "launcher.rank" not in err and "world generation" not in err, err
     assert_nothing_left(app_id_from(err))
 

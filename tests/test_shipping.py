@@ -161,10 +161,15 @@ def test_the_skein_spec_of_a_job_with_shipped_files_lists_them_and_skein_accepts
     assert shipped["run"]["script"] == "proj/train.py"
 
 
-def test_a_pickled_function_ships_as_function_pkl(tmp_path):
-    (tmp_path / "f.pkl").write_bytes(b"x")
+def test_a_pickled_function_ships_as_function_pkl_and_a_file_that_is_no_pickle_is_refused(tmp_path):
+    import pickle
+    (tmp_path / "f.pkl").write_bytes(pickle.dumps(len, protocol=2))
     s = shipping.plan(_job({"pickle": str(tmp_path / "f.pkl")}))
     assert s.entries == {"function.pkl": str(tmp_path / "f.pkl")} and s.job.run.pickle == "function.pkl"
+    (tmp_path / "notes.txt").write_text("x")        # it failed in the containers, naming function.pkl
+    with pytest.raises(YarnappError, match=rf"^run.pickle: {tmp_path / 'notes.txt'} is not a pickle; give a file "
+                                           rf"written with cloudpickle.dump\(function, f\)"):
+        shipping.plan(_job({"pickle": str(tmp_path / "notes.txt")}))
 
 
 def test_a_script_runs_in_a_private_copy_of_a_directory_yarn_shares_read_only(tmp_path):

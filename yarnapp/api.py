@@ -21,7 +21,7 @@ def backend_for(app_id):
 def load(job, where=None, **overrides):
     """A validated JobSpec from a path, dict or JobSpec; raises YarnappError (one line)."""
     try:
-        return conf.load_job(job, overrides)
+        return conf.load_job(job, overrides, where=where)
     except conf.JobError as e:
         raise YarnappError(str(e)) from None
 
@@ -53,8 +53,9 @@ def submit(job, backend=None, wait=False, progress=True, function=None, **overri
         path = os.path.join(tmp, "function.pkl")
         user_run = raw.get("run") if isinstance(raw.get("run"), dict) else {}
         raw["run"] = {**user_run, "function": None, "script": None, "pickle": path}
-        spec = load(raw, backend=backend, **overrides)
-        open(path, "wb").close()            # planned before it is written: what the job ships besides
+        spec = load(raw, where, backend=backend, **overrides)
+        with open(path, "wb") as f:         # planned before it is written: what the job ships besides
+            f.write(b"\x80")                # (a pickle's first byte, which the plan checks)
         _pickle(cloudpickle, function, path, shipping.local_modules(shipping.plan(spec, where)))
         run = start(spec, where=where)      # ships it before tmp goes
     return _started(run, wait, progress)

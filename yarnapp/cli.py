@@ -193,8 +193,8 @@ def cmd_netem(args):
 
 def cmd_data_import(args):
     from training import data
-    opts = {k: v for k, v in vars(args).items() if k in ("shards", "seed", "n_train", "n_test", "path",
-                                                         "encoding", "quality") and v is not None}
+    opts = {k: v for k, v in vars(args).items() if k in ("shards", "seed", "n_train", "n_test", "num_classes",
+                                                         "path", "encoding", "quality") and v is not None}
     if args.overwrite:
         opts["overwrite"] = True
     if args.kind in ("arrays", "image-folder") and "path" not in opts:
@@ -202,7 +202,8 @@ def cmd_data_import(args):
                            f"{'an .npz with x and y' if args.kind == 'arrays' else 'the folder, a subfolder per class'})")
     if args.kind == "image-folder":
         opts["folder"] = opts.pop("path")
-    summary = data.run_import(args.kind, args.uri, opts)          # DataError: one line
+    summary = data.run_import(args.kind, args.uri, opts,         # DataError: one line, naming the flag
+                              spell=lambda k: "--" + ("path" if k == "folder" else k).replace("_", "-"))
     _p(json.dumps(summary))
     return 0
 
@@ -361,10 +362,12 @@ def build_parser():
     s = d.add_parser("import", help="write a dataset as Parquet shards to a URI")
     s.add_argument("kind", choices=["digits", "synthetic-cifar", "arrays", "image-folder"])
     s.add_argument("uri", help="destination: a path or any pyarrow URI (file://, hdfs://...)")
-    s.add_argument("--shards", type=int)
-    s.add_argument("--seed", type=int)
-    s.add_argument("--n-train", type=int, dest="n_train")
-    s.add_argument("--n-test", type=int, dest="n_test")
+    s.add_argument("--shards", type=int, help="Parquet files per dataset (default: synthetic-cifar 4, the others 2)")
+    s.add_argument("--seed", type=int, help="synthetic-cifar: the seed of its images (default 0)")
+    s.add_argument("--n-train", type=int, dest="n_train", help="synthetic-cifar: training images (default 10000)")
+    s.add_argument("--n-test", type=int, dest="n_test", help="synthetic-cifar: test images (default 2000)")
+    s.add_argument("--num-classes", type=int, dest="num_classes",
+                   help="arrays: the number of classes (default: the largest label + 1)")
     s.add_argument("--path", help="arrays: an .npz with x (uint8, N x C x H x W, or N x H x W) and y (integer "
                    "labels); image-folder: the folder (a subfolder per class)")
     s.add_argument("--encoding", choices=["raw", "jpeg", "png"],

@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import importlib.machinery
 import importlib.metadata
+import io
 import json
 import logging
 import os
@@ -165,9 +166,17 @@ def _plan(job, where=None):
     pickle = None
     if run.pickle:
         add(PICKLE_NAME, run.pickle, "run.pickle")
+        with open(run.pickle, "rb") if os.path.isfile(run.pickle) else io.BytesIO(b"\x80") as f:
+            if f.read(1) != b"\x80":       # protocol 2 and up, as cloudpickle writes
+                raise YarnappError(f"run.pickle: {run.pickle} is not a pickle; give a file written with "
+                                   f"cloudpickle.dump(function, f), or use run.function or run.script")
         pickle = PICKLE_NAME
     for name, path in entries.items():
         size = _size(path)
+        if size > LIMIT_BYTES and run.files is None and run.script and path == os.path.dirname(run.script):
+            raise YarnappError(f"run.script: its directory {path}, shipped whole as run.files is not set, holds "
+                               f"{size / 2**20:.0f} MiB, more than the {LIMIT_BYTES // 2**20} MiB of code yarnapp "
+                               f"ships; list the code it needs in run.files, and put data on a URI (training.data)")
         if size > LIMIT_BYTES:
             raise YarnappError(f"run.files: {path} holds {size / 2**20:.0f} MiB, more than the "
                                f"{LIMIT_BYTES // 2**20} MiB of code yarnapp ships; list only code in run.files "

@@ -280,7 +280,7 @@ _WANTED = {_to_count: "a whole number of at least 1", _to_quality: "a JPEG quali
 IMPORT_KINDS = tuple(_IMPORTS)
 
 
-def run_import(kind, uri, options=None):
+def run_import(kind, uri, options=None, spell=str):
     """Import a dataset of `kind` to `uri` (what `yarnapp data import KIND URI` runs).
 
     options (strings are converted, so CLI `key=value` pairs can be passed as they are):
@@ -289,6 +289,7 @@ def run_import(kind, uri, options=None):
                        overwrite -> uri/train, uri/test
       arrays:          path (an .npz with x, y), shards, num_classes, overwrite -> uri
       image-folder:    folder, shards, overwrite -> uri (the files as they are)
+    spell(option) is how errors name an option (the CLI's: --n-train).
     Returns {"kind": kind, "datasets": [{"uri", "rows", "shards", "encoding", "shape",
     "num_classes", "mean", "std"}, ...]}.
     """
@@ -299,14 +300,15 @@ def run_import(kind, uri, options=None):
     kwargs = {}
     for key, value in options.items():
         if kind == "image-folder" and key in ("size", "mode"):
-            raise DataError(f"image-folder: option {key!r} is gone: the files are kept as they are; resize or "
-                            f"crop them when training (training.data.augment / test_transforms)")
+            raise DataError(f"image-folder: option {spell(key)} is gone: the files are kept as they are; resize "
+                            f"or crop them when training (training.data.augment / test_transforms)")
         if key not in allowed:
-            raise DataError(f"{kind}: unknown option {key!r}; options are {', '.join(sorted(allowed))}")
+            raise DataError(f"{kind}: unknown option {spell(key)}; options are "
+                            f"{', '.join(sorted(map(spell, allowed)))}")
         try:
             kwargs[key] = allowed[key](value)
         except (TypeError, ValueError):
-            raise DataError(f"{kind}: option {key}={value!r} is not a valid value; give "
+            raise DataError(f"{kind}: option {spell(key)}={value!r} is not a valid value; give "
                             f"{_WANTED.get(allowed[key], 'another value')}") from None
     for key in required:
         if key not in kwargs:
