@@ -276,6 +276,10 @@ def test_a_master_killed_with_its_supervisor_fails_the_application_and_leaves_no
     os.kill(st["am_pid"], signal.SIGKILL)
     st = run.wait(timeout=120)
     assert st["state"] == "FAILED" and "the application master died" in st["diagnostics"], st
+    log = st["diagnostics"].split("; see ")[1]      # a log that is there (it named am.log where none was)
+    assert os.path.isfile(log) and st["failure"]["log"] == log, st
+    assert [c["state"] for c in st["containers"]] == ["FAILED"] * 3, st["containers"]    # not RUNNING
+    assert yarnapp.status(run.app_id)["finished"] == st["finished"]       # written once, not per status
     assert_nothing_left(run.app_id)
 
 

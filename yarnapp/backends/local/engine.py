@@ -177,8 +177,12 @@ class LocalBackend(Backend):
         if st["state"] not in TERMINAL and not supervisor.alive(d) and \
                 not (st.get("am_pid") and psutil.pid_exists(st["am_pid"])):
             # Neither the master nor the supervisor that restarts it runs (both were killed). The
-            # containers died with the master; their cgroups, empty, are left for us to remove.
-            st["state"], st["diagnostics"] = "FAILED", f"the application master died; see {d}/am.log"
+            # containers died with the master; their cgroups, empty, are left for us to remove,
+            # and the end for us to write (its containers ended with it, not RUNNING).
+            log_file = next((os.path.join(d, f) for f in ("am.log", "supervisor.log")
+                             if os.path.isfile(os.path.join(d, f))), os.path.join(d, "am.log"))
+            supervisor.end(d, st, "FAILED", f"the application master died; see {log_file}", log=log_file)
+            st = read_json(os.path.join(d, "state.json")) or st
             cgroups.Limits.remove_app(app_id)
         st["am_attempts"] = (read_json(supervisor.record_path(d)) or {}).get("attempts", [])
         store = FileStore(os.path.join(d, "store"))

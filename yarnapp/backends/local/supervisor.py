@@ -140,9 +140,10 @@ class Supervisor:
         end(self.dir, st, state, diagnostics, app_id=self.app_id, name=self.job.name)
 
 
-def end(app_dir, st, state, diagnostics, **fields):
+def end(app_dir, st, state, diagnostics, log=None, **fields):
     """Write the final state of an application whose master did not write one (it died, or
-    was killed before it could): `st` is what state.json held, `fields` what it lacks."""
+    was killed before it could): `st` is what state.json held, `fields` what it lacks; `log`
+    the log a failure points at (the master's)."""
     st = dict(st or {}, **fields, state=state, diagnostics=diagnostics, finished=time.time())
     st.setdefault("containers", [])
     for c in st["containers"]:
@@ -150,7 +151,7 @@ def end(app_dir, st, state, diagnostics, **fields):
             c["state"] = state
     if state == "FAILED":
         st["failure"] = Failure(reason=diagnostics, kind=Kind.CONTAINER.value, container="master",
-                                log=os.path.join(app_dir, "am.log")).stamped().as_dict()
+                                log=log or os.path.join(app_dir, "am.log")).stamped().as_dict()
     write_state(app_dir, st)
 
 
