@@ -209,13 +209,18 @@ def load_job(source, overrides=None, where=None):
         return source
     name, raw = read_raw(source)
     where = where or name
+    resolved = resolve(raw, overrides)
     try:
-        return JobSpec.model_validate(resolve(raw, overrides))
+        return JobSpec.model_validate(resolved)
     except ValidationError as e:
         errs = e.errors()
         first = errs[0]
         msg = _message(first)
         path = _path(first["loc"])
+        run = resolved.get("run") if isinstance(resolved.get("run"), dict) else {}
+        if first["loc"][:1] == ("training",) and run.get("function") != BUILTIN_RUNNER:
+            raise JobError(f"{where}: training: only the built-in runner (run.function: {BUILTIN_RUNNER}) reads "
+                           f"this section, and your own code runs; remove it (it said {path}: {msg})") from None
         if msg.startswith(("groups", "training", "give ")) and ":" in msg and first["loc"] == ():
             path, msg = msg.split(": ", 1)
         elif msg.startswith("[") and "]" in msg.split(": ", 1)[0]:     # a list entry: field[i].key

@@ -37,8 +37,8 @@ def _ipv4_subnet(value):
 
 
 TENSORBOARD_SERVICE = "tensorboard"      # the TensorBoard service's name among the groups (YARN: a skein service)
-BUILTIN_RUNNER = "training.runner:main"
-MIN_VCORES = 0.01    # a CPU quota of 1 ms per 100 ms period: the least the kernel's CFS accepts    # run.function of the built-in runner, which needs `training`
+BUILTIN_RUNNER = "training.runner:main"    # run.function of the built-in runner, which needs `training`
+MIN_VCORES = 0.01    # a CPU quota of 1 ms per 100 ms period: the least the kernel's CFS accepts
 
 
 class Model(BaseModel):

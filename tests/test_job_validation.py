@@ -133,6 +133,9 @@ CASES = [
                         training={"shares": [float("inf")], "data": {"train": "/x"}}), "training.shares",
      "weight [0] must be a finite number > 0, got inf"),
     ("memory-inf", _with("groups.0.memory", float("inf")), "groups[0].memory", "must be a finite size"),
+    # a training section beside the user's own function (it asked for training.data)
+    ("training-beside-own-code", dict(GOOD, training={"epochs": 2}), "training",
+     "only the built-in runner (run.function: training.runner:main) reads this section, and your own code runs"),
     # under CFS's least quota (before: the kernel refused it, and both limits were dropped)
     ("vcores-too-few", _with("groups.0.vcores", 0.005), "groups[0].vcores", "greater than or equal to 0.01"),
     ("resume-unknown", dict(GOOD, checkpoint={"resume": "app_20200101_000000_abcdef"}), "checkpoint.resume",

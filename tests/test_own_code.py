@@ -313,14 +313,18 @@ def test_a_notebook_function_using_a_local_module_takes_it_along(tmp_path, yarna
         assert_nothing_left(app)
 
 
-def test_reports_without_a_step_show_in_submit_wait(cli, tmp_path):
-    """report(epoch=..., loss=...) without step= showed nothing while `submit --wait` waited."""
+def test_reports_with_or_without_a_step_show_in_submit_wait(cli, tmp_path):
+    """report(epoch=..., loss=...) without step= showed nothing while `submit --wait` waited;
+    with step=, a metric of the user's own (lr) was left out."""
     job = _script_job(tmp_path, "epochs", "import time\nfrom training import context\nctx = context.current()\n"
                                           "for epoch in range(2):\n    ctx.report(epoch=epoch, loss=1.5 - epoch)\n"
-                                          "    time.sleep(1.5)\n", groups=GROUPS[:1])
+                                          "    time.sleep(1.5)\n"
+                                          "ctx.report(step=3, total_steps=3, lr=0.01)\ntime.sleep(1.5)\n",
+                      groups=GROUPS[:1])
     proc = cli("submit", job, "--wait")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "rank 0: epoch=1 loss=0.5 restarts=0" in proc.stderr, proc.stderr
+    assert "step 3/3 lr=0.01 restarts=0" in proc.stderr, proc.stderr
 
 
 def test_a_functions_reports_are_tensorboard_scalars_and_its_return_value_its_result(tmp_path, yarnapp_home):

@@ -304,7 +304,8 @@ def build_parser():
 
     s = sub.add_parser("logs", help="container logs")
     s.add_argument("app")
-    s.add_argument("--container", help="one container, e.g. worker_1")
+    s.add_argument("--container", help="one container, e.g. big_0 (`yarnapp status` lists them), or master: "
+                   "the application master's log")
     s.add_argument("--follow", "-f", action="store_true", help="keep printing until the application ends")
     s.set_defaults(fn=cmd_logs)
 
@@ -332,10 +333,12 @@ def build_parser():
 
     s = sub.add_parser("plan", help="predict each strategy's step time and speedup for a job; recommend one")
     s.add_argument("job", help="path of the job.yaml")
-    s.add_argument("--measure", action="store_true", help="measure the link with an MPI ping-pong (2 processes)")
+    s.add_argument("--measure", action="store_true", help="measure the job's link with an MPI ping-pong (2 "
+                   "processes) even where --bandwidth or network.bandwidth is given (without either, it is "
+                   "measured anyway)")
     s.add_argument("--bandwidth", help="link rate(s), e.g. 1gbit or 1gbit,10gbit (simulated clusters use all)")
-    s.add_argument("--latency", help="one-way link latency, e.g. 0.05ms (default: measured with --measure, "
-                   "else 0.05ms)")
+    s.add_argument("--latency", help="one-way latency of a --bandwidth link and of the simulated clusters, e.g. "
+                   "0.05ms (default: the job's link's: network.latency or 0.05ms with a bandwidth, else measured)")
     s.add_argument("--machines", default="1,2,4,8,16", help="simulated cluster sizes (default 1,2,4,8,16)")
     s.add_argument("--gpu-speed", type=float, dest="gpu_speed",
                    help="also simulate one GPU this many times faster than rank 0's container, plus CPUs")

@@ -11,6 +11,17 @@ except ImportError:
 SHOWN = ("epoch", "loss", "accuracy", "test_loss", "test_accuracy", "samples_per_s")   # of a step's record
 
 
+HIDDEN = ("rank", "time", "generation", "step", "total_steps",    # said otherwise, or not metrics
+          "data_read_mb", "data_rereads", "data_blocks_peak_mib", "memory_limit_mib", "memory_peak_mib",
+          "container_rss_peak_mib", "rss_peak_mib")     # the runner's resource counters (yarnapp status)
+
+
+def _shown(record):
+    """The metrics of a progress record to show: the usual ones first, then whatever else
+    own code reported (report(step=..., lr=...))."""
+    return [k for k in SHOWN if k in record] + [k for k in record if k not in SHOWN and k not in HIDDEN]
+
+
 def _fmt(v):
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
@@ -58,14 +69,11 @@ class Progress:
         if p and ("step" not in p or not self.tty):
             # One plain line per new progress record: not a terminal (CI, a log file), or a
             # report without a step (say training.dist's report(epoch=..., loss=...): no bar).
-            if "step" in p:
-                head, shown = f"step {p['step']}/{p.get('total_steps', '?')} ", [
-                    k for k in SHOWN if k in p]
-            else:
-                head, shown = "rank 0: ", [k for k in p if k not in ("rank", "time", "generation")]
+            head = f"step {p['step']}/{p.get('total_steps', '?')}" if "step" in p else "rank 0:"
+            shown = _shown(p)
             if (shown or "step" in p) and p.get("time") != self.last:
                 self.last = p.get("time")
-                fields = " ".join(f"{k}={_fmt(p[k])}" for k in shown)
+                fields = "".join(f" {k}={_fmt(p[k])}" for k in shown)
                 print(f"{head}{fields} restarts={len(st.get('restarts') or [])}", file=self.file, flush=True)
             return
         if p and "step" in p:
@@ -74,7 +82,7 @@ class Progress:
                                 dynamic_ncols=True, leave=True)
             self.bar.total = p.get("total_steps") or self.bar.total
             self.bar.n = p["step"]
-            self.bar.set_postfix({k: _fmt(p[k]) for k in SHOWN if k in p}
+            self.bar.set_postfix({k: _fmt(p[k]) for k in _shown(p)}
                                  | {"restarts": len(st.get("restarts") or [])}, refresh=False)
             self.bar.refresh()
 
