@@ -94,6 +94,13 @@ def test_a_module_of_the_users_named_as_yarnapps_own_packages_is_refused_where_i
                             f"yarnapp's; rename your module (say, my_conf)")
     (proj / "helper.py").write_text("import config\n")          # not imported: no clash
     assert shipping.plan(_job({"script": str(proj / "train.py")})).entries == {"proj": str(proj)}
+    # in the working directory it would shadow yarnapp's own for the launcher, imported or not
+    with pytest.raises(YarnappError, match=rf"^run.files: {proj / 'conf.py'} would land as 'conf.py' in the "
+                                           rf"containers' working directory, where it would shadow yarnapp's own "
+                                           rf"package 'conf' for yarnapp's launcher itself; rename it"):
+        shipping.plan(_job({"script": str(proj / "train.py"), "files": [str(proj / "conf.py")]}))
+    (proj / "launcher").mkdir()                                  # a folder, not a package: no clash
+    assert shipping.plan(_job({"script": str(proj / "train.py"), "files": [str(proj / "launcher")]}))
     (proj / "conf.py").unlink()                                  # a copy of yarnapp's own package: no clash
     shutil.copytree(os.path.dirname(importlib.util.find_spec("training").origin), proj / "training")
     (proj / "train.py").write_text("from training import dist\n")

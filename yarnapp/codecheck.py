@@ -113,13 +113,21 @@ def attribute(field, target, origin, locations):
 
 
 def own_names(run, entries, field):
-    """Refuse shipped code that imports a module of its own named as one of yarnapp's
-    top-level packages (a conf.py, a training/ package): every rank has imported yarnapp's
+    """Refuse a module of the user's named as one of yarnapp's top-level packages (a conf.py,
+    a training/ package): shipped to the containers' working directory, it would shadow
+    yarnapp's for the launcher itself; beside the script, every rank has imported yarnapp's
     before the user's code runs, so the user's `import conf` would get yarnapp's (every rank
-    failed with an AttributeError). Found by reading the imports of the script and the .py
-    files shipped (and beside the script); a copy of yarnapp's own package is no clash."""
+    failed with an AttributeError), which is refused where the script or the .py files
+    shipped or beside it import it (read, not run). A copy of yarnapp's own package is no
+    clash."""
     from .shipping import module_name
-    places = {module_name(n): src for n, src in entries.items() if module_name(n) in OWN_PACKAGES}
+    for n, src in entries.items():      # in the working directory, first on every process's sys.path
+        importable = os.path.isfile(os.path.join(src, "__init__.py")) if os.path.isdir(src) else n != module_name(n)
+        if module_name(n) in OWN_PACKAGES and importable and not _is_own_package(module_name(n), src):
+            raise YarnappError(f"{field}: {src} would land as {n!r} in the containers' working directory, "
+                               f"where it would shadow yarnapp's own package {module_name(n)!r} for yarnapp's "
+                               f"launcher itself; rename it (say, my_{n}), or ship the directory it is in")
+    places = {}
     beside = os.path.dirname(os.path.abspath(run.script)) if run.script else None
     for name in OWN_PACKAGES:
         for path in ((os.path.join(beside, name + ".py"), os.path.join(beside, name)) if beside else ()):
