@@ -59,7 +59,8 @@ class Progress:
 
     def update(self, st):
         n = len(st.get("containers") or [])
-        self.say("submitted", f"{self.run.app_id}: {f'{n} containers, ' if n else ''}state {st['state']}")
+        containers = f"{n} containers, " if n > 1 else "1 container, " if n else ""
+        self.say("submitted", f"{self.run.app_id}: {containers}state {st['state']}")
         if st.get("world_formed_s") is not None:
             self.say("formed", f"world formed {st['world_formed_s']:.2f}s after submit "
                                f"({len(st.get('containers', []))} ranks)")

@@ -41,7 +41,8 @@ class Limits:
                 _write(parent, "cpu.shares", 1024 * (os.cpu_count() or 1))
             _write(self.paths["cpu"], "cpu.shares", max(2, int(1024 * vcores)))
             _write(self.paths["cpu"], "cpu.cfs_period_us", PERIOD_US)
-            _write(self.paths["cpu"], "cpu.cfs_quota_us", max(1000, int(round(vcores * PERIOD_US))))   # CFS: 1 ms at least
+            quota = max(1000, int(round(vcores * PERIOD_US)))      # CFS refuses less than 1 ms
+            _write(self.paths["cpu"], "cpu.cfs_quota_us", quota)
             _write(self.paths["memory"], "memory.limit_in_bytes", memory_mib * 2**20)
             self.enforced = True
             self.why = f"enforced: cpu quota {vcores:g} CPU, memory limit {memory_mib} MiB (cgroup v1)"
