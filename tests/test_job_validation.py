@@ -170,15 +170,27 @@ def test_bad_job_is_one_clear_line_and_starts_nothing(case, job, field, words, t
 
 def test_a_corrupt_or_wrong_dataset_is_refused_before_anything_starts(tmp_path, cli, yarnapp_home, digits):
     """The client reads every file's footer before starting containers: a file that is not
-    Parquet, or a dataset without the job's image column, is one line naming the field and
-    the file, and no application."""
+    Parquet, a dataset without the job's image column, or labels outside the classes (the
+    footer's statistics; before, a rank found them mid-epoch and every restart was spent
+    on them) is one line naming the field and the file, and no application."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
     bad = tmp_path / "bad"
     shutil.copytree(os.path.join(digits, "train"), bad)
     (bad / "part-zz.parquet").write_bytes(b"not parquet at all")
+    shifted = tmp_path / "shifted"
+    shutil.copytree(os.path.join(digits, "train"), shifted)
+    victim = sorted(shifted.iterdir())[0]
+    table = pq.read_table(victim)
+    table = table.set_column(table.schema.get_field_index("label"), "label", pc.add(table["label"], 100))
+    pq.write_table(table, victim)
     cases = [({"train": os.path.join(digits, "train"), "test": str(bad)}, "training.data.test",
               f"{bad / 'part-zz.parquet'}: not a readable Parquet file"),
              ({"train": os.path.join(digits, "train"), "columns": {"image": "pixels"}}, "training.data.train",
-              "no image column 'pixels'")]
+              "no image column 'pixels'"),
+             ({"train": str(shifted)}, "training.data.train",
+              f"{victim}: its labels run from 100 to 109 (its footer's statistics), outside the 10 classes the "
+              f"dataset's metadata gives (0 to 9)")]
     for data, field, words in cases:
         job = tmp_path / "job.yaml"
         job.write_text(yaml.safe_dump(dict(_with("run.function", "training.runner:main"), training={"data": data})))
@@ -187,6 +199,30 @@ def test_a_corrupt_or_wrong_dataset_is_refused_before_anything_starts(tmp_path, 
         assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
         assert proc.stderr.startswith(f"Error: {job}: {field}: ") and words in proc.stderr, proc.stderr
         assert apps(yarnapp_home) == [], "an application was created for a dataset that cannot be read"
+
+
+def test_a_model_option_of_the_wrong_kind_or_an_unknown_layer_is_refused_before_anything_starts(
+        tmp_path, cli, yarnapp_home, digits):
+    """The client checked the options' names only, and conv-MP's layers not at all: the
+    containers started and every rank failed on them. The model is built on torch's meta
+    device for the images' size, which allocates nothing."""
+    train = os.path.join(digits, "train")
+    cases = [({"model": "mlp", "model_options": {"hidden": "big"}}, "training.model_options: mlp: option hidden "
+              "must be a positive integer, got 'big'"),
+             ({"strategy": {"name": "conv_model_parallel", "layers": ["conv9"]}}, "training.strategy.layers: "
+              "['conv9'] are not Conv2d layers of model 'digits_cnn'; its Conv2d layers are ['conv1', 'conv2']")]
+    job = tmp_path / "job.yaml"
+    for training, words in cases:
+        job.write_text(yaml.safe_dump(dict(_with("run.function", "training.runner:main"),
+                                           training={"data": {"train": train}, **training})))
+        proc = cli("submit", job, "--wait", timeout=60)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert proc.stderr == f"Error: {job}: {words}\n", proc.stderr
+        assert apps(yarnapp_home) == []
+    job.write_text(yaml.safe_dump(dict(_with("run.function", "training.runner:main"), training={
+        "data": {"train": train}, "model_options": {"hidden": 32},
+        "strategy": {"name": "conv_model_parallel", "layers": ["conv2"]}})))
+    assert cli("submit", job, "--dry-run", timeout=60).returncode == 0
 
 
 def test_images_that_would_come_out_in_other_sizes_are_refused_before_anything_starts(tmp_path, cli, yarnapp_home,

@@ -72,7 +72,7 @@ def check_data(job, where=None, on_cluster=False):
             if split == "train":
                 _check_window(job, blocks, pre)
     if not data.transform:      # the user's own transform runs in the containers only
-        _check_sizes(data, shapes, pre)
+        _check_built(job, _check_sizes(data, shapes, pre), pre)
 
 
 def _check_window(job, blocks, pre):
@@ -170,6 +170,31 @@ def _check_sizes(data, shapes, pre):
         raise YarnappError(f"{pre}training.data.test: its images come out {other} for the model, the training "
                            f"set's {aug}; give a test set of the same size, or resize it in "
                            f"training.data.test_transforms")
+    return aug
+
+
+def _check_built(job, shape, pre):
+    """Build a built-in model for the images' size (`shape`, [C, H, W]) on torch's meta
+    device, which allocates and computes nothing, where the job gives it options or names
+    conv-MP layers: an option of the wrong type or value, or a layer the model does not
+    have, is one line here instead of a failure in every container."""
+    t = job.training
+    layers = getattr(t.strategy, "layers", None)
+    if shape is None or t.model not in BUILTIN_MODELS or not (t.model_options or layers):
+        return
+    import torch
+
+    from training.models import ModelError, build_model, conv_layers
+    try:
+        with torch.device("meta"):
+            model = build_model(t.model, shape, 2, t.model_options)     # the classes do not matter here
+    except ModelError as e:
+        raise YarnappError(f"{pre}training.model_options: {e}") from None
+    convs = [n for n, _ in conv_layers(model)]
+    unknown = [n for n in layers or () if n not in convs]
+    if unknown:
+        raise YarnappError(f"{pre}training.strategy.layers: {unknown} are not Conv2d layers of model "
+                           f"{t.model!r}; its Conv2d layers are {convs}")
 
 
 def check_model(job, where=None):

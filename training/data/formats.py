@@ -271,7 +271,18 @@ def check(uri, columns=None, shape=None):
     Returns (its number of rows, its images' [C, H, W] where the files say: raw pixels,
     else None, its Blocks)."""
     columns = columns or Columns()
-    footers, _, kind, raw_shape = _read_footers(uri, columns, shape)[3:]
+    _, _, names, footers, meta, kind, raw_shape = _read_footers(uri, columns, shape)
+    if meta.get("num_classes"):     # labels outside the classes: found in a rank mid-epoch, and retried
+        n = int(meta["num_classes"])
+        for name, md in zip(names, footers):
+            try:
+                r = _label_range(md, columns.label)
+            except (TypeError, ValueError):     # statistics that are not integers: the ranks' check
+                r = None
+            if r and (r[0] < 0 or r[1] >= n):
+                raise DataError(f"{name}: its labels run from {r[0]} to {r[1]} (its footer's statistics), "
+                                f"outside the {n} classes the dataset's metadata gives (0 to {n - 1}); "
+                                f"fix the labels, or import the dataset again")
     blocks = [b for i, md in enumerate(footers) for b in blocks_of(i, md, _wanted(columns))]
     return sum(md.num_rows for md in footers), raw_shape if kind == RAW else None, blocks
 
