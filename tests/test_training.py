@@ -110,8 +110,11 @@ def test_digits_with_conv_model_parallel_on_three_ranks(tmp_path, digits, yarnap
 
 def test_a_strategy_that_cannot_run_the_model_is_one_line_without_a_traceback(tmp_path, digits, cli):
     """conv_model_parallel told to split a layer the model lacks: the rank raised a ValueError,
-    and `submit --wait` showed its traceback before the failure line."""
+    and `submit --wait` showed its traceback before the failure line. (A built-in model's
+    layers are checked by the client before anything starts; a factory of the user's, here
+    the same network by its class, is built in the ranks only.)"""
     job = _job(tmp_path, digits, "layers", THREE)
+    job["training"]["model"] = "training.models:DigitsCNN"
     job["training"]["strategy"] = {"name": "conv_model_parallel", "layers": ["nosuchconv"]}
     job["max_restarts"] = 2
     path = tmp_path / "layers.yaml"
