@@ -118,15 +118,15 @@ def _used(function, local):
 def _started(run, wait, progress):
     if wait:
         try:
-            run.wait(progress=progress, summary=False)     # a failure is raised, not said twice
+            st = run.wait(progress=progress, summary=False)    # a failure is raised, not said twice
         except KeyboardInterrupt:   # as `yarnapp submit --wait`: the caller never got the Run to stop it
             run.kill()
             raise KeyboardInterrupt(f"interrupted: killed {run.app_id}") from None
-        if run.state != "SUCCEEDED":
+        if st["state"] != "SUCCEEDED":
             raise JobFailed(run.failure_message())
         if progress:
             from .progress import Progress
-            Progress(run).end(run.status())
+            Progress(run).end(st)
     return run
 
 

@@ -127,17 +127,18 @@ def own_names(run, entries, field):
             raise YarnappError(f"{field}: {src} would land as {n!r} in the containers' working directory, "
                                f"where it would shadow yarnapp's own package {module_name(n)!r} for yarnapp's "
                                f"launcher itself; rename it (say, my_{n}), or ship the directory it is in")
-    places = {}
-    beside = os.path.dirname(os.path.abspath(run.script)) if run.script else None
+    if not run.script:
+        return
+    beside, places = os.path.dirname(os.path.abspath(run.script)), {}
     for name in OWN_PACKAGES:
-        for path in ((os.path.join(beside, name + ".py"), os.path.join(beside, name)) if beside else ()):
-            if name not in places and (os.path.isfile(path) or os.path.isfile(os.path.join(path, "__init__.py"))):
-                places[name] = path
+        for path in (os.path.join(beside, name + ".py"), os.path.join(beside, name)):
+            if os.path.isfile(path) or os.path.isfile(os.path.join(path, "__init__.py")):
+                places.setdefault(name, path)
     places = {n: p for n, p in places.items() if not _is_own_package(n, p)}
     if not places:
         return
-    files = [run.script] if run.script else []
-    for d in [src for src in entries.values() if os.path.isdir(src)] + ([beside] if beside else []):
+    files = [run.script]
+    for d in dict.fromkeys([src for src in entries.values() if os.path.isdir(src)] + [beside]):
         files += sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".py"))
     files += [src for src in entries.values() if src.endswith(".py")]
     for path in dict.fromkeys(files):

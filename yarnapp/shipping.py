@@ -30,7 +30,6 @@ import dataclasses
 import functools
 import importlib.machinery
 import importlib.metadata
-import io
 import json
 import logging
 import os
@@ -166,8 +165,10 @@ def _plan(job, where=None):
     pickle = None
     if run.pickle:
         add(PICKLE_NAME, run.pickle, "run.pickle")
-        with open(run.pickle, "rb") if os.path.isfile(run.pickle) else io.BytesIO(b"\x80") as f:
-            if f.read(1) != b"\x80":       # protocol 2 and up, as cloudpickle writes
+        if os.path.isfile(run.pickle):
+            with open(run.pickle, "rb") as f:
+                first = f.read(1)
+            if first != b"\x80":           # protocol 2 and up, as cloudpickle writes
                 raise YarnappError(f"run.pickle: {run.pickle} is not a pickle; give a file written with "
                                    f"cloudpickle.dump(function, f), or use run.function or run.script")
         pickle = PICKLE_NAME
@@ -182,8 +183,8 @@ def _plan(job, where=None):
                                f"{LIMIT_BYTES // 2**20} MiB of code yarnapp ships; list only code in run.files "
                                f"and put data on a URI (training.data)")
     _check_importable(job, entries, where)
-    if run.script and not (job.backend == "yarn" and (job.environment.archive or job.environment.packer == "none")):
-        codecheck.syntax(run.script)        # (another interpreter, YARN's own, may read other syntax)
+    if run.script and not _other_interpreter(job):
+        codecheck.syntax(run.script)        # (another interpreter may read other syntax)
     codecheck.own_names(run, entries, "run.files" if run.files else "run.script")
     # files null with a script: its directory was shipped for it and the job submitted from
     # that directory, so it runs in the copy (launcher.rank.run_code), as `python script.py`
@@ -197,6 +198,13 @@ def _plan(job, where=None):
     return Shipment(job=shipped, entries=entries)
 
 
+def _other_interpreter(job):
+    """Whether the containers run an interpreter other than this environment's, whose
+    modules and syntax are not known here: on YARN, environment.archive, or packer none
+    (the cluster's python3)."""
+    return job.backend == "yarn" and bool(job.environment.archive or job.environment.packer == "none")
+
+
 def _check_importable(job, entries, where=None):
     """Refuse a 'module:function' (run.function, a model factory, a dataset or transform)
     whose top-level module the containers could not import: neither shipped (run.files, the
@@ -208,7 +216,7 @@ def _check_importable(job, entries, where=None):
     containers can import is not known here (YARN's containers running another environment:
     environment.archive, or packer none, the cluster's python3; an absolute PYTHONPATH on
     YARN's nodes), nothing is refused."""
-    if job.backend == "yarn" and (job.environment.archive or job.environment.packer == "none"):
+    if _other_interpreter(job):
         return
     paths = _group_paths(job, entries)
     if paths is None:
@@ -223,12 +231,12 @@ def _check_importable(job, entries, where=None):
         top = (target or "").split(":")[0].split(".")[0]
         if not top:
             continue
-        spec = None if top in shipped else _container_spec(top, paths, job.backend == "yarn")
         if top in shipped:
             src = shipped[top]
             codecheck.attribute(field, target, None if os.path.isdir(src) else src,
                                 [src] if os.path.isdir(src) else None)
             continue
+        spec = _container_spec(top, paths, job.backend == "yarn")
         if spec is not None:
             codecheck.attribute(field, target, spec.origin if spec.has_location else None,
                                 list(spec.submodule_search_locations or []) or None)

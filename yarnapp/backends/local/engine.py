@@ -181,8 +181,7 @@ class LocalBackend(Backend):
             # and the end for us to write (its containers ended with it, not RUNNING).
             log_file = next((os.path.join(d, f) for f in ("am.log", "supervisor.log")
                              if os.path.isfile(os.path.join(d, f))), os.path.join(d, "am.log"))
-            supervisor.end(d, st, "FAILED", f"the application master died; see {log_file}", log=log_file)
-            st = read_json(os.path.join(d, "state.json")) or st
+            st = supervisor.end(d, st, "FAILED", f"the application master died; see {log_file}", log=log_file)
             cgroups.Limits.remove_app(app_id)
         st["am_attempts"] = (read_json(supervisor.record_path(d)) or {}).get("attempts", [])
         store = FileStore(os.path.join(d, "store"))

@@ -143,7 +143,7 @@ class Supervisor:
 def end(app_dir, st, state, diagnostics, log=None, **fields):
     """Write the final state of an application whose master did not write one (it died, or
     was killed before it could): `st` is what state.json held, `fields` what it lacks; `log`
-    the log a failure points at (the master's)."""
+    the log a failure points at (the master's). Returns the state written."""
     st = dict(st or {}, **fields, state=state, diagnostics=diagnostics, finished=time.time())
     st.setdefault("containers", [])
     for c in st["containers"]:
@@ -153,6 +153,7 @@ def end(app_dir, st, state, diagnostics, log=None, **fields):
         st["failure"] = Failure(reason=diagnostics, kind=Kind.CONTAINER.value, container="master",
                                 log=log or os.path.join(app_dir, "am.log")).stamped().as_dict()
     write_state(app_dir, st)
+    return st
 
 
 def main(argv=None):
