@@ -211,18 +211,19 @@ def cmd_data_import(args):
 def cmd_plan(args):
     """Predicted step time and speedup of every strategy for a job (training.planner)."""
     spec = api.load(args.job)
-    from . import preflight
-    preflight.check_model(spec, args.job)
+    from training import planner   # its measuring modules import torch on first use, not these checks
+    # PlanError, ModelError, DataError are YarnappErrors: main() prints them as one line.
+    planner.check_plannable(spec)
+    opts = planner.parse_options(measure=args.measure, bandwidth=args.bandwidth, latency=args.latency,
+                                 machines=args.machines, gpu_speed=args.gpu_speed, quick=args.quick,
+                                 input_shape=args.input_shape, classes=args.classes)
     for flag, path in (("--json", args.json), ("--png", args.png)):     # before minutes of measuring
         where = os.path.dirname(os.path.abspath(path)) if path else None
         if where and not os.path.isdir(where):
             raise YarnappError(f"{flag} {path}: directory {where} does not exist; create it or give another path")
-    from training import planner   # imports torch: only for this command
+    from . import preflight
+    preflight.check_model(spec, args.job)
     _interrupt_on_sigterm()        # its probes, co-runners and busy processes are stopped
-    # PlanError, ModelError, DataError are YarnappErrors: main() prints them as one line.
-    opts = planner.parse_options(measure=args.measure, bandwidth=args.bandwidth, latency=args.latency,
-                                 machines=args.machines, gpu_speed=args.gpu_speed, quick=args.quick,
-                                 input_shape=args.input_shape, classes=args.classes)
     plan = planner.plan_job(spec, opts)
     _p(planner.format_table(plan))
     if args.json:

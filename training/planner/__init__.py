@@ -33,22 +33,36 @@ Not modelled: overlap of the ring's buckets with backward, a server's own CPU gr
 with its workers (it is measured with one), other load on the machine; hypergraph
 partitioning has no step-time model (its communication volume is reported instead).
 """
-from training.perf.formulas import amdahl_bound, central_ps_s, proportional_s, ring_allreduce_s, sharded_ps_s
-from training.perf.model import (DEFAULT_LATENCY_S, Case, Device, Layer, Link, PlanError, Profile, Scheduling,
-                                 link_from_rate, share_weights)
+import importlib
 
-from .cpu import measure_strategy_cpu, measure_wait_cpu
-from .job import (Measured, co_runners, job_devices, measure_job, modelled, plan_from, plan_job, predict,
-                  predict_all, simulate)
-from .link import local_load, measure_link, on_one_host
-from .options import QUICK_MIN_TIME, PlanOptions, parse_options
-from .present import format_table, write_json, write_png
-from .profile import idle_profile, measure_profile, measure_rows, measure_shares
+# Imported on first use (PEP 562): profiling and the probes need torch, and `yarnapp plan`
+# checks its flags (options.py) before anything heavy is imported.
+_WHERE = {
+    "training.perf.formulas": ["amdahl_bound", "central_ps_s", "proportional_s", "ring_allreduce_s", "sharded_ps_s"],
+    "training.perf.model": ["DEFAULT_LATENCY_S", "Case", "Device", "Layer", "Link", "PlanError", "Profile",
+                            "Scheduling", "link_from_rate", "share_weights"],
+    ".cpu": ["measure_strategy_cpu", "measure_wait_cpu"],
+    ".job": ["Measured", "co_runners", "job_devices", "measure_job", "modelled", "plan_from", "plan_job",
+             "predict", "predict_all", "simulate"],
+    ".link": ["local_load", "measure_link", "on_one_host"],
+    ".options": ["QUICK_MIN_TIME", "PlanOptions", "check_plannable", "parse_options"],
+    ".present": ["format_table", "write_json", "write_png"],
+    ".profile": ["idle_profile", "measure_profile", "measure_rows", "measure_shares"],
+}
+_MODULE = {name: module for module, names in _WHERE.items() for name in names}
+__all__ = list(_MODULE)
 
-__all__ = ["amdahl_bound", "central_ps_s", "proportional_s", "ring_allreduce_s", "sharded_ps_s",
-           "DEFAULT_LATENCY_S", "Case", "Device", "Layer", "Link", "PlanError", "Profile", "Scheduling",
-           "link_from_rate", "share_weights", "measure_strategy_cpu", "measure_wait_cpu", "Measured",
-           "co_runners", "job_devices", "measure_job", "modelled", "plan_from", "plan_job", "predict",
-           "predict_all", "simulate", "local_load", "measure_link", "on_one_host", "QUICK_MIN_TIME", "PlanOptions",
-           "parse_options", "format_table", "write_json", "write_png", "idle_profile", "measure_profile",
-           "measure_rows", "measure_shares"]
+
+def __getattr__(name):
+    module = _MODULE.get(name)
+    if module is None:
+        if name in ("cpu", "job", "link", "options", "present", "profile"):
+            return importlib.import_module(f".{name}", __name__)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

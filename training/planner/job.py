@@ -29,7 +29,7 @@ from training.strategies.shares import split_rows
 
 from .cpu import measure_strategy_cpu, measure_wait_cpu
 from .link import local_load, measure_link, on_one_host
-from .options import PlanOptions
+from .options import PlanOptions, check_plannable
 from .profile import idle_profile, measure_profile, measure_rows, measure_shares
 
 log = logging.getLogger(__name__)
@@ -214,9 +214,8 @@ class Measured:
 
 def measure_job(job, options=PlanOptions()):
     """Measure what the plan of conf.JobSpec `job` needs on this machine (Measured)."""
+    check_plannable(job)
     spec = job.training
-    if spec is None:
-        raise PlanError("the job has no training section: the planner predicts the built-in runner's strategies")
     shape, classes, shape_from = _input_of(spec, options)
     cuda = torch.cuda.is_available()
     torch.manual_seed(spec.seed)

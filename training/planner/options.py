@@ -1,4 +1,5 @@
-"""How to plan: PlanOptions, and parsing them from `yarnapp plan`'s command line."""
+"""How to plan: PlanOptions, parsing them from `yarnapp plan`'s command line, and what a
+job needs to be planned at all (checked before anything is measured or imported)."""
 import dataclasses
 
 from training.perf.model import PlanError
@@ -58,3 +59,9 @@ def parse_options(measure=False, bandwidth=None, latency=None, machines=None, gp
                        gpu_speed=gpu_speed, min_time=QUICK_MIN_TIME if quick else PlanOptions.min_time,
                        input_shape=shape, num_classes=classes)
 
+
+
+def check_plannable(job):
+    """Raise PlanError unless conf.JobSpec `job` runs the built-in runner's training."""
+    if job.training is None:
+        raise PlanError("the job has no training section: the planner predicts the built-in runner's strategies")
