@@ -247,10 +247,13 @@ def meet_at_the_end(store, gen, rank, world_size, wait=FINISH_WAIT_S):
     seconds for every rank to, without an MPI call (a rank that left early is gone, and
     its MPI peers would fail on it). Code that also used the MPI world is then done with
     it on every rank, as after the Barrier; a rank whose peers still wait on it in a
-    collective leaves after `wait`, and its closed sockets fail them, as under torchrun."""
+    collective leaves after `wait`, and its closed sockets fail them, as under torchrun.
+    A generation already aborted (its peers failed) is not waited for."""
     store.put(keys.finished(gen, rank), "1")
     deadline = time.monotonic() + wait
     while len(store.get_prefix(keys.finished(gen))) < world_size and time.monotonic() < deadline:
+        if store.get(keys.abort(gen)) is not None:
+            return
         time.sleep(0.05)
 
 

@@ -8,8 +8,10 @@ import worlds
 
 pytestmark = pytest.mark.multiprocess
 
+# Three ranks on this 2-core machine sum with polite waits only: spinning ones, two to a
+# core, take turns by the scheduler's tick (13 s against 8 s); they spin in worlds 1 and 2.
 CHECKS = {1: ["sums", "training"], 2: ["sums", "shm", "wait_cpu", "training"],
-          3: ["sums", "sums_polite", "shm", "training"]}
+          3: ["sums_polite", "shm", "training"]}
 
 
 def _world(n, tmp_path_factory):
@@ -32,15 +34,11 @@ def world3(tmp_path_factory):
     return _world(3, tmp_path_factory)
 
 
-@pytest.mark.parametrize("n", [1, 2, 3])
-def test_allreduce_matches_numpy_sum(n, request):
+@pytest.mark.parametrize("n,check", [(1, "sums"), (2, "sums"), (3, "sums_polite")])
+def test_allreduce_matches_numpy_sum(n, check, request):
+    """Spinning waits on 1 and 2 ranks, polite (sleeping) ones on 3: the same sums."""
     res, _ = request.getfixturevalue(f"world{n}")
-    assert res["sums"] == ["OK"] * n
-
-
-def test_polite_waits_give_the_same_sums(world3):
-    res, _ = world3
-    assert res["sums_polite"] == ["OK"] * 3
+    assert res[check] == ["OK"] * n
 
 
 @pytest.mark.parametrize("n", [2, 3])

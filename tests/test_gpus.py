@@ -86,7 +86,7 @@ def test_asking_for_more_gpus_than_the_machine_has_is_refused_at_submit(two_fake
 def test_an_application_whose_gpu_another_holds_waits_and_never_shares_it(monkeypatch, yarnapp_home):
     monkeypatch.setenv("YARNAPP_GPUS", "0")                      # one GPU on this machine
     first = _submit("first", [{"name": "g", "instances": 1, "gpus": 1, "vcores": 0.5, "memory": "512 MiB"}],
-                    seconds=10)    # its rank holds on 10 s: the GPU is still held when the second asks
+                    seconds=6)     # its rank holds on 6 s: the GPU is still held when the second asks
     deadline = time.monotonic() + 60
     while first.state != "RUNNING" or not gpus.Leases().held():
         assert time.monotonic() < deadline, first.logs()

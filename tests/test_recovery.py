@@ -336,10 +336,11 @@ def test_resume_finds_other_applications_when_checkpoint_uri_is_unset(digits, tm
     run1, _ = run_to_end(job(20))
     run2, st2 = run_to_end(job(30, resume="latest"))
     assert st2["final"]["resumed_app"] == run1.app_id and st2["final"]["resumed_from"] == 20
-    run3, st3 = run_to_end(job(30, resume=run1.app_id))
-    assert st3["final"]["resumed_app"] == run1.app_id and st3["final"]["resumed_from"] == 20
+    run3 = yarnapp.submit(job(30, resume=run1.app_id))                  # these two at once
     run4 = yarnapp.submit(job(30, resume=run1.app_id, model="mlp"))
-    st = run4.wait(timeout=300)
+    st3, st = run3.wait(timeout=300), run4.wait(timeout=300)
+    assert st3["state"] == "SUCCEEDED", (st3.get("diagnostics"), run3.logs())
+    assert st3["final"]["resumed_app"] == run1.app_id and st3["final"]["resumed_from"] == 20
     assert st["state"] == "FAILED" and st["failure"]["attempts"] == 1, st
     reason = st["failure"]["reason"]
     assert f"the checkpoint of step 20 (application {run1.app_id}) does not fit this job's model 'mlp'" in reason
@@ -359,12 +360,13 @@ def test_a_checkpoint_with_an_unreadable_file_is_passed_over_for_the_one_before(
         f.truncate(1000)
     again = digits_job(tmp_path, digits, "ckpt", steps=30, instances=(1, 1))
     again["checkpoint"]["resume"] = run1.app_id
-    run2, st2 = run_to_end(again)
-    assert st2["final"]["resumed_app"] == run1.app_id and st2["final"]["resumed_from"] == 10
-    assert "the checkpoint of step 20 cannot be read" in run2.logs()["big_0"]
     wider = digits_job(tmp_path, digits, "ckpt", steps=30, instances=(1, 2))       # 3 ranks: no file for rank 2
     wider["checkpoint"]["resume"] = run1.app_id
-    st = yarnapp.submit(wider).wait(timeout=300)
+    run2, run_wider = yarnapp.submit(again), yarnapp.submit(wider)                  # at once
+    st2, st = run2.wait(timeout=300), run_wider.wait(timeout=300)
+    assert st2["state"] == "SUCCEEDED", (st2.get("diagnostics"), run2.logs())
+    assert st2["final"]["resumed_app"] == run1.app_id and st2["final"]["resumed_from"] == 10
+    assert "the checkpoint of step 20 cannot be read" in run2.logs()["big_0"]
     assert st["state"] == "FAILED" and "was written by 2 ranks, and this job has 3" in st["failure"]["reason"], st
     (root / "step-00000010" / "rank-00000.pt").unlink()
     run3 = yarnapp.submit(again)
@@ -372,5 +374,5 @@ def test_a_checkpoint_with_an_unreadable_file_is_passed_over_for_the_one_before(
     assert st3["state"] == "FAILED" and st3["failure"]["attempts"] == 1, st3
     assert f"no complete checkpoint of application {run1.app_id} can be read (step 20: " in st3["failure"]["reason"]
     assert "rank-00001.pt" in st3["failure"]["reason"] and "not retried" in st3["failure"]["reason"]
-    for r in (run1, run2, run3):
+    for r in (run1, run2, run_wider, run3):
         assert_nothing_left(r.app_id)
