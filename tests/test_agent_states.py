@@ -479,3 +479,21 @@ def test_a_frozen_peer_that_spends_the_last_restart_fails_the_job_and_is_not_rep
     assert failed.container == "w_1" and "stopped responding" in failed.reason, failed
     assert "replace" not in failed.reason and not failed.log, failed
     assert store.get_prefix(keys.REPLACE_PREFIX) == {}
+
+
+def test_a_rank_whose_code_ended_early_stops_waiting_for_its_peers_once_their_generation_is_aborted(tmp_path):
+    """The end of code on torch.distributed (launcher.rank.meet_at_the_end) waits for every
+    rank to finish, up to its limit. Once the generation is aborted (a peer failed on the
+    closed group) nobody else will finish: it waited out the limit (10 s) before the
+    failure was reported; now it leaves at once. Without an abort it waits for the others."""
+    from launcher.rank import meet_at_the_end
+    store = FileStore(str(tmp_path / "store"))
+    t0 = time.monotonic()
+    meet_at_the_end(store, 0, 1, 3, wait=1.0)
+    assert time.monotonic() - t0 >= 1.0                              # the others never finished
+    assert store.get(keys.finished(0, 1)) == b"1"
+    store.put(keys.abort(1), Failure(kind=Kind.CRASHED.value, container="big_0", rank=0,
+                                     reason="rank 0 (big_0) exited with status 1").dumps())
+    t0 = time.monotonic()
+    meet_at_the_end(store, 1, 1, 3, wait=60.0)
+    assert time.monotonic() - t0 < 30.0                              # left on the abort, not at the limit

@@ -412,6 +412,22 @@ def test_cli_plan_errors_are_one_line(cli):
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
+def test_yarnapp_plan_checks_its_flags_and_the_job_without_importing_torch():
+    """Its flag errors came after `import torch` (5-10 s on a busy machine, for a typo):
+    training.planner imports its measuring modules on first use."""
+    code = ("import sys, conf, training.planner as p\n"
+            "p.check_plannable(conf.load_job('conf/examples/digits.yaml'))\n"
+            "assert p.parse_options(bandwidth='1gbit', latency='0.05ms', machines='1,2').machines == (1, 2)\n"
+            "try:\n    p.check_plannable(conf.load_job('conf/examples/hello.yaml'))\n"
+            "except p.PlanError as e:\n    assert 'no training section' in str(e)\n"
+            "else:\n    raise AssertionError('hello.yaml was plannable')\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=probes.ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
+    assert callable(planner.plan_job) and planner.cpu.measure_wait_cpu is planner.measure_wait_cpu
+
+
 def test_the_table_marks_a_simulated_speedup_beyond_the_machines_it_has():
     """3.68x on 2 machines (noisy timings on a busy machine) stood in the table as a prediction."""
     from training.planner import present
