@@ -56,7 +56,7 @@ __all__ = list(_MODULE)
 def __getattr__(name):
     module = _MODULE.get(name)
     if module is None:
-        if name in ("cpu", "job", "link", "options", "present", "profile"):
+        if f".{name}" in _WHERE:        # a submodule: planner.cpu, planner.job, ...
             return importlib.import_module(f".{name}", __name__)
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(module, __name__), name)

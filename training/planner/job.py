@@ -23,7 +23,7 @@ import conf
 from training import probes
 from training import strategies as registry
 from training.models import build_model
-from training.perf.model import Case, Layer, Link, PlanError, Profile, Scheduling, link_from_rate, share_weights
+from training.perf.model import Case, Layer, Link, Profile, Scheduling, link_from_rate, share_weights
 from training.strategies.conv_mp.cost import conv_fraction, conv_layers_of, conv_split
 from training.strategies.shares import split_rows
 

@@ -60,7 +60,6 @@ def parse_options(measure=False, bandwidth=None, latency=None, machines=None, gp
                        input_shape=shape, num_classes=classes)
 
 
-
 def check_plannable(job):
     """Raise PlanError unless conf.JobSpec `job` runs the built-in runner's training."""
     if job.training is None:
