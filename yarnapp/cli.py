@@ -57,12 +57,9 @@ def cmd_submit(args):
     formed = st.get("world_formed_s")
     _p(f"{app_id} SUCCEEDED in {took:.1f}s" + (f" (world formed in {formed:.2f}s after submit)" if formed else ""))
     if st.get("final"):
-        _p("final: " + " ".join(f"{k}={_fmt(v)}" for k, v in st["final"].items()))
+        from .progress import metrics
+        _p("final: " + metrics(st["final"]))
     return 0
-
-
-def _fmt(v):
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
 def cmd_status(args):
@@ -88,11 +85,12 @@ def cmd_status(args):
     for r in st.get("restarts") or []:
         _p(f"  restart {r.get('generation')}: {r.get('reason')}"
            + (" (spends no restart)" if r.get("external") else ""))
+    from .progress import metrics
     p = (st.get("progress") or {}).get(0)
     if p:
-        _p("  progress: " + " ".join(f"{k}={_fmt(v)}" for k, v in p.items() if k not in ("rank", "time")))
+        _p("  progress: " + metrics(p, skip=("rank", "time")))
     if st.get("final"):
-        _p("  final: " + " ".join(f"{k}={_fmt(v)}" for k, v in st["final"].items()))
+        _p("  final: " + metrics(st["final"]))
     return 0
 
 

@@ -26,6 +26,11 @@ def _fmt(v):
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
+def metrics(record, skip=()):
+    """`k=v ...` of a progress record or a final, as every line a user reads shows them."""
+    return " ".join(f"{k}={_fmt(v)}" for k, v in record.items() if k not in skip)
+
+
 def _in_notebook():
     try:
         from IPython import get_ipython
@@ -90,7 +95,7 @@ class Progress:
     def end(self, st):
         """Say how the run ended: its final metrics, or why it failed."""
         if st["state"] == "SUCCEEDED":
-            final = " ".join(f"{k}={_fmt(v)}" for k, v in (st.get("final") or {}).items())
+            final = metrics(st.get("final") or {})
             self.say("end", f"{self.run.app_id} SUCCEEDED" + (f"; final: {final}" if final else ""))
         else:
             self.say("end", self.run.failure_message())
