@@ -18,6 +18,15 @@ def test_three_cpu_ranks_with_unequal_shares_match_one_process():
     assert max(r["worst"] for r in out) < 1e-5, out
 
 
+@pytest.mark.parametrize("gpus", [0, pytest.param(1, marks=pytest.mark.skipif(not CUDA, reason=NO_CUDA))])
+def test_one_rank_alone_matches_one_process(gpus):
+    """A world of one reduces nothing (training.collectives.buckets: `alone`): on a GPU its
+    gradients stay on the device, and nothing waits for it to copy them out."""
+    out = worlds.run("dp_devices", 1, {"strategy": "allreduce", "gpus": [gpus], "shares": [1]})
+    assert [r["device"] for r in out] == ["cuda" if gpus else "cpu"]
+    assert out[0]["worst"] < 1e-5, out
+
+
 @pytest.mark.skipif(not CUDA, reason=NO_CUDA)
 @pytest.mark.parametrize("strategy", ["allreduce", "ps_central", "ps_sharded"])
 def test_one_gpu_rank_and_two_cpu_ranks_match_one_process(strategy):

@@ -64,11 +64,15 @@ class _Bucket:
         """Where p.grad lives: the host buffer on the CPU, the device buffer on a GPU."""
         return self.view(i, self.dev)
 
-    def staged(self):
-        """Wait until the bucket's gradients are in host memory (a no-op on the CPU)."""
+    def staged(self, block=True):
+        """Whether the bucket's gradients are in host memory (always, on the CPU); with
+        block, wait until they are."""
         if self.copied is not None:
+            if not block and not self.copied.query():
+                return False
             self.copied.synchronize()
             self.copied = None
+        return True
 
 
 class GradientReducer:
@@ -115,6 +119,9 @@ class GradientReducer:
             overlap = "poll"
         self.comm = comm.Dup()
         self.overlap = overlap
+        # A world of one sums nothing: p.grad = w * grad where backward left it (on a GPU
+        # no staging through host memory, so nothing waits for the device).
+        self.alone = self.comm.Get_size() == 1
         self.params = [p for p in params if p.requires_grad]
         self.buckets = self._make_buckets(self.params, int(bucket_mb * (1 << 20)))
         self._where = {}
@@ -211,6 +218,8 @@ class GradientReducer:
         p.grad = view
         b.ready[i] = True
         b.pending -= 1
+        if self.alone:
+            return
         if b.dev is not None and b.pending == 0:      # stage the whole bucket to host memory
             b.flat.copy_(b.dev, non_blocking=True)
             b.copied = torch.cuda.Event()
@@ -244,7 +253,8 @@ class GradientReducer:
         t = time.perf_counter()
         for b in self.buckets[:self._next]:
             if not b.started:
-                b.staged()
+                if not b.staged(block=False):      # the device is still copying it: later
+                    break
                 b.op.start()
                 b.started = True
             if not b.op.test():
@@ -285,8 +295,10 @@ class GradientReducer:
                             p.grad = view
                             b.ready[i] = True
                     b.pending = 0
-                    if b.dev is not None:
+                    if b.dev is not None and not self.alone:
                         b.flat.copy_(b.dev)
+            if self.alone:
+                return self._comm_s
             while self._next < len(self.buckets):
                 self._start(self.buckets[self._next])
                 self._next += 1
