@@ -180,9 +180,10 @@ class Runner:
             for k, v in (("steps", 1), ("loss", st.loss), ("correct", st.correct), ("samples", st.samples),
                          ("compute", st.compute_s), ("comm", st.comm_s), ("wait", t_got - t_prev), ("wall", wall)):
                 window[k] += v
-            totals["samples"] += st.samples
-            totals["wait"] += t_got - t_prev
-            totals["wall"] += wall
+            if step > self.start_step + 1 or step == self.total_steps:     # see `final` below
+                totals["samples"] += st.samples
+                totals["wait"] += t_got - t_prev
+                totals["wall"] += wall
             t_prev = t_done
             if step % spec.log_every == 0 or step == self.total_steps:
                 rec = self.log_window(step, epoch, window)
@@ -198,6 +199,8 @@ class Runner:
         self.loader.close()
         ev = self.evaluate()
         train_time = time.perf_counter() - t_start
+        # Rates over the steps after this attempt's first, which pays what is paid once
+        # (CUDA's and cuDNN's start, the first reads): a short run's rate is its steady one.
         final = {"accuracy": ev.get("accuracy"), "loss": ev.get("loss"), "train_loss": rec.get("loss"),
                  "steps": step, "samples_per_s": totals["samples"] / max(totals["wall"], 1e-9),
                  "data_wait_pct": 100 * totals["wait"] / max(totals["wall"], 1e-9),
