@@ -12,7 +12,7 @@ from conf import JobError
 from training import devices, fsutil
 from training.context import RankInfo
 from training.precision import Precision
-from training.strategies.shares import costly_ranks
+from training.strategies.shares import costly_ranks, second_rows, speed_weights, split_rows
 
 pytestmark = pytest.mark.unit
 CUDA = torch.cuda.is_available()
@@ -37,6 +37,36 @@ def test_a_rank_that_costs_more_than_it_saves_is_named():
     assert share == pytest.approx(10 / 2010) and without_s < with_s
     assert costly_ranks([1000.0, 1000.0, 900.0], 64, ring_s=0.004) == []     # a fair third rank helps
     assert costly_ranks([1000.0], 64, ring_s=0.0) == []
+
+
+def test_speed_shares_time_each_rank_again_on_its_own_share():
+    """A GPU-like rank (3 ms of kernel launches, then 25,000 rows/s) beside two CPU-like
+    ranks (10 ms, then 667 rows/s), a global batch of 256. Timed on 16 rows the GPU looks
+    4,400 rows/s and the CPUs get 23 and 22 rows (their passes 44 ms, the GPU's 11 ms);
+    timed again on those shares, each is weighed at its speed on its own rows: the CPUs
+    get 7, the slowest pass halves, and the CPU ranks are named as costing more than
+    they save (the GPU alone: 13 ms)."""
+    def timing(a, rows_per_s):
+        return lambda n: a + n / rows_per_s
+    passes = [timing(0.003, 25000), timing(0.010, 667), timing(0.010, 667)]
+    first = [t(16) for t in passes]
+    rows = second_rows(256, 16, first)
+    assert rows == split_rows(256, [16 / t for t in first]) == [211, 23, 22]
+    weights, fits = speed_weights(256, 16, first, rows, [t(n) for t, n in zip(passes, rows)])
+    split = split_rows(256, weights)
+    slowest = (lambda split: max(t(n) for t, n in zip(passes, split)))
+    assert split == [242, 7, 7] and slowest(split) < 0.5 * slowest(rows)
+    assert fits == [pytest.approx((0.003, 25000)), pytest.approx((0.010, 667)), pytest.approx((0.010, 667))]
+    costly = costly_ranks(fits, 256, ring_s=0.001, weights=weights)
+    assert costly and {r for r, *_ in costly} <= {1, 2}
+    # CPUs alike but for speed (the half-speed one pays twice the fixed cost too): a row
+    # moves to where it takes less, and no pass gets longer (66 and 68 ms; 67 and 66)
+    alike = [timing(0.002, 1000), timing(0.004, 500)]
+    first = [t(16) for t in alike]
+    rows = second_rows(96, 16, first)
+    again, _ = speed_weights(96, 16, first, rows, [t(n) for t, n in zip(alike, rows)])
+    assert rows == [64, 32] and split_rows(96, again) == [65, 31]
+    assert max(t(n) for t, n in zip(alike, [65, 31])) < max(t(n) for t, n in zip(alike, rows))
 
 
 def test_precision_on_a_cpu_rank_is_fp32_and_said_once(caplog):

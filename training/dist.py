@@ -103,10 +103,12 @@ def split_rows(total, weights):
     return split(total, weights)
 
 
-def share_weights(shares="equal", ctx=None, model=None, example=None):
-    """One weight per rank: "equal", "vcores" (each rank's container), "speed" (rows per
-    second of forward+backward of `model` on `example`, measured on every rank now), or a
-    list of numbers."""
+def share_weights(shares="equal", ctx=None, model=None, example=None, batch=None):
+    """One weight per rank: "equal", "vcores" (each rank's container), "speed" (measured
+    on every rank now: forward + backward of `model` on `example`, a batch of inputs on
+    the rank's device, balanced for a global batch of `batch` rows, by default the
+    example's rows times the world's size; training.strategies.shares), or a list of
+    numbers."""
     from .data.order import given_weights
     ctx = ctx or context()
     if isinstance(shares, (list, tuple)) and (len(shares) != ctx.world_size or not all(float(w) > 0 for w in shares)):
@@ -116,8 +118,9 @@ def share_weights(shares="equal", ctx=None, model=None, example=None):
         return given
     if model is None or example is None:
         raise ValueError("shares 'speed' needs model= and example= (a batch of inputs) to measure")
-    from .strategies.shares import measure_speed
-    return [float(s) for s in ctx.comm.allgather(measure_speed(model, example))]
+    from .strategies.shares import measured_weights
+    weights, _ = measured_weights(ctx.comm, model, example, batch or len(example) * ctx.world_size)
+    return weights
 
 
 def permutation(n, seed, epoch):
@@ -148,7 +151,7 @@ class ShareSampler(torch.utils.data.Sampler):
         self.batch_size = int(batch_size)
         if not 1 <= self.batch_size <= self.n:
             raise ValueError(f"batch_size {batch_size} must be between 1 and the dataset's {self.n} rows")
-        self.weights = share_weights(shares, self.ctx, model, example)
+        self.weights = share_weights(shares, self.ctx, model, example, self.batch_size)
         counts = split_rows(self.batch_size, self.weights)
         self.lo = sum(counts[:self.ctx.rank])
         self.hi = self.lo + counts[self.ctx.rank]

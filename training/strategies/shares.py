@@ -1,9 +1,14 @@
 """Each rank's share of a global batch, for the data-parallel strategies (and
 training.dist, the Horovod-style API): rows split in proportion to weights, and the
-speed that 'speed' shares are proportional to.
+weights that 'speed' shares measure.
 
-`training.shares` gives the weights: equal, the ranks' vcores, their measured speed
-(`measure_speed`, rows per second of forward + backward), or one weight per rank.
+`training.shares` gives the weights: equal, the ranks' vcores, their measured speed, or
+one weight per rank. A rank's speed depends on how many rows it is timed on: a GPU's
+pass is mostly kernel launches at a few rows, a CPU's is not. So every rank times a pass
+twice (`measured_weights`): on SPEED_PROBE_ROWS rows, then on the rows that the first
+timings give it, and its weight is its speed on those, its own share. Timed once on 16
+rows, an H200 beside two 4-vcore CPU ranks was weighed at a fraction of its speed on its
+real share, and the CPUs got ~10x their rows (the step 0.19x the GPU alone's).
 """
 import time
 
@@ -20,8 +25,14 @@ SPEED_PROBE_S = 0.3       # ... and at least this long: three CFS periods (100 m
 
 
 def measure_speed(model, example, passes=SPEED_PROBE_PASSES, min_time=SPEED_PROBE_S):
-    """Rows per second of forward + backward on `example` (a batch of inputs): the rows of
-    every timed pass over their whole time, `passes` at least and `min_time` seconds at least.
+    """Rows per second of forward + backward on `example` (a batch of inputs): its rows
+    over pass_seconds."""
+    return len(example) / pass_seconds(model, example, passes, min_time)
+
+
+def pass_seconds(model, example, passes=SPEED_PROBE_PASSES, min_time=SPEED_PROBE_S):
+    """Seconds of one forward + backward on `example` (a batch of inputs): the mean of
+    the timed passes, `passes` at least and `min_time` seconds at least.
 
     On the device `example` is on (a GPU rank's is timed with its queue drained), so
     shares: speed weighs a GPU rank against CPU ranks on real rows. Leaves the model as it
@@ -55,24 +66,79 @@ def measure_speed(model, example, passes=SPEED_PROBE_PASSES, min_time=SPEED_PROB
             p.grad = g
         torch.set_rng_state(rng)
         model.train(was_training)
-    return len(example) * reps / elapsed
+    return elapsed / reps
 
 
-def costly_ranks(speeds, batch, ring_s):
-    """The ranks that give less than they cost, with speed-proportional shares: those
-    without which the step would be faster. speeds: rows/s of each rank (measure_speed);
-    batch: the global batch; ring_s: seconds of one all-reduce of the gradient over all
-    n ranks (a ring's time goes as 2(n-1)/n, so without one rank it is
-    ring_s * (n-2)n / (n-1)^2). Returns [(rank, share of the batch, step seconds with
-    it, predicted step seconds without it)], compute balanced in both cases."""
-    n, total = len(speeds), float(sum(speeds))
+def rows_of(example, rows):
+    """`example` cut or repeated to `rows` rows."""
+    if len(example) >= rows:
+        return example[:rows]
+    reps = -(-rows // len(example))
+    return example.repeat(reps, *([1] * (example.dim() - 1)))[:rows]
+
+
+def fit_line(p1, t1, p2, t2):
+    """(a, s) of t(n) = a + n / s, the pass time of n rows, through the timed points
+    (p1, t1) and (p2, t2) (rows, seconds); (p2, t2) is the rank's own share, where the
+    line must hold best. Timing noise that makes the line fall or start below zero is
+    clipped: the per-row cost is at least 5% of the mean's, and a >= 0."""
+    if p1 == p2:
+        return 0.0, p2 / t2
+    per_row = (t2 - t1) / (p2 - p1)
+    per_row = max(per_row, 0.05 * min(t1 / p1, t2 / p2))
+    return max(0.0, t2 - per_row * p2), 1.0 / per_row
+
+
+def second_rows(batch, probe_rows, first_s):
+    """Every rank's rows in the second timing: its share of `batch` by the first timing's
+    speeds (probe_rows / first_s[r]), at least 1."""
+    return [max(1, n) for n in split_rows(batch, [probe_rows / t for t in first_s])]
+
+
+def speed_weights(batch, probe_rows, first_s, rows, second_s):
+    """shares 'speed' from the two timings of every rank: (one weight per rank, the
+    fits). A weight is the rank's speed on its own share's rows (rows[r] / second_s[r]),
+    so a split whose passes already take equally long is kept, and one that is not moves
+    rows towards the ranks that finished early, without extrapolating. The fits
+    (fit_line) are for costly_ranks."""
+    fits = [fit_line(probe_rows, t1, p2, t2) for t1, p2, t2 in zip(first_s, rows, second_s)]
+    return [p2 / t2 for p2, t2 in zip(rows, second_s)], fits
+
+
+def measured_weights(comm, model, example, batch):
+    """shares 'speed', measured now on every rank of `comm` (collective): (weights, fits).
+    `example`: this rank's batch of inputs, on its device."""
+    first = pass_seconds(model, example)
+    firsts = comm.allgather(first)
+    rows = second_rows(batch, len(example), firsts)
+    mine = rows[comm.Get_rank()]
+    second = first if mine == len(example) else pass_seconds(model, rows_of(example, mine))
+    return speed_weights(batch, len(example), firsts, rows, comm.allgather(second))
+
+
+def costly_ranks(fits, batch, ring_s, weights=None):
+    """The ranks that give less than they cost: those without which the step would be
+    faster. fits: each rank's pass time t_r(n) = a_r + n / s_r as (a_r, s_r) (fit_line),
+    or its rows/s alone (a_r = 0); weights: the shares (default: the s_r); batch: the
+    global batch; ring_s: seconds of one all-reduce of the gradient over all n ranks (a
+    ring's time goes as 2(n-1)/n, so without one rank it is ring_s * (n-2)n / (n-1)^2).
+    Returns [(rank, share of the batch, step seconds with it, predicted step seconds
+    without it)]: the slowest pass of the split by the weights, with and without it."""
+    fits = [(0.0, float(f)) if isinstance(f, (int, float)) else f for f in fits]
+    n = len(fits)
     if n < 2:
         return []
-    with_s = batch / total + ring_s
+    weights = [s for _, s in fits] if weights is None else weights
+
+    def step_s(ranks):
+        total = sum(weights[r] for r in ranks)
+        return max(fits[r][0] + batch * weights[r] / total / fits[r][1] for r in ranks)
+
+    with_s = step_s(range(n)) + ring_s
     ring_without = ring_s * (n - 2) * n / (n - 1) ** 2
     out = []
-    for r, s in enumerate(speeds):
-        without_s = batch / (total - s) + ring_without
+    for r in range(n):
+        without_s = step_s([q for q in range(n) if q != r]) + ring_without
         if without_s < with_s:
-            out.append((r, s / total, with_s, without_s))
+            out.append((r, weights[r] / sum(weights), with_s, without_s))
     return out

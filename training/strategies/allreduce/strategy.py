@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from training import collectives, cputime, devices
 from training.precision import Precision
 from training.strategies.base import StepStats, Strategy, StrategyError
-from training.strategies.shares import SPEED_PROBE_ROWS, costly_ranks, measure_speed, split_rows
+from training.strategies.shares import SPEED_PROBE_ROWS, costly_ranks, measured_weights, split_rows
 
 log = logging.getLogger(__name__)
 
@@ -106,13 +106,14 @@ class AllReduceStrategy(Strategy):
             log.warning("shares 'speed': no example input and the model declares no "
                         "input_shape; splitting by vcores instead")
             return [float(r.vcores) for r in self.ctx.ranks]
-        mine = measure_speed(self.model, example_input.to(self.device))
-        speeds = self.comm.allgather(mine)
-        log.info("measured speeds (rows/s): %s", [round(s, 1) for s in speeds])
-        self._warn_costly(speeds)
-        return speeds
+        weights, fits = measured_weights(self.comm, self.model, example_input.to(self.device),
+                                         self.spec.batch_size)
+        log.info("shares 'speed': passes %s; weights (rows/s on each rank's share) %s",
+                 ", ".join(f"{1e3 * a:.2f} ms + n / {s:.0f} rows/s" for a, s in fits), [round(w, 1) for w in weights])
+        self._warn_costly(fits, weights)
+        return weights
 
-    def _warn_costly(self, speeds):
+    def _warn_costly(self, fits, weights):
         """Rank 0 says, one line per rank, when a rank slows the step down: its share is
         worth less than the all-reduce it adds (timed here once, on the gradient's size)."""
         n_params = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
@@ -123,7 +124,7 @@ class AllReduceStrategy(Strategy):
         ring_s = self.comm.allreduce(time.perf_counter() - t, op=_mpi_max())
         if self.rank != 0:
             return
-        for r, share, with_s, without_s in costly_ranks(speeds, self.spec.batch_size, ring_s):
+        for r, share, with_s, without_s in costly_ranks(fits, self.spec.batch_size, ring_s, weights):
             info = self.ctx.ranks[r]
             where = f"{info.gpus} GPU" if info.gpus else f"cpu, {info.vcores:g} vcores"
             log.warning("rank %d (%s, %s) gets %.0f%% of each batch but costs more than it saves: a step is "
