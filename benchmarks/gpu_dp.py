@@ -91,7 +91,7 @@ def main(argv=None):
     steps = args.steps or (40 if args.quick else 200)
     home = tempfile.mkdtemp(prefix="yarnapp-bench-")
     os.environ["YARNAPP_HOME"] = os.path.join(home, "home")
-    samples, predictions = {}, {}
+    samples, predictions, waits = {}, {}, {}
     t0 = time.time()
     try:
         from training.data import import_synthetic_cifar
@@ -108,16 +108,20 @@ def main(argv=None):
                     v = ddp_run(name, home, args, steps)
                 else:
                     cpus = 0 if name == "gpu-alone" else args.cpus
-                    v = common.submit(mixed_job(args, data, cpus, steps))["final"]["samples_per_s"]
+                    final = common.submit(mixed_job(args, data, cpus, steps))["final"]
+                    v = final["samples_per_s"]
+                    waits.setdefault(name, []).append(final["data_wait_pct"])
                 samples.setdefault(name, []).append(v)
                 print(f"round {r + 1}: {name}: {v:.1f} samples/s", flush=True)
     finally:
         shutil.rmtree(home, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in samples.items()}
     rows = []
-    print(f"\n{'contender':<10} {'samples/s':>10} {'predicted':>10}  ratio")
+    print(f"\n{'contender':<10} {'samples/s':>10} {'predicted':>10} {'data wait':>9}  ratio")
     for name, m in med.items():
         row = {"contender": name, "samples_per_s": m, "runs": samples[name], "predicted": predictions.get(name)}
+        if name in waits:
+            row["data_wait_pct"] = statistics.median(waits[name])
         if name == "gpu+cpus":
             row.update(vs="gpu-alone", ratio=m / med["gpu-alone"])
         if name == "ours":
@@ -125,7 +129,8 @@ def main(argv=None):
         rows.append(row)
         pred = f"{row['predicted']:10.1f}" if row["predicted"] else f"{'':>10}"
         ratio = f"{row['ratio']:.2f}x {row['vs']}" if 'ratio' in row else ''
-        print(f"{name:<10} {m:>10.1f} {pred}  {ratio}")
+        wait = f"{row['data_wait_pct']:8.1f}%" if "data_wait_pct" in row else f"{'':>9}"
+        print(f"{name:<10} {m:>10.1f} {pred} {wait}  {ratio}")
     meta = {**common.machine_meta(), "gpu": torch.cuda.get_device_name(0), "rounds": rounds, "steps": steps,
             "cpus": args.cpus, "cpu_vcores": args.cpu_vcores, "wall_s": round(time.time() - t0, 1)}
     common.write_results(args.out, meta, rows)

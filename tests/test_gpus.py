@@ -52,7 +52,7 @@ def test_no_nvidia_smi_means_no_gpus(monkeypatch, tmp_path):
 
 def _submit(name, groups, seconds=0):
     job = {"name": name, "max_restarts": 0, "launcher": {"poll_interval": "100ms"},
-           "groups": [dict(g, env={"HOLD_S": str(seconds)}) for g in groups],
+           "groups": [dict(g, env={"HOLD_S": str(seconds), **g.get("env", {})}) for g in groups],
            "run": {"function": "gpu_env:main",
                    "files": [os.path.join(os.path.dirname(__file__), "jobs", "gpu_env.py")]}}
     return yarnapp.submit(job)
@@ -83,15 +83,18 @@ def test_asking_for_more_gpus_than_the_machine_has_is_refused_at_submit(two_fake
     assert not os.path.isdir(apps) or not os.listdir(apps)          # nothing was started
 
 
-def test_an_application_whose_gpu_another_holds_waits_and_never_shares_it(monkeypatch, yarnapp_home):
-    monkeypatch.setenv("YARNAPP_GPUS", "0")                      # one GPU on this machine
-    first = _submit("first", [{"name": "g", "instances": 1, "gpus": 1, "vcores": 0.5, "memory": "512 MiB"}],
-                    seconds=6)     # its rank holds on 6 s: the GPU is still held when the second asks
+def _second_waits_for_the_first(gpus_each, env=None):
+    """Two applications asking for the same GPUs: the second waits (ACCEPTED, saying
+    whose they are) until the first ends, and its ranks start only then."""
+    group = {"name": "g", "instances": 1, "gpus": gpus_each, "vcores": 0.5, "memory": "512 MiB",
+             "env": dict(env or {})}
+    first = _submit("first", [dict(group, env=dict(group["env"], HOLD_S="6"))])
+    # its rank holds on 6 s: the GPU is still held when the second asks
     deadline = time.monotonic() + 60
     while first.state != "RUNNING" or not gpus.Leases().held():
         assert time.monotonic() < deadline, first.logs()
         time.sleep(0.1)
-    second = _submit("second", [{"name": "g", "instances": 1, "gpus": 1, "vcores": 0.5, "memory": "512 MiB"}])
+    second = _submit("second", [group])
     deadline = time.monotonic() + 30
     while True:
         running, st2 = first.state == "RUNNING", second.status()
@@ -99,12 +102,54 @@ def test_an_application_whose_gpu_another_holds_waits_and_never_shares_it(monkey
             break
         time.sleep(0.1)
     assert running, "the first ended before the second's master looked for a GPU"
-    assert st2["state"] == "ACCEPTED" and st2["diagnostics"] == f"waiting for 1 GPU(s): held by {first.app_id}"
-    assert first.wait(timeout=120)["state"] == "SUCCEEDED"
+    assert st2["state"] == "ACCEPTED" and st2["diagnostics"] == f"waiting for {gpus_each} GPU(s): held by {first.app_id}"
+    st1 = first.wait(timeout=120)
+    assert st1["state"] == "SUCCEEDED", first.logs()
     st2 = second.wait(timeout=120)
     assert st2["state"] == "SUCCEEDED", second.logs()
     # the second's ranks started only after the first had ended: never two on one GPU
     assert st2["final"]["started"] >= first.status()["finished"] - 1.0
-    assert st2["final"]["visible"] == ["0"]
     for r in (first, second):
         assert_nothing_left(r.app_id)
+    return st1, st2
+
+
+def test_an_application_whose_gpu_another_holds_waits_and_never_shares_it(monkeypatch, yarnapp_home):
+    monkeypatch.setenv("YARNAPP_GPUS", "0")                      # one GPU on this machine
+    _, st2 = _second_waits_for_the_first(1)
+    assert st2["final"]["visible"] == ["0"]
+
+
+# The same on a machine with real GPUs (the device tool's): nvidia-smi's inventory, and
+# what CUDA finds in each container.
+REAL_GPUS = [] if "YARNAPP_GPUS" in os.environ else gpus.inventory()
+NO_GPU = "no GPU that nvidia-smi lists here: runs on the GPU machine (the device tool)"
+
+
+@pytest.mark.skipif(not REAL_GPUS, reason=NO_GPU)
+def test_on_real_gpus_each_container_finds_only_its_own_in_cuda(yarnapp_home):
+    n = len(REAL_GPUS)
+    run = _submit("real", [{"name": "gpu", "instances": n, "gpus": 1, "vcores": 1, "memory": "2 GiB",
+                            "env": {"REPORT_CUDA": "1"}},
+                           {"name": "cpu", "instances": 1, "vcores": 1, "memory": "2 GiB",
+                            "env": {"REPORT_CUDA": "1"}}])
+    st = run.wait(timeout=180)
+    assert st["state"] == "SUCCEEDED", run.logs()
+    assert st["final"]["visible"] == [str(g.index) for g in REAL_GPUS] + [""]
+    assert st["final"]["cuda"] == [[g.name] for g in REAL_GPUS] + [[]]
+    assert_nothing_left(run.app_id)
+
+
+@pytest.mark.skipif(not REAL_GPUS, reason=NO_GPU)
+def test_on_real_gpus_more_than_there_are_is_refused_and_a_second_application_waits(cli, tmp_path):
+    import yaml
+    n = len(REAL_GPUS)
+    job = tmp_path / "greedy.yaml"
+    job.write_text(yaml.safe_dump({"name": "greedy", "run": {"function": "a:b"},
+                                   "groups": [{"name": "w", "instances": n + 1, "gpus": 1}]}))
+    proc = cli("submit", str(job))
+    assert proc.returncode == 1
+    assert proc.stderr.strip().endswith(f"but this machine has {n} (nvidia-smi); ask for at most {n}, "
+                                        "set gpus: 0, or submit to a cluster with --backend yarn"), proc.stderr
+    st1, st2 = _second_waits_for_the_first(n, {"REPORT_CUDA": "1"})
+    assert st1["final"]["cuda"] == st2["final"]["cuda"] == [[g.name for g in REAL_GPUS]]
