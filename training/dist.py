@@ -105,10 +105,10 @@ def split_rows(total, weights):
 
 def share_weights(shares="equal", ctx=None, model=None, example=None, batch=None):
     """One weight per rank: "equal", "vcores" (each rank's container), "speed" (measured
-    on every rank now: forward + backward of `model` on `example`, a batch of inputs on
-    the rank's device, balanced for a global batch of `batch` rows, by default the
-    example's rows times the world's size; training.strategies.shares), or a list of
-    numbers."""
+    on every rank now: rows/s of forward + backward of `model` on `example`, a batch of
+    inputs on the rank's device, then on the rank's share of a global batch of `batch`
+    rows, by default the example's rows times the world's size;
+    training.strategies.shares), or a list of numbers."""
     from .data.order import given_weights
     ctx = ctx or context()
     if isinstance(shares, (list, tuple)) and (len(shares) != ctx.world_size or not all(float(w) > 0 for w in shares)):

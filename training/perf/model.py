@@ -171,7 +171,9 @@ class Scheduling:
 
 def share_weights(devices, shares):
     """One weight per rank for `shares` (equal | vcores | speed | a list), as the strategies
-    weigh them; 'speed' is rows per second of each device's forward + backward."""
+    weigh them; 'speed' is rows per second of each device's forward + backward on the
+    whole batch (the ranks time theirs on their own shares, training.strategies.shares:
+    the same where a device's rows/s does not depend on how many rows it is given)."""
     from training.data.order import given_weights
     try:
         given = given_weights(shares, [d.vcores for d in devices])
