@@ -19,7 +19,14 @@
 # without this project's dependencies (the device tool's is bare) gets them from wheels
 # carried in .whl/ (python3.12 manylinux wheels of pydantic and its needs, mpi4py and
 # mpich): everything but mpich goes to /tmp/site; mpich under a prefix of its own,
-# because `pip --target` drops the lib/ that holds libmpi.so.12.
+# because `pip --target` drops the lib/ that holds libmpi.so.12. To make them (.whl/ is
+# git-ignored; the device tool's `carry: [".whl"]` takes it along):
+#
+#     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#         --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#         --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl pydantic==2.13.4 \
+#         pydantic_core==2.46.4 annotated-types typing-inspection typing-extensions \
+#         mpich==4.3.2 mpi4py==4.1.2
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-gpu-checks}
