@@ -30,9 +30,10 @@ def measure_speed(model, example, passes=SPEED_PROBE_PASSES, min_time=SPEED_PROB
     return len(example) / pass_seconds(model, example, passes, min_time)
 
 
-def pass_seconds(model, example, passes=SPEED_PROBE_PASSES, min_time=SPEED_PROBE_S):
+def pass_seconds(model, example, passes=SPEED_PROBE_PASSES, min_time=SPEED_PROBE_S, warmup=True):
     """Seconds of one forward + backward on `example` (a batch of inputs): the mean of
-    the timed passes, `passes` at least and `min_time` seconds at least.
+    the timed passes, `passes` at least and `min_time` seconds at least, after one
+    untimed pass (`warmup`).
 
     On the device `example` is on (a GPU rank's is timed with its queue drained), so
     shares: speed weighs a GPU rank against CPU ranks on real rows. Leaves the model as it
@@ -50,7 +51,8 @@ def pass_seconds(model, example, passes=SPEED_PROBE_PASSES, min_time=SPEED_PROBE
             p.grad = None
 
     try:
-        once()                                      # warm-up: allocator, kernel selection
+        if warmup:
+            once()                                  # warm-up: allocator, kernel selection
         synchronize(example.device)                 # a GPU's queued work is not the probe's
         reps, t0 = 0, time.perf_counter()
         while reps < passes or time.perf_counter() - t0 < min_time:
@@ -108,15 +110,17 @@ def speed_weights(batch, probe_rows, first_s, rows, second_s):
 def measured_weights(comm, model, example, batch):
     """shares 'speed', measured now on every rank of `comm` (collective): (weights, fits).
     `example`: this rank's batch of inputs, on its device. A world of one times nothing.
-    The second timing is one pass after a warm-up (and SPEED_PROBE_S at least): a share
-    of many rows is a long pass on a throttled CPU rank."""
+    The second timing is one pass (and SPEED_PROBE_S at least), after a warm-up on a GPU
+    only (cuDNN picks its kernels per shape): a CPU rank's share of a large model's batch
+    is a long pass, about one step's compute."""
     if comm.Get_size() == 1:
         return [1.0], [(0.0, 1.0)]
     first = pass_seconds(model, example)
     firsts = comm.allgather(first)
     rows = second_rows(batch, len(example), firsts)
     mine = rows[comm.Get_rank()]
-    second = first if mine == len(example) else pass_seconds(model, rows_of(example, mine), passes=1)
+    second = first if mine == len(example) else \
+        pass_seconds(model, rows_of(example, mine), passes=1, warmup=example.device.type != "cpu")
     return speed_weights(batch, len(example), firsts, rows, comm.allgather(second))
 
 
