@@ -248,7 +248,10 @@ def meet_at_the_end(store, gen, rank, world_size, wait=FINISH_WAIT_S):
     its MPI peers would fail on it). Code that also used the MPI world is then done with
     it on every rank, as after the Barrier; a rank whose peers still wait on it in a
     collective leaves after `wait`, and its closed sockets fail them, as under torchrun.
-    A generation already aborted (its peers failed) is not waited for."""
+    A generation already aborted (its peers failed) is not waited for, and a rank whose
+    code never read the MPI world (ctx.comm) does not wait at all (`wait` 0): it is in
+    none of its peers' MPI calls, and leaving closes its torch.distributed sockets at once,
+    as torchrun's end of a process does."""
     store.put(keys.finished(gen, rank), "1")
     deadline = time.monotonic() + wait
     while len(store.get_prefix(keys.finished(gen))) < world_size and time.monotonic() < deadline:
@@ -312,6 +315,7 @@ def main(argv=None):
                 ctx.tensorboard = ReportLog(ident.logdir, ident.app_id, job.tensorboard.sync_every)
             except ImportError as e:    # an environment of the job's own, without pyarrow or tensorboard
                 log.warning("no TensorBoard for what this code reports: %s", e)
+    ctx.comm_used = False
     try:
         run_code(job, ctx, fn)
     except SystemExit as e:
@@ -326,7 +330,8 @@ def main(argv=None):
     if ctx.tensorboard is not None:
         ctx.tensorboard.close()
     if close_user_process_group():
-        meet_at_the_end(store, gen, ident.rank, ident.world_size)
+        # code that never read ctx.comm made no MPI call: nothing of its peers' waits on it
+        meet_at_the_end(store, gen, ident.rank, ident.world_size, FINISH_WAIT_S if ctx.comm_used else 0.0)
     else:
         comm.Barrier()          # code on the MPI world: every rank is done with it before any leaves
     logging.shutdown()

@@ -497,3 +497,15 @@ def test_a_rank_whose_code_ended_early_stops_waiting_for_its_peers_once_their_ge
     t0 = time.monotonic()
     meet_at_the_end(store, 1, 1, 3, wait=60.0)
     assert time.monotonic() - t0 < 30.0                              # left on the abort, not at the limit
+
+
+def test_the_run_context_knows_whether_code_read_the_mpi_world():
+    """launcher.rank lets a rank leave without waiting for its peers when its code never
+    read ctx.comm (it is in none of their MPI calls): reading it, even once, counts."""
+    from training.context import RunContext
+    ctx = RunContext(comm="the world", rank=0, world_size=2, ranks=[], job=None, app_id="a", generation=0,
+                     workdir=".", checkpoint_uri="", logdir="")
+    ctx.comm_used = False
+    ctx.heartbeat("setup")
+    assert ctx.rank == 0 and ctx.restart_count == 0 and not ctx.comm_used
+    assert ctx.comm == "the world" and ctx.comm_used

@@ -61,6 +61,13 @@ class RunContext:
     checkpoint_siblings: Optional[str] = None    # checkpoint.uri unset: where other applications' directories are
     tensorboard: Any = None      # own code's rank 0: a training.tensorboard.ReportLog of report()/final()
     finished: bool = False       # final() was called
+    comm_used: bool = False      # `comm` was read (launcher.rank: a rank whose code never did
+                                 # takes part in no MPI call, and need not wait for its peers)
+
+    def __getattribute__(self, name):
+        if name == "comm":
+            object.__setattr__(self, "comm_used", True)
+        return object.__getattribute__(self, name)
 
     @classmethod
     def offline(cls, comm, job, app_id="offline", workdir="/tmp"):
