@@ -93,8 +93,9 @@ def fit_line(p1, t1, p2, t2):
 
 def second_rows(batch, probe_rows, first_s):
     """Every rank's rows in the second timing: its share of `batch` by the first timing's
-    speeds (probe_rows / first_s[r]), at least 1."""
-    return [max(1, n) for n in split_rows(batch, [probe_rows / t for t in first_s])]
+    speeds (probe_rows / first_s[r]), at least 2 (training-mode BatchNorm after a
+    flatten refuses a batch of one)."""
+    return [max(2, n) for n in split_rows(batch, [probe_rows / t for t in first_s])]
 
 
 def speed_weights(batch, probe_rows, first_s, rows, second_s):
