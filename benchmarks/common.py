@@ -83,12 +83,16 @@ def write_results(path, meta, rows):
     print(f"wrote {path}")
 
 
-def submit(job):
+def submit(job, log_lines=()):
     """A real `yarnapp submit` of `job` (a dict), waited for: its final status; any other
-    end than SUCCEEDED ends the benchmark with one line naming the job."""
+    end than SUCCEEDED ends the benchmark with one line naming the job. log_lines: the
+    containers' log lines holding any of these are kept in the status, as "log_lines"."""
     import yarnapp
     run = yarnapp.submit(job)
     st = run.wait(timeout=1800)
     if st["state"] != "SUCCEEDED":
         sys.exit(f"Error: {job['name']} {st['state']}: {run.failure_message()}")
+    if log_lines:
+        st["log_lines"] = [line for text in run.logs().values() for line in str(text).splitlines()
+                           if any(m in line for m in log_lines)]
     return st

@@ -58,6 +58,11 @@ def mixed_job(args, data, cpus, steps):
             "checkpoint": {"every_steps": None}}
 
 
+# what rank 0 says of the shares: the measured passes and weights, and a rank that costs
+# more than it saves (training.strategies.allreduce)
+SHARE_LINES = ("shares 'speed'", "costs more than it saves")
+
+
 def predicted(job):
     import conf
     from training import planner
@@ -91,7 +96,7 @@ def main(argv=None):
     steps = args.steps or (40 if args.quick else 200)
     home = tempfile.mkdtemp(prefix="yarnapp-bench-")
     os.environ["YARNAPP_HOME"] = os.path.join(home, "home")
-    samples, predictions, waits = {}, {}, {}
+    samples, predictions, waits, notes = {}, {}, {}, {}
     t0 = time.time()
     try:
         from training.data import import_synthetic_cifar
@@ -108,9 +113,12 @@ def main(argv=None):
                     v = ddp_run(name, home, args, steps)
                 else:
                     cpus = 0 if name == "gpu-alone" else args.cpus
-                    final = common.submit(mixed_job(args, data, cpus, steps))["final"]
-                    v = final["samples_per_s"]
+                    st = common.submit(mixed_job(args, data, cpus, steps), log_lines=SHARE_LINES)
+                    final, v = st["final"], st["final"]["samples_per_s"]
                     waits.setdefault(name, []).append(final["data_wait_pct"])
+                    notes[name] = [line for line in st["log_lines"] if "rank0 " in line]
+                    for line in notes[name]:
+                        print("   ", line.split(": ", 1)[-1], flush=True)
                 samples.setdefault(name, []).append(v)
                 print(f"round {r + 1}: {name}: {v:.1f} samples/s", flush=True)
     finally:
@@ -121,7 +129,7 @@ def main(argv=None):
     for name, m in med.items():
         row = {"contender": name, "samples_per_s": m, "runs": samples[name], "predicted": predictions.get(name)}
         if name in waits:
-            row["data_wait_pct"] = statistics.median(waits[name])
+            row.update(data_wait_pct=statistics.median(waits[name]), rank0_said=notes[name])
         if name == "gpu+cpus":
             row.update(vs="gpu-alone", ratio=m / med["gpu-alone"])
         if name == "ours":
