@@ -52,7 +52,7 @@ def test_speed_shares_time_each_rank_again_on_its_own_share():
     first = [t(16) for t in passes]
     rows = second_rows(256, 16, first)
     assert rows == split_rows(256, [16 / t for t in first]) == [211, 23, 22]
-    weights, fits = speed_weights(256, 16, first, rows, [t(n) for t, n in zip(passes, rows)])
+    weights, fits = speed_weights(16, first, rows, [t(n) for t, n in zip(passes, rows)])
     split = split_rows(256, weights)
     slowest = (lambda split: max(t(n) for t, n in zip(passes, split)))
     assert split == [242, 7, 7] and slowest(split) < 0.5 * slowest(rows)
@@ -64,7 +64,7 @@ def test_speed_shares_time_each_rank_again_on_its_own_share():
     alike = [timing(0.002, 1000), timing(0.004, 500)]
     first = [t(16) for t in alike]
     rows = second_rows(96, 16, first)
-    again, _ = speed_weights(96, 16, first, rows, [t(n) for t, n in zip(alike, rows)])
+    again, _ = speed_weights(16, first, rows, [t(n) for t, n in zip(alike, rows)])
     assert rows == [64, 32] and split_rows(96, again) == [65, 31]
     assert max(t(n) for t, n in zip(alike, [65, 31])) < max(t(n) for t, n in zip(alike, rows))
 

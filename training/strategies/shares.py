@@ -98,7 +98,7 @@ def second_rows(batch, probe_rows, first_s):
     return [max(2, n) for n in split_rows(batch, [probe_rows / t for t in first_s])]
 
 
-def speed_weights(batch, probe_rows, first_s, rows, second_s):
+def speed_weights(probe_rows, first_s, rows, second_s):
     """shares 'speed' from the two timings of every rank: (one weight per rank, the
     fits). A weight is the rank's speed on its own share's rows (rows[r] / second_s[r]),
     so a split whose passes already take equally long is kept, and one that is not moves
@@ -122,7 +122,7 @@ def measured_weights(comm, model, example, batch):
     mine = rows[comm.Get_rank()]
     second = first if mine == len(example) else \
         pass_seconds(model, rows_of(example, mine), passes=1, warmup=example.device.type != "cpu")
-    return speed_weights(batch, len(example), firsts, rows, comm.allgather(second))
+    return speed_weights(len(example), firsts, rows, comm.allgather(second))
 
 
 def costly_ranks(fits, batch, ring_s, weights=None):
