@@ -112,6 +112,15 @@ def test_a_module_of_the_users_named_as_yarnapps_own_packages_is_refused_where_i
     assert out.stderr.strip().splitlines()[-1] == (
         f"ImportError: {tmp_path / 'conf.py'} shadows yarnapp's own package 'conf' (in "
         f"{os.path.dirname(os.path.dirname(conf.__file__))}): rename it, or import yarnapp from another directory")
+    # a plain conf/ directory (a Hydra-style folder of YAML files) is no package: it shadows
+    # nothing, under an editable install (README's) as under a plain one
+    (tmp_path / "conf.py").unlink()
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "config.yaml").write_text("lr: 0.1\n")
+    out = subprocess.run([sys.executable, "-c", "import yarnapp, conf; print(conf.__file__)"], cwd=tmp_path,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == conf.__file__
 
 
 def test_the_local_engines_own_directories_are_never_shipped(tmp_path, monkeypatch):
