@@ -113,6 +113,43 @@ def test_import_refuses_existing_dataset_and_overwrite_replaces_it(tmp_path):
     assert sorted(os.listdir(tmp_path / "syn")) == ["test", "train"]   # old copy and temp dirs gone
 
 
+def test_overwrite_replaces_a_dataset_and_nothing_else(tmp_path):
+    """--overwrite onto a project's directory, onto the images being imported or onto the
+    .npz being read: one line, and every file stays."""
+    proj = tmp_path / "proj"
+    (proj / "src").mkdir(parents=True)
+    (proj / "src" / "main.py").write_text("code\n")
+    (proj / "README").write_text("r\n")
+    x, y = np.zeros((8, 1, 4, 4), np.uint8), np.arange(8) % 2
+    with pytest.raises(DataError) as e:
+        data.import_arrays(str(proj), x, y, overwrite=True)
+    _one_line_naming(e, proj, "not a dataset's Parquet shard", "give another path, or delete it yourself")
+    assert sorted(os.listdir(proj)) == ["README", "src"]
+    (tmp_path / "d" / "train").mkdir(parents=True)
+    (tmp_path / "d" / "train" / "notes.txt").write_text("mine\n")
+    with pytest.raises(DataError) as e:
+        data.run_import("digits", str(tmp_path / "d"), {"overwrite": True})
+    _one_line_naming(e, tmp_path / "d" / "train", "'notes.txt'")
+    assert sorted(os.listdir(tmp_path / "d")) == ["train"]
+    np.savez(tmp_path / "same.npz", x=x, y=y)
+    with pytest.raises(DataError) as e:
+        data.run_import("arrays", str(tmp_path / "same.npz"), {"path": str(tmp_path / "same.npz"), "overwrite": True})
+    _one_line_naming(e, tmp_path / "same.npz", "is a file, not a dataset")
+    assert np.load(tmp_path / "same.npz")["x"].shape == (8, 1, 4, 4)
+    from PIL import Image
+    (tmp_path / "imgs" / "cat").mkdir(parents=True)
+    Image.new("L", (4, 4)).save(tmp_path / "imgs" / "cat" / "a.png")
+    with pytest.raises(DataError) as e:
+        data.run_import("image-folder", str(tmp_path / "imgs"), {"folder": str(tmp_path / "imgs"), "overwrite": True})
+    _one_line_naming(e, tmp_path / "imgs", "'cat'")
+    assert os.listdir(tmp_path / "imgs" / "cat") == ["a.png"]
+    # a dataset with Spark's side files is a dataset: replaced
+    data.import_arrays(str(tmp_path / "ds"), x, y)
+    (tmp_path / "ds" / "_SUCCESS").write_text("")
+    data.import_arrays(str(tmp_path / "ds"), x[:4], y[:4], overwrite=True)
+    assert len(ParquetSource(str(tmp_path / "ds"))) == 4
+
+
 def test_failed_write_leaves_nothing_visible(tmp_path):
     (tmp_path / "blocker").write_text("a file where a directory should be")
     uri = str(tmp_path / "blocker" / "ds")

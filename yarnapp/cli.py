@@ -375,7 +375,8 @@ def build_parser():
     s.add_argument("--encoding", choices=["raw", "jpeg", "png"],
                    help="synthetic-cifar: raw pixels (default) or image files (image-folder keeps its files)")
     s.add_argument("--quality", type=int, help="synthetic-cifar --encoding jpeg: JPEG quality (default 90)")
-    s.add_argument("--overwrite", action="store_true", help="replace an existing dataset")
+    s.add_argument("--overwrite", action="store_true",
+                   help="replace an existing dataset (a directory of Parquet shards; anything else there is refused)")
     s.set_defaults(fn=cmd_data_import)
     _name_leaves(p)
     return p

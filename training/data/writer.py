@@ -66,9 +66,27 @@ def channel_stats(images):
 
 
 def check_absent(uri, overwrite):
+    """Refuse `uri` where it exists, unless `overwrite` and it is a dataset (check_replaceable)."""
     fs, path = filesystem(uri)
-    if not overwrite and exists(fs, path, uri):
-        raise DataError(f"{uri} already exists; delete it, or import again with --overwrite")
+    if exists(fs, path, uri):
+        if not overwrite:
+            raise DataError(f"{uri} already exists; delete it, or import again with --overwrite")
+        check_replaceable(fs, path, uri)
+
+
+def check_replaceable(fs, path, uri):
+    """--overwrite replaces a dataset, and nothing else: a directory of Parquet shards and
+    their side files (_SUCCESS, _metadata, dot files). Anything else there (a project's
+    files, the images being imported, an .npz) is refused, and nothing is written."""
+    what = info(fs, path, uri)
+    if what.type != pafs.FileType.Directory:
+        raise DataError(f"{uri} is a file, not a dataset; --overwrite replaces only a dataset's directory: "
+                        f"give another path, or delete it yourself")
+    for entry in fs.get_file_info(pafs.FileSelector(path, recursive=False)):
+        side = entry.type == pafs.FileType.File and entry.base_name.startswith((".", "_"))
+        if not (is_shard(entry) or side):
+            raise DataError(f"{uri} holds {entry.base_name!r}, which is not a dataset's Parquet shard; "
+                            f"--overwrite replaces only a dataset: give another path, or delete it yourself")
 
 
 def check_splits_parent(uri, what):
@@ -149,8 +167,8 @@ def _write(uri, n, shards, overwrite, meta, rows_per_group, table_of):
     path = path.rstrip("/") or "/"
     parent, name = posixpath.split(path)
     there = exists(fs, path, uri)
-    if there and not overwrite:
-        raise DataError(f"{uri} already exists; delete it, or import again with --overwrite")
+    if there:
+        check_absent(uri, overwrite)
     shards = max(1, min(int(shards), n))
     bounds = np.linspace(0, n, shards + 1).round().astype(int)
     tmp = posixpath.join(parent, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
