@@ -35,6 +35,7 @@ SETUP_GRACE_S = 8.0      # after a peer failed in setup, how long a rank in setu
 NOT_RETRIED = ("every rank failed the same way before training started, so it was not retried "
                "(a restart would fail the same way)")
 NOT_RETRIED_AGAIN = NOT_RETRIED.replace("not retried", "not retried again")
+OOM_AGAIN = "killed for memory in two attempts in a row, so it was not retried again (a restart would be too)"
 
 
 class State(enum.Enum):
@@ -399,6 +400,18 @@ class Agent:
             time.sleep(self.job.launcher.poll_interval)
         return all(r and r.phase == "setup" and r.error == cause.error for r in records)
 
+    def oom_again(self, gen, cause):
+        """Whether the same rank was killed for its container's memory in generation `gen`
+        and in the one before: a step too big for the container (a batch, a model) is
+        killed at the same place every attempt, and each retry cost a restart and the
+        time to reach it (a step-0 kill ran 4 attempts). One retry stays, for a passing
+        cause (another process's page cache, a burst)."""
+        if gen == 0 or cause.kind != Kind.OOM.value:
+            return False
+        before = Failure.load(self.store.get(keys.abort(gen - 1)))
+        return before is not None and before.kind == Kind.OOM.value and before.rank == cause.rank \
+            and before.container == cause.container
+
     def network_note(self):
         """On emulated nodes: "; <which node is unreachable>" when the world hangs or cannot
         form because of the network (empty otherwise, and always on a shared host)."""
@@ -469,6 +482,9 @@ class Agent:
             self.store.put_if_absent(keys.FAILED, dataclasses.replace(
                 cause, attempts=gen + 1, retried=False,
                 reason=f"{cause.reason}; {NOT_RETRIED if gen == 0 else NOT_RETRIED_AGAIN}").dumps())
+        if self.store.get(keys.FAILED) is None and self.oom_again(gen, cause):
+            self.store.put_if_absent(keys.FAILED, dataclasses.replace(
+                cause, attempts=gen + 1, retried=False, reason=f"{cause.reason}; {OOM_AGAIN}").dumps())
         if self.store.get(keys.FAILED) is not None or spent_restarts(self.store, gen) > self.job.max_restarts:
             # The failure that spent the last restart (the earlier ones are the restarts' records).
             self.store.put_if_absent(keys.FAILED, dataclasses.replace(cause, attempts=gen + 1).dumps())

@@ -15,7 +15,7 @@ import pytest
 
 import conf
 from launcher import beats, exitcodes, keys, memory, stacks
-from launcher.agent import NOT_RETRIED, NOT_RETRIED_AGAIN, SETUP_GRACE_S, TRANSITIONS, Agent, Outcome, State
+from launcher.agent import NOT_RETRIED, NOT_RETRIED_AGAIN, OOM_AGAIN, SETUP_GRACE_S, TRANSITIONS, Agent, Outcome, State
 from launcher.failure import Failure, Kind
 from launcher.identity import Identity
 from launcher.store import FileStore, SkeinStore
@@ -191,6 +191,21 @@ def test_a_failure_in_training_is_retried_even_when_it_repeats(tmp_path):
         store.put_if_absent(keys.error(gen, 0), Failure(reason="", error=crash().error, phase="train").dumps())
     a, store = agent(tmp_path, [(Outcome.OWN, crash(), rank_recorded)] * 2 + [(Outcome.SUCCEEDED, None, None)])
     assert a.run() == exitcodes.SUCCEEDED and a.spawned_gens == [0, 1, 2]
+
+
+def test_the_same_rank_killed_for_memory_twice_in_a_row_is_not_retried_again(tmp_path):
+    """A step too big for its container was killed at step 0 in 4 attempts of 4. One retry
+    stays; another rank's kill, or a crash between, starts the count again."""
+    def oom(rank=0):
+        return Failure(kind=Kind.OOM.value, container=f"w_{rank}", rank=rank, exit_code=-9,
+                       reason=f"rank {rank} (w_{rank}) was killed by the kernel: w_{rank} exceeded its memory limit")
+    a, store = agent(tmp_path, [(Outcome.OWN, oom(), None)] * 4, max_restarts=3)
+    assert a.run() != exitcodes.SUCCEEDED and a.spawned_gens == [0, 1]
+    failed = load(store, keys.FAILED)
+    assert failed.retried is False and failed.attempts == 2 and failed.reason == f"{oom().reason}; {OOM_AGAIN}"
+    a, store = agent(tmp_path / "b", [(Outcome.OWN, oom(), None), (Outcome.OWN, crash(), None),
+                                      (Outcome.OWN, oom(), None), (Outcome.SUCCEEDED, None, None)], max_restarts=3)
+    assert a.run() == exitcodes.SUCCEEDED and a.spawned_gens == [0, 1, 2, 3]
 
 
 def test_a_container_that_starts_after_the_application_failed_starts_no_rank(tmp_path):
