@@ -1,9 +1,11 @@
 """Job specification: schema, defaults and loading. Imports nothing else of yarnapp."""
 import copy
+import difflib
 import os
+import typing
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from .errors import YarnappError
 from .schema import (BUILTIN_RUNNER, TENSORBOARD_SERVICE, JobSpec, StrategyConfig, container_id,  # noqa: F401
@@ -106,6 +108,30 @@ def _path(loc):
     return out or "(top level)"
 
 
+def _fields_at(loc):
+    """The field names of the block at `loc` (a path of names and list indices from the top
+    of the job), for a misspelt field's "did you mean"; [] where it is not one model."""
+    model = JobSpec
+    for part in loc:
+        if isinstance(part, int):
+            continue            # an entry of a list: the list's model, found from its field
+        field = model.model_fields.get(part) if isinstance(model, type) else None
+        if field is None:
+            return []
+        models = _models_in(field.annotation)
+        if len(models) != 1:
+            return []
+        model = models[0]
+    return list(model.model_fields)
+
+
+def _models_in(annotation):
+    """The pydantic models an annotation names (through Optional, List, Annotated)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+
+
 def _message(err):
     kind, msg, inp, loc = err["type"], err["msg"], err.get("input"), tuple(err["loc"])
     if tuple(loc[:2]) == ("training", "strategy"):
@@ -119,6 +145,9 @@ def _message(err):
         if kind == "model_attributes_type":
             return f"give a strategy name ({' | '.join(strategy_names())}) or a block with name: and its fields"
     if kind == "extra_forbidden":
+        close = difflib.get_close_matches(str(loc[-1]), _fields_at(loc[:-1]), n=1)
+        if close:
+            return f"unknown field; did you mean {close[0]!r}? (see docs/job-reference.md)"
         return "unknown field; remove it or check its spelling (see docs/job-reference.md)"
     if kind == "too_short":
         return "must have at least one entry"

@@ -36,8 +36,9 @@ _DELETE = object()
 
 # (case id, job dict or raw text, field path expected in the message, words expected)
 CASES = [
-    ("unknown-top-key", _with("nmae", "x"), "nmae", "unknown field"),
-    ("unknown-group-key", _with("groups.0.vcorez", 2), "groups[0].vcorez", "unknown field"),
+    ("unknown-top-key", _with("nmae", "x"), "nmae", "unknown field; did you mean 'name'?"),
+    ("unknown-group-key", _with("groups.0.vcorez", 2), "groups[0].vcorez", "unknown field; did you mean 'vcores'?"),
+    ("unknown-far-key", _with("zzz", 2), "zzz", "unknown field; remove it or check its spelling"),
     ("no-groups", _with("groups", []), "groups", "at least one"),
     ("zero-instances", _with("groups.0.instances", 0), "groups[0].instances", "greater than or equal to 1"),
     ("string-instances", _with("groups.0.instances", "3"), "groups[0].instances", "integer"),
@@ -282,7 +283,9 @@ def test_a_shuffle_window_a_step_of_which_overflows_a_ranks_data_memory_is_refus
 
 def test_a_dry_run_checks_the_data_as_submit_does(tmp_path, cli, yarnapp_home, digits):
     job = tmp_path / "job.yaml"
-    for train, rc in (("/nonexistent-yarnapp-data/train", 1), (os.path.join(digits, "train"), 0)):
+    # relative to where submit runs (the cli fixture's: the project), shown as submit resolves it
+    rel = os.path.relpath(os.path.join(digits, "train"), os.path.dirname(os.path.dirname(conf.__file__)))
+    for train, rc in (("/nonexistent-yarnapp-data/train", 1), (rel, 0)):
         job.write_text(yaml.safe_dump(dict(_with("run.function", "training.runner:main"),
                                            training={"data": {"train": train}})))
         proc = cli("submit", job, "--dry-run", timeout=60)

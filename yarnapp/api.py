@@ -140,6 +140,7 @@ def dry_run(spec, where="job"):
 
     from .backends.local.engine import checked
     checked(spec, where)                    # as submit would
+    spec = conf.absolutize(spec, os.getcwd())   # relative paths as submit resolves them
     return (f"# {where}: the resolved job the local engine would run (no skein spec: it runs its own "
             f"application master)\n" + yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
 
