@@ -309,6 +309,9 @@ def test_resubmitting_a_job_does_not_resume_another_applications_checkpoints_unl
     for r, st in ((run4, st4), (run5, st5)):
         assert st["state"] == "SUCCEEDED", (st.get("diagnostics"), r.logs())
     assert st4["final"]["resumed_app"] == run1.app_id and st4["final"]["resumed_from"] == 20
+    # run1 ended at step 20, its max_steps: resumed there, nothing is left to train, and no rate is made up
+    assert st4["final"]["trained_steps"] == 0 and "samples_per_s" not in st4["final"], st4["final"]
+    assert st3["final"]["trained_steps"] == 20 and st3["final"]["samples_per_s"] > 0
     assert st5["final"]["resumed_from"] == 0                   # latest never takes another job's
     runs = (run1, run2, run3, run4, run5)
     assert sorted(os.listdir(tmp_path / "ckpt")) == sorted(r.app_id for r in runs)

@@ -201,9 +201,14 @@ class Runner:
         train_time = time.perf_counter() - t_start
         # Rates over the steps after this attempt's first, which pays what is paid once
         # (CUDA's and cuDNN's start, the first reads): a short run's rate is its steady one.
+        trained = step - self.start_step
+        if not trained:     # resumed from the end (`--resume latest` of a finished job): no rates to give
+            log.warning("the checkpoint of step %d is the end of training (%d steps): nothing left to train; "
+                        "evaluated it", step, self.total_steps)
         final = {"accuracy": ev.get("accuracy"), "loss": ev.get("loss"), "train_loss": rec.get("loss"),
-                 "steps": step, "samples_per_s": totals["samples"] / max(totals["wall"], 1e-9),
-                 "data_wait_pct": 100 * totals["wait"] / max(totals["wall"], 1e-9),
+                 "steps": step, "trained_steps": trained,
+                 "samples_per_s": totals["samples"] / max(totals["wall"], 1e-9) if trained else None,
+                 "data_wait_pct": 100 * totals["wait"] / max(totals["wall"], 1e-9) if trained else None,
                  "time_s": train_time, "resumed_from": self.start_step, "resumed_app": self.ckpt.resumed_app}
         final = {k: v for k, v in final.items() if v is not None}
         self.save(step)
@@ -217,7 +222,7 @@ class Runner:
         ctx.report(step=step, total_steps=self.total_steps, epoch=math.ceil(step / self.steps_per_epoch),
                    **{k: v for k, v in rec.items() if k in ("loss", "accuracy")},
                    **{f"test_{k}": v for k, v in ev.items() if k in ("loss", "accuracy")},
-                   samples_per_s=final["samples_per_s"], **self.resources())
+                   **{k: final[k] for k in ("samples_per_s",) if k in final}, **self.resources())
         ctx.final(**final)
         return final
 
