@@ -184,7 +184,7 @@ def test_kill_of_submit_wait_stops_the_application_as_ctrl_c_does(yarnapp_home, 
             time.sleep(0.2)
         submit.terminate()
         out, err = submit.communicate(timeout=60)
-        assert submit.returncode == 130, (out, err)
+        assert submit.returncode == 143, (out, err)         # SIGTERM's status, as a shell gives (Ctrl-C: 130)
         assert f"interrupted: killed {app}" in out and "Traceback" not in err, (out, err)
         assert run.status()["state"] == "KILLED"
     finally:

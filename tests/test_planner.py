@@ -333,7 +333,7 @@ def _probe_processes():
 
 def test_cli_plan_stopped_by_kill_leaves_nothing_behind(yarnapp_home):
     """`kill` (SIGTERM) in the middle of `yarnapp plan`'s measurements stops it as Ctrl-C
-    does: one line, status 130, and none of its probes, co-runners or busy processes left
+    does: one line, status 143 (SIGTERM's; Ctrl-C's is 130), and none of its probes, co-runners or busy processes left
     (they run in sessions of their own, so nothing else would stop them)."""
     assert not _probe_processes(), "probe processes of an earlier test still run"
     plan = subprocess.Popen([sys.executable, "-m", "yarnapp.cli", "plan", "conf/examples/digits.yaml"],
@@ -348,7 +348,7 @@ def test_cli_plan_stopped_by_kill_leaves_nothing_behind(yarnapp_home):
     finally:
         if plan.poll() is None:
             plan.kill()
-    assert plan.returncode == 130, err
+    assert plan.returncode == 143, err
     assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
     deadline = time.monotonic() + 10
     while _probe_processes() and time.monotonic() < deadline:

@@ -47,7 +47,7 @@ def cmd_submit(args):
             raise                   # submitted without --wait: it runs on, as it would have
         run.kill()
         _p(f"interrupted: killed {run.app_id}")
-        return 130
+        return _interrupted_status()
     took = time.time() - t0
     if st["state"] != "SUCCEEDED":
         f = st.get("failure") or {}
@@ -133,14 +133,25 @@ def cmd_list(args):
     return 0
 
 
+_terminated = False
+
+
 def _interrupt_on_sigterm():
     """`kill` (SIGTERM) stops this command as cleanly as Ctrl-C: as a KeyboardInterrupt, so
-    its `finally` blocks stop what it started (the default action would end it at once)."""
+    its `finally` blocks stop what it started (the default action would end it at once),
+    and it ends with SIGTERM's status, 143 (`_interrupted_status`)."""
     import signal
 
     def interrupt(signum, frame):
+        global _terminated
+        _terminated = True
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, interrupt)
+
+
+def _interrupted_status():
+    """The exit status of a command stopped by Ctrl-C (130) or by SIGTERM (143), as a shell gives."""
+    return 143 if _terminated else 130
 
 
 def cmd_tensorboard(args):
@@ -406,7 +417,7 @@ def main(argv=None):
         return args.fn(args) or 0
     except KeyboardInterrupt:       # Ctrl-C (or `kill`, where the command turns it into one)
         print("interrupted", file=sys.stderr, flush=True)
-        return 130
+        return _interrupted_status()
     except BrokenPipeError:         # `yarnapp status APP | head -1`: the reader is gone, as after SIGPIPE
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())     # and so is the final flush's
         return 141
