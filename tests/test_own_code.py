@@ -341,6 +341,10 @@ def test_a_functions_reports_are_tensorboard_scalars_and_its_return_value_its_re
         yd.init()
         for step in range(1, 6):
             yd.report(step=step, loss=np.float32(1.0 / step), note="not a number", rank_seen=ctx.rank)
+        if ctx.rank == 0:                           # a writer of one's own, in the application's run
+            from torch.utils.tensorboard import SummaryWriter
+            with SummaryWriter(ctx.run_logdir) as w:
+                w.add_scalar("mine/value", 7.0, 1)
         return {"acc": 0.75, "steps": np.int64(5), "weights": np.zeros(10_000)}     # an array is left out
     logdir = tmp_path / "tb"
     run = yarnapp.submit({"name": "fn-tb", "groups": GROUPS[:2], "max_restarts": 0,
@@ -348,7 +352,9 @@ def test_a_functions_reports_are_tensorboard_scalars_and_its_return_value_its_re
     assert run.final == {"acc": 0.75, "steps": 5}
     tb = EventAccumulator(str(logdir / run.app_id), size_guidance={"scalars": 0})
     tb.Reload()
-    assert sorted(tb.Tags()["scalars"]) == ["final/acc", "final/steps", "report/loss", "report/rank_seen"]
+    assert sorted(tb.Tags()["scalars"]) == ["final/acc", "final/steps", "mine/value", "report/loss",
+                                            "report/rank_seen"]
+    assert os.listdir(logdir) == [run.app_id]           # nothing in the experiment's own directory
     assert [(e.step, round(e.value, 4)) for e in tb.Scalars("report/loss")] == [(1, 1.0), (2, 0.5), (3, 0.3333),
                                                                                 (4, 0.25), (5, 0.2)]
     assert {e.value for e in tb.Scalars("report/rank_seen")} == {0.0}          # rank 0's

@@ -77,6 +77,13 @@ class RunContext:
                    app_id=app_id, generation=0, workdir=workdir, checkpoint_uri="", logdir="")
 
     @property
+    def run_logdir(self):
+        """This application's TensorBoard run, `<logdir>/<app id>`: where a SummaryWriter of
+        your own belongs (the runs of one experiment's logdir side by side, each its own
+        curves; `logdir` itself is the experiment's, shared by its applications)."""
+        return self.logdir.rstrip("/") + "/" + self.app_id if self.logdir else ""
+
+    @property
     def me(self):
         return self.ranks[self.rank]
 
