@@ -258,6 +258,28 @@ class Agent:
                 return None
             time.sleep(0.05)
 
+    def rank_quiet(self):
+        """For this agent's beat: {"rank_quiet": seconds since its rank last beat}, while the
+        rank trains (peers found waiting defer to a rank that beat after them: stacks)."""
+        try:
+            if self.child is None or self.child.poll() is not None or self._phase != "train":
+                return {}
+            return {"rank_quiet": round(max(0.0, time.time() - os.path.getmtime(self.heartbeat)), 2)}
+        except (OSError, AttributeError):
+            return {}
+
+    def judged_later(self, silent, limit, now):
+        """Whether a peer's rank beat after this one (by more than a beat's period) and its
+        agent has not yet had the time to judge it (the limit, its margin and a waiting rank's
+        grace): this rank, found waiting, most likely waits for that one, whose agent will
+        name it. A hang right after a step the slow rank reported late was blamed on the
+        rank waiting for it. At most one such turn more: a peer that beats on while this
+        rank waits (collectives that do not match) leaves this rank named."""
+        turn = limit + min(2.0, limit / 2) + min(limit, stacks.WAITING_GRACE_S) + 2 * beats.BEAT_S
+        if silent > 2 * turn:   # a peer that beats on while this rank waits in vain (mismatched collectives)
+            return False
+        return any(quiet < silent - beats.BEAT_S and quiet < turn for quiet in self.peers.rank_quiet(now).values())
+
     def read_heartbeat(self, now):
         """(phase, seconds since the rank's last heartbeat)."""
         try:
@@ -340,6 +362,9 @@ class Agent:
                     suspects = [] if stopped else self.peers.silent(now, beats.SUSPECT_S)
                     if suspects:
                         return Outcome.OWN, self.replace_frozen(gen, seen, suspects)
+                    if waited and self.judged_later(silent, limit, now):
+                        time.sleep(lj.poll_interval)       # found waiting: its peer's agent names that one
+                        continue
                     at = None if stopped else stacks.where(stacks.dump(self.child.pid, self.heartbeat + stacks.SUFFIX))
                     if at and at.waiting and not waited:    # the rank it waits for is named first
                         waited = min(limit, stacks.WAITING_GRACE_S)
@@ -427,7 +452,8 @@ class Agent:
                        owned=True)
         beating = beats.start(self.store, self.ident.container, {
             "incarnation": self.incarnation, "group": self.ident.group, "rank": self.ident.rank,
-            "engine_id": os.environ.get("SKEIN_CONTAINER_ID") or self.ident.container})   # whom to kill on YARN
+            "engine_id": os.environ.get("SKEIN_CONTAINER_ID") or self.ident.container},   # whom to kill on YARN
+            extra=self.rank_quiet)
         self.state, self.gen, self.found = State.START, current_generation(self.store), None
         while self.state not in (State.SUCCEEDED, State.FAILED):
             before = self.state

@@ -29,10 +29,10 @@ def limit_for(heartbeat_timeout):
     return max(heartbeat_timeout, FROZEN_MIN_S)
 
 
-def start(store, container, record):
-    """Rewrite `container`'s beat (`record` plus a count) every BEAT_S from a daemon thread,
-    so that it stops only when the whole process does, not while the agent's loop waits.
-    Returns the Event that stops it."""
+def start(store, container, record, extra=None):
+    """Rewrite `container`'s beat (`record` plus a count, plus what `extra()` returns then)
+    every BEAT_S from a daemon thread, so that it stops only when the whole process does,
+    not while the agent's loop waits. Returns the Event that stops it."""
     stop = threading.Event()
 
     def beat():
@@ -40,7 +40,8 @@ def start(store, container, record):
         while not stop.is_set():
             n += 1
             try:
-                store.put(keys.beat(container), json.dumps({**record, "n": n}), owned=True)
+                more = extra() if extra else {}
+                store.put(keys.beat(container), json.dumps({**record, **more, "n": n}), owned=True)
             except Exception as e:      # the store unreachable for a moment: the peers judge
                 log.warning("could not write the beat: %s", e)
             stop.wait(BEAT_S)
@@ -85,6 +86,18 @@ class Watch:
         quiet = [(c, now - max(self.seen[c][1], self.trusted_since)) for c in self.peers if c in self.seen]
         return [(c, s, json.loads(self.seen[c][0])) for c, s in sorted(quiet, key=lambda cs: -cs[1])
                 if s > at_least]
+
+    def rank_quiet(self, now):
+        """{peer: seconds since its rank last beat, as its agent last said (`rank_quiet` in
+        its beat, on its own clock) plus the time since this watcher saw that beat}, for the
+        peers whose agents say."""
+        out = {}
+        for c in self.peers:
+            if c in self.seen:
+                quiet = json.loads(self.seen[c][0]).get("rank_quiet")
+                if quiet is not None:
+                    out[c] = quiet + now - self.seen[c][1]
+        return out
 
     def frozen(self, snapshot, now):
         """update, then the peers silent for longer than the limit (see silent)."""

@@ -276,6 +276,48 @@ def test_a_hung_rank_is_named_with_where_its_main_thread_is(tmp_path, waiting):
     assert a.children[0].poll() == -signal.SIGKILL
 
 
+def test_a_rank_found_waiting_leaves_the_hang_to_a_peer_that_beat_after_it(tmp_path):
+    """A new user's function: after a barrier rank 1 reported once more, 7 s later, then
+    hung. Rank 0, waiting in the next collective since the barrier, was silent 7 s longer
+    and named itself hung ("waiting for its peers"), not rank 1. Agents now say in their
+    beats how long their rank has been silent; a waiting rank whose peer beat after it
+    leaves the naming to that peer's agent. Here the peer's rank beats 2 s after this one
+    and its agent names it 2.25 s later (limit 1.5 s and its margin): after this rank's own
+    limit, margin and waiting grace (3.75 s), which before ended with this rank named."""
+    where = tmp_path / "code" / "training/collectives"
+    where.mkdir(parents=True)
+    (where / "loop.py").write_text(
+        f"import sys, time\nsys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r})\n"
+        "from launcher import stacks\nstacks.enable(sys.argv[1])\n\n\n"
+        "def wait_here():\n    while True:\n        time.sleep(0.01)\n\n\nwait_here()\n")
+    cmd = [sys.executable, str(where / "loop.py"), str(tmp_path / "heartbeat") + stacks.SUFFIX]
+    theirs = Failure(kind=Kind.HUNG.value, container="w_1", rank=1, reason="rank 1 (w_1) hung: no progress")
+    done = threading.Event()
+
+    def peer(store, gen, agent):            # w_1's agent: its rank beat at +2 s, then fell silent
+        formed_and_training(store, gen, agent)
+        start = time.time()
+
+        def beat():
+            n = 0
+            while not done.wait(0.1):
+                n += 1
+                quiet = max(0.0, time.time() - start - 2.0)
+                store.put(keys.beat("w_1"), json.dumps({"incarnation": "p", "group": "w", "rank": 1,
+                                                          "engine_id": "w_1", "rank_quiet": quiet, "n": n}))
+                if quiet > 2.25 and store.get(keys.abort(gen)) is None:
+                    store.put_if_absent(keys.abort(gen), theirs.stamped(generation=gen).dumps())
+        threading.Thread(target=beat, daemon=True).start()
+    a, store = agent(tmp_path, [cmd, ["true"]], cls=ProcessAgent, before=peer, instances=2,
+                     launcher={"heartbeat_timeout": "1500ms"})
+    try:
+        assert a.run() == exitcodes.SUCCEEDED
+    finally:
+        done.set()
+    assert load(store, keys.abort(0)).reason == theirs.reason
+    assert a.children[0].poll() is not None
+
+
 def test_the_main_thread_is_found_in_a_rank_dump_whichever_thread_took_the_signal():
     """A rank runs as `python -m launcher.rank` (runpy outermost); its liveness thread runs
     rank.py's code too. The signal may land on any thread."""
