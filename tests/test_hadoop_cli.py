@@ -47,8 +47,13 @@ def test_no_maven_is_one_line(tmp_path):
 def test_status_and_env_of_a_stopped_cluster(tmp_path):
     st = cli("status", "--dir", tmp_path / "h")
     assert st.returncode == 3 and "running: nothing" in st.stdout
-    env = cli("env", "--dir", tmp_path / "h", "--port-base", 29000).stdout.splitlines()
+    out = cli("env", "--dir", tmp_path / "h", "--port-base", 29000)
+    env = out.stdout.splitlines()
     assert f"export HADOOP_CONF_DIR={tmp_path / 'h' / 'etc' / 'hadoop'}" in env
+    # never started: said on stderr (a shell profile that evals the exports still can)
+    assert out.returncode == 0 and out.stderr.strip() == (
+        f"note: no local Hadoop in {tmp_path / 'h'} yet; `yarnapp hadoop start --dir {tmp_path / 'h'}` "
+        f"makes and starts it")
     assert any(line.startswith(f"export PATH={tmp_path / 'h' / 'bin'}:") for line in env)
     assert cli("stop", "--dir", tmp_path / "h").returncode == 0
 

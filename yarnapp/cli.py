@@ -272,6 +272,9 @@ def cmd_hadoop(args):
     else:
         for k, v in cluster.environ().items():
             _p(f"export {k}={shlex.quote(v)}")
+        if not os.path.isdir(cluster.conf_dir):     # printed anyway: a shell profile may eval it first
+            _p(f"note: no local Hadoop in {cluster.root} yet; `yarnapp hadoop start"
+               f"{' --dir ' + shlex.quote(args.dir) if args.dir else ''}` makes and starts it", file=sys.stderr)
     return 0
 
 
