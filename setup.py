@@ -9,11 +9,6 @@ setup(
     python_requires=">=3.9",
     packages=find_packages(include=["conf", "yarnapp", "yarnapp.*", "launcher", "launcher.*",
                                     "training", "training.*"]),
-    # the packages sit at the top of the project: an editable install then puts the project
-    # on sys.path (a .pth), where a package outranks a plain directory of the same name
-    # (a notebook's conf/ of YAML files); without it setuptools installs an import hook
-    # that runs after sys.path, and that directory shadowed yarnapp's conf
-    package_dir={"": "."},
     package_data={"conf": ["defaults.yaml", "examples/*.yaml", "constraints.txt",
                             "hadoop/pom.xml", "hadoop/etc/*"]},
     install_requires=[

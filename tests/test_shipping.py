@@ -113,12 +113,18 @@ def test_a_module_of_the_users_named_as_yarnapps_own_packages_is_refused_where_i
         f"ImportError: {tmp_path / 'conf.py'} shadows yarnapp's own package 'conf' (in "
         f"{os.path.dirname(os.path.dirname(conf.__file__))}): rename it, or import yarnapp from another directory")
     # a plain conf/ directory (a Hydra-style folder of YAML files) is no package: it shadows
-    # nothing, under an editable install (README's) as under a plain one
+    # nothing, under an editable install (README's, whose import hook runs after sys.path:
+    # launcher/__init__.py) as under a plain one
     (tmp_path / "conf.py").unlink()
     (tmp_path / "conf").mkdir()
     (tmp_path / "conf" / "config.yaml").write_text("lr: 0.1\n")
     out = subprocess.run([sys.executable, "-c", "import yarnapp, conf; print(conf.__file__)"], cwd=tmp_path,
                          capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == conf.__file__
+    # ... nor in a container, shipped to its working directory (on PYTHONPATH there)
+    out = subprocess.run([sys.executable, "-c", "import launcher.rank, conf; print(conf.__file__)"], cwd="/",
+                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(tmp_path)))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == conf.__file__
 

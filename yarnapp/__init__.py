@@ -25,6 +25,8 @@ def _own_packages_first():
                               f"import yarnapp from another directory")
 
 
+import launcher  # noqa: E402,F401  (first: it makes `conf` yarnapp's own beside a conf/ folder)
+
 _own_packages_first()
 from .api import Run, kill, list_apps, load, status, submit  # noqa: F401
 from .errors import JobFailed, YarnappError  # noqa: F401
