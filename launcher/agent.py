@@ -262,7 +262,7 @@ class Agent:
         """For this agent's beat: {"rank_quiet": seconds since its rank last beat}, while the
         rank trains (peers found waiting defer to a rank that beat after them: stacks)."""
         try:
-            if self.child is None or self.child.poll() is not None or self._phase != "train":
+            if self.child is None or self.child.returncode is not None or self._phase != "train":
                 return {}
             return {"rank_quiet": round(max(0.0, time.time() - os.path.getmtime(self.heartbeat)), 2)}
         except (OSError, AttributeError):
@@ -362,7 +362,7 @@ class Agent:
                     suspects = [] if stopped else self.peers.silent(now, beats.SUSPECT_S)
                     if suspects:
                         return Outcome.OWN, self.replace_frozen(gen, seen, suspects)
-                    if waited and self.judged_later(silent, limit, now):
+                    if waited and self.judged_later(silent, limit, now) and not self.lost_member(gen, seen):
                         time.sleep(lj.poll_interval)       # found waiting: its peer's agent names that one
                         continue
                     at = None if stopped else stacks.where(stacks.dump(self.child.pid, self.heartbeat + stacks.SUFFIX))

@@ -41,6 +41,9 @@ def start(store, container, record, extra=None):
             n += 1
             try:
                 more = extra() if extra else {}
+            except Exception:           # what the beat adds must never stop it
+                more = {}
+            try:
                 store.put(keys.beat(container), json.dumps({**record, **more, "n": n}), owned=True)
             except Exception as e:      # the store unreachable for a moment: the peers judge
                 log.warning("could not write the beat: %s", e)

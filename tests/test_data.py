@@ -134,7 +134,7 @@ def test_overwrite_replaces_a_dataset_and_nothing_else(tmp_path):
     np.savez(tmp_path / "same.npz", x=x, y=y)
     with pytest.raises(DataError) as e:
         data.run_import("arrays", str(tmp_path / "same.npz"), {"path": str(tmp_path / "same.npz"), "overwrite": True})
-    _one_line_naming(e, tmp_path / "same.npz", "is a file, not a dataset")
+    _one_line_naming(e, tmp_path / "same.npz", "is a file, not a directory of Parquet shards")
     assert np.load(tmp_path / "same.npz")["x"].shape == (8, 1, 4, 4)
     from PIL import Image
     (tmp_path / "imgs" / "cat").mkdir(parents=True)

@@ -407,6 +407,8 @@ def _name_leaves(parser):
 
 
 def main(argv=None):
+    global _terminated
+    _terminated = False             # a SIGTERM that stopped an earlier main() in this process
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)

@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 
 from launcher import interrupts
 
-from .common import DataError, exists, filesystem, info, one_line
+from .common import IO_ERRORS, DataError, Unreachable, exists, filesystem, info, one_line
 from .formats import META_KEY, is_shard
 
 log = logging.getLogger(__name__)
@@ -75,14 +75,19 @@ def check_absent(uri, overwrite):
 
 
 def check_replaceable(fs, path, uri):
-    """--overwrite replaces a dataset, and nothing else: a directory of Parquet shards and
-    their side files (_SUCCESS, _metadata, dot files). Anything else there (a project's
-    files, the images being imported, an .npz) is refused, and nothing is written."""
+    """--overwrite replaces a dataset yarnapp writes, and nothing else: a directory of
+    Parquet shards and their side files (files named _* or .*: _SUCCESS, _metadata,
+    _yarnapp_stats.json). Anything else there (a project's files, a subdirectory, the
+    images being imported, an .npz) is refused, and nothing is written."""
     what = info(fs, path, uri)
     if what.type != pafs.FileType.Directory:
-        raise DataError(f"{uri} is a file, not a dataset; --overwrite replaces only a dataset's directory: "
-                        f"give another path, or delete it yourself")
-    for entry in fs.get_file_info(pafs.FileSelector(path, recursive=False)):
+        raise DataError(f"{uri} is a file, not a directory of Parquet shards as an import writes; --overwrite "
+                        f"replaces only such a directory: give another path, or delete it yourself")
+    try:
+        entries = fs.get_file_info(pafs.FileSelector(path, recursive=False))
+    except IO_ERRORS as e:
+        raise Unreachable(f"cannot list {uri}: {one_line(e)}") from None
+    for entry in entries:
         side = entry.type == pafs.FileType.File and entry.base_name.startswith((".", "_"))
         if not (is_shard(entry) or side):
             raise DataError(f"{uri} holds {entry.base_name!r}, which is not a dataset's Parquet shard; "
