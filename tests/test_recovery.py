@@ -295,6 +295,8 @@ def test_resubmitting_a_job_does_not_resume_another_applications_checkpoints_unl
         j["checkpoint"] = dict(j["checkpoint"], uri=str(tmp_path / "ckpt"), resume=resume)
         return j
     run1, st1 = run_to_end(job(steps=20))
+    # 20 steps of a 29-step epoch: its records say 0.69 epochs (it said epoch=1, as if one were done)
+    assert 0 < st1["progress"][0]["epoch"] < 1, st1["progress"]
     run2, st2 = run_to_end(job(steps=20))                    # resubmitted as it is
     assert st2["final"]["resumed_from"] == 0 and "resumed_app" not in st2["final"]
     run3, st3 = run_to_end(job(resume="latest"))

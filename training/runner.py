@@ -6,7 +6,6 @@ its gradients are spread over the world. On start it resumes from the newest
 complete checkpoint, so a restarted world continues exactly where it left off.
 """
 import logging
-import math
 import time
 
 import numpy as np
@@ -135,19 +134,24 @@ class Runner:
                 "memory_peak_mib": mib(mem.get("peak")), "container_rss_peak_mib": mib(self.rss_peak),
                 "rss_peak_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
 
-    def log_window(self, step, epoch, window):
+    def epochs(self, step):
+        """Epochs done at `step`, as a fraction (1.36: a third of the way into the second), in
+        every record: a run that max_steps stops mid-epoch read "epoch=2" after 1.4 epochs."""
+        return round(step / self.steps_per_epoch, 2)
+
+    def log_window(self, step, window):
         """Aggregate the timings of the last steps over the world; rank 0 logs them."""
         self.rss_peak = max(self.rss_peak, memory.resident(self.cgroup) or 0)
         n = max(window["steps"], 1)
         mine = np.array([window["compute"] / n, window["comm"] / n, window["wait"] / n, window["wall"] / n])
         every = self.comm.gather(mine, root=0)
-        rec = {"step": step, "total_steps": self.total_steps, "epoch": epoch,
+        rec = {"step": step, "total_steps": self.total_steps, "epoch": self.epochs(step),
                "loss": window["loss"] / n, "accuracy": window["correct"] / max(window["samples"], 1),
                "samples_per_s": window["samples"] / max(window["wall"], 1e-9)}
         if self.ctx.rank == 0:
             scal = {"train/loss": rec["loss"], "train/accuracy": rec["accuracy"],
                     "train/samples_per_s": rec["samples_per_s"], "train/lr": self.spec.lr,
-                    "train/epoch": epoch}
+                    "train/epoch": rec["epoch"]}
             for g in dict.fromkeys(self.groups):
                 rows = np.array([every[r] for r, gg in enumerate(self.groups) if gg == g])
                 c, m, w, wall = rows.mean(axis=0)
@@ -165,10 +169,10 @@ class Runner:
         t_start = time.perf_counter()
         window = dict.fromkeys(("steps", "loss", "correct", "samples", "compute", "comm", "wait", "wall"), 0.0)
         totals = dict.fromkeys(("samples", "wait", "wall"), 0.0)
-        ctx.report(step=step, total_steps=self.total_steps, epoch=step // self.steps_per_epoch)
+        ctx.report(step=step, total_steps=self.total_steps, epoch=self.epochs(step))
         t_prev = time.perf_counter()
         rec = {}
-        for epoch, s, x, y in self.loader:
+        for _, s, x, y in self.loader:
             if step >= self.total_steps:
                 break
             t_got = time.perf_counter()
@@ -186,7 +190,7 @@ class Runner:
                 totals["wall"] += wall
             t_prev = t_done
             if step % spec.log_every == 0 or step == self.total_steps:
-                rec = self.log_window(step, epoch, window)
+                rec = self.log_window(step, window)
                 window = dict.fromkeys(window, 0.0)
             end_of_epoch = step % self.steps_per_epoch == 0
             if end_of_epoch and step < self.total_steps:
@@ -219,7 +223,7 @@ class Runner:
             self.tb.close(final)
         # the last record: training's loss and accuracy as before, and the test set's beside them
         # (under the same names they read as training getting worse)
-        ctx.report(step=step, total_steps=self.total_steps, epoch=math.ceil(step / self.steps_per_epoch),
+        ctx.report(step=step, total_steps=self.total_steps, epoch=self.epochs(step),
                    **{k: v for k, v in rec.items() if k in ("loss", "accuracy")},
                    **{f"test_{k}": v for k, v in ev.items() if k in ("loss", "accuracy")},
                    **{k: final[k] for k in ("samples_per_s",) if k in final}, **self.resources())
