@@ -441,13 +441,18 @@ def test_the_table_marks_a_simulated_speedup_beyond_the_machines_it_has():
 
 def test_the_table_says_when_no_strategy_beats_one_container():
     """Every prediction under 1x (a model too small to spread): it recommended the fastest,
-    speedup 0.82, without saying that one container is faster still."""
+    speedup 0.82, without saying that one container is faster still; then it said both
+    (a new user read two recommendations): one container is the one recommended."""
     from training.planner import present
     plan = _regression_cases()["digits-example"]["plan"] | {"volumes": {}}
-    assert "run it on one" not in present.format_table(plan)
+    assert "recommended: one container" not in present.format_table(plan)
     plan["recommended"] = dict(plan["recommended"], speedup=0.82)
-    assert ("every strategy is predicted slower than one container like rank 0's (best speedup 0.82): spreading "
-            "this model costs more than it saves; run it on one") in present.format_table(plan)
+    out = present.format_table(plan)
+    assert ("recommended: one container like rank 0's: every strategy is predicted slower than it, so spreading "
+            "this model costs more than it saves") in out
+    assert [line for line in out.splitlines() if line.startswith("recommended:")] == [
+        line for line in out.splitlines() if line.startswith("recommended: one container")]
+    assert f"(the fastest spread: {plan['recommended']['strategy']} (" in out and "speedup 0.82)" in out
 
 
 # -- the predictions from fixed measurements (a regression guard) ---------------------------

@@ -92,12 +92,14 @@ def format_table(plan):
         lines += ["", vol["note"]]
     lines += _gpu_beside_cpus(plan)
     r = plan["recommended"]
-    lines += ["", f"recommended: {r['strategy']} ({registry.entry(r['strategy']).title}; {r['why']}): "
-                  f"{r['step_s'] * 1e3:.2f} ms/step, "
-                  f"speedup {r['speedup']:.2f}"]
+    best = (f"{r['strategy']} ({registry.entry(r['strategy']).title}; {r['why']}): {r['step_s'] * 1e3:.2f} ms/step, "
+            f"speedup {r['speedup']:.2f}")
     if len(plan["devices"]) > 1 and r["speedup"] < 1:
-        lines.append(f"every strategy is predicted slower than one container like rank 0's (best speedup "
-                     f"{r['speedup']:.2f}): spreading this model costs more than it saves; run it on one")
+        # one recommendation, not the fastest strategy and then "run it on one"
+        lines += ["", "recommended: one container like rank 0's: every strategy is predicted slower than it, so "
+                      "spreading this model costs more than it saves", f"(the fastest spread: {best})"]
+    else:
+        lines += ["", f"recommended: {best}"]
     lines += _against_the_jobs_own(plan) + [""]
     if plan["scaling"]:
         names = [s for s in _modelled() if s in plan["scaling"][0]["strategies"]]
