@@ -65,6 +65,11 @@ def parse_rate_bps(value):
     else:
         m = _RATE_RE.match(str(value))
         unit = m.group(2).lower() if m else None
+        if m and unit not in _RATE_UNITS and unit.rstrip("ps").lower() in ("b", "kb", "mb", "gb", "tb", "kib", "mib",
+                                                                              "gib", "tib", "byte", "bytes"):
+            bits = f"{float(m.group(1)) * 8:g}{unit[0].lower() if unit[0].lower() in 'kmgt' else ''}bit"
+            raise ValueError(f"{value!r} is in bytes: a rate is in bits per second here, as tc writes it "
+                             f"(say {bits})")
         if not m or unit not in _RATE_UNITS:
             raise ValueError(f"cannot parse {value!r} as a rate; write e.g. 100mbit, 1gbit or 10gbit (bits per second)")
         bps = float(m.group(1)) * _RATE_UNITS[unit]

@@ -58,8 +58,10 @@ def test_network_section_defaults_off_and_parses_rates():
     net = conf.load_job(_job(nodes=2, bandwidth="10 Gbit/s", latency="0.2ms")).network
     assert (net.nodes, net.bandwidth, net.latency, net.subnet) == (2, 10e9, 0.0002, "10.77.0.0/24")
     assert conf.load_job(_job(bandwidth="100mbit")).network.bandwidth == 100e6
-    for bad, msg in [({"bandwidth": "1gb"}, "job: network.bandwidth: cannot parse '1gb' as a rate"),
-                     ({"bandwidth": "100mbps"}, "job: network.bandwidth: cannot parse '100mbps'"),
+    for bad, msg in [({"bandwidth": "1gb"}, "job: network.bandwidth: '1gb' is in bytes: a rate is in bits per "
+                                            "second here, as tc writes it (say 8gbit)"),
+                     ({"bandwidth": "100mbps"}, "job: network.bandwidth: '100mbps' is in bytes"),   # tc's mbps: MB/s
+                     ({"bandwidth": "fast"}, "job: network.bandwidth: cannot parse 'fast' as a rate"),
                      ({"latency": "fast"}, "job: network.latency: cannot parse 'fast' as a duration"),
                      ({"subnet": "10.77.0.0/33"}, "job: network.subnet: '10.77.0.0/33' is not an IPv4 subnet"),
                      ({"placement": "random"}, "job: network.placement: "),
