@@ -196,6 +196,47 @@ def test_backend_without_hadoop_is_unavailable_with_one_clear_line():
     assert os.path.exists(skein.properties.config_dir) == skein_dir_existed   # no driver, no credentials made
 
 
+def test_a_resourcemanager_that_is_down_is_one_line_not_a_silent_wait(tmp_path, monkeypatch):
+    """`yarnapp list --backend yarn` with the local Hadoop stopped printed nothing for 100 s:
+    skein's driver retried the ResourceManager as Hadoop's client does (15 minutes). The
+    client now tries the address of yarn-site.xml first, with a real socket."""
+    import socket
+
+    from yarnapp.backends.yarn_cluster import resourcemanager_unreachable
+    monkeypatch.delenv("HADOOP_CONF_DIR", raising=False)
+    assert resourcemanager_unreachable() is None                       # no configuration: not checked
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen()
+    up = listening.getsockname()[1]
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    down = closed.getsockname()[1]          # bound, never listening: refused
+    monkeypatch.setenv("HADOOP_CONF_DIR", str(tmp_path))
+
+    def site(*props):
+        (tmp_path / "yarn-site.xml").write_text("<configuration>" + "".join(
+            f"<property><name>{k}</name><value>{v}</value></property>" for k, v in props) + "</configuration>")
+    try:
+        site(("yarn.resourcemanager.address", f"127.0.0.1:{up}"))
+        assert resourcemanager_unreachable() is None
+        site(("yarn.resourcemanager.hostname", "127.0.0.1"),
+             ("yarn.resourcemanager.address", f"${{yarn.resourcemanager.hostname}}:{down}"))
+        assert resourcemanager_unreachable() == (
+            f"cannot reach YARN's ResourceManager at 127.0.0.1:{down} (yarn.resourcemanager.address in "
+            f"{tmp_path}/yarn-site.xml): Connection refused; is it running? (the local one: `yarnapp hadoop status`)")
+        site(("yarn.resourcemanager.ha.enabled", "true"), ("yarn.resourcemanager.address", f"127.0.0.1:{down}"))
+        assert resourcemanager_unreachable() is None                   # HA: the client tries each one
+        backend = YarnBackend.__new__(YarnBackend)     # past the prerequisites (no `yarn` here), no client yet
+        backend._client = None
+        site(("yarn.resourcemanager.address", f"127.0.0.1:{down}"))
+        with pytest.raises(BackendUnavailable, match=r"^YARN backend unavailable: cannot reach YARN's "):
+            backend.client
+    finally:
+        listening.close()
+        closed.close()
+
+
 def _report(state, final="UNDEFINED", diagnostics=""):
     usage = skein.model.ResourceUsageReport(memory_seconds=0, vcore_seconds=0, num_used_containers=0,
                                             needed_resources=skein.Resources(0, 0),

@@ -342,6 +342,9 @@ class YarnBackend(Backend):
     @property
     def client(self):
         if self._client is None:
+            down = yarn_cluster.resourcemanager_unreachable()
+            if down:
+                raise BackendUnavailable(f"YARN backend unavailable: {down}")
             self._client = _start_client()
         return self._client
 

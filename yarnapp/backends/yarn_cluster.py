@@ -42,6 +42,29 @@ def hadoop_conf(names=("core-site.xml", "hdfs-site.xml", "yarn-site.xml")):
     return out
 
 
+def resourcemanager_unreachable(conf=None, timeout=5.0):
+    """One line when the ResourceManager of the client's configuration does not accept a
+    connection (not started, a wrong address), else None. Without it, skein's driver retried
+    for as long as Hadoop's client does (yarn.resourcemanager.connect.max-wait.ms: 15
+    minutes) and a command printed nothing meanwhile. Not checked without a configuration,
+    or with ResourceManager HA (the client tries each)."""
+    import socket
+    conf = hadoop_conf(("yarn-site.xml",)) if conf is None else conf
+    if not os.environ.get("HADOOP_CONF_DIR") or conf.get("yarn.resourcemanager.ha.enabled", "").lower() == "true":
+        return None
+    host = conf.get("yarn.resourcemanager.hostname") or "0.0.0.0"
+    address = conf.get("yarn.resourcemanager.address") or "${yarn.resourcemanager.hostname}:8032"
+    address = address.replace("${yarn.resourcemanager.hostname}", host)
+    name, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((name or host, int(port)), timeout=timeout).close()
+    except (OSError, ValueError) as e:
+        return (f"cannot reach YARN's ResourceManager at {address} (yarn.resourcemanager.address in "
+                f"{os.environ['HADOOP_CONF_DIR']}/yarn-site.xml): {getattr(e, 'strerror', None) or e}; "
+                f"is it running? (the local one: `yarnapp hadoop status`)")
+    return None
+
+
 def libhdfs_available():
     """Whether pyarrow's HadoopFileSystem could load libhdfs here (where pyarrow looks)."""
     dirs = [os.environ.get("ARROW_LIBHDFS_DIR"),
