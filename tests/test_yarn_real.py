@@ -25,7 +25,8 @@ from yarn_cluster import ROOT, start
 
 pytestmark = [pytest.mark.e2e, pytest.mark.yarn, pytest.mark.slow]
 
-HELLO = os.path.join(conf.EXAMPLES_DIR, "hello.yaml")
+HELLO = os.path.join(conf.EXAMPLES_DIR, "hello-yarn.yaml")
+HELLO_LOCAL = os.path.join(conf.EXAMPLES_DIR, "hello.yaml")      # 0.5 vcores: the local engine's
 WRITER = os.path.join(ROOT, "tests", "jobs", "tb_writer.py")
 ENV = {"PYTHONPATH": ROOT}           # containers import this checkout (an editable install in CI)
 CANARY = "c4a7a1y5ec7e7c4a7a1y5ec7e7000042"
@@ -53,9 +54,12 @@ def write(path, job):
 
 
 def hello_job(**extra):
+    """conf/examples/hello-yarn.yaml (docs/yarn.md's example for this cluster), its
+    containers importing this checkout."""
     raw = yaml.safe_load(open(HELLO))
-    raw["groups"] = [{**g, "vcores": 1, "env": ENV} for g in raw["groups"]]   # YARN: whole vcores
-    return {**raw, "backend": "yarn", "environment": {"packer": "none"}, **extra}
+    assert raw["backend"] == "yarn" and raw["environment"] == {"packer": "none"}
+    raw["groups"] = [{**g, "env": ENV} for g in raw["groups"]]
+    return {**raw, **extra}
 
 
 def app_of(out):
@@ -106,10 +110,10 @@ def test_fractional_vcores_are_refused_with_one_line_and_nothing_submitted(clust
     up = cluster.cli("hadoop", "status", "--dir", cluster.hadoop.root)
     assert up.returncode == 0 and "HDFS ready, YARN ready" in up.stdout, up
     before = cluster.cli("list", "--backend", "yarn").stdout
-    proc = cluster.cli("submit", HELLO, "--backend", "yarn")
+    proc = cluster.cli("submit", HELLO_LOCAL, "--backend", "yarn")
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
-        f"Error: {HELLO}: groups[1].vcores: YARN allocates whole vcores; got 0.5 — use an integer"]
+        f"Error: {HELLO_LOCAL}: groups[1].vcores: YARN allocates whole vcores; got 0.5 — use an integer"]
     assert cluster.cli("list", "--backend", "yarn").stdout == before
     bad = write(tmp_path / "queue.yaml", hello_job(queue="nope"))
     proc = cluster.cli("submit", bad)

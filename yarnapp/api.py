@@ -209,7 +209,7 @@ class Run:
                         display.end(st)
                     return st
                 if deadline and time.monotonic() > deadline:
-                    raise TimeoutError(f"{self.app_id} still {st['state']} after {timeout:.0f}s")
+                    raise TimeoutError(f"{self.app_id} still {st['state']} after {timeout:g}s")
                 time.sleep(interval)
         except KeyboardInterrupt:
             raise KeyboardInterrupt(f"stopped waiting for {self.app_id}, which runs on: "

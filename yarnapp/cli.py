@@ -267,7 +267,7 @@ def cmd_hadoop(args):
             up = [n for n, pid in st["daemons"].items() if pid]
             _p(f"{st['root']}: Hadoop {st['version']}; running: {', '.join(up) or 'nothing'}; "
                f"HDFS {'ready' if st['hdfs_ready'] else 'not ready'}, YARN "
-               f"{'ready' if st['yarn_ready'] else 'not ready'}")
+               f"{'ready' if st['yarn_ready'] else 'not ready'}; {st['default_fs']} (WebHDFS {st['webhdfs']})")
         return 0 if all(st["daemons"].values()) else 3
     else:
         for k, v in cluster.environ().items():

@@ -46,8 +46,9 @@ def filesystem(uri):
                         f"s3://) and the URI") from None
     except IO_ERRORS as e:
         hint = ("hdfs:// needs Java and libhdfs here (JAVA_HOME, HADOOP_HOME, CLASSPATH) and a reachable "
-                "namenode" if uri.startswith(("hdfs://", "viewfs://")) else
-                "check that its filesystem is reachable from here")
+                "namenode; without libhdfs, give the same path through the NameNode's WebHDFS: "
+                "webhdfs://NAMENODE:HTTP-PORT/path (`yarnapp hadoop status` gives the local one's)"
+                if uri.startswith(("hdfs://", "viewfs://")) else "check that its filesystem is reachable from here")
         raise Unreachable(f"cannot open {uri}: {one_line(e)}; {hint}") from None
 
 
