@@ -306,6 +306,9 @@ def test_resubmitting_a_job_does_not_resume_another_applications_checkpoints_unl
     # the latest of its own name, of which there is none (all the others are "shared"). It runs
     # on one rank: which checkpoint `latest` takes is rank 0's choice, whatever the world's size.
     run4 = yarnapp.submit(job(steps=20, resume=run1.app_id))
+    with pytest.raises(yarnapp.WaitTimeout, match=rf"^{run4.app_id} still [A-Z]+ after 0.01s; it runs on"):
+        run4.wait(timeout=0.01)                                 # a TimeoutError and a YarnappError alike
+    assert issubclass(yarnapp.WaitTimeout, TimeoutError) and issubclass(yarnapp.WaitTimeout, yarnapp.YarnappError)
     run5 = yarnapp.submit(job(name="other-name", steps=2, resume="latest", instances=(1, 0)))
     st4, st5 = (r.wait(timeout=600) for r in (run4, run5))
     for r, st in ((run4, st4), (run5, st5)):

@@ -8,7 +8,7 @@ import conf
 
 from . import backends, shipping
 from .backends.base import TERMINAL
-from .errors import JobFailed, YarnappError
+from .errors import JobFailed, WaitTimeout, YarnappError
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +209,8 @@ class Run:
                         display.end(st)
                     return st
                 if deadline and time.monotonic() > deadline:
-                    raise TimeoutError(f"{self.app_id} still {st['state']} after {timeout:g}s")
+                    raise WaitTimeout(f"{self.app_id} still {st['state']} after {timeout:g}s; it runs on "
+                                      f"(Run.kill() stops it)")
                 time.sleep(interval)
         except KeyboardInterrupt:
             raise KeyboardInterrupt(f"stopped waiting for {self.app_id}, which runs on: "

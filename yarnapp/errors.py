@@ -9,3 +9,8 @@ class JobFailed(YarnappError):
 
 class BackendUnavailable(YarnappError):
     """The chosen backend cannot be reached or set up here."""
+
+
+class WaitTimeout(YarnappError, TimeoutError):
+    """Run.wait(timeout=) ran out with the application still going (it runs on): caught
+    as a TimeoutError, or with yarnapp's other errors."""

@@ -253,7 +253,8 @@ def _yarn_logdir(app_id, backend):
             tb = json.loads(f.read())["tensorboard"]
     except (skein.exceptions.SkeinError, KeyError, StopIteration, OSError, ValueError) as e:
         raise YarnappError(f"cannot read the job of {app_id} from YARN ({e}); give its tensorboard.logdir "
-                           f"instead: `yarnapp tensorboard hdfs://...`") from None
+                           f"instead: `yarnapp tensorboard URI` (hdfs://... where libhdfs loads here, else "
+                           f"webhdfs://NAMENODE:HTTP-PORT/...)") from None
     storage = service.env.get("YARNAPP_STORAGE")
     if not tb["logdir"] and not storage:
         raise YarnappError(f"{app_id} has no tensorboard.logdir: on YARN its event files stayed inside its "
