@@ -69,16 +69,17 @@ def check_absent(uri, overwrite):
     """Refuse `uri` where it exists, unless `overwrite` and it is a dataset (check_replaceable)."""
     fs, path = filesystem(uri)
     if exists(fs, path, uri):
-        if not overwrite:
-            raise DataError(f"{uri} already exists; delete it, or import again with --overwrite")
-        check_replaceable(fs, path, uri)
+        check_replaceable(fs, path, uri, overwrite)
 
 
-def check_replaceable(fs, path, uri):
-    """--overwrite replaces a dataset yarnapp writes, and nothing else: a directory of
-    Parquet shards and their side files (files named _* or .*: _SUCCESS, _metadata,
-    _yarnapp_stats.json). Anything else there (a project's files, a subdirectory, the
-    images being imported, an .npz) is refused, and nothing is written."""
+def check_replaceable(fs, path, uri, overwrite):
+    """`uri`, which exists, may be written over: with `overwrite`, and where it is a dataset
+    yarnapp writes, nothing else: a directory of Parquet shards and their side files (files
+    named _* or .*: _SUCCESS, _metadata, _yarnapp_stats.json). Anything else there (a
+    project's files, a subdirectory, the images being imported, an .npz) is refused, and
+    nothing is written."""
+    if not overwrite:
+        raise DataError(f"{uri} already exists; delete it, or import again with --overwrite")
     what = info(fs, path, uri)
     if what.type != pafs.FileType.Directory:
         raise DataError(f"{uri} is a file, not a directory of Parquet shards as an import writes; --overwrite "
@@ -173,7 +174,7 @@ def _write(uri, n, shards, overwrite, meta, rows_per_group, table_of):
     parent, name = posixpath.split(path)
     there = exists(fs, path, uri)
     if there:
-        check_absent(uri, overwrite)
+        check_replaceable(fs, path, uri, overwrite)
     shards = max(1, min(int(shards), n))
     bounds = np.linspace(0, n, shards + 1).round().astype(int)
     tmp = posixpath.join(parent, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
