@@ -23,7 +23,7 @@ import sys
 import time
 import uuid
 
-from . import beats, exitcodes, identity, keys, malloc, memory, network, results, stacks, store as store_mod
+from . import beats, exitcodes, identity, keys, malloc, memory, network, results, retries, stacks, store as store_mod
 from .failure import (Failure, Kind, current_generation, log_tail, looks_collateral, spends_the_last_restart,
                       spent_restarts)
 
@@ -32,10 +32,6 @@ log = logging.getLogger("launcher.agent")
 _PR_SET_PDEATHSIG = 1
 SETUP_GRACE_S = 8.0      # after a peer failed in setup, how long a rank in setup may take to fail
                          # the same way on its own (ranks start seconds apart on a busy host)
-NOT_RETRIED = ("every rank failed the same way before training started, so it was not retried "
-               "(a restart would fail the same way)")
-NOT_RETRIED_AGAIN = NOT_RETRIED.replace("not retried", "not retried again")
-OOM_AGAIN = "killed for memory in two attempts in a row, so it was not retried again (a restart would be too)"
 
 
 class State(enum.Enum):
@@ -339,7 +335,7 @@ class Agent:
             abort = Failure.load(seen.get(keys.abort(gen)))
             if abort is not None:
                 if abort.phase == "setup" and self.read_heartbeat(time.monotonic())[0] == "setup":
-                    self.let_fail(self.setup_grace())   # will it fail the same way? (see deterministic)
+                    self.let_fail(self.setup_grace())   # will it fail the same way? (see launcher.retries)
                 return Outcome.OTHER, None
             now = time.monotonic()
             if keys.replace(me, self.incarnation) in seen:
@@ -407,36 +403,6 @@ class Agent:
         while self.child.poll() is None and time.monotonic() < deadline:
             time.sleep(self.job.launcher.poll_interval)
 
-    def deterministic(self, gen, cause):
-        """Whether generation `gen` failed in a way a restart would repeat: every rank failed
-        before its first training step with the same error line. Waits (bounded) until every
-        rank's agent has recorded how its rank ended."""
-        if cause.phase != "setup" or not cause.error:
-            return False
-        deadline = time.monotonic() + SETUP_GRACE_S + 5
-        while True:
-            records = [self.rank_error(gen, m["rank"]) for m in self.members]
-            if all(records) or time.monotonic() > deadline:
-                break
-            # A rank that succeeded (its code returned early) records no failure: not the same.
-            if any(self.store.get(keys.done(m["container"])) is not None
-                   for m, r in zip(self.members, records) if r is None):
-                return False
-            time.sleep(self.job.launcher.poll_interval)
-        return all(r and r.phase == "setup" and r.error == cause.error for r in records)
-
-    def oom_again(self, gen, cause):
-        """Whether the same rank was killed for its container's memory in generation `gen`
-        and in the one before: a step too big for the container (a batch, a model) is
-        killed at the same place every attempt, and each retry cost a restart and the
-        time to reach it (a step-0 kill ran 4 attempts). One retry stays, for a passing
-        cause (another process's page cache, a burst)."""
-        if gen == 0 or cause.kind != Kind.OOM.value:
-            return False
-        before = Failure.load(self.store.get(keys.abort(gen - 1)))
-        return before is not None and before.kind == Kind.OOM.value and before.rank == cause.rank \
-            and before.container == cause.container
-
     def network_note(self):
         """On emulated nodes: "; <which node is unreachable>" when the world hangs or cannot
         form because of the network (empty otherwise, and always on a shared host)."""
@@ -493,7 +459,7 @@ class Agent:
     def after_abort(self, gen, found):
         """Generation `gen` ended (`found`: the cause this agent found, or None): record it
         (first writer wins), then FAILED, or RENDEZVOUS in the next generation."""
-        # How this rank ended, for `deterministic` (its own error record, if it left one, wins).
+        # How this rank ended, for launcher.retries (its own error record, if it left one, wins).
         self.store.put_if_absent(keys.error(gen, self.ident.rank), Failure(
             reason="ended without an error line", rank=self.ident.rank, generation=gen).stamped().dumps())
         if found:
@@ -504,13 +470,12 @@ class Agent:
             if self.store.put_if_absent(keys.abort(gen), found.dumps()):
                 log.error("generation %d aborted: %s", gen, found.reason)
         cause = Failure.load(self.store.get(keys.abort(gen))) or Failure(reason="")
-        if self.store.get(keys.FAILED) is None and self.deterministic(gen, cause):
-            self.store.put_if_absent(keys.FAILED, dataclasses.replace(
-                cause, attempts=gen + 1, retried=False,
-                reason=f"{cause.reason}; {NOT_RETRIED if gen == 0 else NOT_RETRIED_AGAIN}").dumps())
-        if self.store.get(keys.FAILED) is None and self.oom_again(gen, cause):
-            self.store.put_if_absent(keys.FAILED, dataclasses.replace(
-                cause, attempts=gen + 1, retried=False, reason=f"{cause.reason}; {OOM_AGAIN}").dumps())
+        if self.store.get(keys.FAILED) is None:
+            why = retries.not_worth_retrying(self.store, self.members, gen, cause,
+                                             self.job.launcher.poll_interval, SETUP_GRACE_S + 5)
+            if why:
+                self.store.put_if_absent(keys.FAILED, dataclasses.replace(
+                    cause, attempts=gen + 1, retried=False, reason=f"{cause.reason}; {why}").dumps())
         if self.store.get(keys.FAILED) is not None or spent_restarts(self.store, gen) > self.job.max_restarts:
             # The failure that spent the last restart (the earlier ones are the restarts' records).
             self.store.put_if_absent(keys.FAILED, dataclasses.replace(cause, attempts=gen + 1).dumps())

@@ -15,9 +15,10 @@ import pytest
 
 import conf
 from launcher import beats, exitcodes, keys, memory, stacks
-from launcher.agent import NOT_RETRIED, NOT_RETRIED_AGAIN, OOM_AGAIN, SETUP_GRACE_S, TRANSITIONS, Agent, Outcome, State
+from launcher.agent import SETUP_GRACE_S, TRANSITIONS, Agent, Outcome, State
 from launcher.failure import Failure, Kind
 from launcher.identity import Identity
+from launcher.retries import NOT_RETRIED, NOT_RETRIED_AGAIN, OOM_AGAIN
 from launcher.store import FileStore, SkeinStore
 
 pytestmark = pytest.mark.unit

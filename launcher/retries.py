@@ -1,0 +1,56 @@
+"""Whether a failed generation is worth another attempt (launcher.agent.Agent.after_abort
+asks after every abort). Two kinds are not, since a restart would fail as this one did:
+- every rank failed before its first training step with the same error line (an
+  ImportError, a missing file, a bad argument);
+- the same rank was killed for its container's memory in this generation and the one
+  before: a step too big for the container (a batch, a model) is killed at the same place
+  every attempt, and each retry cost a restart and the time to reach it (a step-0 kill ran
+  4 attempts). One retry stays, for a passing cause (another process's page cache, a burst).
+"""
+import time
+
+from . import keys
+from .failure import Failure, Kind
+
+NOT_RETRIED = ("every rank failed the same way before training started, so it was not retried "
+               "(a restart would fail the same way)")
+NOT_RETRIED_AGAIN = NOT_RETRIED.replace("not retried", "not retried again")
+OOM_AGAIN = "killed for memory in two attempts in a row, so it was not retried again (a restart would be too)"
+
+
+def not_worth_retrying(store, members, gen, cause, poll_s, wait_s):
+    """What to add to `cause`'s reason when generation `gen` ended in a way a restart would
+    repeat, or None. members: the job's ranks; poll_s, wait_s: how often and how long to
+    wait for every rank's agent to record how its rank ended (see same_setup_failure)."""
+    if same_setup_failure(store, members, gen, cause, poll_s, wait_s):
+        return NOT_RETRIED if gen == 0 else NOT_RETRIED_AGAIN
+    if oom_again(store, gen, cause):
+        return OOM_AGAIN
+    return None
+
+
+def same_setup_failure(store, members, gen, cause, poll_s, wait_s):
+    """Whether every rank failed before its first training step with `cause`'s error line.
+    Waits (at most wait_s) until every rank's agent has recorded how its rank ended."""
+    if cause.phase != "setup" or not cause.error:
+        return False
+    deadline = time.monotonic() + wait_s
+    while True:
+        records = [Failure.load(store.get(keys.error(gen, m["rank"]))) for m in members]
+        if all(records) or time.monotonic() > deadline:
+            break
+        # A rank that succeeded (its code returned early) records no failure: not the same.
+        if any(store.get(keys.done(m["container"])) is not None for m, r in zip(members, records) if r is None):
+            return False
+        time.sleep(poll_s)
+    return all(r and r.phase == "setup" and r.error == cause.error for r in records)
+
+
+def oom_again(store, gen, cause):
+    """Whether the same rank was killed for its container's memory in generation `gen` and
+    in the one before."""
+    if gen == 0 or cause.kind != Kind.OOM.value:
+        return False
+    before = Failure.load(store.get(keys.abort(gen - 1)))
+    return before is not None and before.kind == Kind.OOM.value and before.rank == cause.rank \
+        and before.container == cause.container
