@@ -140,11 +140,16 @@ def spawn_local(argv, size, env=None, **popen_kw):
     session (autogroup), every rank gets its share, not one share for all of them.
     Returns (processes, store directory); the caller waits for the processes and removes
     the directory. Ctrl-C or SIGTERM while they start is handled once all are started,
-    and then stops every one of them: none is left waiting for the rest of its world."""
+    and then stops every one of them: none is left waiting for the rest of its world.
+    Each dies with the process that started it, even one killed outright (SIGKILL, or a
+    script without a SIGTERM handler stopped by `timeout`): a planner probe left behind
+    would otherwise compute on for minutes on a node others share."""
     import os
     import shutil
     import subprocess
     import tempfile
+
+    from .agent import die_with_parent
     root = tempfile.mkdtemp(prefix="yarnapp-world-")
     procs = []
     try:
@@ -152,7 +157,8 @@ def spawn_local(argv, size, env=None, **popen_kw):
             for rank in range(size):
                 e = dict(os.environ if env is None else env)
                 e[LOCAL_WORLD_ENV] = f"{root}:{rank}:{size}"
-                procs.append(subprocess.Popen(argv, env=e, **{"start_new_session": True, **popen_kw}))
+                procs.append(subprocess.Popen(argv, env=e, **{"start_new_session": True, "preexec_fn": die_with_parent,
+                                                             **popen_kw}))
     except BaseException:
         stop_all(procs)
         shutil.rmtree(root, ignore_errors=True)
