@@ -311,8 +311,9 @@ def test_measure_wait_cpu_with_real_polite_waits():
 def test_measure_strategy_cpu_runs_every_strategy_on_two_ranks():
     # what each strategy spends per step beyond the model, its shares, the optimizer and
     # the waits (hooks, copies, the conv-MP protocol's Python, MPI calls): some, far below
-    # a step, on the master (its protocol) and on the worker of conv-MP alike
-    own = planner.measure_strategy_cpu("digits_cnn", {}, (1, 8, 8), 10, 16, ["conv1", "conv2"], steps=8)
+    # a step, on the master (its protocol) and on the worker of conv-MP alike; with
+    # `yarnapp plan --quick`'s 5 steps after 1 warm-up
+    own = planner.measure_strategy_cpu("digits_cnn", {}, (1, 8, 8), 10, 16, ["conv1", "conv2"], steps=5)
     assert set(own) == set(planner.modelled())
     assert all(0 < v < 0.05 for v in own["conv_model_parallel"]), own["conv_model_parallel"]
     for name in ("allreduce", "ps_central", "ps_sharded"):

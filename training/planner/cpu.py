@@ -61,6 +61,7 @@ def measure_strategy_cpu(model_name, options, sample_shape, classes, batch, laye
         strategies = [k for k in registry.names() if registry.entry(k).cost]
     strategies = [k for k in strategies if k != "conv_model_parallel" or layers]
     args = {"model": model_name, "options": dict(options), "shape": list(sample_shape), "classes": int(classes),
-            "batch": int(batch), "layers": list(layers or []), "steps": int(steps), "strategies": strategies}
+            "batch": int(batch), "layers": list(layers or []), "steps": int(steps), "strategies": strategies,
+            "warmup": 3 if steps >= 10 else 1}
     out = run_probe("training.probes.strategy_cpu", args, "strategy probe", timeout)
     return {k: [max(0.0, float(v)) for v in vs] for k, vs in out.items()}

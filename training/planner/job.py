@@ -256,7 +256,8 @@ def measure_job(job, options=PlanOptions()):
     sched = _job_scheduling(job, devices, options)
     own = options.strategy_cpu
     if own is None:
-        own = measure_strategy_cpu(spec.model, spec.model_options, shape, classes, B, names) \
+        own = measure_strategy_cpu(spec.model, spec.model_options, shape, classes, B, names,
+                                   steps=options.strategy_steps) \
             if len(devices) > 1 else {}
     return Measured(shape, classes, shape_from, profiles, idle, link, sched, own)
 

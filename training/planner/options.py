@@ -5,6 +5,7 @@ import dataclasses
 from training.perf.model import PlanError
 
 QUICK_MIN_TIME = 0.02              # --quick: seconds each timed item runs (default 0.1)
+QUICK_STRATEGY_STEPS = 5           # --quick: steps each strategy's own CPU is the median of (default 20)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +23,7 @@ class PlanOptions:
     num_classes: int = None
     wait_cpu: tuple = None            # (a, r[, b]) of a polite wait (default: measure_wait_cpu)
     strategy_cpu: dict = None         # the strategies' own CPU per step (default: measure_strategy_cpu)
+    strategy_steps: int = 20          # measure_strategy_cpu's steps per strategy
 
 
 def parse_options(measure=False, bandwidth=None, latency=None, machines=None, gpu_speed=None,
@@ -57,6 +59,7 @@ def parse_options(measure=False, bandwidth=None, latency=None, machines=None, gp
         raise PlanError(f"--gpu-speed: must be > 0, got {gpu_speed}")
     return PlanOptions(measure_link=bool(measure), bandwidths_bps=bws, latency_s=lat, machines=mach,
                        gpu_speed=gpu_speed, min_time=QUICK_MIN_TIME if quick else PlanOptions.min_time,
+                       strategy_steps=QUICK_STRATEGY_STEPS if quick else PlanOptions.strategy_steps,
                        input_shape=shape, num_classes=classes)
 
 

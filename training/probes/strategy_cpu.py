@@ -3,7 +3,7 @@
 Each strategy of `strategies` runs for real (the registry's class, a RunContext.offline
 of a job of one 1-vcore rank per process, one thread each, the batch split equally, the
 second rank waiting politely as a throttled one does, a conv-MP split of equal weights
-over `layers`). After 3 warm-up steps, for each of `steps` steps: its CPU time and what
+over `layers`). After `warmup` steps (default 3), for each of `steps` steps: its CPU time and what
 training.cputime counted in it; the strategy says which part was its own
 (Strategy.own_cpu_s). Result: {strategy: [rank 0's median, rank 1's median]} seconds.
 """
@@ -44,7 +44,7 @@ def main():
         s.setup(model, make_optimizer_factory(job.training))
         lo, hi = s.batch_slice(a["batch"])
         xs, ys = (x[lo:hi], y[lo:hi]) if hi > lo else (None, None)
-        for _ in range(3):
+        for _ in range(a.get("warmup", 3)):
             s.train_step(xs, ys)
         comm.Barrier()
         steps = []
