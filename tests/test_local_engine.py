@@ -131,6 +131,7 @@ def test_python_api_submit_and_wait(yarnapp_home):
     st = run.wait(timeout=120)
     assert st["state"] == "SUCCEEDED", run.logs()
     assert run.final["ok"] is True and run.final["world_size"] == 3
+    assert run.failure_message() is None         # it did not fail (was "FAILED: unknown")
     assert_nothing_left(run.app_id)
     with pytest.raises(yarnapp.YarnappError, match="groups\\[0\\].instances"):
         yarnapp.submit({"name": "x", "groups": [{"name": "a", "instances": 0}], "run": {"function": "a:b"}})

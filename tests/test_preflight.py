@@ -115,3 +115,45 @@ def test_an_option_a_built_in_model_does_not_take_is_refused_before_anything_sta
         preflight.check_model(job, "job.yaml")
     preflight.check_model(conf.load_job({**job.model_dump(mode="json"), "training": {
         **job.training.model_dump(mode="json"), "model_options": {"conv1": 8}}}), "job.yaml")
+
+
+def _write(path, images, labels):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    path.mkdir()
+    pq.write_table(pa.table({"image": images, "label": pa.array(labels, pa.int64())}), path / "part-0.parquet")
+    return str(path)
+
+
+def test_raw_pixels_in_a_plain_binary_column_and_negative_labels_are_refused_before_anything_starts(tmp_path):
+    """Raw pixels written as pa.binary() were found in the ranks at their first step, as
+    "not a decodable image (cannot identify image file <_io.BytesIO object at 0x...>)",
+    with training.data.shape silently unused; labels of -1 were found in the ranks too."""
+    import io
+
+    import numpy as np
+    import pyarrow as pa
+    from PIL import Image
+    pixels, labels = [bytes(range(64)), bytes(64)] * 32, [0, 1] * 32      # a whole batch of the default 64
+    raw = _write(tmp_path / "raw", pa.array(pixels, pa.binary()), labels)
+    with pytest.raises(YarnappError) as e:
+        preflight.check_data(_job(raw), "job.yaml")
+    assert str(e.value) == (f"job.yaml: training.data.train: {raw}/part-0.parquet (row 0): column 'image' holds 64 "
+                            f"bytes that are not an image (cannot identify image file); write encoded images (PNG, "
+                            f"JPEG), or raw uint8 pixels as a fixed-size binary column (pa.binary(64)) with "
+                            f"training.data.shape")
+    shaped = conf.load_job({**_job(raw).model_dump(mode="json"), "training": {"data": {"train": raw,
+                                                                                       "shape": [1, 8, 8]}}})
+    with pytest.raises(YarnappError, match=r"its 64 bytes are C\*H\*W of training.data.shape \[1, 8, 8\]: write "
+                                           r"raw pixels as a fixed-size binary column \(pa.binary\(64\)\)$"):
+        preflight.check_data(shaped, "job.yaml")
+    preflight.check_data(conf.load_job({**shaped.model_dump(mode="json"), "training": {"data": {
+        "train": _write(tmp_path / "fixed", pa.array(pixels, pa.binary(64)), labels), "shape": [1, 8, 8]}}}))
+    png = io.BytesIO()
+    Image.fromarray(np.zeros((8, 8), np.uint8)).save(png, format="PNG")
+    preflight.check_data(_job(_write(tmp_path / "png", pa.array([png.getvalue()] * 64, pa.binary()), labels)))
+    negative = _write(tmp_path / "negative", pa.array([png.getvalue()] * 64, pa.binary()), [-1] + labels[1:])
+    with pytest.raises(YarnappError, match=r"^job.yaml: training.data.train: .*/negative/part-0.parquet: its labels "
+                                           r"run from -1 to 1 \(its footer's statistics\); labels must be class "
+                                           r"indices >= 0$"):
+        preflight.check_data(_job(negative), "job.yaml")

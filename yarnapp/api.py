@@ -220,7 +220,10 @@ class Run:
                 display.close()
 
     def failure_message(self):
-        st = self._last or self.status()
+        """Why the application failed, in one line; None while it runs or once it succeeded."""
+        st = self._last if self._last and self._last["state"] in TERMINAL else self.status()
+        if st["state"] not in ("FAILED", "KILLED"):
+            return None
         if st["state"] == "KILLED":
             return f"{self.app_id} was killed"
         f = st.get("failure") or {}

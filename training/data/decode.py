@@ -8,6 +8,7 @@ greyscale.
 """
 import dataclasses
 import io
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -45,10 +46,12 @@ def block_data(table, layout, name):
         if image.null_count:
             raise DataError(f"{name}: {image.null_count} null images in column {cols.image!r}")
         image = pc.struct_field(image, "bytes")
-    if image.null_count or label.null_count:
+    if image.null_count:
         what = "images without bytes (only a path: embed the images in the file)" if layout.kind == STRUCT \
-            else "null images/labels"
-        raise DataError(f"{name}: {image.null_count + label.null_count} {what}")
+            else "null images"
+        raise DataError(f"{name}: {image.null_count} {what} in column {cols.image!r}")
+    if label.null_count:
+        raise DataError(f"{name}: {label.null_count} null labels in column {cols.label!r}")
     labels = label.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
     n = len(image)
     out = BlockData(labels=labels, keep=(image, label))
@@ -114,8 +117,15 @@ def decode(images, shape, channels, where):
         try:
             out.append(decode_one(blob, channels))
         except Exception as e:  # noqa: BLE001 - Pillow raises many kinds for bad bytes
-            raise DataError(f"{where(i)}: not a decodable image ({one_line(e)}); re-encode or remove it") from None
+            raise DataError(f"{where(i)}: not a decodable image ({why_not_image(e)}); re-encode or remove it") \
+                from None
     return out
+
+
+def why_not_image(exc):
+    """Pillow's reason, without the address of its BytesIO ("cannot identify image file
+    <_io.BytesIO object at 0x7f...>")."""
+    return re.sub(r"\s*<_io\.BytesIO object at 0x[0-9a-f]+>", "", one_line(exc)).strip() or type(exc).__name__
 
 
 def channels_of(blob):

@@ -271,7 +271,7 @@ def check(uri, columns=None, shape=None):
     Returns (its number of rows, its images' [C, H, W] where the files say: raw pixels,
     else None, its Blocks)."""
     columns = columns or Columns()
-    _, _, names, footers, meta, kind, raw_shape = _read_footers(uri, columns, shape)
+    fs, paths, names, footers, meta, kind, raw_shape = _read_footers(uri, columns, shape)
     if meta.get("num_classes"):     # labels outside the classes: found in a rank mid-epoch, and retried
         n = int(meta["num_classes"])
         for name, md in zip(names, footers):
@@ -283,8 +283,43 @@ def check(uri, columns=None, shape=None):
                 raise DataError(f"{name}: its labels run from {r[0]} to {r[1]} (its footer's statistics), "
                                 f"outside the {n} classes the dataset's metadata gives (0 to {n - 1}); "
                                 f"fix the labels, or import the dataset again")
+    for name, md in zip(names, footers):
+        r = _label_range(md, columns.label) if not meta.get("num_classes") else None
+        if r and r[0] < 0:
+            raise DataError(f"{name}: its labels run from {r[0]} to {r[1]} (its footer's statistics); labels "
+                            f"must be class indices >= 0")
+    if kind != RAW:
+        _check_first_image(fs, paths, names, footers, columns, kind, shape)
     blocks = [b for i, md in enumerate(footers) for b in blocks_of(i, md, _wanted(columns))]
     return sum(md.num_rows for md in footers), raw_shape if kind == RAW else None, blocks
+
+
+def _check_first_image(fs, paths, names, footers, columns, kind, shape):
+    """Decode the first image of the dataset (one row read): raw pixels written as plain
+    binary, or bytes of another kind, would otherwise be found in the ranks at their first step."""
+    from .decode import decode_one, why_not_image
+    i = next(k for k, md in enumerate(footers) if md.num_rows)
+    try:
+        with fs.open_input_file(paths[i]) as f:
+            batch = next(pq.ParquetFile(f).iter_batches(batch_size=1, columns=[columns.image]))
+    except IO_ERRORS as e:
+        raise DataError(f"{names[i]}: cannot read its first image ({one_line(e)})") from None
+    value = batch.column(0)[0].as_py()
+    blob = value.get("bytes") if kind == STRUCT and isinstance(value, dict) else value
+    if blob is None:
+        raise DataError(f"{names[i]} (row 0): column {columns.image!r} holds no image bytes" +
+                        (" (only a path: embed the images in the file)" if kind == STRUCT else
+                         "; every row needs an image"))
+    try:
+        decode_one(blob, 3)
+    except Exception as e:  # noqa: BLE001 - Pillow raises many kinds for bad bytes
+        raw = f"pa.binary({len(blob)})"
+        hint = (f"its {len(blob)} bytes are C*H*W of training.data.shape {list(shape)}: write raw pixels as a "
+                f"fixed-size binary column ({raw})" if shape and int(np.prod(shape)) == len(blob) else
+                f"write encoded images (PNG, JPEG), or raw uint8 pixels as a fixed-size binary column ({raw}) "
+                f"with training.data.shape")
+        raise DataError(f"{names[i]} (row 0): column {columns.image!r} holds {len(blob)} bytes that are not an "
+                        f"image ({why_not_image(e)}); {hint}") from None
 
 
 def _wanted(columns):

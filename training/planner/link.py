@@ -69,11 +69,11 @@ def measure_link(small=8, large=4 << 20, pool=16, trials=8, timeout=120, busy=0,
     shm_s = t.get("shm")
     shared_Bps = shared_bytes / shm_s if shm_s else None
     if not busy:
-        return Link(alpha, beta, "measured (ping-pong of 2 joined ranks on this machine)", shared_Bps=shared_Bps)
+        return Link(alpha, beta, "measured: ping-pong of 2 joined ranks on this machine", shared_Bps=shared_Bps)
     loaded = _pingpong([(small, 100, 1)], trials, timeout, busy, polite, duty)[small]
     return Link(max(alpha, loaded), beta,
-                f"measured (ping-pong of 2 joined ranks on this machine; latency with {busy} "
-                f"process{'es' if busy > 1 else ''} {100 * duty:.0f}% busy{', polite' if polite else ''})",
+                f"measured: ping-pong of 2 joined ranks on this machine; latency with {busy} "
+                f"process{'es' if busy > 1 else ''} {100 * duty:.0f}% busy{', polite' if polite else ''}",
                 idle_latency_s=alpha, shared_Bps=shared_Bps)
 
 
