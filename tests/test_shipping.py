@@ -100,7 +100,8 @@ def test_a_module_of_the_users_named_as_yarnapps_own_packages_is_refused_where_i
                                            rf"package 'conf' for yarnapp's launcher itself; rename it"):
         shipping.plan(_job({"script": str(proj / "train.py"), "files": [str(proj / "conf.py")]}))
     (proj / "launcher").mkdir()                                  # a folder, not a package: no clash
-    assert shipping.plan(_job({"script": str(proj / "train.py"), "files": [str(proj / "launcher")]}))
+    assert shipping.plan(_job({"script": str(proj / "train.py"), "files": [str(proj / "launcher"),
+                                                                           str(proj / "helper.py")]}))
     (proj / "conf.py").unlink()                                  # a copy of yarnapp's own package: no clash
     shutil.copytree(os.path.dirname(importlib.util.find_spec("training").origin), proj / "training")
     (proj / "train.py").write_text("from training import dist\n")
@@ -397,3 +398,58 @@ def test_modules_on_a_groups_pythonpath_and_compiled_extensions_count_as_shipped
     monkeypatch.chdir(src)          # the current directory shipped whole: the hint names the shipped copy
     with pytest.raises(YarnappError, match=r"it is in the shipped src/: name it src.nets:main"):
         shipping.plan(job("nets:main", {}, files=[str(src)]))
+
+
+def test_a_module_beside_the_script_that_run_files_leave_out_is_refused_where_imported(tmp_path, monkeypatch):
+    """`run.files: [train.py]` with `from mynet import Net` and mynet.py beside it: every rank
+    failed with ModuleNotFoundError after the application started. Optional imports (in a
+    `try`) and modules shipped or installed are not refused."""
+    root = _project(tmp_path / "proj")
+    (root / "train.py").write_text("import os\nfrom helper import X\ntry:\n    import pkg\nexcept ImportError:\n"
+                                   "    pkg = None\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(YarnappError, match=rf"^run.files: {root}/train.py imports 'helper', and {root}/helper.py "
+                                           rf"beside it is not shipped, so every rank would fail with "
+                                           rf"ModuleNotFoundError; add it to run.files \(or leave run.files out"):
+        shipping.plan(_job({"script": str(root / "train.py"), "files": [str(root / "train.py")]}))
+    shipping.plan(_job({"script": str(root / "train.py"), "files": [str(root / "train.py"), str(root / "helper.py")]}))
+    shipping.plan(_job({"script": str(root / "train.py")}))        # files null: the directory goes
+    (root / "helper.py").write_text("import pkg\n")               # a shipped module's own import, of a package
+    with pytest.raises(YarnappError, match=rf"{root}/helper.py imports 'pkg', and {root}/pkg beside it"):
+        shipping.plan(_job({"script": str(root / "train.py"), "files": [str(root / "train.py"),
+                                                                         str(root / "helper.py")]}))
+
+
+def test_a_function_importing_a_local_module_in_its_body_is_refused(yarnapp_home, tmp_path, monkeypatch):
+    """`def f(ctx): import helpers` with a notebook's helpers.py beside it: pickled by value,
+    the function ran its import in every rank, which failed with ModuleNotFoundError."""
+    import yarnapp
+    (tmp_path / "helpers_nb.py").write_text("def val():\n    return 41\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def f(ctx):
+        import helpers_nb
+        return helpers_nb.val()
+    job = {"name": "t", "groups": [{"name": "a", "instances": 1, "vcores": 1, "memory": "256 MiB"}]}
+    with pytest.raises(YarnappError, match=rf"^function: .*\.f imports 'helpers_nb' inside its body, and the "
+                                           rf"containers cannot import it \({tmp_path}/helpers_nb.py\); import it at "
+                                           rf"the top of your notebook or script instead"):
+        yarnapp.submit(job, function=f)
+    assert not os.path.isdir(os.path.join(yarnapp_home, "apps")) or os.listdir(os.path.join(yarnapp_home, "apps")) == []
+    run = yarnapp.submit({**job, "run": {"files": [str(tmp_path / "helpers_nb.py")]}}, function=f)
+    st = run.wait(timeout=120)
+    assert st["state"] == "SUCCEEDED", run.logs()
+    assert run.final == {"result": 41}
+
+
+def test_a_relative_script_beside_the_job_file_is_named(tmp_path, monkeypatch):
+    (tmp_path / "ddp").mkdir()
+    (tmp_path / "ddp" / "train.py").write_text("print(1)\n")
+    (tmp_path / "ddp" / "job.yaml").write_text("name: t\ngroups: [{name: w, instances: 1}]\nrun: {script: train.py}\n")
+    monkeypatch.chdir(tmp_path)
+    job = conf.absolutize(conf.load_job("ddp/job.yaml"), os.getcwd())
+    with pytest.raises(YarnappError, match=rf"^ddp/job.yaml: run.script: {tmp_path}/train.py does not exist; there "
+                                           rf"is {tmp_path}/ddp/train.py, but paths in a job file are relative to "
+                                           rf"the directory you submit from: submit from {tmp_path}/ddp"):
+        shipping.plan(job, "ddp/job.yaml")

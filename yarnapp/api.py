@@ -6,7 +6,7 @@ import types
 
 import conf
 
-from . import backends, shipping
+from . import backends, codecheck, shipping
 from .backends.base import TERMINAL
 from .errors import JobFailed, WaitTimeout, YarnappError
 
@@ -56,7 +56,9 @@ def submit(job, backend=None, wait=False, progress=True, function=None, **overri
         spec = load(raw, where, backend=backend, **overrides)
         with open(path, "wb") as f:         # planned before it is written: what the job ships besides
             f.write(b"\x80")                # (a pickle's first byte, which the plan checks)
-        _pickle(cloudpickle, function, path, shipping.local_modules(shipping.plan(spec, where)))
+        shipment = shipping.plan(spec, where)
+        codecheck.function_imports(function, shipment)
+        _pickle(cloudpickle, function, path, shipping.local_modules(shipment))
         run = start(spec, where=where)      # ships it before tmp goes
     return _started(run, wait, progress)
 

@@ -5,7 +5,10 @@ mistakes the containers would otherwise find one by one after the application st
 - `attribute`: a 'module:function' the job names is defined in its module's source
   (`training.hello:mian`), where the source shows it;
 - `own_names`: no shipped module of the user's that their code imports is named as one
-  of yarnapp's own top-level packages, which every rank imports first.
+  of yarnapp's own top-level packages, which every rank imports first;
+- `unshipped_imports`: a script whose run.files leave out a module beside it that it
+  imports (mynet.py beside train.py), and a function whose body imports a module the
+  containers cannot (a notebook's helpers.py).
 
 Each raises YarnappError of one line naming the field; where the source cannot tell (a
 compiled module, a module-level __getattr__, a star import), nothing is refused.
@@ -161,3 +164,77 @@ def _is_own_package(name, path):
         return False
     ours, theirs = spec.origin, os.path.join(path, "__init__.py")
     return os.path.isfile(theirs) and filecmp.cmp(ours, theirs, shallow=False)
+
+
+def _imported(tree):
+    """Top-level names a module's source imports absolutely, outside `try` blocks (an
+    optional import, handled where it fails)."""
+    names, todo = [], [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Try):
+            todo += node.handlers + node.orelse + node.finalbody
+            continue
+        if isinstance(node, ast.Import):
+            names += [a.name.split(".")[0] for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module.split(".")[0])
+        todo += list(ast.iter_child_nodes(node))
+    return list(dict.fromkeys(names))
+
+
+def unshipped_imports(shipment, field):
+    """Refuse a script whose run.files leave out a module beside it that it, or a shipped
+    .py file beside it, imports: every rank failed with ModuleNotFoundError after the
+    application started."""
+    from .shipping import module_name, unimportable
+    run = shipment.job.run
+    if not run.script or run.files is None:     # files null: the script's whole directory is shipped
+        return
+    beside = os.path.dirname(os.path.abspath(run.script))
+    sources = [run.script] + [src for src in shipment.entries.values()
+                              if src.endswith(".py") and os.path.dirname(src) == beside]
+    shipped = {module_name(n) for n in shipment.entries}
+    for path in dict.fromkeys(sources):
+        tree = _parse(path)
+        for name in _imported(tree) if tree is not None else ():
+            local = next((p for p in (os.path.join(beside, name + ".py"), os.path.join(beside, name, "__init__.py"))
+                          if os.path.isfile(p)), None)
+            if local and name not in shipped and unimportable(shipment, name, local):
+                what = os.path.dirname(local) if local.endswith("__init__.py") else local
+                raise YarnappError(f"{field}: {path} imports {name!r}, and {what} beside it is not shipped, so every rank would fail with ModuleNotFoundError; "
+                                   f"add it to run.files (or leave run.files out: the script's directory is shipped)")
+
+
+def _code_imports(code):
+    """Top-level names the bytecode of `code` (and of the functions defined in it) imports."""
+    import dis
+    names, todo = [], [code]
+    while todo:
+        c = todo.pop()
+        names += [i.argval.split(".")[0] for i in dis.get_instructions(c) if i.opname == "IMPORT_NAME"]
+        todo += [k for k in c.co_consts if hasattr(k, "co_code")]
+    return list(dict.fromkeys(names))
+
+
+def function_imports(function, shipment):
+    """Refuse a function whose body imports a module the containers cannot import (a
+    notebook's helpers.py, imported inside the function): pickled by value, the function
+    runs its `import` in every rank, which failed there with ModuleNotFoundError."""
+    import importlib.util
+    import sys
+
+    from .shipping import unimportable
+    code = getattr(getattr(function, "__func__", function), "__code__", None) or \
+        getattr(getattr(function, "__call__", None), "__code__", None)
+    for name in _code_imports(code) if code is not None else ():
+        module = sys.modules.get(name)
+        try:
+            file = getattr(module, "__file__", None) if module else getattr(importlib.util.find_spec(name), "origin", None)
+        except (ImportError, ValueError):
+            continue
+        if file and unimportable(shipment, name, file):
+            qual = getattr(function, "__qualname__", None) or type(function).__name__
+            raise YarnappError(f"function: {qual} imports {name!r} inside its body, and the containers cannot import "
+                               f"it ({file}); import it at the top of your notebook or script instead (what the "
+                               f"function uses of it then travels with it), or add {file} to run.files")

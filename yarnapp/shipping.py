@@ -146,7 +146,12 @@ def _plan(job, where=None):
 
     if run.script and not os.path.isfile(run.script):
         what = "is a directory" if os.path.isdir(run.script) else "does not exist"
-        raise YarnappError(f"run.script: {run.script} {what}; name the Python file the job runs")
+        near = os.path.join(os.path.dirname(os.path.abspath(where)), os.path.relpath(run.script)) \
+            if where and os.path.isfile(where) else None
+        hint = (f"; there is {near}, but paths in a job file are relative to the directory you submit from: "
+                f"submit from {os.path.dirname(near)}, or give the path from here"
+                if near and os.path.isfile(near) else "; name the Python file the job runs")
+        raise YarnappError(f"run.script: {run.script} {what}{hint}")
     files = run.files
     if files is None and run.script:
         files = [os.path.dirname(run.script)]
@@ -186,6 +191,7 @@ def _plan(job, where=None):
     if run.script and not _other_interpreter(job):
         codecheck.syntax(run.script)        # (another interpreter may read other syntax)
     codecheck.own_names(run, entries, "run.files" if run.files else "run.script")
+    codecheck.unshipped_imports(Shipment(job=job, entries=entries), "run.files")
     # files null with a script: its directory was shipped for it and the job submitted from
     # that directory, so it runs in the copy (launcher.rank.run_code), as `python script.py`
     # run there; otherwise in the working directory, where each entry lands by its name (as
@@ -331,21 +337,25 @@ def local_modules(shipment):
     the environment, neither shipped nor found by their interpreter (a group's PYTHONPATH
     included), or found elsewhere. A function shipped from here is pickled with them by
     value (yarnapp.api)."""
-    shipped = {module_name(n) for n in shipment.entries}
-    paths = _group_paths(shipment.job, shipment.entries) or []
-    yarn = shipment.job.backend == "yarn"
-    environment = tuple(os.path.join(os.path.realpath(p), "") for p in _fresh_interpreter(yarn)[0] if p)
     out = []
     for name, module in list(sys.modules.items()):
-        file = getattr(module, "__file__", None)
-        if ("." in name or name in shipped or name in ("__main__", "__mp_main__") or not file
-                or not isinstance(module, types.ModuleType) or module.__name__ != name
-                or os.path.realpath(file).startswith(environment)):     # a file of the environment (vendored)
-            continue
-        spec = _container_spec(name, paths, yarn)
-        if spec is None or spec.has_location and os.path.realpath(spec.origin) != os.path.realpath(file):
+        if (name not in ("__main__", "__mp_main__") and isinstance(module, types.ModuleType)
+                and module.__name__ == name and unimportable(shipment, name, getattr(module, "__file__", None))):
             out.append(module)
     return out
+
+
+def unimportable(shipment, name, file):
+    """Whether the containers of `shipment` cannot import top-level module `name` as it is
+    here, from `file`: a file outside the environment, neither shipped nor found by their
+    interpreter (a group's PYTHONPATH included), or found elsewhere."""
+    yarn = shipment.job.backend == "yarn"
+    environment = tuple(os.path.join(os.path.realpath(p), "") for p in _fresh_interpreter(yarn)[0] if p)
+    if ("." in name or not file or name in {module_name(n) for n in shipment.entries}
+            or os.path.realpath(file).startswith(environment)):     # a file of the environment (vendored)
+        return False
+    spec = _container_spec(name, _group_paths(shipment.job, shipment.entries) or [], yarn)
+    return spec is None or spec.has_location and os.path.realpath(spec.origin) != os.path.realpath(file)
 
 
 def _inside(path, entries):
