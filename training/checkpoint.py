@@ -146,7 +146,7 @@ class Checkpointer:
         for step in reversed(steps):
             path = f"{self._dir(step, root=root)}/rank-{self.rank:05d}.pt"
             try:
-                state, bad = fsutil.torch_load(fsutil.read_bytes(self.fs, path)), None
+                state, bad = fsutil.torch_load_file(self.fs, path), None
             except Exception as e:  # noqa: BLE001 - any unreadable file: try the checkpoint before
                 state, bad = None, f"{path}: {type(e).__name__}: {e}".splitlines()[0]
             bad = next((b for b in self.comm.allgather(bad) if b), None)
