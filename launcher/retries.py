@@ -5,7 +5,11 @@ asks after every abort). Two kinds are not, since a restart would fail as this o
 - the same rank was killed for its container's memory in this generation and the one
   before: a step too big for the container (a batch, a model) is killed at the same place
   every attempt, and each retry cost a restart and the time to reach it (a step-0 kill ran
-  4 attempts). One retry stays, for a passing cause (another process's page cache, a burst).
+  4 attempts). One retry stays, for a passing cause (another process's page cache, a burst);
+- the same rank failed on bad input (its line a YarnappError: a corrupt page of the data
+  found mid-epoch, whose CRC fails at the same step of every attempt) with the same line in
+  this generation and the one before. Other errors in training are retried as often as
+  the job allows: the same line twice may still be a passing cause (a peer that left).
 """
 import time
 
@@ -14,8 +18,10 @@ from .failure import Failure, Kind
 
 NOT_RETRIED = ("every rank failed the same way before training started, so it was not retried "
                "(a restart would fail the same way)")
-NOT_RETRIED_AGAIN = NOT_RETRIED.replace("not retried", "not retried again")
+NOT_RETRIED_AGAIN = NOT_RETRIED.replace("before training started", "as the restart began").replace(
+    "not retried", "not retried again")     # (training had started: "before training started" misled)
 OOM_AGAIN = "killed for memory in two attempts in a row, so it was not retried again (a restart would be too)"
+INPUT_AGAIN = "the same error in two attempts in a row, so it was not retried again (a restart would fail the same way)"
 
 
 def not_worth_retrying(store, members, gen, cause, poll_s, wait_s):
@@ -26,6 +32,8 @@ def not_worth_retrying(store, members, gen, cause, poll_s, wait_s):
         return NOT_RETRIED if gen == 0 else NOT_RETRIED_AGAIN
     if oom_again(store, gen, cause):
         return OOM_AGAIN
+    if input_error_again(store, gen, cause):
+        return INPUT_AGAIN
     return None
 
 
@@ -54,3 +62,13 @@ def oom_again(store, gen, cause):
     before = Failure.load(store.get(keys.abort(gen - 1)))
     return before is not None and before.kind == Kind.OOM.value and before.rank == cause.rank \
         and before.container == cause.container
+
+
+def input_error_again(store, gen, cause):
+    """Whether the same rank failed on bad input with the same line in generation `gen` and
+    in the one before."""
+    if gen == 0 or not cause.input_error or not cause.error:
+        return False
+    before = Failure.load(store.get(keys.abort(gen - 1)))
+    return before is not None and bool(before.input_error) and before.error == cause.error \
+        and before.rank == cause.rank

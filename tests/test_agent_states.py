@@ -2,6 +2,7 @@
 process replaced by scripted monitor results (as torch elastic's agent tests script their
 workers). What the transitions write to the store and the container's exit status are
 what the AM, status and results read."""
+import dataclasses
 import json
 import os
 import re
@@ -18,7 +19,7 @@ from launcher import beats, exitcodes, keys, memory, stacks
 from launcher.agent import SETUP_GRACE_S, TRANSITIONS, Agent, Outcome, State
 from launcher.failure import Failure, Kind
 from launcher.identity import Identity
-from launcher.retries import NOT_RETRIED, NOT_RETRIED_AGAIN, OOM_AGAIN
+from launcher.retries import INPUT_AGAIN, NOT_RETRIED, NOT_RETRIED_AGAIN, OOM_AGAIN
 from launcher.store import FileStore, SkeinStore
 
 pytestmark = pytest.mark.unit
@@ -207,6 +208,22 @@ def test_the_same_rank_killed_for_memory_twice_in_a_row_is_not_retried_again(tmp
     a, store = agent(tmp_path / "b", [(Outcome.OWN, oom(), None), (Outcome.OWN, crash(), None),
                                       (Outcome.OWN, oom(), None), (Outcome.SUCCEEDED, None, None)], max_restarts=3)
     assert a.run() == exitcodes.SUCCEEDED and a.spawned_gens == [0, 1, 2, 3]
+
+
+def test_the_same_bad_input_twice_in_a_row_in_training_is_not_retried_again(tmp_path):
+    """A corrupt page of the data, whose CRC fails at the same step of every attempt, spent
+    every restart. Bad input (the rank's line a YarnappError) repeated by the same rank stops
+    after one retry; a plain error that repeats is still retried (the test above)."""
+    line = "train/part-00001.parquet: corrupt or unreadable Parquet data (CRC checksum verification failed)"
+    bad = dataclasses.replace(crash(error=line), input_error=True)
+    a, store = agent(tmp_path, [(Outcome.OWN, bad, None)] * 4, max_restarts=3)
+    assert a.run() != exitcodes.SUCCEEDED and a.spawned_gens == [0, 1]
+    failed = load(store, keys.FAILED)
+    assert failed.retried is False and failed.attempts == 2 and failed.reason == f"{bad.reason}; {INPUT_AGAIN}"
+    other = dataclasses.replace(bad, error=line.replace("00001", "00002"))
+    a, store = agent(tmp_path / "b", [(Outcome.OWN, bad, None), (Outcome.OWN, other, None),
+                                      (Outcome.SUCCEEDED, None, None)], max_restarts=3)
+    assert a.run() == exitcodes.SUCCEEDED and a.spawned_gens == [0, 1, 2]
 
 
 def test_a_container_that_starts_after_the_application_failed_starts_no_rank(tmp_path):
