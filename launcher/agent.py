@@ -24,8 +24,8 @@ import time
 import uuid
 
 from . import beats, exitcodes, identity, keys, malloc, memory, network, results, retries, stacks, store as store_mod
-from .failure import (Failure, Kind, current_generation, log_tail, looks_collateral, spends_the_last_restart,
-                      spent_restarts)
+from .failure import (Failure, Kind, current_generation, ended_early, log_tail, looks_collateral,
+                      spends_the_last_restart, spent_restarts)
 
 log = logging.getLogger("launcher.agent")
 
@@ -464,6 +464,9 @@ class Agent:
             reason="ended without an error line", rank=self.ident.rank, generation=gen).stamped().dumps())
         if found:
             own = found.rank == self.ident.rank and not found.observed_by
+            early = ended_early(self.store, self.members, gen, self.ident.rank, 2 * self.job.launcher.poll_interval) \
+                if own and found.kind == Kind.CRASHED.value and looks_collateral(found.reason) else None
+            found = found.stamped(reason=f"{found.reason}; {early}") if early else found
             # The log is this container's: only for a failure of its own (not one it observed).
             found = found.stamped(generation=gen, log=self.log_path if own else "",
                                   log_tail=log_tail(self.log_path) if own and not found.input_error else "")

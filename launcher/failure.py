@@ -137,3 +137,25 @@ def log_tail(path, lines=20):
             return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
+
+
+def ended_early(store, members, gen, rank, wait_s=0.0):
+    """The note naming the peers of `rank` whose code ended (exit 0) in generation `gen`
+    while the others still ran, or None: a rank that leaves training early (a `sys.exit(0)`
+    at step 3) breaks its peers' collectives, and the peer whose collective failed (gloo's
+    "Connection reset by peer") was named alone. Waits up to wait_s for a peer's agent to
+    record its end, which it does as this one records the failure."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        early = []
+        for m in members:
+            raw = store.get(keys.done(m["container"])) if m["rank"] != rank else None
+            if raw is not None and json.loads(raw).get("generation") == gen:
+                early.append(f"rank {m['rank']} ({m['container']})")
+        if early or time.monotonic() >= deadline:
+            break
+        time.sleep(min(0.05, wait_s))
+    if not early:
+        return None
+    return (f"{', '.join(early)} had ended (exit 0) while the others still ran collectives with "
+            f"{'it' if len(early) == 1 else 'them'}: every rank must run the same steps")

@@ -226,6 +226,21 @@ def test_the_same_bad_input_twice_in_a_row_in_training_is_not_retried_again(tmp_
     assert a.run() == exitcodes.SUCCEEDED and a.spawned_gens == [0, 1, 2]
 
 
+def test_a_peer_that_ended_early_is_named_beside_the_collective_it_broke(tmp_path):
+    """A DDP script's rank 1 did `sys.exit(0)` in its second epoch: rank 0 failed with gloo's
+    "Connection reset by peer", and was named alone, rank 1 shown SUCCEEDED."""
+    reset = crash(code=1, error="RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+
+    def peer_left(store, gen):
+        store.put(keys.done("w_1"), json.dumps({"generation": gen}))
+    a, store = agent(tmp_path, [(Outcome.OWN, reset, peer_left)], max_restarts=0, instances=2)
+    assert a.run() != exitcodes.SUCCEEDED
+    assert load(store, keys.FAILED).reason == (f"{reset.reason}; rank 1 (w_1) had ended (exit 0) while the others "
+                                               f"still ran collectives with it: every rank must run the same steps")
+    a, store = agent(tmp_path / "b", [(Outcome.OWN, crash(code=1), peer_left)], max_restarts=0, instances=2)
+    assert a.run() != exitcodes.SUCCEEDED and load(store, keys.FAILED).reason == crash(code=1).reason  # its own bug
+
+
 def test_a_container_that_starts_after_the_application_failed_starts_no_rank(tmp_path):
     a, store = agent(tmp_path, [])
     store.put(keys.FAILED, Failure(reason="rank 1 failed").dumps())
