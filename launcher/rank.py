@@ -17,6 +17,7 @@ ctx.report, training.dist), silence is a hang again (launcher.heartbeat_timeout)
 """
 import argparse
 import importlib
+import functools
 import json
 import logging
 import os
@@ -204,6 +205,35 @@ def print_user_traceback(exc):
     traceback.print_exception(type(exc), exc, tb or exc.__traceback__)
 
 
+def error_line(exc):
+    """The one line of an exception from the job's code: `Type: message`, the message's lines
+    joined, and where the job's code raised it (`(train.py:12 in step)`: an `assert x == 4`
+    said only "AssertionError: ", a message of several lines kept only its first)."""
+    message = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+    line = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    own = [f for f in traceback.extract_tb(exc.__traceback__) if _users(f.filename)]
+    if not own:
+        return line
+    f = own[-1]     # a function shipped by value has lost its file's name (cloudpickle: <dynamic-code>)
+    return f"{line} ({'line ' if f.filename.startswith('<') else os.path.basename(f.filename) + ':'}{f.lineno} " \
+           f"in {f.name})"
+
+
+@functools.cache
+def _users(filename):
+    """Whether a frame's file is the job's code: not yarnapp's, nor the environment's (the
+    standard library, site-packages)."""
+    import sysconfig
+    if filename.startswith("<frozen") or filename == __file__:
+        return False
+    ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    theirs = [os.path.join(ours, p, "") for p in ("launcher", "training", "yarnapp", "conf")]
+    theirs += [os.path.join(os.path.realpath(p), "") for p in {sysconfig.get_paths()[k] for k in
+                                                              ("stdlib", "platstdlib", "purelib", "platlib")}]
+    path = os.path.realpath(filename) if os.path.isabs(filename) else filename
+    return not any(path.startswith(t) for t in theirs)
+
+
 def record_error(store, gen, rank, line, phase, input_error=None):
     """Write this rank's one-line error for the agents (first write wins); input_error: the
     line is the whole story (see launcher.failure.Failure)."""
@@ -326,7 +356,7 @@ def main(argv=None):
         fail(store, gen, ident.rank, str(e), ctx.phase, input_error=True)
     except BaseException as e:  # noqa: BLE001 - the user's error: its line, then its traceback
         print_user_traceback(e)
-        fail(store, gen, ident.rank, f"{type(e).__name__}: {e}".splitlines()[0], ctx.phase)
+        fail(store, gen, ident.rank, error_line(e), ctx.phase)
     if ctx.tensorboard is not None:
         ctx.tensorboard.close()
     if close_user_process_group():

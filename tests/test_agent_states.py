@@ -599,3 +599,26 @@ def test_the_run_context_knows_whether_code_read_the_mpi_world():
     ctx.heartbeat("setup")
     assert ctx.rank == 0 and ctx.restart_count == 0 and not ctx.comm_used
     assert ctx.comm == "the world" and ctx.comm_used
+
+
+def test_a_users_error_line_says_where_their_code_raised_it_and_keeps_every_line(tmp_path):
+    """`assert x == 4` in a user's function said only "AssertionError: "; a message of several
+    lines kept its first ("ValueError: shape mismatch:")."""
+    from launcher.rank import error_line
+    (tmp_path / "user_code_mod.py").write_text("def step(x):\n    assert x == 4\n\n\ndef shape():\n"
+                                               "    raise ValueError('shape mismatch:\\n  expected (3, 8, 8)\\n"
+                                               "  got (1, 8, 8)')\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import user_code_mod
+        for call, want in ((lambda: user_code_mod.step(3), "AssertionError (user_code_mod.py:2 in step)"),
+                           (user_code_mod.shape, "ValueError: shape mismatch: expected (3, 8, 8) got (1, 8, 8) "
+                                                 "(user_code_mod.py:6 in shape)")):
+            with pytest.raises(Exception) as e:
+                call()
+            assert error_line(e.value) == want
+        with pytest.raises(KeyError) as e:          # raised inside the environment: the user's frame above it
+            user_code_mod.__dict__["missing"]
+        assert error_line(e.value).startswith("KeyError: 'missing' (test_agent_states.py:")
+    finally:
+        sys.path.remove(str(tmp_path))
