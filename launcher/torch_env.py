@@ -9,6 +9,7 @@ and torchrun-style scripts read, before the user's code starts:
                                       host (its emulated node on the local engine)
     GROUP_RANK                        the index of that host, hosts ordered by their
                                       lowest rank (torchrun: the node rank)
+    GROUP_WORLD_SIZE                  the number of hosts (torchrun: the nodes)
     ROLE_RANK, ROLE_WORLD_SIZE        = RANK, WORLD_SIZE (one role: workers)
     MASTER_ADDR, MASTER_PORT          where rank 0's TCPStore will listen: rank 0 binds a
                                       free port for this generation and publishes it
@@ -71,9 +72,10 @@ def contract(comm, store, gen, rank, size, backend, app_id, max_restarts):
         store.put(keys.master(gen), json.dumps(master))
     master = comm.bcast(master, root=0)
     local_rank, local_size, group_rank = local_layout(hosts, rank)
+    groups = len(set(hosts))
     return {"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(local_rank),
             "LOCAL_WORLD_SIZE": str(local_size), "GROUP_RANK": str(group_rank),
-            "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(size), "ROLE_NAME": "worker",
+            "GROUP_WORLD_SIZE": str(groups),            "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(size), "ROLE_NAME": "worker",
             "MASTER_ADDR": master["addr"], "MASTER_PORT": str(master["port"]),
             "TORCHELASTIC_RESTART_COUNT": str(gen), "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
             "TORCHELASTIC_RUN_ID": app_id}

@@ -295,5 +295,6 @@ def test_a_ddp_script_across_two_nodes_gets_local_ranks_per_host(yarnapp_home, t
     assert nodes == {0: "node0", 1: "node1", 2: "node0"}, nodes
     assert [(e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"], e["GROUP_RANK"]) for e in envs] == \
         [("0", "2", "0"), ("0", "1", "1"), ("1", "2", "0")]
+    assert {e["GROUP_WORLD_SIZE"] for e in envs} == {"2"}                  # two nodes
     rank0_addr = next(c["addr"] for c in st["containers"] if c["rank"] == 0)
     assert {e["MASTER_ADDR"] for e in envs} == {rank0_addr} and rank0_addr != "127.0.0.1"

@@ -57,6 +57,7 @@ def test_an_unmodified_torchrun_ddp_script_trains_and_its_replicas_end_equal(tmp
     assert [e["RANK"] for e in envs] == ["0", "1", "2"] and {e["WORLD_SIZE"] for e in envs} == {"3"}
     assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "2"]            # all on this one host
     assert {e["LOCAL_WORLD_SIZE"] for e in envs} == {"3"} and {e["GROUP_RANK"] for e in envs} == {"0"}
+    assert {e["GROUP_WORLD_SIZE"] for e in envs} == {"1"}
     assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs}) == 1
     assert {e["TORCHELASTIC_RESTART_COUNT"] for e in envs} == {"0"}
     # launcher.malloc's settings, unless the group sets its own (then none of ours)

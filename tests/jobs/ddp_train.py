@@ -61,8 +61,8 @@ def main():
         print(f"rank {rank}: epoch {epoch} done", flush=True)
 
     torch.save(model.module.state_dict(), os.path.join(args.out, f"rank{rank}.pt"))
-    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-            "TORCHELASTIC_RESTART_COUNT", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "MASTER_ADDR",
+            "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump({"env": {k: os.environ.get(k) for k in keys}, "started_at_epoch": start, "world": world,
                    "local_rank": local_rank}, f)
