@@ -243,6 +243,16 @@ def test_a_function_that_cannot_be_shipped_is_one_line_naming_it(yarnapp_home, m
     with pytest.raises(YarnappError, match=r"\.captures pickles to 3 MiB with what it captures \(its closure and the "
                                            r"globals it uses\), more than the 2 MiB"):
         yarnapp.submit(job, function=captures)
+
+    def noarg():
+        pass
+
+    def two(ctx, lr):
+        pass
+    for f in (noarg, two):
+        with pytest.raises(YarnappError, match=rf"^function: .*\.{f.__name__}\(.*\) cannot be called with the "
+                                               rf"RunContext alone; every rank calls it as .*{f.__name__}\(ctx\)"):
+            yarnapp.submit(job, function=f)
     assert not os.path.isdir(os.path.join(yarnapp_home, "apps")) or os.listdir(os.path.join(yarnapp_home, "apps")) == []
 
 

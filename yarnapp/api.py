@@ -42,6 +42,7 @@ def submit(job, backend=None, wait=False, progress=True, function=None, **overri
         return _started(start(load(job, backend=backend, **overrides), where=where), wait, progress)
     if not callable(function):
         raise YarnappError(f"function: expected a callable taking the RunContext, got {type(function).__name__}")
+    _check_signature(function)
     import tempfile
 
     import cloudpickle
@@ -61,6 +62,23 @@ def submit(job, backend=None, wait=False, progress=True, function=None, **overri
         _pickle(cloudpickle, function, path, shipping.local_modules(shipment))
         run = start(spec, where=where)      # ships it before tmp goes
     return _started(run, wait, progress)
+
+
+def _check_signature(function):
+    """Refuse a function that cannot be called with the RunContext alone (every rank failed
+    with "TypeError: f() takes 0 positional arguments but 1 was given")."""
+    import inspect
+    try:
+        sig = inspect.signature(function)
+    except (TypeError, ValueError):         # a builtin without a signature: left to the ranks
+        return
+    try:
+        sig.bind(None)
+    except TypeError:
+        name = getattr(function, "__qualname__", None) or type(function).__name__
+        raise YarnappError(f"function: {name}{sig} cannot be called with the RunContext alone; every rank "
+                           f"calls it as {name}(ctx): give it one parameter (def {name.split('.')[-1]}(ctx): ...)"
+                           ) from None
 
 
 def _pickle(cloudpickle, function, path, local=()):
