@@ -336,24 +336,29 @@ def test_resume_finds_other_applications_when_checkpoint_uri_is_unset(digits, tm
     step 0 and an application id failed. Resumed into a job of another model (mlp), the
     checkpoint is refused in one line, not retried: before, a torch 'Error(s) in loading
     state_dict for MLP' cut off at its first line, after a traceback, and a restart spent."""
-    def job(steps, resume="never", model="digits_cnn"):
+    def job(steps, resume="never", model="digits_cnn", batch=48):
         j = digits_job(tmp_path, digits, "default-uri", steps=steps, instances=(1, 0))
         j["checkpoint"] = {"every_steps": 10, "resume": resume}
-        j["training"]["model"] = model
+        j["training"].update(model=model, batch_size=batch)
         return j
     run1, _ = run_to_end(job(20))
     run2, st2 = run_to_end(job(30, resume="latest"))
     assert st2["final"]["resumed_app"] == run1.app_id and st2["final"]["resumed_from"] == 20
-    run3 = yarnapp.submit(job(30, resume=run1.app_id))                  # these two at once
+    run3 = yarnapp.submit(job(30, resume=run1.app_id))                  # these three at once
     run4 = yarnapp.submit(job(30, resume=run1.app_id, model="mlp"))
-    st3, st = run3.wait(timeout=300), run4.wait(timeout=300)
+    run5 = yarnapp.submit(job(30, resume=run1.app_id, batch=24))         # step 20 would mean another epoch
+    st3, st, st5 = run3.wait(timeout=300), run4.wait(timeout=300), run5.wait(timeout=300)
     assert st3["state"] == "SUCCEEDED", (st3.get("diagnostics"), run3.logs())
     assert st3["final"]["resumed_app"] == run1.app_id and st3["final"]["resumed_from"] == 20
     assert st["state"] == "FAILED" and st["failure"]["attempts"] == 1, st
     reason = st["failure"]["reason"]
     assert f"the checkpoint of step 20 (application {run1.app_id}) does not fit this job's model 'mlp'" in reason
     assert "\n" not in reason and "not retried" in reason, reason
-    for r in (run1, run2, run3, run4):
+    assert st5["state"] == "FAILED" and st5["failure"]["attempts"] == 1, st5
+    assert (f"the checkpoint of step 20 (application {run1.app_id}) was written with training.batch_size 48 and "
+            f"1438 rows of training.data.train; this job has 24 and 1438, so its steps would be other places in "
+            f"the data") in st5["failure"]["reason"], st5["failure"]["reason"]
+    for r in (run1, run2, run3, run4, run5):
         assert_nothing_left(r.app_id)
 
 

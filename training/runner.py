@@ -57,6 +57,7 @@ class Runner:
                                  name=ctx.job.name, resume=c.resume, siblings=ctx.checkpoint_siblings)
         self.start_step, state = self.ckpt.latest()
         if state is not None:
+            self._check_same_data(state.get("data"), ctx)
             try:
                 self.strategy.load_state_dict(state["strategy"])
             except (RuntimeError, KeyError, ValueError, TypeError) as e:   # torch's: "Error(s) in loading..."
@@ -118,8 +119,26 @@ class Runner:
                                   if self.ctx.rank == 0 else None, root=0)
         return due
 
+    def _data(self):
+        return {"batch_size": self.spec.batch_size, "train_rows": len(self.train)}
+
+    def _check_same_data(self, saved, ctx):
+        """Refuse to resume a checkpoint written for another batch size or training set: its
+        step would stand for another place in the data (step 240 of 1438 rows is epoch 10.9;
+        of 719 rows, 21.8), and the run would silently train on other epochs than it left."""
+        now = self._data()
+        if not saved or saved == now:
+            return
+        raise CheckpointError(
+            f"checkpoint.resume: the checkpoint of step {self.start_step} (application "
+            f"{self.ckpt.resumed_app or ctx.app_id}) was written with training.batch_size {saved['batch_size']} "
+            f"and {saved['train_rows']} rows of training.data.train; this job has {now['batch_size']} and "
+            f"{now['train_rows']}, so its steps would be other places in the data; resume with the batch size and "
+            f"data it was written with, or start afresh (checkpoint.resume: never)")
+
     def save(self, step):
-        self.ckpt.save(step, {"step": step, "strategy": self.strategy.state_dict(), "rng": rng_state()})
+        self.ckpt.save(step, {"step": step, "strategy": self.strategy.state_dict(), "rng": rng_state(),
+                              "data": self._data()})
         self.last_ckpt_time = time.monotonic()
 
     def resources(self):
