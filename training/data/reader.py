@@ -270,8 +270,13 @@ class BlockReader:
             self._drop(victims.pop(0))
         if self._bytes + nbytes > self.budget:
             if not self.stats.over_budget:
-                log.warning("one step reads %.0f MiB of blocks, more than the data memory budget of %.0f MiB; "
-                            "lower training.data.shuffle_window or raise training.data.memory",
-                            (self._bytes + nbytes) / 2 ** 20, self.budget / 2 ** 20)
+                log.warning("one step reads %s of blocks, more than the %s of the data memory left for blocks "
+                            "(training.data.memory less the decoded steps ahead); lower training.data.shuffle_window "
+                            "or raise training.data.memory", _size(self._bytes + nbytes), _size(self.budget))
             self.stats.over_budget += 1
         return True
+
+
+def _size(nbytes):
+    """1.5 MiB, 640 KiB: a size as a person reads it (a budget under 1 MiB read "0 MiB")."""
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{max(1, round(nbytes / 2**10))} KiB"
