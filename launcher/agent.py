@@ -78,9 +78,12 @@ class Outcome(enum.Enum):
     OTHER = "other"           # another agent or the master did (an abort record, or FAILED)
 
 
+_LIBC = ctypes.CDLL("libc.so.6", use_errno=True)     # loaded here: a dlopen in a forked child may deadlock
+
+
 def die_with_parent():
     """preexec_fn: SIGKILL this child when its parent dies (no orphans)."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def process_state(pid):
@@ -325,7 +328,7 @@ class Agent:
                 err = self.rank_error(gen, rank) or Failure(reason="")
                 line = f": {err.error}" if err.error and err.error != what else ""     # sys.exit(3) says no more
                 return Outcome.OWN, Failure(kind=kind.value, container=me, rank=rank, exit_code=rc,
-                                            error=err.error, phase=err.phase, input_error=err.input_error,
+                                            error=err.error, phase=err.phase, input_error=err.input_error, repeats=err.repeats,
                                             reason=f"rank {rank} ({me}) {what}{line}" + self.network_note())
             seen = self.observe(gen)
             if self.formed_seen is None and keys.formed(gen) in seen:

@@ -50,6 +50,8 @@ class Failure:
     log_tail: str = ""
     input_error: Optional[bool] = None       # the rank's line is the whole story (a job's mistake it
                                              # found: a YarnappError), so `submit --wait` shows no log tail
+    repeats: Optional[bool] = None           # that mistake is in the data's content (a bad page): a
+                                             # restart meets it again (launcher.retries)
     attempts: Optional[int] = None           # on FAILED: how many generations ran
     retried: Optional[bool] = None           # on FAILED: False when not retried (deterministic)
     aborted_generation: Optional[int] = None  # on a restart record: the generation that ended

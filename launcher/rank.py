@@ -205,11 +205,16 @@ def print_user_traceback(exc):
     traceback.print_exception(type(exc), exc, tb or exc.__traceback__)
 
 
+ERROR_CHARS = 300      # of an exception's message in its one line
+
+
 def error_line(exc):
     """The one line of an exception from the job's code: `Type: message`, the message's lines
     joined, and where the job's code raised it (`(train.py:12 in step)`: an `assert x == 4`
     said only "AssertionError: ", a message of several lines kept only its first)."""
     message = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+    if len(message) > ERROR_CHARS:          # a state_dict's "Error(s) in loading" runs to pages
+        message = message[:ERROR_CHARS - 3] + "..."
     line = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
     own = [f for f in traceback.extract_tb(exc.__traceback__) if _users(f.filename)]
     if not own:
@@ -234,20 +239,20 @@ def _users(filename):
     return not any(path.startswith(t) for t in theirs)
 
 
-def record_error(store, gen, rank, line, phase, input_error=None):
+def record_error(store, gen, rank, line, phase, input_error=None, repeats=None):
     """Write this rank's one-line error for the agents (first write wins); input_error: the
     line is the whole story (see launcher.failure.Failure)."""
     try:
         line = line[:500]
         store.put_if_absent(keys.error(gen, rank), Failure(reason=line, error=line, phase=phase, rank=rank,
-                                                           generation=gen, input_error=input_error
-                                                           ).stamped().dumps())
+                                                           generation=gen, input_error=input_error,
+                                                           repeats=repeats).stamped().dumps())
     except Exception:  # noqa: BLE001 - reporting must never hide the failure itself
         log.exception("could not record the error in the store")
 
 
-def fail(store, gen, rank, line, phase, code=exitcodes.RANK_FAILED, input_error=None):
-    record_error(store, gen, rank, line, phase, input_error)
+def fail(store, gen, rank, line, phase, code=exitcodes.RANK_FAILED, input_error=None, repeats=None):
+    record_error(store, gen, rank, line, phase, input_error, repeats)
     log.error("%s", line)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -353,7 +358,7 @@ def main(argv=None):
             line = e.code if isinstance(e.code, str) else (stderr.last or f"exited with status {e.code}")
             fail(store, gen, ident.rank, line, ctx.phase, e.code if isinstance(e.code, int) else exitcodes.RANK_FAILED)
     except YarnappError as e:       # bad input (data, model...): its one line is the whole story
-        fail(store, gen, ident.rank, str(e), ctx.phase, input_error=True)
+        fail(store, gen, ident.rank, str(e), ctx.phase, input_error=True, repeats=getattr(e, "repeats", None) or None)
     except BaseException as e:  # noqa: BLE001 - the user's error: its line, then its traceback
         print_user_traceback(e)
         fail(store, gen, ident.rank, error_line(e), ctx.phase)

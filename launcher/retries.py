@@ -6,10 +6,11 @@ asks after every abort). Two kinds are not, since a restart would fail as this o
   before: a step too big for the container (a batch, a model) is killed at the same place
   every attempt, and each retry cost a restart and the time to reach it (a step-0 kill ran
   4 attempts). One retry stays, for a passing cause (another process's page cache, a burst);
-- the same rank failed on bad input (its line a YarnappError: a corrupt page of the data
-  found mid-epoch, whose CRC fails at the same step of every attempt) with the same line in
-  this generation and the one before. Other errors in training are retried as often as
-  the job allows: the same line twice may still be a passing cause (a peer that left).
+- the same rank failed on the data's content (training.data.common.BadData: a page whose
+  CRC fails, an image that does not decode, found at the same step of every attempt) with
+  the same line in this generation and the one before. Other errors in training, an
+  unreachable filesystem's among them, are retried as often as the job allows: the same
+  line twice may still be a passing cause (a DataNode restarting, a peer that left).
 """
 import time
 
@@ -65,10 +66,10 @@ def oom_again(store, gen, cause):
 
 
 def input_error_again(store, gen, cause):
-    """Whether the same rank failed on bad input with the same line in generation `gen` and
-    in the one before."""
-    if gen == 0 or not cause.input_error or not cause.error:
+    """Whether the same rank failed on the data's content with the same line in generation
+    `gen` and in the one before."""
+    if gen == 0 or not cause.repeats or not cause.error:
         return False
     before = Failure.load(store.get(keys.abort(gen - 1)))
-    return before is not None and bool(before.input_error) and before.error == cause.error \
+    return before is not None and bool(before.repeats) and before.error == cause.error \
         and before.rank == cause.rank

@@ -143,13 +143,21 @@ def spawn_local(argv, size, env=None, **popen_kw):
     and then stops every one of them: none is left waiting for the rest of its world.
     Each dies with the process that started it, even one killed outright (SIGKILL, or a
     script without a SIGTERM handler stopped by `timeout`): a planner probe left behind
-    would otherwise compute on for minutes on a node others share."""
+    would otherwise compute on for minutes on a node others share. (The kernel's signal
+    follows the starting thread: call it from a thread that outlives the world.)"""
     import os
     import shutil
     import subprocess
     import tempfile
 
     from .agent import die_with_parent
+    parent = os.getpid()
+
+    def dies_with_parent():
+        die_with_parent()
+        if os.getppid() != parent:          # the parent died before the signal was set
+            os._exit(1)
+
     root = tempfile.mkdtemp(prefix="yarnapp-world-")
     procs = []
     try:
@@ -157,8 +165,8 @@ def spawn_local(argv, size, env=None, **popen_kw):
             for rank in range(size):
                 e = dict(os.environ if env is None else env)
                 e[LOCAL_WORLD_ENV] = f"{root}:{rank}:{size}"
-                procs.append(subprocess.Popen(argv, env=e, **{"start_new_session": True, "preexec_fn": die_with_parent,
-                                                             **popen_kw}))
+                procs.append(subprocess.Popen(argv, env=e, **{"start_new_session": True,
+                                                             "preexec_fn": dies_with_parent, **popen_kw}))
     except BaseException:
         stop_all(procs)
         shutil.rmtree(root, ignore_errors=True)

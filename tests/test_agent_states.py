@@ -212,10 +212,10 @@ def test_the_same_rank_killed_for_memory_twice_in_a_row_is_not_retried_again(tmp
 
 def test_the_same_bad_input_twice_in_a_row_in_training_is_not_retried_again(tmp_path):
     """A corrupt page of the data, whose CRC fails at the same step of every attempt, spent
-    every restart. Bad input (the rank's line a YarnappError) repeated by the same rank stops
-    after one retry; a plain error that repeats is still retried (the test above)."""
+    every restart. Bad data (BadData, `repeats`) found twice by the same rank stops after one
+    retry; a plain error, or an unreachable filesystem's, that repeats is still retried."""
     line = "train/part-00001.parquet: corrupt or unreadable Parquet data (CRC checksum verification failed)"
-    bad = dataclasses.replace(crash(error=line), input_error=True)
+    bad = dataclasses.replace(crash(error=line), input_error=True, repeats=True)
     a, store = agent(tmp_path, [(Outcome.OWN, bad, None)] * 4, max_restarts=3)
     assert a.run() != exitcodes.SUCCEEDED and a.spawned_gens == [0, 1]
     failed = load(store, keys.FAILED)
@@ -223,6 +223,11 @@ def test_the_same_bad_input_twice_in_a_row_in_training_is_not_retried_again(tmp_
     other = dataclasses.replace(bad, error=line.replace("00001", "00002"))
     a, store = agent(tmp_path / "b", [(Outcome.OWN, bad, None), (Outcome.OWN, other, None),
                                       (Outcome.SUCCEEDED, None, None)], max_restarts=3)
+    assert a.run() == exitcodes.SUCCEEDED and a.spawned_gens == [0, 1, 2]
+    passing = dataclasses.replace(bad, error=line.replace("CRC checksum verification failed", "Connection reset"),
+                                  repeats=None)      # an input error of the filesystem's, twice: retried
+    a, store = agent(tmp_path / "c", [(Outcome.OWN, passing, None)] * 2 + [(Outcome.SUCCEEDED, None, None)],
+                     max_restarts=3)
     assert a.run() == exitcodes.SUCCEEDED and a.spawned_gens == [0, 1, 2]
 
 

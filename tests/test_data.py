@@ -446,6 +446,7 @@ def test_corrupt_page_data_names_the_file(digits_dir, tmp_path):
     with pytest.raises(DataError) as e:
         read_arrays(str(tmp_path / "train"))
     _one_line_naming(e, victim.name)
+    assert e.value.repeats
 
 
 def test_a_page_overwritten_inside_is_found_by_its_checksum(digits_dir, tmp_path):
@@ -464,6 +465,7 @@ def test_a_page_overwritten_inside_is_found_by_its_checksum(digits_dir, tmp_path
     with pytest.raises(DataError) as e:
         read_arrays(str(tmp_path / "train"))
     _one_line_naming(e, victim.name, "CRC checksum")
+    assert e.value.repeats           # in the content: a restart meets it again (launcher.retries)
 
 
 def _write(path, table):

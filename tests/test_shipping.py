@@ -424,6 +424,12 @@ def test_a_module_beside_the_script_that_run_files_leave_out_is_refused_where_im
         shipping.plan(_job({"script": str(root / "train.py"), "files": [str(root / "train.py")]}))
     shipping.plan(_job({"script": str(root / "train.py"), "files": [str(root / "train.py"), str(root / "helper.py")]}))
     shipping.plan(_job({"script": str(root / "train.py")}))        # files null: the directory goes
+    shipping.plan(_job({"script": str(root / "train.py"), "files": [str(root)]}))     # ... or listed
+    yarn = _job({"script": str(root / "train.py"), "files": [str(root / "train.py")]}, backend="yarn")
+    shipping.plan(yarn)             # the cluster's own interpreter: its modules are not known here
+    (root / "train.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import helper\n")
+    shipping.plan(_job({"script": str(root / "train.py"), "files": [str(root / "train.py")]}))
+    (root / "train.py").write_text("from helper import X\n")
     (root / "helper.py").write_text("import pkg\n")               # a shipped module's own import, of a package
     with pytest.raises(YarnappError, match=rf"{root}/helper.py imports 'pkg', and {root}/pkg beside it"):
         shipping.plan(_job({"script": str(root / "train.py"), "files": [str(root / "train.py"),

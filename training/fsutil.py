@@ -121,16 +121,23 @@ def torch_load_file(fs, path):
     read into memory: a rank resuming holds its model and optimizer already, and the
     file's bytes and the tensors made of them came on top (a 235 MB checkpoint took a
     rank that trained in 715 MiB to its 1 GiB limit at every restart). A remote file is
-    first streamed to a local temporary one, unlinked once mapped. Mapped pages are the
-    file's, which the kernel can drop under pressure, until a tensor is written."""
+    first streamed to a local one in the working directory (a container's local disk;
+    /tmp may be memory), unlinked once mapped. Mapped pages are the file's, which the
+    kernel can drop under pressure, until a tensor is written. Where this fails on this
+    side (no room for the copy, a filesystem that does not map), the file is read into
+    memory as before: only a file that does not load that way either is unreadable."""
     import shutil
     import tempfile
 
     import torch
-    if isinstance(fs, pafs.LocalFileSystem):
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    with tempfile.NamedTemporaryFile(prefix="yarnapp-checkpoint-", suffix=".pt") as tmp:
-        with fs.open_input_stream(path) as src:
-            shutil.copyfileobj(src, tmp, 8 << 20)
-        tmp.flush()
-        return torch.load(tmp.name, map_location="cpu", weights_only=False, mmap=True)
+    try:
+        if isinstance(fs, pafs.LocalFileSystem):
+            return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        where = os.getcwd() if os.access(os.getcwd(), os.W_OK) else None
+        with tempfile.NamedTemporaryFile(prefix=".yarnapp-checkpoint-", suffix=".pt", dir=where) as tmp:
+            with fs.open_input_stream(path) as src:
+                shutil.copyfileobj(src, tmp, 8 << 20)
+            tmp.flush()
+            return torch.load(tmp.name, map_location="cpu", weights_only=False, mmap=True)
+    except Exception:  # noqa: BLE001 - read as before; its error, if any, is the file's
+        return torch_load(read_bytes(fs, path))

@@ -166,14 +166,18 @@ def _is_own_package(name, path):
     return os.path.isfile(theirs) and filecmp.cmp(ours, theirs, shallow=False)
 
 
-def _imported(tree):
+def _imported(tree, main=False):
     """Top-level names a module's source imports absolutely, outside `try` blocks (an
-    optional import, handled where it fails)."""
+    optional import, handled where it fails), `if TYPE_CHECKING:` and, unless the module
+    runs as the main one (`main`), `if __name__ == "__main__":`."""
     names, todo = [], [tree]
     while todo:
         node = todo.pop()
         if isinstance(node, ast.Try):
             todo += node.handlers + node.orelse + node.finalbody
+            continue
+        if isinstance(node, ast.If) and _never_runs(node.test, main):
+            todo += node.orelse
             continue
         if isinstance(node, ast.Import):
             names += [a.name.split(".")[0] for a in node.names]
@@ -183,24 +187,33 @@ def _imported(tree):
     return list(dict.fromkeys(names))
 
 
+def _never_runs(test, main):
+    """Whether an `if`'s body does not run: `if TYPE_CHECKING:`, or `if __name__ ==
+    "__main__":` in a module imported (not `main`)."""
+    names = {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(test)
+             if isinstance(n, (ast.Name, ast.Attribute))}
+    return "TYPE_CHECKING" in names or not main and "__name__" in names
+
+
 def unshipped_imports(shipment, field):
     """Refuse a script whose run.files leave out a module beside it that it, or a shipped
     .py file beside it, imports: every rank failed with ModuleNotFoundError after the
     application started."""
-    from .shipping import module_name, unimportable
+    from .shipping import _inside, module_name, unimportable
     run = shipment.job.run
-    if not run.script or run.files is None:     # files null: the script's whole directory is shipped
-        return
+    if not run.script or run.files is None or _inside(run.script, shipment.entries):
+        return              # the script's whole directory is shipped (files null, or listed), first on sys.path
     beside = os.path.dirname(os.path.abspath(run.script))
     sources = [run.script] + [src for src in shipment.entries.values()
                               if src.endswith(".py") and os.path.dirname(src) == beside]
     shipped = {module_name(n) for n in shipment.entries}
     for path in dict.fromkeys(sources):
         tree = _parse(path)
-        for name in _imported(tree) if tree is not None else ():
+        for name in _imported(tree, main=path == run.script) if tree is not None else ():
             local = next((p for p in (os.path.join(beside, name + ".py"), os.path.join(beside, name, "__init__.py"))
                           if os.path.isfile(p)), None)
-            if local and name not in shipped and unimportable(shipment, name, local):
+            if local and name not in shipped and not _inside(local, shipment.entries) \
+                    and unimportable(shipment, name, local, unknown=False):
                 what = os.path.dirname(local) if local.endswith("__init__.py") else local
                 raise YarnappError(f"{field}: {path} imports {name!r}, and {what} beside it is not shipped, so every rank would fail with ModuleNotFoundError; "
                                    f"add it to run.files (or leave run.files out: the script's directory is shipped)")
@@ -233,7 +246,7 @@ def function_imports(function, shipment):
             file = getattr(module, "__file__", None) if module else getattr(importlib.util.find_spec(name), "origin", None)
         except (ImportError, ValueError):
             continue
-        if file and unimportable(shipment, name, file):
+        if file and unimportable(shipment, name, file, unknown=False):
             qual = getattr(function, "__qualname__", None) or type(function).__name__
             raise YarnappError(f"function: {qual} imports {name!r} inside its body, and the containers cannot import "
                                f"it ({file}); import it at the top of your notebook or script instead (what the "

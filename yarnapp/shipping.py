@@ -345,16 +345,21 @@ def local_modules(shipment):
     return out
 
 
-def unimportable(shipment, name, file):
+def unimportable(shipment, name, file, unknown=True):
     """Whether the containers of `shipment` cannot import top-level module `name` as it is
     here, from `file`: a file outside the environment, neither shipped nor found by their
-    interpreter (a group's PYTHONPATH included), or found elsewhere."""
+    interpreter (a group's PYTHONPATH included), or found elsewhere. `unknown`: the answer
+    where this client cannot tell (a group's PYTHONPATH of the nodes' own on YARN, an
+    environment the job brings)."""
     yarn = shipment.job.backend == "yarn"
     environment = tuple(os.path.join(os.path.realpath(p), "") for p in _fresh_interpreter(yarn)[0] if p)
     if ("." in name or not file or name in {module_name(n) for n in shipment.entries}
             or os.path.realpath(file).startswith(environment)):     # a file of the environment (vendored)
         return False
-    spec = _container_spec(name, _group_paths(shipment.job, shipment.entries) or [], yarn)
+    paths = _group_paths(shipment.job, shipment.entries)
+    if paths is None or _other_interpreter(shipment.job):
+        return unknown
+    spec = _container_spec(name, paths, yarn)
     return spec is None or spec.has_location and os.path.realpath(spec.origin) != os.path.realpath(file)
 
 

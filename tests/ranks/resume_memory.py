@@ -30,9 +30,10 @@ path = os.path.join(args["dir"], f"rank-{rank:05d}.pt")
 torch.save(s.state_dict(), path)
 want = [p.detach().clone() for p in s.model.parameters()]
 momentum = [s.optimizer.state[p]["momentum_buffer"].clone() for p in s.model.parameters()]
-with torch.no_grad():
-    for p in s.model.parameters():
+with torch.no_grad():                           # what the load must replace, on every rank (memory freed
+    for p in s.model.parameters():              # here may come back to torch.empty: NaN, not the values)
         p.zero_()
+        s.optimizer.state[p]["momentum_buffer"].fill_(float("nan"))
 s.optimizer.state.clear()
 comm.Barrier()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

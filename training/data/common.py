@@ -15,6 +15,13 @@ IMPORT_HINT = "import one with `yarnapp data import KIND URI`"
 
 class DataError(YarnappError, ValueError):
     """A dataset that cannot be read or written. str() is one line naming the URI or file."""
+    repeats = False             # found in the files' content: a restart reads it again
+
+
+class BadData(DataError):
+    """What a rank found in the content of the data (a page whose checksum fails, an image
+    that does not decode, a label out of range): a restart meets it again at the same step."""
+    repeats = True
 
 
 class Unreachable(DataError):

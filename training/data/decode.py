@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .common import DataError, one_line
+from .common import BadData, DataError, one_line
 from .formats import RAW, STRUCT
 
 try:
@@ -44,14 +44,14 @@ def block_data(table, layout, name):
     label = table.column(cols.label).combine_chunks()
     if layout.kind == STRUCT:
         if image.null_count:
-            raise DataError(f"{name}: {image.null_count} null images in column {cols.image!r}")
+            raise BadData(f"{name}: {image.null_count} null images in column {cols.image!r}")
         image = pc.struct_field(image, "bytes")
     if image.null_count:
         what = "images without bytes (only a path: embed the images in the file)" if layout.kind == STRUCT \
             else "null images"
-        raise DataError(f"{name}: {image.null_count} {what} in column {cols.image!r}")
+        raise BadData(f"{name}: {image.null_count} {what} in column {cols.image!r}")
     if label.null_count:
-        raise DataError(f"{name}: {label.null_count} null labels in column {cols.label!r}")
+        raise BadData(f"{name}: {label.null_count} null labels in column {cols.label!r}")
     labels = label.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
     n = len(image)
     out = BlockData(labels=labels, keep=(image, label))
@@ -117,7 +117,7 @@ def decode(images, shape, channels, where):
         try:
             out.append(decode_one(blob, channels))
         except Exception as e:  # noqa: BLE001 - Pillow raises many kinds for bad bytes
-            raise DataError(f"{where(i)}: not a decodable image ({why_not_image(e)}); re-encode or remove it") \
+            raise BadData(f"{where(i)}: not a decodable image ({why_not_image(e)}); re-encode or remove it") \
                 from None
     return out
 

@@ -284,7 +284,10 @@ def check(uri, columns=None, shape=None):
                                 f"outside the {n} classes the dataset's metadata gives (0 to {n - 1}); "
                                 f"fix the labels, or import the dataset again")
     for name, md in zip(names, footers):
-        r = _label_range(md, columns.label) if not meta.get("num_classes") else None
+        try:
+            r = _label_range(md, columns.label) if not meta.get("num_classes") else None
+        except (TypeError, ValueError):         # statistics that are not integers: the ranks' check
+            r = None
         if r and r[0] < 0:
             raise DataError(f"{name}: its labels run from {r[0]} to {r[1]} (its footer's statistics); labels "
                             f"must be class indices >= 0")

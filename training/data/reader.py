@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from .common import DataError, one_line
+from .common import BadData, DataError, one_line
 from .decode import block_data
 
 log = logging.getLogger(__name__)
@@ -115,10 +115,12 @@ def read_block(layout, files, b):
             # a row range of a big row group costs the bytes before it too
             cost = int(b.read_bytes * (b.offset + b.rows) / max(1, b.rows))
     except (pa.ArrowException, OSError) as e:
-        raise DataError(f"{name}: corrupt or unreadable Parquet data ({one_line(e)}); re-import the dataset "
-                        f"or check the filesystem") from None
+        content = isinstance(e, pa.ArrowInvalid) or any(w in str(e).lower() for w in ("checksum", "corrupt", "thrift"))
+        raise (BadData if content else DataError)(      # a connection's error may pass; a bad page does not
+            f"{name}: corrupt or unreadable Parquet data ({one_line(e)}); re-import the dataset "
+            f"or check the filesystem") from None
     if table.num_rows != b.rows:
-        raise DataError(f"{name}: row group {b.row_group} holds {table.num_rows} rows, its footer says {b.rows}")
+        raise BadData(f"{name}: row group {b.row_group} holds {table.num_rows} rows, its footer says {b.rows}")
     files.drop_cache(b.file, b.span)
     return block_data(table, layout, name), cost
 

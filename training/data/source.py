@@ -29,7 +29,7 @@ import numpy as np
 
 from . import stats as stats_mod
 from . import transforms
-from .common import DataError
+from .common import BadData, DataError
 from .decode import channels_of, decode, gather
 from .formats import RAW, Columns, inspect
 from .order import Order, Schedule, steps_per_epoch
@@ -385,7 +385,7 @@ class ParquetBatches(_Batches):
         epoch = g // self.steps_per_epoch
         bad = (labels < 0) | (labels >= src.num_classes)
         if bad.any():
-            raise DataError(f"{src.uri}: row {int(rows[bad][0])} has label {int(labels[bad][0])}, outside "
+            raise BadData(f"{src.uri}: row {int(rows[bad][0])} has label {int(labels[bad][0])}, outside "
                             f"[0, {src.num_classes}) (the training set's classes)")
         if len(rows) == 0:
             hwc = np.zeros((0, src.shape[1], src.shape[2], src.shape[0]), np.uint8)
