@@ -328,7 +328,8 @@ class Agent:
                 err = self.rank_error(gen, rank) or Failure(reason="")
                 line = f": {err.error}" if err.error and err.error != what else ""     # sys.exit(3) says no more
                 return Outcome.OWN, Failure(kind=kind.value, container=me, rank=rank, exit_code=rc,
-                                            error=err.error, phase=err.phase, input_error=err.input_error, repeats=err.repeats,
+                                            error=err.error, phase=err.phase, input_error=err.input_error,
+                                            repeats=err.repeats,
                                             reason=f"rank {rank} ({me}) {what}{line}" + self.network_note())
             seen = self.observe(gen)
             if self.formed_seen is None and keys.formed(gen) in seen:
@@ -467,7 +468,8 @@ class Agent:
             reason="ended without an error line", rank=self.ident.rank, generation=gen).stamped().dumps())
         if found:
             own = found.rank == self.ident.rank and not found.observed_by
-            early = ended_early(self.store, self.members, gen, self.ident.rank, 2 * self.job.launcher.poll_interval) \
+            early = ended_early(self.store, self.members, gen, self.ident.rank,
+                                2 * self.job.launcher.poll_interval) \
                 if own and found.kind == Kind.CRASHED.value and looks_collateral(found.reason) else None
             found = found.stamped(reason=f"{found.reason}; {early}") if early else found
             # The log is this container's: only for a failure of its own (not one it observed).

@@ -16,8 +16,8 @@ hung by a liveness thread; once the code reports progress itself (ctx.heartbeat,
 ctx.report, training.dist), silence is a hang again (launcher.heartbeat_timeout).
 """
 import argparse
-import importlib
 import functools
+import importlib
 import json
 import logging
 import os

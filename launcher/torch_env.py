@@ -72,10 +72,10 @@ def contract(comm, store, gen, rank, size, backend, app_id, max_restarts):
         store.put(keys.master(gen), json.dumps(master))
     master = comm.bcast(master, root=0)
     local_rank, local_size, group_rank = local_layout(hosts, rank)
-    groups = len(set(hosts))
     return {"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(local_rank),
             "LOCAL_WORLD_SIZE": str(local_size), "GROUP_RANK": str(group_rank),
-            "GROUP_WORLD_SIZE": str(groups),            "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(size), "ROLE_NAME": "worker",
+            "GROUP_WORLD_SIZE": str(len(set(hosts))),
+            "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(size), "ROLE_NAME": "worker",
             "MASTER_ADDR": master["addr"], "MASTER_PORT": str(master["port"]),
             "TORCHELASTIC_RESTART_COUNT": str(gen), "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
             "TORCHELASTIC_RUN_ID": app_id}

@@ -215,8 +215,9 @@ def unshipped_imports(shipment, field):
             if local and name not in shipped and not _inside(local, shipment.entries) \
                     and unimportable(shipment, name, local, unknown=False):
                 what = os.path.dirname(local) if local.endswith("__init__.py") else local
-                raise YarnappError(f"{field}: {path} imports {name!r}, and {what} beside it is not shipped, so every rank would fail with ModuleNotFoundError; "
-                                   f"add it to run.files (or leave run.files out: the script's directory is shipped)")
+                raise YarnappError(f"{field}: {path} imports {name!r}, and {what} beside it is not shipped, so "
+                                   f"every rank would fail with ModuleNotFoundError; add it to run.files (or "
+                                   f"leave run.files out: the script's directory is shipped)")
 
 
 def _code_imports(code):
@@ -243,7 +244,8 @@ def function_imports(function, shipment):
     for name in _code_imports(code) if code is not None else ():
         module = sys.modules.get(name)
         try:
-            file = getattr(module, "__file__", None) if module else getattr(importlib.util.find_spec(name), "origin", None)
+            file = getattr(module, "__file__", None) if module else \
+                getattr(importlib.util.find_spec(name), "origin", None)
         except (ImportError, ValueError):
             continue
         if file and unimportable(shipment, name, file, unknown=False):

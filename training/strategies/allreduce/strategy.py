@@ -232,10 +232,10 @@ class AllReduceStrategy(Strategy):
     def load_state_dict(self, state):
         """Collective: rank 0 loads the checkpoint's model and optimizer, and sends them to
         every rank tensor by tensor, into place (the optimizer's layout first, its state's
-        tensors left out); a checkpoint that does not fit fails on every rank alike. This rank's own
-        precision state. (The whole state pickled through one bcast took the checkpoint's
-        size twice more on rank 0 and three times on the others: a rank that trained in 715
-        MiB of its 1 GiB container was killed for memory at every resume.)"""
+        tensors left out); a checkpoint that does not fit fails on every rank alike. This
+        rank's own precision state. (The whole state pickled through one bcast took the
+        checkpoint's size twice more on rank 0 and three times on the others: a rank that
+        trained in 715 MiB of its 1 GiB container was killed for memory at every resume.)"""
         error = layout = None
         if self.rank == 0:
             try:
