@@ -199,21 +199,20 @@ def unshipped_imports(shipment, field):
     """Refuse a script whose run.files leave out a module beside it that it, or a shipped
     .py file beside it, imports: every rank failed with ModuleNotFoundError after the
     application started."""
-    from .shipping import _inside, module_name, unimportable
+    from .shipping import _inside, unimportable
     run = shipment.job.run
     if not run.script or run.files is None or _inside(run.script, shipment.entries):
         return              # the script's whole directory is shipped (files null, or listed), first on sys.path
     beside = os.path.dirname(os.path.abspath(run.script))
     sources = [run.script] + [src for src in shipment.entries.values()
                               if src.endswith(".py") and os.path.dirname(src) == beside]
-    shipped = {module_name(n) for n in shipment.entries}
+    cannot = unimportable(shipment, unknown=False)      # False for a module shipped under its name
     for path in dict.fromkeys(sources):
         tree = _parse(path)
         for name in _imported(tree, main=path == run.script) if tree is not None else ():
             local = next((p for p in (os.path.join(beside, name + ".py"), os.path.join(beside, name, "__init__.py"))
                           if os.path.isfile(p)), None)
-            if local and name not in shipped and not _inside(local, shipment.entries) \
-                    and unimportable(shipment, name, local, unknown=False):
+            if local and not _inside(local, shipment.entries) and cannot(name, local):
                 what = os.path.dirname(local) if local.endswith("__init__.py") else local
                 raise YarnappError(f"{field}: {path} imports {name!r}, and {what} beside it is not shipped, so "
                                    f"every rank would fail with ModuleNotFoundError; add it to run.files (or "
@@ -239,6 +238,7 @@ def function_imports(function, shipment):
     import sys
 
     from .shipping import unimportable
+    cannot = unimportable(shipment, unknown=False)
     code = getattr(getattr(function, "__func__", function), "__code__", None) or \
         getattr(getattr(function, "__call__", None), "__code__", None)
     for name in _code_imports(code) if code is not None else ():
@@ -248,7 +248,7 @@ def function_imports(function, shipment):
                 getattr(importlib.util.find_spec(name), "origin", None)
         except (ImportError, ValueError):
             continue
-        if file and unimportable(shipment, name, file, unknown=False):
+        if file and cannot(name, file):
             qual = getattr(function, "__qualname__", None) or type(function).__name__
             raise YarnappError(f"function: {qual} imports {name!r} inside its body, and the containers cannot import "
                                f"it ({file}); import it at the top of your notebook or script instead (what the "

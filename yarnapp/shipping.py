@@ -337,30 +337,37 @@ def local_modules(shipment):
     the environment, neither shipped nor found by their interpreter (a group's PYTHONPATH
     included), or found elsewhere. A function shipped from here is pickled with them by
     value (yarnapp.api)."""
+    cannot = unimportable(shipment)
     out = []
     for name, module in list(sys.modules.items()):
         if (name not in ("__main__", "__mp_main__") and isinstance(module, types.ModuleType)
-                and module.__name__ == name and unimportable(shipment, name, getattr(module, "__file__", None))):
+                and module.__name__ == name and cannot(name, getattr(module, "__file__", None))):
             out.append(module)
     return out
 
 
-def unimportable(shipment, name, file, unknown=True):
-    """Whether the containers of `shipment` cannot import top-level module `name` as it is
-    here, from `file`: a file outside the environment, neither shipped nor found by their
-    interpreter (a group's PYTHONPATH included), or found elsewhere. `unknown`: the answer
-    where this client cannot tell (a group's PYTHONPATH of the nodes' own on YARN, an
-    environment the job brings)."""
+def unimportable(shipment, unknown=True):
+    """cannot(name, file): whether the containers of `shipment` cannot import top-level
+    module `name` as it is here, from `file`: a file outside the environment, neither
+    shipped nor found by their interpreter (a group's PYTHONPATH included), or found
+    elsewhere. `unknown`: the answer where this client cannot tell (a group's PYTHONPATH of
+    the nodes' own on YARN, an environment the job brings). What does not depend on the
+    module is worked out once, here (local_modules asks for every module imported)."""
     yarn = shipment.job.backend == "yarn"
     environment = tuple(os.path.join(os.path.realpath(p), "") for p in _fresh_interpreter(yarn)[0] if p)
-    if ("." in name or not file or name in {module_name(n) for n in shipment.entries}
-            or os.path.realpath(file).startswith(environment)):     # a file of the environment (vendored)
-        return False
+    shipped = {module_name(n) for n in shipment.entries}
     paths = _group_paths(shipment.job, shipment.entries)
-    if paths is None or _other_interpreter(shipment.job):
-        return unknown
-    spec = _container_spec(name, paths, yarn)
-    return spec is None or spec.has_location and os.path.realpath(spec.origin) != os.path.realpath(file)
+    told = paths is not None and not _other_interpreter(shipment.job)
+
+    def cannot(name, file):
+        if ("." in name or not file or name in shipped
+                or os.path.realpath(file).startswith(environment)):     # a file of the environment (vendored)
+            return False
+        if not told:
+            return unknown
+        spec = _container_spec(name, paths, yarn)
+        return spec is None or spec.has_location and os.path.realpath(spec.origin) != os.path.realpath(file)
+    return cannot
 
 
 def _inside(path, entries):
