@@ -55,21 +55,23 @@ def same_setup_failure(store, members, gen, cause, poll_s, wait_s):
     return all(r and r.phase == "setup" and r.error == cause.error for r in records)
 
 
+def _twice(store, gen, cause, same):
+    """Whether generation `gen` and the one before it ended by the same rank (and container)
+    failing in a way `same(failure)` tells."""
+    if gen == 0 or not same(cause):
+        return False
+    before = Failure.load(store.get(keys.abort(gen - 1)))
+    return before is not None and same(before) and before.rank == cause.rank \
+        and before.container == cause.container
+
+
 def oom_again(store, gen, cause):
     """Whether the same rank was killed for its container's memory in generation `gen` and
     in the one before."""
-    if gen == 0 or cause.kind != Kind.OOM.value:
-        return False
-    before = Failure.load(store.get(keys.abort(gen - 1)))
-    return before is not None and before.kind == Kind.OOM.value and before.rank == cause.rank \
-        and before.container == cause.container
+    return _twice(store, gen, cause, lambda f: f.kind == Kind.OOM.value)
 
 
 def input_error_again(store, gen, cause):
     """Whether the same rank failed on the data's content with the same line in generation
     `gen` and in the one before."""
-    if gen == 0 or not cause.repeats or not cause.error:
-        return False
-    before = Failure.load(store.get(keys.abort(gen - 1)))
-    return before is not None and bool(before.repeats) and before.error == cause.error \
-        and before.rank == cause.rank
+    return bool(cause.error) and _twice(store, gen, cause, lambda f: bool(f.repeats) and f.error == cause.error)

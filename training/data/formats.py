@@ -272,22 +272,16 @@ def check(uri, columns=None, shape=None):
     else None, its Blocks)."""
     columns = columns or Columns()
     fs, paths, names, footers, meta, kind, raw_shape = _read_footers(uri, columns, shape)
-    if meta.get("num_classes"):     # labels outside the classes: found in a rank mid-epoch, and retried
-        n = int(meta["num_classes"])
-        for name, md in zip(names, footers):
-            try:
-                r = _label_range(md, columns.label)
-            except (TypeError, ValueError):     # statistics that are not integers: the ranks' check
-                r = None
-            if r and (r[0] < 0 or r[1] >= n):
-                raise DataError(f"{name}: its labels run from {r[0]} to {r[1]} (its footer's statistics), "
-                                f"outside the {n} classes the dataset's metadata gives (0 to {n - 1}); "
-                                f"fix the labels, or import the dataset again")
-    for name, md in zip(names, footers):
+    n = int(meta["num_classes"]) if meta.get("num_classes") else None
+    for name, md in zip(names, footers):    # labels outside the classes: found in a rank mid-epoch otherwise
         try:
-            r = _label_range(md, columns.label) if not meta.get("num_classes") else None
-        except (TypeError, ValueError):         # statistics that are not integers: the ranks' check
+            r = _label_range(md, columns.label)
+        except (TypeError, ValueError):     # statistics that are not integers: the ranks' check
             r = None
+        if r and n and (r[0] < 0 or r[1] >= n):
+            raise DataError(f"{name}: its labels run from {r[0]} to {r[1]} (its footer's statistics), "
+                            f"outside the {n} classes the dataset's metadata gives (0 to {n - 1}); "
+                            f"fix the labels, or import the dataset again")
         if r and r[0] < 0:
             raise DataError(f"{name}: its labels run from {r[0]} to {r[1]} (its footer's statistics); labels "
                             f"must be class indices >= 0")
