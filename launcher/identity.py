@@ -19,6 +19,7 @@ The contract (set by the local engine, or by the skein spec on YARN):
 import dataclasses
 import json
 import os
+import re
 
 import conf
 
@@ -84,6 +85,12 @@ def checkpoint_dir(app, base=None, siblings=None):
     if siblings:
         return f"{siblings.rstrip('/')}/{app}/checkpoints/{app}"
     return f"{base.rstrip('/')}/{app}"
+
+
+def complete_steps(names):
+    """The steps of the complete checkpoints among the entry names of a checkpoint_dir,
+    oldest first (step-00000050; one being written is step-00000050.tmp-<gen>)."""
+    return sorted(int(m.group(1)) for n in names if (m := re.match(r"step-(\d{8})$", n)))
 
 
 def secret_from_env(env):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import conf
 import yarnapp
 from launcher import keys
 from recovery_util import digits_job, final_weights, rank_pid, run_to_end, store_of, wait_step
@@ -246,6 +247,36 @@ def test_a_rank_that_always_fails_spends_the_budget_then_fails(tmp_path, cli, ya
     assert [g for g in range(5) if store.get(keys.abort(g))] == [0, 1]     # exactly max_restarts + 1
     assert [r["generation"] for r in st["restarts"]] == [1]
     assert "restart 1" in cli("status", app).stdout
+    assert_nothing_left(app)
+
+
+def test_a_failed_application_says_how_to_go_on_from_its_last_checkpoint(digits, tmp_path, cli, yarnapp_home):
+    """Out of restarts with a complete checkpoint behind it, the failure's line names the
+    checkpoint and the command that goes on from it; that command, run as written once
+    the fault is gone, resumes there. (Before, it said how it failed and nothing else.)"""
+    import shlex
+
+    import yaml
+    faults = "crash_in_checkpoint:20:1:0,crash_in_checkpoint:20:1:1"    # step 10 complete, 20 never
+    job = digits_job(tmp_path, digits, "resume-hint", steps=30, max_restarts=1, instances=(1, 1),
+                     env={"YARNAPP_FAULT": faults})
+    path = tmp_path / "resume-hint.yaml"
+    path.write_text(yaml.safe_dump(job))
+    proc = cli("submit", path, "--wait")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    app = line.split()[1]
+    assert "FAILED after 2 attempt(s)" in line and "exited with status 99" in line, line
+    again = f"yarnapp submit {path} --resume {app}"
+    assert line.endswith(f"; its last complete checkpoint is step 10: `{again}` goes on from it"), line
+    from_notebook = yarnapp.api.Run(app, spec=conf.load_job(job)).failure_message()     # submit(..., wait=True)
+    assert from_notebook.endswith(f"step 10: submit(..., checkpoint={{'resume': '{app}'}}) goes on from it")
+    for group in job["groups"]:
+        group["env"] = {}
+    path.write_text(yaml.safe_dump(job))
+    proc = cli(*shlex.split(again)[1:], "--wait", check=0)
+    resumed = yarnapp.status(proc.stdout.split("submitted ", 1)[1].split()[0])
+    assert resumed["final"]["resumed_app"] == app and resumed["final"]["resumed_from"] == 10, resumed["final"]
     assert_nothing_left(app)
 
 

@@ -29,7 +29,6 @@ import json
 import logging
 import os
 import random
-import re
 import time
 
 import numpy as np
@@ -37,12 +36,11 @@ import pyarrow as pa
 import torch
 
 from conf.errors import YarnappError
-from launcher.identity import checkpoint_dir
+from launcher.identity import checkpoint_dir, complete_steps
 
 from . import fsutil
 
 log = logging.getLogger(__name__)
-_COMPLETE = re.compile(r"^step-(\d{8})$")
 
 
 def rng_state():
@@ -74,8 +72,7 @@ class Checkpointer:
         return f"{root or self.root}/step-{step:08d}" + (f".tmp-{self.generation}" if tmp else "")
 
     def complete_steps(self, root=None):
-        return sorted(int(m.group(1)) for n in fsutil.listdir(self.fs, root or self.root)
-                      if (m := _COMPLETE.match(n)))
+        return complete_steps(fsutil.listdir(self.fs, root or self.root))
 
     def _app_root(self, app):
         """Where application `app` checkpoints (`siblings`: in its own directory)."""

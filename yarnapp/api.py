@@ -239,18 +239,47 @@ class Run:
             if display:
                 display.close()
 
-    def failure_message(self):
-        """Why the application failed, in one line; None while it runs or once it succeeded."""
+    def failure_message(self, resubmit=None):
+        """Why the application failed, in one line; None while it runs or once it succeeded.
+        Where it left a complete checkpoint, the line ends with how to go on from it:
+        `RESUBMIT --resume APP_ID` (resubmit: the command that submitted it, e.g.
+        "yarnapp submit job.yaml"), else submit's checkpoint={"resume": APP_ID}."""
         st = self._last if self._last and self._last["state"] in TERMINAL else self.status()
         if st["state"] not in ("FAILED", "KILLED"):
             return None
         if st["state"] == "KILLED":
-            return f"{self.app_id} was killed"
+            return f"{self.app_id} was killed{self.resume_hint(resubmit)}"
         f = st.get("failure") or {}
         where = f" — log: {f['log']}" if f.get("log") else ""
         attempts = f" after {f['attempts']} attempt(s)" if f.get("attempts") else ""
         return (f"{self.app_id} FAILED{attempts}: {f.get('reason') or st.get('diagnostics') or 'unknown'}"
-                f"{where} (see `yarnapp logs {self.app_id} --container {f.get('container', '<id>')}`)")
+                f"{where} (see `yarnapp logs {self.app_id} --container {f.get('container', '<id>')}`)"
+                f"{self.resume_hint(resubmit)}")
+
+    def last_checkpoint(self):
+        """The step of this application's newest complete checkpoint; None where it has none,
+        or where this handle cannot tell (made from an application id alone, without its job)."""
+        root = self.backend.checkpoints_of(self.app_id, self.spec) if self.spec is not None else None
+        if root is None:
+            return None
+        from launcher.identity import complete_steps
+        from training import fsutil
+        try:
+            fs, path = fsutil.resolve(root)
+            steps = complete_steps(fsutil.listdir(fs, path))
+        except Exception as e:          # unreachable storage: the failure's own line still stands
+            log.debug("no checkpoints of %s readable at %s: %s", self.app_id, root, e)
+            return None
+        return steps[-1] if steps else None
+
+    def resume_hint(self, resubmit=None):
+        """'; its last complete checkpoint is step N: ... goes on from it', or '' (see failure_message)."""
+        step = self.last_checkpoint()
+        if step is None:
+            return ""
+        how = (f"`{resubmit} --resume {self.app_id}`" if resubmit else
+               f"submit(..., checkpoint={{'resume': '{self.app_id}'}})")
+        return f"; its last complete checkpoint is step {step}: {how} goes on from it"
 
 
 def status(app_id):

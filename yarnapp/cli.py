@@ -46,20 +46,25 @@ def cmd_submit(args):
         if not args.wait:
             raise                   # submitted without --wait: it runs on, as it would have
         run.kill()
-        _p(f"interrupted: killed {run.app_id}")
+        _p(f"interrupted: killed {run.app_id}{run.resume_hint(_resubmit(args))}")
         return _interrupted_status()
     took = time.time() - t0
     if st["state"] != "SUCCEEDED":
         f = st.get("failure") or {}
         if f.get("log_tail"):
             _p(f"--- last lines of {f.get('container')}'s log ---\n{f['log_tail']}\n---", file=sys.stderr)
-        raise YarnappError(run.failure_message())
+        raise YarnappError(run.failure_message(resubmit=_resubmit(args)))
     formed = st.get("world_formed_s")
     _p(f"{app_id} SUCCEEDED in {took:.1f}s" + (f" (world formed in {formed:.2f}s after submit)" if formed else ""))
     if st.get("final"):
         from .progress import metrics
         _p("final: " + metrics(st["final"]))
     return 0
+
+
+def _resubmit(args):
+    """The command that submits this job again (a failure's line adds `--resume APP_ID`)."""
+    return shlex.join(["yarnapp", "submit", args.job] + (["--backend", args.backend] if args.backend else []))
 
 
 def cmd_status(args):

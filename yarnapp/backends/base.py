@@ -36,5 +36,11 @@ class Backend(abc.ABC):
     def list(self):
         """[status-like dicts] of known applications, newest first."""
 
+    def checkpoints_of(self, app_id, job):
+        """Where application `app_id` of `job` writes its checkpoints (a URI or a local
+        path; training.checkpoint's layout), or None where this backend cannot say."""
+        from launcher.identity import checkpoint_dir
+        return checkpoint_dir(app_id, job.checkpoint.uri) if job.checkpoint.uri else None
+
 
 TERMINAL = ("SUCCEEDED", "FAILED", "KILLED")

@@ -47,6 +47,7 @@ import skein
 
 import conf
 from launcher import exitcodes, keys, memory, results
+from launcher.identity import checkpoint_dir
 from launcher.failure import Failure
 
 from .. import packaging, preflight, shipping
@@ -388,6 +389,13 @@ class YarnBackend(Backend):
         if record["state"] in ("SUCCEEDED", "FAILED") and "results" not in record:
             record.update(self._stored_results(app_id, report.user))
         return with_formed_s(record)
+
+    def checkpoints_of(self, app_id, job):
+        """checkpoint.uri unset: <storage>/<app id>/checkpoints/<app id>, as the containers write."""
+        if job.checkpoint.uri:
+            return super().checkpoints_of(app_id, job)
+        storage = job.yarn.storage or yarn_cluster.default_storage(submitting_user())
+        return checkpoint_dir(app_id, siblings=storage) if storage else None
 
     def _stored_results(self, app_id, user):
         """The results a finished application wrote to its storage (default storage only)."""

@@ -128,6 +128,10 @@ class LocalBackend(Backend):
             raise YarnappError(f"no application {app_id!r} on the local engine; `yarnapp list` shows them")
         return d
 
+    def checkpoints_of(self, app_id, job):
+        """checkpoint.uri unset: in the application's own directory."""
+        return super().checkpoints_of(app_id, job) or checkpoint_dir(app_id, siblings=apps_dir())
+
     def submit(self, job, where="job"):
         shipment = checked(job, where)
         job = shipment.job
