@@ -201,7 +201,13 @@ def test_a_container_frozen_as_it_starts_is_named_and_replaced_by_the_master(dig
         "        and 'YARNAPP_RANK' not in os.environ:\n"
         "    os.kill(os.getpid(), signal.SIGSTOP)\n")
     job = digits_job(tmp_path, digits, "frozen-start", heartbeat="4s", env={"PYTHONPATH": str(hook)})
-    run, st = run_to_end(job)
+    run = yarnapp.submit(job)
+    rank_pid(run, rank=0, generation=1)
+    small_1 = run.status()["containers"][2]     # its second attempt runs: no exit of its own yet
+    assert (small_1["state"], small_1["exit_code"], small_1["attempts"]) == ("RUNNING", None, 2), small_1
+    assert [e["attempt"] for e in small_1["exits"]] == [1], small_1     # the first's, kept
+    st = run.wait(timeout=600)
+    assert st["state"] == "SUCCEEDED", (st.get("diagnostics"), run.logs())
     abort = json.loads(store_of(run).get(keys.abort(0)))
     assert abort["container"] == "small_1" and "never reported" in abort["reason"], abort
     assert [r["generation"] for r in st["restarts"]] == [1] and st["final"]["steps"] == 40

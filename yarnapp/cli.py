@@ -81,7 +81,7 @@ def cmd_status(args):
             peak += f"  gpus {','.join(str(g) for g in c['gpu_devices'])}"
         res = (f"  {c['vcores']:g} vcores {c['memory_mib']} MiB{peak}  [{c['resources']}]" if "vcores" in c
                else f"  {c.get('node') or ''}")
-        _p(f"  {c['id']:<14} rank {c.get('rank')!s:<4} {c['state']:<10} exit={c['exit_code']} "
+        _p(f"  {c['id']:<14} rank {c.get('rank')!s:<4} {c['state']:<10} exit={'-' if c['exit_code'] is None else c['exit_code']} "
            f"attempts={c['attempts']}{' slot=' + c['slot'] if c.get('slot') else ''}{res}".rstrip())
         if c.get("exit"):
             _p(f"    {c['exit']}")

@@ -61,6 +61,7 @@ class Container:
 
     def start(self):
         self.attempts += 1
+        self.exit_code = None       # this attempt's, once it exits (the earlier ones stay in exits)
         self.started, self.beaten = time.monotonic(), False     # (ApplicationMaster.never_beaten)
         self.memory = self.memory_start = self.memory_state()
         env = dict(os.environ)
