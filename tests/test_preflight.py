@@ -157,3 +157,41 @@ def test_raw_pixels_in_a_plain_binary_column_and_negative_labels_are_refused_bef
                                            r"run from -1 to 1 \(its footer's statistics\); labels must be class "
                                            r"indices >= 0$"):
         preflight.check_data(_job(negative), "job.yaml")
+
+
+def test_a_test_folder_imported_without_a_class_of_the_training_folder_is_refused_before_anything_starts(tmp_path):
+    """A test folder that lacks one of the training folder's classes (no bird/), imported as
+    data.md says: its labels were cat=0, dog=1 against the training set's bird=0, cat=1, dog=2,
+    and the job SUCCEEDED with accuracy 0.0 and no word. Refused at submit now, naming the
+    import that fixes it; imported with --classes, it trains (labels as the training set's)."""
+    import numpy as np
+    from PIL import Image
+
+    from training.data import run_import
+    from training.data.source import ParquetSource
+    for split, names in (("train", ("bird", "cat", "dog")), ("test", ("cat", "dog"))):
+        for cls in names:
+            (tmp_path / split / cls).mkdir(parents=True)
+            for i in range(22):
+                Image.fromarray(np.full((4, 4), 40 * names.index(cls) + i, np.uint8)).save(
+                    tmp_path / split / cls / f"{i}.png")
+    train, test = str(tmp_path / "ds-train"), str(tmp_path / "ds-test")
+    run_import("image-folder", train, {"folder": str(tmp_path / "train")})
+    run_import("image-folder", test, {"folder": str(tmp_path / "test")})
+    with pytest.raises(YarnappError) as e:
+        preflight.check_data(_job(train, test), "job.yaml")
+    assert str(e.value) == (f"job.yaml: training.data.test: {test}: its label 0 is class 'cat', in the training set "
+                            f"({train}) 'bird'; import it with the training set's classes in their order (yarnapp "
+                            f"data import image-folder ... --classes bird,cat,dog)")
+    with pytest.raises(Exception, match=r"its label 0 is class 'cat'"):   # the ranks' own check, as the containers run it
+        ParquetSource(test, reference=ParquetSource(train))
+    run_import("image-folder", test, {"folder": str(tmp_path / "test"), "classes": "bird,cat,dog", "overwrite": True})
+    preflight.check_data(_job(train, test), "job.yaml")
+    source = ParquetSource(test, reference=ParquetSource(train))
+    _, labels = source.read_arrays()
+    assert sorted(set(labels.tolist())) == [1, 2] and source.classes == ["bird", "cat", "dog"]
+    with pytest.raises(Exception, match=r"test/dog: a subfolder that is not among the classes given \(bird, cat\)"):
+        run_import("image-folder", str(tmp_path / "other"), {"folder": str(tmp_path / "test"), "classes": "bird,cat"})
+    with pytest.raises(Exception, match=r"option classes='cat,cat' is not a valid value; give class names separated "
+                                        r"by commas, each once"):
+        run_import("image-folder", str(tmp_path / "other"), {"folder": str(tmp_path / "test"), "classes": "cat,cat"})

@@ -208,7 +208,7 @@ def cmd_netem(args):
 def cmd_data_import(args):
     from training import data
     opts = {k: v for k, v in vars(args).items() if k in ("shards", "seed", "n_train", "n_test", "num_classes",
-                                                         "path", "encoding", "quality") and v is not None}
+                                                         "path", "encoding", "quality", "classes") and v is not None}
     if args.overwrite:
         opts["overwrite"] = True
     if args.kind in ("arrays", "image-folder") and "path" not in opts:
@@ -391,6 +391,9 @@ def build_parser():
                    help="arrays: the number of classes (default: the largest label + 1)")
     s.add_argument("--path", help="arrays: an .npz with x (uint8, N x C x H x W, or N x H x W) and y (integer "
                    "labels); image-folder: the folder (a subfolder per class)")
+    s.add_argument("--classes", help="image-folder: the class names in label order, separated by commas (default: "
+                   "the sorted subfolders); give a test folder its training set's, e.g. bird,cat,dog, where it "
+                   "lacks a class")
     s.add_argument("--encoding", choices=["raw", "jpeg", "png"],
                    help="synthetic-cifar: raw pixels (default) or image files (image-folder keeps its files)")
     s.add_argument("--quality", type=int, help="synthetic-cifar --encoding jpeg: JPEG quality (default 90)")

@@ -43,10 +43,11 @@ def check_data(job, where=None, on_cluster=False):
     from training import fsutil
     from training.data import DataError
     from training.data.common import Unreachable
-    from training.data.formats import Columns, check
+    from training.data.formats import Columns, check, check_same_classes
     pre = f"{where}: " if where else ""
     unreachable = set()         # (scheme, host) already found out of reach: not tried again
     shapes = {}                 # split -> [C, H, W] of its raw images (None: encoded, or not checked)
+    classes = {}                # split -> its class names, where its metadata gives them
     for split in ("train", "test"):
         uri = getattr(data, split)
         if not uri or (on_cluster and fsutil.is_local(uri)):
@@ -55,7 +56,10 @@ def check_data(job, where=None, on_cluster=False):
         if (u.scheme, u.netloc) in unreachable:
             continue
         try:
-            rows, shapes[split], blocks = check(uri, Columns.of(data.columns), tuple(data.shape) if data.shape else None)
+            rows, shapes[split], blocks, classes[split] = check(uri, Columns.of(data.columns),
+                                                                tuple(data.shape) if data.shape else None)
+            if split == "test" and "train" in classes:
+                check_same_classes(uri, classes["test"], data.train, classes["train"])
         except Unreachable as e:
             if not on_cluster:
                 raise YarnappError(f"{pre}training.data.{split}: {e}") from None

@@ -269,7 +269,7 @@ def check(uri, columns=None, shape=None):
     """Raise DataError (Unreachable where the filesystem cannot be reached) unless `uri`
     holds a dataset `inspect` can open: every file's footer read, no rows, no labels.
     Returns (its number of rows, its images' [C, H, W] where the files say: raw pixels,
-    else None, its Blocks)."""
+    else None, its Blocks, its class names where its metadata gives them, else None)."""
     columns = columns or Columns()
     fs, paths, names, footers, meta, kind, raw_shape = _read_footers(uri, columns, shape)
     n = int(meta["num_classes"]) if meta.get("num_classes") else None
@@ -288,7 +288,27 @@ def check(uri, columns=None, shape=None):
     if kind != RAW:
         _check_first_image(fs, paths, names, footers, columns, kind, shape)
     blocks = [b for i, md in enumerate(footers) for b in blocks_of(i, md, _wanted(columns))]
-    return sum(md.num_rows for md in footers), raw_shape if kind == RAW else None, blocks
+    named = [str(c) for c in meta["classes"]] if meta.get("classes") else \
+        _hf_classes(footers[0].schema.to_arrow_schema(), columns.label)
+    return sum(md.num_rows for md in footers), raw_shape if kind == RAW else None, blocks, named or None
+
+
+def check_same_classes(uri, classes, train_uri, train_classes):
+    """Raise DataError where a test set's class names give its labels other meanings than
+    the training set's (a test folder imported without one of the training folder's
+    classes: scored against the wrong classes, accuracy 0 and no word). Fewer classes are
+    fine; class names that are only the label numbers say nothing."""
+    def named(names):
+        return names is not None and list(names) != [str(i) for i in range(len(names))]
+    if not (named(classes) and named(train_classes)):
+        return
+    names = ",".join(train_classes)
+    for label, (mine, theirs) in enumerate(zip(classes, train_classes)):
+        if mine != theirs:
+            raise DataError(
+                f"{uri}: its label {label} is class {mine!r}, in the training set ({train_uri}) {theirs!r}; "
+                f"import it with the training set's classes in their order (yarnapp data import image-folder "
+                f"... --classes {names if len(names) <= 120 else 'NAME,NAME,...'})")
 
 
 def _check_first_image(fs, paths, names, footers, columns, kind, shape):

@@ -169,12 +169,13 @@ def import_arrays(uri, x, y, shards=2, num_classes=None, overwrite=False):
 IMAGE_FOLDER_SEED = 20240501
 
 
-def import_image_folder(uri, folder, shards=2, overwrite=False):
+def import_image_folder(uri, folder, shards=2, overwrite=False, classes=None):
     """The image files under `folder`/<class name>/* as one dataset at `uri`, kept as
     they are (JPEG stays JPEG: no decoding, no resizing; Pillow only checks each file).
 
-    Classes are the sorted subfolder names; labels their indices; the names go into
-    the metadata. Rows are written in a fixed shuffled order, so every row group mixes
+    Classes are the sorted subfolder names, or `classes` (names in label order, e.g. a
+    training set's, for a test folder that lacks some of them: every subfolder must be
+    one of them); labels their indices; the names go into the metadata. Rows are written in a fixed shuffled order, so every row group mixes
     the classes (the streaming reader's shuffle permutes row groups, and a rank's share
     of a batch comes from a few of them). Images may differ in size: resize or crop
     them in training.data.augment / test_transforms. Channels: 1 when every image is
@@ -186,10 +187,19 @@ def import_image_folder(uri, folder, shards=2, overwrite=False):
         raise DataError(f"{folder}: no such folder; give a folder with one subfolder of images per class")
     check_absent(uri, overwrite)
     extensions = {e.lower() for e in Image.registered_extensions()}
-    classes = sorted(d for d in os.listdir(folder)
-                     if os.path.isdir(os.path.join(folder, d)) and not d.startswith("."))
+    found = sorted(d for d in os.listdir(folder) if os.path.isdir(os.path.join(folder, d)) and not d.startswith("."))
+    if classes is not None:
+        classes = _to_names(classes)
+        extra = [d for d in found if d not in classes]
+        if extra:
+            raise DataError(f"{folder}/{extra[0]}: a subfolder that is not among the classes given "
+                            f"({', '.join(classes)}); add it to them or move it out")
+    else:
+        classes = found
     blobs, labels, grey, skipped = [], [], True, []
     for label, cls in enumerate(classes):
+        if cls not in found:
+            continue                # a class this folder has no images of (a test set's)
         for name in sorted(os.listdir(os.path.join(folder, cls))):
             path = os.path.join(folder, cls, name)
             if name.startswith(".") or os.path.splitext(name)[1].lower() not in extensions:
@@ -239,6 +249,14 @@ def _to_quality(v):
     return q
 
 
+def _to_names(v):
+    """Class names: a list, or one string of them separated by commas."""
+    names = [n.strip() for n in v.split(",")] if isinstance(v, str) else [str(n) for n in v]
+    if not names or not all(names) or len(set(names)) != len(names):
+        raise ValueError(f"class names {v!r}: give each class once")
+    return names
+
+
 def _to_bool(v):
     if isinstance(v, str):
         if v.lower() in ("1", "true", "yes", "on"):
@@ -273,10 +291,12 @@ _IMPORTS = {
                                                  "overwrite": _to_bool}, ()),
     "arrays": (None, {"path": str, "shards": _to_count, "num_classes": _to_count, "overwrite": _to_bool},
                ("path",)),
-    "image-folder": (import_image_folder, {"folder": str, "shards": _to_count, "overwrite": _to_bool}, ("folder",)),
+    "image-folder": (import_image_folder, {"folder": str, "shards": _to_count, "overwrite": _to_bool,
+                                           "classes": _to_names}, ("folder",)),
 }
 _WANTED = {_to_count: "a whole number of at least 1", _to_quality: "a JPEG quality from 1 to 100",
-           _to_int: "a whole number", _to_bool: "true or false"}
+           _to_int: "a whole number", _to_bool: "true or false",
+           _to_names: "class names separated by commas, each once, e.g. bird,cat,dog"}
 IMPORT_KINDS = tuple(_IMPORTS)
 
 
@@ -288,7 +308,8 @@ def run_import(kind, uri, options=None, spell=str):
       synthetic-cifar: n_train, n_test, shards, seed, encoding (raw|jpeg|png), quality,
                        overwrite -> uri/train, uri/test
       arrays:          path (an .npz with x, y), shards, num_classes, overwrite -> uri
-      image-folder:    folder, shards, overwrite -> uri (the files as they are)
+      image-folder:    folder, shards, overwrite, classes (names in label order) -> uri
+                       (the files as they are)
     spell(option) is how errors name an option (the CLI's: --n-train).
     Returns {"kind": kind, "datasets": [{"uri", "rows", "shards", "encoding", "shape",
     "num_classes", "mean", "std"}, ...]}.

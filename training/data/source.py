@@ -31,7 +31,7 @@ from . import stats as stats_mod
 from . import transforms
 from .common import BadData, DataError
 from .decode import channels_of, decode, gather
-from .formats import RAW, Columns, inspect
+from .formats import RAW, Columns, check_same_classes, inspect
 from .order import Order, Schedule, steps_per_epoch
 from .reader import BlockReader, Cancelled, _Files, read_block
 
@@ -152,6 +152,7 @@ class ParquetSource:
                 raise DataError(f"{uri}: its labels go up to {self.num_classes - 1} ({self.num_classes} classes), "
                                 f"the training set's ({reference.uri}) to {reference.num_classes - 1}: the model "
                                 f"has {reference.num_classes} outputs; give a test set of the training set's classes")
+            check_same_classes(uri, self.classes, reference.uri, reference.classes)
             self.classes, self.num_classes = reference.classes, reference.num_classes
         self.channels = self._channels()
         if reference is not None and self.channels != reference.channels:
@@ -176,8 +177,9 @@ class ParquetSource:
         self.shape = self._shape()
         if reference is not None and self.shape != reference.shape:
             raise DataError(f"{uri}: its images come out {list(self.shape)} for the model, the training set's "
-                            f"({reference.uri}) {list(reference.shape)}; give a test set of the same size, or "
-                            f"resize it in training.data.test_transforms")
+                            f"({reference.uri}) {list(reference.shape)}; give images of one size, or resize them "
+                            f"to one in training.data.test_transforms (and training.data.augment, where the "
+                            f"training set's differ)")
 
     def __len__(self):
         return self.layout.rows
