@@ -10,7 +10,6 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import conf
 import yarnapp
 from launcher import keys
 from recovery_util import digits_job, final_weights, rank_pid, run_to_end, store_of, wait_step
@@ -259,7 +258,8 @@ def test_a_rank_that_always_fails_spends_the_budget_then_fails(tmp_path, cli, ya
 def test_a_failed_application_says_how_to_go_on_from_its_last_checkpoint(digits, tmp_path, cli, yarnapp_home):
     """Out of restarts with a complete checkpoint behind it, the failure's line names the
     checkpoint and the command that goes on from it; that command, run as written once
-    the fault is gone, resumes there. (Before, it said how it failed and nothing else.)"""
+    the fault is gone, resumes there; `yarnapp kill` says the same of the run it stops.
+    (Before, they said how it ended and nothing else.)"""
     import shlex
 
     import yaml
@@ -275,15 +275,22 @@ def test_a_failed_application_says_how_to_go_on_from_its_last_checkpoint(digits,
     assert "FAILED after 2 attempt(s)" in line and "exited with status 99" in line, line
     again = f"yarnapp submit {path} --resume {app}"
     assert line.endswith(f"; its last complete checkpoint is step 10: `{again}` goes on from it"), line
-    from_notebook = yarnapp.api.Run(app, spec=conf.load_job(job)).failure_message()     # submit(..., wait=True)
+    from_notebook = yarnapp.Run(app).failure_message()          # a handle from its id alone, in any kernel
     assert from_notebook.endswith(f"step 10: submit(..., checkpoint={{'resume': '{app}'}}) goes on from it")
     for group in job["groups"]:
         group["env"] = {}
+    job["training"]["max_steps"] = 1000
     path.write_text(yaml.safe_dump(job))
-    proc = cli(*shlex.split(again)[1:], "--wait", check=0)
-    resumed = yarnapp.status(proc.stdout.split("submitted ", 1)[1].split()[0])
-    assert resumed["final"]["resumed_app"] == app and resumed["final"]["resumed_from"] == 10, resumed["final"]
+    app2 = cli(*shlex.split(again)[1:], check=0).stdout.strip()      # the command as given, without --wait
+    run2 = yarnapp.Run(app2)
+    wait_step(run2, rank=0, step=23)
+    assert _resumed(run2) == [10], run2.logs()["big_0"][-2000:]
+    killed = cli("kill", app2, check=0).stdout.strip()              # `yarnapp kill` says where it can go on from
+    step = int(killed.split("checkpoint is step ")[1].split(":")[0])
+    assert step >= 20 and killed == (f"{app2} KILLED; its last complete checkpoint is step {step}: "
+                                     f"`yarnapp submit JOB.yaml --resume {app2}` goes on from it"), killed
     assert_nothing_left(app)
+    assert_nothing_left(app2)
 
 
 def test_with_no_attempts_left_a_killed_master_fails_the_application_naming_it(digits, tmp_path, yarnapp_home):

@@ -258,8 +258,10 @@ class Run:
 
     def last_checkpoint(self):
         """The step of this application's newest complete checkpoint; None where it has none,
-        or where this handle cannot tell (made from an application id alone, without its job)."""
-        root = self.backend.checkpoints_of(self.app_id, self.spec) if self.spec is not None else None
+        or where this handle cannot tell (made from a YARN application id alone: its job is
+        not kept)."""
+        job = self.spec if self.spec is not None else self.backend.job_of(self.app_id)
+        root = self.backend.checkpoints_of(self.app_id, job) if job is not None else None
         if root is None:
             return None
         from launcher.identity import complete_steps

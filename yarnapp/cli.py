@@ -127,8 +127,9 @@ def follow_increment(printed, text):
 
 
 def cmd_kill(args):
-    st = api.Run(args.app).kill()
-    _p(f"{args.app} {st['state']}")
+    run = api.Run(args.app)
+    st = run.kill()
+    _p(f"{args.app} {st['state']}{run.resume_hint('yarnapp submit JOB.yaml') if st['state'] == 'KILLED' else ''}")
     return 0
 
 

@@ -36,6 +36,11 @@ class Backend(abc.ABC):
     def list(self):
         """[status-like dicts] of known applications, newest first."""
 
+    def job_of(self, app_id):
+        """The conf.JobSpec application `app_id` was submitted with, or None where this
+        backend does not keep it."""
+        return None
+
     def checkpoints_of(self, app_id, job):
         """Where application `app_id` of `job` writes its checkpoints (a URI or a local
         path; training.checkpoint's layout), or None where this backend cannot say."""

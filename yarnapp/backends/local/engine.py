@@ -128,6 +128,10 @@ class LocalBackend(Backend):
             raise YarnappError(f"no application {app_id!r} on the local engine; `yarnapp list` shows them")
         return d
 
+    def job_of(self, app_id):
+        job = read_json(os.path.join(self._dir(app_id), "job.json"))
+        return conf.load_job(job) if job else None
+
     def checkpoints_of(self, app_id, job):
         """checkpoint.uri unset: in the application's own directory."""
         return super().checkpoints_of(app_id, job) or checkpoint_dir(app_id, siblings=apps_dir())
