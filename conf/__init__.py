@@ -145,9 +145,14 @@ def _message(err):
         if kind == "model_attributes_type":
             return f"give a strategy name ({' | '.join(strategy_names())}) or a block with name: and its fields"
     if kind == "extra_forbidden":
-        close = difflib.get_close_matches(str(loc[-1]), _fields_at(loc[:-1]), n=1)
+        here = _fields_at(loc[:-1])
+        close = difflib.get_close_matches(str(loc[-1]), here, n=1)
         if close:
             return f"unknown field; did you mean {close[0]!r}? (see docs/job-reference.md)"
+        inside = [s for s in here if str(loc[-1]) in _fields_at(tuple(loc[:-1]) + (s,))]   # a section's field
+        if inside:
+            where = _path(tuple(loc[:-1]) + (inside[0], loc[-1]))
+            return f"unknown field here; it is {where} (see docs/job-reference.md)"
         return "unknown field; remove it or check its spelling (see docs/job-reference.md)"
     if kind == "too_short":
         return "must have at least one entry"

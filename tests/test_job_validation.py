@@ -39,6 +39,11 @@ CASES = [
     ("unknown-top-key", _with("nmae", "x"), "nmae", "unknown field; did you mean 'name'?"),
     ("unknown-group-key", _with("groups.0.vcorez", 2), "groups[0].vcorez", "unknown field; did you mean 'vcores'?"),
     ("unknown-far-key", _with("zzz", 2), "zzz", "unknown field; remove it or check its spelling"),
+    # a section's field one level too high: named where it goes (was "remove it or check its spelling")
+    ("section-field-at-top", _with("epochs", 3), "epochs", "unknown field here; it is training.epochs"),
+    ("data-field-in-training", {**GOOD, "training": {"data": {"train": "x"}, "shuffle_window": 64}},
+     "training.shuffle_window",
+     "unknown field here; it is training.data.shuffle_window"),
     ("no-groups", _with("groups", []), "groups", "at least one"),
     ("zero-instances", _with("groups.0.instances", 0), "groups[0].instances", "greater than or equal to 1"),
     ("string-instances", _with("groups.0.instances", "3"), "groups[0].instances", "integer"),
@@ -427,4 +432,7 @@ def test_the_python_api_names_what_it_was_given(tmp_path, yarnapp_home):
     path.write_text(yaml.safe_dump(GOOD))
     with pytest.raises(yarnapp.YarnappError, match=rf"^{path}: groupz: unknown field"):
         yarnapp.submit(str(path), function=lambda ctx: None, groupz=[])
+    with pytest.raises(yarnapp.YarnappError, match=r"^submit: wiat=: neither an argument of submit nor a field of "
+                                                   r"the job; did you mean wait=\?$"):     # was "job: wiat: unknown field"
+        yarnapp.submit(str(path), wiat=True)
     assert not os.path.isdir(os.path.join(yarnapp_home, "apps")) or os.listdir(os.path.join(yarnapp_home, "apps")) == []

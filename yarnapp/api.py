@@ -38,6 +38,7 @@ def submit(job, backend=None, wait=False, progress=True, function=None, **overri
     into the job's, e.g. checkpoint={"resume": "latest"}.
     """
     where = str(job) if isinstance(job, (str, os.PathLike)) else "job"
+    _check_keywords(overrides)
     if function is None:
         return _started(start(load(job, backend=backend, **overrides), where=where), wait, progress)
     if not callable(function):
@@ -62,6 +63,19 @@ def submit(job, backend=None, wait=False, progress=True, function=None, **overri
         _pickle(cloudpickle, function, path, shipping.local_modules(shipment))
         run = start(spec, where=where)      # ships it before tmp goes
     return _started(run, wait, progress)
+
+
+def _check_keywords(overrides):
+    """A keyword that is no job field but close to one of submit's own (wiat=True): said so,
+    where the job's check would call it an unknown field of the job."""
+    import difflib
+    import inspect
+    own = [p for p in inspect.signature(submit).parameters if p not in ("job", "overrides")]
+    for key in overrides:
+        close = difflib.get_close_matches(key, own, n=1) if key not in conf.JobSpec.model_fields else None
+        if close:
+            raise YarnappError(f"submit: {key}=: neither an argument of submit nor a field of the job; "
+                               f"did you mean {close[0]}=?")
 
 
 def _check_signature(function):
