@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -162,7 +163,11 @@ def test_a_crash_during_training_is_still_retried(tmp_path, yarnapp_home):
     assert_nothing_left(run.app_id)
 
 
-def test_a_users_model_factory_with_nested_options_trains_in_the_built_in_runner(digits, tmp_path, yarnapp_home):
+def test_a_users_model_factory_with_nested_options_trains_in_the_built_in_runner(digits, tmp_path, yarnapp_home,
+                                                                                 monkeypatch):
+    """...and the notebook that submitted it uses the trained model: Run.model() builds it
+    with the user's factory and options, and predicts as the run's evaluation did (before,
+    only a state_dict, with the normalisation to be found in the dataset's side files)."""
     job = {"name": "user-model", "max_restarts": 0,
            "groups": [{"name": "big", "instances": 1, "vcores": 1, "memory": "2 GiB"},
                       {"name": "small", "instances": 1, "vcores": 0.5, "memory": "2 GiB"}],
@@ -179,6 +184,15 @@ def test_a_users_model_factory_with_nested_options_trains_in_the_built_in_runner
     from training.checkpoint import load_final
     weights = load_final(str(tmp_path / "ckpt"))
     assert weights["0.weight"].shape == (16, 1, 3, 3)          # hidden=16 reached the factory
+    monkeypatch.syspath_prepend(JOBS)                           # the user's package, as in their notebook
+    trained = yarnapp.Run(run.app_id).model()                   # a handle from the id alone
+    assert trained.classes == [str(i) for i in range(10)] and trained.module[0].weight.shape == (16, 1, 3, 3)
+    from training.data.source import ParquetSource
+    images, labels = ParquetSource(f"{digits}/test").read_arrays()      # uint8 N x C x H x W
+    accuracy = float((trained.predict(images) == labels).mean())
+    assert abs(accuracy - st["final"]["accuracy"]) <= 1 / len(labels), (accuracy, st["final"])
+    with pytest.raises(ValueError, match=r"images must be uint8 N x C x H x W"):
+        trained.predict(images.astype(np.float32))
     assert_nothing_left(run.app_id)
 
 
@@ -189,6 +203,9 @@ def test_ctx_init_process_group_joins_the_gloo_group_the_launcher_prepared(yarna
     st = run.wait(timeout=300)
     assert st["state"] == "SUCCEEDED", run.logs()
     assert st["final"] == {"sum": 6.0, "backend": "gloo", "world": 3}
+    with pytest.raises(yarnapp.YarnappError, match=r"ran its own code \(user_model:process_group\), which saves its "
+                                                   r"models itself; Run.model\(\) is the built-in runner's$"):
+        run.model()
     assert_nothing_left(run.app_id)
 
 

@@ -7,6 +7,7 @@ Layout under the job's checkpoint URI:
     <app_id>/step-00000050.tmp-<gen>/rank-00000.pt ...  being written (never read)
     <app_id>/step-00000050/rank-00000.pt ...     complete: renamed after every rank wrote
     <app_id>/final/model.pt                      the trained model (rank 0)
+    <app_id>/final/model.json                    ... how to build and feed it (training.trained)
 
 Every rank writes its own part (its model/optimizer shard, RNG states, data position;
 all-reduce's model and optimizer, the same on every rank, by rank 0 alone) into the
@@ -41,6 +42,7 @@ from launcher.identity import checkpoint_dir, complete_steps
 from . import fsutil
 
 log = logging.getLogger(__name__)
+FINAL_CARD = "model.json"       # beside final/model.pt: how to build and feed the model (training.trained)
 
 
 def rng_state():
@@ -234,10 +236,14 @@ class Checkpointer:
                                   f"{f' (rank {first[0]})' if what == 'write' else ''}: {first[1]}; "
                                   f"free space or fix its permissions (the checkpoint before it is intact)")
 
-    def save_model(self, model):
+    def save_model(self, model, card=None):
+        """The final model's weights (rank 0), and its card (training.trained: how to build
+        it and feed it) where given."""
         if self.rank == 0 and model is not None:
             fsutil.write_bytes(self.fs, f"{self.root}/final/model.pt",
                                fsutil.torch_bytes({k: v.detach().cpu() for k, v in model.state_dict().items()}))
+            if card is not None:
+                fsutil.write_bytes(self.fs, f"{self.root}/final/{FINAL_CARD}", json.dumps(card, indent=1).encode())
 
 
 class CheckpointError(YarnappError, OSError):

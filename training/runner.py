@@ -13,7 +13,7 @@ import torch
 
 from launcher import memory   # plain functions reading this process's memory cgroup
 
-from . import collectives, lazy_dynamo, strategies
+from . import collectives, lazy_dynamo, strategies, trained
 from .checkpoint import CheckpointError, Checkpointer, rng_state, set_rng_state
 from .data import open_dataset
 from .models import build_model, check_output
@@ -224,18 +224,18 @@ class Runner:
         train_time = time.perf_counter() - t_start
         # Rates over the steps after this attempt's first, which pays what is paid once
         # (CUDA's and cuDNN's start, the first reads): a short run's rate is its steady one.
-        trained = step - self.start_step
-        if not trained:     # resumed from the end (`--resume latest` of a finished job): no rates to give
+        steps_trained = step - self.start_step
+        if not steps_trained:     # resumed from the end (`--resume latest` of a finished job): no rates to give
             log.warning("the checkpoint of step %d is the end of training (%d steps): nothing left to train; "
                         "evaluated it", step, self.total_steps)
         final = {"accuracy": ev.get("accuracy"), "loss": ev.get("loss"), "train_loss": rec.get("loss"),
-                 "steps": step, "trained_steps": trained,
-                 "samples_per_s": totals["samples"] / max(totals["wall"], 1e-9) if trained else None,
-                 "data_wait_pct": 100 * totals["wait"] / max(totals["wall"], 1e-9) if trained else None,
+                 "steps": step, "trained_steps": steps_trained,
+                 "samples_per_s": totals["samples"] / max(totals["wall"], 1e-9) if steps_trained else None,
+                 "data_wait_pct": 100 * totals["wait"] / max(totals["wall"], 1e-9) if steps_trained else None,
                  "time_s": train_time, "resumed_from": self.start_step, "resumed_app": self.ckpt.resumed_app}
         final = {k: v for k, v in final.items() if v is not None}
         self.save(step)
-        self.ckpt.save_model(self.strategy.model_for_export())
+        self.ckpt.save_model(self.strategy.model_for_export(), trained.card(self.spec, self.train))
         self.strategy.close()
         if self.tb:
             self.tb.scalars(step, {f"eval/{k}": v for k, v in ev.items()})

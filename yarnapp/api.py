@@ -270,12 +270,31 @@ class Run:
                 f"{where} (see `yarnapp logs {self.app_id} --container {f.get('container', '<id>')}`)"
                 f"{self.resume_hint(resubmit)}")
 
+    def _checkpoints(self):
+        """(its job, where it checkpoints): (None, None) where this handle cannot tell."""
+        job = self.spec if self.spec is not None else self.backend.job_of(self.app_id)
+        return job, (self.backend.checkpoints_of(self.app_id, job) if job is not None else None)
+
+    def model(self):
+        """The model this application trained (training.trained.TrainedModel: `.module`,
+        `.classes`, `.predict(images)` with the run's test transforms and normalisation).
+        The built-in runner's applications; one that ended its training."""
+        from training import trained
+        job, root = self._checkpoints()
+        if root is None:
+            raise YarnappError(f"{self.app_id}: where it checkpoints is not known here (a YARN application's job is "
+                               f"not kept); use yarnapp.Run(app_id, spec=its job), or training.trained.load(<its "
+                               f"checkpoint.uri>/{self.app_id})")
+        if job.run.function != conf.BUILTIN_RUNNER:
+            raise YarnappError(f"{self.app_id}: ran its own code ({job.run.script or job.run.function or 'a function'}"
+                               f"), which saves its models itself; Run.model() is the built-in runner's")
+        return trained.load(root)
+
     def last_checkpoint(self):
         """The step of this application's newest complete checkpoint; None where it has none,
         or where this handle cannot tell (made from a YARN application id alone: its job is
         not kept)."""
-        job = self.spec if self.spec is not None else self.backend.job_of(self.app_id)
-        root = self.backend.checkpoints_of(self.app_id, job) if job is not None else None
+        _, root = self._checkpoints()
         if root is None:
             return None
         from launcher.identity import complete_steps
