@@ -3,6 +3,7 @@
 import io
 import json
 import os
+import stat
 import shutil
 import subprocess
 import sys
@@ -326,11 +327,19 @@ def test_plain_pyarrow_jpeg_file_without_metadata(tmp_path):
     os.makedirs(tmp_path / "ds")
     pq.write_table(table, tmp_path / "ds" / "data.parquet", row_group_size=8)
     spec = _spec(columns={"image": "img", "label": "target"})
-    src = ParquetSource(str(tmp_path / "ds"), spec)
+    old_umask = os.umask(0o077)                     # a container's: the cache was written 0600 beside shared data
+    try:
+        src = ParquetSource(str(tmp_path / "ds"), spec)
+        src.example(1)
+    finally:
+        os.umask(old_umask)
     assert src.layout.kind == "encoded" and src.layout.meta == {} and src.num_classes == 3
     assert src.shape == (3, 12, 12) and len(src.layout.blocks) == 4
     x = src.example(30)
     cache = json.loads((tmp_path / "ds" / "_yarnapp_stats.json").read_text())
+    assert cache["rows"] == 30                      # the images sampled: all 30 (it said 4096, the sample's cap)
+    mode = lambda name: stat.S_IMODE(os.stat(tmp_path / "ds" / name).st_mode)     # noqa: E731
+    assert mode("_yarnapp_stats.json") == mode("data.parquet")        # readable as the data is, whatever the umask
     pixels = np.stack(imgs).reshape(-1, 3).astype(np.float64)
     assert np.allclose(cache["mean"], pixels.mean(0), atol=2.0)       # JPEG moves pixels a little
     assert abs(float(x.mean())) < 0.1 and abs(float(x.std()) - 1) < 0.1

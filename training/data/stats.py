@@ -15,7 +15,9 @@ with the very same numbers.
 """
 import json
 import logging
+import os
 import posixpath
+import stat
 import time
 
 import numpy as np
@@ -57,13 +59,15 @@ def _read_cache(layout, path, channels):
     return None
 
 
-def _write_cache(layout, path, mean, std):
+def _write_cache(layout, path, mean, std, rows):
     body = json.dumps({"fingerprint": _fingerprint(layout), "mean": mean.tolist(), "std": std.tolist(),
-                       "rows": SAMPLE_ROWS, "time": time.time()}).encode()
+                       "rows": rows, "time": time.time()}).encode()
     tmp = f"{path}.tmp-{time.time_ns()}"
     try:
         with layout.fs.open_output_stream(tmp) as f:
             f.write(body)
+        if isinstance(layout.fs, pafs.LocalFileSystem):     # readable by whoever reads the dataset (a
+            os.chmod(tmp, stat.S_IMODE(os.stat(layout.paths[0]).st_mode))   # container's umask is 077)
         layout.fs.move(tmp, path)
     except (pa.ArrowException, OSError) as e:
         log.info("mean/std of %s not cached (%s); they are computed again next time", layout.uri, one_line(e))
@@ -74,14 +78,15 @@ def _write_cache(layout, path, mean, std):
 
 
 def compute(layout, channels):
-    """(mean, std) per channel of a sample of the dataset's decoded images."""
+    """(mean, std, rows) per channel of a sample of the dataset's decoded images, and how
+    many images the sample had."""
     t0 = time.perf_counter()
     nb = len(layout.blocks)
     picks = sorted(set(np.linspace(0, nb - 1, min(nb, SAMPLE_BLOCKS)).round().astype(int).tolist()))
     per_block = max(1, SAMPLE_ROWS // len(picks))
     total = np.zeros(channels)
     total_sq = np.zeros(channels)
-    count = 0
+    count = rows = 0
     files = _Files(layout)
     try:
         for b in picks:
@@ -89,6 +94,7 @@ def compute(layout, channels):
             data, _ = read_block(layout, files, block)
             offsets = np.unique(np.linspace(0, block.rows - 1, min(block.rows, per_block)).round().astype(np.int64))
             images, _ = gather(data, offsets)
+            rows += len(offsets)
             name = layout.name(block.file)
             for img in decode(images, layout.shape, channels, lambda i: f"{name} (sample row {i})"):
                 px = img.reshape(-1, img.shape[-1]).astype(np.float64)
@@ -102,7 +108,7 @@ def compute(layout, channels):
     std = np.where(std > 1e-6, std, 1.0)
     log.info("%s: mean %s std %s from %d pixels of %d blocks in %.1fs", layout.uri, np.round(mean, 2),
              np.round(std, 2), count, len(picks), time.perf_counter() - t0)
-    return mean, std
+    return mean, std, rows
 
 
 def resolve(layout, channels, given=None, comm=None):
@@ -119,8 +125,9 @@ def resolve(layout, channels, given=None, comm=None):
                 path = _cache_path(layout)
                 found = _read_cache(layout, path, channels)
                 if found is None:
-                    found = compute(layout, channels)
-                    _write_cache(layout, path, *found)
+                    mean, std, rows = compute(layout, channels)
+                    _write_cache(layout, path, mean, std, rows)
+                    found = mean, std
                 mean, std = found
             except DataError as e:
                 mean = e
