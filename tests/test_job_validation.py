@@ -399,6 +399,8 @@ def test_what_a_new_user_got_wrong_is_one_line_that_says_what_to_do(tmp_path, cl
     (tmp_path / "imgs" / "cat").mkdir(parents=True)
     (tmp_path / "imgs" / "cat" / "a.jpg").write_text("not an image\n")
     (tmp_path / "dd" / "train").mkdir(parents=True)
+    (tmp_path / "flat").mkdir()
+    (tmp_path / "flat" / "0.png").write_bytes(b"")           # images with no class subfolder (said "no images found")
     job = tmp_path / "passwd.yaml"
     job.write_text(yaml.safe_dump(dict(_with("run.function", "training.runner:main"),
                                        training={"data": {"train": "/etc/passwd"}})))
@@ -406,6 +408,9 @@ def test_what_a_new_user_got_wrong_is_one_line_that_says_what_to_do(tmp_path, cl
               "cannot read the .npz (not an .npz of plain arrays); save it with np.savez(path, x=images, y=labels)"),
              (["data", "import", "image-folder", tmp_path / "ds", "--path", tmp_path / "imgs"],
               "a.jpg: not a readable image (cannot identify image file); remove or replace it"),
+             (["data", "import", "image-folder", tmp_path / "ds", "--path", tmp_path / "flat"],
+              "no images in class subfolders; its 1 image file(s) (0.png, ...) lie in it directly: move each into "
+              "a subfolder named for its class"),
              (["data", "import", "digits", tmp_path / "dd"],
               f"{tmp_path / 'dd' / 'train'} already exists; delete it, or import again with --overwrite"),
              (["submit", job], "/etc/passwd: not a readable Parquet file (Parquet magic bytes not found in footer. "
@@ -416,7 +421,7 @@ def test_what_a_new_user_got_wrong_is_one_line_that_says_what_to_do(tmp_path, cl
     for args, words in cases:
         proc = cli(*args, timeout=120)
         assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and words in proc.stderr, (args, proc.stderr)
-    assert sorted(os.listdir(tmp_path)) == ["dd", "g.npz", "imgs", "passwd.yaml", "yarnapp-home"]
+    assert sorted(os.listdir(tmp_path)) == ["dd", "flat", "g.npz", "imgs", "passwd.yaml", "yarnapp-home"]
     assert apps(yarnapp_home) == []
     assert os.listdir(tmp_path / "dd") == ["train"]
 

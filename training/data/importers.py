@@ -219,7 +219,11 @@ def import_image_folder(uri, folder, shards=2, overwrite=False, classes=None):
             blobs.append(blob)
             labels.append(label)
     if not blobs:
-        raise DataError(f"{folder}: no images found; expected {folder}/<class>/<image files>")
+        loose = [n for n in os.listdir(folder) if os.path.splitext(n)[1].lower() in extensions]
+        raise DataError(f"{folder}: no images in class subfolders" + (
+            f"; its {len(loose)} image file(s) ({loose[0]}, ...) lie in it directly: move each into a "
+            f"subfolder named for its class, {folder}/<class>/<image files>" if loose else
+            f"; expected {folder}/<class>/<image files>"))
     if skipped:     # as torchvision's ImageFolder: only image extensions count, but say so
         log.warning("skipped %d file(s) whose extension is not an image's, e.g. %s", len(skipped), skipped[0])
     order = np.random.default_rng(IMAGE_FOLDER_SEED).permutation(len(blobs))
