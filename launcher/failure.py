@@ -141,6 +141,16 @@ def log_tail(path, lines=20):
         return ""
 
 
+def ended_in(store, members, gen):
+    """Those of `members` ("rank 1 (w_1)") whose code ended (exit 0) in generation `gen`."""
+    out = []
+    for m in members:
+        raw = store.get(keys.done(m["container"]))
+        if raw is not None and json.loads(raw).get("generation") == gen:
+            out.append(f"rank {m['rank']} ({m['container']})")
+    return out
+
+
 def ended_early(store, members, gen, rank, wait_s=0.0):
     """The note naming the peers of `rank` whose code ended (exit 0) in generation `gen`
     while the others still ran, or None: a rank that leaves training early (a `sys.exit(0)`
@@ -149,11 +159,7 @@ def ended_early(store, members, gen, rank, wait_s=0.0):
     record its end, which it does as this one records the failure."""
     deadline = time.monotonic() + wait_s
     while True:
-        early = []
-        for m in members:
-            raw = store.get(keys.done(m["container"])) if m["rank"] != rank else None
-            if raw is not None and json.loads(raw).get("generation") == gen:
-                early.append(f"rank {m['rank']} ({m['container']})")
+        early = ended_in(store, [m for m in members if m["rank"] != rank], gen)
         if early or time.monotonic() >= deadline:
             break
         time.sleep(min(0.05, wait_s))

@@ -10,12 +10,15 @@ asks after every abort). Two kinds are not, since a restart would fail as this o
   CRC fails, an image that does not decode, found at the same step of every attempt) with
   the same line in this generation and the one before. Other errors in training, an
   unreachable filesystem's among them, are retried as often as the job allows: the same
-  line twice may still be a passing cause (a DataNode restarting, a peer that left).
+  line twice may still be a passing cause (a DataNode restarting, a peer that left);
+- a rank's code ended (exit 0) in the generation that failed: its agent, and on YARN its
+  container, ended with it, so no new world can form (each restart waited out
+  launcher.rendezvous_timeout, then failed as "world not formed; missing: w_1").
 """
 import time
 
 from . import keys
-from .failure import Failure, Kind
+from .failure import Failure, Kind, ended_in
 
 NOT_RETRIED = ("every rank failed the same way before training started, so it was not retried "
                "(a restart would fail the same way)")
@@ -23,6 +26,9 @@ NOT_RETRIED_AGAIN = NOT_RETRIED.replace("before training started", "as the resta
     "not retried", "not retried again")     # (training had started: "before training started" misled)
 OOM_AGAIN = "killed for memory in two attempts in a row, so it was not retried again (a restart would be too)"
 INPUT_AGAIN = "the same error in two attempts in a row, so it was not retried again (a restart would fail the same way)"
+ENDED = ("{who} had ended (exit 0) in this attempt, and {whose} container with {it}, so it was not retried (a new "
+         "world cannot form without {it})")
+ENDED_NAMED = "so it was not retried ({whose} container ended with {it}: a new world cannot form without {it})"
 
 
 def not_worth_retrying(store, members, gen, cause, poll_s, wait_s):
@@ -35,7 +41,14 @@ def not_worth_retrying(store, members, gen, cause, poll_s, wait_s):
         return OOM_AGAIN
     if input_error_again(store, gen, cause):
         return INPUT_AGAIN
+    done = ended_in(store, members, gen)
+    if done:
+        one = len(done) == 1
+        named = "had ended (exit 0)" in cause.reason            # launcher.failure.ended_early's note
+        return (ENDED_NAMED if named else ENDED).format(who=", ".join(done), whose="its" if one else "their",
+                                                       it="it" if one else "them")
     return None
+
 
 
 def same_setup_failure(store, members, gen, cause, poll_s, wait_s):

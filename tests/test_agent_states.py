@@ -173,10 +173,11 @@ def test_a_setup_failure_found_repeatable_on_the_second_attempt_says_not_retried
     assert failed.attempts == 2 and failed.reason.endswith(NOT_RETRIED_AGAIN), failed.reason
 
 
-def test_a_setup_failure_beside_a_rank_that_succeeded_is_retried_at_once(tmp_path):
+def test_a_setup_failure_beside_a_rank_that_succeeded_is_judged_at_once(tmp_path):
     """A peer's rank returned early and succeeded, so it records no failure: the failure is
     not every rank's, and the agent says so at once instead of waiting out the grace
-    (SETUP_GRACE_S + 5 s) for a record that never comes."""
+    (SETUP_GRACE_S + 5 s) for a record that never comes (and, the peer's agent having
+    ended, does not retry)."""
     setup = crash(code=1, phase="setup", error="RuntimeError: Connection closed by peer")
 
     def recorded(store, gen):
@@ -185,7 +186,10 @@ def test_a_setup_failure_beside_a_rank_that_succeeded_is_retried_at_once(tmp_pat
     a, store = agent(tmp_path, [(Outcome.OWN, setup, recorded)], max_restarts=0, instances=2)
     started = time.monotonic()
     assert a.run() == 1 and time.monotonic() - started < 5
-    assert load(store, keys.FAILED).retried is None           # failed for its budget, not as deterministic
+    failed = load(store, keys.FAILED)       # not as every rank's failure: as one whose world cannot form again
+    assert failed.retried is False and "rank 1 (w_1) had ended (exit 0)" in failed.reason, failed
+    assert failed.reason.endswith("so it was not retried (its container ended with it: a new world cannot form "
+                                  "without it)"), failed
 
 
 def test_a_failure_in_training_is_retried_even_when_it_repeats(tmp_path):
@@ -233,17 +237,23 @@ def test_the_same_bad_input_twice_in_a_row_in_training_is_not_retried_again(tmp_
 
 def test_a_peer_that_ended_early_is_named_beside_the_collective_it_broke(tmp_path):
     """A DDP script's rank 1 did `sys.exit(0)` in its second epoch: rank 0 failed with gloo's
-    "Connection reset by peer", and was named alone, rank 1 shown SUCCEEDED."""
+    "Connection reset by peer", and was named alone, rank 1 shown SUCCEEDED. Nor is it
+    retried: w_1's agent has ended, and every restart waited out the rendezvous for it."""
     reset = crash(code=1, error="RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
 
     def peer_left(store, gen):
         store.put(keys.done("w_1"), json.dumps({"generation": gen}))
-    a, store = agent(tmp_path, [(Outcome.OWN, reset, peer_left)], max_restarts=0, instances=2)
-    assert a.run() != exitcodes.SUCCEEDED
+    not_retried = ("; rank 1 (w_1) had ended (exit 0) in this attempt, and its container with it, so it was not "
+                   "retried (a new world cannot form without it)")
+    a, store = agent(tmp_path, [(Outcome.OWN, reset, peer_left)] * 2, max_restarts=3, instances=2)
+    assert a.run() != exitcodes.SUCCEEDED and a.spawned_gens == [0]     # each restart waited for w_1, then failed
     assert load(store, keys.FAILED).reason == (f"{reset.reason}; rank 1 (w_1) had ended (exit 0) while the others "
-                                               f"still ran collectives with it: every rank must run the same steps")
-    a, store = agent(tmp_path / "b", [(Outcome.OWN, crash(code=1), peer_left)], max_restarts=0, instances=2)
-    assert a.run() != exitcodes.SUCCEEDED and load(store, keys.FAILED).reason == crash(code=1).reason  # its own bug
+                                               f"still ran collectives with it: every rank must run the same steps; "
+                                               f"so it was not retried (its container ended with it: a new world "
+                                               f"cannot form without it)")
+    a, store = agent(tmp_path / "b", [(Outcome.OWN, crash(code=1), peer_left)] * 2, max_restarts=3, instances=2)
+    assert a.run() != exitcodes.SUCCEEDED and a.spawned_gens == [0]
+    assert load(store, keys.FAILED).reason == crash(code=1).reason + not_retried      # its own bug, not blamed on w_1
 
 
 def test_a_container_that_starts_after_the_application_failed_starts_no_rank(tmp_path):

@@ -231,7 +231,8 @@ def test_a_torchrun_script_whose_rank_returns_early_fails_its_peers_instead_of_h
     with its process group open, so the others waited for ever (no progress reports:
     nothing ever looked hung). Now the launcher closes the group the code left open, and
     when something still holds it (a DistributedDataParallel model: its sockets close only
-    with the process), the rank's process ends at once instead of waiting for its peers."""
+    with the process), the rank's process ends at once instead of waiting for its peers.
+    Restarts left are not spent: the ended rank's container has ended too."""
     model = "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 2))\n" if ddp else ""
     step = ("    loss = model(torch.ones(4, 8)).sum()\n    loss.backward()\n" if ddp else
             "    t = torch.ones(1)\n    dist.all_reduce(t)\n")
@@ -241,12 +242,17 @@ def test_a_torchrun_script_whose_rank_returns_early_fails_its_peers_instead_of_h
                       "for i in range(200):\n"
                       "    if rank == 1 and i == 3:\n        sys.exit(0)\n"
                       + step + "    time.sleep(0.05)\n"
-                      "dist.destroy_process_group()\n")
+                      "dist.destroy_process_group()\n", max_restarts=2)
     proc = cli("submit", job, "--wait", timeout=240)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     err = proc.stderr.strip().splitlines()[-1]
     # gloo says either, depending on whether the peer's close or its reset arrives first
     assert "FAILED after 1 attempt(s)" in err and ("Connection closed" in err or "Connection reset" in err), err
+    # not retried: rank 1's container had ended with it (each restart waited out the rendezvous, then
+    # failed as "world not formed; missing: w_1")
+    assert ("rank 1 (small_0) had ended (exit 0) while the others still ran collectives with it: every rank must run "
+            "the same steps; so it was not retried (its container ended with it: a new world cannot form without it)"
+            ) in err, err
     assert_nothing_left(app_id_from(err))
 
 
