@@ -2,7 +2,7 @@
 
 The agent (launcher.agent) ends its container with:
     SUCCEEDED   0   its rank finished in the last generation
-    FAILED_HERE the rank's own exit status (>0), or 1: this container's rank caused the failure
+    FAILED_HERE the rank's own exit status (>0, but 1 for a 3), or 1: this container's rank caused the failure
     APP_FAILED  3   this container is fine; the application failed elsewhere
     signalled   128 + N after SIGTERM/SIGINT (stopped by the resource manager or the user)
 The rank process (launcher.rank) ends with 0, its user code's status, or 1 (RANK_FAILED).
@@ -26,7 +26,8 @@ def agent_status(failure, own_rank):
     when this container's rank caused it, else APP_FAILED."""
     if failure is None or failure.rank != own_rank or failure.observed_by:
         return APP_FAILED
-    return failure.exit_code if (failure.exit_code or 0) > 0 else RANK_FAILED
+    code = failure.exit_code or 0
+    return code if code > 0 and code != APP_FAILED else RANK_FAILED     # a sys.exit(3) is no "failed elsewhere"
 
 
 YARN = {

@@ -220,6 +220,9 @@ def test_a_script_exiting_non_zero_silently_is_described_by_its_status_not_our_l
     assert "FAILED after 1 attempt(s)" in err and "exited with status 3" in err, err
     assert "exited with status 3: exited with status 3" not in err, err          # said once
     assert "launcher.rank" not in err and "world generation" not in err, err
+    st = yarnapp.status(app_id_from(err))      # the container whose rank exited 3 is not "failed elsewhere"
+    named = next(c for c in st["containers"] if f"({c['id']})" in err)
+    assert (named["exit_code"], named["exit"]) == (1, None), named      # was 3, "ended because ... elsewhere"
     assert_nothing_left(app_id_from(err))
 
 
