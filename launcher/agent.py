@@ -143,6 +143,11 @@ class Agent:
                                              keys.REPLACE_PREFIX),
                                    keys=(keys.FAILED,))
 
+    def finished_peers(self, gen, seen):
+        """The peers ("rank 1 (w_1)") whose code finished in generation `gen` (launcher.rank)."""
+        return [f"rank {m['rank']} ({m['container']})" for m in self.members
+                if m["rank"] != self.ident.rank and keys.finished(gen, m["rank"]) in seen]
+
     def lost_member(self, gen, seen):
         """A member that joined this generation whose container is gone or replaced
         (`seen`: a snapshot from observe)."""
@@ -365,7 +370,18 @@ class Agent:
                     if waited and self.judged_later(silent, limit, now) and not self.lost_member(gen, seen):
                         time.sleep(lj.poll_interval)       # found waiting: its peer's agent names that one
                         continue
+                    if phase == "finished":             # its code ended; peers still in collectives with it
+                        return Outcome.OWN, Failure(kind=Kind.HUNG.value, container=me, rank=rank, reason=(
+                            f"rank {rank} ({me}) finished its code {silent:.0f}s ago, and its peers have not (limit "
+                            f"{limit:g}s: launcher.rendezvous_timeout): a peer waiting in a collective for it ran more "
+                            f"steps than it did; every rank must run the same steps"))
                     at = None if stopped else stacks.where(stacks.dump(self.child.pid, self.heartbeat + stacks.SUFFIX))
+                    gone = self.finished_peers(gen, seen) if at and at.waiting else []
+                    if gone:        # it waits in a collective for ranks whose code has ended
+                        return Outcome.OWN, Failure(kind=Kind.HUNG.value, container=me, rank=rank, reason=(
+                            f"rank {rank} ({me}) waited {silent:.0f}s in a collective for {', '.join(gone)}, whose "
+                            f"code had finished: {'it' if len(gone) == 1 else 'they'} ran fewer steps than this "
+                            f"rank; every rank must run the same steps"))
                     if at and at.waiting and not waited:    # the rank it waits for is named first
                         waited = min(limit, stacks.WAITING_GRACE_S)
                         continue

@@ -65,8 +65,9 @@ def master(gen):
 
 
 def finished(gen, rank=None):
-    """Written by a rank whose code on torch.distributed returned (launcher.rank waits a
-    bounded time for every rank's); without `rank`, the generation's prefix of them."""
+    """Written by a rank whose code returned (launcher.rank: code on torch.distributed waits
+    a bounded time for every rank's; a peer's agent that finds its rank waiting in a
+    collective names the ranks that finished); without `rank`, the generation's prefix."""
     return f"gen/{gen:04d}/finished/" + ("" if rank is None else f"{rank:05d}")
 
 

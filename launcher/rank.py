@@ -364,10 +364,12 @@ def main(argv=None):
         fail(store, gen, ident.rank, error_line(e), ctx.phase)
     if ctx.tensorboard is not None:
         ctx.tensorboard.close()
+    ctx.heartbeat("finished")       # waiting for its peers now: not hung itself if they never come (agent)
     if close_user_process_group():
         # code that never read ctx.comm made no MPI call: nothing of its peers' waits on it
         meet_at_the_end(store, gen, ident.rank, ident.world_size, FINISH_WAIT_S if ctx.comm_used else 0.0)
     else:
+        store.put(keys.finished(gen, ident.rank), "1")     # a peer's agent finding it waited for names it
         comm.Barrier()          # code on the MPI world: every rank is done with it before any leaves
     logging.shutdown()
     sys.stdout.flush()

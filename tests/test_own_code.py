@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 import torch
+import yaml
 
 import yarnapp
 from recovery_util import rank_pid
@@ -256,6 +257,32 @@ def test_a_torchrun_script_whose_rank_returns_early_fails_its_peers_instead_of_h
     assert ("rank 1 (small_0) had ended (exit 0) while the others still ran collectives with it: every rank must run "
             "the same steps; so it was not retried (its container ended with it: a new world cannot form without it)"
             ) in err, err
+    assert_nothing_left(app_id_from(err))
+
+
+def test_a_loop_whose_rank_runs_fewer_steps_names_it_not_a_hang_in_our_code(cli, tmp_path):
+    """Rank 1 of a training.dist loop runs 19 optimizer steps, rank 0 20: rank 0 waits in the
+    all-reduce of its 20th for ever. It was "rank 1 hung: no progress ... its main thread is
+    at launcher/rank.py:371 in main" (the end's Barrier, yarnapp's own code, on the rank that
+    had done nothing wrong but stop first)."""
+    job = _script_job(tmp_path, "fewer",
+                      "import torch\nimport training.dist as yd\nctx = yd.init()\nmodel = torch.nn.Linear(4, 1)\n"
+                      "opt = yd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)\n"
+                      "for i in range(20 if ctx.rank == 0 else 19):\n"
+                      "    opt.zero_grad()\n    model(torch.ones(2, 4)).sum().backward()\n    opt.step()\n",
+                      groups=[GROUPS[0], dict(GROUPS[1], instances=1)])
+    with open(job) as f:
+        spec = yaml.safe_load(f)
+    spec["launcher"] = {"heartbeat_timeout": "5s"}
+    with open(job, "w") as f:
+        yaml.safe_dump(spec, f)
+    proc = cli("submit", job, "--wait", timeout=240)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    err = proc.stderr.strip().splitlines()[-1]
+    assert "rank 0 (big_0) waited" in err and "in a collective" in err, err
+    assert ("for rank 1 (small_0), whose code had finished: it ran fewer steps than this rank; every rank must run "
+            "the same steps") in err, err
+    assert "launcher/rank.py" not in err and "collectives/ring.py" not in err, err
     assert_nothing_left(app_id_from(err))
 
 
