@@ -87,6 +87,8 @@ def script_path(job, workdir):
 def run_code(job, ctx, fn):
     from training import context as context_mod
     context_mod._set_current(ctx)
+    if os.environ.get("YARNAPP_UMASK"):     # the local engine's submitter's (its own files are under 077)
+        os.umask(int(os.environ["YARNAPP_UMASK"], 8))
     if fn is not None:
         result = fn(ctx)
         if result is not None and not ctx.finished:    # a notebook function's result, as Hopsworks keeps it

@@ -106,7 +106,7 @@ class FileStore(Store):
 
     def _tmp(self, value):
         tmp = os.path.join(self.root, f".tmp.{os.getpid()}.{threading.get_ident()}.{time.monotonic_ns()}")
-        with open(tmp, "wb") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:   # whatever the umask
             f.write(_b(value))
         return tmp
 

@@ -4,6 +4,7 @@ the local engine: real containers, cgroups, MPI world, gloo."""
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -258,6 +259,21 @@ def test_a_torchrun_script_whose_rank_returns_early_fails_its_peers_instead_of_h
             "the same steps; so it was not retried (its container ended with it: a new world cannot form without it)"
             ) in err, err
     assert_nothing_left(app_id_from(err))
+
+
+def test_files_a_script_writes_have_the_submitters_umask(cli, tmp_path):
+    """A script's torch.save() outside the application wrote -rw------- (the local engine
+    keeps its own files under umask 077, and the code inherited it), where `python train.py`
+    or a YARN container writes -rw-r--r--: a shared output directory could not read it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    job = _script_job(tmp_path, "writes", f"from training.context import current\n"
+                                          f"open('{out}/rank%d' % current().rank, 'w').close()\n",
+                      groups=[GROUPS[0]])
+    umask = os.umask(0o022)
+    os.umask(umask)
+    cli("submit", job, "--wait", check=0)
+    assert oct(stat.S_IMODE(os.stat(out / "rank0").st_mode)) == oct(0o666 & ~umask)
 
 
 def test_a_loop_whose_rank_runs_fewer_steps_names_it_not_a_hang_in_our_code(cli, tmp_path):

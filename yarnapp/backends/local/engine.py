@@ -142,7 +142,9 @@ class LocalBackend(Backend):
         app_id = _new_app_id()
         d = os.path.join(apps_dir(), app_id)
         # Owner-only: app.json holds the application's secret, the store its coordination;
-        # everything the application writes later is created under umask 077 (see below).
+        # everything the application writes later is created under umask 077 (see below),
+        # but for the job's own code, which runs under the submitter's (launcher.rank.run_code):
+        # what it writes outside is as `python train.py` would write it.
         os.makedirs(d, mode=0o700)
         os.chmod(d, 0o700)
         old, proc = os.umask(0o077), None
@@ -155,7 +157,7 @@ class LocalBackend(Backend):
             write_json(os.path.join(d, "app.json"), {"app_id": app_id, "secret": secrets.token_hex(16),
                                                       "submitted": submitted, "name": job.name})
             FileStore(os.path.join(d, "store"))
-            env = dict(os.environ, PYTHONUNBUFFERED="1")
+            env = dict(os.environ, PYTHONUNBUFFERED="1", YARNAPP_UMASK=f"{old:o}")     # the job's code runs under it
             env.pop("YARNAPP_APP_ID", None)     # the supervisor is not a process of the application
             with interrupts.deferred():     # a supervisor started is a supervisor recorded
                 with open(os.path.join(d, "supervisor.log"), "ab") as out:
