@@ -415,15 +415,23 @@ def test_a_functions_reports_are_tensorboard_scalars_and_its_return_value_its_re
             from torch.utils.tensorboard import SummaryWriter
             with SummaryWriter(ctx.run_logdir) as w:
                 w.add_scalar("mine/value", 7.0, 1)
-        return {"acc": 0.75, "steps": np.int64(5), "weights": np.zeros(10_000)}     # an array is left out
+        import torch           # what a loop reduces besides gradients (they raised TypeError, AttributeError)
+        count = yd.allreduce(torch.tensor([ctx.rank + 1]))               # an int's average: float64
+        total = yd.allreduce_(torch.tensor([ctx.rank + 1]), average=False)   # an int's sum, in place
+        model = torch.nn.Linear(2, 1)
+        yd.broadcast_parameters(model)                                   # a model, not its state_dict
+        same = yd.allreduce(model.weight.detach(), average=False) / 3 - model.weight.detach()
+        return {"acc": 0.75, "steps": np.int64(5), "weights": np.zeros(10_000),     # an array is left out
+                "mean_rank": float(count), "sum_rank": int(total), "n": float(yd.allreduce(1.0, average=False)),
+                "same": float(same.abs().max())}
     logdir = tmp_path / "tb"
     run = yarnapp.submit({"name": "fn-tb", "groups": GROUPS[:2], "max_restarts": 0,
                           "tensorboard": {"logdir": str(logdir)}}, function=train, wait=True, progress=False)
-    assert run.final == {"acc": 0.75, "steps": 5}
+    assert run.final == {"acc": 0.75, "steps": 5, "mean_rank": 2.0, "sum_rank": 6, "n": 3.0, "same": 0.0}, run.final
     tb = EventAccumulator(str(logdir / run.app_id), size_guidance={"scalars": 0})
     tb.Reload()
-    assert sorted(tb.Tags()["scalars"]) == ["final/acc", "final/steps", "mine/value", "report/loss",
-                                            "report/rank_seen"]
+    assert sorted(tb.Tags()["scalars"]) == ["final/acc", "final/mean_rank", "final/n", "final/same", "final/steps",
+                                            "final/sum_rank", "mine/value", "report/loss", "report/rank_seen"]
     assert os.listdir(logdir) == [run.app_id]           # nothing in the experiment's own directory
     assert [(e.step, round(e.value, 4)) for e in tb.Scalars("report/loss")] == [(1, 1.0), (2, 0.5), (3, 0.3333),
                                                                                 (4, 0.25), (5, 0.2)]

@@ -233,6 +233,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=No
 # -- broadcasts and collectives ------------------------------------------------------------
 
 def _tensors(params):
+    if isinstance(params, torch.nn.Module):        # broadcast_parameters(model): its state_dict, as meant
+        params = params.state_dict()
     if isinstance(params, dict):
         return list(params.values())
     out = []
@@ -265,10 +267,24 @@ def broadcast_optimizer_state(optimizer, root_rank=0, ctx=None):
 
 
 def allreduce_(tensor, average=True, ctx=None):
-    """Sum (or average) a tensor over the world, in place, in a fixed order. Collective."""
+    """Sum (or average) a tensor over the world, in place, in a fixed order. Collective.
+    An integer tensor (a count of correct predictions) is summed exactly; its average
+    has no place in it: allreduce(t) returns one."""
     ctx = ctx or context()
-    host = tensor.detach().cpu().contiguous() if tensor.device.type != "cpu" or not tensor.is_contiguous() \
-        else tensor.detach()
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"allreduce_: expected a tensor to reduce in place, got {type(tensor).__name__}; "
+                        f"allreduce(x) takes a number and returns a tensor")
+    if not tensor.is_floating_point():
+        if average:
+            raise TypeError(f"allreduce_: the average of a {tensor.dtype} tensor cannot be kept in it; give "
+                            f"average=False (its sum), or allreduce(t), which returns a float64 tensor")
+        host = tensor.detach().to("cpu", torch.float64)       # exact for integers below 2**53
+    elif tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.dtype not in (torch.float32,
+                                                                                          torch.float64):
+        host = tensor.detach().to("cpu", torch.float64 if tensor.dtype == torch.float64 else torch.float32)
+        host = host.contiguous()
+    else:
+        host = tensor.detach()
     collectives.allreduce_(host, ctx.comm)
     if average:
         host.div_(ctx.world_size)
@@ -279,8 +295,14 @@ def allreduce_(tensor, average=True, ctx=None):
 
 
 def allreduce(tensor, average=True, ctx=None):
-    """A new tensor: the sum (or average) of `tensor` over the world. Collective."""
-    return allreduce_(tensor.detach().clone(), average, ctx)
+    """A new tensor: the sum (or average) of `tensor` (or a number) over the world; the
+    average of integers is a float64 tensor. Collective."""
+    if not isinstance(tensor, torch.Tensor):
+        if not isinstance(tensor, (int, float, np.number, np.ndarray)):
+            raise TypeError(f"allreduce: expected a tensor or a number, got {type(tensor).__name__}")
+        tensor = torch.as_tensor(tensor)
+    t = tensor.detach().clone()
+    return allreduce_(t.to(torch.float64) if average and not t.is_floating_point() else t, average, ctx)
 
 
 def allgather_object(obj, ctx=None):
