@@ -208,6 +208,9 @@ def read_raw(source):
     where = "job"
     if isinstance(source, (str, os.PathLike)):
         where = str(source)
+        if where.endswith(".py") and os.path.isfile(where):
+            raise JobError(f"{where}: a Python script, not a job file; name it in a job.yaml as run.script: "
+                           f"{os.path.basename(where)} (with groups: of containers; docs/own-code.md shows one)")
         try:
             with open(source, encoding="utf-8") as f:
                 raw = yaml.load(f, Loader=_UniqueKeyLoader)

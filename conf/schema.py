@@ -15,6 +15,25 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 from .units import parse_duration_s, parse_memory_mib, parse_rate_bps
 
 MemoryMiB = Annotated[int, BeforeValidator(parse_memory_mib)]
+
+
+def _container_memory(value):
+    """A container's memory: a bare number under BARE_MIB_MIN is most likely GiB meant."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < BARE_MIB_MIN:
+        raise ValueError(f"{value:g} is read as {value:g} MiB (a bare number is MiB, as on YARN), too little for a "
+                         f"container; write {value:g} GiB, or '{value:g} MiB' if you mean it")
+    return value
+
+
+BARE_MIB_MIN = 64
+ContainerMemory = Annotated[int, BeforeValidator(parse_memory_mib), BeforeValidator(_container_memory)]
+
+
+def _args(value):
+    """run.args: YAML's numbers (`[--epochs, 1]`) as the strings a command line has."""
+    if isinstance(value, list):
+        return [str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in value]
+    return value
 Seconds = Annotated[float, BeforeValidator(parse_duration_s)]
 BitsPerSecond = Annotated[float, BeforeValidator(parse_rate_bps)]
 Name = Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{0,30}$")]
@@ -49,7 +68,7 @@ class Group(Model):
     """A worker group: `instances` containers with the same resources."""
     name: Name
     instances: Annotated[int, Field(ge=1)]
-    memory: MemoryMiB
+    memory: ContainerMemory
     vcores: Annotated[float, Field(ge=MIN_VCORES)]
     gpus: Annotated[int, Field(ge=0)]
     node_label: Optional[str]
@@ -63,7 +82,7 @@ class Run(Model):
     function: Annotated[Optional[str], AfterValidator(_module_function)]
     script: Optional[str]
     pickle: Optional[str]
-    args: List[str]
+    args: Annotated[List[str], BeforeValidator(_args)]
     files: Optional[List[str]]
     editable: bool
 
@@ -368,7 +387,8 @@ class JobSpec(Model):
                 raise ValueError(f"groups[{i}].name: {TENSORBOARD_SERVICE!r} names the TensorBoard service when "
                                  f"tensorboard.service is true; rename the group")
         if self.run.function == BUILTIN_RUNNER and self.training is None:
-            raise ValueError("training: required when run.function is the built-in training.runner:main")
+            raise ValueError("training: required when run.function is the built-in training.runner:main (the "
+                             "default); give a training: section, or run.script or run.function for your own code")
         if self.training and isinstance(self.training.shares, list) and len(self.training.shares) != self.world_size:
             raise ValueError(f"training.shares: {len(self.training.shares)} shares given for "
                              f"{self.world_size} ranks")

@@ -39,6 +39,11 @@ CASES = [
     ("unknown-top-key", _with("nmae", "x"), "nmae", "unknown field; did you mean 'name'?"),
     ("unknown-group-key", _with("groups.0.vcorez", 2), "groups[0].vcorez", "unknown field; did you mean 'vcores'?"),
     ("unknown-far-key", _with("zzz", 2), "zzz", "unknown field; remove it or check its spelling"),
+    # from a DDP user's pass: GiB meant, read as MiB, died in 2 s; a YAML number among the script's arguments
+    ("memory-bare-small", _with("groups.0.memory", 2), "groups[0].memory",
+     "2 is read as 2 MiB (a bare number is MiB, as on YARN), too little for a container; write 2 GiB"),
+    ("no-run-no-training", {k: v for k, v in GOOD.items() if k != "run"}, "training",
+     "give a training: section, or run.script or run.function for your own code"),
     # a section's field one level too high: named where it goes (was "remove it or check its spelling")
     ("section-field-at-top", _with("epochs", 3), "epochs", "unknown field here; it is training.epochs"),
     ("data-field-in-training", {**GOOD, "training": {"data": {"train": "x"}, "shuffle_window": 64}},
@@ -399,6 +404,7 @@ def test_what_a_new_user_got_wrong_is_one_line_that_says_what_to_do(tmp_path, cl
     (tmp_path / "imgs" / "cat").mkdir(parents=True)
     (tmp_path / "imgs" / "cat" / "a.jpg").write_text("not an image\n")
     (tmp_path / "dd" / "train").mkdir(parents=True)
+    (tmp_path / "train.py").write_text("import torch\nprint('training')\n")     # given where the job file goes
     (tmp_path / "flat").mkdir()
     (tmp_path / "flat" / "0.png").write_bytes(b"")           # images with no class subfolder (said "no images found")
     job = tmp_path / "passwd.yaml"
@@ -411,6 +417,8 @@ def test_what_a_new_user_got_wrong_is_one_line_that_says_what_to_do(tmp_path, cl
              (["data", "import", "image-folder", tmp_path / "ds", "--path", tmp_path / "flat"],
               "no images in class subfolders; its 1 image file(s) (0.png, ...) lie in it directly: move each into "
               "a subfolder named for its class"),
+             (["submit", tmp_path / "train.py"], "train.py: a Python script, not a job file; name it in a job.yaml "
+                                                   "as run.script: train.py"),
              (["data", "import", "digits", tmp_path / "dd"],
               f"{tmp_path / 'dd' / 'train'} already exists; delete it, or import again with --overwrite"),
              (["submit", job], "/etc/passwd: not a readable Parquet file (Parquet magic bytes not found in footer. "
@@ -421,9 +429,16 @@ def test_what_a_new_user_got_wrong_is_one_line_that_says_what_to_do(tmp_path, cl
     for args, words in cases:
         proc = cli(*args, timeout=120)
         assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and words in proc.stderr, (args, proc.stderr)
-    assert sorted(os.listdir(tmp_path)) == ["dd", "flat", "g.npz", "imgs", "passwd.yaml", "yarnapp-home"]
+    assert sorted(os.listdir(tmp_path)) == ["dd", "flat", "g.npz", "imgs", "passwd.yaml", "train.py", "yarnapp-home"]
     assert apps(yarnapp_home) == []
     assert os.listdir(tmp_path / "dd") == ["train"]
+
+
+def test_a_scripts_arguments_written_as_yaml_numbers_are_its_command_line_strings():
+    """`args: [--epochs, 1]` was refused: "run.args[1]: Input should be a valid string"."""
+    import conf
+    job = conf.load_job({**GOOD, "run": {"script": "train.py", "args": ["--epochs", 1, "--lr", 0.05, "--fast"]}})
+    assert job.run.args == ["--epochs", "1", "--lr", "0.05", "--fast"]
 
 
 def test_the_python_api_names_what_it_was_given(tmp_path, yarnapp_home):
