@@ -125,6 +125,19 @@ def _fields_at(loc):
     return list(model.model_fields)
 
 
+def _is_list(loc):
+    """Whether the field at `loc` (names from the top of the job) holds a list."""
+    model = JobSpec
+    for part in loc[:-1]:
+        field = model.model_fields.get(part) if isinstance(model, type) else None
+        models = _models_in(field.annotation) if field is not None else []
+        if len(models) != 1:
+            return False
+        model = models[0]
+    field = model.model_fields.get(loc[-1])
+    return field is not None and "List[" in str(field.annotation)
+
+
 def _models_in(annotation):
     """The pydantic models an annotation names (through Optional, List, Annotated)."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
@@ -152,6 +165,8 @@ def _message(err):
         inside = [s for s in here if str(loc[-1]) in _fields_at(tuple(loc[:-1]) + (s,))]   # a section's field
         if inside:
             where = _path(tuple(loc[:-1]) + (inside[0], loc[-1]))
+            if _is_list(tuple(loc[:-1]) + (inside[0],)):        # groups: a list of blocks
+                where = where.replace(f"{inside[0]}.", f"{inside[0]}[].", 1)
             return f"unknown field here; it is {where} (see docs/job-reference.md)"
         return "unknown field; remove it or check its spelling (see docs/job-reference.md)"
     if kind == "too_short":
@@ -198,6 +213,22 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                                                         key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep)
+
+
+BARE_MIB_MIN = 64      # a container's memory given as a bare number below this is most likely GiB meant
+
+
+def check_bare_memory(where, raw):
+    """Refuse a container memory a user wrote as a bare number under BARE_MIB_MIN (`memory: 2`
+    meaning 2 GiB, read as 2 MiB: the container died in 2 s). The user's job only (read_raw's
+    dict): a resolved job (job.json) holds every memory as a bare number of MiB."""
+    groups = raw.get("groups") if isinstance(raw, dict) else None
+    for i, g in enumerate(groups if isinstance(groups, list) else []):
+        value = g.get("memory") if isinstance(g, dict) else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < BARE_MIB_MIN:
+            raise JobError(f"{where}: groups[{i}].memory: {value:g} is read as {value:g} MiB (a bare number is MiB, "
+                           f"as on YARN), too little for a container; write {value:g} GiB, or '{value:g} MiB' if "
+                           f"you mean it")
 
 
 def read_raw(source):

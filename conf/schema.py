@@ -17,18 +17,6 @@ from .units import parse_duration_s, parse_memory_mib, parse_rate_bps
 MemoryMiB = Annotated[int, BeforeValidator(parse_memory_mib)]
 
 
-def _container_memory(value):
-    """A container's memory: a bare number under BARE_MIB_MIN is most likely GiB meant."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < BARE_MIB_MIN:
-        raise ValueError(f"{value:g} is read as {value:g} MiB (a bare number is MiB, as on YARN), too little for a "
-                         f"container; write {value:g} GiB, or '{value:g} MiB' if you mean it")
-    return value
-
-
-BARE_MIB_MIN = 64
-ContainerMemory = Annotated[int, BeforeValidator(parse_memory_mib), BeforeValidator(_container_memory)]
-
-
 def _args(value):
     """run.args: YAML's numbers (`[--epochs, 1]`) as the strings a command line has."""
     if isinstance(value, list):
@@ -68,7 +56,7 @@ class Group(Model):
     """A worker group: `instances` containers with the same resources."""
     name: Name
     instances: Annotated[int, Field(ge=1)]
-    memory: ContainerMemory
+    memory: MemoryMiB
     vcores: Annotated[float, Field(ge=MIN_VCORES)]
     gpus: Annotated[int, Field(ge=0)]
     node_label: Optional[str]

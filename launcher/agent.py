@@ -358,6 +358,8 @@ class Agent:
             if formed:
                 phase, silent = self.read_heartbeat(now)
                 limit = lj.heartbeat_timeout if phase == "train" else lj.rendezvous_timeout
+                if phase == "finished":     # waits for its peers: theirs the judgement, this one a backstop
+                    limit = max(lj.heartbeat_timeout, lj.rendezvous_timeout)
                 stopped = process_state(self.child.pid) in ("T", "t")
                 # When one rank stops, the others soon block in a collective waiting for it
                 # and go silent too: a rank that is merely waiting gives the stopped one's
@@ -370,21 +372,25 @@ class Agent:
                     if waited and self.judged_later(silent, limit, now) and not self.lost_member(gen, seen):
                         time.sleep(lj.poll_interval)       # found waiting: its peer's agent names that one
                         continue
-                    if phase == "finished":             # its code ended; peers still in collectives with it
+                    if phase == "finished":     # its code ended: not hung while a peer still makes progress
+                        if any(q < lj.heartbeat_timeout for q in self.peers.rank_quiet(now).values()):
+                            time.sleep(lj.poll_interval)
+                            continue
                         return Outcome.OWN, Failure(kind=Kind.HUNG.value, container=me, rank=rank, reason=(
-                            f"rank {rank} ({me}) finished its code {silent:.0f}s ago, and its peers have not (limit "
-                            f"{limit:g}s: launcher.rendezvous_timeout): a peer waiting in a collective for it ran more "
-                            f"steps than it did; every rank must run the same steps"))
+                            f"rank {rank} ({me}) finished its code {silent:.0f}s ago, and its peers have made no "
+                            f"progress since (limit {limit:g}s: the larger of launcher.heartbeat_timeout and "
+                            f"rendezvous_timeout): one waiting in a collective for it may have run more steps; "
+                            f"every rank must run the same steps"))
                     at = None if stopped else stacks.where(stacks.dump(self.child.pid, self.heartbeat + stacks.SUFFIX))
+                    if at and at.waiting and not waited:    # the rank it waits for is named first
+                        waited = min(limit, stacks.WAITING_GRACE_S)
+                        continue
                     gone = self.finished_peers(gen, seen) if at and at.waiting else []
                     if gone:        # it waits in a collective for ranks whose code has ended
                         return Outcome.OWN, Failure(kind=Kind.HUNG.value, container=me, rank=rank, reason=(
                             f"rank {rank} ({me}) waited {silent:.0f}s in a collective for {', '.join(gone)}, whose "
                             f"code had finished: {'it' if len(gone) == 1 else 'they'} ran fewer steps than this "
                             f"rank; every rank must run the same steps"))
-                    if at and at.waiting and not waited:    # the rank it waits for is named first
-                        waited = min(limit, stacks.WAITING_GRACE_S)
-                        continue
                     return Outcome.OWN, Failure(
                         kind=Kind.HUNG.value, container=me, rank=rank,
                         reason=f"rank {rank} ({me}) hung{' (process stopped)' if stopped else ''}: "

@@ -141,14 +141,20 @@ def log_tail(path, lines=20):
         return ""
 
 
-def ended_in(store, members, gen):
-    """Those of `members` ("rank 1 (w_1)") whose code ended (exit 0) in generation `gen`."""
-    out = []
-    for m in members:
-        raw = store.get(keys.done(m["container"]))
-        if raw is not None and json.loads(raw).get("generation") == gen:
-            out.append(f"rank {m['rank']} ({m['container']})")
-    return out
+def ended_in(store, members, gen, wait_s=0.0):
+    """Those of `members` ("rank 1 (w_1)") whose code ended (exit 0) in generation `gen`.
+    Waits up to wait_s for one: a peer's agent records its end as the others record the
+    failure its end caused."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        out = []
+        for m in members:
+            raw = store.get(keys.done(m["container"]))
+            if raw is not None and json.loads(raw).get("generation") == gen:
+                out.append(f"rank {m['rank']} ({m['container']})")
+        if out or time.monotonic() >= deadline:
+            return out
+        time.sleep(min(0.05, wait_s))
 
 
 def ended_early(store, members, gen, rank, wait_s=0.0):
@@ -157,12 +163,7 @@ def ended_early(store, members, gen, rank, wait_s=0.0):
     at step 3) breaks its peers' collectives, and the peer whose collective failed (gloo's
     "Connection reset by peer") was named alone. Waits up to wait_s for a peer's agent to
     record its end, which it does as this one records the failure."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        early = ended_in(store, [m for m in members if m["rank"] != rank], gen)
-        if early or time.monotonic() >= deadline:
-            break
-        time.sleep(min(0.05, wait_s))
+    early = ended_in(store, [m for m in members if m["rank"] != rank], gen, wait_s)
     if not early:
         return None
     return (f"{', '.join(early)} had ended (exit 0) while the others still ran collectives with "

@@ -41,7 +41,7 @@ def not_worth_retrying(store, members, gen, cause, poll_s, wait_s):
         return OOM_AGAIN
     if input_error_again(store, gen, cause):
         return INPUT_AGAIN
-    done = ended_in(store, members, gen)
+    done = ended_in(store, members, gen, 2 * poll_s)
     if done:
         one = len(done) == 1
         named = "had ended (exit 0)" in cause.reason            # launcher.failure.ended_early's note

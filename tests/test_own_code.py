@@ -289,7 +289,7 @@ def test_a_loop_whose_rank_runs_fewer_steps_names_it_not_a_hang_in_our_code(cli,
                       groups=[GROUPS[0], dict(GROUPS[1], instances=1)])
     with open(job) as f:
         spec = yaml.safe_load(f)
-    spec["launcher"] = {"heartbeat_timeout": "5s"}
+    spec["launcher"] = {"heartbeat_timeout": "2s"}
     with open(job, "w") as f:
         yaml.safe_dump(spec, f)
     proc = cli("submit", job, "--wait", timeout=240)

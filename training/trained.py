@@ -15,6 +15,7 @@ that nobody has to find the normalisation in a dataset's side files:
 import json
 
 import numpy as np
+import pyarrow as pa
 
 from . import fsutil
 from .checkpoint import FINAL_CARD as CARD
@@ -90,10 +91,10 @@ def load(root):
     import torch
 
     from .models import build_model
-    fs, path = fsutil.resolve(root)
+    fs, path = fsutil.resolve(root)         # YarnappError (one line) for a URI it cannot open
     try:
         info = json.loads(fsutil.read_bytes(fs, f"{path}/final/{CARD}"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, pa.ArrowException):
         why = (f"no {CARD} beside model.pt (an earlier yarnapp's run): load its weights with "
                f"training.checkpoint.load_final" if fsutil.exists(fs, f"{path}/final/model.pt") else
                "no final model (the run did not end its training: its checkpoints are step-* beside)")

@@ -19,8 +19,13 @@ def backend_for(app_id):
 
 
 def load(job, where=None, **overrides):
-    """A validated JobSpec from a path, dict or JobSpec; raises YarnappError (one line)."""
+    """A validated JobSpec from a path, dict or JobSpec (a user's: checked for what users
+    get wrong, conf.check_bare_memory); raises YarnappError (one line)."""
     try:
+        if not isinstance(job, conf.JobSpec):
+            name, raw = conf.read_raw(job)
+            conf.check_bare_memory(where or name, raw)
+        conf.check_bare_memory(where or "job", overrides)
         return conf.load_job(job, overrides, where=where)
     except conf.JobError as e:
         raise YarnappError(str(e)) from None
@@ -271,8 +276,10 @@ class Run:
                 f"{self.resume_hint(resubmit)}")
 
     def _checkpoints(self):
-        """(its job, where it checkpoints): (None, None) where this handle cannot tell."""
-        job = self.spec if self.spec is not None else self.backend.job_of(self.app_id)
+        """(its job, where it checkpoints): (None, None) where this handle cannot tell. The job
+        the backend kept first: its paths were made absolute at submit, where spec's relative
+        checkpoint.uri would be read from wherever the client runs now."""
+        job = self.backend.job_of(self.app_id) or self.spec
         return job, (self.backend.checkpoints_of(self.app_id, job) if job is not None else None)
 
     def model(self):
@@ -288,28 +295,34 @@ class Run:
         if job.run.function != conf.BUILTIN_RUNNER:
             raise YarnappError(f"{self.app_id}: ran its own code ({job.run.script or job.run.function or 'a function'}"
                                f"), which saves its models itself; Run.model() is the built-in runner's")
-        return trained.load(root)
+        try:
+            return trained.load(root)
+        except (OSError, ValueError) as e:      # pyarrow's filesystem errors are OSErrors and ValueErrors
+            if isinstance(e, YarnappError):
+                raise
+            raise YarnappError(f"{self.app_id}: cannot read its final model under {root}: "
+                               f"{' '.join(str(e).split())[:200]}") from None
 
     def last_checkpoint(self):
         """The step of this application's newest complete checkpoint; None where it has none,
         or where this handle cannot tell (made from a YARN application id alone: its job is
         not kept)."""
-        _, root = self._checkpoints()
-        if root is None:
-            return None
         from launcher.identity import complete_steps
         from training import fsutil
         try:
+            _, root = self._checkpoints()
+            if root is None:
+                return None
             fs, path = fsutil.resolve(root)
             steps = complete_steps(fsutil.listdir(fs, path))
-        except Exception as e:          # unreachable storage: the failure's own line still stands
-            log.debug("no checkpoints of %s readable at %s: %s", self.app_id, root, e)
+        except Exception as e:          # unreachable storage, a job kept that no longer loads: the
+            log.debug("no checkpoints of %s readable: %s", self.app_id, e)   # failure's line stands
             return None
         return steps[-1] if steps else None
 
     def resume_hint(self, resubmit=None):
         """'; its last complete checkpoint is step N: ... goes on from it', or '' (see failure_message)."""
-        step = self.last_checkpoint()
+        step = self.last_checkpoint()       # None on any error: a hint never hides the line it ends
         if step is None:
             return ""
         how = (f"`{resubmit} --resume {self.app_id}`" if resubmit else

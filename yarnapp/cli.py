@@ -63,8 +63,13 @@ def cmd_submit(args):
 
 
 def _resubmit(args):
-    """The command that submits this job again (a failure's line adds `--resume APP_ID`)."""
-    return shlex.join(["yarnapp", "submit", args.job] + (["--backend", args.backend] if args.backend else []))
+    """The command that submitted this job, to submit it again (a failure's line adds
+    `--resume APP_ID`)."""
+    again = ["yarnapp", "submit", args.job]
+    for flag, value in (("--backend", args.backend), ("--max-restarts", args.max_restarts), ("--nodes", args.nodes)):
+        if value is not None:
+            again += [flag, str(value)]
+    return shlex.join(again)
 
 
 def cmd_status(args):

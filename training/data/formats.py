@@ -23,6 +23,7 @@ import dataclasses
 import json
 import logging
 import posixpath
+import shlex
 from typing import List, Optional
 
 import numpy as np
@@ -302,7 +303,7 @@ def check_same_classes(uri, classes, train_uri, train_classes):
         return names is not None and list(names) != [str(i) for i in range(len(names))]
     if not (named(classes) and named(train_classes)):
         return
-    names = ",".join(train_classes)
+    names = shlex.quote(",".join(train_classes))
     for label, (mine, theirs) in enumerate(zip(classes, train_classes)):
         if mine != theirs:
             raise DataError(

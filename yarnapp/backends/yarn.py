@@ -393,9 +393,11 @@ class YarnBackend(Backend):
     def checkpoints_of(self, app_id, job):
         """checkpoint.uri unset: <storage>/<app id>/checkpoints/<app id>, as the containers write."""
         if job.checkpoint.uri:
-            return super().checkpoints_of(app_id, job)
-        storage = job.yarn.storage or yarn_cluster.default_storage(submitting_user())
-        return checkpoint_dir(app_id, siblings=storage) if storage else None
+            root = super().checkpoints_of(app_id, job)
+        else:
+            storage = job.yarn.storage or yarn_cluster.default_storage(submitting_user())
+            root = checkpoint_dir(app_id, siblings=storage) if storage else None
+        return yarn_cluster.python_uri(root) if root else None     # webhdfs:// where libhdfs is not here
 
     def _stored_results(self, app_id, user):
         """The results a finished application wrote to its storage (default storage only)."""
