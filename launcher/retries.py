@@ -1,5 +1,5 @@
 """Whether a failed generation is worth another attempt (launcher.agent.Agent.after_abort
-asks after every abort). Two kinds are not, since a restart would fail as this one did:
+asks after every abort). These are not, since a restart would fail as this one did:
 - every rank failed before its first training step with the same error line (an
   ImportError, a missing file, a bad argument);
 - the same rank was killed for its container's memory in this generation and the one
@@ -48,7 +48,6 @@ def not_worth_retrying(store, members, gen, cause, poll_s, wait_s):
         return (ENDED_NAMED if named else ENDED).format(who=", ".join(done), whose="its" if one else "their",
                                                        it="it" if one else "them")
     return None
-
 
 
 def same_setup_failure(store, members, gen, cause, poll_s, wait_s):
