@@ -102,7 +102,7 @@ def child(args):
 # -- the driver: one emulated network per rate ---------------------------------------
 
 def run_rate(rate_bps, args):
-    from launcher.agent import die_with_parent
+    from launcher.procs import die_with_parent
     from yarnapp.backends.local import netem
 
     net = netem.Network(f"bench_{secrets.token_hex(3)}", 2, rate_bps=rate_bps)

@@ -10,7 +10,6 @@ current generation (the first without an abort record). A peer whose beat stops
 Why a generation ended is one `launcher.failure.Failure`; the container's exit status is
 decided in `launcher.exitcodes`.
 """
-import ctypes
 import dataclasses
 import enum
 import json
@@ -24,12 +23,12 @@ import time
 import uuid
 
 from . import beats, exitcodes, identity, keys, malloc, memory, network, results, retries, stacks, store as store_mod
+from .procs import die_with_parent, process_state
 from .failure import (Failure, Kind, current_generation, ended_early, log_tail, looks_collateral,
                       spends_the_last_restart, spent_restarts)
 
 log = logging.getLogger("launcher.agent")
 
-_PR_SET_PDEATHSIG = 1
 SETUP_GRACE_S = 8.0      # after a peer failed in setup, how long a rank in setup may take to fail
                          # the same way on its own (ranks start seconds apart on a busy host)
 
@@ -76,23 +75,6 @@ class Outcome(enum.Enum):
     SUCCEEDED = "succeeded"   # the own rank exited 0
     OWN = "own"               # this agent found the cause (monitor returns the Failure)
     OTHER = "other"           # another agent or the master did (an abort record, or FAILED)
-
-
-_LIBC = ctypes.CDLL("libc.so.6", use_errno=True)     # loaded here: a dlopen in a forked child may deadlock
-
-
-def die_with_parent():
-    """preexec_fn: SIGKILL this child when its parent dies (no orphans)."""
-    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def process_state(pid):
-    """The one-letter state of a process (R, S, D, T for stopped...), or None."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
 
 
 class Agent:

@@ -86,7 +86,7 @@ def start_local(app_dir, app_id, store_root):
     It carries YARNAPP_APP_ID, so the master's final sweep ends it whatever happens; its
     log is `yarnapp logs APP --container tensorboard`.
     """
-    from .agent import die_with_parent
+    from .procs import die_with_parent
     log_dir = os.path.join(app_dir, "containers", LOCAL_ID)
     os.makedirs(log_dir, exist_ok=True)
     env = dict(os.environ, YARNAPP_BACKEND="local", YARNAPP_APP_ID=app_id, YARNAPP_CONTAINER_ID=LOCAL_ID,

@@ -150,7 +150,7 @@ def spawn_local(argv, size, env=None, **popen_kw):
     import subprocess
     import tempfile
 
-    from .agent import die_with_parent
+    from .procs import die_with_parent
     parent = os.getpid()
 
     def dies_with_parent():

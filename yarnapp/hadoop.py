@@ -44,7 +44,7 @@ import urllib.parse
 import urllib.request
 
 import conf
-from launcher.agent import process_state
+from launcher.procs import process_state
 
 from . import packaging
 from .errors import YarnappError

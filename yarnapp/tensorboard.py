@@ -143,7 +143,7 @@ class TensorBoard:
                 log.warning("syncing %s failed: %s", self.logdir, e)
 
     def _start(self, host, port, timeout):
-        from launcher.agent import die_with_parent
+        from launcher.procs import die_with_parent
         cmd = [sys.executable, "-m", "tensorboard.main", "--logdir", self.served_dir, "--host", host,
                "--port", str(port), "--reload_interval", str(RELOAD_INTERVAL), "--load_fast", "false",
                "--window_title", f"yarnapp: {self.logdir}"]

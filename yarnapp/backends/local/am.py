@@ -20,8 +20,9 @@ import time
 
 import psutil
 
-from launcher import agent as agent_mod, beats, exitcodes, keys, memory, tensorboard_service
+from launcher import beats, exitcodes, keys, memory, tensorboard_service
 from launcher.failure import Failure, Kind, current_generation, log_tail, spends_the_last_restart
+from launcher.procs import die_with_parent
 from launcher.store import FileStore
 
 from . import cgroups, gpus, netem
@@ -83,7 +84,7 @@ class Container:
             enter_node = self.app.network.enter(self.node)
 
         def setup():
-            agent_mod.die_with_parent()
+            die_with_parent()
             limits.join()
             if enter_node:
                 enter_node()
