@@ -141,6 +141,9 @@ def log_tail(path, lines=20):
         return ""
 
 
+EXITED_EARLY = "had ended (exit 0)"     # said of a rank whose code ended first (ended_early, launcher.retries)
+
+
 def ended_in(store, members, gen, wait_s=0.0):
     """Those of `members` ("rank 1 (w_1)") whose code ended (exit 0) in generation `gen`.
     Waits up to wait_s for one: a peer's agent records its end as the others record the
@@ -166,5 +169,5 @@ def ended_early(store, members, gen, rank, wait_s=0.0):
     early = ended_in(store, [m for m in members if m["rank"] != rank], gen, wait_s)
     if not early:
         return None
-    return (f"{', '.join(early)} had ended (exit 0) while the others still ran collectives with "
+    return (f"{', '.join(early)} {EXITED_EARLY} while the others still ran collectives with "
             f"{'it' if len(early) == 1 else 'them'}: every rank must run the same steps")

@@ -18,7 +18,7 @@ asks after every abort). These are not, since a restart would fail as this one d
 import time
 
 from . import keys
-from .failure import Failure, Kind, ended_in
+from .failure import EXITED_EARLY, Failure, Kind, ended_in
 
 NOT_RETRIED = ("every rank failed the same way before training started, so it was not retried "
                "(a restart would fail the same way)")
@@ -26,8 +26,8 @@ NOT_RETRIED_AGAIN = NOT_RETRIED.replace("before training started", "as the resta
     "not retried", "not retried again")     # (training had started: "before training started" misled)
 OOM_AGAIN = "killed for memory in two attempts in a row, so it was not retried again (a restart would be too)"
 INPUT_AGAIN = "the same error in two attempts in a row, so it was not retried again (a restart would fail the same way)"
-ENDED = ("{who} had ended (exit 0) in this attempt, and {whose} container with {it}, so it was not retried (a new "
-         "world cannot form without {it})")
+ENDED = ("{who} " + EXITED_EARLY + " in this attempt, and {whose} container with {it}, so it was not retried (a "
+         "new world cannot form without {it})")
 ENDED_NAMED = "so it was not retried ({whose} container ended with {it}: a new world cannot form without {it})"
 
 
@@ -44,7 +44,7 @@ def not_worth_retrying(store, members, gen, cause, poll_s, wait_s):
     done = ended_in(store, members, gen, 2 * poll_s)
     if done:
         one = len(done) == 1
-        named = "had ended (exit 0)" in cause.reason            # launcher.failure.ended_early's note
+        named = EXITED_EARLY in cause.reason            # launcher.failure.ended_early's note names them
         return (ENDED_NAMED if named else ENDED).format(who=", ".join(done), whose="its" if one else "their",
                                                        it="it" if one else "them")
     return None

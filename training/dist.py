@@ -274,17 +274,14 @@ def allreduce_(tensor, average=True, ctx=None):
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"allreduce_: expected a tensor to reduce in place, got {type(tensor).__name__}; "
                         f"allreduce(x) takes a number and returns a tensor")
-    if not tensor.is_floating_point():
-        if average:
-            raise TypeError(f"allreduce_: the average of a {tensor.dtype} tensor cannot be kept in it; give "
-                            f"average=False (its sum), or allreduce(t), which returns a float64 tensor")
-        host = tensor.detach().to("cpu", torch.float64)       # exact for integers below 2**53
-    elif tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.dtype not in (torch.float32,
-                                                                                          torch.float64):
-        host = tensor.detach().to("cpu", torch.float64 if tensor.dtype == torch.float64 else torch.float32)
-        host = host.contiguous()
-    else:
-        host = tensor.detach()
+    if average and not tensor.is_floating_point():
+        raise TypeError(f"allreduce_: the average of a {tensor.dtype} tensor cannot be kept in it; give "
+                        f"average=False (its sum), or allreduce(t), which returns a float64 tensor")
+    wire = tensor.dtype if tensor.dtype in (torch.float32, torch.float64) else \
+        torch.float32 if tensor.is_floating_point() else torch.float64      # integers: exact below 2**53
+    host = tensor.detach()
+    if host.device.type != "cpu" or not host.is_contiguous() or host.dtype != wire:
+        host = host.to("cpu", wire).contiguous()
     collectives.allreduce_(host, ctx.comm)
     if average:
         host.div_(ctx.world_size)

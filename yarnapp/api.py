@@ -22,11 +22,12 @@ def load(job, where=None, **overrides):
     """A validated JobSpec from a path, dict or JobSpec (a user's: checked for what users
     get wrong, conf.check_bare_memory); raises YarnappError (one line)."""
     try:
-        if not isinstance(job, conf.JobSpec):
-            name, raw = conf.read_raw(job)
-            conf.check_bare_memory(where or name, raw)
         conf.check_bare_memory(where or "job", overrides)
-        return conf.load_job(job, overrides, where=where)
+        if isinstance(job, conf.JobSpec):
+            return conf.load_job(job, overrides, where=where)
+        name, raw = conf.read_raw(job)      # read once: checked, then validated
+        conf.check_bare_memory(where or name, raw)
+        return conf.load_job(raw, overrides, where=where or name)
     except conf.JobError as e:
         raise YarnappError(str(e)) from None
 

@@ -125,9 +125,8 @@ def resolve(layout, channels, given=None, comm=None):
                 path = _cache_path(layout)
                 found = _read_cache(layout, path, channels)
                 if found is None:
-                    mean, std, rows = compute(layout, channels)
-                    _write_cache(layout, path, mean, std, rows)
-                    found = mean, std
+                    *found, rows = compute(layout, channels)
+                    _write_cache(layout, path, *found, rows)
                 mean, std = found
             except DataError as e:
                 mean = e
