@@ -64,7 +64,7 @@ print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(0), 
 print(MPI.Get_library_version().splitlines()[0])
 import yarnapp, training, conf
 "'
-step tests 180 python3 -m pytest -q -p no:cacheprovider -rs --basetemp=/tmp/gpu-checks-tests \
+step tests 240 python3 -m pytest -q -p no:cacheprovider -rs --basetemp=/tmp/gpu-checks-tests \
     ${GPU_TESTS:-tests/test_devices.py tests/test_dp_devices.py tests/test_gpus.py \
                  tests/test_conv_mp.py::test_gpu_ranks_equal_single_process}
 step gpu_dp "${GPU_DP_LIMIT:-200}" python3 benchmarks/gpu_dp.py ${GPU_DP_ARGS:---quick} --out "$out/gpu_dp.json"

@@ -153,3 +153,28 @@ def test_on_real_gpus_more_than_there_are_is_refused_and_a_second_application_wa
                                         "set gpus: 0, or submit to a cluster with --backend yarn"), proc.stderr
     st1, st2 = _second_waits_for_the_first(n, {"REPORT_CUDA": "1"})
     assert st1["final"]["cuda"] == st2["final"]["cuda"] == [[g.name for g in REAL_GPUS]]
+
+
+@pytest.mark.skipif(not REAL_GPUS, reason=NO_GPU)
+def test_on_real_gpus_an_unmodified_nccl_ddp_script_trains_on_its_containers_gpu(tmp_path, yarnapp_home):
+    """The tutorial's GPU script (nccl, set_device(LOCAL_RANK), DDP(device_ids=...)) runs as
+    written: LOCAL_RANK names the container's own GPU, whichever the machine gave it."""
+    import json
+    import torch
+    n = len(REAL_GPUS)
+    out = tmp_path / "out"
+    out.mkdir()
+    jobs = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobs")
+    run = yarnapp.submit({"name": "nccl", "max_restarts": 0,
+                          "groups": [{"name": "gpu", "instances": n, "gpus": 1, "vcores": 1, "memory": "4 GiB"}],
+                          "run": {"script": os.path.join(jobs, "ddp_train.py"),
+                                  "args": ["--out", str(out), "--epochs", "2", "--backend", "nccl"]}})
+    st = run.wait(timeout=300)
+    assert st["state"] == "SUCCEEDED", run.logs()
+    info = [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
+    assert [i["device"] for i in info] == [f"cuda:{i['local_rank']}" for i in info]
+    assert [i["env"]["CUDA_VISIBLE_DEVICES"] for i in info] == [str(g.index) for g in REAL_GPUS]
+    weights = [torch.load(out / f"rank{r}.pt") for r in range(n)]
+    assert all(torch.equal(weights[0][k], w[k]) for w in weights for k in w)
+    assert all(torch.isfinite(v).all() for v in weights[0].values())
+    assert_nothing_left(run.app_id)
