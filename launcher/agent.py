@@ -7,8 +7,9 @@ forever inside a collective. START publishes `alive/<container>` (owned: the res
 manager deletes it when the container exits), starts the container's beat and finds the
 current generation (the first without an abort record). A peer whose beat stops
 (launcher.beats) ends the generation too, and is replaced through the resource manager.
-Why a generation ended is one `launcher.failure.Failure`; the container's exit status is
-decided in `launcher.exitcodes`.
+Why a generation ended is one `launcher.failure.Failure`; when the cause is a peer (lost,
+frozen, missing, or the one this rank died of), `launcher.diagnosis` finds it. The
+container's exit status is decided in `launcher.exitcodes`.
 """
 import dataclasses
 import enum
@@ -22,10 +23,10 @@ import sys
 import time
 import uuid
 
-from . import beats, exitcodes, identity, keys, malloc, memory, network, results, retries, stacks, store as store_mod
+from . import beats, exitcodes, identity, keys, malloc, memory, results, retries, stacks, store as store_mod
+from .diagnosis import PeerDiagnosis
 from .procs import die_with_parent, process_state
-from .failure import (Failure, Kind, current_generation, ended_early, log_tail, looks_collateral,
-                      spends_the_last_restart, spent_restarts)
+from .failure import Failure, Kind, current_generation, ended_early, log_tail, looks_collateral, spent_restarts
 
 log = logging.getLogger("launcher.agent")
 
@@ -77,7 +78,7 @@ class Outcome(enum.Enum):
     OTHER = "other"           # another agent or the master did (an abort record, or FAILED)
 
 
-class Agent:
+class Agent(PeerDiagnosis):
     def __init__(self, ident, store):
         self.ident = ident
         self.store = store
@@ -125,98 +126,6 @@ class Agent:
                                              keys.REPLACE_PREFIX),
                                    keys=(keys.FAILED,))
 
-    def finished_peers(self, gen, seen):
-        """The peers ("rank 1 (w_1)") whose code finished in generation `gen` (launcher.rank)."""
-        return [f"rank {m['rank']} ({m['container']})" for m in self.members
-                if m["rank"] != self.ident.rank and keys.finished(gen, m["rank"]) in seen]
-
-    def lost_member(self, gen, seen):
-        """A member that joined this generation whose container is gone or replaced
-        (`seen`: a snapshot from observe)."""
-        for m in self.members:
-            if m["rank"] == self.ident.rank:
-                continue
-            joined = keys.joined(gen, m["rank"]) if m["rank"] else keys.port(gen)
-            if joined not in seen or keys.done(m["container"]) in seen:
-                continue
-            a = seen.get(keys.alive(m["container"]))
-            if a is None:
-                return m["container"], "its container exited"
-            inc = seen.get(keys.incarnation(gen, m["rank"]))
-            if json.loads(a)["incarnation"] != (inc.decode() if inc else None):
-                return m["container"], "its container was replaced"
-        return None
-
-    def replace_frozen(self, gen, seen, frozen):
-        """End generation `gen` naming the frozen peer silent longest (the abort record first,
-        so that nobody names what its replacement does next), and ask the resource manager
-        to replace each of `frozen` ([(container, seconds silent, its last beat)]) whose
-        incarnation nobody has asked for yet (launcher.keys.replace; a request that fails is
-        withdrawn, so that it is asked again). Several frozen at once (a host with two
-        containers) are replaced together, not one restart each."""
-        (container, silent, _), others = frozen[0], [c for c, _, _ in frozen[1:]]
-        last = self.fails_with(gen, seen)       # then nothing is replaced
-        failure = Failure(kind=Kind.LOST.value, container=container, observed_by=self.ident.container,
-                          reason=f"lost {container}: it stopped responding (its agent has been silent for "
-                                 f"{silent:.1f}s, limit {self.peers.limit:g}s: launcher.heartbeat_timeout; the "
-                                 f"container is frozen or the store cannot reach it)"
-                                 + (f" (and {', '.join(others)}, silent too)" if others else "")
-                                 + ("" if last else "; the resource manager is asked to replace it"))
-        if self.store.put_if_absent(keys.abort(gen), failure.stamped(generation=gen).dumps()):
-            log.error("generation %d aborted: %s", gen, failure.reason)
-        for c, quiet, beat in ([] if last else frozen):
-            self.ask_replacement(keys.replace(c, beat["incarnation"]), {"silent_s": round(quiet, 1), **beat})
-        return failure
-
-    def fails_with(self, gen, seen):
-        """Whether an abort of generation `gen` ends the application (it failed already, or
-        this abort spends the last restart): then no replacement is asked for."""
-        return keys.FAILED in seen or spends_the_last_restart(self.store, gen, self.job.max_restarts)
-
-    def ask_replacement(self, request, record):
-        """Ask the resource manager to replace record["engine_id"] of record["group"], once:
-        the first writer of `request` (launcher.keys.replace) asks, and withdraws a request
-        that fails, so that it is asked again."""
-        if self.store.put_if_absent(request, json.dumps({"by": self.ident.container, **record})):
-            instances = next(g.instances for g in self.job.groups if g.name == record["group"])
-            try:
-                self.store.replace_container(record["engine_id"], record["group"], instances)
-            except Exception as e:
-                self.store.delete(request)
-                log.error("could not ask for %s's replacement (it will be asked again): %s", record["engine_id"], e)
-
-    def not_formed(self, gen, seen):
-        """The world did not form within launcher.rendezvous_timeout: who is missing (rank 0
-        when its port is not out, else the ranks that did not join). A container the resource
-        manager has run for a while whose agent never beat is named too, and replaced
-        (launcher.beats.unheard), so that the next generation does not wait for it again; one
-        that is merely late (allocated late) is waited for."""
-        lj = self.job.launcher
-        if keys.port(gen) not in seen:          # nobody could join: rank 0 is the one missing
-            missing = [self.members[0]["container"]]
-        else:
-            missing = [m["container"] for m in self.members[1:] if keys.joined(gen, m["rank"]) not in seen]
-        nodes = network.members_from(self.store)
-        missing = [f"{c} on {nodes[c]['node']} ({nodes[c]['addr']})" if c in nodes else c for c in missing]
-        try:
-            unheard = beats.unheard(self.store, self.members, seen, lj.heartbeat_timeout, lj.rendezvous_timeout)
-        except Exception as e:
-            log.warning("could not ask the resource manager which containers run: %s", e)
-            unheard = []
-        note = ""
-        if unheard:
-            last = self.fails_with(gen, seen)
-            for engine_id, group in ([] if last else unheard):
-                self.ask_replacement(keys.replace(engine_id, "unheard"), {"engine_id": engine_id, "group": group})
-            one = len(unheard) == 1
-            note = (f"; {', '.join(e for e, _ in unheard)} {'runs' if one else 'run'}, but "
-                    f"{'its agent' if one else 'their agents'} never reported (frozen or stuck as it started, "
-                    f"or still localizing its files: raise launcher.rendezvous_timeout for those)"
-                    + ("" if last else f"; the resource manager is asked to replace {'it' if one else 'them'}"))
-        return Failure(kind=Kind.NOT_FORMED.value, container=self.ident.container, rank=self.ident.rank,
-                       reason=f"world not formed within {lj.rendezvous_timeout:.0f}s; missing: "
-                              f"{', '.join(missing) or 'none'}" + note + self.network_note())
-
     def fence(self):
         """This incarnation was judged frozen and is being replaced (it resumed in time to
         see so): its slot is another's now. Leave without a word."""
@@ -224,25 +133,6 @@ class Agent:
         self.kill_child()
         logging.shutdown()
         os._exit(exitcodes.RANK_FAILED)
-
-    def peer_cause(self, gen, grace):
-        """After this rank died of something other than SIGKILL: was it collateral? A rank that
-        loses a peer dies of MPI's fatal error (SIGABRT or an error exit) moments after it, so
-        wait up to `grace` seconds for the root cause to show. True when another agent wrote
-        the generation's abort record; a LOST Failure when a member's container is gone (its
-        own agent died with it and cannot say so); None when nothing else went wrong."""
-        deadline = time.monotonic() + grace
-        while True:
-            seen = self.observe(gen)
-            if keys.abort(gen) in seen:
-                return True
-            lost = self.lost_member(gen, seen)
-            if lost:
-                return Failure(kind=Kind.LOST.value, container=lost[0], observed_by=self.ident.container,
-                               reason=f"lost {lost[0]}: {lost[1]}")
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(0.05)
 
     def rank_quiet(self):
         """For this agent's beat: {"rank_quiet": seconds since its rank last beat}, while the
@@ -253,18 +143,6 @@ class Agent:
             return {"rank_quiet": round(max(0.0, time.time() - os.path.getmtime(self.heartbeat)), 2)}
         except (OSError, AttributeError):
             return {}
-
-    def judged_later(self, silent, limit, now):
-        """Whether a peer's rank beat after this one (by more than a beat's period) and its
-        agent has not yet had the time to judge it (the limit, its margin and a waiting rank's
-        grace): this rank, found waiting, most likely waits for that one, whose agent will
-        name it. A hang right after a step the slow rank reported late was blamed on the
-        rank waiting for it. At most one such turn more: a peer that beats on while this
-        rank waits (collectives that do not match) leaves this rank named."""
-        turn = limit + min(2.0, limit / 2) + min(limit, stacks.WAITING_GRACE_S) + 2 * beats.BEAT_S
-        if silent > 2 * turn:   # a peer that beats on while this rank waits in vain (mismatched collectives)
-            return False
-        return any(quiet < silent - beats.BEAT_S and quiet < turn for quiet in self.peers.rank_quiet(now).values())
 
     def read_heartbeat(self, now):
         """(phase, seconds since the rank's last heartbeat)."""
@@ -410,13 +288,6 @@ class Agent:
         deadline = time.monotonic() + seconds
         while self.child.poll() is None and time.monotonic() < deadline:
             time.sleep(self.job.launcher.poll_interval)
-
-    def network_note(self):
-        """On emulated nodes: "; <which node is unreachable>" when the world hangs or cannot
-        form because of the network (empty otherwise, and always on a shared host)."""
-        members = network.members_from(self.store)
-        why = network.diagnose(members, self.ident.container) if members else ""
-        return f"; network: {why}" if why else ""
 
     # -- the state machine --------------------------------------------------
     def run(self):
