@@ -193,7 +193,7 @@ def test_a_users_model_factory_with_nested_options_trains_in_the_built_in_runner
     images, labels = ParquetSource(f"{digits}/test").read_arrays()      # uint8 N x C x H x W
     accuracy = float((trained.predict(images) == labels).mean())
     assert abs(accuracy - st["final"]["accuracy"]) <= 1 / len(labels), (accuracy, st["final"])
-    with pytest.raises(ValueError, match=r"images must be uint8 N x C x H x W"):
+    with pytest.raises(ValueError, match=r"images must be uint8 N x 1 x H x W \(or N x H x W\), got float32"):
         trained.predict(images.astype(np.float32))
     assert_nothing_left(run.app_id)
 

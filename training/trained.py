@@ -61,17 +61,40 @@ class TrainedModel:
                                   f"training.data.transform ({self.card['transform']}); give the module its inputs "
                                   f"yourself: TrainedModel.module")
         from .data import transforms
-        images = np.asarray(images)
-        if images.dtype != np.uint8 or images.ndim not in (3, 4):
-            raise ValueError(f"predict: images must be uint8 N x C x H x W (or N x H x W), got {images.dtype} "
-                             f"of shape {images.shape}")
+        images = self._pixels(images)
         hwc = images[..., None] if images.ndim == 3 else images.transpose(0, 2, 3, 1)
         ops, hooks = transforms.build(self.card["test_transforms"], "training.data.test_transforms")
         if hooks:
             raise CheckpointError(f"{self.where}: the run's test_transforms use torchvision; apply them, then give "
                                   f"the module its inputs yourself: TrainedModel.module")
         hwc = transforms.apply(ops, np.ascontiguousarray(hwc), 0, 0, np.arange(len(hwc), dtype=np.int64))
+        c, h, w = self.card["input_shape"]
+        if tuple(hwc.shape[1:3]) != (h, w):
+            after = f" after the run's test_transforms {self.card['test_transforms']}" \
+                if self.card["test_transforms"] else ""
+            raise ValueError(f"predict: images of {images.shape[-2]} x {images.shape[-1]} pixels come out "
+                             f"{hwc.shape[1]} x {hwc.shape[2]}{after}; the model takes {h} x {w} "
+                             f"(input_shape {self.card['input_shape']}): resize them to {h} x {w} first")
         return transforms.normalise(hwc, self.card["mean"], self.card["std"])
+
+    def _pixels(self, images):
+        """`images` as a uint8 N x C x H x W (or N x H x W, one channel) array with the
+        model's channels; anything else is one ValueError saying what to give."""
+        c = self.card["input_shape"][0]
+        want = f"uint8 N x {c} x H x W" + (" (or N x H x W)" if c == 1 else "")
+        images = np.asarray(images)
+        if images.dtype != np.uint8 or images.ndim not in (3, 4):
+            raise ValueError(f"predict: images must be {want}, got {images.dtype} of shape {images.shape}")
+        if images.ndim == 3 and c > 1:
+            one = f"; one image? give a batch of one: images[None]" if images.shape[0] == c else ""
+            raise ValueError(f"predict: images must be {want}: the model takes {c} channels, got shape "
+                             f"{images.shape}{one}")
+        if images.ndim == 4 and images.shape[1] != c:
+            hint = (f"; they look channels-last (N x H x W x C, as PIL and numpy give): "
+                    f"images.transpose(0, 3, 1, 2)" if images.shape[3] == c else "")
+            raise ValueError(f"predict: images must be {want}: the model takes {c} channel(s), got shape "
+                             f"{images.shape}{hint}")
+        return images
 
     def logits(self, images):
         """The model's outputs (a float tensor, N x classes) for `images` (see inputs)."""
@@ -80,7 +103,8 @@ class TrainedModel:
             return self.module(self.inputs(images))
 
     def predict(self, images):
-        """The label the model gives each of `images` (see inputs): an int64 array."""
+        """The label the model gives each of `images` (see inputs): an int64 array of class
+        indices (`classes` names them)."""
         return self.logits(images).argmax(1).numpy()
 
 
