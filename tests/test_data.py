@@ -397,6 +397,24 @@ def test_class_name_column_and_raw_pixels_with_a_given_shape(tmp_path):
     _one_line_naming(e, "raw.parquet", "fixed_size_binary[18]")
 
 
+def test_a_class_name_column_is_needed_only_where_no_metadata_names_the_classes(tmp_path):
+    """columns.class_name covers the training and the test set; a test set imported by
+    yarnapp (its metadata names the classes) has no such column and is read without it.
+    Before, it was refused, and the fix the line gave broke the training set."""
+    px = np.arange(4 * 12, dtype=np.uint8).reshape(4, 12)
+    images = pa.FixedSizeBinaryArray.from_buffers(pa.binary(12), 4, [None, pa.py_buffer(px)])
+    meta = {b"yarnapp": json.dumps({"shape": [3, 2, 2], "num_classes": 3, "classes": ["a", "b", "c"]}).encode()}
+    table = pa.table({"image": images, "label": pa.array([1, 0, 2, 0], pa.int64())})
+    pq.write_table(table.replace_schema_metadata(meta), tmp_path / "imported.parquet")
+    src = ParquetSource(str(tmp_path / "imported.parquet"), _spec(columns={"class_name": "name"}))
+    assert src.classes == ["a", "b", "c"] and src.read_arrays()[1].tolist() == [1, 0, 2, 0]
+    assert data.formats.check(str(tmp_path / "imported.parquet"), data.formats.Columns(class_name="name"))[0] == 4
+    pq.write_table(table, tmp_path / "bare.parquet")                       # no metadata: the column is needed
+    with pytest.raises(DataError) as e:
+        ParquetSource(str(tmp_path / "bare.parquet"), _spec(shape=[3, 2, 2], columns={"class_name": "name"}))
+    _one_line_naming(e, "bare.parquet", "no class-name column 'name'", "training.data.columns.class_name")
+
+
 # ----------------------------------------------------------------------------- errors
 
 def test_missing_dataset_and_empty_directory(tmp_path):

@@ -181,7 +181,7 @@ def _kind(schema, columns, name, shape, meta):
                             f"name it with {where}.{what}")
     if columns.class_name and schema.get_field_index(columns.class_name) < 0:
         raise DataError(f"{name}: no class-name column {columns.class_name!r} (columns: "
-                        f"{', '.join(schema.names)}); fix {where}.class_name")
+                        f"{', '.join(schema.names)}), and no metadata naming the classes; fix {where}.class_name")
     t = schema.field(columns.image).type
     if not pa.types.is_integer(schema.field(columns.label).type):
         raise DataError(f"{name}: label column {columns.label!r} is {schema.field(columns.label).type}, "
@@ -256,7 +256,7 @@ def inspect(uri, columns=None, shape=None):
     """The Layout of the dataset at `uri` (footers only: no data is read, except the label
     column when neither metadata nor statistics give the number of classes)."""
     columns = columns or Columns()
-    fs, paths, names, footers, meta, kind, raw_shape = _read_footers(uri, columns, shape)
+    fs, paths, names, footers, meta, kind, raw_shape, columns = _read_footers(uri, columns, shape)
     first = footers[0].schema.to_arrow_schema()
     blocks = [b for i, md in enumerate(footers) for b in blocks_of(i, md, _wanted(columns))]
     layout = Layout(uri, fs, paths, names, columns, kind, raw_shape, meta, None, 0, blocks)
@@ -272,7 +272,7 @@ def check(uri, columns=None, shape=None):
     Returns (its number of rows, its images' [C, H, W] where the files say: raw pixels,
     else None, its Blocks, its class names where its metadata gives them, else None)."""
     columns = columns or Columns()
-    fs, paths, names, footers, meta, kind, raw_shape = _read_footers(uri, columns, shape)
+    fs, paths, names, footers, meta, kind, raw_shape, columns = _read_footers(uri, columns, shape)
     n = int(meta["num_classes"]) if meta.get("num_classes") else None
     for name, md in zip(names, footers):    # labels outside the classes: found in a rank mid-epoch otherwise
         try:
@@ -346,8 +346,10 @@ def _wanted(columns):
 
 
 def _read_footers(uri, columns, shape):
-    """(fs, paths, names, footers, meta, kind, raw_shape): every file's footer, and the
-    image column's kind, the same in every file; DataError for a dataset of no rows."""
+    """(fs, paths, names, footers, meta, kind, raw_shape, columns): every file's footer, and
+    the image column's kind, the same in every file; DataError for a dataset of no rows.
+    `columns` less the class-name column where the dataset has none and its metadata (ours
+    or Hugging Face's) names the classes."""
     fs, path = filesystem(uri)
     paths = list_files(uri, fs, path)
     names = [uri if p == path else join(uri, posixpath.basename(p)) for p in paths]
@@ -358,6 +360,11 @@ def _read_footers(uri, columns, shape):
         raise DataError(f"{uri}: the dataset has no rows; {IMPORT_HINT}")
     first = footers[0].schema.to_arrow_schema()
     meta = _yarnapp_meta(first, names[0])
+    if columns.class_name and first.get_field_index(columns.class_name) < 0 and \
+            (meta.get("num_classes") or _hf_classes(first, columns.label)):
+        # its metadata names the classes: the column is for datasets without (a training set
+        # with it beside a test set imported by yarnapp, say)
+        columns = dataclasses.replace(columns, class_name=None)
     kind, raw_shape = _kind(first, columns, names[0], shape, meta)
     image_type = first.field(columns.image).type
     for name, md in zip(names[1:], footers[1:]):
@@ -366,7 +373,7 @@ def _read_footers(uri, columns, shape):
         if schema.field(columns.image).type != image_type:
             raise DataError(f"{name}: column {columns.image!r} is {schema.field(columns.image).type}, "
                             f"{image_type} in {names[0]}; the directory mixes datasets")
-    return fs, paths, names, footers, meta, kind, raw_shape
+    return fs, paths, names, footers, meta, kind, raw_shape, columns
 
 
 def _classes(layout, schema, footers, names):
