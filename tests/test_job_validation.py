@@ -245,8 +245,9 @@ def test_images_that_would_come_out_in_other_sizes_are_refused_before_anything_s
     import_arrays(small, np.zeros((8, 1, 6, 6), np.uint8), np.arange(8) % 10)
     train = os.path.join(digits, "train")
     cases = [({"train": train, "augment": [{"random_crop": {"size": 12}}]}, "training.data.augment: training "
-              "images come out [1, 12, 12], test images [1, 8, 8] (training.data.test_transforms); make them the "
-              "same size"),
+              "images come out [1, 12, 12], untransformed ones [1, 8, 8] (training.data.test_transforms); make them "
+              "the same size: the model also sees images through test_transforms (evaluation, the speed probe, "
+              "Run.model().predict), with or without a test set"),
              ({"train": train, "test": small}, "training.data.test: its images come out [1, 6, 6] for the model, "
               "the training set's [1, 8, 8]; give a test set of the same size, or resize it in "
               "training.data.test_transforms")]

@@ -164,8 +164,10 @@ def _check_sizes(data, shapes, pre):
         raise YarnappError(f"{pre}{e}") from None
     aug, test = out.get(("train", "augment")), out.get(("train", "test_transforms"))
     if aug and test and aug != test:
-        raise YarnappError(f"{pre}training.data.augment: training images come out {aug}, test images {test} "
-                           f"(training.data.test_transforms); make them the same size")
+        raise YarnappError(f"{pre}training.data.augment: training images come out {aug}, untransformed ones "
+                           f"{test} (training.data.test_transforms); make them the same size: the model also "
+                           f"sees images through test_transforms (evaluation, the speed probe, "
+                           f"Run.model().predict), with or without a test set")
     other = out.get(("test", "test_transforms"))
     if aug and other and aug[0] != other[0]:
         raise YarnappError(f"{pre}training.data.test: its images have {other[0]} channel(s), the training set's "

@@ -242,8 +242,9 @@ class ParquetSource:
             shapes[train] = (hwc.shape[3], hwc.shape[1], hwc.shape[2])
         if shapes[True] != shapes[False]:
             raise DataError(f"{self.uri}: training images come out {list(shapes[True])} (training.data.augment), "
-                            f"test images {list(shapes[False])} (training.data.test_transforms); make them "
-                            f"the same size")
+                            f"untransformed ones {list(shapes[False])} (training.data.test_transforms); make them "
+                            f"the same size: the model also sees images through test_transforms (evaluation, the "
+                            f"speed probe, Run.model().predict), with or without a test set")
         return shapes[True]
 
     def example(self, n=16):

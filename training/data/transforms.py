@@ -276,9 +276,10 @@ def stack(imgs):
     sizes = {img.shape for img in imgs}
     if len(sizes) > 1:
         a, b = sorted(sizes)[:2]
-        raise DataError(f"images of different sizes ({a[0]}x{a[1]} and {b[0]}x{b[1]}) in one batch; add a "
-                        f"resize, center_crop or random_resized_crop to training.data.augment and "
-                        f"training.data.test_transforms")
+        raise DataError(f"images of different sizes ({a[0]}x{a[1]} and {b[0]}x{b[1]}) in one batch; bring them "
+                        f"to one size in training.data.augment and training.data.test_transforms alike, e.g. "
+                        f"{{resize: {{size: [{a[0]}, {a[1]}]}}}} (a single size S keeps the aspect ratio: the "
+                        f"shorter side becomes S), or a resize then a center_crop")
     return np.stack(imgs) if imgs else np.zeros((0, 1, 1, 1), np.uint8)
 
 
