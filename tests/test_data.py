@@ -476,6 +476,21 @@ def test_corrupt_page_data_names_the_file(digits_dir, tmp_path):
     assert e.value.repeats
 
 
+def test_an_undecodable_image_is_named_by_its_file_and_its_row_there(tmp_path):
+    """Not the dataset's directory and a row counted over every file (the auditor's "row 70"
+    was the first row of the eighth file)."""
+    rng = np.random.default_rng(5)
+    for k in range(3):
+        blobs = [_png(rng.integers(0, 256, (4, 4, 3), dtype=np.uint8)) for _ in range(4)]
+        if k == 2:
+            blobs[1] = b"\x89PNG not really"
+        _write(str(tmp_path / "ds" / f"part-{k}.parquet"),
+               pa.table({"image": pa.array(blobs, pa.binary()), "label": pa.array([0, 1, 0, 1], pa.int64())}))
+    with pytest.raises(DataError) as e:
+        read_arrays(str(tmp_path / "ds"))
+    _one_line_naming(e, f"{tmp_path / 'ds'}/part-2.parquet (row 1): not a decodable image")
+
+
 def test_a_page_overwritten_inside_is_found_by_its_checksum(digits_dir, tmp_path):
     """Bytes overwritten inside the image column's data page, its header and the footer
     intact: raw pixels parse as any bytes, so before page checksums this trained on garbage."""
@@ -521,7 +536,11 @@ def _good_table(n=4, labels=None):
      "'label'"),
     ("float-label", pa.table({"image": pa.array([b"abcd"], type=pa.binary(4)),
                               "label": pa.array([0.5], pa.float64())}).replace_schema_metadata(META),
-     "label column 'label'"),
+     "label column 'label' is double, expected integers (class indices 0..K-1); cast them to integers"),
+    ("string-label", pa.table({"image": pa.array([b"abcd"], type=pa.binary(4)),
+                               "label": pa.array(["cat"], pa.string())}).replace_schema_metadata(META),
+     "label column 'label' is string, expected integers (class indices 0..K-1); map each class name to an "
+     "index 0..K-1 in an integer column, and name the column of names in training.data.columns.class_name"),
     ("other-dataset", pa.table({"image": pa.array([b"abcd"], type=pa.binary()),
                                 "label": pa.array([0], pa.int64())}), "mixes datasets"),
 ])
@@ -531,6 +550,19 @@ def test_wrong_schema_names_file_and_column(tmp_path, case, table, expect):
     with pytest.raises(DataError) as e:
         ParquetSource(str(tmp_path / case))
     _one_line_naming(e, "part-00001.parquet", expect)
+
+
+def test_a_partitioned_directory_says_its_files_are_one_level_down(tmp_path):
+    """Spark's partitionBy writes part=0/x.parquet: 'no .parquet shards' read as if there were none."""
+    _write(str(tmp_path / "hive" / "part=0" / "x.parquet"), _good_table())
+    with pytest.raises(DataError) as e:
+        ParquetSource(str(tmp_path / "hive"))
+    _one_line_naming(e, "holds no .parquet files of its own, but its subdirectories do (part=0/x.parquet)",
+                     "without partitionBy")
+    os.makedirs(tmp_path / "empty" / "sub")
+    with pytest.raises(DataError) as e:
+        ParquetSource(str(tmp_path / "empty"))
+    _one_line_naming(e, "the directory holds no .parquet shards")
 
 
 def test_label_outside_the_classes_is_found_when_read(tmp_path):

@@ -18,6 +18,7 @@ Hugging Face's metadata (a ClassLabel's names), else from the class-name column,
 from the labels (the largest + 1); mean and std are given in job.yaml or computed
 (training.data.stats).
 """
+import bisect
 import concurrent.futures
 import dataclasses
 import json
@@ -94,6 +95,17 @@ class Layout:
     def name(self, file):
         return self.names[file]
 
+    def where(self, row):
+        """How messages name row `row` of the dataset (its index over every file, in blocks'
+        order): "<file's URI> (row <its row in that file>)"."""
+        starts = self.__dict__.get("_starts")
+        if starts is None:
+            starts = self.__dict__["_starts"] = np.cumsum([0] + [b.rows for b in self.blocks]).tolist()
+        i = min(max(bisect.bisect_right(starts, row) - 1, 0), len(self.blocks) - 1)
+        file = self.blocks[i].file
+        first = next(j for j, b in enumerate(self.blocks) if b.file == file)
+        return f"{self.names[file]} (row {row - starts[first]})"
+
     def read_columns(self):
         return [self.columns.image, self.columns.label] + ([self.columns.class_name] if self.columns.class_name else [])
 
@@ -116,8 +128,27 @@ def list_files(uri, fs, path):
         raise Unreachable(f"cannot list {uri}: {one_line(e)}") from None
     files = sorted(e.path for e in entries if is_shard(e))
     if not files:
+        nested = _nested_shard(fs, [e for e in entries if e.type == pafs.FileType.Directory])
+        if nested:      # Spark's or Hive's partitionBy output: part=0/x.parquet
+            raise DataError(f"no dataset at {uri}: the directory holds no .parquet files of its own, but its "
+                            f"subdirectories do ({posixpath.relpath(nested, path)}): point training.data at one "
+                            f"directory of .parquet files (write the data without partitionBy, or one directory "
+                            f"per dataset)")
         raise DataError(f"no dataset at {uri}: the directory holds no .parquet shards; {IMPORT_HINT}")
     return files
+
+
+def _nested_shard(fs, dirs):
+    """A .parquet shard in one of `dirs` (one level down), or None."""
+    for d in dirs[:16]:
+        try:
+            inner = fs.get_file_info(pafs.FileSelector(d.path, recursive=False))
+        except IO_ERRORS:
+            continue
+        found = next((e.path for e in inner if is_shard(e)), None)
+        if found:
+            return found
+    return None
 
 
 def _footer(fs, path, name, single=False):
@@ -183,9 +214,14 @@ def _kind(schema, columns, name, shape, meta):
         raise DataError(f"{name}: no class-name column {columns.class_name!r} (columns: "
                         f"{', '.join(schema.names)}), and no metadata naming the classes; fix {where}.class_name")
     t = schema.field(columns.image).type
-    if not pa.types.is_integer(schema.field(columns.label).type):
-        raise DataError(f"{name}: label column {columns.label!r} is {schema.field(columns.label).type}, "
-                        f"expected integers (class indices)")
+    label_type = schema.field(columns.label).type
+    if not pa.types.is_integer(label_type):
+        how = ("map each class name to an index 0..K-1 in an integer column, and name the column of "
+               "names in training.data.columns.class_name" if pa.types.is_string(label_type)
+               or pa.types.is_large_string(label_type) or pa.types.is_dictionary(label_type) else
+               "cast them to integers" if pa.types.is_floating(label_type) else "write integer class indices")
+        raise DataError(f"{name}: label column {columns.label!r} is {label_type}, expected integers "
+                        f"(class indices 0..K-1); {how}")
     if pa.types.is_fixed_size_binary(t):
         shape = tuple(shape) if shape else tuple(meta["shape"]) if meta.get("shape") else None
         if shape is None:

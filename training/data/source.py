@@ -227,8 +227,7 @@ class ParquetSource:
 
     def _pixels(self, images, rows, epoch, seed, train):
         """uint8 (n, H, W, C) of decoded rows after the batch ops (worker side)."""
-        name = self.layout.uri
-        hwc = decode(images, self.layout.shape, self.channels, lambda i: f"{name} (row {int(rows[i])})")
+        hwc = decode(images, self.layout.shape, self.channels, lambda i: self.layout.where(int(rows[i])))
         return transforms.apply(self.train_ops if train else self.test_ops, hwc, seed, epoch, rows)
 
     def _shape(self):
@@ -388,8 +387,8 @@ class ParquetBatches(_Batches):
         epoch = g // self.steps_per_epoch
         bad = (labels < 0) | (labels >= src.num_classes)
         if bad.any():
-            raise BadData(f"{src.uri}: row {int(rows[bad][0])} has label {int(labels[bad][0])}, outside "
-                            f"[0, {src.num_classes}) (the training set's classes)")
+            raise BadData(f"{src.layout.where(int(rows[bad][0]))}: label {int(labels[bad][0])}, outside "
+                          f"[0, {src.num_classes}) (the training set's classes)")
         if len(rows) == 0:
             hwc = np.zeros((0, src.shape[1], src.shape[2], src.shape[0]), np.uint8)
         else:
