@@ -195,3 +195,30 @@ def test_a_test_folder_imported_without_a_class_of_the_training_folder_is_refuse
     with pytest.raises(Exception, match=r"option classes='cat,cat' is not a valid value; give class names separated "
                                         r"by commas, each once"):
         run_import("image-folder", str(tmp_path / "other"), {"folder": str(tmp_path / "test"), "classes": "cat,cat"})
+
+
+def test_null_labels_and_test_labels_past_the_training_classes_are_refused_before_anything_starts(tmp_path):
+    """Both were found only in the ranks, after the containers started: a null label as
+    "1 null labels in column 'label'", a test set labelled 1..4 against a training set of 4
+    classes (0..3) as "its labels go up to 4". The footers' statistics tell both."""
+    import io
+
+    import numpy as np
+    import pyarrow as pa
+    from PIL import Image
+    png = io.BytesIO()
+    Image.fromarray(np.zeros((8, 8), np.uint8)).save(png, format="PNG")
+    images = pa.array([png.getvalue()] * 64, pa.binary())
+    train = _write(tmp_path / "train", images, [i % 4 for i in range(64)])
+    nulls = _write(tmp_path / "nulls", images, [None] + [i % 4 for i in range(1, 64)])
+    with pytest.raises(YarnappError) as e:
+        preflight.check_data(_job(nulls), "job.yaml")
+    assert str(e.value) == (f"job.yaml: training.data.train: {nulls}/part-0.parquet: 1 row(s) without a label (null "
+                            f"in column 'label', its footer's statistics); drop those rows, or give each a label")
+    one_based = _write(tmp_path / "one-based", images, [1 + i % 4 for i in range(64)])
+    with pytest.raises(YarnappError) as e:
+        preflight.check_data(_job(train, one_based), "job.yaml")
+    assert str(e.value) == (f"job.yaml: training.data.test: {one_based}: its labels go up to 4 (5 classes), the "
+                            f"training set's ({train}) to 3: the model has 4 outputs; give a test set of the "
+                            f"training set's classes")
+    preflight.check_data(_job(one_based, train), "job.yaml")        # fewer classes in the test set: fine

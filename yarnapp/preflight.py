@@ -43,11 +43,11 @@ def check_data(job, where=None, on_cluster=False):
     from training import fsutil
     from training.data import DataError
     from training.data.common import Unreachable
-    from training.data.formats import Columns, check, check_same_classes
+    from training.data.formats import Columns, check
     pre = f"{where}: " if where else ""
     unreachable = set()         # (scheme, host) already found out of reach: not tried again
     shapes = {}                 # split -> [C, H, W] of its raw images (None: encoded, or not checked)
-    classes = {}                # split -> its class names, where its metadata gives them
+    found = {}                  # split -> what training.data.formats.check found in its footers
     for split in ("train", "test"):
         uri = getattr(data, split)
         if not uri or (on_cluster and fsutil.is_local(uri)):
@@ -56,10 +56,10 @@ def check_data(job, where=None, on_cluster=False):
         if (u.scheme, u.netloc) in unreachable:
             continue
         try:
-            rows, shapes[split], blocks, classes[split] = check(uri, Columns.of(data.columns),
-                                                                tuple(data.shape) if data.shape else None)
-            if split == "test" and "train" in classes:
-                check_same_classes(uri, classes["test"], data.train, classes["train"])
+            found[split] = check(uri, Columns.of(data.columns), tuple(data.shape) if data.shape else None)
+            rows, shapes[split], blocks = found[split].rows, found[split].shape, found[split].blocks
+            if split == "test" and "train" in found:
+                _check_test_classes(uri, found["test"], data.train, found["train"])
         except Unreachable as e:
             if not on_cluster:
                 raise YarnappError(f"{pre}training.data.{split}: {e}") from None
@@ -77,6 +77,19 @@ def check_data(job, where=None, on_cluster=False):
                 _check_window(job, blocks, pre)
     if not data.transform:      # the user's own transform runs in the containers only
         _check_built(job, _check_sizes(data, shapes, pre), pre)
+
+
+def _check_test_classes(uri, test, train_uri, train):
+    """The ranks' checks of a test set against the training set (training.data.source),
+    where the footers tell: no label the model has no output for, no class name that means
+    another label."""
+    from training.data import DataError
+    from training.data.formats import check_same_classes
+    if test.num_classes and train.num_classes and test.num_classes > train.num_classes:
+        raise DataError(f"{uri}: its labels go up to {test.num_classes - 1} ({test.num_classes} classes), the "
+                        f"training set's ({train_uri}) to {train.num_classes - 1}: the model has "
+                        f"{train.num_classes} outputs; give a test set of the training set's classes")
+    check_same_classes(uri, test.classes, train_uri, train.classes)
 
 
 def _check_window(job, blocks, pre):

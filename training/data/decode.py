@@ -49,9 +49,11 @@ def block_data(table, layout, name):
     if image.null_count:
         what = "images without bytes (only a path: embed the images in the file)" if layout.kind == STRUCT \
             else "null images"
-        raise BadData(f"{name}: {image.null_count} {what} in column {cols.image!r}")
+        raise BadData(f"{name}: {image.null_count} {what} in column {cols.image!r}; drop those rows, or give "
+                      f"each an image")
     if label.null_count:
-        raise BadData(f"{name}: {label.null_count} null labels in column {cols.label!r}")
+        raise BadData(f"{name}: {label.null_count} row(s) without a label (null in column {cols.label!r}); drop "
+                      f"those rows, or give each a label")
     labels = label.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
     n = len(image)
     out = BlockData(labels=labels, keep=(image, label))

@@ -302,15 +302,31 @@ def inspect(uri, columns=None, shape=None):
     return layout
 
 
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """What `check` found in a dataset's footers."""
+    rows: int
+    shape: Optional[tuple]          # its images' [C, H, W] where the files say (raw pixels), else None
+    blocks: List[Block]
+    classes: Optional[list]         # its class names where its metadata gives them, else None
+    num_classes: Optional[int]      # from its metadata, else the largest label + 1 where the statistics say
+
+
 def check(uri, columns=None, shape=None):
     """Raise DataError (Unreachable where the filesystem cannot be reached) unless `uri`
-    holds a dataset `inspect` can open: every file's footer read, no rows, no labels.
-    Returns (its number of rows, its images' [C, H, W] where the files say: raw pixels,
-    else None, its Blocks, its class names where its metadata gives them, else None)."""
+    holds a dataset `inspect` can open: every file's footer read, no rows, no labels, no
+    null label or image (the footers' statistics), no label outside the metadata's classes.
+    Returns what it found (Checked)."""
     columns = columns or Columns()
     fs, paths, names, footers, meta, kind, raw_shape, columns = _read_footers(uri, columns, shape)
     n = int(meta["num_classes"]) if meta.get("num_classes") else None
+    top = -1                                # the largest label, while every footer gives it
     for name, md in zip(names, footers):    # labels outside the classes: found in a rank mid-epoch otherwise
+        for column, what in ((columns.label, "a label"), (columns.image, "an image")):
+            nulls = _null_count(md, column)
+            if nulls:
+                raise DataError(f"{name}: {nulls} row(s) without {what} (null in column {column!r}, its footer's "
+                                f"statistics); drop those rows, or give each {what}")
         try:
             r = _label_range(md, columns.label)
         except (TypeError, ValueError):     # statistics that are not integers: the ranks' check
@@ -322,12 +338,28 @@ def check(uri, columns=None, shape=None):
         if r and r[0] < 0:
             raise DataError(f"{name}: its labels run from {r[0]} to {r[1]} (its footer's statistics); labels "
                             f"must be class indices >= 0")
+        if top is not None and md.num_rows:
+            top = max(top, r[1]) if r else None
     if kind != RAW:
         _check_first_image(fs, paths, names, footers, columns, kind, shape)
     blocks = [b for i, md in enumerate(footers) for b in blocks_of(i, md, _wanted(columns))]
     named = [str(c) for c in meta["classes"]] if meta.get("classes") else \
         _hf_classes(footers[0].schema.to_arrow_schema(), columns.label)
-    return sum(md.num_rows for md in footers), raw_shape if kind == RAW else None, blocks, named or None
+    return Checked(rows=sum(md.num_rows for md in footers), shape=raw_shape if kind == RAW else None,
+                   blocks=blocks, classes=named or None,
+                   num_classes=n or (len(named) if named else None) or (top + 1 if top is not None else None))
+
+
+def _null_count(metadata, column):
+    """Nulls in `column` by the footer's statistics (0 where they do not say)."""
+    nulls = 0
+    for g in range(metadata.num_row_groups):
+        rg = metadata.row_group(g)
+        for i in range(rg.num_columns):
+            c = rg.column(i)
+            if c.path_in_schema == column and c.statistics is not None and c.statistics.has_null_count:
+                nulls += c.statistics.null_count
+    return nulls
 
 
 def check_same_classes(uri, classes, train_uri, train_classes):
