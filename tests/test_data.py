@@ -269,15 +269,17 @@ def test_image_folder_import_keeps_the_files_as_they_are(tmp_path, caplog):
             (tmp_path / "imgs" / cls / f"{i}.{'png' if i else 'jpg'}").write_bytes(blob)
             files[blob] = (cls, arr, bool(i))
     (tmp_path / "imgs" / "cat" / "notes.txt").write_text("not an image, skipped")
+    (tmp_path / "imgs" / "empty").mkdir()                   # a class with no images: kept, with a word
     summary = data.run_import("image-folder", str(tmp_path / "ds"), {"folder": str(tmp_path / "imgs")})
     assert summary["datasets"][0]["rows"] == 6 and summary["datasets"][0]["encoding"] == "encoded"
     assert f"skipped 1 file(s) whose extension is not an image's, e.g. {tmp_path}/imgs/cat/notes.txt" in caplog.text
+    assert "class subfolder(s) without images: empty; their classes are kept" in caplog.text
     table = pq.read_table(tmp_path / "ds")
     assert sorted(table.column("image").to_pylist()) == sorted(files)          # byte for byte
     for blob, label in zip(table.column("image").to_pylist(), table.column("label").to_pylist()):
         assert label == {"cat": 0, "dog": 1}[files[blob][0]]
     src = ParquetSource(str(tmp_path / "ds"))
-    assert src.shape == (3, 4, 5) and src.classes == ["cat", "dog"] and src.num_classes == 2
+    assert src.shape == (3, 4, 5) and src.classes == ["cat", "dog", "empty"] and src.num_classes == 3
     x, y = src.read_arrays()
     for img, blob in zip(x, table.column("image").to_pylist()):
         cls, arr, lossless = files[blob]

@@ -226,6 +226,10 @@ def import_image_folder(uri, folder, shards=2, overwrite=False, classes=None):
             f"; expected {folder}/<class>/<image files>"))
     if skipped:     # as torchvision's ImageFolder: only image extensions count, but say so
         log.warning("skipped %d file(s) whose extension is not an image's, e.g. %s", len(skipped), skipped[0])
+    empty = [c for label, c in enumerate(classes) if c in found and label not in set(labels)]
+    if empty:       # a class the model gets an output for, and never sees
+        log.warning("class subfolder(s) without images: %s; their classes are kept (the model gets an output "
+                    "for each): remove the subfolder(s) if they are not classes", ", ".join(empty))
     order = np.random.default_rng(IMAGE_FOLDER_SEED).permutation(len(blobs))
     m = meta(None, len(classes), classes, None, None, f"image-folder {folder}", encoding="encoded")
     m["channels"] = 1 if grey else 3
