@@ -197,7 +197,7 @@ def test_a_test_folder_imported_without_a_class_of_the_training_folder_is_refuse
         run_import("image-folder", str(tmp_path / "other"), {"folder": str(tmp_path / "test"), "classes": "cat,cat"})
 
 
-def test_null_labels_and_test_labels_past_the_training_classes_are_refused_before_anything_starts(tmp_path):
+def test_null_labels_and_test_labels_past_the_training_classes_are_refused_before_anything_starts(tmp_path, caplog):
     """Both were found only in the ranks, after the containers started: a null label as
     "1 null labels in column 'label'", a test set labelled 1..4 against a training set of 4
     classes (0..3) as "its labels go up to 4". The footers' statistics tell both."""
@@ -221,4 +221,8 @@ def test_null_labels_and_test_labels_past_the_training_classes_are_refused_befor
     assert str(e.value) == (f"job.yaml: training.data.test: {one_based}: its labels go up to 4 (5 classes), the "
                             f"training set's ({train}) to 3: the model has 4 outputs; give a test set of the "
                             f"training set's classes")
-    preflight.check_data(_job(one_based, train), "job.yaml")        # fewer classes in the test set: fine
+    with caplog.at_level(logging.WARNING, logger="yarnapp.preflight"):
+        preflight.check_data(_job(one_based, train), "job.yaml")    # the test set's classes are among them: fine
+    assert [r.getMessage() for r in caplog.records] == [
+        "training.data.train: its labels start at 1 (the footers' statistics): class 0 gets an output and no "
+        "image; labels are class indices from 0 (subtract 1 if they count from 1)"]

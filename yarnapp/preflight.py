@@ -60,6 +60,12 @@ def check_data(job, where=None, on_cluster=False):
             rows, shapes[split], blocks = found[split].rows, found[split].shape, found[split].blocks
             if split == "test" and "train" in found:
                 _check_test_classes(uri, found["test"], data.train, found["train"])
+            low = found[split].lowest
+            if split == "train" and not found[split].named and low:
+                unseen = "class 0 gets an output" if low == 1 else f"classes 0 to {low - 1} get an output each"
+                log.warning("training.data.train: its labels start at %d (the footers' statistics): %s and no "
+                            "image; labels are class indices from 0 (subtract %d if they count from %d)",
+                            low, unseen, low, low)
         except Unreachable as e:
             if not on_cluster:
                 raise YarnappError(f"{pre}training.data.{split}: {e}") from None

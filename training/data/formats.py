@@ -310,6 +310,8 @@ class Checked:
     blocks: List[Block]
     classes: Optional[list]         # its class names where its metadata gives them, else None
     num_classes: Optional[int]      # from its metadata, else the largest label + 1 where the statistics say
+    lowest: Optional[int] = None    # its smallest label, where the statistics say
+    named: bool = False             # its metadata (ours or Hugging Face's) gives the number of classes
 
 
 def check(uri, columns=None, shape=None):
@@ -320,7 +322,7 @@ def check(uri, columns=None, shape=None):
     columns = columns or Columns()
     fs, paths, names, footers, meta, kind, raw_shape, columns = _read_footers(uri, columns, shape)
     n = int(meta["num_classes"]) if meta.get("num_classes") else None
-    top = -1                                # the largest label, while every footer gives it
+    top, low = -1, None                     # the largest and smallest label, while every footer gives them
     for name, md in zip(names, footers):    # labels outside the classes: found in a rank mid-epoch otherwise
         for column, what in ((columns.label, "a label"), (columns.image, "an image")):
             nulls = _null_count(md, column)
@@ -339,7 +341,7 @@ def check(uri, columns=None, shape=None):
             raise DataError(f"{name}: its labels run from {r[0]} to {r[1]} (its footer's statistics); labels "
                             f"must be class indices >= 0")
         if top is not None and md.num_rows:
-            top = max(top, r[1]) if r else None
+            top, low = (max(top, r[1]), r[0] if low is None else min(low, r[0])) if r else (None, None)
     if kind != RAW:
         _check_first_image(fs, paths, names, footers, columns, kind, shape)
     blocks = [b for i, md in enumerate(footers) for b in blocks_of(i, md, _wanted(columns))]
@@ -347,7 +349,8 @@ def check(uri, columns=None, shape=None):
         _hf_classes(footers[0].schema.to_arrow_schema(), columns.label)
     return Checked(rows=sum(md.num_rows for md in footers), shape=raw_shape if kind == RAW else None,
                    blocks=blocks, classes=named or None,
-                   num_classes=n or (len(named) if named else None) or (top + 1 if top is not None else None))
+                   num_classes=n or (len(named) if named else None) or (top + 1 if top is not None else None),
+                   lowest=low, named=bool(n or named))
 
 
 def _null_count(metadata, column):
