@@ -99,15 +99,20 @@ def test_the_ddp_script_survives_a_sigkill_and_its_own_snapshot_resumes(tmp_path
 
 
 def test_a_loop_on_the_public_api_with_vcores_shares_equals_one_process(tmp_path, yarnapp_home):
+    """...with its gradient clipped between backward and step, as DDP's and Horovod's users
+    do: the sum over the world is complete when backward returns (before, p.grad was the
+    bucket being reduced, the clip raced the all-reduce, and the replicas diverged)."""
     sys.path.insert(0, JOBS)
     try:
         import user_loop
-        expected = user_loop.reference(steps=20, batch=48)
+        expected = user_loop.reference(steps=20, batch=48, clip=0.05)
+        unclipped = user_loop.reference(steps=20, batch=48)
     finally:
         sys.path.remove(JOBS)
+    assert max(float((expected[k] - unclipped[k]).abs().max()) for k in expected) > 1e-3     # the clip bites
     out = tmp_path / "out"
     out.mkdir()
-    env = {"OUT": str(out), "SHARES": "vcores", "STEPS": "20", "BATCH": "48"}
+    env = {"OUT": str(out), "SHARES": "vcores", "STEPS": "20", "BATCH": "48", "CLIP": "0.05"}
     job = {"name": "user-loop", "groups": [dict(g, env=env) for g in GROUPS], "max_restarts": 0,
            "run": {"function": "user_loop:main", "files": [os.path.join(JOBS, "user_loop.py")]}}
     run = yarnapp.submit(job)
@@ -115,11 +120,48 @@ def test_a_loop_on_the_public_api_with_vcores_shares_equals_one_process(tmp_path
     assert st["state"] == "SUCCEEDED", run.logs()
     rows = {r: p["rows"] for r, p in st["progress"].items()}
     assert rows == {0: 24, 1: 12, 2: 12}                  # 1 : 0.5 : 0.5 of each 48-row batch
+    weights = [torch.load(out / f"rank{r}.pt") for r in range(3)]
+    assert _equal(weights[0], weights[1]) and _equal(weights[0], weights[2])      # the replicas, bit for bit
     for r in range(3):
-        got = torch.load(out / f"rank{r}.pt")
-        worst = max(float((got[k] - expected[k]).abs().max()) for k in expected)
+        worst = max(float((weights[r][k] - expected[k]).abs().max()) for k in expected)
         assert worst < 1e-5, (r, worst)
     assert_nothing_left(run.app_id)
+
+
+def test_distributed_optimizer_mistakes_are_one_line_each():
+    """Horovod users' slips, in a world of one: a generator for the optimizer, wrapping the
+    same optimizer or model twice (before, one silently trained worse, the other failed
+    naming GradientReducer.begin()), a second backward before step (its gradient would be
+    this rank's alone), and a root rank the world does not have (MPI's error stack)."""
+    code = (
+        "import torch\nfrom mpi4py import MPI\nimport training.dist as yd\n"
+        "from training.context import RankInfo, RunContext\n"
+        "me = RankInfo(rank=0, group='w', instance=0, container='w_0', vcores=1.0, memory_mib=512, gpus=0)\n"
+        "ctx = RunContext(comm=MPI.COMM_SELF, rank=0, world_size=1, ranks=[me], job=None, app_id='a', "
+        "generation=0, workdir='.', checkpoint_uri='', logdir='')\n"
+        "yd.init(ctx)\nnet = torch.nn.Linear(4, 2)\n"
+        "def said(f):\n    try:\n        f()\n    except Exception as e:\n        print(type(e).__name__, e)\n"
+        "said(lambda: yd.DistributedOptimizer(net.parameters(), model=net))\n"
+        "opt = yd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), model=net)\n"
+        "said(lambda: yd.DistributedOptimizer(opt, model=net))\n"
+        "said(lambda: yd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), model=net))\n"
+        "x = torch.randn(3, 4)\nnet(x).sum().backward()\n"
+        "said(lambda: net(x).sum().backward())\n"
+        "said(lambda: yd.broadcast_parameters(net.state_dict(), root_rank=3))\n"
+        "said(lambda: yd.broadcast_parameters(net.state_dict(), root_rank='0'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "TypeError DistributedOptimizer: expected a torch.optim.Optimizer, got generator; wrap the optimizer: "
+        "DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=...), model=model)",
+        "RuntimeError DistributedOptimizer: this optimizer is distributed already (DistributedOptimizer was called "
+        "on it before); call it once per optimizer",
+        "RuntimeError DistributedOptimizer: 2 of these parameters are reduced by another DistributedOptimizer "
+        "already (each would sum their gradients); wrap one optimizer per model",
+        "RuntimeError a second backward before optimizer.step(): its gradients would be this rank's alone; call "
+        "backward once per step (to accumulate gradients, accumulate the loss and call backward once)",
+        "ValueError root_rank 3: the world's ranks are 0 to 0",
+        "TypeError root_rank: expected a rank (an int), got str '0'"], out.stdout
 
 
 @pytest.mark.parametrize("kind", ["script", "function"])

@@ -202,28 +202,74 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=No
 
     Every rank's gradients are weighted by `weight` (default 1/size, Horovod's average;
     give `sampler.weight` for unequal shares) and summed in buckets by ring all-reduce
-    while backward runs; `optimizer.step()` waits for the last bucket, then steps. Call
-    backward once per step. The optimizer stays what it was (schedulers, state_dict and
-    isinstance keep working): hooks do the work. Collective: every rank calls it.
+    while backward runs. As with torch's DistributedDataParallel, the sum is complete
+    when `backward()` returns: gradients may be clipped, scaled or inspected before
+    `optimizer.step()`, and are the same on every rank. Horovod's
+    `optimizer.synchronize()` and `with optimizer.skip_synchronize():` are there too
+    (nothing is left for them to do). Call backward once per step. The optimizer stays
+    what it was (schedulers, state_dict and isinstance keep working): hooks do the work.
+    Collective: every rank calls it, once per optimizer and model.
     """
+    import contextlib
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"DistributedOptimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}; "
+                        f"wrap the optimizer: DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=...), "
+                        f"model=model)")
+    if getattr(optimizer, "yarnapp_reducer", None) is not None:
+        raise RuntimeError("DistributedOptimizer: this optimizer is distributed already (DistributedOptimizer "
+                           "was called on it before); call it once per optimizer")
     ctx = ctx or context()
     params = _params(model, named_parameters, optimizer)
+    taken = [p for p in params if getattr(p, "_yarnapp_reduced_by", None) is not None]
+    if taken:
+        raise RuntimeError(f"DistributedOptimizer: {len(taken)} of these parameters are reduced by another "
+                           f"DistributedOptimizer already (each would sum their gradients); wrap one optimizer "
+                           f"per model")
     weight = 1.0 / ctx.world_size if weight is None else float(weight)
     overlap = "thread" if ctx.me.vcores - torch.get_num_threads() >= 1 else "poll"
     reducer = collectives.GradientReducer(params, ctx.comm, bucket_mb=bucket_mb,
                                           ring_threshold_kb=ring_threshold_kb, overlap=overlap,
                                           shared_memory=shared_memory)
+    state = {"queued": False, "reduced": False}
+
+    def synchronize():
+        """Wait for the sum of this step's gradients (done by the end of backward already)."""
+        if not state["reduced"]:
+            reducer.finish()
+            state["reduced"] = True
+
+    def at_backward_end():
+        state["queued"] = False
+        synchronize()
+
+    def on_grad(p):
+        # after the reducer's own hook (registered first): once per step, finish the sum
+        # when the autograd engine ends this backward, as DDP does
+        if state["reduced"]:
+            raise RuntimeError("a second backward before optimizer.step(): its gradients would be this rank's "
+                               "alone; call backward once per step (to accumulate gradients, accumulate the "
+                               "loss and call backward once)")
+        if not state["queued"]:
+            state["queued"] = True
+            torch.autograd.Variable._execution_engine.queue_callback(at_backward_end)
+
+    for p in reducer.params:
+        p._yarnapp_reduced_by = reducer
+        p.register_post_accumulate_grad_hook(on_grad)
 
     def before_step(opt, args, kwargs):
-        reducer.finish()
+        synchronize()           # a step without a backward (a rank with no rows): zeros of its own
 
     def after_step(opt, args, kwargs):
         ctx.heartbeat()          # progress: from now on, silence is a hang
+        state["reduced"] = False
         reducer.begin(weight)
 
     optimizer.register_step_pre_hook(before_step)
     optimizer.register_step_post_hook(after_step)
     optimizer.yarnapp_reducer = reducer
+    optimizer.synchronize = synchronize
+    optimizer.skip_synchronize = contextlib.nullcontext
     reducer.begin(weight)
     log.info("distributed optimizer: rank %d of %d, weight %.4f, %d buckets, overlap=%s",
              ctx.rank, ctx.world_size, weight, len(reducer.buckets), reducer.overlap)
@@ -243,11 +289,22 @@ def _tensors(params):
     return out
 
 
+def _root(root_rank, ctx):
+    """root_rank, checked against the world (the same line on every rank, before any MPI call)."""
+    if isinstance(root_rank, bool) or not isinstance(root_rank, (int, np.integer)):
+        raise TypeError(f"root_rank: expected a rank (an int), got {type(root_rank).__name__} {root_rank!r}")
+    if not 0 <= root_rank < ctx.world_size:
+        raise ValueError(f"root_rank {root_rank}: the world's ranks are 0 to {ctx.world_size - 1}")
+    return int(root_rank)
+
+
 def broadcast_parameters(params, root_rank=0, ctx=None):
     """Overwrite, in place, every tensor of `params` (a state_dict, named_parameters or a
     list) with root_rank's. Collective."""
     from .devices import bcast_
-    comm = (ctx or context()).comm
+    ctx = ctx or context()
+    root_rank = _root(root_rank, ctx)
+    comm = ctx.comm
     for t in _tensors(params):
         if isinstance(t, torch.Tensor) and t.numel():
             bcast_(comm, t, root=root_rank)
@@ -255,12 +312,14 @@ def broadcast_parameters(params, root_rank=0, ctx=None):
 
 def broadcast_object(obj, root_rank=0, ctx=None):
     """root_rank's `obj` on every rank (pickled). Collective."""
-    return (ctx or context()).comm.bcast(obj, root=root_rank)
+    ctx = ctx or context()
+    return ctx.comm.bcast(obj, root=_root(root_rank, ctx))
 
 
 def broadcast_optimizer_state(optimizer, root_rank=0, ctx=None):
     """Make every rank's optimizer state (momentum buffers, step counts, lr) root_rank's."""
     ctx = ctx or context()
+    root_rank = _root(root_rank, ctx)
     state = broadcast_object(optimizer.state_dict() if ctx.rank == root_rank else None, root_rank, ctx)
     if ctx.rank != root_rank:
         optimizer.load_state_dict(state)

@@ -4,7 +4,9 @@ DistributedOptimizer. The tests run it as run.function `user_loop:main` (shipped
 run.files) and compare its weights with one process training on the global batch.
 
 Environment (set through the job's groups[].env): OUT (where every rank writes its
-final weights), SHARES (equal | vcores), STEPS, BATCH.
+final weights), SHARES (equal | vcores), STEPS, BATCH, CLIP (clip the gradient's norm
+to this between backward and step: DDP's way on odd steps, Horovod's synchronize() and
+skip_synchronize() on even ones).
 """
 import os
 
@@ -51,7 +53,17 @@ def main(ctx):
             opt.zero_grad()
             loss = F.cross_entropy(net(x), y)
             loss.backward()
-            opt.step()
+            clip = float(os.environ.get("CLIP", 0))
+            if clip and step % 2:
+                torch.nn.utils.clip_grad_norm_(net.parameters(), clip)     # the world's gradient, as with DDP
+                opt.step()
+            elif clip:
+                opt.synchronize()                                           # as with Horovod
+                torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+                with opt.skip_synchronize():
+                    opt.step()
+            else:
+                opt.step()
             step += 1
             yd.report(step=step, loss=float(loss), rows=len(y))
             if step == steps:
@@ -59,7 +71,7 @@ def main(ctx):
                 return
 
 
-def reference(steps=20, batch=48):
+def reference(steps=20, batch=48, clip=0.0):
     """One process, the whole global batch every step, the same order: the weights the
     distributed run must end with."""
     data = dataset()
@@ -72,6 +84,8 @@ def reference(steps=20, batch=48):
             x, y = data[order[s * batch:(s + 1) * batch]]
             opt.zero_grad()
             F.cross_entropy(net(x), y).backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
             opt.step()
             step += 1
             if step == steps:
