@@ -148,7 +148,10 @@ def test_distributed_optimizer_mistakes_are_one_line_each():
         "x = torch.randn(3, 4)\nnet(x).sum().backward()\n"
         "said(lambda: net(x).sum().backward())\n"
         "said(lambda: yd.broadcast_parameters(net.state_dict(), root_rank=3))\n"
-        "said(lambda: yd.broadcast_parameters(net.state_dict(), root_rank='0'))\n")
+        "said(lambda: yd.broadcast_parameters(net.state_dict(), root_rank='0'))\n"
+        "ctx.ranks = [me, RankInfo(1, 'w', 1, 'w_1', 0.5, 512, 0), RankInfo(2, 'w', 2, 'w_2', 0.5, 512, 0)]\n"
+        "ctx.world_size = 3\n"
+        "said(lambda: yd.ShareSampler(100, batch_size=2, shares='vcores', ctx=ctx))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [
@@ -161,7 +164,9 @@ def test_distributed_optimizer_mistakes_are_one_line_each():
         "RuntimeError a second backward before optimizer.step(): its gradients would be this rank's alone; call "
         "backward once per step (to accumulate gradients, accumulate the loss and call backward once)",
         "ValueError root_rank 3: the world's ranks are 0 to 0",
-        "TypeError root_rank: expected a rank (an int), got str '0'"], out.stdout
+        "TypeError root_rank: expected a rank (an int), got str '0'",
+        "ValueError batch_size 2 leaves rank(s) 2 without rows of a batch (shares [1.0, 0.5, 0.5]); give a "
+        "batch_size of at least 3"], out.stdout
 
 
 @pytest.mark.parametrize("kind", ["script", "function"])

@@ -153,6 +153,13 @@ class ShareSampler(torch.utils.data.Sampler):
             raise ValueError(f"batch_size {batch_size} must be between 1 and the dataset's {self.n} rows")
         self.weights = share_weights(shares, self.ctx, model, example, self.batch_size)
         counts = split_rows(self.batch_size, self.weights)
+        if 0 in counts:         # a rank with no rows has no loss to backpropagate (DataLoader's collate fails)
+            enough = next((b for b in range(self.batch_size + 1, self.n + 1) if 0 not in split_rows(b, self.weights)),
+                          None)
+            raise ValueError(f"batch_size {self.batch_size} leaves rank(s) "
+                             f"{', '.join(str(r) for r, c in enumerate(counts) if not c)} without rows of a batch "
+                             f"(shares {[round(w, 3) for w in self.weights]}); "
+                             + (f"give a batch_size of at least {enough}" if enough else "use fewer ranks"))
         self.lo = sum(counts[:self.ctx.rank])
         self.hi = self.lo + counts[self.ctx.rank]
         self.seed, self.shuffle, self.drop_last = int(seed), bool(shuffle), bool(drop_last)
