@@ -256,7 +256,7 @@ class Agent(PeerDiagnosis):
                         reason=f"rank {rank} ({me}) hung{' (process stopped)' if stopped else ''}: "
                                f"no progress for {silent:.1f}s in {phase} (limit {limit:g}s: "
                                f"launcher.{'heartbeat' if phase == 'train' else 'rendezvous'}_timeout)"
-                               + (f"; its main thread is at {at.frame}"
+                               + (f"; its main thread is at {at.describe()}"
                                   f"{', waiting for its peers' if at.waiting else ''}" if at else "")
                                + self.network_note())
             lost = self.lost_member(gen, seen)

@@ -57,6 +57,22 @@ def dump(pid, path, timeout=1.0):
 class Where:
     frame: str          # the main thread's innermost frame: "file:line in function"
     waiting: bool       # the main thread is inside a collective (a frame in WAITING)
+    caller: str = ""    # its innermost frame in the user's own code, where that is not `frame`
+
+    def describe(self):
+        """"<the user's frame> (in <the innermost frame>)", or the innermost frame alone."""
+        return f"{self.caller} (in {self.frame})" if self.caller else self.frame
+
+
+def _ours_or_libraries(path):
+    """A frame of yarnapp's own packages, of an installed library or of Python itself."""
+    return "/site-packages/" in path or "/dist-packages/" in path or path.startswith(_LIBRARIES) or \
+        any(path.startswith(os.path.join(_ROOT, pkg) + os.sep) for pkg in _OWN) or path.startswith("<")
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))     # this checkout (or install)
+_OWN = ("launcher", "training", "conf", "yarnapp")
+_LIBRARIES = tuple(p for p in {os.path.dirname(os.__file__)} if p)       # the standard library
 
 
 def where(text):
@@ -81,4 +97,7 @@ def where(text):
     if not main:
         return None
     path, line, fn = main[0]
-    return Where(frame=f"{path}:{line} in {fn}", waiting=any(w in p for p, _, _ in main for w in WAITING))
+    user = next(((p, ln, f) for p, ln, f in main if not _ours_or_libraries(p)), None)
+    caller = f"{user[0]}:{user[1]} in {user[2]}" if user and user != main[0] else ""
+    return Where(frame=f"{path}:{line} in {fn}", waiting=any(w in p for p, _, _ in main for w in WAITING),
+                 caller=caller)

@@ -382,6 +382,21 @@ def test_the_main_thread_is_found_in_a_rank_dump_whichever_thread_took_the_signa
     assert stacks.where("") is None and stacks.where("garbage") is None
 
 
+def test_a_rank_waiting_inside_yarnapp_is_described_from_the_users_own_line():
+    """A rank that made a collective call its peers did not (an allreduce on rank 0 alone)
+    was described at training/collectives/waits.py, naming none of the user's lines."""
+    root, lib = stacks._ROOT, os.path.dirname(os.__file__)
+    dump = ('Thread 0x00007f02 (most recent call first):\n'
+            f'  File "{root}/training/collectives/waits.py", line 97 in _sleepy\n'
+            f'  File "{root}/training/dist.py", line 290 in allreduce_\n'
+            '  File "/w/work/train.py", line 42 in <module>\n'
+            f'  File "{lib}/runpy.py", line 88 in _run_code\n'
+            f'  File "{root}/launcher/rank.py", line 313 in main\n')
+    at = stacks.where(dump)
+    assert at.waiting and at.describe() == f"/w/work/train.py:42 in <module> (in {root}/training/collectives/" \
+                                           f"waits.py:97 in _sleepy)"
+
+
 def test_a_rank_still_beating_is_not_hung(tmp_path):
     def beating(store, gen, agent):
         formed_and_training(store, gen, agent)
