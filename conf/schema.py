@@ -377,6 +377,10 @@ class JobSpec(Model):
         if self.run.function == BUILTIN_RUNNER and self.training is None:
             raise ValueError("training: required when run.function is the built-in training.runner:main (the "
                              "default); give a training: section, or run.script or run.function for your own code")
+        if self.run.function != BUILTIN_RUNNER and self.checkpoint.resume != "never":
+            raise ValueError(f"checkpoint.resume: {self.checkpoint.resume!r} is for the built-in runner, which "
+                             f"writes the checkpoints it resumes from; your own code resumes from its own snapshots "
+                             f"(TORCHELASTIC_RESTART_COUNT says when it restarts): drop it (or --resume)")
         if self.training and isinstance(self.training.shares, list) and len(self.training.shares) != self.world_size:
             raise ValueError(f"training.shares: {len(self.training.shares)} shares given for "
                              f"{self.world_size} ranks")

@@ -149,8 +149,9 @@ CASES = [
      "only the built-in runner (run.function: training.runner:main) reads this section, and your own code runs"),
     # under CFS's least quota (before: the kernel refused it, and both limits were dropped)
     ("vcores-too-few", _with("groups.0.vcores", 0.005), "groups[0].vcores", "greater than or equal to 0.01"),
-    ("resume-unknown", dict(GOOD, checkpoint={"resume": "app_20200101_000000_abcdef"}), "checkpoint.resume",
-     "no checkpoints of application app_20200101_000000_abcdef under"),
+    # own code resumes from its own snapshots: before, --resume latest was accepted and did nothing
+    ("resume-own-code", dict(GOOD, checkpoint={"resume": "latest"}), "checkpoint.resume",
+     "'latest' is for the built-in runner, which writes the checkpoints it resumes from"),
     # each container fits, all of them do not (before: 200 x 1 vcore started ~400 processes)
     ("vcores-in-all", _with("groups.0.instances", max(os.cpu_count() or 1, 8) + 1), "groups",
      f"containers ask for {max(os.cpu_count() or 1, 8) + 1} vcores in all"),
@@ -386,7 +387,8 @@ def test_flags_merge_into_their_section_and_a_bad_value_names_the_file(tmp_path,
     a bad value is one line naming the job's file and the field, like --max-restarts."""
     from yarnapp import api
     path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump({**GOOD, "checkpoint": {"every_steps": 7}}))
+    path.write_text(yaml.safe_dump({**GOOD, "run": {"function": "training.runner:main"},
+                                    "training": {"data": {"train": "/x"}}, "checkpoint": {"every_steps": 7}}))
     spec = api.load(str(path), checkpoint={"resume": "latest"})
     assert spec.checkpoint.resume == "latest" and spec.checkpoint.every_steps == 7
     for flag, value, field in (("--resume", "bogus", "checkpoint.resume"), ("--nodes", "-1", "network.nodes"),
@@ -457,3 +459,17 @@ def test_the_python_api_names_what_it_was_given(tmp_path, yarnapp_home):
                                                    r"the job; did you mean wait=\?$"):     # was "job: wiat: unknown field"
         yarnapp.submit(str(path), wiat=True)
     assert not os.path.isdir(os.path.join(yarnapp_home, "apps")) or os.listdir(os.path.join(yarnapp_home, "apps")) == []
+
+
+def test_resuming_an_application_without_checkpoints_is_one_line(digits, tmp_path, cli, yarnapp_home):
+    job = {"name": "t", "groups": [{"name": "w", "instances": 1, "vcores": 1, "memory": "1 GiB"}],
+           "training": {"data": {"train": f"{digits}/train"}, "model": "digits_cnn"},
+           "checkpoint": {"resume": "app_20200101_000000_abcdef"}}
+    path = tmp_path / "resume.yaml"
+    path.write_text(yaml.safe_dump(job))
+    proc = cli("submit", path, "--wait", timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr.startswith(f"Error: {path}: checkpoint.resume: no checkpoints of application "
+                                  f"app_20200101_000000_abcdef under"), proc.stderr
+    apps = os.path.join(yarnapp_home, "apps")
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (os.path.isdir(apps) and os.listdir(apps))
