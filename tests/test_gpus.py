@@ -178,3 +178,35 @@ def test_on_real_gpus_an_unmodified_nccl_ddp_script_trains_on_its_containers_gpu
     assert all(torch.equal(weights[0][k], w[k]) for w in weights for k in w)
     assert all(torch.isfinite(v).all() for v in weights[0].values())
     assert_nothing_left(run.app_id)
+
+
+@pytest.mark.skipif(not REAL_GPUS, reason=NO_GPU)
+def test_on_real_gpus_a_loop_on_training_dist_with_a_gpu_and_cpu_ranks_clips_the_worlds_gradient(tmp_path,
+                                                                                                  yarnapp_home):
+    """tests/jobs/user_loop.py with its gradient clipped between backward and step, on one GPU
+    rank and two CPU ranks: the sum over the world is finished when backward returns (on
+    autograd's device thread for the GPU rank), and every rank ends at one process's weights."""
+    import sys
+    import torch
+    jobs = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobs")
+    sys.path.insert(0, jobs)
+    try:
+        import user_loop
+        expected = user_loop.reference(steps=20, batch=48, clip=0.05)
+    finally:
+        sys.path.remove(jobs)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {"OUT": str(out), "SHARES": "equal", "STEPS": "20", "BATCH": "48", "CLIP": "0.05"}
+    run = yarnapp.submit({"name": "gpu-loop", "max_restarts": 0,
+                          "groups": [{"name": "gpu", "instances": 1, "gpus": 1, "vcores": 1, "memory": "4 GiB",
+                                      "env": env},
+                                     {"name": "cpu", "instances": 2, "vcores": 1, "memory": "2 GiB", "env": env}],
+                          "run": {"function": "user_loop:main", "files": [os.path.join(jobs, "user_loop.py")]}})
+    st = run.wait(timeout=300)
+    assert st["state"] == "SUCCEEDED", run.logs()
+    for r in range(3):
+        got = torch.load(out / f"rank{r}.pt")
+        worst = max(float((got[k] - expected[k]).abs().max()) for k in expected)
+        assert worst < 1e-4, (r, worst)
+    assert_nothing_left(run.app_id)

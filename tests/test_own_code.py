@@ -147,6 +147,14 @@ def test_distributed_optimizer_mistakes_are_one_line_each():
         "said(lambda: yd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), model=net))\n"
         "x = torch.randn(3, 4)\nnet(x).sum().backward()\n"
         "said(lambda: net(x).sum().backward())\n"
+        "opt.zero_grad()\nnet(x).sum().backward()\n"          # GradScaler skipped the step: zero_grad goes on
+        "print('after a step not taken, zero_grad() starts the next:', net.weight.grad is not None)\n"
+        "opt.step()\nopt.zero_grad()\n"
+        "from torch.utils.checkpoint import checkpoint\n"
+        "net2 = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))\n"
+        "opt2 = yd.DistributedOptimizer(torch.optim.SGD(net2.parameters(), lr=0.1), model=net2)\n"
+        "checkpoint(net2[1], net2[0](x), use_reentrant=True).sum().backward()\n"    # a nested backward inside
+        "print('reentrant checkpointing:', all(p.grad is not None for p in net2.parameters()))\nopt2.step()\n"
         "said(lambda: yd.broadcast_parameters(net.state_dict(), root_rank=3))\n"
         "said(lambda: yd.broadcast_parameters(net.state_dict(), root_rank='0'))\n"
         "ctx.ranks = [me, RankInfo(1, 'w', 1, 'w_1', 0.5, 512, 0), RankInfo(2, 'w', 2, 'w_2', 0.5, 512, 0)]\n"
@@ -160,13 +168,17 @@ def test_distributed_optimizer_mistakes_are_one_line_each():
         "RuntimeError DistributedOptimizer: this optimizer is distributed already (DistributedOptimizer was called "
         "on it before); call it once per optimizer",
         "RuntimeError DistributedOptimizer: 2 of these parameters are reduced by another DistributedOptimizer "
-        "already (each would sum their gradients); wrap one optimizer per model",
-        "RuntimeError a second backward before optimizer.step(): its gradients would be this rank's alone; call "
-        "backward once per step (to accumulate gradients, accumulate the loss and call backward once)",
+        "already (each would sum their gradients); wrap one optimizer per model, or leave out model= so that "
+        "each wraps its own optimizer's parameters",
+        "RuntimeError a second backward before optimizer.step() or zero_grad(): its gradients would be this "
+        "rank's alone; call backward once per step (to accumulate gradients, accumulate the loss and call "
+        "backward once)",
+        "after a step not taken, zero_grad() starts the next: True",
+        "reentrant checkpointing: True",
         "ValueError root_rank 3: the world's ranks are 0 to 0",
         "TypeError root_rank: expected a rank (an int), got str '0'",
         "ValueError batch_size 2 leaves rank(s) 2 without rows of a batch (shares [1.0, 0.5, 0.5]); give a "
-        "batch_size of at least 3"], out.stdout
+        "batch_size of 4 or more"], out.stdout
 
 
 @pytest.mark.parametrize("kind", ["script", "function"])

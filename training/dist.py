@@ -32,6 +32,7 @@ It works beside torch.distributed (`ctx.init_process_group()`), which the launch
 sets up as torchrun does; the collectives here do not go through it.
 """
 import logging
+import math
 
 import numpy as np
 import torch
@@ -154,12 +155,11 @@ class ShareSampler(torch.utils.data.Sampler):
         self.weights = share_weights(shares, self.ctx, model, example, self.batch_size)
         counts = split_rows(self.batch_size, self.weights)
         if 0 in counts:         # a rank with no rows has no loss to backpropagate (DataLoader's collate fails)
-            enough = next((b for b in range(self.batch_size + 1, self.n + 1) if 0 not in split_rows(b, self.weights)),
-                          None)
+            enough = math.ceil(sum(self.weights) / min(self.weights))   # from there every rank's floor is >= 1
             raise ValueError(f"batch_size {self.batch_size} leaves rank(s) "
                              f"{', '.join(str(r) for r, c in enumerate(counts) if not c)} without rows of a batch "
                              f"(shares {[round(w, 3) for w in self.weights]}); "
-                             + (f"give a batch_size of at least {enough}" if enough else "use fewer ranks"))
+                             + (f"give a batch_size of {enough} or more" if enough <= self.n else "use fewer ranks"))
         self.lo = sum(counts[:self.ctx.rank])
         self.hi = self.lo + counts[self.ctx.rank]
         self.seed, self.shuffle, self.drop_last = int(seed), bool(shuffle), bool(drop_last)
@@ -195,6 +195,8 @@ class ShareSampler(torch.utils.data.Sampler):
 
 # -- the optimizer -----------------------------------------------------------------------
 
+_REDUCED = torch.utils.weak.WeakIdKeyDictionary()    # parameter -> the GradientReducer that sums its gradients
+
 def _params(model, named_parameters, optimizer):
     if model is not None:
         return [p for p in model.parameters()]
@@ -227,11 +229,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=No
                            "was called on it before); call it once per optimizer")
     ctx = ctx or context()
     params = _params(model, named_parameters, optimizer)
-    taken = [p for p in params if getattr(p, "_yarnapp_reduced_by", None) is not None]
+    taken = [p for p in params if p in _REDUCED]
     if taken:
         raise RuntimeError(f"DistributedOptimizer: {len(taken)} of these parameters are reduced by another "
                            f"DistributedOptimizer already (each would sum their gradients); wrap one optimizer "
-                           f"per model")
+                           f"per model, or leave out model= so that each wraps its own optimizer's parameters")
     weight = 1.0 / ctx.world_size if weight is None else float(weight)
     overlap = "thread" if ctx.me.vcores - torch.get_num_threads() >= 1 else "poll"
     reducer = collectives.GradientReducer(params, ctx.comm, bucket_mb=bucket_mb,
@@ -247,33 +249,48 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=No
 
     def at_backward_end():
         state["queued"] = False
+        if torch._C._current_autograd_node() is not None:
+            return      # the end of a nested backward (reentrant checkpointing): the outer one queues again
         synchronize()
 
     def on_grad(p):
         # after the reducer's own hook (registered first): once per step, finish the sum
         # when the autograd engine ends this backward, as DDP does
         if state["reduced"]:
-            raise RuntimeError("a second backward before optimizer.step(): its gradients would be this rank's "
-                               "alone; call backward once per step (to accumulate gradients, accumulate the "
-                               "loss and call backward once)")
+            raise RuntimeError("a second backward before optimizer.step() or zero_grad(): its gradients would "
+                               "be this rank's alone; call backward once per step (to accumulate gradients, "
+                               "accumulate the loss and call backward once)")
         if not state["queued"]:
             state["queued"] = True
             torch.autograd.Variable._execution_engine.queue_callback(at_backward_end)
 
     for p in reducer.params:
-        p._yarnapp_reduced_by = reducer
+        _REDUCED[p] = reducer
         p.register_post_accumulate_grad_hook(on_grad)
+
+    def rearm():
+        """The next step's reduction: after step(), or after a zero_grad() that follows a
+        step not taken (GradScaler skips it when it finds inf)."""
+        state["reduced"] = state["queued"] = False
+        reducer.begin(weight)
 
     def before_step(opt, args, kwargs):
         synchronize()           # a step without a backward (a rank with no rows): zeros of its own
 
     def after_step(opt, args, kwargs):
         ctx.heartbeat()          # progress: from now on, silence is a hang
-        state["reduced"] = False
-        reducer.begin(weight)
+        rearm()
+
+    zero_grad = optimizer.zero_grad
+
+    def zero_grad_then_rearm(*args, **kwargs):
+        if state["reduced"]:    # reduced, and no step() since: a step skipped
+            rearm()
+        return zero_grad(*args, **kwargs)
 
     optimizer.register_step_pre_hook(before_step)
     optimizer.register_step_post_hook(after_step)
+    optimizer.zero_grad = zero_grad_then_rearm
     optimizer.yarnapp_reducer = reducer
     optimizer.synchronize = synchronize
     optimizer.skip_synchronize = contextlib.nullcontext

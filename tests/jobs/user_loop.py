@@ -43,13 +43,15 @@ def main(ctx):
     data = dataset()
     sampler = yd.ShareSampler(data, batch_size=batch, shares=os.environ.get("SHARES", "vcores"), seed=SEED)
     loader = torch.utils.data.DataLoader(data, batch_sampler=sampler)
-    net = model()
+    dev = yd.device()                   # cuda:0 in a container with a GPU, else the CPU
+    net = model().to(dev)
     yd.broadcast_parameters(net.state_dict(), root_rank=0)
     opt = yd.DistributedOptimizer(optimizer(net), model=net, weight=sampler.weight)
     step = 0
     for epoch in range(100):
         sampler.set_epoch(epoch)
         for x, y in loader:
+            x, y = x.to(dev), y.to(dev)
             opt.zero_grad()
             loss = F.cross_entropy(net(x), y)
             loss.backward()
@@ -67,7 +69,8 @@ def main(ctx):
             step += 1
             yd.report(step=step, loss=float(loss), rows=len(y))
             if step == steps:
-                torch.save(net.state_dict(), os.path.join(os.environ["OUT"], f"rank{yd.rank()}.pt"))
+                torch.save({k: v.cpu() for k, v in net.state_dict().items()},
+                           os.path.join(os.environ["OUT"], f"rank{yd.rank()}.pt"))
                 return
 
 

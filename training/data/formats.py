@@ -324,7 +324,8 @@ def check(uri, columns=None, shape=None):
     n = int(meta["num_classes"]) if meta.get("num_classes") else None
     top, low = -1, None                     # the largest and smallest label, while every footer gives them
     for name, md in zip(names, footers):    # labels outside the classes: found in a rank mid-epoch otherwise
-        for column, what in ((columns.label, "a label"), (columns.image, "an image")):
+        image = f"{columns.image}.bytes" if kind == STRUCT else columns.image     # a path alone is no image
+        for column, what in ((columns.label, "a label"), (image, "an image")):
             nulls = _null_count(md, column)
             if nulls:
                 raise DataError(f"{name}: {nulls} row(s) without {what} (null in column {column!r}, its footer's "
