@@ -31,6 +31,7 @@ bit-identical; a rank under a CPU quota waits politely instead of spinning.
 It works beside torch.distributed (`ctx.init_process_group()`), which the launcher
 sets up as torchrun does; the collectives here do not go through it.
 """
+import contextlib
 import logging
 import math
 
@@ -197,6 +198,7 @@ class ShareSampler(torch.utils.data.Sampler):
 
 _REDUCED = torch.utils.weak.WeakIdKeyDictionary()    # parameter -> the GradientReducer that sums its gradients
 
+
 def _params(model, named_parameters, optimizer):
     if model is not None:
         return [p for p in model.parameters()]
@@ -219,7 +221,6 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=No
     what it was (schedulers, state_dict and isinstance keep working): hooks do the work.
     Collective: every rank calls it, once per optimizer and model.
     """
-    import contextlib
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}; "
                         f"wrap the optimizer: DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=...), "
