@@ -159,7 +159,11 @@ def test_distributed_optimizer_mistakes_are_one_line_each():
         "said(lambda: yd.broadcast_parameters(net.state_dict(), root_rank='0'))\n"
         "ctx.ranks = [me, RankInfo(1, 'w', 1, 'w_1', 0.5, 512, 0), RankInfo(2, 'w', 2, 'w_2', 0.5, 512, 0)]\n"
         "ctx.world_size = 3\n"
-        "said(lambda: yd.ShareSampler(100, batch_size=2, shares='vcores', ctx=ctx))\n")
+        "said(lambda: yd.ShareSampler(100, batch_size=2, shares='vcores', ctx=ctx))\n"
+        "for r in range(3):\n"
+        "    ctx.rank = r\n"
+        "    kept, dropped = (yd.ShareSampler(n, 8, shares='vcores', ctx=ctx, drop_last=False) for n in (19, 17))\n"
+        "    print('rank', r, [len(b) for b in kept], [len(b) for b in dropped], len(kept), len(dropped))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [
@@ -178,7 +182,9 @@ def test_distributed_optimizer_mistakes_are_one_line_each():
         "ValueError root_rank 3: the world's ranks are 0 to 0",
         "TypeError root_rank: expected a rank (an int), got str '0'",
         "ValueError batch_size 2 leaves rank(s) 2 without rows of a batch (shares [1.0, 0.5, 0.5]); give a "
-        "batch_size of 4 or more"], out.stdout
+        "batch_size of 4 or more",
+        # a last partial batch of 3 rows gives each rank one; of 1 row it would leave two with none: dropped
+        "rank 0 [4, 4, 1] [4, 4] 3 2", "rank 1 [2, 2, 1] [2, 2] 3 2", "rank 2 [2, 2, 1] [2, 2] 3 2"], out.stdout
 
 
 @pytest.mark.parametrize("kind", ["script", "function"])

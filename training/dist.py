@@ -142,7 +142,8 @@ class ShareSampler(torch.utils.data.Sampler):
     world size or the shares. Use it as `DataLoader(dataset, batch_sampler=sampler)`.
 
     drop_last=True (the default) drops the last incomplete batch, so every step has
-    exactly B rows and `weight` = n_r / B is exact for every step. `start_step` skips
+    exactly B rows and `weight` = n_r / B is exact for every step (with drop_last=False it
+    is kept, unless it would leave a rank no rows). `start_step` skips
     the first steps of the first epoch iterated (resuming mid-epoch).
     """
 
@@ -163,6 +164,7 @@ class ShareSampler(torch.utils.data.Sampler):
                              + (f"give a batch_size of {enough} or more" if enough <= self.n else "use fewer ranks"))
         self.lo = sum(counts[:self.ctx.rank])
         self.hi = self.lo + counts[self.ctx.rank]
+        self._bounds = np.cumsum([0] + list(counts))        # every rank's [lo, hi) of a full batch
         self.seed, self.shuffle, self.drop_last = int(seed), bool(shuffle), bool(drop_last)
         self.epoch = 0
         self.start_step = 0
@@ -182,7 +184,14 @@ class ShareSampler(torch.utils.data.Sampler):
 
     def __len__(self):
         full, rest = divmod(self.n, self.batch_size)
-        return full + (1 if rest and not self.drop_last else 0)
+        return full + (1 if rest and not self.drop_last and self._every_rank_has_rows(rest) else 0)
+
+    def _every_rank_has_rows(self, size):
+        """Whether a last, partial batch of `size` rows gives every rank some (the same answer
+        on every rank): one that would leave a rank none is dropped, as with drop_last, since
+        that rank has no loss to backpropagate."""
+        cut = self._bounds * size // self.batch_size
+        return bool((np.diff(cut) > 0).all())
 
     def __iter__(self):
         order = permutation(self.n, self.seed, self.epoch) if self.shuffle else np.arange(self.n)
