@@ -162,9 +162,8 @@ class ShareSampler(torch.utils.data.Sampler):
                              f"{', '.join(str(r) for r, c in enumerate(counts) if not c)} without rows of a batch "
                              f"(shares {[round(w, 3) for w in self.weights]}); "
                              + (f"give a batch_size of {enough} or more" if enough <= self.n else "use fewer ranks"))
-        self.lo = sum(counts[:self.ctx.rank])
-        self.hi = self.lo + counts[self.ctx.rank]
         self._bounds = np.cumsum([0] + list(counts))        # every rank's [lo, hi) of a full batch
+        self.lo, self.hi = int(self._bounds[self.ctx.rank]), int(self._bounds[self.ctx.rank + 1])
         self.seed, self.shuffle, self.drop_last = int(seed), bool(shuffle), bool(drop_last)
         self.epoch = 0
         self.start_step = 0

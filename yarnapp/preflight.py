@@ -43,7 +43,7 @@ def check_data(job, where=None, on_cluster=False):
     from training import fsutil
     from training.data import DataError
     from training.data.common import Unreachable
-    from training.data.formats import Columns, check
+    from training.data.formats import Columns, check, check_test_classes
     pre = f"{where}: " if where else ""
     unreachable = set()         # (scheme, host) already found out of reach: not tried again
     shapes = {}                 # split -> [C, H, W] of its raw images (None: encoded, or not checked)
@@ -59,7 +59,9 @@ def check_data(job, where=None, on_cluster=False):
             found[split] = check(uri, Columns.of(data.columns), tuple(data.shape) if data.shape else None)
             rows, shapes[split], blocks = found[split].rows, found[split].shape, found[split].blocks
             if split == "test" and "train" in found:
-                _check_test_classes(uri, found["test"], data.train, found["train"])
+                test, train = found["test"], found["train"]
+                check_test_classes(uri, test.classes, test.num_classes, data.train, train.classes,
+                                   train.num_classes)
             low = found[split].lowest
             if split == "train" and not found[split].named and low:
                 unseen = "class 0 gets an output" if low == 1 else f"classes 0 to {low - 1} get an output each"
@@ -83,19 +85,6 @@ def check_data(job, where=None, on_cluster=False):
                 _check_window(job, blocks, pre)
     if not data.transform:      # the user's own transform runs in the containers only
         _check_built(job, _check_sizes(data, shapes, pre), pre)
-
-
-def _check_test_classes(uri, test, train_uri, train):
-    """The ranks' checks of a test set against the training set (training.data.source),
-    where the footers tell: no label the model has no output for, no class name that means
-    another label."""
-    from training.data import DataError
-    from training.data.formats import check_same_classes
-    if test.num_classes and train.num_classes and test.num_classes > train.num_classes:
-        raise DataError(f"{uri}: its labels go up to {test.num_classes - 1} ({test.num_classes} classes), the "
-                        f"training set's ({train_uri}) to {train.num_classes - 1}: the model has "
-                        f"{train.num_classes} outputs; give a test set of the training set's classes")
-    check_same_classes(uri, test.classes, train_uri, train.classes)
 
 
 def _check_window(job, blocks, pre):

@@ -21,6 +21,7 @@ from the labels (the largest + 1); mean and std are given in job.yaml or compute
 import bisect
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import logging
 import posixpath
@@ -95,12 +96,15 @@ class Layout:
     def name(self, file):
         return self.names[file]
 
+    @functools.cached_property
+    def _starts(self):
+        """The dataset row each block starts at."""
+        return np.cumsum([0] + [b.rows for b in self.blocks]).tolist()
+
     def where(self, row):
         """How messages name row `row` of the dataset (its index over every file, in blocks'
         order): "<file's URI> (row <its row in that file>)"."""
-        starts = self.__dict__.get("_starts")
-        if starts is None:
-            starts = self.__dict__["_starts"] = np.cumsum([0] + [b.rows for b in self.blocks]).tolist()
+        starts = self._starts
         i = min(max(bisect.bisect_right(starts, row) - 1, 0), len(self.blocks) - 1)
         file = self.blocks[i].file
         first = next(j for j, b in enumerate(self.blocks) if b.file == file)
@@ -272,20 +276,31 @@ def blocks_of(file, metadata, wanted, max_block_bytes=None):
     return out
 
 
-def _label_range(metadata, label):
-    """(smallest, largest) label from a footer's statistics, or None when they are missing."""
-    lo = hi = None
+def _statistics(metadata, column):
+    """The footer's statistics of `column` (its path in the schema) in each row group
+    (None where a row group has none)."""
     for g in range(metadata.num_row_groups):
         rg = metadata.row_group(g)
         for i in range(rg.num_columns):
             c = rg.column(i)
-            if c.path_in_schema == label:
-                s = c.statistics
-                if s is None or not s.has_min_max:
-                    return None
-                lo = s.min if lo is None else min(lo, s.min)
-                hi = s.max if hi is None else max(hi, s.max)
+            if c.path_in_schema == column:
+                yield c.statistics
+
+
+def _label_range(metadata, label):
+    """(smallest, largest) label from a footer's statistics, or None when they are missing."""
+    lo = hi = None
+    for s in _statistics(metadata, label):
+        if s is None or not s.has_min_max:
+            return None
+        lo = s.min if lo is None else min(lo, s.min)
+        hi = s.max if hi is None else max(hi, s.max)
     return None if lo is None else (int(lo), int(hi))
+
+
+def _null_count(metadata, column):
+    """Nulls in `column` by the footer's statistics (0 where they do not say)."""
+    return sum(s.null_count for s in _statistics(metadata, column) if s is not None and s.has_null_count)
 
 
 def inspect(uri, columns=None, shape=None):
@@ -323,8 +338,8 @@ def check(uri, columns=None, shape=None):
     fs, paths, names, footers, meta, kind, raw_shape, columns = _read_footers(uri, columns, shape)
     n = int(meta["num_classes"]) if meta.get("num_classes") else None
     top, low = -1, None                     # the largest and smallest label, while every footer gives them
+    image = f"{columns.image}.bytes" if kind == STRUCT else columns.image     # a path alone is no image
     for name, md in zip(names, footers):    # labels outside the classes: found in a rank mid-epoch otherwise
-        image = f"{columns.image}.bytes" if kind == STRUCT else columns.image     # a path alone is no image
         for column, what in ((columns.label, "a label"), (image, "an image")):
             nulls = _null_count(md, column)
             if nulls:
@@ -354,23 +369,20 @@ def check(uri, columns=None, shape=None):
                    lowest=low, named=bool(n or named))
 
 
-def _null_count(metadata, column):
-    """Nulls in `column` by the footer's statistics (0 where they do not say)."""
-    nulls = 0
-    for g in range(metadata.num_row_groups):
-        rg = metadata.row_group(g)
-        for i in range(rg.num_columns):
-            c = rg.column(i)
-            if c.path_in_schema == column and c.statistics is not None and c.statistics.has_null_count:
-                nulls += c.statistics.null_count
-    return nulls
 
-
-def check_same_classes(uri, classes, train_uri, train_classes):
-    """Raise DataError where a test set's class names give its labels other meanings than
+def check_test_classes(uri, classes, num_classes, train_uri, train_classes, train_num_classes):
+    """Raise DataError where a test set's labels go past the training set's classes (the
+    model has no output for them), or its class names give its labels other meanings than
     the training set's (a test folder imported without one of the training folder's
     classes: scored against the wrong classes, accuracy 0 and no word). Fewer classes are
-    fine; class names that are only the label numbers say nothing."""
+    fine; class names that are only the label numbers say nothing; what is not known (None)
+    is not checked. The ranks' check (training.data.source) and the client's (footers only,
+    yarnapp.preflight)."""
+    if num_classes and train_num_classes and num_classes > train_num_classes:
+        raise DataError(f"{uri}: its labels go up to {num_classes - 1} ({num_classes} classes), the training "
+                        f"set's ({train_uri}) to {train_num_classes - 1}: the model has {train_num_classes} "
+                        f"outputs; give a test set of the training set's classes")
+
     def named(names):
         return names is not None and list(names) != [str(i) for i in range(len(names))]
     if not (named(classes) and named(train_classes)):

@@ -31,7 +31,7 @@ from . import stats as stats_mod
 from . import transforms
 from .common import BadData, DataError
 from .decode import channels_of, decode, gather
-from .formats import RAW, Columns, check_same_classes, inspect
+from .formats import RAW, Columns, check_test_classes, inspect
 from .order import Order, Schedule, steps_per_epoch
 from .reader import BlockReader, Cancelled, _Files, read_block
 
@@ -148,11 +148,8 @@ class ParquetSource:
         self.layout = inspect(uri, Columns.of(g("columns")), tuple(shape) if shape else None)
         self.classes, self.num_classes = self.layout.classes, self.layout.num_classes
         if reference is not None:
-            if self.num_classes > reference.num_classes:    # labels the model has no output for
-                raise DataError(f"{uri}: its labels go up to {self.num_classes - 1} ({self.num_classes} classes), "
-                                f"the training set's ({reference.uri}) to {reference.num_classes - 1}: the model "
-                                f"has {reference.num_classes} outputs; give a test set of the training set's classes")
-            check_same_classes(uri, self.classes, reference.uri, reference.classes)
+            check_test_classes(uri, self.classes, self.num_classes, reference.uri, reference.classes,
+                               reference.num_classes)
             self.classes, self.num_classes = reference.classes, reference.num_classes
         self.channels = self._channels()
         if reference is not None and self.channels != reference.channels:
