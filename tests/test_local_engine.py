@@ -196,6 +196,23 @@ def test_kill_of_submit_wait_stops_the_application_as_ctrl_c_does(yarnapp_home, 
     assert_nothing_left(app)
 
 
+def test_submit_wait_piped_into_head_waits_for_the_job_to_its_end(yarnapp_home, tmp_path):
+    """`yarnapp submit job.yaml --wait 2>&1 | head -1`: the reader goes after one line. The
+    command waits on, silently, and ends with the job's own status (before, the next line
+    raised BrokenPipeError: status 141, and the application ran on with no command waiting)."""
+    submit = subprocess.Popen([sys.executable, "-m", "yarnapp.cli", "submit", HELLO, "--wait"], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ))
+    try:
+        app = app_id_from(submit.stdout.readline().decode())
+        submit.stdout.close()                       # as `head -1` exits
+        assert submit.wait(timeout=120) == 0
+    finally:
+        if submit.poll() is None:
+            submit.kill()
+    assert yarnapp.Run(app).status()["state"] == "SUCCEEDED"
+    assert_nothing_left(app)
+
+
 def test_kill_right_after_submit_ends_the_application_killed(yarnapp_home, tmp_path):
     """A kill the moment `submit` returns, while the supervisor is still starting: KILLED
     (before, a supervisor stopped before it could pass the signal on left the application

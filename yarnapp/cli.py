@@ -22,6 +22,40 @@ def _p(*a, **k):
     print(*a, **k, flush=True)
 
 
+def _stdout_gone(stream=None):
+    """The reader of stdout went away (`yarnapp status APP | head -1`): what this command
+    would still print goes nowhere, as after SIGPIPE, and so does the final flush's."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), (stream or sys.stdout).fileno())
+
+
+def _readers_gone():
+    """After a BrokenPipeError: send whichever of stdout and stderr lost its reader (a pipe
+    whose reader closed polls POLLERR) to /dev/null; return the stream still read, stdout
+    first, or None."""
+    import select
+    alive = []
+    for stream in (sys.stdout, sys.stderr):
+        poll = select.poll()
+        poll.register(stream.fileno(), select.POLLOUT)
+        if any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poll.poll(0)):
+            _stdout_gone(stream)
+        else:
+            alive.append(stream)
+    return alive[0] if alive else None
+
+
+def _say(text, out):
+    """Print a line of how a job ended on `out`; where its reader is gone, on the stream
+    still read. Returns the stream to go on with."""
+    try:
+        _p(text, file=out)
+        return out
+    except BrokenPipeError:
+        out = _readers_gone() or sys.stdout
+        _p(text, file=out)
+        return out
+
+
 def cmd_submit(args):
     spec = api.load(args.job, backend=args.backend, max_restarts=args.max_restarts,   # errors name the file
                     checkpoint=None if args.resume is None else {"resume": args.resume},
@@ -32,7 +66,7 @@ def cmd_submit(args):
         _p(api.dry_run(spec, where=args.job), end="")
         return 0
     _interrupt_on_sigterm()         # `kill` or `timeout` stops a submit as Ctrl-C does
-    t0 = time.time()
+    t0, out = time.time(), sys.stdout
     run = api.start(spec, where=args.job)
     try:
         app_id = run.app_id
@@ -41,12 +75,17 @@ def cmd_submit(args):
             return 0
         _p(f"submitted {app_id} to the {spec.backend} backend: {spec.world_size} ranks in "
            f"{len(spec.groups)} groups ({', '.join(f'{g.instances}x{g.name}' for g in spec.groups)})")
-        st = run.wait(progress=True, summary=False)       # it ends with its own lines, on stdout
+        try:
+            st = run.wait(progress=True, summary=False)   # it ends with its own lines, on stdout
+        except BrokenPipeError:     # `submit --wait | head`: the reader is gone, the job is not;
+            out = _readers_gone() or sys.stdout     # --wait still ties it to this command,
+            _say(f"output closed; still waiting for {app_id} (Ctrl-C kills it)", out)
+            st = run.wait(summary=False)            # which ends with the job's own end
     except KeyboardInterrupt:
         if not args.wait:
             raise                   # submitted without --wait: it runs on, as it would have
         run.kill()
-        _p(f"interrupted: killed {run.app_id}{run.resume_hint(_resubmit(args))}")
+        _p(f"interrupted: killed {run.app_id}{run.resume_hint(_resubmit(args))}", file=out)
         return _interrupted_status()
     took = time.time() - t0
     if st["state"] != "SUCCEEDED":
@@ -55,10 +94,11 @@ def cmd_submit(args):
             _p(f"--- last lines of {f.get('container')}'s log ---\n{f['log_tail']}\n---", file=sys.stderr)
         raise YarnappError(run.failure_message(resubmit=_resubmit(args)))
     formed = st.get("world_formed_s")
-    _p(f"{app_id} SUCCEEDED in {took:.1f}s" + (f" (world formed in {formed:.2f}s after submit)" if formed else ""))
+    out = _say(f"{app_id} SUCCEEDED in {took:.1f}s" + (f" (world formed in {formed:.2f}s after submit)" if formed
+                                                        else ""), out)
     if st.get("final"):
         from .progress import metrics
-        _p("final: " + metrics(st["final"]))
+        _say("final: " + metrics(st["final"]), out)
     return 0
 
 
@@ -438,7 +478,7 @@ def main(argv=None):
         print("interrupted", file=sys.stderr, flush=True)
         return _interrupted_status()
     except BrokenPipeError:         # `yarnapp status APP | head -1`: the reader is gone, as after SIGPIPE
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())     # and so is the final flush's
+        _stdout_gone()
         return 141
     except YarnappError as e:
         print(f"Error: {e}", file=sys.stderr, flush=True)
