@@ -101,18 +101,23 @@ def test_the_ddp_script_survives_a_sigkill_and_its_own_snapshot_resumes(tmp_path
 def test_a_loop_on_the_public_api_with_vcores_shares_equals_one_process(tmp_path, yarnapp_home):
     """...with its gradient clipped between backward and step, as DDP's and Horovod's users
     do: the sum over the world is complete when backward returns (before, p.grad was the
-    bucket being reduced, the clip raced the all-reduce, and the replicas diverged)."""
+    bucket being reduced, the clip raced the all-reduce, and the replicas diverged); and
+    fine-tuned, a conv frozen when the optimizer was wrapped and unfrozen at step 5, another
+    frozen at step 12 (before, the first's gradients were never summed, and the replicas
+    diverged; momentum moved the second on zeros)."""
     sys.path.insert(0, JOBS)
     try:
         import user_loop
-        expected = user_loop.reference(steps=20, batch=48, clip=0.05)
-        unclipped = user_loop.reference(steps=20, batch=48)
+        expected = user_loop.reference(steps=20, batch=48, clip=0.05, tune=True)
+        unclipped = user_loop.reference(steps=20, batch=48, tune=True)
+        untuned = user_loop.reference(steps=20, batch=48, clip=0.05)
     finally:
         sys.path.remove(JOBS)
     assert max(float((expected[k] - unclipped[k]).abs().max()) for k in expected) > 1e-3     # the clip bites
+    assert float((expected["0.weight"] - untuned["0.weight"]).abs().max()) > 1e-3          # and the schedule
     out = tmp_path / "out"
     out.mkdir()
-    env = {"OUT": str(out), "SHARES": "vcores", "STEPS": "20", "BATCH": "48", "CLIP": "0.05"}
+    env = {"OUT": str(out), "SHARES": "vcores", "STEPS": "20", "BATCH": "48", "CLIP": "0.05", "FINETUNE": "1"}
     job = {"name": "user-loop", "groups": [dict(g, env=env) for g in GROUPS], "max_restarts": 0,
            "run": {"function": "user_loop:main", "files": [os.path.join(JOBS, "user_loop.py")]}}
     run = yarnapp.submit(job)

@@ -225,7 +225,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=No
     when `backward()` returns: gradients may be clipped, scaled or inspected before
     `optimizer.step()`, and are the same on every rank. Horovod's
     `optimizer.synchronize()` and `with optimizer.skip_synchronize():` are there too
-    (nothing is left for them to do). Call backward once per step. The optimizer stays
+    (nothing is left for them to do). Call backward once per step. Parameters may be
+    frozen or unfrozen between steps (fine-tuning), on every rank alike. The optimizer stays
     what it was (schedulers, state_dict and isinstance keep working): hooks do the work.
     Collective: every rank calls it, once per optimizer and model.
     """
@@ -245,15 +246,45 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=No
                            f"per model, or leave out model= so that each wraps its own optimizer's parameters")
     weight = 1.0 / ctx.world_size if weight is None else float(weight)
     overlap = "thread" if ctx.me.vcores - torch.get_num_threads() >= 1 else "poll"
-    reducer = collectives.GradientReducer(params, ctx.comm, bucket_mb=bucket_mb,
-                                          ring_threshold_kb=ring_threshold_kb, overlap=overlap,
-                                          shared_memory=shared_memory)
-    state = {"queued": False, "reduced": False}
+
+    def make_reducer(trainable):
+        return collectives.GradientReducer(trainable, ctx.comm, bucket_mb=bucket_mb,
+                                           ring_threshold_kb=ring_threshold_kb, overlap=overlap,
+                                           shared_memory=shared_memory)
+
+    def in_scope():
+        """The parameters this optimizer reduces, as they are now: a model's (or the
+        optimizer's groups', add_param_group's included) that no other reducer has."""
+        now = params if model is None and named_parameters is not None else _params(model, None, optimizer)
+        return [p for p in dict.fromkeys(now) if _REDUCED.get(p) in (None, state["reducer"])]
+
+    state = {"queued": False, "reduced": False, "reducer": make_reducer(params), "changed": False}
+
+    def trainable_changed(reducer):
+        """Parameters frozen or unfrozen since the reducer was made (fine-tuning that
+        unfreezes a backbone): the newly trainable ones' gradients of this step are summed
+        here, the newly frozen ones keep no gradient (as without this optimizer: no
+        weight decay or momentum moves them), and the next step gets a reducer of what is
+        trainable then. Every rank runs the same code, so every rank finds the same."""
+        known = set(reducer.params)
+        new = [p for p in in_scope() if p.requires_grad and p not in known]
+        for p in reducer.params:
+            if not p.requires_grad:
+                p.grad = None
+        if new:
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
+                              .to("cpu", torch.float64) for p in new]).mul_(weight)
+            collectives.allreduce_(flat, reducer.comm)
+            for p, g in zip(new, flat.split([p.numel() for p in new])):
+                p.grad = g.view_as(p).to(p.device, p.dtype)
+        return bool(new) or any(not p.requires_grad for p in reducer.params)
 
     def synchronize():
         """Wait for the sum of this step's gradients (done by the end of backward already)."""
         if not state["reduced"]:
+            reducer = state["reducer"]
             reducer.finish()
+            state["changed"] = trainable_changed(reducer)
             state["reduced"] = True
 
     def at_backward_end():
@@ -273,15 +304,33 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=No
             state["queued"] = True
             torch.autograd.Variable._execution_engine.queue_callback(at_backward_end)
 
-    for p in reducer.params:
-        _REDUCED[p] = reducer
-        p.register_post_accumulate_grad_hook(on_grad)
+    hooked = torch.utils.weak.WeakIdKeyDictionary()
+
+    def adopt(reducer):
+        for p in reducer.params:
+            _REDUCED[p] = reducer
+            if p not in hooked:
+                hooked[p] = p.register_post_accumulate_grad_hook(on_grad)
+        optimizer.yarnapp_reducer = reducer
 
     def rearm():
         """The next step's reduction: after step(), or after a zero_grad() that follows a
-        step not taken (GradScaler skips it when it finds inf)."""
+        step not taken (GradScaler skips it when it finds inf). Where what is trainable
+        changed, with a reducer of what is trainable now (made by every rank: collective)."""
+        if state["changed"]:
+            old = state["reducer"]
+            trainable = [p for p in in_scope() if p.requires_grad]
+            for p in old.params:
+                p.grad = None           # a view of the old reducer's buckets; begin() clears the rest
+                _REDUCED.pop(p, None)
+            old.close()
+            state["reducer"] = make_reducer(trainable)
+            adopt(state["reducer"])
+            state["changed"] = False
+            log.info("distributed optimizer: %d parameters trainable now, in %d buckets",
+                     len(trainable), len(state["reducer"].buckets))
         state["reduced"] = state["queued"] = False
-        reducer.begin(weight)
+        state["reducer"].begin(weight)
 
     def before_step(opt, args, kwargs):
         synchronize()           # a step without a backward (a rank with no rows): zeros of its own
@@ -300,12 +349,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=No
     optimizer.register_step_pre_hook(before_step)
     optimizer.register_step_post_hook(after_step)
     optimizer.zero_grad = zero_grad_then_rearm
-    optimizer.yarnapp_reducer = reducer
+    adopt(state["reducer"])
     optimizer.synchronize = synchronize
     optimizer.skip_synchronize = contextlib.nullcontext
-    reducer.begin(weight)
+    state["reducer"].begin(weight)
     log.info("distributed optimizer: rank %d of %d, weight %.4f, %d buckets, overlap=%s",
-             ctx.rank, ctx.world_size, weight, len(reducer.buckets), reducer.overlap)
+             ctx.rank, ctx.world_size, weight, len(state["reducer"].buckets), state["reducer"].overlap)
     return optimizer
 
 

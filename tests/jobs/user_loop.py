@@ -6,7 +6,8 @@ run.files) and compare its weights with one process training on the global batch
 Environment (set through the job's groups[].env): OUT (where every rank writes its
 final weights), SHARES (equal | vcores), STEPS, BATCH, CLIP (clip the gradient's norm
 to this between backward and step: DDP's way on odd steps, Horovod's synchronize() and
-skip_synchronize() on even ones).
+skip_synchronize() on even ones), FINETUNE (1: the first conv frozen when the optimizer
+is wrapped and unfrozen at step 5, the second frozen from step 12 on: `finetune`).
 """
 import os
 
@@ -33,6 +34,14 @@ def model():
                                torch.nn.Linear(16 * 6 * 6, 4))
 
 
+def finetune(net, step):
+    """Fine-tuning's schedule: the first conv trains from step 5 on, the second until step 12."""
+    for p in net[0].parameters():
+        p.requires_grad_(step >= 5)
+    for p in net[3].parameters():
+        p.requires_grad_(step < 12)
+
+
 def optimizer(m):
     return torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
 
@@ -46,12 +55,17 @@ def main(ctx):
     dev = yd.device()                   # cuda:0 in a container with a GPU, else the CPU
     net = model().to(dev)
     yd.broadcast_parameters(net.state_dict(), root_rank=0)
+    tune = os.environ.get("FINETUNE") == "1"
+    if tune:
+        finetune(net, 0)
     opt = yd.DistributedOptimizer(optimizer(net), model=net, weight=sampler.weight)
     step = 0
     for epoch in range(100):
         sampler.set_epoch(epoch)
         for x, y in loader:
             x, y = x.to(dev), y.to(dev)
+            if tune:
+                finetune(net, step)
             opt.zero_grad()
             loss = F.cross_entropy(net(x), y)
             loss.backward()
@@ -74,7 +88,7 @@ def main(ctx):
                 return
 
 
-def reference(steps=20, batch=48, clip=0.0):
+def reference(steps=20, batch=48, clip=0.0, tune=False):
     """One process, the whole global batch every step, the same order: the weights the
     distributed run must end with."""
     data = dataset()
@@ -85,6 +99,8 @@ def reference(steps=20, batch=48, clip=0.0):
         order = yd.permutation(len(data), SEED, epoch)
         for s in range(len(data) // batch):
             x, y = data[order[s * batch:(s + 1) * batch]]
+            if tune:
+                finetune(net, step)
             opt.zero_grad()
             F.cross_entropy(net(x), y).backward()
             if clip:
