@@ -410,7 +410,7 @@ def test_a_class_name_column_is_needed_only_where_no_metadata_names_the_classes(
     pq.write_table(table.replace_schema_metadata(meta), tmp_path / "imported.parquet")
     src = ParquetSource(str(tmp_path / "imported.parquet"), _spec(columns={"class_name": "name"}))
     assert src.classes == ["a", "b", "c"] and src.read_arrays()[1].tolist() == [1, 0, 2, 0]
-    assert data.formats.check(str(tmp_path / "imported.parquet"), data.formats.Columns(class_name="name")).rows == 4
+    assert data.checks.check(str(tmp_path / "imported.parquet"), data.formats.Columns(class_name="name")).rows == 4
     pq.write_table(table, tmp_path / "bare.parquet")                       # no metadata: the column is needed
     with pytest.raises(DataError) as e:
         ParquetSource(str(tmp_path / "bare.parquet"), _spec(shape=[3, 2, 2], columns={"class_name": "name"}))

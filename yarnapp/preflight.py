@@ -43,7 +43,8 @@ def check_data(job, where=None, on_cluster=False):
     from training import fsutil
     from training.data import DataError
     from training.data.common import Unreachable
-    from training.data.formats import Columns, check, check_test_classes
+    from training.data.checks import check, check_test_classes
+    from training.data.formats import Columns
     pre = f"{where}: " if where else ""
     unreachable = set()         # (scheme, host) already found out of reach: not tried again
     shapes = {}                 # split -> [C, H, W] of its raw images (None: encoded, or not checked)

@@ -31,7 +31,8 @@ from . import stats as stats_mod
 from . import transforms
 from .common import BadData, DataError
 from .decode import channels_of, decode, gather
-from .formats import RAW, Columns, check_test_classes, inspect
+from .checks import check_test_classes
+from .formats import RAW, Columns, inspect
 from .order import Order, Schedule, steps_per_epoch
 from .reader import BlockReader, Cancelled, _Files, read_block
 
