@@ -28,6 +28,8 @@ def test_rgb_images_in_nchw_are_predicted_and_resized_by_the_runs_test_transform
                                r"\(N x H x W x C, as PIL and numpy give\): images.transpose\(0, 3, 1, 2\)$"),
     ((3, 16, 16), np.uint8, r"the model takes 3 channels, got shape \(3, 16, 16\); one image\? give a batch of one: "
                             r"images\[None\]$"),
+    ((16, 16, 3), np.uint8, r"the model takes 3 channels, got shape \(16, 16, 3\); one channels-last image \(H x W x "
+                            r"C, as PIL gives\)\? give images.transpose\(2, 0, 1\)\[None\]$"),
     ((5, 1, 16, 16), np.uint8, r"the model takes 3 channel\(s\), got shape \(5, 1, 16, 16\)$"),
     ((5, 3, 24, 24), np.uint8, r"images of 24 x 24 pixels come out 24 x 24; the model takes 16 x 16 \(input_shape "
                                r"\[3, 16, 16\]\): resize them to 16 x 16 first$"),

@@ -86,7 +86,9 @@ class TrainedModel:
         if images.dtype != np.uint8 or images.ndim not in (3, 4):
             raise ValueError(f"predict: images must be {want}, got {images.dtype} of shape {images.shape}")
         if images.ndim == 3 and c > 1:
-            one = f"; one image? give a batch of one: images[None]" if images.shape[0] == c else ""
+            one = ("; one image? give a batch of one: images[None]" if images.shape[0] == c else
+                   "; one channels-last image (H x W x C, as PIL gives)? give images.transpose(2, 0, 1)[None]"
+                   if images.shape[2] == c else "")
             raise ValueError(f"predict: images must be {want}: the model takes {c} channels, got shape "
                              f"{images.shape}{one}")
         if images.ndim == 4 and images.shape[1] != c:
