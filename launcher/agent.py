@@ -194,7 +194,7 @@ class Agent(PeerDiagnosis):
                 line = f": {err.error}" if err.error and err.error != what else ""     # sys.exit(3) says no more
                 return Outcome.OWN, Failure(kind=kind.value, container=me, rank=rank, exit_code=rc,
                                             error=err.error, phase=err.phase, input_error=err.input_error,
-                                            repeats=err.repeats,
+                                            repeats=err.repeats, certain=err.certain,
                                             reason=f"rank {rank} ({me}) {what}{line}" + self.network_note())
             seen = self.observe(gen)
             if self.formed_seen is None and keys.formed(gen) in seen:

@@ -52,6 +52,8 @@ class Failure:
                                              # found: a YarnappError), so `submit --wait` shows no log tail
     repeats: Optional[bool] = None           # that mistake is in the data's content (a bad page): a
                                              # restart meets it again (launcher.retries)
+    certain: Optional[bool] = None           # that mistake is in the job's model or strategy settings:
+                                             # every attempt meets it (launcher.retries)
     attempts: Optional[int] = None           # on FAILED: how many generations ran
     retried: Optional[bool] = None           # on FAILED: False when not retried (deterministic)
     aborted_generation: Optional[int] = None  # on a restart record: the generation that ended

@@ -11,6 +11,12 @@ asks after every abort). These are not, since a restart would fail as this one d
   the same line in this generation and the one before. Other errors in training, an
   unreachable filesystem's among them, are retried as often as the job allows: the same
   line twice may still be a passing cause (a DataNode restarting, a peer that left);
+- a rank found a mistake in the job's model or strategy settings (a model the strategy
+  cannot run, a layer it cannot split: an error class marked `certain`,
+  training.strategies.base.StrategyError, training.models.ModelError,
+  training.partition.PartitionError, training.userfn.UserCodeError), in any phase: the
+  hypergraph strategy partitions at its first step, and a model it cannot place was tried
+  as often as the job allowed;
 - a rank's code ended (exit 0) in the generation that failed: its agent, and on YARN its
   container, ended with it, so no new world can form (each restart waited out
   launcher.rendezvous_timeout, then failed as "world not formed; missing: w_1").
@@ -26,6 +32,7 @@ NOT_RETRIED_AGAIN = NOT_RETRIED.replace("before training started", "as the resta
     "not retried", "not retried again")     # (training had started: "before training started" misled)
 OOM_AGAIN = "killed for memory in two attempts in a row, so it was not retried again (a restart would be too)"
 INPUT_AGAIN = "the same error in two attempts in a row, so it was not retried again (a restart would fail the same way)"
+CERTAIN = "a mistake in the job's model or strategy settings, which every attempt meets, so it was not retried"
 ENDED = ("{who} " + EXITED_EARLY + " in this attempt, and {whose} container with {it}, so it was not retried (a "
          "new world cannot form without {it})")
 ENDED_NAMED = "so it was not retried ({whose} container ended with {it}: a new world cannot form without {it})"
@@ -37,6 +44,8 @@ def not_worth_retrying(store, members, gen, cause, poll_s, wait_s):
     wait for every rank's agent to record how its rank ended (see same_setup_failure)."""
     if same_setup_failure(store, members, gen, cause, poll_s, wait_s):
         return NOT_RETRIED if gen == 0 else NOT_RETRIED_AGAIN
+    if cause.certain:
+        return CERTAIN
     if oom_again(store, gen, cause):
         return OOM_AGAIN
     if input_error_again(store, gen, cause):

@@ -19,7 +19,7 @@ from launcher import beats, exitcodes, keys, memory, stacks
 from launcher.agent import SETUP_GRACE_S, TRANSITIONS, Agent, Outcome, State
 from launcher.failure import Failure, Kind
 from launcher.identity import Identity
-from launcher.retries import INPUT_AGAIN, NOT_RETRIED, NOT_RETRIED_AGAIN, OOM_AGAIN
+from launcher.retries import CERTAIN, INPUT_AGAIN, NOT_RETRIED, NOT_RETRIED_AGAIN, OOM_AGAIN
 from launcher.store import FileStore, SkeinStore
 
 pytestmark = pytest.mark.unit
@@ -190,6 +190,17 @@ def test_a_setup_failure_beside_a_rank_that_succeeded_is_judged_at_once(tmp_path
     assert failed.retried is False and "rank 1 (w_1) had ended (exit 0)" in failed.reason, failed
     assert failed.reason.endswith("so it was not retried (its container ended with it: a new world cannot form "
                                   "without it)"), failed
+
+
+def test_a_mistake_in_the_jobs_model_or_strategy_is_not_retried_even_in_training(tmp_path):
+    """The hypergraph strategy partitions at the first step: a model it cannot place failed
+    there as a StrategyError's kin (certain) and was tried max_restarts + 1 times."""
+    error = "the hypergraph partitioner cannot place BatchNorm2d (layer 'bn')"
+    mistake = dataclasses.replace(crash(code=1, error=error), input_error=True, certain=True)
+    a, store = agent(tmp_path, [(Outcome.OWN, mistake, None)], max_restarts=3)
+    assert a.run() == 1 and a.spawned_gens == [0]
+    failed = load(store, keys.FAILED)
+    assert failed.retried is False and failed.attempts == 1 and failed.reason.endswith(CERTAIN), failed.reason
 
 
 def test_a_failure_in_training_is_retried_even_when_it_repeats(tmp_path):

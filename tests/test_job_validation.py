@@ -237,6 +237,29 @@ def test_a_model_option_of_the_wrong_kind_or_an_unknown_layer_is_refused_before_
     assert cli("submit", job, "--dry-run", timeout=60).returncode == 0
 
 
+def test_a_model_of_the_users_own_that_its_strategy_cannot_run_is_refused_before_anything_starts(
+        tmp_path, cli, yarnapp_home, digits):
+    """A model factory shipped with run.files, built at submit as the containers import it:
+    BatchNorm under the hypergraph strategy (before, it failed in the containers at the
+    first step and was tried max_restarts + 1 times), a grouped conv named in conv-MP's
+    layers (a ValueError with its traceback in every container)."""
+    model = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobs", "user_model.py")
+    base = dict(_with("run.function", "training.runner:main"))
+    base["run"]["files"] = [model]
+    cases = [("hypergraph", "training.strategy: the hypergraph partitioner cannot place BatchNorm2d (layer '1'): "
+              "it handles chains of Conv2d / Linear layers"),
+             ({"name": "conv_model_parallel", "layers": ["3"]}, "training.strategy.layers: 3: grouped convolutions "
+              "(groups=4) cannot be split by output channel; leave it out (the layers that can be split: ['0'])")]
+    job = tmp_path / "job.yaml"
+    for strategy, words in cases:
+        job.write_text(yaml.safe_dump(dict(base, training={"data": {"train": os.path.join(digits, "train")},
+                                                           "model": "user_model:make_bn_net", "strategy": strategy})))
+        proc = cli("submit", job, "--wait", timeout=60)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert proc.stderr.startswith(f"Error: {job}: {words}") and proc.stderr.count("\n") == 1, proc.stderr
+        assert apps(yarnapp_home) == []
+
+
 def test_images_that_would_come_out_in_other_sizes_are_refused_before_anything_starts(tmp_path, cli, yarnapp_home,
                                                                                          digits):
     """A crop larger than digits' 8x8 images in training.data.augment alone, and a test set of

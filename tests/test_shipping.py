@@ -130,6 +130,43 @@ def test_a_module_of_the_users_named_as_yarnapps_own_packages_is_refused_where_i
     assert out.stdout.strip() == conf.__file__
 
 
+def test_code_shipped_under_the_name_of_pythons_own_module_is_refused_where_it_would_meet_it(tmp_path):
+    """`run.files: [code]` with `run.function: code.train:main`: Python's `code` was imported
+    first and the rank failed with "No module named 'code.train'; 'code' is not a package".
+    A random.py or a package would shadow Python's own for every import; a script's folder
+    named like one, without __init__.py and not imported by name, is fine."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "train.py").write_text("def main(ctx):\n    pass\n")
+    with pytest.raises(YarnappError, match=rf"^run.files: {code} would be imported as 'code' in the containers, "
+                                           rf"the name of Python's own module code; rename it"):
+        shipping.plan(_job({"function": "code.train:main", "files": [str(code)]}))
+    assert shipping.plan(_job({"script": str(code / "train.py")})).entries == {"code": str(code)}
+    (tmp_path / "random.py").write_text("SEED = 1\n")
+    with pytest.raises(YarnappError, match="would be imported as 'random'"):
+        shipping.plan(_job({"script": str(code / "train.py"), "files": [str(code), str(tmp_path / "random.py")]}))
+
+
+def test_what_a_job_ships_is_importable_here_while_the_planner_builds_its_model(tmp_path, monkeypatch):
+    """`yarnapp plan` of a job whose model ships with run.files said "cannot import
+    mynets.nets (No module named 'mynets'); install it, or ship it with the job" though
+    submit ran it: the planner imports it here, and its probes in processes of their own."""
+    import subprocess
+    pkg = tmp_path / "proj" / "mynets"
+    pkg.mkdir(parents=True)
+    (pkg / "nets.py").write_text("WIDTH = 8\n")
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    before = list(sys.path)
+    shipment = shipping.plan(_job({"function": "mynets.nets:WIDTH", "files": [str(pkg)]}))
+    with shipping.importable(shipment):
+        assert importlib.import_module("mynets.nets").WIDTH == 8
+        child = subprocess.run([sys.executable, "-c", "import mynets.nets as n; print(n.WIDTH)"],
+                               capture_output=True, text=True, cwd=tmp_path)
+        assert child.stdout == "8\n", child.stderr
+    assert sys.path == before and "PYTHONPATH" not in os.environ
+    sys.modules.pop("mynets.nets", None), sys.modules.pop("mynets", None)
+
+
 def test_the_local_engines_own_directories_are_never_shipped(tmp_path, monkeypatch):
     proj = _project(tmp_path / "proj")
     home = proj / "yarnapp-home"

@@ -25,7 +25,9 @@ log = logging.getLogger(__name__)
 
 
 class ModelError(YarnappError, ValueError):
-    """A model that cannot be built. str() is one line naming the model and the fix."""
+    """A model that cannot be built. str() is one line naming the model and the fix. Not
+    retried (launcher.retries)."""
+    certain = True
 
 
 def _positive_int(model, key, value):

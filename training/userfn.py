@@ -16,7 +16,9 @@ from conf.errors import YarnappError
 
 
 class UserCodeError(YarnappError, ValueError):
-    """A `package.module:name` of the job that cannot be found or called."""
+    """A `package.module:name` of the job that cannot be found or called. Not retried
+    (launcher.retries)."""
+    certain = True
 
 
 def load(ref, field):

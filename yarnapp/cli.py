@@ -281,10 +281,11 @@ def cmd_plan(args):
         where = os.path.dirname(os.path.abspath(path)) if path else None
         if where and not os.path.isdir(where):
             raise YarnappError(f"{flag} {path}: directory {where} does not exist; create it or give another path")
-    from . import preflight
+    from . import preflight, shipping
     preflight.check_model(spec, args.job)
     _interrupt_on_sigterm()        # its probes, co-runners and busy processes are stopped
-    plan = planner.plan_job(spec, opts)
+    with shipping.importable(shipping.plan(conf.absolutize(spec, os.getcwd()), args.job)):   # own model, as shipped
+        plan = planner.plan_job(spec, opts)
     _p(planner.format_table(plan))
     if args.json:
         _p(f"written {planner.write_json(plan, args.json)}")

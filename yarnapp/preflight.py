@@ -36,7 +36,9 @@ def check_data(job, where=None, on_cluster=False):
     """Raise YarnappError naming `where` and training.data.train/test when a dataset the
     job trains on cannot be opened from here (on_cluster: only a shared filesystem's URI
     that this client reaches is checked), or when its images would come out of the
-    augmentation and the test transforms in sizes the model cannot take together."""
+    augmentation and the test transforms in sizes the model cannot take together.
+    Returns (the model's input [C, H, W], the number of classes) where they are known
+    here, else None."""
     data = job.training.data if job.training is not None else None
     if data is None or data.dataset or job.run.function != BUILTIN_RUNNER:
         return                  # own code reads what it likes; a user's dataset is theirs to open
@@ -85,7 +87,11 @@ def check_data(job, where=None, on_cluster=False):
             if split == "train":
                 _check_window(job, blocks, pre)
     if not data.transform:      # the user's own transform runs in the containers only
-        _check_built(job, _check_sizes(data, shapes, pre), pre)
+        shape = _check_sizes(data, shapes, pre)
+        _check_built(job, shape, pre)
+        train = found.get("train")
+        return shape, (train.num_classes if train else None)
+    return None
 
 
 def _check_window(job, blocks, pre):
@@ -190,26 +196,70 @@ def _check_sizes(data, shapes, pre):
 
 def _check_built(job, shape, pre):
     """Build a built-in model for the images' size (`shape`, [C, H, W]) on torch's meta
-    device, which allocates and computes nothing, where the job gives it options or names
-    conv-MP layers: an option of the wrong type or value, or a layer the model does not
-    have, is one line here instead of a failure in every container."""
+    device, which allocates and computes nothing, where the job gives it options: an
+    option of the wrong type or value is one line here instead of a failure in every
+    container."""
     t = job.training
-    layers = getattr(t.strategy, "layers", None)
-    if shape is None or t.model not in BUILTIN_MODELS or not (t.model_options or layers):
+    if shape is None or t.model not in BUILTIN_MODELS or not t.model_options:
         return
     import torch
 
-    from training.models import ModelError, build_model, conv_layers
+    from training.models import ModelError, build_model
     try:
         with torch.device("meta"):
-            model = build_model(t.model, shape, 2, t.model_options)     # the classes do not matter here
+            build_model(t.model, shape, 2, t.model_options)     # the classes do not matter here
     except ModelError as e:
         raise YarnappError(f"{pre}training.model_options: {e}") from None
-    convs = [n for n, _ in conv_layers(model)]
-    unknown = [n for n in layers or () if n not in convs]
-    if unknown:
-        raise YarnappError(f"{pre}training.strategy.layers: {unknown} are not Conv2d layers of model "
-                           f"{t.model!r}; its Conv2d layers are {convs}")
+
+
+STRUCTURAL = ("conv_model_parallel", "hypergraph")     # strategies that cannot run every model
+
+
+def check_strategy(job, found, shipment, where=None):
+    """Refuse a model the job's strategy cannot run, where the ranks would find it at
+    setup or at their first step: conv_model_parallel's layers (a name the model lacks, a
+    conv it cannot split, one its forward never calls, none to distribute) and what the
+    hypergraph strategy cannot place (anything but a chain of Conv2d / Linear layers:
+    BatchNorm, residual adds, concatenations). `found`: check_data's (input shape,
+    classes), None where unknown. The model is built here, a factory of the job's own
+    imported as the containers import it (yarnapp.shipping.importable): on the meta device
+    for conv_model_parallel, for real (it runs one row) for the hypergraph strategy. A
+    model that cannot be built here is left to the containers."""
+    t = job.training
+    if found is None or found[0] is None or t.strategy.name not in STRUCTURAL:
+        return
+    shape, classes = tuple(found[0]), found[1] or 10
+    import torch
+
+    from training.models import build_model
+    from training.partition import PartitionError
+    from training.strategies.base import StrategyError
+
+    from .shipping import importable
+    pre = f"{where}: " if where else ""
+    try:
+        with importable(shipment), torch.device("meta" if t.strategy.name == "conv_model_parallel" else "cpu"):
+            model = build_model(t.model, shape, classes, t.model_options)
+    except Exception as e:  # noqa: BLE001 - the containers report what fails to build there
+        log.debug("%s not checked for the %s strategy here: %s", t.model, t.strategy.name, e)
+        return
+    try:
+        if t.strategy.name == "hypergraph":
+            from training.partition import layer_chain
+            layer_chain(model, shape, classes)
+            return
+        from training.strategies.conv_mp.calibrate import conv_shapes
+        from training.strategies.conv_mp.strategy import select_layers
+        names = select_layers(model, t.strategy.layers, f"model {t.model!r}")
+        try:
+            conv_shapes(model, shape, 1, names)
+        except StrategyError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a forward the meta device cannot run: the ranks' to try
+            log.debug("conv_model_parallel's layers of %s not traced here: %s", t.model, e)
+    except (StrategyError, PartitionError) as e:
+        field = "" if str(e).startswith("training.") else "training.strategy: "
+        raise YarnappError(f"{pre}{field}{e}") from None
 
 
 def check_model(job, where=None):

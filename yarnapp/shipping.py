@@ -26,6 +26,7 @@ under its name).
 The job the containers read names the shipped copies: run.script and run.pickle
 become paths relative to the working directory.
 """
+import contextlib
 import dataclasses
 import functools
 import importlib.machinery
@@ -187,6 +188,7 @@ def _plan(job, where=None):
             raise YarnappError(f"run.files: {path} holds {size / 2**20:.0f} MiB, more than the "
                                f"{LIMIT_BYTES // 2**20} MiB of code yarnapp ships; list only code in run.files "
                                f"and put data on a URI (training.data)")
+    _check_stdlib_names(job, entries)
     _check_importable(job, entries, where)
     if run.script and not _other_interpreter(job):
         codecheck.syntax(run.script)        # (another interpreter may read other syntax)
@@ -209,6 +211,25 @@ def _other_interpreter(job):
     modules and syntax are not known here: on YARN, environment.archive, or packer none
     (the cluster's python3)."""
     return job.backend == "yarn" and bool(job.environment.archive or job.environment.packer == "none")
+
+
+def _check_stdlib_names(job, entries):
+    """Refuse Python code shipped under the name of a module of Python's own: a `random.py`
+    or a package `code/__init__.py` would shadow it (the working directory comes first on
+    the containers' sys.path, so every import of that name, torch's included, gets the
+    user's), and a job naming `code.net:make` in a folder `code/` without __init__.py gets
+    Python's ("No module named 'code.net'; 'code' is not a package")."""
+    t = job.training
+    named = [job.run.function] + ([t.model, t.data.dataset, t.data.transform] if t is not None else [])
+    tops = {str(n).split(":")[0].split(".")[0] for n in named if n and ":" in str(n)}
+    for name, path in entries.items():
+        mod = module_name(name)
+        if mod not in sys.stdlib_module_names or name == PICKLE_NAME:
+            continue
+        if name.endswith(".py") or os.path.isfile(os.path.join(path, "__init__.py")) or mod in tops:
+            raise YarnappError(f"run.files: {path} would be imported as {mod!r} in the containers, the name of "
+                               f"Python's own module {mod}; rename it (every import of {mod}, torch's included, "
+                               f"would meet it)")
 
 
 def _check_importable(job, entries, where=None):
@@ -260,6 +281,27 @@ def _check_importable(job, entries, where=None):
             hint = "; install it, or ship it with the job (run.files: its .py file or package directory)"
         raise YarnappError(f"{field}: {target}: no module named {top!r} in this environment or in what the "
                            f"job ships{hint}")
+
+
+@contextlib.contextmanager
+def importable(shipment):
+    """The job's own modules importable in this process, and in the processes it starts
+    (the planner's probes), as the containers import them: the directory of each shipped
+    entry and a group's PYTHONPATH first on sys.path and PYTHONPATH; both as they were
+    after (what was imported stays imported)."""
+    dirs = [os.path.dirname(src) for src in shipment.entries.values()]
+    dirs = list(dict.fromkeys(dirs + (_group_paths(shipment.job, shipment.entries) or [])))
+    saved_path, saved_env = list(sys.path), os.environ.get("PYTHONPATH")
+    sys.path[:0] = dirs
+    os.environ["PYTHONPATH"] = os.pathsep.join(dirs + ([saved_env] if saved_env else []))
+    try:
+        yield
+    finally:
+        sys.path[:] = saved_path
+        if saved_env is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved_env
 
 
 def module_name(entry):

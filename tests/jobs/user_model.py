@@ -13,6 +13,15 @@ def make_net(num_classes, input_shape, hidden=32, block=None):
                          nn.Flatten(), nn.Linear(hidden * h * w, num_classes))
 
 
+def make_bn_net(num_classes, input_shape, width=8):
+    """BatchNorm and a grouped conv: what the hypergraph strategy cannot place, and a conv
+    conv_model_parallel cannot split."""
+    c, h, w = input_shape
+    return nn.Sequential(nn.Conv2d(c, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
+                         nn.Conv2d(width, width, 3, padding=1, groups=4), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(width * h * w, num_classes))
+
+
 def process_group(ctx):
     import torch.distributed as dist
     ctx.init_process_group()

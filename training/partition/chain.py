@@ -13,7 +13,9 @@ LOSS_FLOPS_PER_CLASS = 5       # softmax + cross-entropy, forward and backward, 
 
 
 class PartitionError(YarnappError, ValueError):
-    """A model or a request the partitioner cannot handle. str() names the op and the fix."""
+    """A model or a request the partitioner cannot handle. str() names the op and the fix.
+    Not retried (launcher.retries)."""
+    certain = True
 
 
 _ELEMENTWISE_MODULES = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.GELU, nn.SiLU, nn.Tanh,
@@ -156,7 +158,8 @@ def _classify(node, modules):
     else:
         what = f"{node.op} {node.target}"
     raise PartitionError(
-        f"the hypergraph partitioner cannot place {what} (node {node.name!r}): it handles chains of "
+        f"the hypergraph partitioner cannot place {what} "
+        f"({f'layer {node.target!r}' if node.op == 'call_module' else f'node {node.name!r}'}): it handles chains of "
         "Conv2d / Linear layers joined by activations, pooling, dropout and flatten; use the "
         "allreduce or conv_model_parallel strategy for this model")
 

@@ -29,7 +29,9 @@ from conf.errors import YarnappError
 
 class StrategyError(YarnappError, ValueError):
     """A strategy that cannot run the job's model as configured: one line naming the field
-    (the rank reports it without a traceback; every rank fails alike, so it is not retried)."""
+    (the rank reports it without a traceback; every attempt would meet it, so it is not
+    retried: launcher.retries)."""
+    certain = True
 
 
 @dataclasses.dataclass

@@ -492,9 +492,10 @@ def prepared(job, where=None, pack=True):
                             "yarn.storage or %s to shared storage (hdfs://...)", field, field)
     job = conf.absolutize(job, os.getcwd())
     preflight.check_model(job, where)
-    preflight.check_data(job, where, on_cluster=True)
+    found = preflight.check_data(job, where, on_cluster=True)
     preflight.check_outputs(job, where, on_cluster=True)
     shipment = shipping.plan(job, where)
+    preflight.check_strategy(job, found, shipment, where)
     with tempfile.TemporaryDirectory(prefix="yarnapp-stage-") as staging:
         os.chmod(staging, 0o700)
         files = stage_files(shipment.job, staging, shipped=shipment.entries, pack=pack)

@@ -60,7 +60,10 @@ def conv_shapes(model, sample_shape, batch, names):
     out = []
     for name in names:
         if name not in found:
-            raise ValueError(f"conv layer {name!r} is not used in the model's forward pass")
+            from training.strategies.base import StrategyError
+            raise StrategyError(f"conv_model_parallel: conv layer {name!r} is never called in the model's forward "
+                                f"(is its weight used directly, as F.conv2d(x, self.{name}.weight)?); leave it out: "
+                                f"training.strategy.layers lists the layers to distribute")
         shape, needs_grad = found[name]
         conv = modules[name]
         out.append(ConvShape(name=name, in_shape=(batch, *shape[1:]), out_channels=conv.out_channels,

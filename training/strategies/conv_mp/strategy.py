@@ -65,6 +65,42 @@ def _set_module(model, name, module):
     setattr(model.get_submodule(parent) if parent else model, attr, module)
 
 
+def select_layers(model, wanted, what="the model"):
+    """The names of the Conv2d layers of `model` to distribute, in model order: `wanted`
+    (training.strategy.layers), else every one DistributedConv2d can split (the others
+    logged). StrategyError, one line naming the field, for a name that is not a Conv2d of
+    the model or one that cannot be split, and where nothing is left to distribute. The
+    client checks it at submit too (yarnapp.preflight.check_strategy)."""
+    convs = {n: m for n, m in model.named_modules() if isinstance(m, nn.Conv2d)}
+    why = {n: why_not_distributable(m) for n, m in convs.items()}
+    if wanted is None:
+        names = [n for n in convs if why[n] is None]
+        for n in sorted(set(convs) - set(names)):
+            log.info("conv_model_parallel: not distributing %s: %s", n, why[n])
+        if not names and convs:
+            raise StrategyError(f"conv_model_parallel: none of {what}'s Conv2d layers can be split by output "
+                                "channel (" + "; ".join(f"{n}: {why[n]}" for n in convs) + "); use the allreduce "
+                                "strategy for it")
+    else:
+        unknown = [n for n in wanted if n not in convs]
+        if unknown:
+            raise StrategyError(f"training.strategy.layers: {unknown} are not Conv2d layers of "
+                                f"{what}; its Conv2d layers are {sorted(convs)}")
+        cannot = [f"{n}: {why[n]}" for n in dict.fromkeys(wanted) if why[n]]
+        if cannot:
+            raise StrategyError(f"training.strategy.layers: {'; '.join(cannot)}; leave "
+                                f"{'it' if len(cannot) == 1 else 'them'} out (the layers that can be split: "
+                                f"{[n for n in convs if why[n] is None]})")
+        if not wanted:
+            raise StrategyError("training.strategy.layers: [] names no layer; name the Conv2d layers to "
+                                "distribute, or leave it out (every one that can be split)")
+        names = [n for n in convs if n in set(wanted)]  # model order, duplicates dropped
+    if not names:
+        raise StrategyError(f"conv_model_parallel: {what} has no Conv2d layer to distribute; "
+                            "use the allreduce strategy for it")
+    return names
+
+
 BUSY_QUOTA = 0.8    # a rank busy for this much of its CPU quota in a step is held back by it
 
 
@@ -117,22 +153,7 @@ class ConvModelParallelStrategy(Strategy):
         # else: sharded by the first train/eval step, once the batch shows the input shape
 
     def _select_layers(self, model):
-        convs = {n: m for n, m in model.named_modules() if isinstance(m, nn.Conv2d)}
-        wanted = self.config.layers
-        if wanted is None:
-            names = [n for n, m in convs.items() if why_not_distributable(m) is None]
-            for n in sorted(set(convs) - set(names)):
-                log.info("conv_model_parallel: not distributing %s: %s", n, why_not_distributable(convs[n]))
-        else:
-            unknown = [n for n in wanted if n not in convs]
-            if unknown:
-                raise StrategyError(f"training.strategy.layers: {unknown} are not Conv2d layers of "
-                                    f"the model; its Conv2d layers are {sorted(convs)}")
-            names = [n for n in convs if n in set(wanted)]  # model order, duplicates dropped
-        if not names:
-            raise StrategyError("conv_model_parallel: the model has no Conv2d layer to distribute; "
-                                "use the allreduce strategy for it")
-        return names
+        return select_layers(model, self.config.layers)
 
     def _calibrated_split(self, sample_shape):
         shapes = conv_shapes(self.model, sample_shape, self.spec.batch_size, self.names)

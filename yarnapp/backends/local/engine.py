@@ -98,10 +98,12 @@ def checked(job, where="job"):
     netem.check(job, where)
     job = conf.absolutize(job, os.getcwd())
     preflight.check_model(job, where)
-    preflight.check_data(job, where)
+    found = preflight.check_data(job, where)
     preflight.check_outputs(job, where)
     check_resume(job, where)
-    return shipping.plan(job, where)
+    shipment = shipping.plan(job, where)
+    preflight.check_strategy(job, found, shipment, where)
+    return shipment
 
 
 def _stop_just_started(app_id, proc):
