@@ -117,6 +117,26 @@ def test_an_option_a_built_in_model_does_not_take_is_refused_before_anything_sta
         **job.training.model_dump(mode="json"), "model_options": {"conv1": 8}}}), "job.yaml")
 
 
+def test_equal_shares_over_groups_of_unequal_vcores_are_warned_of(caplog):
+    """An auditor left `shares` out on 1 + 0.5 vcore groups and got shares [1.0, 1.0] with no
+    word: the 1-vcore rank waits for the other every step."""
+    def job(shares=None, strategy="allreduce", big=1.0):
+        groups = [{"name": "big", "instances": 1, "vcores": big}, {"name": "small", "instances": 2, "vcores": 0.5}]
+        return conf.load_job({"name": "t", "groups": groups, "training": {
+            "data": {"train": "/x"}, "strategy": strategy, **({"shares": shares} if shares else {})}})
+    with caplog.at_level(logging.WARNING, logger="yarnapp.preflight"):
+        preflight.check_model(job(), "job.yaml")
+    assert caplog.messages == ["job.yaml: training.shares: equal (the default) gives every rank the same rows of each "
+                               "batch, while the groups have 1 vcore, 0.5 vcores: the faster ranks wait for the "
+                               "slowest every step; set training.shares: vcores (or speed: measured at start)"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="yarnapp.preflight"):
+        for quiet in (job("vcores"), job(big=0.5), job(strategy="conv_model_parallel"),
+                      job(strategy={"name": "hypergraph", "capacities": [2, 1, 1]})):
+            preflight.check_model(quiet, "job.yaml")
+    assert caplog.messages == []
+
+
 def _write(path, images, labels):
     import pyarrow as pa
     import pyarrow.parquet as pq

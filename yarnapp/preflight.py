@@ -262,6 +262,22 @@ def check_strategy(job, found, shipment, where=None):
         raise YarnappError(f"{pre}{field}{e}") from None
 
 
+def _warn_equal_shares(job, pre):
+    """Warn where `shares: equal` (the default) splits the batches of groups of unequal
+    capacity (vcores, GPUs) for a strategy that splits them by shares: the faster ranks wait
+    for the slowest every step."""
+    t = job.training
+    if t.shares != "equal" or t.strategy.name == "conv_model_parallel" or getattr(t.strategy, "capacities", None):
+        return
+    kinds = list(dict.fromkeys((g.vcores, g.gpus) for g in job.groups))
+    if len(kinds) < 2:
+        return
+    what = ", ".join(f"{v:g} vcore{'' if v == 1 else 's'}" + (f" + {n} GPU(s)" if n else "") for v, n in kinds)
+    log.warning("%straining.shares: equal (the default) gives every rank the same rows of each batch, while the "
+                "groups have %s: the faster ranks wait for the slowest every step; set training.shares: vcores "
+                "(or speed: measured at start)", pre, what)
+
+
 def check_model(job, where=None):
     """Raise YarnappError naming training.model when it is neither a built-in model nor a
     'package.module:factory' (a misspelt name), or training.model_options when a built-in
@@ -275,6 +291,7 @@ def check_model(job, where=None):
     if t.model not in BUILTIN_MODELS and ":" not in t.model:
         raise YarnappError(f"{pre}training.model: {t.model!r} is neither a built-in model "
                            f"({', '.join(BUILTIN_MODELS)}) nor a 'package.module:factory'")
+    _warn_equal_shares(job, pre)
     if not t.model_options:
         return
     from training.models import ModelError, check_options
