@@ -23,6 +23,8 @@ import sys
 import time
 import uuid
 
+from conf import BUILTIN_RUNNER
+
 from . import beats, exitcodes, identity, keys, malloc, memory, results, retries, stacks, store as store_mod
 from .diagnosis import PeerDiagnosis
 from .procs import die_with_parent, process_state
@@ -217,10 +219,12 @@ class Agent(PeerDiagnosis):
                 return Outcome.OWN, self.not_formed(gen, seen)
             if formed:
                 phase, silent = self.read_heartbeat(now)
-                limit = lj.heartbeat_timeout if phase == "train" else lj.rendezvous_timeout
+                stopped = process_state(self.child.pid) in ("T", "t")
+                # a stopped process is not setting up: heartbeat_timeout, in any phase
+                which = "heartbeat" if phase == "train" or (stopped and phase != "finished") else "rendezvous"
+                limit = lj.heartbeat_timeout if which == "heartbeat" else lj.rendezvous_timeout
                 if phase == "finished":     # waits for its peers: theirs the judgement, this one a backstop
                     limit = max(lj.heartbeat_timeout, lj.rendezvous_timeout)
-                stopped = process_state(self.child.pid) in ("T", "t")
                 # When one rank stops, the others soon block in a collective waiting for it
                 # and go silent too: a rank that is merely waiting gives the stopped one's
                 # agent a grace period to name the real culprit first.
@@ -254,8 +258,8 @@ class Agent(PeerDiagnosis):
                     return Outcome.OWN, Failure(
                         kind=Kind.HUNG.value, container=me, rank=rank,
                         reason=f"rank {rank} ({me}) hung{' (process stopped)' if stopped else ''}: "
-                               f"no progress for {silent:.1f}s in {phase} (limit {limit:g}s: "
-                               f"launcher.{'heartbeat' if phase == 'train' else 'rendezvous'}_timeout)"
+                               f"no progress for {silent:.1f}s {self.phase_words(phase)} (limit {limit:g}s: "
+                               f"launcher.{which}_timeout)"
                                + (f"; its main thread is at {at.describe()}"
                                   f"{', waiting for its peers' if at.waiting else ''}" if at else "")
                                + self.network_note())
@@ -264,6 +268,13 @@ class Agent(PeerDiagnosis):
                 return Outcome.OWN, Failure(kind=Kind.LOST.value, container=lost[0], observed_by=me,
                                             reason=f"lost {lost[0]}: {lost[1]}")
             time.sleep(lj.poll_interval)
+
+    def phase_words(self, phase):
+        """"in train", "in setup"; own code's setup is its time before its first progress
+        report (training.dist.report, ctx.report), which is its own code running."""
+        if phase == "setup" and self.job.run.function != BUILTIN_RUNNER:
+            return "before its first progress report"
+        return f"in {phase}"
 
     def rank_error(self, gen, rank):
         """The Failure a rank left for generation `gen` (launcher.rank: its error line and

@@ -11,6 +11,7 @@ whichever wrote first was blamed.
 """
 import dataclasses
 import faulthandler
+import linecache
 import os
 import re
 import signal
@@ -21,6 +22,10 @@ WAITING_GRACE_S = 5.0  # a rank found waiting is declared hung this much later (
                        # time for the agent of the rank it waits on to dump that one's stack and say so
 # A main thread with a frame in one of these waits for its peers.
 WAITING = ("training/collectives/", "torch/distributed/", "mpi4py/")
+# ... and so does one whose innermost frame calls a communicator's blocking method: mpi4py's
+# are C code, so `ctx.comm.Barrier()` leaves no frame of mpi4py's (its line tells).
+_MPI_CALL = re.compile(r"\.(Barrier|[Bb]cast|[Aa]llreduce|[Rr]educe|[Rr]educe_scatter|[Gg]atherv?|[Aa]llgatherv?|"
+                       r"[Ss]catterv?|[Aa]lltoallv?|[Rr]ecv|[Ss]endrecv|[Pp]robe|[Ww]ait|[Ww]aitall|[Ww]aitany)\s*\(")
 _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+) in (\S+)')
 
 
@@ -97,7 +102,8 @@ def where(text):
     if not main:
         return None
     path, line, fn = main[0]
+    calls_mpi = bool(_MPI_CALL.search(linecache.getline(path, int(line))))
     user = next(((p, ln, f) for p, ln, f in main if not _ours_or_libraries(p)), None)
     caller = f"{user[0]}:{user[1]} in {user[2]}" if user and user != main[0] else ""
-    return Where(frame=f"{path}:{line} in {fn}", waiting=any(w in p for p, _, _ in main for w in WAITING),
-                 caller=caller)
+    return Where(frame=f"{path}:{line} in {fn}",
+                 waiting=calls_mpi or any(w in p for p, _, _ in main for w in WAITING), caller=caller)

@@ -307,29 +307,54 @@ def test_a_rank_whose_heartbeat_goes_stale_is_hung_and_restarted(tmp_path, stopp
     assert load(store, keys.restart(1)).kind == Kind.HUNG.value
 
 
-@pytest.mark.parametrize("waiting", [False, True])
+def test_a_rank_stopped_before_its_first_report_is_hung_after_heartbeat_timeout(tmp_path):
+    """A function of the user's own, stopped (SIGSTOP) 8 s in, before it first reported
+    progress: it was judged only after rendezvous_timeout (2 minutes by default), as a rank
+    still setting up, and named "in setup" though the user's code ran."""
+    def before(store, gen, agent):
+        store.put(keys.formed(gen), json.dumps({"time": time.time()}))
+        with open(agent.heartbeat, "w") as f:
+            f.write(f"setup {time.time()}")
+        if gen == 0:
+            os.kill(agent.child.pid, signal.SIGSTOP)
+    a, store = agent(tmp_path, [["sleep", "60"], ["true"]], cls=ProcessAgent, before=before,
+                     launcher={"heartbeat_timeout": "300ms", "rendezvous_timeout": "60s"})
+    started = time.monotonic()
+    assert a.run() == exitcodes.SUCCEEDED
+    assert time.monotonic() - started < 10
+    hung = load(store, keys.abort(0))
+    assert re.search(r"rank 0 \(w_0\) hung \(process stopped\): no progress for [\d.]+s before its first progress "
+                     r"report \(limit 0.3s: launcher.heartbeat_timeout\)", hung.reason), hung.reason
+
+
+@pytest.mark.parametrize("waiting", [False, True, "mpi4py"])
 def test_a_hung_rank_is_named_with_where_its_main_thread_is(tmp_path, waiting):
     """Before, a silent rank's reason said only "no progress". Its agent now asks the rank
     for its stack (launcher.stacks, SIGUSR1): the reason names the main thread's frame. A
     rank found waiting for its peers (a frame in training/collectives/, torch/distributed/,
     mpi4py/) is given as long again first, so that the rank it waits on, still computing
-    (here: spinning), is the one named: before, every silent rank named itself at once."""
-    where = tmp_path / "code" / ("training/collectives" if waiting else "user")
+    (here: spinning), is the one named: before, every silent rank named itself at once. So
+    is one in a call of mpi4py's (`ctx.comm.Barrier()`: C code, no frame of mpi4py's), by
+    its line (before, the waiting rank was blamed for the one spinning)."""
+    where = tmp_path / "code" / ("training/collectives" if waiting is True else "user")
     where.mkdir(parents=True)
     (where / "loop.py").write_text(
         f"import sys, time\nsys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r})\n"
         "from launcher import stacks\nstacks.enable(sys.argv[1])\n\n\n"
         "def wait_here():\n    while True:\n        time.sleep(0.01)\n\n\n"
+        "class Comm:\n    Barrier = staticmethod(time.sleep)\n\n\n"
+        "def barrier_here(comm=Comm()):\n    while True:\n        comm.Barrier(0.01)\n\n\n"
         "def spin_here():\n    while True:\n        pass\n\n\n"
-        f"{'wait_here' if waiting else 'spin_here'}()\n")
+        f"{ {True: 'wait_here', 'mpi4py': 'barrier_here', False: 'spin_here'}[waiting]}()\n")
     cmd = [sys.executable, str(where / "loop.py"), str(tmp_path / "heartbeat") + stacks.SUFFIX]
     a, store = agent(tmp_path, [cmd, ["true"]], cls=ProcessAgent, before=formed_and_training,
                      launcher={"heartbeat_timeout": "300ms"})
     assert a.run() == exitcodes.SUCCEEDED
     hung = load(store, keys.abort(0))
-    assert re.search(rf"; its main thread is at {re.escape(str(where / 'loop.py'))}:\d+ in "
-                     rf"{'wait_here' if waiting else 'spin_here'}", hung.reason), hung.reason
-    assert (", waiting for its peers" in hung.reason) == waiting, hung.reason
+    fn = {True: "wait_here", "mpi4py": "barrier_here", False: "spin_here"}[waiting]
+    assert re.search(rf"; its main thread is at {re.escape(str(where / 'loop.py'))}:\d+ in {fn}", hung.reason), \
+        hung.reason
+    assert (", waiting for its peers" in hung.reason) == bool(waiting), hung.reason
     silent = float(hung.reason.split("no progress for ")[1].split("s")[0])
     assert silent >= 0.3 + 0.15 + (0.3 if waiting else 0), hung.reason      # limit, grace (and as long again)
     assert a.children[0].poll() == -signal.SIGKILL

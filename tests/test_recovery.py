@@ -3,6 +3,7 @@ complete checkpoint (real processes, real signals, real MPI worlds)."""
 import json
 import os
 import random
+import re
 import signal
 import time
 
@@ -293,14 +294,22 @@ def test_a_failed_application_says_how_to_go_on_from_its_last_checkpoint(digits,
     assert_nothing_left(app2)
 
 
-def test_with_no_attempts_left_a_killed_master_fails_the_application_naming_it(digits, tmp_path, yarnapp_home):
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP])
+def test_with_no_attempts_left_a_killed_master_fails_the_application_naming_it(digits, tmp_path, yarnapp_home, how):
+    """...and so does a stopped one, after launcher.heartbeat_timeout: before, a master
+    stopped (SIGSTOP) was never judged, and the application stayed RUNNING though its
+    training had ended."""
     job = dict(digits_job(tmp_path, digits, "am-once", steps=400), am_attempts=1)
+    job["launcher"] = dict(job.get("launcher") or {}, heartbeat_timeout="10s")
     run = yarnapp.submit(job)
     wait_step(run, rank=0, step=5)
-    os.kill(run.status()["am_pid"], signal.SIGKILL)
+    os.kill(run.status()["am_pid"], how)
     st = run.wait(timeout=120)
     assert st["state"] == "FAILED"
-    assert "the application master (attempt 1, pid" in st["diagnostics"] and "killed by signal 9" in st["diagnostics"]
+    assert "the application master (attempt 1, pid" in st["diagnostics"], st["diagnostics"]
+    assert re.search(r"killed by signal 9" if how == signal.SIGKILL else
+                     r"was stopped for 1\ds \(limit 10s: launcher.heartbeat_timeout\), so it was killed; no "
+                     r"application master attempts left", st["diagnostics"]), st["diagnostics"]
     assert "no application master attempts left (am_attempts: 1)" in st["diagnostics"]
     assert "FAILED" in run.failure_message() and "application master" in run.failure_message()
     assert_nothing_left(run.app_id)

@@ -3,7 +3,9 @@ master and, when the master dies, does what YARN's ResourceManager does (AM atte
 
     submit ──► supervisor ──► AM attempt 1 ──► containers ...
                    │  the AM ended the application (SUCCEEDED | FAILED | KILLED): done
-                   │  the AM died without ending it (a signal, a crash):
+                   │  the AM died without ending it (a signal, a crash), or stayed stopped
+                   │  (SIGSTOP, a frozen process) longer than launcher.heartbeat_timeout and
+                   │  was killed for it, as YARN expires an AM that stops heartbeating:
                    │     its containers died with it (they die with their parent); clean up
                    │     what nothing else will (processes that escaped, cgroups, emulated
                    │     network), then
@@ -31,6 +33,7 @@ import psutil
 
 from launcher import exitcodes
 from launcher.failure import Failure, Kind
+from launcher.procs import process_state
 
 from ..base import TERMINAL
 from . import cgroups, netem
@@ -89,6 +92,7 @@ class Supervisor:
         self.am = None
         self.stopping = False
         self.attempts = []
+        self.hung = None            # why the current master was killed as hung, if it was
 
     def save(self):
         tmp = record_path(self.dir) + f".{os.getpid()}.tmp"
@@ -100,6 +104,30 @@ class Supervisor:
         self.stopping = True
         if self.am and self.am.poll() is None:
             self.am.send_signal(signal.SIGTERM)
+            if process_state(self.am.pid) in ("T", "t"):    # stopped: it cannot stop its containers
+                self.am.kill()
+
+    def wait_am(self):
+        """The master's exit status. A master stopped (SIGSTOP, a frozen process) for longer
+        than launcher.heartbeat_timeout is killed, and its attempt ends as a master's death
+        does: before, training ended, the final model was written, and the application
+        stayed RUNNING with its containers unreaped under the stopped master."""
+        limit = self.job.launcher.heartbeat_timeout
+        stopped = None
+        while True:
+            try:
+                return self.am.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass
+            if process_state(self.am.pid) not in ("T", "t"):
+                stopped = None
+                continue
+            stopped = stopped or time.monotonic()
+            if time.monotonic() - stopped > limit and self.hung is None:
+                self.hung = (f"was stopped for {time.monotonic() - stopped:.0f}s (limit {limit:g}s: "
+                             f"launcher.heartbeat_timeout), so it was killed")
+                log.error("the application master (pid %d) %s", self.am.pid, self.hung)
+                self.am.kill()
 
     def start_am(self, attempt):
         env = dict(os.environ, YARNAPP_APP_ID=self.app_id, PYTHONUNBUFFERED="1")
@@ -120,13 +148,15 @@ class Supervisor:
             self.start_am(attempt)
             if self.stopping:           # stopped while the master was starting: on_signal found no one
                 self.am.send_signal(signal.SIGTERM)
-            rc = self.am.wait()
+            rc = self.wait_am()
             self.attempts[-1].update(exit_code=rc, ended=time.time())
             self.save()
             st = read_json(os.path.join(self.dir, "state.json")) or {}
             if st.get("state") in TERMINAL:
                 return 0
-            what = f"the application master (attempt {attempt}, pid {self.am.pid}) {exitcodes.describe(rc)[0]}"
+            how = self.hung or exitcodes.describe(rc)[0]
+            self.hung = None
+            what = f"the application master (attempt {attempt}, pid {self.am.pid}) {how}"
             killed = clean_up(self.app_id, keep={os.getpid()})
             log.error("%s without ending the application; cleaned up (%d processes killed)", what, len(killed))
             if self.stopping or attempt >= self.job.am_attempts:
