@@ -407,7 +407,8 @@ def test_bad_data_import_arguments_are_one_line_and_write_nothing(args, words, t
 
 def test_flags_merge_into_their_section_and_a_bad_value_names_the_file(tmp_path, cli, yarnapp_home):
     """--resume and --nodes set one field of their section (the rest stays the file's);
-    a bad value is one line naming the job's file and the field, like --max-restarts."""
+    a bad value is one line naming the job's file, the field and the flag that gave it
+    (an auditor took "job.yaml: checkpoint.resume" for a mistake in the file)."""
     from yarnapp import api
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump({**GOOD, "run": {"function": "training.runner:main"},
@@ -418,7 +419,7 @@ def test_flags_merge_into_their_section_and_a_bad_value_names_the_file(tmp_path,
                                ("--max-restarts", "-1", "max_restarts")):
         proc = cli("submit", path, flag, value, timeout=60)
         assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
-        assert proc.stderr.startswith(f"Error: {path}: {field}: "), proc.stderr
+        assert proc.stderr.startswith(f"Error: {path}: {field} (given as {flag} {value}): "), proc.stderr
     assert apps(yarnapp_home) == []
 
 

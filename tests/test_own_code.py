@@ -144,8 +144,11 @@ def test_distributed_optimizer_mistakes_are_one_line_each():
         "me = RankInfo(rank=0, group='w', instance=0, container='w_0', vcores=1.0, memory_mib=512, gpus=0)\n"
         "ctx = RunContext(comm=MPI.COMM_SELF, rank=0, world_size=1, ranks=[me], job=None, app_id='a', "
         "generation=0, workdir='.', checkpoint_uri='', logdir='')\n"
-        "yd.init(ctx)\nnet = torch.nn.Linear(4, 2)\n"
         "def said(f):\n    try:\n        f()\n    except Exception as e:\n        print(type(e).__name__, e)\n"
+        "said(yd.barrier)\n"                                 # outside a rank: no context to init from
+        "from training.context import _set_current\n_set_current(ctx)\n"
+        "yd.barrier()\nprint('without init(), in a rank:', yd.rank(), yd.size())\n"     # init()s itself
+        "yd.init(ctx)\nnet = torch.nn.Linear(4, 2)\n"
         "said(lambda: yd.DistributedOptimizer(net.parameters(), model=net))\n"
         "opt = yd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), model=net)\n"
         "said(lambda: yd.DistributedOptimizer(opt, model=net))\n"
@@ -172,6 +175,8 @@ def test_distributed_optimizer_mistakes_are_one_line_each():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [
+        "RuntimeError no yarnapp RunContext: this code must run inside a yarnapp container (yarnapp submit)",
+        "without init(), in a rank: 0 1",
         "TypeError DistributedOptimizer: expected a torch.optim.Optimizer, got generator; wrap the optimizer: "
         "DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=...), model=model)",
         "RuntimeError DistributedOptimizer: this optimizer is distributed already (DistributedOptimizer was called "

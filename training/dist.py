@@ -63,9 +63,9 @@ def init(ctx=None):
 
 
 def context():
-    if _ctx is None:
-        raise RuntimeError("call training.dist.init() first")
-    return _ctx
+    """The RunContext the API works in: init()'s, else (in a yarnapp rank whose code did
+    not call init()) this rank's, taken as init() takes it."""
+    return _ctx if _ctx is not None else init()
 
 
 def rank():

@@ -57,9 +57,17 @@ def _say(text, out):
 
 
 def cmd_submit(args):
-    spec = api.load(args.job, backend=args.backend, max_restarts=args.max_restarts,   # errors name the file
-                    checkpoint=None if args.resume is None else {"resume": args.resume},
-                    network=None if args.nodes is None else {"nodes": args.nodes})
+    try:
+        spec = api.load(args.job, backend=args.backend, max_restarts=args.max_restarts,   # errors name the file
+                        checkpoint=None if args.resume is None else {"resume": args.resume},
+                        network=None if args.nodes is None else {"nodes": args.nodes})
+    except YarnappError as e:       # a flag's bad value: its field, and that the flag gave it
+        for field, flag, value in (("checkpoint.resume", "--resume", args.resume), ("network.nodes", "--nodes",
+                                   args.nodes), ("max_restarts", "--max-restarts", args.max_restarts)):
+            head = f"{args.job}: {field}: "
+            if value is not None and str(e).startswith(head):
+                raise YarnappError(f"{args.job}: {field} (given as {flag} {value}): {str(e)[len(head):]}") from None
+        raise
     if args.dry_run:
         if args.wait:
             raise YarnappError("--wait: a --dry-run starts nothing to wait for; give one of them")
