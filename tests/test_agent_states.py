@@ -17,7 +17,7 @@ import pytest
 import conf
 from launcher import beats, exitcodes, keys, memory, stacks
 from launcher.agent import SETUP_GRACE_S, TRANSITIONS, Agent, Outcome, State
-from launcher.failure import Failure, Kind
+from launcher.failure import Failure, Kind, log_tail
 from launcher.identity import Identity
 from launcher.retries import CERTAIN, INPUT_AGAIN, NOT_RETRIED, NOT_RETRIED_AGAIN, OOM_AGAIN
 from launcher.store import FileStore, SkeinStore
@@ -88,6 +88,18 @@ def crash(code=7, phase="train", error="RuntimeError: boom"):
 
 def load(store, key):
     return Failure.load(store.get(key))
+
+
+def test_a_log_with_only_the_engines_header_has_no_tail_to_show(tmp_path):
+    """A rank killed for memory before it wrote a line: `submit --wait` showed "--- last
+    lines of small_0's log ---" over the engine's header alone."""
+    log = tmp_path / "container.log"
+    log.write_text("==== small_0 attempt 1 started Sat Nov 28 04:20:00 2026\n\n")
+    assert log_tail(str(log)) == ""
+    with open(log, "a") as f:
+        f.write("Traceback (most recent call last):\n  File \"x.py\", line 1\nMemoryError\n")
+    assert log_tail(str(log), lines=3) == 'Traceback (most recent call last):\n  File "x.py", line 1\nMemoryError'
+    assert log_tail(str(tmp_path / "none.log")) == ""
 
 
 def test_a_rank_that_succeeds_ends_the_container_with_0(tmp_path):
