@@ -292,9 +292,16 @@ def cmd_plan(args):
     from . import preflight, shipping
     preflight.check_model(spec, args.job)
     _interrupt_on_sigterm()        # its probes, co-runners and busy processes are stopped
-    with shipping.importable(shipping.plan(conf.absolutize(spec, os.getcwd()), args.job)):   # own model, as shipped
+    shipment = shipping.plan(conf.absolutize(spec, os.getcwd()), args.job)
+    with shipping.importable(shipment):     # a model of the job's own, as it ships
         plan = planner.plan_job(spec, opts)
     _p(planner.format_table(plan))
+    try:                            # what submit would refuse, said beside the predictions
+        m = plan["model"]
+        preflight.check_strategy(spec, (m["input_shape"], m["classes"]), shipment)
+    except YarnappError as e:
+        _p(f"note: the job's own strategy, {spec.training.strategy.name}, cannot run this model ({e}): submit "
+           f"refuses it as it is")
     if args.json:
         _p(f"written {planner.write_json(plan, args.json)}")
     if args.png:
