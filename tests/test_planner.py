@@ -447,7 +447,7 @@ def test_the_table_says_when_no_strategy_beats_one_container():
     from training.planner import present
     plan = _regression_cases()["digits-example"]["plan"] | {"volumes": {}}
     assert "recommended: one container" not in present.format_table(plan)
-    plan["recommended"] = dict(plan["recommended"], speedup=0.82)
+    plan["recommended"] = dict(plan["recommended"], speedup=0.82, one_container=True)   # as --json says too
     out = present.format_table(plan)
     assert ("recommended: one container like rank 0's: every strategy is predicted slower than it, so spreading "
             "this model costs more than it saves") in out
@@ -513,6 +513,7 @@ def test_one_rank_keeps_the_jobs_own_strategy():
         plan = planner.plan_from(job, measured, options)
         assert plan["recommended"]["strategy"] == name, plan["recommended"]
         assert plan["recommended"]["why"].startswith("one rank:")
+        assert plan["recommended"]["one_container"] is False        # one rank: nothing spread to advise against
     job = conf.load_job(dict(case["job"], training=dict(case["job"]["training"], strategy="hypergraph")))
     r = planner.plan_from(job, measured, options)["recommended"]
     assert r["strategy"] == "allreduce" and "hypergraph has no step-time model" in r["why"], r

@@ -327,8 +327,11 @@ def plan_from(job, measured, options=PlanOptions()):
         "single_s": ref.step_s,
         "strategies": preds,
         "speed_shares": speed_preds,
+        # one_container: every strategy is predicted slower than one container like rank 0's,
+        # which is then the recommendation (strategy: the fastest spread, for reference)
         "recommended": {"strategy": best, "step_s": best_p["step_s"], "speedup": best_p["speedup"],
-                        "split": best_p["split"], "why": why},
+                        "split": best_p["split"], "why": why,
+                        "one_container": len(devices) > 1 and best_p["speedup"] < 1},
         "job_strategy": spec.strategy.name,
         "bound": conv["bound"] if conv else None,
         "scaling": simulate(ref, link.between_machines(), B, names, options, own),

@@ -94,7 +94,7 @@ def format_table(plan):
     r = plan["recommended"]
     best = (f"{r['strategy']} ({registry.entry(r['strategy']).title}; {r['why']}): {r['step_s'] * 1e3:.2f} ms/step, "
             f"speedup {r['speedup']:.2f}")
-    if len(plan["devices"]) > 1 and r["speedup"] < 1:
+    if r.get("one_container", len(plan["devices"]) > 1 and r["speedup"] < 1):    # (a plan of before the key)
         # one recommendation, not the fastest strategy and then "run it on one"
         lines += ["", "recommended: one container like rank 0's: every strategy is predicted slower than it, so "
                       "spreading this model costs more than it saves", f"(the fastest spread: {best})"]
