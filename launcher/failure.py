@@ -134,8 +134,9 @@ def spends_the_last_restart(store, gen, max_restarts):
 
 def log_tail(path, lines=20):
     """The last `lines` lines of a container's log, for a Failure's log_tail: "" if
-    unreadable, or if nothing follows the engine's "==== NAME attempt N started" lines (a
-    rank killed for memory before it wrote a line: the excerpt showed that header alone)."""
+    unreadable; from the last of the engine's "==== NAME attempt N started" lines on, and ""
+    where nothing follows it (a rank killed for memory before it wrote a line: the excerpt
+    showed that header alone)."""
     try:
         with open(path, "rb") as f:
             f.seek(0, 2)
@@ -143,7 +144,9 @@ def log_tail(path, lines=20):
             tail = f.read().decode(errors="replace").splitlines()[-lines:]
     except OSError:
         return ""
-    return "\n".join(tail) if any(line.strip() and not line.startswith("==== ") for line in tail) else ""
+    heads = [i for i, line in enumerate(tail) if line.startswith("==== ")]
+    tail = tail[heads[-1] + 1:] if heads else tail        # this attempt's lines (every attempt appends)
+    return "\n".join(tail) if any(line.strip() for line in tail) else ""
 
 
 EXITED_EARLY = "had ended (exit 0)"     # said of a rank whose code ended first (ended_early, launcher.retries)

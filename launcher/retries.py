@@ -14,7 +14,7 @@ asks after every abort). These are not, since a restart would fail as this one d
 - a rank found a mistake in the job's model or strategy settings (a model the strategy
   cannot run, a layer it cannot split: an error class marked `certain`,
   training.strategies.base.StrategyError, training.models.ModelError,
-  training.partition.PartitionError, training.userfn.UserCodeError), in any phase: the
+  training.partition.PartitionError), in any phase: the
   hypergraph strategy partitions at its first step, and a model it cannot place was tried
   as often as the job allowed;
 - a rank's code ended (exit 0) in the generation that failed: its agent, and on YARN its

@@ -22,10 +22,12 @@ WAITING_GRACE_S = 5.0  # a rank found waiting is declared hung this much later (
                        # time for the agent of the rank it waits on to dump that one's stack and say so
 # A main thread with a frame in one of these waits for its peers.
 WAITING = ("training/collectives/", "torch/distributed/", "mpi4py/")
-# ... and so does one whose innermost frame calls a communicator's blocking method: mpi4py's
-# are C code, so `ctx.comm.Barrier()` leaves no frame of mpi4py's (its line tells).
-_MPI_CALL = re.compile(r"\.(Barrier|[Bb]cast|[Aa]llreduce|[Rr]educe|[Rr]educe_scatter|[Gg]atherv?|[Aa]llgatherv?|"
-                       r"[Ss]catterv?|[Aa]lltoallv?|[Rr]ecv|[Ss]endrecv|[Pp]robe|[Ww]ait|[Ww]aitall|[Ww]aitany)\s*\(")
+# ... and so does one whose innermost frame calls a communicator's blocking method (or waits
+# on requests): mpi4py's are C code, so `ctx.comm.Barrier()` leaves no frame of mpi4py's (its
+# line tells; the receiver must be named like a communicator, so torch's x.gather(...) is not).
+_MPI_CALL = re.compile(r"(?i:comm)\w*\.([Bb]arrier|[Bb]cast|[Aa]llreduce|[Rr]educe|[Rr]educe_scatter|[Gg]atherv?|"
+                       r"[Aa]llgatherv?|[Ss]catterv?|[Aa]lltoallv?|[Rr]ecv|M[Rr]ecv|[Ss]endrecv|[Ss]s?end|[Pp]robe)"
+                       r"\s*\(|Request\.[Ww]ait(all|any|some)?\s*\(")
 _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+) in (\S+)')
 
 

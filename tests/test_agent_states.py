@@ -99,6 +99,9 @@ def test_a_log_with_only_the_engines_header_has_no_tail_to_show(tmp_path):
     with open(log, "a") as f:
         f.write("Traceback (most recent call last):\n  File \"x.py\", line 1\nMemoryError\n")
     assert log_tail(str(log), lines=3) == 'Traceback (most recent call last):\n  File "x.py", line 1\nMemoryError'
+    with open(log, "a") as f:       # every attempt appends: a second one killed before its first line
+        f.write("==== small_0 attempt 2 started Sat Nov 28 04:21:00 2026\n")
+    assert log_tail(str(log)) == ""
     assert log_tail(str(tmp_path / "none.log")) == ""
 
 
@@ -443,6 +446,18 @@ def test_a_rank_waiting_inside_yarnapp_is_described_from_the_users_own_line():
     at = stacks.where(dump)
     assert at.waiting and at.describe() == f"/w/work/train.py:42 in <module> (in {root}/training/collectives/" \
                                            f"waits.py:97 in _sleepy)"
+
+
+def test_a_line_calling_a_communicators_blocking_method_is_waiting_and_others_are_not(tmp_path):
+    """mpi4py's methods are C code: `ctx.comm.Barrier()` leaves the user's line innermost.
+    The receiver must be named like a communicator: a loss's x.gather(...) computes."""
+    code = tmp_path / "train.py"
+    lines = ["ctx.comm.Barrier()", "total = MPI.COMM_WORLD.allreduce(n)", "comm.barrier()", "reqs = MPI.Request.Waitall(rs)",
+             "picked = logits.gather(1, y[:, None])", "s = functools.reduce(add, xs)", "data = sock.recv(4096)"]
+    code.write_text("\n".join(lines) + "\n")
+    found = [stacks.where(f'Thread 0x00007f02 (most recent call first):\n  File "{code}", line {i} in main\n'
+                          f'  File "/w/launcher/rank.py", line 313 in main\n').waiting for i in range(1, len(lines) + 1)]
+    assert found == [True, True, True, True, False, False, False]
 
 
 def test_a_rank_still_beating_is_not_hung(tmp_path):

@@ -197,6 +197,38 @@ def test_distributed_optimizer_mistakes_are_one_line_each():
         "rank 0 [4, 4, 1] [4, 4] 3 2", "rank 1 [2, 2, 1] [2, 2] 3 2", "rank 2 [2, 2, 1] [2, 2] 3 2"], out.stdout
 
 
+def test_ranks_that_freeze_apart_fail_in_one_line_instead_of_summing_other_tensors(tmp_path, yarnapp_home):
+    """Rank 1 alone freezes a layer (its own validation loss said so): its sums would have
+    lined up against other tensors of its peers, or waited for sums they never start."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {"OUT": str(out), "SHARES": "vcores", "STEPS": "6", "BATCH": "48", "FINETUNE": "apart"}
+    job = {"name": "apart", "groups": [dict(g, env=env) for g in GROUPS], "max_restarts": 0,
+           "run": {"function": "user_loop:main", "files": [os.path.join(JOBS, "user_loop.py")]}}
+    run = yarnapp.submit(job)
+    st = run.wait(timeout=300)
+    assert st["state"] == "FAILED", run.logs()
+    assert "the ranks disagree on which parameters are trainable this step" in run.failure_message(), \
+        run.failure_message()
+    assert_nothing_left(run.app_id)
+
+
+def test_a_model_its_strategy_cannot_run_found_in_the_ranks_is_not_retried(cli, tmp_path):
+    """A dataset of the user's own: the client cannot build the model for its images, so the
+    hypergraph strategy met the BatchNorm at its first step, and every attempt did again."""
+    job = write_job(tmp_path / "hg.yaml", {
+        "name": "hg", "groups": [{"name": "w", "instances": 2, "vcores": 0.5, "memory": "1 GiB"}], "max_restarts": 2,
+        "run": {"files": [os.path.join(JOBS, "user_model.py")]},
+        "training": {"strategy": "hypergraph", "model": "user_model:make_bn_net", "batch_size": 16, "epochs": 1,
+                     "data": {"dataset": "user_model:TinySet"}}})
+    proc = cli("submit", job, "--wait")
+    assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    err = proc.stderr.strip().splitlines()[-1]
+    assert "FAILED after 1 attempt(s)" in err and "cannot place BatchNorm2d (layer '1')" in err, err
+    assert "a mistake in the job's model or strategy settings, which every attempt meets, so it was not retried" \
+        in err, err
+
+
 @pytest.mark.parametrize("kind", ["script", "function"])
 def test_a_deterministic_startup_error_uses_one_attempt_and_prints_its_line(kind, cli, tmp_path):
     code = tmp_path / "code"

@@ -164,7 +164,7 @@ def test_what_a_job_ships_is_importable_here_while_the_planner_builds_its_model(
                                capture_output=True, text=True, cwd=tmp_path)
         assert child.stdout == "8\n", child.stderr
     assert sys.path == before and "PYTHONPATH" not in os.environ
-    sys.modules.pop("mynets.nets", None), sys.modules.pop("mynets", None)
+    assert "mynets" not in sys.modules and "mynets.nets" not in sys.modules     # imported afresh next time
 
 
 def test_the_local_engines_own_directories_are_never_shipped(tmp_path, monkeypatch):

@@ -108,11 +108,11 @@ def test_digits_with_conv_model_parallel_on_three_ranks(tmp_path, digits, yarnap
     assert_nothing_left(run.app_id)
 
 
-def test_a_strategy_that_cannot_run_the_model_is_one_line_without_a_traceback(tmp_path, digits, cli):
+def test_a_strategy_that_cannot_run_the_model_is_one_line_without_a_traceback(tmp_path, digits, cli, yarnapp_home):
     """conv_model_parallel told to split a layer the model lacks: the rank raised a ValueError,
-    and `submit --wait` showed its traceback before the failure line. (A built-in model's
-    layers are checked by the client before anything starts; a factory of the user's, here
-    the same network by its class, is built in the ranks only.)"""
+    and `submit --wait` showed its traceback before the failure line. Then the ranks said it
+    in one line; now the client does, before anything starts, for a factory of the user's
+    too (here the same network by its class; tests/test_own_code.py has the ranks' line)."""
     job = _job(tmp_path, digits, "layers", THREE)
     job["training"]["model"] = "training.models:DigitsCNN"
     job["training"]["strategy"] = {"name": "conv_model_parallel", "layers": ["nosuchconv"]}
@@ -121,6 +121,6 @@ def test_a_strategy_that_cannot_run_the_model_is_one_line_without_a_traceback(tm
     path.write_text(json.dumps(job))
     proc = cli("submit", path, "--wait")
     assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
-    err = proc.stderr.strip().splitlines()[-1]
-    assert "FAILED after 1 attempt(s)" in err and "training.strategy.layers: ['nosuchconv'] are not Conv2d" in err
-    assert_nothing_left(app_id_from(err))
+    assert proc.stderr == (f"Error: {path}: training.strategy.layers: ['nosuchconv'] are not Conv2d layers of model "
+                           f"'training.models:DigitsCNN'; its Conv2d layers are ['conv1', 'conv2']\n"), proc.stderr
+    assert not os.path.isdir(yarnapp_home / "apps") or os.listdir(yarnapp_home / "apps") == []

@@ -265,9 +265,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=No
         unfreezes a backbone): the newly trainable ones' gradients of this step are summed
         here, the newly frozen ones keep no gradient (as without this optimizer: no
         weight decay or momentum moves them), and the next step gets a reducer of what is
-        trainable then. Every rank runs the same code, so every rank finds the same."""
+        trainable then. Every rank must find the same (checked: `agree`)."""
+        scope = in_scope()
+        agree([i for i, p in enumerate(scope) if p.requires_grad], reducer)
         known = set(reducer.params)
-        new = [p for p in in_scope() if p.requires_grad and p not in known]
+        new = [p for p in scope if p.requires_grad and p not in known]
         for p in reducer.params:
             if not p.requires_grad:
                 p.grad = None
@@ -278,6 +280,21 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=No
             for p, g in zip(new, flat.split([p.numel() for p in new])):
                 p.grad = g.view_as(p).to(p.device, p.dtype)
         return bool(new) or any(not p.requires_grad for p in reducer.params)
+
+    def agree(trainable, reducer):
+        """Raise where the ranks disagree on which parameters are trainable (one all-reduce
+        of two integers a step): a rank that froze alone (on its own validation loss) would
+        sum other tensors into its peers' or wait in a sum they never start."""
+        if reducer.alone:
+            return
+        from mpi4py import MPI
+        sig = hash(tuple(trainable)) & ((1 << 62) - 1)
+        both = np.array([sig, -sig], dtype=np.int64)
+        reducer.comm.Allreduce(MPI.IN_PLACE, both, op=MPI.MAX)
+        if both[0] != -both[1]:
+            raise RuntimeError("the ranks disagree on which parameters are trainable this step (frozen on some "
+                               "ranks, not on others): freeze and unfreeze on every rank alike (decide on rank 0 "
+                               "and share the decision with training.dist.broadcast_object)")
 
     def synchronize():
         """Wait for the sum of this step's gradients (done by the end of backward already)."""
@@ -294,8 +311,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=No
         synchronize()
 
     def on_grad(p):
-        # after the reducer's own hook (registered first): once per step, finish the sum
-        # when the autograd engine ends this backward, as DDP does
+        # once per step, finish the sum when the autograd engine ends this backward, as DDP
+        # does (a parameter frozen when the reducer was made and unfrozen since has no hook
+        # until the next step's reducer: where only such get gradients, step() sums them)
         if state["reduced"]:
             raise RuntimeError("a second backward before optimizer.step() or zero_grad(): its gradients would "
                                "be this rank's alone; call backward once per step (to accumulate gradients, "

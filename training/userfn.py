@@ -16,9 +16,9 @@ from conf.errors import YarnappError
 
 
 class UserCodeError(YarnappError, ValueError):
-    """A `package.module:name` of the job that cannot be found or called. Not retried
-    (launcher.retries)."""
-    certain = True
+    """A `package.module:name` of the job that cannot be found or called. (Not `certain`,
+    launcher.retries: an import that fails on one node alone may be that node's; where every
+    rank fails alike before training, it is not retried.)"""
 
 
 def load(ref, field):

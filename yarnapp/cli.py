@@ -15,45 +15,8 @@ import time
 import conf
 
 from . import __version__, api
+from .console import p as _p, readers_gone, say, stdout_gone
 from .errors import YarnappError
-
-
-def _p(*a, **k):
-    print(*a, **k, flush=True)
-
-
-def _stdout_gone(stream=None):
-    """The reader of stdout went away (`yarnapp status APP | head -1`): what this command
-    would still print goes nowhere, as after SIGPIPE, and so does the final flush's."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), (stream or sys.stdout).fileno())
-
-
-def _readers_gone():
-    """After a BrokenPipeError: send whichever of stdout and stderr lost its reader (a pipe
-    whose reader closed polls POLLERR) to /dev/null; return the stream still read, stdout
-    first, or None."""
-    import select
-    alive = []
-    for stream in (sys.stdout, sys.stderr):
-        poll = select.poll()
-        poll.register(stream.fileno(), select.POLLOUT)
-        if any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poll.poll(0)):
-            _stdout_gone(stream)
-        else:
-            alive.append(stream)
-    return alive[0] if alive else None
-
-
-def _say(text, out):
-    """Print a line of how a job ended on `out`; where its reader is gone, on the stream
-    still read. Returns the stream to go on with."""
-    try:
-        _p(text, file=out)
-        return out
-    except BrokenPipeError:
-        out = _readers_gone() or sys.stdout
-        _p(text, file=out)
-        return out
 
 
 def cmd_submit(args):
@@ -81,19 +44,19 @@ def cmd_submit(args):
         if not args.wait:
             _p(app_id)
             return 0
-        _p(f"submitted {app_id} to the {spec.backend} backend: {spec.world_size} ranks in "
-           f"{len(spec.groups)} groups ({', '.join(f'{g.instances}x{g.name}' for g in spec.groups)})")
-        try:
+        out = say(f"submitted {app_id} to the {spec.backend} backend: {spec.world_size} ranks in "
+                  f"{len(spec.groups)} groups ({', '.join(f'{g.instances}x{g.name}' for g in spec.groups)})", out)
+        try:                        # (a reader gone already, `| true`: the lines after go to stderr)
             st = run.wait(progress=True, summary=False)   # it ends with its own lines, on stdout
         except BrokenPipeError:     # `submit --wait | head`: the reader is gone, the job is not;
-            out = _readers_gone() or sys.stdout     # --wait still ties it to this command,
-            _say(f"output closed; still waiting for {app_id} (Ctrl-C kills it)", out)
+            out = readers_gone() or sys.stdout     # --wait still ties it to this command,
+            say(f"output closed; still waiting for {app_id} (Ctrl-C kills it)", out)
             st = run.wait(summary=False)            # which ends with the job's own end
     except KeyboardInterrupt:
         if not args.wait:
             raise                   # submitted without --wait: it runs on, as it would have
         run.kill()
-        _p(f"interrupted: killed {run.app_id}{run.resume_hint(_resubmit(args))}", file=out)
+        say(f"interrupted: killed {run.app_id}{run.resume_hint(_resubmit(args))}", out)
         return _interrupted_status()
     took = time.time() - t0
     if st["state"] != "SUCCEEDED":
@@ -102,11 +65,11 @@ def cmd_submit(args):
             _p(f"--- last lines of {f.get('container')}'s log ---\n{f['log_tail']}\n---", file=sys.stderr)
         raise YarnappError(run.failure_message(resubmit=_resubmit(args)))
     formed = st.get("world_formed_s")
-    out = _say(f"{app_id} SUCCEEDED in {took:.1f}s" + (f" (world formed in {formed:.2f}s after submit)" if formed
+    out = say(f"{app_id} SUCCEEDED in {took:.1f}s" + (f" (world formed in {formed:.2f}s after submit)" if formed
                                                         else ""), out)
     if st.get("final"):
         from .progress import metrics
-        _say("final: " + metrics(st["final"]), out)
+        say("final: " + metrics(st["final"]), out)
     return 0
 
 
@@ -494,7 +457,7 @@ def main(argv=None):
         print("interrupted", file=sys.stderr, flush=True)
         return _interrupted_status()
     except BrokenPipeError:         # `yarnapp status APP | head -1`: the reader is gone, as after SIGPIPE
-        _stdout_gone()
+        stdout_gone()
         return 141
     except YarnappError as e:
         print(f"Error: {e}", file=sys.stderr, flush=True)

@@ -6,7 +6,7 @@ at the first checkpoint).
 A job whose data is missing, empty, not Parquet, or lacks its image and label columns
 would start its containers only to fail in them. For a job of the built-in runner (the
 one that reads `training.data`), the client reads every file's footer first (no rows:
-training.data.formats.check, what each rank does at start) and refuses such a job in one
+training.data.checks.check, what each rank does at start) and refuses such a job in one
 line naming the field; where the files give the images' size (raw pixels), it plays the
 augmentation and test transforms on one blank image of it, so that sizes which differ
 (a crop larger than the test images) are refused too. On YARN, a local path (one on the
@@ -16,6 +16,8 @@ line too; an unknown scheme is refused on both backends. The same holds for chec
 tensorboard.logdir (`check_outputs`), which a job would otherwise find unwritable only
 at its first checkpoint, or at its end.
 """
+import contextlib
+import io
 import logging
 import os
 import tempfile
@@ -50,7 +52,7 @@ def check_data(job, where=None, on_cluster=False):
     pre = f"{where}: " if where else ""
     unreachable = set()         # (scheme, host) already found out of reach: not tried again
     shapes = {}                 # split -> [C, H, W] of its raw images (None: encoded, or not checked)
-    found = {}                  # split -> what training.data.formats.check found in its footers
+    found = {}                  # split -> what training.data.checks.check found in its footers
     for split in ("train", "test"):
         uri = getattr(data, split)
         if not uri or (on_cluster and fsutil.is_local(uri)):
@@ -237,29 +239,23 @@ def check_strategy(job, found, shipment, where=None):
 
     from .shipping import importable
     pre = f"{where}: " if where else ""
-    try:
-        with importable(shipment), torch.device("meta" if t.strategy.name == "conv_model_parallel" else "cpu"):
+    try:        # the caller's torch RNG as it was, and torch.fx's ShapeProp's traceback unprinted
+        with importable(shipment), torch.random.fork_rng(devices=[]), contextlib.redirect_stderr(io.StringIO()), \
+                torch.device("meta" if t.strategy.name == "conv_model_parallel" else "cpu"):
             model = build_model(t.model, shape, classes, t.model_options)
-    except Exception as e:  # noqa: BLE001 - the containers report what fails to build there
-        log.debug("%s not checked for the %s strategy here: %s", t.model, t.strategy.name, e)
-        return
-    try:
-        if t.strategy.name == "hypergraph":
-            from training.partition import layer_chain
-            layer_chain(model, shape, classes)
-            return
-        from training.strategies.conv_mp.calibrate import conv_shapes
-        from training.strategies.conv_mp.strategy import select_layers
-        names = select_layers(model, t.strategy.layers, f"model {t.model!r}")
-        try:
-            conv_shapes(model, shape, 1, names)
-        except StrategyError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a forward the meta device cannot run: the ranks' to try
-            log.debug("conv_model_parallel's layers of %s not traced here: %s", t.model, e)
+            if t.strategy.name == "hypergraph":
+                from training.partition import layer_chain
+                from training.strategies.hypergraph.strategy import check_chain
+                check_chain(layer_chain(model, shape, classes))
+                return
+            from training.strategies.conv_mp.calibrate import conv_shapes
+            from training.strategies.conv_mp.strategy import select_layers
+            conv_shapes(model, shape, 1, select_layers(model, t.strategy.layers, f"model {t.model!r}"))
     except (StrategyError, PartitionError) as e:
         field = "" if str(e).startswith("training.") else "training.strategy: "
         raise YarnappError(f"{pre}{field}{e}") from None
+    except Exception as e:  # noqa: BLE001 - what cannot be built or run here: the containers' to report
+        log.debug("%s not checked for the %s strategy here: %s", t.model, t.strategy.name, e)
 
 
 def _warn_equal_shares(job, pre):
@@ -273,9 +269,10 @@ def _warn_equal_shares(job, pre):
     if len(kinds) < 2:
         return
     what = ", ".join(f"{v:g} vcore{'' if v == 1 else 's'}" + (f" + {n} GPU(s)" if n else "") for v, n in kinds)
-    log.warning("%straining.shares: equal (the default) gives every rank the same rows of each batch, while the "
-                "groups have %s: the faster ranks wait for the slowest every step; set training.shares: vcores "
-                "(or speed: measured at start)", pre, what)
+    same = "share of the model's units" if t.strategy.name == "hypergraph" else "rows of each batch"
+    log.warning("%straining.shares: equal (the default) gives every rank the same %s, while the groups have %s: "
+                "the faster ranks wait for the slowest every step; set training.shares: vcores (or speed: measured "
+                "at start)", pre, same, what)
 
 
 def check_model(job, where=None):

@@ -287,11 +287,19 @@ def _check_importable(job, entries, where=None):
 def importable(shipment):
     """The job's own modules importable in this process, and in the processes it starts
     (the planner's probes), as the containers import them: the directory of each shipped
-    entry and a group's PYTHONPATH first on sys.path and PYTHONPATH; both as they were
-    after (what was imported stays imported)."""
+    entry and a group's PYTHONPATH first on sys.path and PYTHONPATH. The shipped modules
+    are imported afresh from their files (a notebook's copy, imported before an edit, is
+    not what the containers run), and afterwards sys.path, PYTHONPATH and those modules are
+    as they were."""
     dirs = [os.path.dirname(src) for src in shipment.entries.values()]
     dirs = list(dict.fromkeys(dirs + (_group_paths(shipment.job, shipment.entries) or [])))
-    saved_path, saved_env = list(sys.path), os.environ.get("PYTHONPATH")
+    tops = {module_name(n) for n in shipment.entries}
+
+    def shipped():
+        return {k: m for k, m in sys.modules.items() if k.partition(".")[0] in tops}
+    saved_path, saved_env, saved_modules = list(sys.path), os.environ.get("PYTHONPATH"), shipped()
+    for k in saved_modules:
+        del sys.modules[k]
     sys.path[:0] = dirs
     os.environ["PYTHONPATH"] = os.pathsep.join(dirs + ([saved_env] if saved_env else []))
     try:
@@ -302,6 +310,9 @@ def importable(shipment):
             os.environ.pop("PYTHONPATH", None)
         else:
             os.environ["PYTHONPATH"] = saved_env
+        for k in shipped():
+            del sys.modules[k]
+        sys.modules.update(saved_modules)
 
 
 def module_name(entry):

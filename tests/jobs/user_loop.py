@@ -7,7 +7,8 @@ Environment (set through the job's groups[].env): OUT (where every rank writes i
 final weights), SHARES (equal | vcores), STEPS, BATCH, CLIP (clip the gradient's norm
 to this between backward and step: DDP's way on odd steps, Horovod's synchronize() and
 skip_synchronize() on even ones), FINETUNE (1: the first conv frozen when the optimizer
-is wrapped and unfrozen at step 5, the second frozen from step 12 on: `finetune`).
+is wrapped and unfrozen at step 5, the second frozen from step 12 on: `finetune`;
+apart: rank 1 alone freezes the first conv at step 3).
 """
 import os
 
@@ -66,6 +67,8 @@ def main(ctx):
             x, y = x.to(dev), y.to(dev)
             if tune:
                 finetune(net, step)
+            if os.environ.get("FINETUNE") == "apart" and yd.rank() == 1 and step == 3:
+                net[0].requires_grad_(False)
             opt.zero_grad()
             loss = F.cross_entropy(net(x), y)
             loss.backward()

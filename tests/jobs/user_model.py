@@ -22,6 +22,21 @@ def make_bn_net(num_classes, input_shape, width=8):
                          nn.Flatten(), nn.Linear(width * h * w, num_classes))
 
 
+class TinySet(torch.utils.data.Dataset):
+    """A dataset of the user's own (its images are not read at submit): 64 rows of 1 x 8 x 8
+    noise in 4 classes."""
+
+    def __init__(self, split="train"):
+        g = torch.Generator().manual_seed(0 if split == "train" else 1)
+        self.x, self.y = torch.randn(64, 1, 8, 8, generator=g), torch.randint(0, 4, (64,), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], int(self.y[i])
+
+
 def process_group(ctx):
     import torch.distributed as dist
     ctx.init_process_group()

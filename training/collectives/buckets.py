@@ -339,6 +339,7 @@ class GradientReducer:
         for b in self.buckets:
             if b.op is not None:
                 b.op.free()
+        self.buckets, self._where = [], {}      # nothing views the shared memory: its mapping closes
         if self._arena is not None:
             self._arena.close()
             self._arena = None

@@ -13,8 +13,8 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from .common import IO_ERRORS, DataError, one_line
-from .formats import (RAW, STRUCT, Block, Columns, _hf_classes, _label_range, _null_count, _read_footers, _wanted,
-                      blocks_of)
+from .formats import (RAW, STRUCT, Block, Columns, blocks_of, hf_classes, label_range, null_count, read_footers,
+                      wanted_columns)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,18 +35,18 @@ def check(uri, columns=None, shape=None):
     null label or image (the footers' statistics), no label outside the metadata's classes.
     Returns what it found (Checked)."""
     columns = columns or Columns()
-    fs, paths, names, footers, meta, kind, raw_shape, columns = _read_footers(uri, columns, shape)
+    fs, paths, names, footers, meta, kind, raw_shape, columns = read_footers(uri, columns, shape)
     n = int(meta["num_classes"]) if meta.get("num_classes") else None
     top, low = -1, None                     # the largest and smallest label, while every footer gives them
     image = f"{columns.image}.bytes" if kind == STRUCT else columns.image     # a path alone is no image
     for name, md in zip(names, footers):    # labels outside the classes: found in a rank mid-epoch otherwise
         for column, what in ((columns.label, "a label"), (image, "an image")):
-            nulls = _null_count(md, column)
+            nulls = null_count(md, column)
             if nulls:
                 raise DataError(f"{name}: {nulls} row(s) without {what} (null in column {column!r}, its footer's "
                                 f"statistics); drop those rows, or give each {what}")
         try:
-            r = _label_range(md, columns.label)
+            r = label_range(md, columns.label)
         except (TypeError, ValueError):     # statistics that are not integers: the ranks' check
             r = None
         if r and n and (r[0] < 0 or r[1] >= n):
@@ -60,9 +60,9 @@ def check(uri, columns=None, shape=None):
             top, low = (max(top, r[1]), r[0] if low is None else min(low, r[0])) if r else (None, None)
     if kind != RAW:
         _check_first_image(fs, paths, names, footers, columns, kind, shape)
-    blocks = [b for i, md in enumerate(footers) for b in blocks_of(i, md, _wanted(columns))]
+    blocks = [b for i, md in enumerate(footers) for b in blocks_of(i, md, wanted_columns(columns))]
     named = [str(c) for c in meta["classes"]] if meta.get("classes") else \
-        _hf_classes(footers[0].schema.to_arrow_schema(), columns.label)
+        hf_classes(footers[0].schema.to_arrow_schema(), columns.label)
     return Checked(rows=sum(md.num_rows for md in footers), shape=raw_shape if kind == RAW else None,
                    blocks=blocks, classes=named or None,
                    num_classes=n or (len(named) if named else None) or (top + 1 if top is not None else None),

@@ -194,7 +194,7 @@ def _yarnapp_meta(schema, name):
                         f"re-import the dataset") from None
 
 
-def _hf_classes(schema, label):
+def hf_classes(schema, label):
     raw = (schema.metadata or {}).get(HF_KEY)
     if raw is None:
         return None
@@ -286,7 +286,7 @@ def _statistics(metadata, column):
                 yield c.statistics
 
 
-def _label_range(metadata, label):
+def label_range(metadata, label):
     """(smallest, largest) label from a footer's statistics, or None when they are missing."""
     lo = hi = None
     for s in _statistics(metadata, label):
@@ -297,7 +297,7 @@ def _label_range(metadata, label):
     return None if lo is None else (int(lo), int(hi))
 
 
-def _null_count(metadata, column):
+def null_count(metadata, column):
     """Nulls in `column` by the footer's statistics (0 where they do not say)."""
     return sum(s.null_count for s in _statistics(metadata, column) if s is not None and s.has_null_count)
 
@@ -306,9 +306,9 @@ def inspect(uri, columns=None, shape=None):
     """The Layout of the dataset at `uri` (footers only: no data is read, except the label
     column when neither metadata nor statistics give the number of classes)."""
     columns = columns or Columns()
-    fs, paths, names, footers, meta, kind, raw_shape, columns = _read_footers(uri, columns, shape)
+    fs, paths, names, footers, meta, kind, raw_shape, columns = read_footers(uri, columns, shape)
     first = footers[0].schema.to_arrow_schema()
-    blocks = [b for i, md in enumerate(footers) for b in blocks_of(i, md, _wanted(columns))]
+    blocks = [b for i, md in enumerate(footers) for b in blocks_of(i, md, wanted_columns(columns))]
     layout = Layout(uri, fs, paths, names, columns, kind, raw_shape, meta, None, 0, blocks)
     layout.classes, layout.num_classes = _classes(layout, first, footers, names)
     log.info("%s: %d rows in %d files, %d blocks, %s images, %d classes, %.1f MB",
@@ -316,12 +316,12 @@ def inspect(uri, columns=None, shape=None):
     return layout
 
 
-def _wanted(columns):
+def wanted_columns(columns):
     """The columns a rank reads."""
     return {columns.image, columns.label} | ({columns.class_name} if columns.class_name else set())
 
 
-def _read_footers(uri, columns, shape):
+def read_footers(uri, columns, shape):
     """(fs, paths, names, footers, meta, kind, raw_shape, columns): every file's footer, and
     the image column's kind, the same in every file; DataError for a dataset of no rows.
     `columns` less the class-name column where the dataset has none and its metadata (ours
@@ -337,7 +337,7 @@ def _read_footers(uri, columns, shape):
     first = footers[0].schema.to_arrow_schema()
     meta = _yarnapp_meta(first, names[0])
     if columns.class_name and first.get_field_index(columns.class_name) < 0 and \
-            (meta.get("num_classes") or _hf_classes(first, columns.label)):
+            (meta.get("num_classes") or hf_classes(first, columns.label)):
         # its metadata names the classes: the column is for datasets without (a training set
         # with it beside a test set imported by yarnapp, say)
         columns = dataclasses.replace(columns, class_name=None)
@@ -357,12 +357,12 @@ def _classes(layout, schema, footers, names):
     if meta.get("num_classes"):
         n = int(meta["num_classes"])
         return [str(c) for c in meta.get("classes") or range(n)], n
-    hf = _hf_classes(schema, cols.label)
+    hf = hf_classes(schema, cols.label)
     if hf:
         return hf, len(hf)
     if cols.class_name:
         return _names_from_column(layout, names)
-    ranges = [_label_range(md, cols.label) for md in footers]
+    ranges = [label_range(md, cols.label) for md in footers]
     if any(r is None for r in ranges):
         labels = read_column(layout, cols.label)
         ranges = [(int(labels.min()), int(labels.max()))]

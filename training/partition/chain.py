@@ -160,7 +160,7 @@ def _classify(node, modules):
     raise PartitionError(
         f"the hypergraph partitioner cannot place {what} "
         f"({f'layer {node.target!r}' if node.op == 'call_module' else f'node {node.name!r}'}): it handles chains of "
-        "Conv2d / Linear layers joined by activations, pooling, dropout and flatten; use the "
+        "Conv2d / Linear layers joined by activations, pooling, dropout (p=0) and flatten; use the "
         "allreduce or conv_model_parallel strategy for this model")
 
 

@@ -55,6 +55,17 @@ from .execution import ROOT, PartitionedModel
 log = logging.getLogger(__name__)
 
 
+def check_chain(chain):
+    """`chain`, unless the strategy cannot run it (PartitionError): dropout with p > 0
+    would draw different masks on different ranks. The client checks it at submit too
+    (yarnapp.preflight.check_strategy)."""
+    drop = [op.name for layer in chain.layers for op in layer.pre + layer.post if op.dropout]
+    if drop:
+        raise PartitionError(f"hypergraph strategy: dropout ({drop}) would draw different masks on "
+                             "different ranks; remove it or set p=0")
+    return chain
+
+
 class HypergraphStrategy(Strategy):
     """The strategy of the runner (see the module docstring); registry name "hypergraph"."""
     name = "hypergraph"
@@ -113,11 +124,7 @@ class HypergraphStrategy(Strategy):
         """Collective: trace the chain, partition it (rank 0; broadcast) unless `parts` is
         given, and keep this rank's units."""
         self.input_shape = tuple(int(s) for s in input_shape)
-        chain = layer_chain(self.model, self.input_shape)
-        drop = [op.name for layer in chain.layers for op in layer.pre + layer.post if op.dropout]
-        if drop:
-            raise PartitionError(f"hypergraph strategy: dropout ({drop}) would draw different masks on "
-                                 "different ranks; remove it or set p=0")
+        chain = check_chain(layer_chain(self.model, self.input_shape))
         if parts is None:
             self.capacities = self._capacities()
             if self.rank == ROOT:

@@ -27,6 +27,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -113,12 +114,12 @@ class Supervisor:
         does: before, training ended, the final model was written, and the application
         stayed RUNNING with its containers unreaped under the stopped master."""
         limit = self.job.launcher.heartbeat_timeout
+        ended = threading.Event()       # (Popen.wait(timeout) polls every 50 ms; a thread waits instead)
+        threading.Thread(target=lambda: (self.am.wait(), ended.set()), daemon=True).start()
         stopped = None
         while True:
-            try:
-                return self.am.wait(timeout=1.0)
-            except subprocess.TimeoutExpired:
-                pass
+            if ended.wait(1.0):
+                return self.am.returncode
             if process_state(self.am.pid) not in ("T", "t"):
                 stopped = None
                 continue
