@@ -290,7 +290,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=No
         from mpi4py import MPI
         sig = hash(tuple(trainable)) & ((1 << 62) - 1)
         both = np.array([sig, -sig], dtype=np.int64)
-        reducer.comm.Allreduce(MPI.IN_PLACE, both, op=MPI.MAX)
+        collectives.wait(reducer.comm.Iallreduce(MPI.IN_PLACE, both, op=MPI.MAX))  # polite where throttled
         if both[0] != -both[1]:
             raise RuntimeError("the ranks disagree on which parameters are trainable this step (frozen on some "
                                "ranks, not on others): freeze and unfreeze on every rank alike (decide on rank 0 "
