@@ -289,7 +289,7 @@ def test_a_failed_application_says_how_to_go_on_from_its_last_checkpoint(digits,
     killed = cli("kill", app2, check=0).stdout.strip()              # `yarnapp kill` says where it can go on from
     step = int(killed.split("checkpoint is step ")[1].split(":")[0])
     assert step >= 20 and killed == (f"{app2} KILLED; its last complete checkpoint is step {step}: "
-                                     f"`yarnapp submit JOB.yaml --resume {app2}` goes on from it"), killed
+                                     f"`yarnapp submit {path} --resume {app2}` goes on from it"), killed
     assert_nothing_left(app)
     assert_nothing_left(app2)
 

@@ -145,7 +145,12 @@ def follow_increment(printed, text):
 def cmd_kill(args):
     run = api.Run(args.app)
     st = run.kill()
-    _p(f"{args.app} {st['state']}{run.resume_hint('yarnapp submit JOB.yaml') if st['state'] == 'KILLED' else ''}")
+    job = st.get("job_file")        # the file it was submitted from (the local engine keeps it)
+    if job:
+        rel = os.path.relpath(job)
+        job = shlex.quote(job if rel.startswith("..") else rel)
+    hint = run.resume_hint(f"yarnapp submit {job or 'JOB.yaml'}") if st["state"] == "KILLED" else ""
+    _p(f"{args.app} {st['state']}{hint}")
     return 0
 
 
@@ -244,7 +249,10 @@ def cmd_plan(args):
     spec = api.load(args.job)
     from training import planner   # its measuring modules import torch on first use, not these checks
     # PlanError, ModelError, DataError are YarnappErrors: main() prints them as one line.
-    planner.check_plannable(spec)
+    try:
+        planner.check_plannable(spec)
+    except YarnappError as e:
+        raise YarnappError(f"{args.job}: {e}") from None
     opts = planner.parse_options(measure=args.measure, bandwidth=args.bandwidth, latency=args.latency,
                                  machines=args.machines, gpu_speed=args.gpu_speed, quick=args.quick,
                                  input_shape=args.input_shape, classes=args.classes)

@@ -66,4 +66,5 @@ def parse_options(measure=False, bandwidth=None, latency=None, machines=None, gp
 def check_plannable(job):
     """Raise PlanError unless conf.JobSpec `job` runs the built-in runner's training."""
     if job.training is None:
-        raise PlanError("the job has no training section: the planner predicts the built-in runner's strategies")
+        raise PlanError("training: the job has none, and the planner predicts the built-in runner's strategies for "
+                        "it; add a training section (docs/job-reference.md)")

@@ -157,7 +157,9 @@ class LocalBackend(Backend):
                 f.write(job.model_dump_json(indent=1))
             submitted = time.time()
             write_json(os.path.join(d, "app.json"), {"app_id": app_id, "secret": secrets.token_hex(16),
-                                                      "submitted": submitted, "name": job.name})
+                                                      "submitted": submitted, "name": job.name,
+                                                      "job_file": os.path.abspath(where) if os.path.isfile(where)
+                                                      else None})
             FileStore(os.path.join(d, "store"))
             env = dict(os.environ, PYTHONUNBUFFERED="1", YARNAPP_UMASK=f"{old:o}")     # the job's code runs under it
             env.pop("YARNAPP_APP_ID", None)     # the supervisor is not a process of the application
@@ -196,6 +198,7 @@ class LocalBackend(Backend):
             st = supervisor.end(d, st, "FAILED", f"the application master died; see {log_file}", log=log_file)
             cgroups.Limits.remove_app(app_id)
         st["am_attempts"] = (read_json(supervisor.record_path(d)) or {}).get("attempts", [])
+        st["job_file"] = meta.get("job_file")     # the job.yaml it was submitted from, if any
         store = FileStore(os.path.join(d, "store"))
         st["progress"] = {int(k.rsplit("/", 1)[1]): json.loads(v)
                           for k, v in store.get_prefix("progress/").items()}
