@@ -136,17 +136,23 @@ def log_tail(path, lines=20):
     """The last `lines` lines of a container's log, for a Failure's log_tail: "" if
     unreadable; from the last of the engine's "==== NAME attempt N started" lines on, and ""
     where nothing follows it (a rank killed for memory before it wrote a line: the excerpt
-    showed that header alone)."""
+    showed that header alone); the agent's state changes left out."""
     try:
         with open(path, "rb") as f:
             f.seek(0, 2)
             f.seek(max(0, f.tell() - 8192))
-            tail = f.read().decode(errors="replace").splitlines()[-lines:]
+            tail = f.read().decode(errors="replace").splitlines()
     except OSError:
         return ""
     heads = [i for i, line in enumerate(tail) if line.startswith("==== ")]
     tail = tail[heads[-1] + 1:] if heads else tail        # this attempt's lines (every attempt appends)
+    tail = [line for line in tail if not _TRANSITION.search(line)][-lines:]
     return "\n".join(tail) if any(line.strip() for line in tail) else ""
+
+
+# the agent's own state changes ("RUNNING -> RESTARTING (generation 0)"): an excerpt of a
+# failure not retried ended in "RESTARTING", which read as a restart
+_TRANSITION = re.compile(r" agent \S+ INFO: [A-Z_]+ -> [A-Z_]+ \(generation \d+\)$")
 
 
 EXITED_EARLY = "had ended (exit 0)"     # said of a rank whose code ended first (ended_early, launcher.retries)

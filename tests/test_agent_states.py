@@ -97,7 +97,8 @@ def test_a_log_with_only_the_engines_header_has_no_tail_to_show(tmp_path):
     log.write_text("==== small_0 attempt 1 started Sat Nov 28 04:20:00 2026\n\n")
     assert log_tail(str(log)) == ""
     with open(log, "a") as f:
-        f.write("Traceback (most recent call last):\n  File \"x.py\", line 1\nMemoryError\n")
+        f.write("Traceback (most recent call last):\n  File \"x.py\", line 1\nMemoryError\n"
+                "2026-11-28 05:51:34,929 agent small_0 INFO: RUNNING -> RESTARTING (generation 0)\n")
     assert log_tail(str(log), lines=3) == 'Traceback (most recent call last):\n  File "x.py", line 1\nMemoryError'
     with open(log, "a") as f:       # every attempt appends: a second one killed before its first line
         f.write("==== small_0 attempt 2 started Sat Nov 28 04:21:00 2026\n")
