@@ -27,7 +27,7 @@ from conf import BUILTIN_RUNNER
 
 from . import beats, exitcodes, identity, keys, malloc, memory, results, retries, stacks, store as store_mod
 from .diagnosis import PeerDiagnosis
-from .procs import die_with_parent, process_state
+from .procs import die_with_parent, stopped as process_stopped
 from .failure import Failure, Kind, current_generation, ended_early, log_tail, looks_collateral, spent_restarts
 
 log = logging.getLogger("launcher.agent")
@@ -219,7 +219,7 @@ class Agent(PeerDiagnosis):
                 return Outcome.OWN, self.not_formed(gen, seen)
             if formed:
                 phase, silent = self.read_heartbeat(now)
-                stopped = process_state(self.child.pid) in ("T", "t")
+                stopped = process_stopped(self.child.pid)
                 # a stopped process is not setting up: heartbeat_timeout, in any phase
                 which = "heartbeat" if phase == "train" or (stopped and phase != "finished") else "rendezvous"
                 limit = lj.heartbeat_timeout if which == "heartbeat" else lj.rendezvous_timeout

@@ -12,6 +12,11 @@ def die_with_parent():
     _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def stopped(pid):
+    """Whether a process is stopped (SIGSTOP, a frozen container: state T, or t when traced)."""
+    return process_state(pid) in ("T", "t")
+
+
 def process_state(pid):
     """The one-letter state of a process (R, S, D, T for stopped...), or None."""
     try:

@@ -213,15 +213,25 @@ def _other_interpreter(job):
     return job.backend == "yarn" and bool(job.environment.archive or job.environment.packer == "none")
 
 
+def _named_code(job):
+    """[(field, 'package.module:name')] of the code the job names for the containers to
+    import: run.function, and what the built-in runner imports (None where a field is unset
+    or names a built-in model)."""
+    t = job.training
+    named = [("run.function", job.run.function)]
+    if t is not None and job.run.function == BUILTIN_RUNNER:
+        named += [("training.model", t.model if ":" in t.model else None),
+                  ("training.data.dataset", t.data.dataset), ("training.data.transform", t.data.transform)]
+    return named
+
+
 def _check_stdlib_names(job, entries):
     """Refuse Python code shipped under the name of a module of Python's own: a `random.py`
     or a package `code/__init__.py` would shadow it (the working directory comes first on
     the containers' sys.path, so every import of that name, torch's included, gets the
     user's), and a job naming `code.net:make` in a folder `code/` without __init__.py gets
     Python's ("No module named 'code.net'; 'code' is not a package")."""
-    t = job.training
-    named = [job.run.function] + ([t.model, t.data.dataset, t.data.transform] if t is not None else [])
-    tops = {str(n).split(":")[0].split(".")[0] for n in named if n and ":" in str(n)}
+    tops = {target.split(":")[0].split(".")[0] for _, target in _named_code(job) if target}
     for name, path in entries.items():
         mod = module_name(name)
         if mod not in sys.stdlib_module_names or name == PICKLE_NAME:
@@ -248,13 +258,8 @@ def _check_importable(job, entries, where=None):
     paths = _group_paths(job, entries)
     if paths is None:
         return
-    t = job.training
-    named = [("run.function", job.run.function)]
-    if t is not None and job.run.function == BUILTIN_RUNNER:       # what the built-in runner imports
-        named += [("training.model", t.model if ":" in t.model else None),
-                  ("training.data.dataset", t.data.dataset), ("training.data.transform", t.data.transform)]
     shipped = {module_name(n): src for n, src in entries.items()}
-    for field, target in named:
+    for field, target in _named_code(job):
         top = (target or "").split(":")[0].split(".")[0]
         if not top:
             continue

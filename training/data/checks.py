@@ -69,7 +69,6 @@ def check(uri, columns=None, shape=None):
                    lowest=low, named=bool(n or named))
 
 
-
 def check_test_classes(uri, classes, num_classes, train_uri, train_classes, train_num_classes):
     """Raise DataError where a test set's labels go past the training set's classes (the
     model has no output for them), or its class names give its labels other meanings than

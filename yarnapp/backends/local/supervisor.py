@@ -34,7 +34,7 @@ import psutil
 
 from launcher import exitcodes
 from launcher.failure import Failure, Kind
-from launcher.procs import process_state
+from launcher.procs import stopped as process_stopped
 
 from ..base import TERMINAL
 from . import cgroups, netem
@@ -93,7 +93,6 @@ class Supervisor:
         self.am = None
         self.stopping = False
         self.attempts = []
-        self.hung = None            # why the current master was killed as hung, if it was
 
     def save(self):
         tmp = record_path(self.dir) + f".{os.getpid()}.tmp"
@@ -105,30 +104,30 @@ class Supervisor:
         self.stopping = True
         if self.am and self.am.poll() is None:
             self.am.send_signal(signal.SIGTERM)
-            if process_state(self.am.pid) in ("T", "t"):    # stopped: it cannot stop its containers
+            if process_stopped(self.am.pid):    # it cannot stop its containers
                 self.am.kill()
 
     def wait_am(self):
-        """The master's exit status. A master stopped (SIGSTOP, a frozen process) for longer
-        than launcher.heartbeat_timeout is killed, and its attempt ends as a master's death
-        does: before, training ended, the final model was written, and the application
-        stayed RUNNING with its containers unreaped under the stopped master."""
+        """(the master's exit status, how it ended in words). A master stopped (SIGSTOP, a
+        frozen process) for longer than launcher.heartbeat_timeout is killed, and its attempt
+        ends as a master's death does: before, training ended, the final model was written,
+        and the application stayed RUNNING with its containers unreaped under the stopped
+        master."""
         limit = self.job.launcher.heartbeat_timeout
         ended = threading.Event()       # (Popen.wait(timeout) polls every 50 ms; a thread waits instead)
         threading.Thread(target=lambda: (self.am.wait(), ended.set()), daemon=True).start()
-        stopped = None
-        while True:
-            if ended.wait(1.0):
-                return self.am.returncode
-            if process_state(self.am.pid) not in ("T", "t"):
-                stopped = None
+        since, hung = None, None
+        while not ended.wait(1.0):
+            if not process_stopped(self.am.pid):
+                since = None
                 continue
-            stopped = stopped or time.monotonic()
-            if time.monotonic() - stopped > limit and self.hung is None:
-                self.hung = (f"was stopped for {time.monotonic() - stopped:.0f}s (limit {limit:g}s: "
-                             f"launcher.heartbeat_timeout), so it was killed")
-                log.error("the application master (pid %d) %s", self.am.pid, self.hung)
+            since = since or time.monotonic()
+            if time.monotonic() - since > limit and hung is None:
+                hung = (f"was stopped for {time.monotonic() - since:.0f}s (limit {limit:g}s: "
+                        f"launcher.heartbeat_timeout), so it was killed")
+                log.error("the application master (pid %d) %s", self.am.pid, hung)
                 self.am.kill()
+        return self.am.returncode, hung or exitcodes.describe(self.am.returncode)[0]
 
     def start_am(self, attempt):
         env = dict(os.environ, YARNAPP_APP_ID=self.app_id, PYTHONUNBUFFERED="1")
@@ -149,14 +148,12 @@ class Supervisor:
             self.start_am(attempt)
             if self.stopping:           # stopped while the master was starting: on_signal found no one
                 self.am.send_signal(signal.SIGTERM)
-            rc = self.wait_am()
+            rc, how = self.wait_am()
             self.attempts[-1].update(exit_code=rc, ended=time.time())
             self.save()
             st = read_json(os.path.join(self.dir, "state.json")) or {}
             if st.get("state") in TERMINAL:
                 return 0
-            how = self.hung or exitcodes.describe(rc)[0]
-            self.hung = None
             what = f"the application master (attempt {attempt}, pid {self.am.pid}) {how}"
             killed = clean_up(self.app_id, keep={os.getpid()})
             log.error("%s without ending the application; cleaned up (%d processes killed)", what, len(killed))
