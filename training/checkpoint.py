@@ -56,14 +56,19 @@ def set_rng_state(s):
 
 
 class Checkpointer:
-    def __init__(self, uri, comm, keep=3, generation=0, app_id="app", name="job", resume="never", siblings=None):
+    def __init__(self, uri, comm, keep=3, generation=0, app_id="app", name="job", resume="never", siblings=None,
+                 data=None):
+        """comm None: a client's look at what is there (earlier(), refusal()), no application
+        of its own. data: what the steps mean (batch size, training rows), recorded with the
+        application so that a client can refuse a resume that would read them otherwise."""
         self.uri = uri
         self.fs, self.base = fsutil.resolve(uri)
         self.siblings = siblings            # the directory of the applications' own directories, or None
         self._siblings = fsutil.resolve(siblings)[1].rstrip("/") if siblings else None
-        self.root = checkpoint_dir(app_id, self.base)
+        self.root = checkpoint_dir(app_id, self.base) if comm else None
         self.comm = comm
-        self.rank = comm.Get_rank()
+        self.rank = comm.Get_rank() if comm else 0
+        self.data = data
         self.keep = keep
         self.generation = generation
         self.app_id, self.name, self.resume = app_id, name, resume
@@ -97,6 +102,11 @@ class Checkpointer:
         steps = self.complete_steps()
         if steps:
             return self.root, self.app_id, steps
+        return self.earlier()
+
+    def earlier(self):
+        """(directory, app_id, complete steps) of the earlier application `resume` names, or
+        (None, None, []); CheckpointError when it names one without a complete checkpoint."""
         if self.resume == "never":
             return None, None, []
         where = self.siblings or self.uri
@@ -167,25 +177,39 @@ class Checkpointer:
                          app, step, self.resume)
         return step, state
 
-    def _written_by_fewer(self, root, app, steps):
-        """The line refusing a checkpoint written by fewer ranks than this world has (its
-        files are not broken: there is none for the others), or None."""
+    def _written_by_fewer(self, root, app, steps, size=None):
+        """The line refusing a checkpoint written by fewer ranks than this world (of `size`)
+        has (its files are not broken: there is none for the others), or None."""
         if root is None:
             return None
         ranks = max(sum(1 for n in fsutil.listdir(self.fs, self._dir(step, root=root)) if n.startswith("rank-"))
                     for step in steps)        # the most any step has: one missing file is a broken step
-        size = self.comm.Get_size()
+        size = size or self.comm.Get_size()
         if 0 < ranks < size:
             return (f"checkpoint.resume: the checkpoint of step {steps[-1]} (application {app}) was written by "
                     f"{ranks} ranks, and this job has {size}; resume it with {ranks}, or start afresh "
                     f"(checkpoint.resume: never)")
         return None
 
+    def refusal(self, source, size, data):
+        """What a client can tell before starting a world of `size` ranks for `data` (see
+        __init__; rows None: not known): the line refusing `source` (an earlier()), or None."""
+        root, app, steps = source
+        if root is None:
+            return None
+        try:
+            saved = json.loads(fsutil.read_bytes(self.fs, f"{root}/application.json")).get("data")
+        except (OSError, ValueError, pa.ArrowException):
+            saved = None                # written before it was recorded: the ranks check their states
+        if saved and data.get("train_rows") is None:
+            data = dict(data, train_rows=saved.get("train_rows"))     # a dataset of the user's: rows unknown
+        return self._written_by_fewer(root, app, steps, size) or other_data(steps[-1], app, saved, data)
+
     def _register(self):
         path = f"{self.root}/application.json"
         if not fsutil.exists(self.fs, path):
             fsutil.write_bytes(self.fs, path, json.dumps(
-                {"app_id": self.app_id, "name": self.name, "created": time.time()}).encode())
+                {"app_id": self.app_id, "name": self.name, "created": time.time(), "data": self.data}).encode())
         self._tidy()            # a world restarting after a crash mid-checkpoint
 
     def save(self, step, state):
@@ -248,6 +272,20 @@ class Checkpointer:
 
 class CheckpointError(YarnappError, OSError):
     """A checkpoint that cannot be written. str() names the URI and the first error."""
+
+
+def other_data(step, app, saved, now):
+    """The line refusing to resume a checkpoint written for another batch size or training
+    set (`saved`, `now`: {"batch_size", "train_rows"}), or None: its step would stand for
+    another place in the data (step 240 of 1438 rows is epoch 10.9; of 719 rows, 21.8), and
+    the run would silently train on other epochs than it left."""
+    if not saved or saved == now:
+        return None
+    return (f"checkpoint.resume: the checkpoint of step {step} (application {app}) was written with "
+            f"training.batch_size {saved['batch_size']} and {saved['train_rows']} rows of training.data.train; "
+            f"this job has {now['batch_size']} and {now['train_rows']}, so its steps would be other places in "
+            f"the data; resume with the batch size and data it was written with, or start afresh "
+            f"(checkpoint.resume: never)")
 
 
 def _attempt(fn):

@@ -14,7 +14,7 @@ import torch
 from launcher import memory   # plain functions reading this process's memory cgroup
 
 from . import collectives, lazy_dynamo, strategies, trained
-from .checkpoint import CheckpointError, Checkpointer, rng_state, set_rng_state
+from .checkpoint import CheckpointError, Checkpointer, other_data, rng_state, set_rng_state
 from .data import open_dataset
 from .models import build_model, check_output
 from .tensorboard import TBLogger
@@ -54,7 +54,8 @@ class Runner:
         self.strategy.setup(model, make_optimizer_factory(spec), example_input=example)
         c = ctx.job.checkpoint
         self.ckpt = Checkpointer(ctx.checkpoint_uri, self.comm, c.keep, ctx.generation, app_id=ctx.app_id,
-                                 name=ctx.job.name, resume=c.resume, siblings=ctx.checkpoint_siblings)
+                                 name=ctx.job.name, resume=c.resume, siblings=ctx.checkpoint_siblings,
+                                 data=self._data())
         self.start_step, state = self.ckpt.latest()
         if state is not None:
             self._check_same_data(state.get("data"), ctx)
@@ -123,18 +124,10 @@ class Runner:
         return {"batch_size": self.spec.batch_size, "train_rows": len(self.train)}
 
     def _check_same_data(self, saved, ctx):
-        """Refuse to resume a checkpoint written for another batch size or training set: its
-        step would stand for another place in the data (step 240 of 1438 rows is epoch 10.9;
-        of 719 rows, 21.8), and the run would silently train on other epochs than it left."""
-        now = self._data()
-        if not saved or saved == now:
-            return
-        raise CheckpointError(
-            f"checkpoint.resume: the checkpoint of step {self.start_step} (application "
-            f"{self.ckpt.resumed_app or ctx.app_id}) was written with training.batch_size {saved['batch_size']} "
-            f"and {saved['train_rows']} rows of training.data.train; this job has {now['batch_size']} and "
-            f"{now['train_rows']}, so its steps would be other places in the data; resume with the batch size and "
-            f"data it was written with, or start afresh (checkpoint.resume: never)")
+        """Refuse to resume a checkpoint written for another batch size or training set."""
+        line = other_data(self.start_step, self.ckpt.resumed_app or ctx.app_id, saved, self._data())
+        if line:
+            raise CheckpointError(line)
 
     def save(self, step):
         self.ckpt.save(step, {"step": step, "strategy": self.strategy.state_dict(), "rng": rng_state(),

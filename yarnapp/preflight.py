@@ -16,6 +16,7 @@ line too; an unknown scheme is refused on both backends. The same holds for chec
 tensorboard.logdir (`check_outputs`), which a job would otherwise find unwritable only
 at its first checkpoint, or at its end.
 """
+import collections
 import contextlib
 import io
 import logging
@@ -30,6 +31,7 @@ from .errors import YarnappError
 
 log = logging.getLogger(__name__)
 
+Found = collections.namedtuple("Found", "shape classes rows")     # check_data's: None where not known here
 SLACK = 1.25        # a step's blocks are refused only this far over the rank's data budget, where its
                     # reader warns (a 1024 MiB container ran 1.5x over it, at its memory limit)
 
@@ -39,8 +41,8 @@ def check_data(job, where=None, on_cluster=False):
     job trains on cannot be opened from here (on_cluster: only a shared filesystem's URI
     that this client reaches is checked), or when its images would come out of the
     augmentation and the test transforms in sizes the model cannot take together.
-    Returns (the model's input [C, H, W], the number of classes) where they are known
-    here, else None."""
+    Returns a Found (the model's input [C, H, W] and the number of classes, each None where
+    not known here; the training set's rows) where the data was checked, else None."""
     data = job.training.data if job.training is not None else None
     if data is None or data.dataset or job.run.function != BUILTIN_RUNNER:
         return                  # own code reads what it likes; a user's dataset is theirs to open
@@ -88,12 +90,11 @@ def check_data(job, where=None, on_cluster=False):
                                    f"training.data.train ({uri}); lower it")
             if split == "train":
                 _check_window(job, blocks, pre)
+    train, shape = found.get("train"), None
     if not data.transform:      # the user's own transform runs in the containers only
         shape = _check_sizes(data, shapes, pre)
         _check_built(job, shape, pre)
-        train = found.get("train")
-        return shape, (train.num_classes if train else None)
-    return None
+    return Found(shape, train.num_classes if train else None, train.rows if train else None)
 
 
 def _check_window(job, blocks, pre):

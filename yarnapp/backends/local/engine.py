@@ -77,18 +77,30 @@ def check_resources(job, where="job"):
                            f"--backend yarn")
 
 
-def check_resume(job, where="job"):
+def check_resume(job, found, where="job"):
     """checkpoint.resume naming an application whose checkpoints are not on this machine
-    (its own directory here, or a local checkpoint.uri): one line before anything starts
-    (else the containers start, then report it)."""
+    (its own directory here, or a local checkpoint.uri), or a checkpoint the job could not
+    go on from (written by fewer ranks, with another batch size or training set): one line
+    before anything starts (else the containers start, then report it; `latest` with
+    nothing to resume is said here too). found: check_data's."""
     app, uri = job.checkpoint.resume, job.checkpoint.uri
-    if app in ("never", "latest") or (uri and not fsutil.is_local(uri)):
+    if app == "never" or (uri and not fsutil.is_local(uri)):
         return
-    root = checkpoint_dir(app, fsutil.local_path(uri)) if uri else checkpoint_dir(app, siblings=apps_dir())
-    if not os.path.isdir(root):
-        under = uri or apps_dir()
-        raise YarnappError(f"{where}: checkpoint.resume: no checkpoints of application {app} under {under}; "
-                           f"give an application id `yarnapp list` shows, latest or never")
+    if app != "latest":
+        root = checkpoint_dir(app, fsutil.local_path(uri)) if uri else checkpoint_dir(app, siblings=apps_dir())
+        if not os.path.isdir(root):
+            under = uri or apps_dir()
+            raise YarnappError(f"{where}: checkpoint.resume: no checkpoints of application {app} under {under}; "
+                               f"give an application id `yarnapp list` shows, latest or never")
+    from training.checkpoint import CheckpointError, Checkpointer
+    look = Checkpointer(uri or apps_dir(), None, name=job.name, resume=app, siblings=None if uri else apps_dir())
+    try:
+        line = look.refusal(look.earlier(), sum(g.instances for g in job.groups),
+                            {"batch_size": job.training.batch_size, "train_rows": found and found.rows})
+    except CheckpointError as e:
+        line = str(e)
+    if line:
+        raise YarnappError(f"{where}: {line}")
 
 
 def checked(job, where="job"):
@@ -100,7 +112,7 @@ def checked(job, where="job"):
     preflight.check_model(job, where)
     found = preflight.check_data(job, where)
     preflight.check_outputs(job, where)
-    check_resume(job, where)
+    check_resume(job, found, where)
     shipment = shipping.plan(job, where)
     preflight.check_strategy(job, found, shipment, where)
     return shipment
