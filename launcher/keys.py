@@ -105,6 +105,12 @@ FINAL = "final"            # rank 0's final metrics (JSON)
 FAILED = "failed"          # the application failed for good: JSON with the last generation's cause
 RESTARTS = "restarts/"     # restarts/<gen> : JSON reason of each world restart
 TENSORBOARD = "tensorboard/url"
+NOTICES = "notices/"       # notices/<gen>/<rank>/<n>: JSON {"rank", "generation", "time", "text"} of a
+                           # warning a rank logged (launcher.rank.Notices), shown by status and --wait
+
+
+def notice(gen, rank, n):
+    return f"{NOTICES}{gen:04d}/{rank:05d}/{n:03d}"
 
 
 def restart(gen):

@@ -181,6 +181,30 @@ class ByOrigin(logging.StreamHandler):
         super().emit(record)
 
 
+class Notices(logging.Handler):
+    """Publishes the warnings yarnapp's own code logs in this rank (a checkpoint passed over,
+    a rank that costs more than it saves, a return value not kept) to the store, where
+    `yarnapp status` and `submit --wait` show them: otherwise they are in a container's log
+    only. The first LIMIT of a generation; never raises into the code that logged."""
+    LIMIT = 10
+
+    def __init__(self, store, gen, rank):
+        super().__init__(level=logging.WARNING)
+        self.store, self.gen, self.rank, self.n = store, gen, rank, 0
+
+    def emit(self, record):
+        if record.levelno != logging.WARNING or record.name.split(".", 1)[0] not in ByOrigin.OURS \
+                or self.n >= self.LIMIT:
+            return
+        try:
+            text = record.getMessage().splitlines()[0]
+            self.store.put(keys.notice(self.gen, self.rank, self.n), json.dumps(
+                {"rank": self.rank, "generation": self.gen, "time": record.created, "text": text}))
+            self.n += 1
+        except Exception:  # noqa: BLE001 - a warning is never worth a failure
+            pass
+
+
 class Liveness(threading.Thread):
     """Touches the heartbeat every LIVENESS_S while the code reports no progress itself."""
 
@@ -309,6 +333,7 @@ def main(argv=None):
     logging.basicConfig(level=logging.INFO, handlers=[handler])
     store = store_mod.from_env()
     gen, job = args.generation, ident.job
+    logging.getLogger().addHandler(Notices(store, gen, ident.rank))
     with open(args.heartbeat, "w") as f:
         f.write(f"setup {time.time()}")
     stacks.enable(args.heartbeat + stacks.SUFFIX)     # where it is, should it hang (launcher.stacks)

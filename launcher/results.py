@@ -30,14 +30,31 @@ PUBLISHED = "result/published"        # first writer publishes
 DONE_WAIT_S = 30.0
 
 
+NOTICES_KEPT = 10                     # in YARN's final diagnostics: the first ones, each cut to
+NOTICE_CHARS = 300                    # this long (result.json keeps them all)
+
+
+def notices(items):
+    """The warnings the ranks published (launcher.rank.Notices: the store's notices/ items,
+    {key: JSON}), oldest first; one entry per text, with the ranks that logged it."""
+    out = {}
+    for _, v in sorted(items.items()):
+        n = json.loads(v)
+        seen = out.setdefault(n["text"], {"text": n["text"], "ranks": [], "generation": n["generation"],
+                                          "time": n["time"]})
+        seen["ranks"] = sorted(set(seen["ranks"]) | {n["rank"]})
+    return sorted(out.values(), key=lambda n: n["time"])
+
+
 def collect(store):
     """The application's results from its store, in one store call."""
-    seen = store.snapshot(prefixes=(keys.RESTARTS, keys.ABORT_PREFIX), keys=(keys.FINAL, keys.FAILED))
+    seen = store.snapshot(prefixes=(keys.RESTARTS, keys.ABORT_PREFIX, keys.NOTICES), keys=(keys.FINAL, keys.FAILED))
     formed = sorted(k for k in seen if k.startswith(keys.ABORT_PREFIX) and k.endswith("/formed"))
     return {"final": json.loads(seen[keys.FINAL]) if keys.FINAL in seen else None,
             "failure": Failure.record(seen.get(keys.FAILED)),
             "restarts": [Failure.record(v) for k, v in sorted(seen.items()) if k.startswith(keys.RESTARTS)],
-            "world_formed_time": json.loads(seen[formed[0]]).get("time") if formed else None}
+            "world_formed_time": json.loads(seen[formed[0]]).get("time") if formed else None,
+            "notices": notices({k: v for k, v in seen.items() if k.startswith(keys.NOTICES)})}
 
 
 def diagnostics(result):
@@ -46,6 +63,7 @@ def diagnostics(result):
     if slim.get("failure"):
         slim["failure"] = {k: v for k, v in slim["failure"].items() if k != "log_tail"}
     slim["restarts"] = [{k: v for k, v in r.items() if k != "log_tail"} for r in slim.get("restarts") or []]
+    slim["notices"] = [dict(n, text=n["text"][:NOTICE_CHARS]) for n in (slim.get("notices") or [])[:NOTICES_KEPT]]
     return DIAGNOSTICS_PREFIX + json.dumps(slim, separators=(",", ":"))
 
 

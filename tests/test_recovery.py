@@ -427,7 +427,7 @@ def test_resume_finds_other_applications_when_checkpoint_uri_is_unset(digits, tm
         assert_nothing_left(r.app_id)
 
 
-def test_a_checkpoint_with_an_unreadable_file_is_passed_over_for_the_one_before(digits, tmp_path, yarnapp_home):
+def test_a_checkpoint_with_an_unreadable_file_is_passed_over_for_the_one_before(digits, tmp_path, yarnapp_home, cli):
     """Rank 1's file of the newest checkpoint truncated: every restart failed on it
     (PytorchStreamReader ... a traceback naming no file) and the intact checkpoint before it
     was never tried. Now it resumes from that one; when none can be read, one line, not retried."""
@@ -449,6 +449,11 @@ def test_a_checkpoint_with_an_unreadable_file_is_passed_over_for_the_one_before(
     assert st2["state"] == "SUCCEEDED", (st2.get("diagnostics"), run2.logs())
     assert st2["final"]["resumed_app"] == run1.app_id and st2["final"]["resumed_from"] == 10
     assert "the checkpoint of step 20 cannot be read" in run2.logs()["big_0"]
+    # ... and said where the user looks, not only in rank 0's log: status and submit --wait
+    said = [n for n in st2["notices"] if n["text"].startswith("the checkpoint of step 20 cannot be read (")]
+    assert len(said) == 1 and said[0]["ranks"] == [0] and "rank-00001.pt: RuntimeError: " in said[0]["text"], st2
+    assert said[0]["text"].endswith("; trying the one before it") and len(said[0]["text"]) < 400, said
+    assert f"  warning (rank 0): {said[0]['text']}\n" in cli("status", run2.app_id, check=0).stdout
     (root / "step-00000010" / "rank-00000.pt").unlink()
     run3 = yarnapp.submit(again)
     st3 = run3.wait(timeout=300)

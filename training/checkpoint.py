@@ -157,7 +157,8 @@ class Checkpointer:
             try:
                 state, bad = fsutil.torch_load_file(self.fs, path), None
             except Exception as e:  # noqa: BLE001 - any unreadable file: try the checkpoint before
-                state, bad = None, f"{path}: {type(e).__name__}: {e}".splitlines()[0]
+                first = (str(e).strip().splitlines() or [""])[0].split(". ")[0]   # torch's goes on for 5 sentences
+                state, bad = None, f"{path}: {type(e).__name__}: {first}"
             bad = next((b for b in self.comm.allgather(bad) if b), None)
             if bad is None:
                 break

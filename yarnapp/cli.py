@@ -106,7 +106,9 @@ def cmd_status(args):
     for r in st.get("restarts") or []:
         _p(f"  restart {r.get('generation')}: {r.get('reason')}"
            + (" (spends no restart)" if r.get("external") else ""))
-    from .progress import metrics
+    from .progress import metrics, notice
+    for n in st.get("notices") or []:
+        _p("  " + notice(n))
     p = (st.get("progress") or {}).get(0)
     if p:
         _p("  progress: " + metrics(p, skip=("rank", "time")))

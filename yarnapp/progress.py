@@ -31,6 +31,13 @@ def metrics(record, skip=()):
     return " ".join(f"{k}={_fmt(v)}" for k, v in record.items() if k not in skip)
 
 
+def notice(n):
+    """A warning the ranks logged (launcher.results.notices), as status and --wait show it."""
+    ranks = n.get("ranks") or []
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    return f"warning ({who}): {n['text']}"
+
+
 def _in_notebook():
     try:
         from IPython import get_ipython
@@ -71,6 +78,7 @@ class Progress:
                                f"({len(st.get('containers', []))} ranks)")
         for r in st.get("restarts") or []:
             self.say(f"restart{r.get('generation')}", f"restart {r.get('generation')}: {r.get('reason')}")
+        self._notices(st)
         p = (st.get("progress") or {}).get(0)
         if p and ("step" not in p or not self.tty):
             # One plain line per new progress record: not a terminal (CI, a log file), or a
@@ -92,8 +100,14 @@ class Progress:
                                  | {"restarts": len(st.get("restarts") or [])}, refresh=False)
             self.bar.refresh()
 
+    def _notices(self, st):
+        for n in st.get("notices") or []:
+            self.say(f"notice {n['text']}", notice(n))
+
     def end(self, st):
-        """Say how the run ended: its final metrics, or why it failed."""
+        """Say how the run ended (after any warning not said yet): its final metrics, or why
+        it failed."""
+        self._notices(st)
         if st["state"] == "SUCCEEDED":
             final = metrics(st.get("final") or {})
             self.say("end", f"{self.run.app_id} SUCCEEDED" + (f"; final: {final}" if final else ""))

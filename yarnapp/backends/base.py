@@ -11,7 +11,8 @@ class Backend(abc.ABC):
                                         "attempts", "log"}], "final": {...} | None,
                        "restarts": [{"generation", "reason"}], "diagnostics": str,
                        "progress": {rank: {...}}, "tensorboard": url | None,
-                       "world_formed_s": float | None}
+                       "world_formed_s": float | None,
+                       "notices": [{"text", "ranks", "generation", "time"}] (launcher.results.notices)}
     """
 
     name = "base"

@@ -212,6 +212,7 @@ def app_record(report):
     found = results.from_diagnostics(report.diagnostics)
     if found:
         rec.update({k: found.get(k) for k in ("final", "failure", "world_formed_time")})
+        rec["notices"] = found.get("notices") or []
         rec["restarts"] = found.get("restarts") or []
         rec["diagnostics"] = (found.get("failure") or {}).get("reason") or ""
         rec["results"] = "diagnostics"
@@ -257,7 +258,8 @@ def named_logs(logs):
 
 def kv_fields(kv):
     out = {"progress": {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in kv.get_prefix("progress/").items()},
-           "restarts": [Failure.record(v) for _, v in sorted(kv.get_prefix(keys.RESTARTS).items())]}
+           "restarts": [Failure.record(v) for _, v in sorted(kv.get_prefix(keys.RESTARTS).items())],
+           "notices": results.notices(kv.get_prefix(keys.NOTICES))}
     final = kv.get(keys.FINAL)
     out["final"] = json.loads(final) if final else None
     out["failure"] = Failure.record(kv.get(keys.FAILED))      # the root cause, first failure wins
@@ -411,6 +413,7 @@ class YarnBackend(Backend):
             return {}
         return {"final": found.get("final"), "failure": found.get("failure"),
                 "restarts": found.get("restarts") or [], "world_formed_time": found.get("world_formed_time"),
+                "notices": found.get("notices") or [],
                 "results": f"{storage}/{app_id}/{results.RESULT_FILE}"}
 
     def logs(self, app_id, container=None):

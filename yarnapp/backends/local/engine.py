@@ -15,6 +15,7 @@ import psutil
 import conf
 
 from launcher import interrupts, keys
+from launcher.results import notices
 from launcher.identity import checkpoint_dir
 from training import fsutil
 from launcher.failure import Failure
@@ -217,6 +218,7 @@ class LocalBackend(Backend):
         final = store.get(keys.FINAL)
         st["final"] = json.loads(final) if final else None
         st["restarts"] = [Failure.record(v) for _, v in sorted(store.get_prefix(keys.RESTARTS).items())]
+        st["notices"] = notices(store.get_prefix(keys.NOTICES))
         tb = store.get(keys.TENSORBOARD)
         st["tensorboard"] = tb.decode() if tb else None
         st["app_dir"] = d
