@@ -14,7 +14,7 @@ import pytest
 import skein
 
 import conf
-from launcher import keys
+from launcher import keys, results
 from launcher.store import FileStore
 from yarnapp import packaging
 from yarnapp.backends import get as get_backend
@@ -314,11 +314,18 @@ def test_running_application_fields_come_from_the_coordination_keys(tmp_path):
     for slot, engine_id, rank in (("big_0", "big_0", 0), ("small_0", "small_2", 1)):    # small_2 replaced small_0
         store.put(keys.beat(slot), json.dumps({"incarnation": "i", "group": slot[:-2], "rank": rank,
                                                "engine_id": engine_id, "n": 3}))
+    for rank, n, text, t in ((1, 0, "rank 1 is slow", 7.0), (0, 0, "data warning", 5.0), (2, 0, "data warning", 6.0)):
+        store.put(keys.notice(0, rank, n), json.dumps({"rank": rank, "generation": 0, "time": t, "text": text}))
     fields = kv_fields(store)
     ranks = {"big_0": {"rank": 0, "slot": "big_0"}, "small_2": {"rank": 1, "slot": "small_0"}}
+    notices = [{"text": "data warning", "ranks": [0, 2], "generation": 0, "time": 5.0},     # one per text, oldest first
+               {"text": "rank 1 is slow", "ranks": [1], "generation": 0, "time": 7.0}]
     assert fields == {"progress": {1: {"step": 7}}, "restarts": [{"generation": 0, "reason": "rank 1 exited 1"}],
                       "final": None, "failure": None, "tensorboard": "http://node1:6006",
-                      "world_formed_time": 1000.5, "ranks": ranks}      # the first world: submit -> formed
+                      "world_formed_time": 1000.5, "ranks": ranks, "notices": notices}   # world: submit -> formed
+    assert results.collect(store)["notices"] == notices
+    said = results.from_diagnostics(results.diagnostics(results.collect(store)))     # what YARN keeps after the end
+    assert said["notices"] == notices
     containers = [{"id": i, "rank": None} for i in ("big_0", "small_1", "small_2")]
     assert with_ranks({"containers": containers, "ranks": ranks})["containers"] == [
         {"id": "big_0", "rank": 0}, {"id": "small_1", "rank": None}, {"id": "small_2", "rank": 1, "slot": "small_0"}]
@@ -480,12 +487,19 @@ def test_results_survive_in_one_line_of_diagnostics(tmp_path):
     store.put(keys.FINAL, json.dumps({"accuracy": 0.98}))
     store.put(keys.formed(0), json.dumps({"time": 100.0}))
     store.put(keys.restart(1), json.dumps({"generation": 1, "reason": "lost w_1", "log_tail": "x" * 5000}))
+    for n in range(12):       # warnings of 12 ranks, the last one long: the diagnostics keep 10, each cut
+        store.put(keys.notice(0, n, 0), json.dumps({"rank": n, "generation": 0, "time": n, "text": f"w{n}" * 200}))
     got = results.collect(store)
+    notices = got.pop("notices")
     assert got == {"final": {"accuracy": 0.98}, "failure": None, "world_formed_time": 100.0,
                    "restarts": [{"generation": 1, "reason": "lost w_1", "log_tail": "x" * 5000}]}
+    assert [n["text"] for n in notices] == [f"w{n}" * 200 for n in range(12)]
+    got["notices"] = notices
     line = results.diagnostics({**got, "state": "SUCCEEDED"})
-    assert "\n" not in line and "log_tail" not in line
+    assert "\n" not in line and "log_tail" not in line and len(line) < 5000
     assert results.from_diagnostics(f"some text\n{line}")["restarts"] == [{"generation": 1, "reason": "lost w_1"}]
+    assert [n["text"] for n in results.from_diagnostics(line)["notices"]] == [
+        (f"w{n}" * 200)[:results.NOTICE_CHARS] for n in range(results.NOTICES_KEPT)]
     assert results.from_diagnostics("Application killed by user.") is None
     assert results.from_diagnostics(results.DIAGNOSTICS_PREFIX + "{not json") is None
     results.write(str(tmp_path / "app"), got)
