@@ -628,3 +628,110 @@ def test_importing_train_and_test_into_a_dataset_directory_is_refused(tmp_path):
                 data.run_import(kind, arr, {"overwrite": overwrite})
             _one_line_naming(e, f"{arr} holds a dataset of its own", "give another path")
     assert not {"train", "test"} & set(os.listdir(arr))
+
+
+# ----------------------------------------------------------------------------- an audit's own data
+
+def _encoded(path, blobs, labels, **columns):
+    _write(str(path), pa.table({columns.get("image", "image"): pa.array(blobs, pa.binary()),
+                                columns.get("label", "label"): pa.array(labels, pa.int64()),
+                                **({columns["class_name"]: columns["names"]} if "class_name" in columns else {})}))
+
+
+def test_16_bit_greyscale_pngs_keep_their_range():
+    """Pillow's convert("L") clips a 16-bit image at 255: values 1000 + 6000 * label all came
+    out 255 (white), mean 255 std 1, and training learned nothing. They keep their high byte."""
+    from training.data.decode import decode_one
+    from PIL import Image
+    for label in range(10):
+        value = 1000 + 6000 * label
+        buf = io.BytesIO()
+        Image.fromarray(np.full((4, 4), value, np.uint16)).save(buf, format="PNG")
+        assert Image.open(io.BytesIO(buf.getvalue())).mode.startswith("I")       # what a 16-bit PNG opens as
+        grey, rgb = decode_one(buf.getvalue(), 1), decode_one(buf.getvalue(), 3)
+        assert grey.shape == (4, 4, 1) and rgb.shape == (4, 4, 3) and grey.dtype == rgb.dtype == np.uint8
+        assert (grey == value >> 8).all() and (rgb == value >> 8).all()
+
+
+def test_channels_follow_any_colour_image_the_shape_or_the_training_set(tmp_path, caplog):
+    """One greyscale image first made a colour dataset train as greyscale (the first image
+    alone decided, and training.data.shape was ignored for encoded images); a greyscale test
+    set beside a colour training set was refused. Now any colour image among the first 64
+    makes it RGB, the shape's C decides where given, and a test set is decoded to the
+    training set's channels."""
+    rng = np.random.default_rng(7)
+    grey = [_png(rng.integers(0, 256, (6, 6), dtype=np.uint8)) for _ in range(4)]
+    colour = [_jpeg(rng.integers(0, 256, (6, 6, 3), dtype=np.uint8)) for _ in range(4)]
+    _encoded(tmp_path / "mixed" / "a.parquet", grey[:1] + colour + grey[1:], [0, 1, 0, 1, 0, 1, 0, 1])
+    _encoded(tmp_path / "grey" / "a.parquet", grey, [0, 1, 0, 1])
+    with caplog.at_level("INFO", logger="training.data.source"):
+        mixed = ParquetSource(str(tmp_path / "mixed"))
+    assert mixed.channels == 3 and mixed.shape == (3, 6, 6)
+    assert f"{tmp_path / 'mixed'}: 3 channel(s) (from its first 64 images" in caplog.text
+    assert ParquetSource(str(tmp_path / "grey")).channels == 1
+    as_rgb = ParquetSource(str(tmp_path / "grey"), _spec(shape=[3, 6, 6]))
+    x, _ = as_rgb.read_arrays()
+    assert as_rgb.channels == 3 and x.shape == (4, 3, 6, 6) and (x[:, 0] == x[:, 2]).all()
+    assert ParquetSource(str(tmp_path / "mixed"), _spec(shape=[1, 6, 6])).channels == 1
+    with pytest.raises(DataError) as e:
+        ParquetSource(str(tmp_path / "mixed"), _spec(shape=[4, 6, 6]))
+    _one_line_naming(e, "training.data.shape [4, 6, 6]", "give C 1 or 3")
+    test = ParquetSource(str(tmp_path / "grey"), reference=mixed)            # was: "1 channel(s), the training set's 3"
+    assert test.channels == 3 and test.read_arrays()[0].shape == (4, 3, 6, 6)
+
+
+def test_a_test_set_needs_no_class_name_column_of_its_own(tmp_path):
+    """columns.class_name named the training set's column of names; a plain test set beside
+    it (labels only) was refused for lacking it. Its labels mean the training set's classes."""
+    rng = np.random.default_rng(8)
+    blobs = [_png(rng.integers(0, 256, (4, 4, 3), dtype=np.uint8)) for _ in range(4)]
+    _encoded(tmp_path / "train" / "a.parquet", blobs, [1, 0, 1, 0], class_name="name", names=["b", "a", "b", "a"])
+    _encoded(tmp_path / "test" / "a.parquet", blobs, [0, 1, 0, 1])
+    spec = _spec(columns={"class_name": "name"})
+    train = ParquetSource(str(tmp_path / "train"), spec)
+    test = ParquetSource(str(tmp_path / "test"), spec, reference=train)
+    assert train.classes == test.classes == ["a", "b"] and test.read_arrays()[1].tolist() == [0, 1, 0, 1]
+    assert data.checks.check(str(tmp_path / "test"), data.formats.Columns(class_name="name"), named=True).rows == 4
+    with pytest.raises(DataError) as e:                                        # a training set still needs it
+        ParquetSource(str(tmp_path / "test"), spec)
+    _one_line_naming(e, "no class-name column 'name'")
+
+
+def test_cached_mean_and_std_are_measured_again_when_a_file_is_rewritten_at_its_size(tmp_path, caplog):
+    """The cache knew files by name and size: raw pixels rewritten inverted (same size,
+    uncompressed) were normalised with the old mean. Its modification time counts too; a
+    cache used is said in the log."""
+    path = tmp_path / "ds" / "part-0.parquet"
+    px = np.full((8, 12), 40, np.uint8)
+
+    def write(pixels, mtime):
+        _write(str(path), pa.table({"image": pa.FixedSizeBinaryArray.from_buffers(
+            pa.binary(12), 8, [None, pa.py_buffer(pixels)]), "label": pa.array([0, 1] * 4, pa.int64())}))
+        os.utime(path, (mtime, mtime))
+    write(px, 1_700_000_000)
+    size = os.path.getsize(path)
+    spec = _spec(shape=[3, 2, 2])
+    first = ParquetSource(str(path.parent), spec)
+    first._resolve_stats()
+    assert np.allclose(first.mean, 40)
+    with caplog.at_level("INFO", logger="training.data.stats"):
+        again = ParquetSource(str(path.parent), spec)
+        again._resolve_stats()
+    assert np.allclose(again.mean, 40) and f"from {path.parent / '_yarnapp_stats.json'} (delete it" in caplog.text
+    write(255 - px, 1_700_000_100)
+    assert os.path.getsize(path) == size
+    rewritten = ParquetSource(str(path.parent), spec)
+    rewritten._resolve_stats()
+    assert np.allclose(rewritten.mean, 215)
+
+
+def test_a_bad_image_met_while_measuring_mean_and_std_is_named_by_its_row_in_the_file(tmp_path):
+    """It said "(sample row 23)", the index in the block's sample, for the file's row 123."""
+    rng = np.random.default_rng(9)
+    blobs = [_png(rng.integers(0, 256, (4, 4, 3), dtype=np.uint8)) for _ in range(8)]
+    blobs[5] = b"\x89PNG not really"
+    _encoded(tmp_path / "ds" / "a.parquet", blobs[:3], [0, 1, 0])
+    _encoded(tmp_path / "ds" / "b.parquet", blobs[3:], [0, 1, 0, 1, 0])
+    with pytest.raises(DataError) as e:
+        ParquetSource(str(tmp_path / "ds"))._resolve_stats()
+    _one_line_naming(e, f"{tmp_path / 'ds'}/b.parquet (row 2): not a decodable image")

@@ -63,7 +63,8 @@ def check_data(job, where=None, on_cluster=False):
         if (u.scheme, u.netloc) in unreachable:
             continue
         try:
-            found[split] = check(uri, Columns.of(data.columns), tuple(data.shape) if data.shape else None)
+            found[split] = check(uri, Columns.of(data.columns), tuple(data.shape) if data.shape else None,
+                                 named=split == "test")
             rows, shapes[split], blocks = found[split].rows, found[split].shape, found[split].blocks
             if split == "test" and "train" in found:
                 test, train = found["test"], found["train"]

@@ -29,13 +29,14 @@ class Checked:
     named: bool = False             # its metadata (ours or Hugging Face's) gives the number of classes
 
 
-def check(uri, columns=None, shape=None):
+def check(uri, columns=None, shape=None, named=False):
     """Raise DataError (Unreachable where the filesystem cannot be reached) unless `uri`
     holds a dataset `inspect` can open: every file's footer read, no rows, no labels, no
     null label or image (the footers' statistics), no label outside the metadata's classes.
-    Returns what it found (Checked)."""
+    Returns what it found (Checked). named: the classes are named elsewhere (a test set's,
+    by its training set): no class-name column is needed."""
     columns = columns or Columns()
-    fs, paths, names, footers, meta, kind, raw_shape, columns = read_footers(uri, columns, shape)
+    fs, paths, names, footers, meta, kind, raw_shape, columns = read_footers(uri, columns, shape, named)
     n = int(meta["num_classes"]) if meta.get("num_classes") else None
     top, low = -1, None                     # the largest and smallest label, while every footer gives them
     image = f"{columns.image}.bytes" if kind == STRUCT else columns.image     # a path alone is no image

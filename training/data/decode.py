@@ -4,7 +4,7 @@ Arrow buffers, the rows of a batch copied out of them, and their decoding.
 Encoded images are decoded by simplejpeg (libjpeg-turbo; JPEG only) where it is
 installed, else by Pillow, which reads every other format (PNG, WebP, BMP, ...) too.
 Colour: `channels` 3 gives RGB (greyscale and palette images are converted), 1 gives
-greyscale.
+greyscale. 16-bit greyscale images keep their high byte (their range, scaled to 8 bits).
 """
 import dataclasses
 import io
@@ -85,9 +85,15 @@ def gather(block, offsets):
     return [data[a:b].tobytes() for a, b in zip(starts.tolist(), ends.tolist())], labels
 
 
+WIDE = ("I;16", "I;16B", "I;16L", "I;16N", "I")   # 16-bit greyscale (a PNG's, opened as I;16 or I)
+
+
 def _pil_decode(blob, channels):
     from PIL import Image
     with Image.open(io.BytesIO(blob)) as im:
+        if im.mode in WIDE:     # convert("L") clips at 255: a 16-bit image came out white
+            grey = (np.clip(np.asarray(im), 0, 65535).astype(np.uint32) >> 8).astype(np.uint8)
+            return np.repeat(grey[:, :, None], channels, axis=2)
         if channels == 1:
             im = im.convert("L")
         elif im.mode != "RGB":
@@ -130,11 +136,15 @@ def why_not_image(exc):
     return re.sub(r"\s*<_io\.BytesIO object at 0x[0-9a-f]+>", "", one_line(exc)).strip() or type(exc).__name__
 
 
-def channels_of(blob):
-    """1 for a greyscale image, else 3."""
+def channels_of(blobs):
+    """1 where every one of the images is greyscale, else 3 (one colour image among them
+    makes the dataset colour: greyscale ones are converted)."""
     from PIL import Image
-    try:
-        with Image.open(io.BytesIO(blob)) as im:
-            return 1 if im.mode in ("1", "L", "LA", "I", "I;16", "F") else 3
-    except Exception:  # noqa: BLE001
-        return 3
+    for blob in blobs:
+        try:
+            with Image.open(io.BytesIO(blob)) as im:
+                if im.mode not in ("1", "L", "LA", "F", *WIDE):
+                    return 3
+        except Exception:  # noqa: BLE001 - not an image: its row is named where it is decoded
+            return 3
+    return 1

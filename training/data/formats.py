@@ -96,14 +96,14 @@ class Layout:
         return self.names[file]
 
     @functools.cached_property
-    def _starts(self):
+    def starts(self):
         """The dataset row each block starts at."""
         return np.cumsum([0] + [b.rows for b in self.blocks]).tolist()
 
     def where(self, row):
         """How messages name row `row` of the dataset (its index over every file, in blocks'
         order): "<file's URI> (row <its row in that file>)"."""
-        starts = self._starts
+        starts = self.starts
         i = min(max(bisect.bisect_right(starts, row) - 1, 0), len(self.blocks) - 1)
         file = self.blocks[i].file
         first = next(j for j, b in enumerate(self.blocks) if b.file == file)
@@ -302,11 +302,11 @@ def null_count(metadata, column):
     return sum(s.null_count for s in _statistics(metadata, column) if s is not None and s.has_null_count)
 
 
-def inspect(uri, columns=None, shape=None):
+def inspect(uri, columns=None, shape=None, named=False):
     """The Layout of the dataset at `uri` (footers only: no data is read, except the label
     column when neither metadata nor statistics give the number of classes)."""
     columns = columns or Columns()
-    fs, paths, names, footers, meta, kind, raw_shape, columns = read_footers(uri, columns, shape)
+    fs, paths, names, footers, meta, kind, raw_shape, columns = read_footers(uri, columns, shape, named)
     first = footers[0].schema.to_arrow_schema()
     blocks = [b for i, md in enumerate(footers) for b in blocks_of(i, md, wanted_columns(columns))]
     layout = Layout(uri, fs, paths, names, columns, kind, raw_shape, meta, None, 0, blocks)
@@ -321,11 +321,12 @@ def wanted_columns(columns):
     return {columns.image, columns.label} | ({columns.class_name} if columns.class_name else set())
 
 
-def read_footers(uri, columns, shape):
+def read_footers(uri, columns, shape, named=False):
     """(fs, paths, names, footers, meta, kind, raw_shape, columns): every file's footer, and
     the image column's kind, the same in every file; DataError for a dataset of no rows.
     `columns` less the class-name column where the dataset has none and its metadata (ours
-    or Hugging Face's) names the classes."""
+    or Hugging Face's) names the classes, or `named`: the classes are named elsewhere (a
+    test set, by its training set)."""
     fs, path = filesystem(uri)
     paths = list_files(uri, fs, path)
     names = [uri if p == path else join(uri, posixpath.basename(p)) for p in paths]
@@ -337,7 +338,7 @@ def read_footers(uri, columns, shape):
     first = footers[0].schema.to_arrow_schema()
     meta = _yarnapp_meta(first, names[0])
     if columns.class_name and first.get_field_index(columns.class_name) < 0 and \
-            (meta.get("num_classes") or hf_classes(first, columns.label)):
+            (named or meta.get("num_classes") or hf_classes(first, columns.label)):
         # its metadata names the classes: the column is for datasets without (a training set
         # with it beside a test set imported by yarnapp, say)
         columns = dataclasses.replace(columns, class_name=None)

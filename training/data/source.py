@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 MEMORY_FRACTION = 0.25         # training.data.memory: null = this much of the container's memory
 OFFLINE_MEMORY = 512 << 20     # ... or this much outside a container
+CHANNEL_PROBE = 64             # encoded images: colour where any of this many first ones is
 
 
 @dataclasses.dataclass
@@ -146,16 +147,20 @@ class ParquetSource:
         self.uri, self.spec, self.ctx = uri, spec, ctx
         g = (lambda k, d=None: getattr(spec, k, d) if spec is not None else d)
         shape = g("shape")
-        self.layout = inspect(uri, Columns.of(g("columns")), tuple(shape) if shape else None)
+        self.layout = inspect(uri, Columns.of(g("columns")), tuple(shape) if shape else None,
+                              named=reference is not None)
         self.classes, self.num_classes = self.layout.classes, self.layout.num_classes
         if reference is not None:
             check_test_classes(uri, self.classes, self.num_classes, reference.uri, reference.classes,
                                reference.num_classes)
             self.classes, self.num_classes = reference.classes, reference.num_classes
-        self.channels = self._channels()
-        if reference is not None and self.channels != reference.channels:
+        self.channels = self._channels(shape, reference)
+        if reference is not None and self.channels != reference.channels:        # raw pixels: not converted
             raise DataError(f"{uri}: its images have {self.channels} channel(s), the training set's "
                             f"({reference.uri}) {reference.channels}; give a test set of the same kind of images")
+        log.info("%s: %d channel(s)%s", uri, self.channels, "" if self.layout.kind == RAW or shape or reference
+                 else f" (from its first {CHANNEL_PROBE} images: 3 where any is colour; training.data.shape "
+                      f"[C, H, W] sets C)")
         self.train_ops, train_hooks = transforms.build(g("augment", []), "training.data.augment")
         self.test_ops, test_hooks = transforms.build(g("test_transforms", []), "training.data.test_transforms")
         user = _user_hook(g("transform"))
@@ -190,13 +195,24 @@ class ParquetSource:
     def nbytes(self):
         return self.layout.nbytes
 
-    def _channels(self):
+    def _channels(self, shape, reference):
+        """Raw pixels: their shape's. Encoded images are converted to: training.data.shape's
+        C, else the training set's (a test set), else yarnapp's metadata's, else 1 where the
+        first images are all greyscale, 3 where any is colour (before, the first image alone
+        decided: one grey JPEG first made an RGB dataset train as greyscale)."""
         if self.layout.kind == RAW:
             return self.layout.shape[0]
+        if shape:
+            if shape[0] not in (1, 3):
+                raise DataError(f"{self.uri}: training.data.shape {list(shape)}: encoded images are decoded to 1 "
+                                f"(greyscale) or 3 (RGB) channels; give C 1 or 3")
+            return int(shape[0])
+        if reference is not None:
+            return reference.channels
         if self.layout.meta.get("channels"):
             return int(self.layout.meta["channels"])
-        data, _ = self._first_rows(1)
-        return channels_of(data[0])
+        data, _ = self._first_rows(CHANNEL_PROBE)
+        return channels_of(data)
 
     def _first_rows(self, n):
         files = _Files(self.layout)

@@ -9,7 +9,8 @@ that cache for the next run:
     <dataset directory>/_yarnapp_stats.json        (or `.<file>.yarnapp_stats.json`
                                                     beside a single-file dataset)
 
-The cache holds the files' names and sizes and is ignored when they change. In a
+The cache holds the files' names, sizes and modification times and is ignored when they
+change. In a
 world, rank 0 computes (or reads) them and broadcasts them, so every rank normalises
 with the very same numbers.
 """
@@ -44,8 +45,9 @@ def _cache_path(layout):
 
 
 def _fingerprint(layout):
-    infos = layout.fs.get_file_info(layout.paths)
-    return [[posixpath.basename(i.path), int(i.size or 0)] for i in infos] + [layout.columns.image]
+    infos = layout.fs.get_file_info(layout.paths)       # a file rewritten at its size has another mtime
+    return [[posixpath.basename(i.path), int(i.size or 0), int(i.mtime_ns or 0)] for i in infos] + \
+        [layout.columns.image]
 
 
 def _read_cache(layout, path, channels):
@@ -95,8 +97,8 @@ def compute(layout, channels):
             offsets = np.unique(np.linspace(0, block.rows - 1, min(block.rows, per_block)).round().astype(np.int64))
             images, _ = gather(data, offsets)
             rows += len(offsets)
-            name = layout.name(block.file)
-            for img in decode(images, layout.shape, channels, lambda i: f"{name} (sample row {i})"):
+            first = layout.starts[b]        # the block's first row in the dataset: errors name the file's row
+            for img in decode(images, layout.shape, channels, lambda i: layout.where(first + int(offsets[i]))):
                 px = img.reshape(-1, img.shape[-1]).astype(np.float64)
                 total += px.sum(axis=0)
                 total_sq += np.square(px).sum(axis=0)
@@ -124,7 +126,10 @@ def resolve(layout, channels, given=None, comm=None):
             try:
                 path = _cache_path(layout)
                 found = _read_cache(layout, path, channels)
-                if found is None:
+                if found is not None:
+                    log.info("%s: mean %s std %s from %s (delete it to measure them again)", layout.uri,
+                             np.round(found[0], 2), np.round(found[1], 2), path)
+                else:
                     *found, rows = compute(layout, channels)
                     _write_cache(layout, path, *found, rows)
                 mean, std = found
