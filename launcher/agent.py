@@ -34,6 +34,11 @@ log = logging.getLogger("launcher.agent")
 
 SETUP_GRACE_S = 8.0      # after a peer failed in setup, how long a rank in setup may take to fail
                          # the same way on its own (ranks start seconds apart on a busy host)
+BUSY_HINT = ("; if it was busy there (an evaluation or a save on one rank), call ctx.heartbeat() "
+             "(training.dist.context().heartbeat()) in that work, or raise launcher.heartbeat_timeout")
+EARLY_END_S = 15.0       # a rank still in a collective this long after a peer's code finished waits for it
+                         # (code on torch.distributed fails sooner: the ended rank's sockets close after
+                         # launcher.rank.FINISH_WAIT_S)
 
 
 class State(enum.Enum):
@@ -166,6 +171,7 @@ class Agent(PeerDiagnosis):
         me, rank = self.ident.container, self.ident.rank
         self.formed_seen = None
         waited = 0.0            # extra silence allowed a rank found waiting for its peers (launcher.stacks)
+        peer_ended = None       # when this agent first saw a peer's code finished (and its rank not)
         while True:
             rc = self.child.poll()
             if rc == 0:
@@ -220,6 +226,18 @@ class Agent(PeerDiagnosis):
             if formed:
                 phase, silent = self.read_heartbeat(now)
                 stopped = process_stopped(self.child.pid)
+                gone = self.finished_peers(gen, seen) if phase != "finished" and not stopped else []
+                peer_ended = (peer_ended or now) if gone else None
+                if gone and now - peer_ended >= EARLY_END_S:
+                    # Its liveness thread keeps own code that never reported progress alive, so
+                    # a rank left in a collective by a peer that ended early would wait forever.
+                    at = stacks.where(stacks.dump(self.child.pid, self.heartbeat + stacks.SUFFIX))
+                    if at and at.waiting:
+                        return Outcome.OWN, Failure(kind=Kind.HUNG.value, container=me, rank=rank, reason=(
+                            f"rank {rank} ({me}) waited {now - peer_ended:.0f}s in a collective at {at.caller or at.frame} "
+                            f"for {', '.join(gone)}, whose code had finished: {'it' if len(gone) == 1 else 'they'} "
+                            f"ran fewer steps than this rank; every rank must run the same steps"))
+                    peer_ended = now            # busy, not waiting: looked at again a period later
                 # a stopped process is not setting up: heartbeat_timeout, in any phase
                 which = "heartbeat" if phase == "train" or (stopped and phase != "finished") else "rendezvous"
                 limit = lj.heartbeat_timeout if which == "heartbeat" else lj.rendezvous_timeout
@@ -262,6 +280,8 @@ class Agent(PeerDiagnosis):
                                f"launcher.{which}_timeout)"
                                + (f"; its main thread is at {at.describe()}"
                                   f"{', waiting for its peers' if at.waiting else ''}" if at else "")
+                               + (BUSY_HINT if at and not at.waiting and phase == "train"
+                                  and self.job.run.function != BUILTIN_RUNNER else "")
                                + self.network_note())
             lost = self.lost_member(gen, seen)
             if lost:

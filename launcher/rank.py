@@ -314,11 +314,18 @@ def meet_at_the_end(store, gen, rank, world_size, wait=FINISH_WAIT_S):
     none of its peers' MPI calls, and leaving closes its torch.distributed sockets at once,
     as torchrun's end of a process does."""
     store.put(keys.finished(gen, rank), "1")
-    deadline = time.monotonic() + wait
-    while len(store.get_prefix(keys.finished(gen))) < world_size and time.monotonic() < deadline:
-        if store.get(keys.abort(gen)) is not None:
-            return
+    wait_for_peers(store, gen, world_size, wait)
+
+
+def wait_for_peers(store, gen, world_size, wait=None):
+    """True once every rank's code has finished in generation `gen` (keys.finished); False
+    when the generation is aborted first, or `wait` seconds (None: no limit) have passed."""
+    deadline = None if wait is None else time.monotonic() + wait
+    while len(store.get_prefix(keys.finished(gen))) < world_size:
+        if store.get(keys.abort(gen)) is not None or (deadline is not None and time.monotonic() >= deadline):
+            return False
         time.sleep(0.05)
+    return True
 
 
 def main(argv=None):
@@ -360,16 +367,22 @@ def main(argv=None):
     log.info("world generation %d formed: rank %d of %d in %.2fs", gen, ident.rank, ident.world_size, took)
 
     from training.context import RunContext, rank_infos
+    own = job.run.function != BUILTIN_RUNNER
+    if own:
+        os.environ["YARNAPP_CHECKPOINT_URI"] = ident.own_checkpoint_uri
+        if "://" not in ident.own_checkpoint_uri or ident.own_checkpoint_uri.startswith("file://"):
+            os.makedirs(ident.own_checkpoint_uri.removeprefix("file://"), exist_ok=True)   # torch.save needs it
     ctx = RunContext(comm=comm, rank=ident.rank, world_size=ident.world_size, ranks=rank_infos(job),
                      job=job, app_id=ident.app_id, generation=gen, workdir=workdir,
-                     checkpoint_uri=ident.checkpoint_uri, checkpoint_siblings=ident.checkpoint_siblings,
+                     checkpoint_uri=ident.own_checkpoint_uri if own else ident.checkpoint_uri,
+                     checkpoint_siblings=ident.checkpoint_siblings,
                      logdir=ident.logdir,
                      publish=store.put, heartbeat_path=args.heartbeat,
                      local_rank=int(env["LOCAL_RANK"]), local_world_size=int(env["LOCAL_WORLD_SIZE"]),
                      group_rank=int(env["GROUP_RANK"]), master_addr=env["MASTER_ADDR"],
                      master_port=int(env["MASTER_PORT"]))
     ctx.heartbeat("setup")
-    if job.run.function != BUILTIN_RUNNER:
+    if own:
         Liveness(ctx).start()
         if ident.rank == 0:         # own code's TensorBoard: what it reports (the runner logs its own)
             try:
@@ -397,11 +410,18 @@ def main(argv=None):
         # code that never read ctx.comm made no MPI call: nothing of its peers' waits on it
         meet_at_the_end(store, gen, ident.rank, ident.world_size, FINISH_WAIT_S if ctx.comm_used else 0.0)
     else:
+        # Code on the MPI world: every rank is done with it before any leaves (the Barrier),
+        # entered once every rank's code has finished (the store), so that a rank that ended
+        # early is not in a Barrier its peers' collectives would match: they wait in theirs
+        # for it, and their agents name it (launcher.agent's EARLY_END_S), or fail on its end.
         try:
             store.put(keys.finished(gen, ident.rank), "1")     # a peer's agent finding it waited for names it
-        except Exception as e:  # noqa: BLE001 - a courtesy to the peers' agents; the code succeeded
+            peers_done = wait_for_peers(store, gen, ident.world_size)
+        except Exception as e:  # noqa: BLE001 - the code succeeded; the Barrier alone then
             log.warning("could not record this rank's end in the store: %s", e)
-        comm.Barrier()          # code on the MPI world: every rank is done with it before any leaves
+            peers_done = True
+        if peers_done:
+            comm.Barrier()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -81,7 +81,8 @@ def test_the_ddp_script_survives_a_sigkill_and_its_own_snapshot_resumes(tmp_path
     run = yarnapp.submit(job)
     pid = rank_pid(run, rank=1)
     deadline = time.monotonic() + 240
-    while not (out / "snapshot.pt").exists():           # at least one epoch is in the snapshot
+    snapshot = os.path.join(run.status()["app_dir"], "checkpoints", "snapshot.pt")   # $YARNAPP_CHECKPOINT_URI's
+    while not os.path.exists(snapshot):                 # at least one epoch is in the snapshot
         assert run.state == "RUNNING" and time.monotonic() < deadline, run.logs()
         time.sleep(0.1)
     os.kill(pid, signal.SIGKILL)
@@ -406,6 +407,27 @@ def test_a_loop_whose_rank_runs_fewer_steps_names_it_not_a_hang_in_our_code(cli,
     assert ("for rank 1 (small_0), whose code had finished: it ran fewer steps than this rank; every rank must run "
             "the same steps") in err, err
     assert "launcher/rank.py" not in err and "collectives/ring.py" not in err, err
+    assert_nothing_left(app_id_from(err))
+
+
+def test_a_loop_that_never_reports_progress_and_whose_rank_ends_early_fails_in_seconds(cli, tmp_path):
+    """Rank 0 of a loop of training.dist all-reduces (no optimizer steps, no reports: its
+    liveness thread keeps every rank alive) leaves at step 3: it waited in the launcher's
+    closing Barrier, rank 1 in its all-reduce, and the job hung for ever. Now the finished
+    rank waits in the store, rank 1's agent finds its rank still in a collective 15 s after
+    the peer's code finished and names both, and no restart is spent on it."""
+    job = _script_job(tmp_path, "early-mpi",
+                      "import sys, torch\nimport training.dist as yd\nctx = yd.init()\n"
+                      "for step in range(100000):\n    yd.allreduce(torch.ones(1))\n"
+                      "    if ctx.rank == 0 and step == 3:\n        sys.exit(0)\n",
+                      groups=[GROUPS[0], dict(GROUPS[1], instances=1)], max_restarts=2)
+    proc = cli("submit", job, "--wait", timeout=240)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    err = proc.stderr.strip().splitlines()[-1]
+    assert "FAILED after 1 attempt(s): rank 1 (small_0) waited 15s in a collective at " in err, err
+    assert ("early-mpi.py:5 in <module> for rank 0 (big_0), whose code had finished: it ran fewer steps than this "
+            "rank; every rank must run the same steps; rank 0 (big_0) had ended (exit 0)") in err, err
+    assert "not retried" in err, err
     assert_nothing_left(app_id_from(err))
 
 

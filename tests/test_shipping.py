@@ -106,6 +106,26 @@ def test_a_module_of_the_users_named_as_yarnapps_own_packages_is_refused_where_i
     shutil.copytree(os.path.dirname(importlib.util.find_spec("training").origin), proj / "training")
     (proj / "train.py").write_text("from training import dist\n")
     assert shipping.plan(_job({"script": str(proj / "train.py")})).entries == {"proj": str(proj)}
+    # a training/ package of the project's own, its __init__.py empty: was taken for a copy of
+    # yarnapp's (whose was empty too), and every rank failed on "No module named 'training.loop'"
+    shutil.rmtree(proj / "training")
+    (proj / "training").mkdir()
+    (proj / "training" / "__init__.py").write_text("")
+    (proj / "training" / "loop.py").write_text("def fit():\n    return 1\n")
+    (proj / "train.py").write_text("from training.loop import fit\n")
+    (proj / "job.yaml").write_text("name: p\ngroups: [{name: w, instances: 1, vcores: 0.5, memory: 512 MiB}]\n"
+                                   "run: {script: train.py}\n")
+    line = (f"run.script: {proj / 'training'} is named as yarnapp's own package 'training', which every rank "
+            f"imports before your code, so `import training` in {proj / 'train.py'} would get yarnapp's; rename "
+            f"your module (say, my_training)")
+    with pytest.raises(YarnappError) as e:
+        shipping.plan(_job({"script": str(proj / "train.py")}))
+    assert str(e.value) == line
+    # `python -m yarnapp.cli` there (the project's training/ first on sys.path): the same line, no traceback
+    out = subprocess.run([sys.executable, "-m", "yarnapp.cli", "submit", "job.yaml", "--dry-run"], cwd=proj,
+                         capture_output=True, text=True, env={**os.environ, "YARNAPP_HOME": str(tmp_path / "home")})
+    assert out.returncode == 1 and out.stderr == f"Error: job.yaml: {line}\n", out.stderr
+    shutil.rmtree(proj / "training")
     # a notebook's own conf.py in its directory: `import yarnapp` there says what shadows what
     (tmp_path / "conf.py").write_text("LR = 0.1\n")
     out = subprocess.run([sys.executable, "-c", "import yarnapp"], cwd=tmp_path, capture_output=True, text=True)

@@ -1,0 +1,1 @@
+"""Training: strategies, models, data, checkpoints, TensorBoard and the planner (docs/ARCHITECTURE.md)."""

@@ -10,6 +10,7 @@ def _own_packages_first():
     """yarnapp's sibling packages (conf, training, launcher) are top-level names: a user's
     conf.py or training/ in the notebook's directory, first on sys.path, would shadow them
     and break `import yarnapp` with a bare ModuleNotFoundError. Say so in one line."""
+    import importlib
     import importlib.util
     import os
     import sys
@@ -21,6 +22,13 @@ def _own_packages_first():
             spec = importlib.util.find_spec(name)
             origin = spec.origin if spec else None
         if origin and os.path.dirname(os.path.dirname(os.path.abspath(origin))) != home:
+            if sys.argv[:1] == ["-m"] and name not in sys.modules:
+                # `python -m yarnapp.cli` in a project with a training/ of its own: the command
+                # runs none of the project's code, so yarnapp's packages come first for it (a
+                # job of that project's is then refused at submit, in one line)
+                sys.path.insert(0, home)
+                importlib.invalidate_caches()
+                continue
             raise ImportError(f"{origin} shadows yarnapp's own package {name!r} (in {home}): rename it, or "
                               f"import yarnapp from another directory")
 

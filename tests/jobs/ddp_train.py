@@ -1,14 +1,17 @@
 """An ordinary torchrun-style DistributedDataParallel script, written as the PyTorch
 tutorials write one (env:// rendezvous, gloo, DistributedSampler, a snapshot to resume
 from, as in "Fault-tolerant Distributed Training with torchrun"). Nothing in it knows
-about yarnapp; the tests run it unmodified through `yarnapp submit`.
+about yarnapp but where its snapshot goes: a directory every rank and restart sees,
+$YARNAPP_CHECKPOINT_URI (as a torchrun user gives --snapshot_path shared storage on many
+nodes); the tests run it unmodified through `yarnapp submit`.
 
     python ddp_train.py --out DIR [--epochs N] [--pause SECONDS] [--backend nccl]
 
 With --backend nccl it is the GPU form of the same tutorial: torch.cuda.set_device(LOCAL_RANK),
 the model and batches on that device, DDP(device_ids=[LOCAL_RANK]).
 
-Writes DIR/snapshot.pt after every epoch (rank 0), and at the end DIR/rank<R>.pt (every
+Writes $YARNAPP_CHECKPOINT_URI/snapshot.pt (DIR/snapshot.pt outside yarnapp) after every
+epoch (rank 0), and at the end DIR/rank<R>.pt (every
 rank's final weights) and DIR/rank<R>.json (its environment and where it started).
 """
 import argparse
@@ -46,7 +49,7 @@ def main():
     model = DDP(net, device_ids=[local_rank] if device.type == "cuda" else None)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
-    snapshot = os.path.join(args.out, "snapshot.pt")
+    snapshot = os.path.join(os.environ.get("YARNAPP_CHECKPOINT_URI", args.out), "snapshot.pt")
     start = 0
     if os.path.exists(snapshot):
         snap = torch.load(snapshot, map_location=device)
