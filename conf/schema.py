@@ -22,6 +22,20 @@ def _args(value):
     if isinstance(value, list):
         return [str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in value]
     return value
+
+
+def _env(value):
+    """A group's env: YAML's numbers (`OMP_NUM_THREADS: 1`) as the strings an environment
+    has; a boolean is refused, naming every one (true is "True", "true" or "1" to programs)."""
+    if not isinstance(value, dict):
+        return value
+    flags = [k for k, v in value.items() if isinstance(v, bool)]
+    if flags:
+        raise ValueError(f"{', '.join(map(str, flags))}: a boolean; give the text the program reads, quoted "
+                         f"(\"1\", \"true\")")
+    return {k: str(v) if isinstance(v, (int, float)) else v for k, v in value.items()}
+
+
 Seconds = Annotated[float, BeforeValidator(parse_duration_s)]
 BitsPerSecond = Annotated[float, BeforeValidator(parse_rate_bps)]
 Name = Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{0,30}$")]
@@ -60,7 +74,7 @@ class Group(Model):
     vcores: Annotated[float, Field(ge=MIN_VCORES)]
     gpus: Annotated[int, Field(ge=0)]
     node_label: Optional[str]
-    env: Dict[str, str]
+    env: Annotated[Dict[str, str], BeforeValidator(_env)]
 
 
 class Run(Model):

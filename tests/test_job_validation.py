@@ -468,6 +468,18 @@ def test_a_scripts_arguments_written_as_yaml_numbers_are_its_command_line_string
     assert job.run.args == ["--epochs", "1", "--lr", "0.05", "--fast"]
 
 
+def test_a_groups_env_written_as_yaml_numbers_is_text_and_a_boolean_is_named():
+    """`env: {OMP_NUM_THREADS: 1}` was refused ("Input should be a valid string", naming one
+    key and "and 1 more"); a boolean has no one text, so each is named."""
+    import conf
+    group = dict(GOOD["groups"][0], env={"OMP_NUM_THREADS": 1, "LR": 0.5, "NAME": "x"})
+    job = conf.load_job({**GOOD, "groups": [group]})
+    assert dict(job.groups[0].env) == {"OMP_NUM_THREADS": "1", "LR": "0.5", "NAME": "x"}
+    with pytest.raises(conf.JobError, match=r'groups\[0\]\.env: FLAG, DEBUG: a boolean; give the text the program '
+                                            r'reads, quoted \("1", "true"\)'):
+        conf.load_job({**GOOD, "groups": [dict(group, env={"FLAG": True, "N": 1, "DEBUG": False})]})
+
+
 def test_the_python_api_names_what_it_was_given(tmp_path, yarnapp_home):
     """submit(42) said "expected a mapping of job fields"; with function=, a job file's
     mistake was said of "job", not of the file."""
