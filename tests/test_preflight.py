@@ -246,3 +246,34 @@ def test_null_labels_and_test_labels_past_the_training_classes_are_refused_befor
     assert [r.getMessage() for r in caplog.records] == [
         "training.data.train: its labels start at 1 (the footers' statistics): class 0 gets an output and no "
         "image; labels are class indices from 0 (subtract 1 if they count from 1)"]
+
+
+def test_row_groups_read_in_parts_many_times_over_are_warned_of(tmp_path, caplog, monkeypatch):
+    """A row group bigger than a block (formats.MAX_BLOCK_BYTES, 32 MiB; 1 MiB here) is read
+    in row ranges, each from the row group's start: an audit's 295 MiB row groups (Spark's
+    block size) read 10x the data an epoch, with nothing said but `status --json`'s counters."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from training.data import formats
+    monkeypatch.setattr(formats, "MAX_BLOCK_BYTES", 1 << 20)
+    n, width = 5600, 3 * 16 * 16                        # 4.1 MiB of raw pixels
+    px = np.random.default_rng(0).integers(0, 256, (n, width), dtype=np.uint8)
+    table = pa.table({"image": pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), n, [None, pa.py_buffer(px)]),
+                      "label": pa.array(np.arange(n) % 4, pa.int64())})
+    (tmp_path / "one").mkdir()
+    pq.write_table(table, tmp_path / "one" / "part-0.parquet", row_group_size=n, compression="none")
+    job = conf.load_job({"name": "t", "groups": [{"name": "w", "instances": 1, "vcores": 1}],
+                         "training": {"data": {"train": str(tmp_path / "one"), "shape": [3, 16, 16]}}})
+    with caplog.at_level(logging.WARNING, logger="yarnapp.preflight"):
+        preflight.check_data(job, "job.yaml")
+    assert caplog.messages == [
+        f"job.yaml: training.data.train: row groups of up to 4 MiB ({tmp_path / 'one'}) are read in parts of 1 MiB, "
+        f"each from its row group's start, so an epoch reads about 3.0x the data's 4 MiB; write row groups of at "
+        f"most 1 MiB (pyarrow's row_group_size, Spark's parquet.block.size)"], caplog.messages
+    pq.write_table(table, tmp_path / "one" / "part-0.parquet", row_group_size=n // 8, compression="none")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="yarnapp.preflight"):
+        preflight.check_data(job, "job.yaml")                   # row groups of 0.5 MiB: read once
+    assert caplog.messages == []

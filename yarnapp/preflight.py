@@ -91,6 +91,7 @@ def check_data(job, where=None, on_cluster=False):
                                    f"training.data.train ({uri}); lower it")
             if split == "train":
                 _check_window(job, blocks, pre)
+                _warn_big_row_groups(uri, blocks, pre)
     train, shape = found.get("train"), None
     if not data.transform:      # the user's own transform runs in the containers only
         shape = _check_sizes(data, shapes, pre)
@@ -125,6 +126,24 @@ def _check_window(job, blocks, pre):
                            f"each batch of {t.batch_size} from about {_about(need)} of training.data.train's "
                            f"row groups, more than the {_about(budget)} its ranks hold data in ({held}); "
                            f"{fix}, or raise {raise_}")
+
+
+def _warn_big_row_groups(uri, blocks, pre):
+    """Warn where an epoch reads the training set's row groups more than 1.5 times over: one
+    bigger than MAX_BLOCK_BYTES is read in row ranges, each from the row group's start
+    (Spark's 128 MiB+ blocks of images: a 295 MiB row group cost 10x its bytes an epoch)."""
+    from training.data.formats import MAX_BLOCK_BYTES
+    once = sum(b.read_bytes for b in blocks)
+    cost = sum(b.read_cost for b in blocks)
+    if cost <= 1.5 * once:
+        return
+    groups = {}
+    for b in blocks:
+        groups[(b.file, b.row_group)] = groups.get((b.file, b.row_group), 0) + b.read_bytes
+    log.warning("%straining.data.train: row groups of up to %s (%s) are read in parts of %s, each from its row "
+                "group's start, so an epoch reads about %.1fx the data's %s; write row groups of at most %s "
+                "(pyarrow's row_group_size, Spark's parquet.block.size)", pre, _about(max(groups.values())), uri,
+                _about(MAX_BLOCK_BYTES), cost / once, _about(once), _about(MAX_BLOCK_BYTES))
 
 
 def _about(nbytes):

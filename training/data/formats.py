@@ -68,6 +68,12 @@ class Block:
     read_bytes: int        # compressed bytes of the columns read (what a read transfers)
     span: tuple            # (offset, length) of the row group in its file
 
+    @property
+    def read_cost(self):
+        """Bytes a read of it transfers: a row range of a big row group costs the bytes
+        before it too (its pages are read from the row group's start)."""
+        return self.read_bytes if self.whole else int(self.read_bytes * (self.offset + self.rows) / max(1, self.rows))
+
 
 @dataclasses.dataclass
 class Layout:

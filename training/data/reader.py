@@ -99,7 +99,6 @@ def read_block(layout, files, b):
     try:
         if b.whole:
             table = files.get(b.file).read_row_group(b.row_group, columns=cols, use_threads=False)
-            cost = b.read_bytes
         else:
             pf = files.get(b.file, streaming=True)
             batches, at = [], 0
@@ -112,8 +111,6 @@ def read_block(layout, files, b):
                 if at >= b.offset + b.rows:
                     break
             table = pa.Table.from_batches(batches).slice(0, b.rows)
-            # a row range of a big row group costs the bytes before it too
-            cost = int(b.read_bytes * (b.offset + b.rows) / max(1, b.rows))
     except (pa.ArrowException, OSError) as e:
         content = isinstance(e, pa.ArrowInvalid) or any(w in str(e).lower() for w in ("checksum", "corrupt", "thrift"))
         raise (BadData if content else DataError)(      # a connection's error may pass; a bad page does not
@@ -122,7 +119,7 @@ def read_block(layout, files, b):
     if table.num_rows != b.rows:
         raise BadData(f"{name}: row group {b.row_group} holds {table.num_rows} rows, its footer says {b.rows}")
     files.drop_cache(b.file, b.span)
-    return block_data(table, layout, name), cost
+    return block_data(table, layout, name), b.read_cost
 
 
 class Cancelled(Exception):
