@@ -36,9 +36,15 @@ def _merge(base, over):
 
 
 def resolve(raw, overrides=None):
-    """Merge defaults.yaml under a raw job dict, then the overrides (CLI flags) over it."""
+    """Merge the overrides (CLI flags, submit's keywords) over a raw job dict, then
+    defaults.yaml under it: an overriding `groups=[{"name": "big"}]` gets the group
+    defaults as the job's own groups do (it was taken as it came, its instances missing)."""
     d = defaults()
     templates = {k: d.pop(k) for k in _TEMPLATES}
+    raw = dict(raw)
+    for k, v in (overrides or {}).items():
+        if v is not None:           # a section's override merges into it (--resume: checkpoint.resume)
+            raw[k] = _merge(raw[k], v) if isinstance(raw.get(k), dict) and isinstance(v, dict) else v
     job = _merge(d, raw)
     user_run = raw.get("run")
     if isinstance(user_run, dict) and (user_run.get("script") or user_run.get("pickle")) \
@@ -52,9 +58,6 @@ def resolve(raw, overrides=None):
         job["training"]["strategy"] = _strategy_block(job["training"]["strategy"], templates["strategies"])
     else:
         job.setdefault("training", None)
-    for k, v in (overrides or {}).items():
-        if v is not None:           # a section's override merges into it (--resume: checkpoint.resume)
-            job[k] = _merge(job[k], v) if isinstance(job.get(k), dict) and isinstance(v, dict) else v
     return job
 
 

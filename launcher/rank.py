@@ -120,7 +120,8 @@ def keep_result(ctx, result):
         if ok:
             kept[k] = v
         else:
-            left.append(str(k))
+            shape = getattr(v, "shape", None)
+            left.append(f"{k} ({type(v).__name__}{f' of shape {tuple(shape)}' if shape is not None else ''})")
     if left and ctx.rank == 0:
         log.warning("the function's return value: %s not kept (only numbers and short text are; pass "
                     "what you need to ctx.final, or save it under ctx.checkpoint_uri)", ", ".join(left[:5]))

@@ -114,6 +114,8 @@ CASES = [
     ("function-module-missing", _with("run.function", "no_module_of_yarnapp_tests:main"), "run.function",
      "no_module_of_yarnapp_tests:main: no module named 'no_module_of_yarnapp_tests' in this environment or in "
      "what the job ships; install it, or ship it with the job (run.files"),
+    ("function-of-main", _with("run.function", "__main__:train"), "run.function",     # a notebook's function
+     "a function of a notebook or of the running script is shipped by value: yarnapp.submit(job, function=train)"),
     ("model-module-missing", dict(_with("run.function", "training.runner:main"),
                                   training={"model": "no_nets_of_yarnapp_tests:build",
                                             "data": {"dataset": "training.hello:main"}}), "training.model",

@@ -4,6 +4,7 @@ import importlib
 import json
 import os
 import sys
+import threading
 import zipfile
 
 import pytest
@@ -409,6 +410,14 @@ def test_a_module_only_on_this_processs_sys_path_is_not_the_containers(tmp_path,
         with pytest.raises(YarnappError, match=r"cannot pickle '_thread.lock' object.*; or ship "
                                                r"lockmod_of_yarnapp_tests in run\.files"):
             yarnapp.submit({"name": "t", "groups": [{"name": "a", "instances": 1}]}, function=uses)
+        lock = threading.Lock()                     # the function's own lock: no module of this machine's to ship
+
+        def own_lock(ctx):
+            with lock:
+                return 1
+        with pytest.raises(YarnappError) as e:
+            yarnapp.submit({"name": "t", "groups": [{"name": "a", "instances": 1}]}, function=own_lock)
+        assert str(e.value).endswith("create such objects (locks, open files, connections) inside the function"), e
     finally:
         sys.modules.pop(module.__name__)
         sys.modules.pop("lockmod_of_yarnapp_tests", None)

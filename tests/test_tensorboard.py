@@ -1,5 +1,6 @@
 """TensorBoard for applications: real jobs writing event files, real TensorBoard processes,
 read over HTTP while the job runs; nothing may be left running afterwards."""
+import importlib.util
 import json
 import os
 import select
@@ -209,3 +210,22 @@ def test_screenshot_shows_the_loss_curve(tmp_path):
     chart = im.crop((int(w * 0.3), 100, w, h))
     curve = sum(n for n, (r, g, b) in chart.getcolors(1 << 20) if r > 200 and 60 < g < 170 and b < 130)
     assert curve > 300, curve
+
+
+def test_a_notebook_shows_tensorboard_through_jupyter_server_proxy_where_it_is_installed(tmp_path, monkeypatch):
+    """A remote notebook (JupyterHub, Hopsworks) could not reach 127.0.0.1:<port>: with
+    jupyter-server-proxy in the environment the inline view goes through the notebook
+    server's /proxy/<port>/, under the hub's user prefix."""
+    import types
+
+    from yarnapp.tensorboard import notebook_url
+    tb = types.SimpleNamespace(port=43373, url="http://127.0.0.1:43373/")
+    monkeypatch.delenv("JUPYTERHUB_SERVICE_PREFIX", raising=False)
+    if importlib.util.find_spec("jupyter_server_proxy") is None:
+        assert notebook_url(tb) == tb.url
+    (tmp_path / "jupyter_server_proxy").mkdir()
+    (tmp_path / "jupyter_server_proxy" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert notebook_url(tb) == "/proxy/43373/"
+    monkeypatch.setenv("JUPYTERHUB_SERVICE_PREFIX", "/user/alice/")
+    assert notebook_url(tb) == "/user/alice/proxy/43373/"

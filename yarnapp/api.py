@@ -3,6 +3,7 @@ import logging
 import os
 import time
 import types
+import warnings
 
 import conf
 
@@ -120,8 +121,9 @@ def _pickle(cloudpickle, function, path, local=()):
         with open(path, "wb") as f:
             cloudpickle.dump(function, f)
     except Exception as e:  # noqa: BLE001 - pickle raises TypeError, PicklingError, AttributeError...
-        also = (f"; or ship {', '.join(_used(function, local))} in run.files: what the function uses of it goes "
-                f"with it by value, module-level objects and all" if local else "")
+        used = _used(function, local)
+        also = (f"; or ship {', '.join(used)} in run.files: what the function uses of it goes "
+                f"with it by value, module-level objects and all" if used else "")
         raise YarnappError(f"function: {name} cannot be pickled to ship it ({type(e).__name__}: "
                            f"{str(e).splitlines()[0] if str(e) else ''}): what it captures, its closure and the "
                            f"globals it uses, goes with it; create such objects (locks, open files, "
@@ -137,8 +139,8 @@ def _pickle(cloudpickle, function, path, local=()):
 
 
 def _used(function, local):
-    """The names of the `local` modules that `function`'s globals and closure come from (all
-    of them where none is found: what it reaches further in is not looked into)."""
+    """The names of the `local` modules that `function`'s globals and closure come from
+    (what it reaches further in is not looked into: a lock of the notebook's own named none)."""
     names = {m.__name__ for m in local}
     found = set()
     used = [getattr(function, "__globals__", {}).get(attr)
@@ -152,7 +154,7 @@ def _used(function, local):
         module = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
         if isinstance(module, str) and module.split(".")[0] in names:
             found.add(module.split(".")[0])
-    return sorted(found or names)
+    return sorted(found)
 
 
 def _started(run, wait, progress):
@@ -247,6 +249,10 @@ class Run:
                 if st["state"] in TERMINAL:
                     if display and summary:
                         display.end(st)
+                    elif not display:       # said nowhere else: a notebook shows Python's warnings
+                        from .progress import notice
+                        for n in st.get("notices") or []:
+                            warnings.warn(f"{self.app_id}: {notice(n)}", RuntimeWarning, stacklevel=2)
                     return st
                 if deadline and time.monotonic() > deadline:
                     raise WaitTimeout(f"{self.app_id} still {st['state']} after {timeout:g}s; it runs on "

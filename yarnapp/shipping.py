@@ -278,7 +278,10 @@ def _check_importable(job, entries, where=None):
         dirs += [(d, None) for d in dict.fromkeys((os.getcwd(), beside)) if d]
         found = next(((os.path.join(d, top + ext), name) for d, name in dirs for ext in (".py", "")
                       if os.path.exists(os.path.join(d, top + ext))), None)
-        if found and found[1]:      # inside a shipped directory, which is not itself on sys.path
+        if top == "__main__":       # a notebook's or a script's own function, named as a module's
+            hint = (f"; a function of a notebook or of the running script is shipped by value: "
+                    f"yarnapp.submit(job, function={target.split(':')[-1]})")
+        elif found and found[1]:    # inside a shipped directory, which is not itself on sys.path
             hint = f"; it is in the shipped {found[1]}/: name it {found[1]}.{target}, or ship {found[0]} itself"
         elif found:
             hint = f"; there is {found[0]}: add it to run.files"

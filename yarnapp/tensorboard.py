@@ -275,13 +275,27 @@ def for_app(app_or_logdir, port=0, backend=None):
 def show_in_notebook(tb, height=800):
     """Display TensorBoard inline (an IFrame) when running in a Jupyter kernel; else do nothing.
 
-    Returns whether it displayed. The IFrame points at `tb.url`, which the browser must
-    reach (a notebook served from this machine, or a forwarded port).
+    Returns whether it displayed. The IFrame points at `notebook_url(tb)`: through the
+    notebook server's own /proxy/ where jupyter-server-proxy is installed (a remote
+    notebook: JupyterHub, Hopsworks), else at `tb.url`, which the browser must reach (a
+    notebook served from this machine, or a forwarded port).
     """
     ipython = sys.modules.get("IPython")   # never imported here: outside IPython there is nothing to show
     shell = ipython.get_ipython() if ipython else None
     if shell is None or "IPKernelApp" not in getattr(shell, "config", {}):
         return False
     from IPython.display import IFrame, display
-    display(IFrame(tb.url, width="100%", height=height))
+    display(IFrame(notebook_url(tb), width="100%", height=height))
     return True
+
+
+def notebook_url(tb):
+    """Where a notebook's browser finds TensorBoard: jupyter-server-proxy's `/proxy/<port>/`
+    on the notebook server (the browser's own server, wherever it is; under JupyterHub
+    after the user's prefix, $JUPYTERHUB_SERVICE_PREFIX) where that extension is installed
+    in this environment, else `tb.url`."""
+    import importlib.util
+    import os
+    if importlib.util.find_spec("jupyter_server_proxy") is not None:
+        return f"{os.environ.get('JUPYTERHUB_SERVICE_PREFIX', '/').rstrip('/')}/proxy/{tb.port}/"
+    return tb.url
