@@ -115,13 +115,13 @@ def keep_result(ctx, result):
         return isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= 200), v
     items = result.items() if isinstance(result, dict) else [("result", result)]
     kept, left = {}, []
-    for k, v in items:
-        ok, v = scalar(v) if isinstance(k, str) else (False, v)
+    for k, given in items:
+        ok, v = scalar(given) if isinstance(k, str) else (False, given)
         if ok:
             kept[k] = v
         else:
-            shape = getattr(v, "shape", None)
-            left.append(f"{k} ({type(v).__name__}{f' of shape {tuple(shape)}' if shape is not None else ''})")
+            shape = getattr(given, "shape", None)
+            left.append(f"{k} ({type(given).__name__}{f' of shape {tuple(shape)}' if shape is not None else ''})")
     if left and ctx.rank == 0:
         log.warning("the function's return value: %s not kept (only numbers and short text are; pass "
                     "what you need to ctx.final, or save it under ctx.checkpoint_uri)", ", ".join(left[:5]))

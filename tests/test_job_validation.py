@@ -511,3 +511,13 @@ def test_resuming_an_application_without_checkpoints_is_one_line(digits, tmp_pat
                                   f"app_20200101_000000_abcdef under"), proc.stderr
     apps = os.path.join(yarnapp_home, "apps")
     assert len(proc.stderr.strip().splitlines()) == 1 and not (os.path.isdir(apps) and os.listdir(apps))
+
+
+def test_a_groups_override_gets_the_group_defaults_as_the_jobs_own_groups_do():
+    """submit(job, groups=[{"name": "big"}]) was "groups[0].instances: required field is
+    missing (and 5 more)": overrides were merged after the defaults."""
+    import yarnapp
+    job = yarnapp.load(os.path.join(conf.EXAMPLES_DIR, "digits.yaml"), groups=[{"name": "big"}])
+    assert [(g.name, g.instances, g.vcores, g.memory) for g in job.groups] == [("big", 1, 1.0, 1024)]
+    job = yarnapp.load(os.path.join(conf.EXAMPLES_DIR, "digits.yaml"), checkpoint={"resume": "latest"})
+    assert job.checkpoint.resume == "latest" and job.checkpoint.every_steps == 50     # a section still merges
