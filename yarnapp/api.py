@@ -61,6 +61,10 @@ def submit(job, backend=None, wait=False, progress=True, function=None, **overri
     with tempfile.TemporaryDirectory(prefix="yarnapp-fn-") as tmp:
         path = os.path.join(tmp, "function.pkl")
         user_run = raw.get("run") if isinstance(raw.get("run"), dict) else {}
+        if raw.get("training") or overrides.get("training"):
+            log.warning("%s: training: not used: every rank runs the function given (function=%s), not the "
+                        "built-in runner the section configures; drop it", where,
+                        getattr(function, "__qualname__", None) or type(function).__name__)
         raw["run"] = {**user_run, "function": None, "script": None, "pickle": path}
         spec = load(raw, where, backend=backend, **overrides)
         with open(path, "wb") as f:         # planned before it is written: what the job ships besides
