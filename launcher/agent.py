@@ -410,6 +410,8 @@ def main():
         os.environ["YARNAPP_CONTAINER_ID"] = ident.container   # the rank process takes this slot
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s agent {ident.container} %(levelname)s: %(message)s")
+    if results.ended_before(ident, store):      # YARN: a new master attempt of a failed application
+        return exitcodes.RANK_FAILED
     agent = Agent(ident, store)
 
     def on_term(signum, frame):

@@ -93,6 +93,31 @@ def read(app_dir):
     return json.loads(fsutil.read_bytes(fs, f"{root}/{RESULT_FILE}"))
 
 
+def ended_before(ident, store, wait_s=60.0):
+    """On YARN, the start of a master attempt after an earlier one ended the application
+    FAILED (skein shuts down a FAILED master without unregistering while attempts are left,
+    so YARN starts the whole application again: it trained again, and a failure never
+    retried came back as SUCCEEDED): end it at once with the same results, which the last
+    attempt's master unregisters. True where this container is to exit now. Never raises."""
+    if ident.backend != "yarn":
+        return False
+    try:
+        found = read(ident.app_dir)
+    except Exception:  # noqa: BLE001 - none written (the first attempt, or storage out of reach)
+        return False
+    if found.get("state") != "FAILED":
+        return False
+    try:
+        if store.put_if_absent(PUBLISHED, ident.container):
+            log.info("an earlier attempt of this application failed: ending it as FAILED again")
+            store.app.shutdown("FAILED", diagnostics(found))
+        else:                       # another container ends it; exiting now could read as success
+            time.sleep(wait_s)
+    except Exception as e:  # noqa: BLE001
+        log.warning("could not end the application after its earlier attempt failed: %s", e)
+    return True
+
+
 def publish_end(ident, store, code):
     """Called by every agent as it ends (launcher.agent.main): on YARN, the one agent whose
     turn it is writes the results and ends the application. Never raises."""

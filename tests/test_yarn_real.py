@@ -105,6 +105,28 @@ def test_hello_three_containers_two_groups_one_world_and_results_after_the_end(c
     assert cluster.hadoop.container_pids(app) == []
 
 
+def test_a_failed_application_ends_failed_once_not_run_again_by_a_second_master_attempt(cluster, shell, tmp_path):
+    """skein ends a master shut down FAILED without unregistering while attempts are left
+    (am_attempts: 2), and YARN started the whole application again: its code ran twice, and
+    a failure never retried could come back SUCCEEDED. The second attempt now ends it at once
+    with the first one's results."""
+    marks = tmp_path / "runs.txt"
+    script = tmp_path / "broken.py"
+    script.write_text(f"import os\nwith open({str(marks)!r}, 'a') as f:\n    f.write(os.environ['RANK'] + '\\n')\n"
+                      f"raise ValueError('broken on purpose')\n")
+    job = write(tmp_path / "broken.yaml", hello_job(name="broken", max_restarts=1,
+                                                     run={"script": str(script), "files": [str(script)]}))
+    proc = cluster.cli("submit", job, "--wait")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    err = proc.stderr.strip().splitlines()[-1]
+    assert "FAILED after 1 attempt(s): " in err and "ValueError: broken on purpose" in err, err
+    assert "not retried" in err, err
+    assert sorted(marks.read_text().split()) == ["0", "1", "2"]        # each rank once: one attempt of its code
+    st = json.loads(cluster.cli("status", app_of(proc.stdout), "--json").stdout)
+    assert st["state"] == "FAILED" and "broken on purpose" in st["failure"]["reason"], st
+    assert cluster.hadoop.container_pids(app_of(proc.stdout)) == []
+
+
 def test_fractional_vcores_are_refused_with_one_line_and_nothing_submitted(cluster, tmp_path):
     assert cluster.hadoop.start()["started"] == []                # idempotent: already running
     up = cluster.cli("hadoop", "status", "--dir", cluster.hadoop.root)
