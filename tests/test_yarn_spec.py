@@ -259,6 +259,12 @@ def test_skein_reports_become_backend_records():
     assert (rec["app_id"], rec["name"], rec["state"], rec["diagnostics"]) == \
         ("application_1_0007", "mixed", "FAILED", "cpu_1 failed")
     assert rec["submitted"] == datetime.datetime(2024, 5, 1, 12, 0).timestamp()
+    java = ("Failure in container allocator:\nInvalid resource request, node label not enabled but request contains "
+            "label expression\n\tat org.apache.hadoop.yarn.server.resourcemanager.scheduler.SchedulerUtils.normalize"
+            "AndValidateRequest(SchedulerUtils.java:289)\n\tat org.apache.hadoop.Foo.bar(Foo.java:1)\n\t... 9 more\n")
+    assert app_record(_report("FAILED", "FAILED", java))["diagnostics"] == (       # its message, not its 24 frames
+        "Failure in container allocator: Invalid resource request, node label not enabled but request contains "
+        "label expression")
 
     c = skein.model.Container(service_name="cpu", instance=1, state="FAILED",
                               yarn_container_id="container_1_0007_01_000003",

@@ -210,6 +210,9 @@ def app_record(report):
            "tensorboard": None, "world_formed_s": None, "failure": None, "user": report.user,
            "submitted": start.timestamp() if start else None, "tracking_url": report.tracking_url}
     found = results.from_diagnostics(report.diagnostics)
+    if not found and report.diagnostics:         # YARN's own: a Java exception's message, not its frames
+        lines = [ln.strip() for ln in report.diagnostics.splitlines()]
+        rec["diagnostics"] = " ".join(ln for ln in lines if ln and not ln.startswith(("at ", "...")))
     if found:
         rec.update({k: found.get(k) for k in ("final", "failure", "world_formed_time")})
         rec["notices"] = found.get("notices") or []
@@ -362,6 +365,7 @@ class YarnBackend(Backend):
 
     def submit(self, job, where=None):
         with prepared(job, where) as (spec, storage):
+            self._check_fits(job, spec, where)
             try:
                 app_id = self.client.submit(spec)      # skein uploads local files during submit
             except (skein.exceptions.DriverError, ValueError) as e:
@@ -369,6 +373,42 @@ class YarnBackend(Backend):
         log.info("submitted %s as %s to queue %s; its storage: %s/%s", job.name, app_id, job.queue, storage,
                  app_id)
         return app_id
+
+    def _check_fits(self, job, spec, where):
+        """Refuse, before submitting, a container larger than every node of the cluster, or
+        containers (with skein's master and the TensorBoard service) more than all its nodes
+        hold together: YARN took the first and failed it with a Java stack trace, and left
+        the second waiting until the rendezvous timed out. Nodes not read: left to YARN."""
+        try:
+            reports = self.client.get_nodes()
+        except Exception as e:  # noqa: BLE001 - an older ResourceManager, ACLs: YARN's to say
+            log.debug("the cluster's nodes not read: %s", e)
+            return
+        nodes = [n.total_resources for n in reports]
+        if not nodes:
+            return
+        pre = f"{where}: " if where else ""
+        labels = sorted({label for n in reports for label in (n.labels or ())})
+        for i, g in enumerate(job.groups):
+            if g.node_label and g.node_label not in labels:
+                raise YarnappError(f"{pre}groups[{i}].node_label: no node of this cluster has the label "
+                                   f"{g.node_label!r} (its labels: {', '.join(labels) or 'none'}); give one of "
+                                   f"those, or drop it")
+        vcores, memory = max(n.vcores for n in nodes), max(n.memory for n in nodes)
+        for i, g in enumerate(job.groups):
+            if g.vcores > vcores or g.memory > memory:
+                raise YarnappError(f"{pre}groups[{i}]: a container of group {g.name!r} asks for {g.vcores:g} vcores "
+                                   f"and {g.memory} MiB, more than any node of this cluster has (the largest: "
+                                   f"{vcores} vcores, {memory} MiB); ask for less, or use more containers")
+        wanted = [(s.resources, s.instances) for s in spec.services.values()] + [(spec.master.resources, 1)]
+        need_v, need_m = sum(r.vcores * n for r, n in wanted), sum(r.memory * n for r, n in wanted)
+        have_v, have_m = sum(n.vcores for n in nodes), sum(n.memory for n in nodes)
+        if need_v > have_v or need_m > have_m:
+            raise YarnappError(f"{pre}groups: the job's containers, with skein's master"
+                               f"{' and the TensorBoard service' if job.tensorboard.service else ''}, ask for "
+                               f"{need_v} vcores and {need_m} MiB in all, more than this cluster's {len(nodes)} "
+                               f"node(s) have together ({have_v} vcores, {have_m} MiB): the world could never "
+                               f"form; ask for fewer instances, vcores or memory")
 
     def status(self, app_id):
         report = self._call(self.client.application_report, app_id)
