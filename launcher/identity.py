@@ -17,6 +17,8 @@ The contract (set by the local engine, or by the skein spec on YARN):
                         default filesystem); the application's directory is <storage>/<app id>
 """
 import dataclasses
+import functools
+import hashlib
 import json
 import os
 import re
@@ -100,6 +102,28 @@ def complete_steps(names):
     """The steps of the complete checkpoints among the entry names of a checkpoint_dir,
     oldest first (step-00000050; one being written is step-00000050.tmp-<gen>)."""
     return sorted(int(m.group(1)) for n in names if (m := re.match(r"step-(\d{8})$", n)))
+
+
+PACKAGES = ("conf", "launcher", "training", "yarnapp")      # yarnapp's own top-level packages
+
+
+@functools.lru_cache(maxsize=1)
+def code():
+    """"<digest> <root>": a digest of the .py files of yarnapp's packages this process
+    imports, and where they are. The YARN client passes its own to the containers
+    ($YARNAPP_CODE), whose ranks say when theirs differs: a cluster's python3 with another
+    yarnapp installed (packer: none) ran other code than the client's, and said nothing."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digest = hashlib.sha256()
+    for pkg in PACKAGES:
+        for d, dirs, files in sorted(os.walk(os.path.join(root, pkg))):
+            dirs[:] = sorted(x for x in dirs if x != "__pycache__")
+            for f in sorted(x for x in files if x.endswith(".py")):
+                path = os.path.join(d, f)
+                digest.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as fh:
+                    digest.update(fh.read())
+    return f"{digest.hexdigest()[:16]} {root}"
 
 
 def secret_from_env(env):

@@ -342,6 +342,12 @@ def main(argv=None):
     store = store_mod.from_env()
     gen, job = args.generation, ident.job
     logging.getLogger().addHandler(Notices(store, gen, ident.rank))
+    theirs = os.environ.get("YARNAPP_CODE")          # the YARN client's (yarnapp.backends.yarn)
+    ours = identity.code() if theirs and ident.rank == 0 else theirs
+    if theirs and theirs.split()[0] != ours.split()[0]:
+        log.warning("this container runs yarnapp from %s, whose code differs from the client's (%s): install "
+                    "the client's yarnapp for the cluster's python, or pack the client's environment "
+                    "(environment.packer)", ours.split(" ", 1)[1], theirs.split(" ", 1)[1])
     with open(args.heartbeat, "w") as f:
         f.write(f"setup {time.time()}")
     stacks.enable(args.heartbeat + stacks.SUFFIX)     # where it is, should it hang (launcher.stacks)

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import stat
 import time
@@ -91,6 +92,7 @@ def test_hello_three_containers_two_groups_one_world_and_results_after_the_end(c
     assert st["state"] == "SUCCEEDED"
     assert st["final"]["world_size"] == 3 and st["final"]["ok"] is True
     assert st["failure"] is None and st["restarts"] == []
+    assert st["notices"] == []          # the containers run the client's yarnapp (else rank 0 says so)
     assert 0 < st["world_formed_s"] < 120
     stored = cluster.backend()._stored_results(app, cluster.owner)           # and in its storage
     assert stored["final"] == st["final"] and stored["results"].endswith(f"/{app}/result.json")
@@ -114,8 +116,16 @@ def test_a_failed_application_ends_failed_once_not_run_again_by_a_second_master_
     script = tmp_path / "broken.py"
     script.write_text(f"import os\nwith open({str(marks)!r}, 'a') as f:\n    f.write(os.environ['RANK'] + '\\n')\n"
                       f"raise ValueError('broken on purpose')\n")
-    job = write(tmp_path / "broken.yaml", hello_job(name="broken", max_restarts=1,
-                                                     run={"script": str(script), "files": [str(script)]}))
+    # ... its containers importing another copy of yarnapp than the client's (a cluster's own
+    # install, packer: none): rank 0 says so (it ran the other code and said nothing)
+    other = tmp_path / "other"
+    for pkg in ("conf", "launcher", "training", "yarnapp"):
+        shutil.copytree(os.path.join(ROOT, pkg), other / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    with open(other / "training" / "hello.py", "a") as f:
+        f.write("# another version\n")
+    raw = hello_job(name="broken", max_restarts=1, run={"script": str(script), "files": [str(script)]})
+    raw["groups"] = [{**g, "env": {"PYTHONPATH": str(other)}} for g in raw["groups"]]
+    job = write(tmp_path / "broken.yaml", raw)
     proc = cluster.cli("submit", job, "--wait")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     err = proc.stderr.strip().splitlines()[-1]
@@ -124,6 +134,9 @@ def test_a_failed_application_ends_failed_once_not_run_again_by_a_second_master_
     assert sorted(marks.read_text().split()) == ["0", "1", "2"]        # each rank once: one attempt of its code
     st = json.loads(cluster.cli("status", app_of(proc.stdout), "--json").stdout)
     assert st["state"] == "FAILED" and "broken on purpose" in st["failure"]["reason"], st
+    assert [n["text"] for n in st["notices"]] == [
+        f"this container runs yarnapp from {other}, whose code differs from the client's ({ROOT}): install the "
+        f"client's yarnapp for the cluster's python, or pack the client's environment (environment.packer)"], st
     assert cluster.hadoop.container_pids(app_of(proc.stdout)) == []
 
 

@@ -14,7 +14,7 @@ import pytest
 import skein
 
 import conf
-from launcher import keys, results
+from launcher import identity, keys, results
 from launcher.store import FileStore
 from yarnapp import packaging
 from yarnapp.backends import get as get_backend
@@ -25,6 +25,7 @@ from yarnapp.errors import BackendUnavailable, YarnappError
 
 pytestmark = pytest.mark.unit
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HELLO = os.path.join(conf.EXAMPLES_DIR, "hello.yaml")
 CONTRACT = ("YARNAPP_BACKEND", "YARNAPP_GROUP", "YARNAPP_JOB", "YARNAPP_SECRET_FILE", "YARNAPP_STORAGE")
 SECRET = ".yarnapp-secret"
@@ -87,6 +88,7 @@ def test_spec_for_three_unequal_groups_with_cluster_python(tmp_path):
             "YARNAPP_BACKEND": "yarn", "YARNAPP_GROUP": name, "YARNAPP_JOB": "job.json",
             "YARNAPP_SECRET_FILE": SECRET, "YARNAPP_STORAGE": "webhdfs://nn:9870/user/alice/.yarnapp"}
         assert "YARNAPP_SECRET" not in svc.env          # YARN shows the environment to viewers
+        assert svc.env["YARNAPP_CODE"] == identity.code() == f"{identity.code().split()[0]} {ROOT}"  # checked there
         assert set(svc.files) == {"job.json", SECRET}
         assert svc.files["job.json"].type == skein.FileType.FILE
         assert svc.files[SECRET].source == f"file://{tmp_path}/{SECRET}"

@@ -47,7 +47,7 @@ import skein
 
 import conf
 from launcher import exitcodes, keys, memory, results
-from launcher.identity import checkpoint_dir
+from launcher.identity import checkpoint_dir, code
 from launcher.failure import Failure
 
 from .. import packaging, preflight, shipping
@@ -173,7 +173,8 @@ def _contract(group, storage):
            # The agent (a gRPC client of skein's master) forks its rank: with gRPC's fork
            # support on, the child's poller can hit the fd Popen closed before exec and abort
            # it (grpc/grpc#43055: ranks died of SIGABRT here).
-           "GRPC_ENABLE_FORK_SUPPORT": "false"}
+           "GRPC_ENABLE_FORK_SUPPORT": "false",
+           "YARNAPP_CODE": code()}             # the containers' ranks say where theirs differs
     if storage:
         env["YARNAPP_STORAGE"] = storage
     return env
