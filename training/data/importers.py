@@ -342,7 +342,10 @@ def run_import(kind, uri, options=None, spell=str):
     for key in required:
         if key not in kwargs:
             raise DataError(f"{kind}: option {key!r} is required")
-    if kind == "arrays":
-        x, y = _load_npz(kwargs.pop("path"))
-        return import_arrays(uri, x, y, **kwargs)
-    return func(uri, **kwargs)
+    try:
+        if kind == "arrays":
+            x, y = _load_npz(kwargs.pop("path"))
+            return import_arrays(uri, x, y, **kwargs)
+        return func(uri, **kwargs)
+    except RuntimeError as e:   # fsspec's (WebHDFS): "Invalid path name ... /user//data" of an unset $USER
+        raise DataError(f"{uri}: cannot write there ({one_line(e)}); check the URI") from None
