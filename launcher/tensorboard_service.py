@@ -76,8 +76,11 @@ def main():
             return 1
         return 0
     finally:
-        store.delete(keys.TENSORBOARD)
-        tb.stop()
+        tb.stop()                   # first: its files go even where the store is gone
+        try:
+            store.delete(keys.TENSORBOARD)
+        except Exception as e:  # noqa: BLE001 - the application's end took the store (YARN's master) with it
+            log.info("TensorBoard's address not removed from the store: %s", e)
 
 
 def start_local(app_dir, app_id, store_root):
