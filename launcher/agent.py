@@ -28,7 +28,8 @@ from conf import BUILTIN_RUNNER
 from . import beats, exitcodes, identity, keys, malloc, memory, results, retries, stacks, store as store_mod
 from .diagnosis import PeerDiagnosis
 from .procs import die_with_parent, stopped as process_stopped
-from .failure import Failure, Kind, current_generation, ended_early, log_tail, looks_collateral, spent_restarts
+from .failure import (WAITED_FOR_FINISHED, Failure, Kind, current_generation, ended_early, log_tail,
+                      looks_collateral, spent_restarts)
 
 log = logging.getLogger("launcher.agent")
 
@@ -231,13 +232,17 @@ class Agent(PeerDiagnosis):
                 if gone and now - peer_ended >= EARLY_END_S:
                     # Its liveness thread keeps own code that never reported progress alive, so
                     # a rank left in a collective by a peer that ended early would wait forever.
+                    # Only where every unfinished rank waits: one may wait for a slow peer.
                     at = stacks.where(stacks.dump(self.child.pid, self.heartbeat + stacks.SUFFIX))
-                    if at and at.waiting:
+                    self.store.put(keys.waiting(gen, rank), str(time.time()) if at and at.waiting else "0")
+                    if at and at.waiting and self.all_waiting(gen):
                         return Outcome.OWN, Failure(kind=Kind.HUNG.value, container=me, rank=rank, reason=(
-                            f"rank {rank} ({me}) waited {now - peer_ended:.0f}s in a collective at {at.caller or at.frame} "
-                            f"for {', '.join(gone)}, whose code had finished: {'it' if len(gone) == 1 else 'they'} "
-                            f"ran fewer steps than this rank; every rank must run the same steps"))
-                    peer_ended = now            # busy, not waiting: looked at again a period later
+                            f"rank {rank} ({me}) waited {now - peer_ended:.0f}s in a collective at "
+                            f"{at.caller or at.frame} for {', '.join(gone)}, {WAITED_FOR_FINISHED}: "
+                            f"{'it' if len(gone) == 1 else 'they'} ran fewer steps than this rank; every rank "
+                            f"must run the same steps"))
+                    # busy, or a peer not found waiting (yet): looked at again soon, or a period later
+                    peer_ended = now - (EARLY_END_S - 2.0 if at and at.waiting else 0.0)
                 # a stopped process is not setting up: heartbeat_timeout, in any phase
                 which = "heartbeat" if phase == "train" or (stopped and phase != "finished") else "rendezvous"
                 limit = lj.heartbeat_timeout if which == "heartbeat" else lj.rendezvous_timeout
@@ -270,9 +275,9 @@ class Agent(PeerDiagnosis):
                     gone = self.finished_peers(gen, seen) if at and at.waiting else []
                     if gone:        # it waits in a collective for ranks whose code has ended
                         return Outcome.OWN, Failure(kind=Kind.HUNG.value, container=me, rank=rank, reason=(
-                            f"rank {rank} ({me}) waited {silent:.0f}s in a collective for {', '.join(gone)}, whose "
-                            f"code had finished: {'it' if len(gone) == 1 else 'they'} ran fewer steps than this "
-                            f"rank; every rank must run the same steps"))
+                            f"rank {rank} ({me}) waited {silent:.0f}s in a collective for {', '.join(gone)}, "
+                            f"{WAITED_FOR_FINISHED}: {'it' if len(gone) == 1 else 'they'} ran fewer steps than "
+                            f"this rank; every rank must run the same steps"))
                     return Outcome.OWN, Failure(
                         kind=Kind.HUNG.value, container=me, rank=rank,
                         reason=f"rank {rank} ({me}) hung{' (process stopped)' if stopped else ''}: "
@@ -288,6 +293,20 @@ class Agent(PeerDiagnosis):
                 return Outcome.OWN, Failure(kind=Kind.LOST.value, container=lost[0], observed_by=me,
                                             reason=f"lost {lost[0]}: {lost[1]}")
             time.sleep(lj.poll_interval)
+
+    def all_waiting(self, gen):
+        """Whether every rank whose code has not finished was found waiting in a collective
+        within the last EARLY_END_S + 5 s (keys.waiting, written by each one's agent)."""
+        marks = self.store.get_prefix(keys.waiting(gen))
+        finished = self.store.get_prefix(keys.finished(gen))
+        fresh = time.time() - EARLY_END_S - 5.0
+        for m in self.members:
+            if keys.finished(gen, m["rank"]) in finished:
+                continue
+            mark = marks.get(keys.waiting(gen, m["rank"]))
+            if mark is None or float(mark) < fresh:
+                return False
+        return True
 
     def phase_words(self, phase):
         """"in train", "in setup"; own code's setup is its time before its first progress

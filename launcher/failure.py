@@ -156,6 +156,17 @@ _TRANSITION = re.compile(r" agent \S+ INFO: [A-Z_]+ -> [A-Z_]+ \(generation \d+\
 
 
 EXITED_EARLY = "had ended (exit 0)"     # said of a rank whose code ended first (ended_early, launcher.retries)
+WAITED_FOR_FINISHED = "whose code had finished"     # said of the ranks a peer waited for in a collective
+
+
+def caused_by_an_end(failure):
+    """Whether a generation's abort reads as the consequence of a rank's code ending while
+    its peers still ran collectives (a peer waited for finished ranks, or lost its
+    connection to them): the finished rank then leaves with 0, as the rank that ended
+    early, and is not retried; else (a peer's own failure) it leaves as one of the aborted
+    world's, and the restart is owed."""
+    return failure is not None and (WAITED_FOR_FINISHED in (failure.reason or "")
+                                    or looks_collateral(failure.error or failure.reason or ""))
 
 
 def ended_in(store, members, gen, wait_s=0.0):

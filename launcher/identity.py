@@ -66,15 +66,6 @@ class Identity:
         return self.job.checkpoint.uri or os.path.join(self.app_dir, "checkpoints")
 
     @property
-    def own_checkpoint_uri(self):
-        """Where own code keeps its snapshots (ctx.checkpoint_uri, $YARNAPP_CHECKPOINT_URI):
-        this application's own directory, which every rank and every restart of it sees
-        (checkpoint.uri/<app id>, else <app dir>/checkpoints); a relative path is one
-        container's alone. The built-in runner adds <app id> itself (training.checkpoint)."""
-        uri = self.job.checkpoint.uri
-        return f"{uri.rstrip('/')}/{self.app_id}" if uri else self.checkpoint_uri
-
-    @property
     def checkpoint_siblings(self):
         """With checkpoint.uri unset, every application checkpoints in its own directory
         (<dir>/<app id>/checkpoints): <dir>, where `resume` finds the others (the local

@@ -88,6 +88,14 @@ def progress(rank):
     return f"progress/{rank:05d}"
 
 
+def waiting(gen, rank=None):
+    """Written by a rank's agent once a peer's code finished (launcher.agent): the wall-clock
+    time it last found its rank waiting in a collective, or "0" when it found it busy; a
+    rank is failed for waiting on finished ranks only when every unfinished rank waits.
+    Without `rank`, the generation's prefix."""
+    return f"gen/{gen:04d}/waiting/" + ("" if rank is None else f"{rank:05d}")
+
+
 def done(container):
     """Written by an agent whose rank finished successfully."""
     return f"done/{container}"

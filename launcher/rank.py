@@ -33,7 +33,7 @@ from conf.errors import YarnappError
 from conf.schema import BUILTIN_RUNNER
 
 from . import exitcodes, identity, keys, network, stacks, store as store_mod, torch_env, world
-from .failure import Failure
+from .failure import Failure, caused_by_an_end
 
 log = logging.getLogger("launcher.rank")
 
@@ -120,8 +120,11 @@ def keep_result(ctx, result):
         if ok:
             kept[k] = v
         else:
-            shape = getattr(given, "shape", None)
-            left.append(f"{k} ({type(given).__name__}{f' of shape {tuple(shape)}' if shape is not None else ''})")
+            try:
+                shape = f" of shape {tuple(given.shape)}" if hasattr(given, "shape") else ""
+            except Exception:  # noqa: BLE001 - a .shape of another kind: its type says enough
+                shape = ""
+            left.append(f"{k} ({type(given).__name__}{shape})")
     if left and ctx.rank == 0:
         log.warning("the function's return value: %s not kept (only numbers and short text are; pass "
                     "what you need to ctx.final, or save it under ctx.checkpoint_uri)", ", ".join(left[:5]))
@@ -192,10 +195,11 @@ class Notices(logging.Handler):
     def __init__(self, store, gen, rank):
         super().__init__(level=logging.WARNING)
         self.store, self.gen, self.rank, self.n = store, gen, rank, 0
+        self.pid = os.getpid()      # a forked child (a DataLoader's worker) has no store of its own
 
     def emit(self, record):
         if record.levelno != logging.WARNING or record.name.split(".", 1)[0] not in ByOrigin.OURS \
-                or self.n >= self.LIMIT:
+                or self.n >= self.LIMIT or os.getpid() != self.pid:
             return
         try:
             text = record.getMessage().splitlines()[0]
@@ -315,18 +319,38 @@ def meet_at_the_end(store, gen, rank, world_size, wait=FINISH_WAIT_S):
     none of its peers' MPI calls, and leaving closes its torch.distributed sockets at once,
     as torchrun's end of a process does."""
     store.put(keys.finished(gen, rank), "1")
-    wait_for_peers(store, gen, world_size, wait)
+    if wait_for_peers(store, gen, world_size, wait) == ABORTED:
+        leave_aborted(store, gen)
+
+
+DONE, ABORTED, WAITED = "done", "aborted", "waited"
 
 
 def wait_for_peers(store, gen, world_size, wait=None):
-    """True once every rank's code has finished in generation `gen` (keys.finished); False
-    when the generation is aborted first, or `wait` seconds (None: no limit) have passed."""
-    deadline = None if wait is None else time.monotonic() + wait
+    """DONE once every rank's code has finished in generation `gen` (keys.finished),
+    ABORTED when the generation is aborted first, WAITED once `wait` seconds (None: no
+    limit) have passed. Polls often at first, then once a second (a rank may wait minutes
+    for one that evaluates alone: N ranks' polls are the store's load)."""
+    start = time.monotonic()
     while len(store.get_prefix(keys.finished(gen))) < world_size:
-        if store.get(keys.abort(gen)) is not None or (deadline is not None and time.monotonic() >= deadline):
-            return False
-        time.sleep(0.05)
-    return True
+        if store.get(keys.abort(gen)) is not None:
+            return ABORTED
+        if wait is not None and time.monotonic() - start >= wait:
+            return WAITED
+        time.sleep(0.05 if time.monotonic() - start < 2.0 else 1.0)
+    return DONE
+
+
+def leave_aborted(store, gen):
+    """A rank whose code finished in a generation that was aborted since: where its end was
+    the cause (its peers waited for it, or lost it: launcher.failure.caused_by_an_end) it
+    leaves with 0, the rank that ended early, and the failure is not retried; where a peer
+    failed on its own (a crash in rank 0's final save) it ends as one of the aborted world's,
+    not with 0, which its agent would record as success, refusing the restart owed."""
+    if caused_by_an_end(Failure.load(store.get(keys.abort(gen)))):
+        return
+    logging.shutdown()
+    os._exit(exitcodes.RANK_FAILED)
 
 
 def main(argv=None):
@@ -375,14 +399,16 @@ def main(argv=None):
 
     from training.context import RunContext, rank_infos
     own = job.run.function != BUILTIN_RUNNER
-    if own:
-        os.environ["YARNAPP_CHECKPOINT_URI"] = ident.own_checkpoint_uri
-        if "://" not in ident.own_checkpoint_uri or ident.own_checkpoint_uri.startswith("file://"):
-            os.makedirs(ident.own_checkpoint_uri.removeprefix("file://"), exist_ok=True)   # torch.save needs it
+    if own:     # where own code keeps what every rank and restart must see (a relative path is one container's)
+        os.environ["YARNAPP_CHECKPOINT_URI"] = uri = ident.checkpoint_uri
+        if "://" not in uri or uri.startswith("file://"):
+            try:
+                os.makedirs(uri.removeprefix("file://"), exist_ok=True)       # torch.save needs it
+            except OSError as e:        # the code's own write says where and why, in its one line
+                log.warning("could not create %s: %s", uri, e)
     ctx = RunContext(comm=comm, rank=ident.rank, world_size=ident.world_size, ranks=rank_infos(job),
                      job=job, app_id=ident.app_id, generation=gen, workdir=workdir,
-                     checkpoint_uri=ident.own_checkpoint_uri if own else ident.checkpoint_uri,
-                     checkpoint_siblings=ident.checkpoint_siblings,
+                     checkpoint_uri=ident.checkpoint_uri, checkpoint_siblings=ident.checkpoint_siblings,
                      logdir=ident.logdir,
                      publish=store.put, heartbeat_path=args.heartbeat,
                      local_rank=int(env["LOCAL_RANK"]), local_world_size=int(env["LOCAL_WORLD_SIZE"]),
@@ -423,11 +449,13 @@ def main(argv=None):
         # for it, and their agents name it (launcher.agent's EARLY_END_S), or fail on its end.
         try:
             store.put(keys.finished(gen, ident.rank), "1")     # a peer's agent finding it waited for names it
-            peers_done = wait_for_peers(store, gen, ident.world_size)
+            peers = wait_for_peers(store, gen, ident.world_size)
         except Exception as e:  # noqa: BLE001 - the code succeeded; the Barrier alone then
             log.warning("could not record this rank's end in the store: %s", e)
-            peers_done = True
-        if peers_done:
+            peers = DONE
+        if peers == ABORTED:
+            leave_aborted(store, gen)
+        else:
             comm.Barrier()
     logging.shutdown()
     sys.stdout.flush()

@@ -17,6 +17,8 @@ keeps its own records (state.json), so nothing here runs there.
 """
 import json
 import logging
+import os
+import re
 import time
 
 from . import keys
@@ -93,13 +95,20 @@ def read(app_dir):
     return json.loads(fsutil.read_bytes(fs, f"{root}/{RESULT_FILE}"))
 
 
+def master_attempt(container_id=None):
+    """The master attempt a YARN container belongs to, from its id (YARN's $CONTAINER_ID:
+    container_[e<epoch>_]<cluster>_<app>_<attempt>_<n>), or None where it does not say."""
+    m = re.match(r"container_(?:e\d+_)?\d+_\d+_(\d+)_\d+$", container_id or os.environ.get("CONTAINER_ID", ""))
+    return int(m.group(1)) if m else None
+
+
 def ended_before(ident, store, wait_s=60.0):
     """On YARN, the start of a master attempt after an earlier one ended the application
     FAILED (skein shuts down a FAILED master without unregistering while attempts are left,
     so YARN starts the whole application again: it trained again, and a failure never
     retried came back as SUCCEEDED): end it at once with the same results, which the last
     attempt's master unregisters. True where this container is to exit now. Never raises."""
-    if ident.backend != "yarn":
+    if ident.backend != "yarn" or master_attempt() == 1:    # the first has no earlier one to read
         return False
     try:
         found = read(ident.app_dir)

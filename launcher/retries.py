@@ -24,7 +24,7 @@ asks after every abort). These are not, since a restart would fail as this one d
 import time
 
 from . import keys
-from .failure import EXITED_EARLY, Failure, Kind, ended_in
+from .failure import EXITED_EARLY, WAITED_FOR_FINISHED, Failure, Kind, ended_in
 
 NOT_RETRIED = ("every rank failed the same way before training started, so it was not retried "
                "(a restart would fail the same way)")
@@ -33,6 +33,7 @@ NOT_RETRIED_AGAIN = NOT_RETRIED.replace("before training started", "as the resta
 OOM_AGAIN = "killed for memory in two attempts in a row, so it was not retried again (a restart would be too)"
 INPUT_AGAIN = "the same error in two attempts in a row, so it was not retried again (a restart would fail the same way)"
 CERTAIN = "a mistake in the job's model or strategy settings, which every attempt meets, so it was not retried"
+FEWER_STEPS = "every attempt would run the same steps, so it was not retried"
 ENDED = ("{who} " + EXITED_EARLY + " in this attempt, and {whose} container with {it}, so it was not retried (a "
          "new world cannot form without {it})")
 ENDED_NAMED = "so it was not retried ({whose} container ended with {it}: a new world cannot form without {it})"
@@ -46,6 +47,8 @@ def not_worth_retrying(store, members, gen, cause, poll_s, wait_s):
         return NOT_RETRIED if gen == 0 else NOT_RETRIED_AGAIN
     if cause.certain:
         return CERTAIN
+    if WAITED_FOR_FINISHED in (cause.reason or ""):
+        return FEWER_STEPS
     if oom_again(store, gen, cause):
         return OOM_AGAIN
     if input_error_again(store, gen, cause):

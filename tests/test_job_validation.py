@@ -59,7 +59,8 @@ CASES = [
     ("negative-gpus", _with("groups.0.gpus", -1), "groups[0].gpus", "greater than or equal to 0"),
     ("duplicate-groups", _with("groups", [GOOD["groups"][0], GOOD["groups"][0]]), "groups", "duplicate"),
     ("bad-group-name", _with("groups.0.name", "Worker Group"), "groups[0].name", "lower-case"),
-    ("env-not-strings", _with("groups.0.env", {"A": 1}), "groups[0].env.A", "string"),
+    ("env-boolean", _with("groups.0.env", {"A": True}), "groups[0].env", "A: a boolean"),       # a number is its text
+    ("env-not-text", _with("groups.0.env", {"A": [1]}), "groups[0].env.A", "string"),
     ("bad-function", _with("run.function", "no_colon"), "run.function", "module:function"),
     ("function-and-script", _with("run.script", "x.py"), "run", "not function and script"),
     ("negative-restarts", _with("max_restarts", -1), "max_restarts", "greater than or equal to 0"),

@@ -160,16 +160,16 @@ def test_fractional_vcores_are_refused_with_one_line_and_nothing_submitted(clust
     big = dict(raw["groups"][0], vcores=64)
     for name, groups, line in (
             ("vcores", [big, raw["groups"][1]], "groups[0]: a container of group 'big' asks for 64 vcores and 512 "
-                                                "MiB, more than any node of this cluster has (the largest: 16 "
+                                                "MiB, more than any node it may use has (the largest: 16 "
                                                 "vcores, 16384 MiB); ask for less"),
             ("label", [dict(raw["groups"][0], node_label="gpu"), raw["groups"][1]],
-             "groups[0].node_label: no node of this cluster has the label 'gpu' (its labels: none)"),
+             "groups[0].node_label: no running node of this cluster has the label 'gpu' (its labels: none)"),
             ("total", [dict(raw["groups"][0], instances=20), raw["groups"][1]], "groups: the job's containers, ")):
         path = write(tmp_path / f"{name}.yaml", {**raw, "groups": groups})
         proc = cluster.cli("submit", path)
         assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert proc.stderr.startswith(f"Error: {path}: {line}"), proc.stderr
-    assert "more than this cluster's 1 node(s) have together (16 vcores, 16384 MiB)" in proc.stderr, proc.stderr
+    assert "more than this cluster's 1 running node(s) have together (16 vcores, 16384 MiB)" in proc.stderr, proc.stderr
     assert cluster.cli("list", "--backend", "yarn").stdout == before
     # A dataset missing on HDFS is refused by the client, before YARN hears of the job.
     missing = cluster.uri("/user/shared/no-such-dataset")

@@ -509,6 +509,9 @@ def test_results_survive_in_one_line_of_diagnostics(tmp_path):
     assert [n["text"] for n in results.from_diagnostics(line)["notices"]] == [
         (f"w{n}" * 200)[:results.NOTICE_CHARS] for n in range(results.NOTICES_KEPT)]
     assert results.from_diagnostics("Application killed by user.") is None
+    # which master attempt a container is of: the first reads no earlier attempt's results
+    assert [results.master_attempt(c) for c in ("container_1795852724187_0012_02_000002",
+                                                "container_e17_1795852724187_0012_01_000001", "")] == [2, 1, None]
     assert results.from_diagnostics(results.DIAGNOSTICS_PREFIX + "{not json") is None
     results.write(str(tmp_path / "app"), got)
     assert results.read(str(tmp_path / "app")) == got

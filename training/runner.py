@@ -146,13 +146,14 @@ class Runner:
                 "memory_peak_mib": mib(mem.get("peak")), "container_rss_peak_mib": mib(self.rss_peak),
                 "rss_peak_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
 
-    def _warn_rereads(self):
-        """Say where this rank read its blocks again more often than the dataset has blocks:
-        its data memory is too small for the shuffle window (an audit's 1 GiB window in 1 GiB
-        containers: 503 blocks read again in 8 steps, said by `status --json` alone)."""
+    def _warn_rereads(self, epochs):
+        """Say where this rank read blocks again more often than the dataset has blocks in
+        each of the `epochs` it trained: its data memory is too small for the shuffle window
+        (an audit's 1 GiB window in 1 GiB containers: 503 blocks read again in 8 steps, said
+        by `status --json` alone)."""
         layout = getattr(self.train, "layout", None)          # a dataset of the user's has no blocks
         st, blocks = self.loader.stats, len(layout.blocks) if layout else 0
-        if layout and st.rereads > blocks:
+        if layout and st.rereads > blocks * max(1.0, epochs):
             log.warning("rank %d read blocks of training.data.train again %d times (it has %d blocks; %.0f MB read): "
                         "its data memory (training.data.memory, %d MiB) holds too little of a shuffle window of "
                         "%d MiB; lower training.data.shuffle_window, or raise training.data.memory (and the "
@@ -226,7 +227,7 @@ class Runner:
                 self.save(step)
             t_prev = time.perf_counter()
         self.loader.close()
-        self._warn_rereads()
+        self._warn_rereads(self.epochs(step) - self.epochs(self.start_step))
         ev = self.evaluate()
         train_time = time.perf_counter() - t_start
         # Rates over the steps after this attempt's first, which pays what is paid once

@@ -22,7 +22,9 @@ def _own_packages_first():
             spec = importlib.util.find_spec(name)
             origin = spec.origin if spec else None
         if origin and os.path.dirname(os.path.dirname(os.path.abspath(origin))) != home:
-            if sys.argv[:1] == ["-m"] and name not in sys.modules:
+            args = getattr(sys, "orig_argv", [])
+            cli = "-m" in args and args.index("-m") + 1 < len(args) and args[args.index("-m") + 1].startswith("yarnapp")
+            if cli and name not in sys.modules:
                 # `python -m yarnapp.cli` in a project with a training/ of its own: the command
                 # runs none of the project's code, so yarnapp's packages come first for it (a
                 # job of that project's is then refused at submit, in one line)

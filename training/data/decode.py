@@ -146,5 +146,5 @@ def channels_of(blobs):
                 if im.mode not in ("1", "L", "LA", "F", *WIDE):
                     return 3
         except Exception:  # noqa: BLE001 - not an image: its row is named where it is decoded
-            return 3
+            continue
     return 1
