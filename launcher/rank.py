@@ -317,10 +317,9 @@ def meet_at_the_end(store, gen, rank, world_size, wait=FINISH_WAIT_S):
     A generation already aborted (its peers failed) is not waited for, and a rank whose
     code never read the MPI world (ctx.comm) does not wait at all (`wait` 0): it is in
     none of its peers' MPI calls, and leaving closes its torch.distributed sockets at once,
-    as torchrun's end of a process does."""
+    as torchrun's end of a process does. Returns how the wait ended (wait_for_peers)."""
     store.put(keys.finished(gen, rank), "1")
-    if wait_for_peers(store, gen, world_size, wait) == ABORTED:
-        leave_aborted(store, gen)
+    return wait_for_peers(store, gen, world_size, wait)
 
 
 DONE, ABORTED, WAITED = "done", "aborted", "waited"
@@ -441,7 +440,9 @@ def main(argv=None):
     ctx.heartbeat("finished")       # waiting for its peers now: not hung itself if they never come (agent)
     if close_user_process_group():
         # code that never read ctx.comm made no MPI call: nothing of its peers' waits on it
-        meet_at_the_end(store, gen, ident.rank, ident.world_size, FINISH_WAIT_S if ctx.comm_used else 0.0)
+        if meet_at_the_end(store, gen, ident.rank, ident.world_size,
+                           FINISH_WAIT_S if ctx.comm_used else 0.0) == ABORTED:
+            leave_aborted(store, gen)
     else:
         # Code on the MPI world: every rank is done with it before any leaves (the Barrier),
         # entered once every rank's code has finished (the store), so that a rank that ended

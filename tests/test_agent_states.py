@@ -670,17 +670,25 @@ def test_a_rank_whose_code_ended_early_stops_waiting_for_its_peers_once_their_ge
     rank to finish, up to its limit. Once the generation is aborted (a peer failed on the
     closed group) nobody else will finish: it waited out the limit (10 s) before the
     failure was reported; now it leaves at once. Without an abort it waits for the others."""
-    from launcher.rank import meet_at_the_end
+    from launcher.failure import caused_by_an_end
+    from launcher.rank import ABORTED, WAITED, meet_at_the_end
     store = FileStore(str(tmp_path / "store"))
     t0 = time.monotonic()
-    meet_at_the_end(store, 0, 1, 3, wait=1.0)
+    assert meet_at_the_end(store, 0, 1, 3, wait=1.0) == WAITED
     assert time.monotonic() - t0 >= 1.0                              # the others never finished
     assert store.get(keys.finished(0, 1)) == b"1"
-    store.put(keys.abort(1), Failure(kind=Kind.CRASHED.value, container="big_0", rank=0,
-                                     reason="rank 0 (big_0) exited with status 1").dumps())
+    crash = Failure(kind=Kind.CRASHED.value, container="big_0", rank=0, reason="rank 0 (big_0) exited with status 1")
+    store.put(keys.abort(1), crash.dumps())
     t0 = time.monotonic()
-    meet_at_the_end(store, 1, 1, 3, wait=60.0)
+    assert meet_at_the_end(store, 1, 1, 3, wait=60.0) == ABORTED
     assert time.monotonic() - t0 < 30.0                              # left on the abort, not at the limit
+    # Its end caused the abort (the peers lost it, or waited for it): it leaves with 0, the rank
+    # that ended early (not retried); a peer's own crash: it leaves non-zero, and the restart is owed.
+    assert not caused_by_an_end(crash)
+    assert caused_by_an_end(Failure(kind=Kind.CRASHED.value, rank=0, reason="rank 0 (big_0) exited with status 1",
+                                    error="RuntimeError: Connection closed by peer [127.0.0.1]:29500"))
+    assert caused_by_an_end(Failure(kind=Kind.HUNG.value, rank=0, reason="rank 0 (w_0) waited 15s in a collective "
+                                    "at e.py:5 for rank 1 (w_1), whose code had finished: it ran fewer steps"))
 
 
 def test_the_run_context_knows_whether_code_read_the_mpi_world():
