@@ -37,9 +37,10 @@ SETUP_GRACE_S = 8.0      # after a peer failed in setup, how long a rank in setu
                          # the same way on its own (ranks start seconds apart on a busy host)
 BUSY_HINT = ("; if it was busy there (an evaluation or a save on one rank), call ctx.heartbeat() "
              "(training.dist.context().heartbeat()) in that work, or raise launcher.heartbeat_timeout")
-EARLY_END_S = 15.0       # a rank still in a collective this long after a peer's code finished waits for it
-                         # (code on torch.distributed fails sooner: the ended rank's sockets close after
-                         # launcher.rank.FINISH_WAIT_S)
+EARLY_END_FRACTION = 0.25   # a rank still in a collective this part of launcher.heartbeat_timeout (15 s of
+                            # the default 60 s) after a peer's code finished waits for it (code on
+                            # torch.distributed fails sooner: the ended rank's sockets close after
+                            # launcher.rank.FINISH_WAIT_S)
 
 
 class State(enum.Enum):
@@ -229,20 +230,21 @@ class Agent(PeerDiagnosis):
                 stopped = process_stopped(self.child.pid)
                 gone = self.finished_peers(gen, seen) if phase != "finished" and not stopped else []
                 peer_ended = (peer_ended or now) if gone else None
-                if gone and now - peer_ended >= EARLY_END_S:
+                early_end = EARLY_END_FRACTION * lj.heartbeat_timeout
+                if gone and now - peer_ended >= early_end:
                     # Its liveness thread keeps own code that never reported progress alive, so
                     # a rank left in a collective by a peer that ended early would wait forever.
                     # Only where every unfinished rank waits: one may wait for a slow peer.
                     at = stacks.where(stacks.dump(self.child.pid, self.heartbeat + stacks.SUFFIX))
                     self.store.put(keys.waiting(gen, rank), str(time.time()) if at and at.waiting else "0")
-                    if at and at.waiting and self.all_waiting(gen):
+                    if at and at.waiting and self.all_waiting(gen, early_end + 5.0):
                         return Outcome.OWN, Failure(kind=Kind.HUNG.value, container=me, rank=rank, reason=(
                             f"rank {rank} ({me}) waited {now - peer_ended:.0f}s in a collective at "
                             f"{at.caller or at.frame} for {', '.join(gone)}, {WAITED_FOR_FINISHED}: "
                             f"{'it' if len(gone) == 1 else 'they'} ran fewer steps than this rank; every rank "
                             f"must run the same steps"))
                     # busy, or a peer not found waiting (yet): looked at again soon, or a period later
-                    peer_ended = now - (EARLY_END_S - 2.0 if at and at.waiting else 0.0)
+                    peer_ended = now - (max(0.0, early_end - 2.0) if at and at.waiting else 0.0)
                 # a stopped process is not setting up: heartbeat_timeout, in any phase
                 which = "heartbeat" if phase == "train" or (stopped and phase != "finished") else "rendezvous"
                 limit = lj.heartbeat_timeout if which == "heartbeat" else lj.rendezvous_timeout
@@ -294,12 +296,12 @@ class Agent(PeerDiagnosis):
                                             reason=f"lost {lost[0]}: {lost[1]}")
             time.sleep(lj.poll_interval)
 
-    def all_waiting(self, gen):
+    def all_waiting(self, gen, within):
         """Whether every rank whose code has not finished was found waiting in a collective
-        within the last EARLY_END_S + 5 s (keys.waiting, written by each one's agent)."""
+        within the last `within` seconds (keys.waiting, written by each one's agent)."""
         marks = self.store.get_prefix(keys.waiting(gen))
         finished = self.store.get_prefix(keys.finished(gen))
-        fresh = time.time() - EARLY_END_S - 5.0
+        fresh = time.time() - within
         for m in self.members:
             if keys.finished(gen, m["rank"]) in finished:
                 continue

@@ -447,7 +447,7 @@ def main(argv=None):
         # Code on the MPI world: every rank is done with it before any leaves (the Barrier),
         # entered once every rank's code has finished (the store), so that a rank that ended
         # early is not in a Barrier its peers' collectives would match: they wait in theirs
-        # for it, and their agents name it (launcher.agent's EARLY_END_S), or fail on its end.
+        # for it, and their agents name it (launcher.agent's EARLY_END_FRACTION), or fail on its end.
         try:
             store.put(keys.finished(gen, ident.rank), "1")     # a peer's agent finding it waited for names it
             peers = wait_for_peers(store, gen, ident.world_size)
