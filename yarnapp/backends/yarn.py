@@ -52,7 +52,7 @@ from launcher.failure import Failure
 
 from .. import packaging, preflight, shipping
 from ..errors import BackendUnavailable, YarnappError
-from . import yarn_cluster
+from . import capacity, yarn_cluster
 from .base import Backend
 
 log = logging.getLogger(__name__)
@@ -365,7 +365,7 @@ class YarnBackend(Backend):
             raise BackendUnavailable(f"lost the connection to skein's driver ({_first(e)})") from None
 
     def submit(self, job, where=None):
-        self._check_fits(job, where)
+        capacity.check_fits(self.client.get_nodes, job, where, TENSORBOARD_RESOURCES)
         with prepared(job, where) as (spec, storage):
             try:
                 app_id = self.client.submit(spec)      # skein uploads local files during submit
@@ -374,48 +374,6 @@ class YarnBackend(Backend):
         log.info("submitted %s as %s to queue %s; its storage: %s/%s", job.name, app_id, job.queue, storage,
                  app_id)
         return app_id
-
-    def _check_fits(self, job, where):
-        """Refuse, before packing or submitting, a container larger than every running node
-        it may use (by its node_label: a labelled group the nodes of that label, others the
-        unlabelled), a label no node has, or containers (with skein's master and the
-        TensorBoard service) more than all running nodes hold together: YARN took the first
-        two and failed them with a Java stack trace, and left the third waiting until the
-        rendezvous timed out. Nodes not read: left to YARN."""
-        try:
-            reports = self.client.get_nodes(states=["RUNNING"])
-        except Exception as e:  # noqa: BLE001 - an older ResourceManager, ACLs: YARN's to say
-            log.debug("the cluster's nodes not read: %s", e)
-            return
-        if not reports:
-            return
-        pre = f"{where}: " if where else ""
-        labels = sorted({label for n in reports for label in (n.labels or ())})
-        for i, g in enumerate(job.groups):
-            usable = [n.total_resources for n in reports if (g.node_label in (n.labels or ()) if g.node_label
-                                                              else not n.labels)]
-            if g.node_label and not usable:
-                raise YarnappError(f"{pre}groups[{i}].node_label: no running node of this cluster has the label "
-                                   f"{g.node_label!r} (its labels: {', '.join(labels) or 'none'}); give one of "
-                                   f"those, or drop it")
-            vcores, memory = max((n.vcores for n in usable), default=0), max((n.memory for n in usable), default=0)
-            if usable and (g.vcores > vcores or g.memory > memory):
-                raise YarnappError(f"{pre}groups[{i}]: a container of group {g.name!r} asks for {g.vcores:g} vcores "
-                                   f"and {g.memory} MiB, more than any node it may use has (the largest: "
-                                   f"{vcores} vcores, {memory} MiB); ask for less, or use more containers")
-        master = skein.Master().resources
-        wanted = [(g.vcores, g.memory, g.instances) for g in job.groups] + [(master.vcores, master.memory, 1)]
-        if job.tensorboard.service:
-            wanted.append((TENSORBOARD_RESOURCES["vcores"], TENSORBOARD_RESOURCES["memory"], 1))
-        need_v, need_m = int(sum(v * n for v, _, n in wanted)), sum(m * n for _, m, n in wanted)
-        have_v = sum(n.total_resources.vcores for n in reports)
-        have_m = sum(n.total_resources.memory for n in reports)
-        if need_v > have_v or need_m > have_m:
-            raise YarnappError(f"{pre}groups: the job's containers, with skein's master"
-                               f"{' and the TensorBoard service' if job.tensorboard.service else ''}, ask for "
-                               f"{need_v} vcores and {need_m} MiB in all, more than this cluster's {len(reports)} "
-                               f"running node(s) have together ({have_v} vcores, {have_m} MiB): the world could "
-                               f"never form; ask for fewer instances, vcores or memory")
 
     def status(self, app_id):
         report = self._call(self.client.application_report, app_id)

@@ -1,0 +1,54 @@
+"""What a YARN cluster's running nodes can hold, checked before a job is packed and
+submitted (yarnapp.backends.yarn): YARN took a container larger than every node, or one
+asking for a node label no node has, and failed it with a Java stack trace as the error;
+and it left containers more than all nodes hold together waiting until the rendezvous
+timed out."""
+import logging
+
+import skein
+
+from ..errors import YarnappError
+
+log = logging.getLogger(__name__)
+
+
+def check_fits(get_nodes, job, where, tensorboard):
+    """Refuse in one line a container larger than every running node it may use (a labelled
+    group: the nodes of its label; others: the unlabelled), a label no node has, or
+    containers (with skein's master and, where the job runs it, the TensorBoard service of
+    `tensorboard` resources) more than all running nodes hold together. get_nodes: skein's
+    Client.get_nodes; nodes not read are left to YARN."""
+    try:
+        reports = get_nodes(states=["RUNNING"])
+    except Exception as e:  # noqa: BLE001 - an older ResourceManager, ACLs: YARN's to say
+        log.debug("the cluster's nodes not read: %s", e)
+        return
+    if not reports:
+        return
+    pre = f"{where}: " if where else ""
+    labels = sorted({label for n in reports for label in (n.labels or ())})
+    for i, g in enumerate(job.groups):
+        usable = [n.total_resources for n in reports if (g.node_label in (n.labels or ()) if g.node_label
+                                                          else not n.labels)]
+        if g.node_label and not usable:
+            raise YarnappError(f"{pre}groups[{i}].node_label: no running node of this cluster has the label "
+                               f"{g.node_label!r} (its labels: {', '.join(labels) or 'none'}); give one of "
+                               f"those, or drop it")
+        vcores, memory = max((n.vcores for n in usable), default=0), max((n.memory for n in usable), default=0)
+        if usable and (g.vcores > vcores or g.memory > memory):
+            raise YarnappError(f"{pre}groups[{i}]: a container of group {g.name!r} asks for {g.vcores:g} vcores "
+                               f"and {g.memory} MiB, more than any node it may use has (the largest: "
+                               f"{vcores} vcores, {memory} MiB); ask for less, or use more containers")
+    master = skein.Master().resources
+    wanted = [(g.vcores, g.memory, g.instances) for g in job.groups] + [(master.vcores, master.memory, 1)]
+    if job.tensorboard.service:
+        wanted.append((tensorboard["vcores"], tensorboard["memory"], 1))
+    need_v, need_m = int(sum(v * n for v, _, n in wanted)), sum(m * n for _, m, n in wanted)
+    have_v = sum(n.total_resources.vcores for n in reports)
+    have_m = sum(n.total_resources.memory for n in reports)
+    if need_v > have_v or need_m > have_m:
+        raise YarnappError(f"{pre}groups: the job's containers, with skein's master"
+                           f"{' and the TensorBoard service' if job.tensorboard.service else ''}, ask for "
+                           f"{need_v} vcores and {need_m} MiB in all, more than this cluster's {len(reports)} "
+                           f"running node(s) have together ({have_v} vcores, {have_m} MiB): the world could "
+                           f"never form; ask for fewer instances, vcores or memory")
