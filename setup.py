@@ -6,7 +6,7 @@ setup(
     description="Train convolutional networks across the mixed CPUs and GPUs of a YARN cluster",
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
-    python_requires=">=3.9",
+    python_requires=">=3.10",
     packages=find_packages(include=["conf", "yarnapp", "yarnapp.*", "launcher", "launcher.*",
                                     "training", "training.*"]),
     package_data={"conf": ["defaults.yaml", "examples/*.yaml", "constraints.txt",
