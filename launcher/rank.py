@@ -38,7 +38,8 @@ from .failure import Failure, caused_by_an_end
 log = logging.getLogger("launcher.rank")
 
 LIVENESS_S = 1.0           # how often the liveness thread touches the heartbeat
-FINISH_WAIT_S = 10.0       # how long code on torch.distributed waits at its end for every rank
+FINISH_WAIT_FRACTION = 1 / 6   # of launcher.heartbeat_timeout (10 s of the default 60 s): how long code
+                                # on torch.distributed (and ctx.comm) waits at its end for every rank
 
 
 class UserCodeError(YarnappError):
@@ -308,7 +309,7 @@ def close_user_process_group():
     return False
 
 
-def meet_at_the_end(store, gen, rank, world_size, wait=FINISH_WAIT_S):
+def meet_at_the_end(store, gen, rank, world_size, wait):
     """The end of code on torch.distributed: say so in the store, and wait up to `wait`
     seconds for every rank to, without an MPI call (a rank that left early is gone, and
     its MPI peers would fail on it). Code that also used the MPI world is then done with
@@ -441,7 +442,8 @@ def main(argv=None):
     if close_user_process_group():
         # code that never read ctx.comm made no MPI call: nothing of its peers' waits on it
         if meet_at_the_end(store, gen, ident.rank, ident.world_size,
-                           FINISH_WAIT_S if ctx.comm_used else 0.0) == ABORTED:
+                           FINISH_WAIT_FRACTION * ident.job.launcher.heartbeat_timeout if ctx.comm_used
+                           else 0.0) == ABORTED:
             leave_aborted(store, gen)
     else:
         # Code on the MPI world: every rank is done with it before any leaves (the Barrier),

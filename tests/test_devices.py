@@ -109,6 +109,21 @@ def test_precision_a_strategy_cannot_honour_is_refused_in_one_line(strategy, pre
 
 
 def test_a_checkpoint_loads_on_the_cpu_whatever_wrote_it():
-    buf = io.BytesIO()
-    torch.save({"w": torch.ones(3)}, buf)
-    assert fsutil.torch_load(buf.getvalue())["w"].device == torch.device("cpu")
+    """A checkpoint a GPU rank wrote names cuda:0 as its tensors' place; a CPU rank (or the
+    client's Run.model()) must load it all the same. Without a GPU here, torch.save is made to
+    tag the tensors as cuda:0, as a GPU rank's save does (torch.load alone refuses them here)."""
+    import torch.serialization as ser
+
+    def as_if_on_the_gpu(obj):
+        return "cuda:0" if getattr(obj, "device", None) == torch.device("cpu") else None
+    ser.register_package(0, as_if_on_the_gpu, lambda obj, location: None)
+    try:
+        buf = io.BytesIO()
+        torch.save({"w": torch.ones(3)}, buf)
+    finally:
+        ser._package_registry[:] = [p for p in ser._package_registry if p[1] is not as_if_on_the_gpu]
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA device"):
+            torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    w = fsutil.torch_load(buf.getvalue())["w"]
+    assert w.device == torch.device("cpu") and w.tolist() == [1.0, 1.0, 1.0]

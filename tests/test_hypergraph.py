@@ -239,6 +239,7 @@ def test_strategy_sgd_steps_equal_single_process(world):
 def test_eval_step(world):
     n, r = world
     every, ref_sum, ref_correct, loss_rank = r["eval"]
+    assert loss_rank in range(n) and len(every) == n
     for rank, (loss_sum, correct, samples) in enumerate(every):
         if rank == loss_rank:
             assert abs(loss_sum - ref_sum) < TOL * 6 and correct == ref_correct and samples == 6

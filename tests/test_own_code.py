@@ -26,7 +26,7 @@ GROUPS = [{"name": "big", "instances": 1, "vcores": 1, "memory": "2 GiB"},
           {"name": "small", "instances": 2, "vcores": 0.5, "memory": "2 GiB"}]
 
 
-def _script_job(tmp_path, name, source, groups=GROUPS, max_restarts=0, files=None):
+def _script_job(tmp_path, name, source, groups=GROUPS, max_restarts=0, files=None, **extra):
     """job.yaml of `run.script: code/<name>.py` holding `source` ({name: text} of other files beside it)."""
     code = tmp_path / "code"
     code.mkdir(exist_ok=True)
@@ -34,7 +34,7 @@ def _script_job(tmp_path, name, source, groups=GROUPS, max_restarts=0, files=Non
         (code / fname).write_text(text)
     (code / f"{name}.py").write_text(source)
     return write_job(tmp_path / f"{name}.yaml", {"name": name, "groups": groups, "max_restarts": max_restarts,
-                                                 "run": {"script": str(code / f"{name}.py")}})
+                                                 "run": {"script": str(code / f"{name}.py")}, **extra})
 
 
 def _ranks(out, n=3):
@@ -379,10 +379,12 @@ def test_files_a_script_writes_have_the_submitters_umask(cli, tmp_path):
     job = _script_job(tmp_path, "writes", f"from training.context import current\n"
                                           f"open('{out}/rank%d' % current().rank, 'w').close()\n",
                       groups=[GROUPS[0]])
-    umask = os.umask(0o022)
-    os.umask(umask)
-    cli("submit", job, "--wait", check=0)
-    assert oct(stat.S_IMODE(os.stat(out / "rank0").st_mode)) == oct(0o666 & ~umask)
+    umask = os.umask(0o022)         # the submitter's (the yarnapp it starts inherits it)
+    try:
+        cli("submit", job, "--wait", check=0)
+    finally:
+        os.umask(umask)
+    assert oct(stat.S_IMODE(os.stat(out / "rank0").st_mode)) == oct(0o644)
 
 
 def test_a_loop_whose_rank_runs_fewer_steps_names_it_not_a_hang_in_our_code(cli, tmp_path):
@@ -440,16 +442,18 @@ def test_a_loop_that_never_reports_progress_and_whose_rank_ends_early_fails_in_s
 def test_code_on_both_torch_distributed_and_the_mpi_world_whose_ranks_end_apart_succeeds(cli, tmp_path):
     """Code that uses torch.distributed and the MPI world (ctx.comm) and leaves its group
     open ends without the MPI Barrier; the ranks meet in the store instead, and one that
-    ends long after the others (rank 0 writes a report for 12 s, beyond the 10 s the others
-    wait) still succeeds: no MPI call is made on peers that have left."""
+    ends long after the others (rank 0 writes a report for 5 s, beyond the 2 s the others
+    wait: a sixth of launcher.heartbeat_timeout) still succeeds: no MPI call is made on peers
+    that have left."""
     out = tmp_path / "out"
     out.mkdir()
     job = _script_job(tmp_path, "mixed",
                       "import json, time\nimport torch, torch.distributed as dist\n"
                       "from training.context import current\nctx = current()\nctx.init_process_group()\n"
                       "t = torch.ones(1)\ndist.all_reduce(t)\ns = ctx.comm.allreduce(ctx.rank)\n"
-                      "if ctx.rank == 0:\n    time.sleep(12)\n"
-                      f"open(f'{out}/rank{{ctx.rank}}.json', 'w').write(json.dumps([t.item(), s]))\n")
+                      "if ctx.rank == 0:\n    time.sleep(5)\n"
+                      f"open(f'{out}/rank{{ctx.rank}}.json', 'w').write(json.dumps([t.item(), s]))\n",
+                      launcher={"heartbeat_timeout": "12s"})
     proc = cli("submit", job, "--wait", timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)] == [[3.0, 3]] * 3

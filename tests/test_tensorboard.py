@@ -4,7 +4,6 @@ import importlib.util
 import json
 import os
 import select
-import shutil
 import signal
 import subprocess
 import sys
@@ -186,34 +185,8 @@ def test_mirror_copies_only_what_grew(tmp_path):
     tb.close()
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.skipif(not shutil.which("chromium"), reason="needs chromium (apt-get install chromium)")
-def test_screenshot_shows_the_loss_curve(tmp_path):
-    from PIL import Image
-
-    from training.tensorboard import TBLogger
-    tb = TBLogger(str(tmp_path / "logs"), "app_shot")
-    for step in range(60):
-        tb.scalars(step, {TAG: 2.0 / (step + 1), "train/accuracy": 1 - 1 / (step + 1)})
-    tb.close()
-    out = tmp_path / "shot.png"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "docs", "screenshot.py"), str(tmp_path / "logs"),
-                           "--run", "app_shot", "-o", str(out)], capture_output=True, text=True, timeout=170)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert out.stat().st_size > 20_000
-    im = Image.open(out).convert("RGB")
-    assert im.size == (1400, 900)
-    assert len(im.getcolors(1 << 20)) > 50              # not a single colour
-    # Right of the sidebar and below the header, TensorBoard draws the first run's curve in
-    # deep orange (255, 112, 67); an empty chart has none of it.
-    w, h = im.size
-    chart = im.crop((int(w * 0.3), 100, w, h))
-    curve = sum(n for n, (r, g, b) in chart.getcolors(1 << 20) if r > 200 and 60 < g < 170 and b < 130)
-    assert curve > 300, curve
-
-
-def test_a_notebook_shows_tensorboard_through_jupyter_server_proxy_where_it_is_installed(tmp_path, monkeypatch):
-    """A remote notebook (JupyterHub, Hopsworks) could not reach 127.0.0.1:<port>: with
+def test_a_notebooks_tensorboard_url_goes_through_jupyter_server_proxy_where_it_is_installed(tmp_path, monkeypatch):
+    """The URL only (the proxy itself is not started here). A remote notebook (JupyterHub, Hopsworks) could not reach 127.0.0.1:<port>: with
     jupyter-server-proxy in the environment the inline view goes through the notebook
     server's /proxy/<port>/, under the hub's user prefix."""
     import types

@@ -21,8 +21,9 @@ JOBS = os.path.join(HERE, "jobs")
 def test_a_foreign_joiner_is_refused_and_the_job_succeeds(mode, why, yarnapp_home):
     # Ranks 1 and 2 join this late, keeping the world open for the foreign process (started
     # with the job, it knocks within a second of rank 0 publishing its port): a wrong token is
-    # refused at once; a silent one after 5 s, so there the world stays open longer.
-    delay = {"wrong-token": "4", "silent": "10"}[mode]
+    # refused at once; a silent one after 5 s, while rank 1's Connect waits behind it (Accept
+    # takes one joiner at a time).
+    delay = {"wrong-token": "4", "silent": "5"}[mode]
     job = {"name": "knock", "max_restarts": 0,
            "groups": [{"name": "big", "instances": 1, "vcores": 1, "memory": "1 GiB"},
                       {"name": "small", "instances": 2, "vcores": 0.5, "memory": "1 GiB",
