@@ -25,7 +25,7 @@ import uuid
 
 from conf import BUILTIN_RUNNER
 
-from . import beats, exitcodes, identity, keys, malloc, memory, results, retries, stacks, store as store_mod
+from . import beats, exitcodes, identity, keys, malloc, memory, results, retries, stacks, store as store_mod, warm
 from .diagnosis import PeerDiagnosis
 from .procs import die_with_parent, stopped as process_stopped
 from .failure import (WAITED_FOR_FINISHED, Failure, Kind, current_generation, ended_early, log_tail,
@@ -40,7 +40,7 @@ BUSY_HINT = ("; if it was busy there (an evaluation or a save on one rank), call
 EARLY_END_FRACTION = 0.25   # a rank still in a collective this part of launcher.heartbeat_timeout (15 s of
                             # the default 60 s) after a peer's code finished waits for it (code on
                             # torch.distributed fails sooner: the ended rank's sockets close after
-                            # launcher.rank.FINISH_WAIT_S)
+                            # launcher.rank.FINISH_WAIT_FRACTION of it)
 
 
 class State(enum.Enum):
@@ -94,6 +94,7 @@ class Agent(PeerDiagnosis):
         self.job = ident.job
         self.incarnation = uuid.uuid4().hex[:12]
         self.child = None
+        self.warm = None                 # launcher.warm: where this container's ranks are forked from
         self.heartbeat = os.path.abspath(f".heartbeat.{ident.container}")
         self.log_path = os.environ.get("YARNAPP_LOG", "")
         self.members = ident.job.ranks()
@@ -116,8 +117,12 @@ class Agent(PeerDiagnosis):
         except FileNotFoundError:
             pass
         self.memory_before = memory.state(self.cgroup)
-        self.child = subprocess.Popen([sys.executable, "-m", "launcher.rank", "--generation", str(gen),
-                                       "--heartbeat", self.heartbeat], env=env, preexec_fn=die_with_parent)
+        if self.warm is None:           # once per container: the rank's imports, forked per generation
+            self.warm = warm.Warm(env)
+        self.child = self.warm.spawn(gen, self.heartbeat) if self.warm.alive() else None
+        if self.child is None:
+            self.child = subprocess.Popen([sys.executable, "-m", "launcher.rank", "--generation", str(gen),
+                                           "--heartbeat", self.heartbeat], env=env, preexec_fn=die_with_parent)
         self.spawned = time.monotonic()
         self._phase = "setup"
 

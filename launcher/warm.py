@@ -1,0 +1,215 @@
+"""A warm start for every generation after the first: the rank's imports, done once per container.
+
+A rank process spends most of its start importing torch and the training modules (about
+2 CPU-seconds, 4 s of wall time in a container of 0.5 vcores), and every restart of a
+generation paid it again in every container, so that a world re-formed after a rank's
+crash no sooner than a fresh application's. The agent now starts one *warm* process per
+container (`python -m launcher.warm`, in the rank's environment), which imports those
+modules and then forks a rank for each generation it is asked for: `launcher.rank.main`
+runs in the fork as it would in a fresh process. MPI is initialised only in the fork
+(the warm process never imports `mpi4py.MPI`), nor is CUDA: it imports, it does not
+compute. The fork's pages are the warm process's until written (copy on write), so the
+container's memory grows by what the rank writes, not by a second torch.
+
+Protocol (two pipes, so that the rank's stdout and stderr stay the container log's):
+the agent writes `spawn GENERATION HEARTBEAT` lines; the warm process answers
+`pid PID` once it has forked, and `exit PID STATUS` (a Popen returncode: negative for a
+signal) when that rank ends. One rank at a time. The agent's side is `WarmRank`, shaped
+like the `subprocess.Popen` it replaces; where the warm process cannot be had (it died:
+say the kernel killed it for memory) the agent starts ranks as before."""
+import ast
+import importlib
+import importlib.machinery
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+
+from .procs import die_with_parent
+
+log = logging.getLogger("launcher.warm")
+
+# Libraries whose import is long and has no side effects a rank would miss: pre-imported where the
+# job's code imports them at its top (a user's own modules are not: their top level runs per rank).
+LIBRARIES = ("torch", "torchvision", "numpy", "pyarrow", "pandas", "PIL", "sklearn", "training")
+
+
+def imports(job, workdir):
+    """What the warm process imports: the modules a rank of `job` imports anyway before its
+    first step, and nothing more (a job whose code does not import torch pays nothing for
+    it): yarnapp's own entry module (the built-in runner: torch, pyarrow...), or the
+    LIBRARIES that the user's script or function module imports at its top level."""
+    run = job.run
+    if run.function and run.function.split(".")[0] == "training":
+        return [run.function.split(":")[0]]
+    path = None
+    if run.script:
+        path = os.path.join(workdir, run.script)
+    elif run.function:
+        path = _source_of(run.function.split(":")[0])
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read())
+    except (TypeError, OSError, SyntaxError, ValueError):
+        return []                        # a pickled function, or code the rank will fail on itself
+    found = []
+    for node in tree.body:
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.module] + [f"{node.module}.{a.name}" for a in node.names]    # a submodule, if it is one
+                 if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+        found += [n for n in names if n.split(".")[0] in LIBRARIES and n not in found]
+    return found
+
+
+class WarmRank:
+    """The agent's handle on one rank forked by the warm process: pid, poll, wait, kill,
+    returncode, as subprocess.Popen's. Made at once; its pid arrives once the warm process
+    has done its imports and forked (asking for it waits until then)."""
+
+    def __init__(self, warm):
+        self._warm, self._pid, self.returncode = warm, None, None
+
+    @property
+    def pid(self):
+        while self._pid is None and self.returncode is None:
+            self._warm.read(block=True)
+        return self._pid
+
+    def poll(self):
+        if self.returncode is None:
+            self._warm.read(block=False)
+        return self.returncode
+
+    def wait(self):
+        while self.returncode is None:
+            self._warm.read(block=True)
+        return self.returncode
+
+    def kill(self):
+        if self.poll() is None and self.pid is not None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+class Warm:
+    """The agent's side: starts the warm process once, forks ranks through it."""
+
+    def __init__(self, env):
+        r_cmd, w_cmd = os.pipe()
+        r_out, w_out = os.pipe()
+        self.proc = subprocess.Popen([sys.executable, "-m", "launcher.warm", str(r_cmd), str(w_out)],
+                                     env=env, pass_fds=(r_cmd, w_out), preexec_fn=die_with_parent)
+        os.close(r_cmd)
+        os.close(w_out)
+        self._cmd, self._out = os.fdopen(w_cmd, "w", buffering=1), r_out
+        self._buf, self.rank = b"", None
+
+    def alive(self):
+        return self.proc.poll() is None
+
+    def spawn(self, gen, heartbeat):
+        """A rank of generation `gen`, to be forked by the warm process (a WarmRank), or
+        None where the warm process is gone."""
+        try:
+            self._cmd.write(f"spawn {gen} {heartbeat}\n")
+        except OSError as e:
+            log.warning("the warm process is gone (%s); starting ranks afresh", e)
+            self.close()
+            return None
+        self.rank = WarmRank(self)
+        return self.rank
+
+    def read(self, block):
+        """Take in what the warm process said: a rank's end sets its returncode."""
+        while True:
+            try:
+                line = self._line(block)
+            except EOFError:             # the warm process died, and its rank with it (PDEATHSIG)
+                if self.rank is not None and self.rank.returncode is None:
+                    self.rank.returncode = -signal.SIGKILL
+                return
+            if line is None or self.rank is None:
+                return
+            word, pid, *status = line.split()
+            if word == "pid":            # the rank asked for last (an earlier one's exit was read before)
+                self.rank._pid = int(pid)
+                if not block:
+                    continue
+                return
+            if word == "exit" and int(pid) == self.rank._pid:
+                self.rank.returncode = int(status[0])
+                return
+
+    def _line(self, block):
+        while b"\n" not in self._buf:
+            if not block and not select.select([self._out], [], [], 0)[0]:
+                return None
+            chunk = os.read(self._out, 4096)
+            if not chunk:
+                raise EOFError("the warm process ended")
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return line.decode()
+
+    def close(self):
+        try:
+            self._cmd.close()
+        except OSError:
+            pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def _source_of(module):
+    """The file of `module`, found without importing it or its packages (importlib.util.find_spec
+    would run a package's __init__ here, once for every rank to come)."""
+    spec, path = None, None
+    for part in module.split("."):
+        spec = importlib.machinery.PathFinder.find_spec(part, path)
+        if spec is None:
+            return None
+        path = spec.submodule_search_locations
+    return spec.origin
+
+
+def serve(cmd_fd, out_fd):
+    """The warm process: import, then fork a rank per `spawn` line until the agent closes the pipe."""
+    from . import identity
+    for name in imports(identity.from_env().job, os.getcwd()):
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - a module this environment lacks: the rank meets it, if it needs it
+            pass
+    assert "mpi4py.MPI" not in sys.modules, "the warm process must not initialise MPI"
+    commands = os.fdopen(cmd_fd, "r")
+    for line in commands:
+        _, gen, heartbeat = line.split()
+        pid = os.fork()
+        if pid == 0:
+            commands.close()
+            os.close(out_fd)
+            die_with_parent()
+            os.environ["YARNAPP_GENERATION"] = gen
+            sys.argv = [sys.argv[0], "--generation", gen, "--heartbeat", heartbeat]
+            from launcher import rank
+            try:
+                rank.main(sys.argv[1:])          # ends the process itself (os._exit)
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        os.write(out_fd, f"pid {pid}\n".encode())
+        _, status = os.waitpid(pid, 0)
+        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        os.write(out_fd, f"exit {pid} {code}\n".encode())
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]), int(sys.argv[2]))

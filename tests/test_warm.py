@@ -1,0 +1,61 @@
+"""What a container's warm process (launcher.warm) imports before it forks ranks: what the
+job's code imports anyway, and nothing a job without it would pay for. (Its forks, a rank
+restarted from it, and one started afresh once it is gone: tests/test_recovery.py.)"""
+import subprocess
+import sys
+
+import pytest
+
+import conf
+from launcher import warm
+
+pytestmark = pytest.mark.unit
+
+GROUPS = [{"name": "a", "instances": 1, "vcores": 1, "memory": "1 GiB"}]
+
+
+def _job(run, **extra):
+    return conf.load_job({"name": "w", "groups": GROUPS, "run": run, **extra})
+
+
+def test_the_built_in_runner_and_yarnapps_own_functions_are_imported_themselves(digits):
+    job = conf.load_job({"name": "w", "groups": GROUPS,
+                         "training": {"model": "digits_cnn", "data": {"train": f"{digits}/train"}}})
+    assert warm.imports(job, ".") == ["training.runner"]
+    assert warm.imports(_job({"function": "training.hello:main"}), ".") == ["training.hello"]
+
+
+def test_a_scripts_top_level_libraries_are_imported_and_its_own_modules_are_not(tmp_path):
+    (tmp_path / "train.py").write_text(
+        "import os\nimport torch, torch.distributed as dist\nfrom torch import nn\nimport mymodels\n"
+        "from . import helpers\nfrom training import dist as yd\n\ndef main():\n    import pandas\n")
+    assert warm.imports(_job({"script": "train.py"}), str(tmp_path)) == [
+        "torch", "torch.distributed", "torch.nn", "training", "training.dist"]
+    (tmp_path / "plain.py").write_text("import json\nprint(json.dumps(1))\n")
+    assert warm.imports(_job({"script": "plain.py"}), str(tmp_path)) == []       # pays nothing for torch
+
+
+def test_a_function_modules_libraries_are_found_without_running_it(tmp_path, monkeypatch):
+    (tmp_path / "mine.py").write_text("import numpy as np\nraise SystemExit('ran at import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert warm.imports(_job({"function": "mine:main"}), str(tmp_path)) == ["numpy"]
+    assert warm.imports(_job({"function": "not_a_module_anywhere:main"}), str(tmp_path)) == []
+    (tmp_path / "broken.py").write_text("import torch\ndef (:\n")
+    assert warm.imports(_job({"function": "broken:main"}), str(tmp_path)) == []     # the rank names it
+
+
+def test_the_warm_process_never_initialises_mpi_or_cuda():
+    """A fork of a process that initialised MPI or CUDA could use neither."""
+    code = ("import sys, torch\nfrom launcher import warm\nimport importlib\n"
+            "[importlib.import_module(m) for m in ['training.runner', 'training.dist', 'torch.distributed']]\n"
+            "print('mpi4py.MPI' in sys.modules, torch.cuda.is_initialized())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False", "False"], out.stderr
+
+
+def test_a_function_in_a_package_is_read_without_running_the_packages_init(tmp_path, monkeypatch):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("raise SystemExit('ran at import')\n")
+    (tmp_path / "pkg" / "train.py").write_text("import torch\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert warm.imports(_job({"function": "pkg.train:main"}), str(tmp_path)) == ["torch"]
