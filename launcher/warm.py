@@ -40,7 +40,8 @@ def imports(job, workdir):
     """What the warm process imports: the modules a rank of `job` imports anyway before its
     first step, and nothing more (a job whose code does not import torch pays nothing for
     it): yarnapp's own entry module (the built-in runner: torch, pyarrow...), or the
-    LIBRARIES that the user's script or function module imports at its top level."""
+    LIBRARIES that the user's script or function module imports at its top level, up to a
+    statement that sets the environment (which a library may read as it loads)."""
     run = job.run
     if run.function and run.function.split(".")[0] == "training":
         return [run.function.split(":")[0]]
@@ -56,6 +57,9 @@ def imports(job, workdir):
         return []                        # a pickled function, or code the rank will fail on itself
     found = []
     for node in tree.body:
+        if not isinstance(node, (ast.Import, ast.ImportFrom)) and any(
+                isinstance(n, ast.Attribute) and n.attr in ("environ", "putenv") for n in ast.walk(node)):
+            break                        # `os.environ["OMP_NUM_THREADS"] = ...` before `import torch`: as written
         names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                  [node.module] + [f"{node.module}.{a.name}" for a in node.names]    # a submodule, if it is one
                  if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])

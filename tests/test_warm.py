@@ -59,3 +59,10 @@ def test_a_function_in_a_package_is_read_without_running_the_packages_init(tmp_p
     (tmp_path / "pkg" / "train.py").write_text("import torch\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert warm.imports(_job({"function": "pkg.train:main"}), str(tmp_path)) == ["torch"]
+
+
+def test_a_script_that_sets_its_environment_before_importing_a_library_imports_it_itself(tmp_path):
+    """`os.environ["OMP_NUM_THREADS"] = "1"` then `import torch`: the library reads it as it
+    loads, so it is not loaded before the script has run that far."""
+    (tmp_path / "env.py").write_text("import os\nimport numpy\nos.environ['OMP_NUM_THREADS'] = '1'\nimport torch\n")
+    assert warm.imports(_job({"script": "env.py"}), str(tmp_path)) == ["numpy"]
