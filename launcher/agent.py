@@ -117,12 +117,16 @@ class Agent(PeerDiagnosis):
         except FileNotFoundError:
             pass
         self.memory_before = memory.state(self.cgroup)
-        if self.warm is None:           # once per container: the rank's imports, forked per generation
-            self.warm = warm.Warm(env)
-        self.child = self.warm.spawn(gen, self.heartbeat) if self.warm.alive() else None
-        if self.child is None:
-            self.child = subprocess.Popen([sys.executable, "-m", "launcher.rank", "--generation", str(gen),
-                                           "--heartbeat", self.heartbeat], env=env, preexec_fn=die_with_parent)
+        argv = [sys.executable, "-m", "launcher.rank", "--generation", str(gen), "--heartbeat", self.heartbeat]
+        # On the local engine the rank is forked from the container's warm process (launcher.warm),
+        # which did its imports once. Not on YARN: the NodeManager's memory check adds up each
+        # process's resident memory, pages they share counted in both (a second torch, ~0.5 GB).
+        if self.ident.backend == "local" and not (self.warm and self.warm.failed):
+            if self.warm is None or not self.warm.alive():
+                self.warm = warm.Warm(env)
+            self.child = self.warm.spawn(gen, self.heartbeat, argv, env)
+        else:
+            self.child = subprocess.Popen(argv, env=env, preexec_fn=die_with_parent)
         self.spawned = time.monotonic()
         self._phase = "setup"
 

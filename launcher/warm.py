@@ -8,18 +8,23 @@ container (`python -m launcher.warm`, in the rank's environment), which imports 
 modules and then forks a rank for each generation it is asked for: `launcher.rank.main`
 runs in the fork as it would in a fresh process. MPI is initialised only in the fork
 (the warm process never imports `mpi4py.MPI`), nor is CUDA: it imports, it does not
-compute. The fork's pages are the warm process's until written (copy on write), so the
-container's memory grows by what the rank writes, not by a second torch.
+compute. The fork's pages are the warm process's until written (copy on write, and
+gc.freeze() keeps the collector from writing them), so a container's memory cgroup grows by
+what the rank writes, not by a second torch. The local engine's containers only: YARN's
+NodeManager adds up each process's resident memory, shared pages in each (launcher.agent).
 
 Protocol (two pipes, so that the rank's stdout and stderr stay the container log's):
-the agent writes `spawn GENERATION HEARTBEAT` lines; the warm process answers
+the agent writes a JSON line per rank ({"generation", "heartbeat"}); the warm process answers
 `pid PID` once it has forked, and `exit PID STATUS` (a Popen returncode: negative for a
 signal) when that rank ends. One rank at a time. The agent's side is `WarmRank`, shaped
-like the `subprocess.Popen` it replaces; where the warm process cannot be had (it died:
-say the kernel killed it for memory) the agent starts ranks as before."""
+like the `subprocess.Popen` it replaces. A warm process killed with its rank (say for memory)
+is started again for the next generation; one that failed before forking (its own error)
+has that rank, and every later one, started afresh as before."""
 import ast
+import gc
 import importlib
 import importlib.machinery
+import json
 import logging
 import os
 import select
@@ -27,6 +32,7 @@ import signal
 import subprocess
 import sys
 
+from . import exitcodes
 from .procs import die_with_parent
 
 log = logging.getLogger("launcher.warm")
@@ -40,8 +46,8 @@ def imports(job, workdir):
     """What the warm process imports: the modules a rank of `job` imports anyway before its
     first step, and nothing more (a job whose code does not import torch pays nothing for
     it): yarnapp's own entry module (the built-in runner: torch, pyarrow...), or the
-    LIBRARIES that the user's script or function module imports at its top level, up to a
-    statement that sets the environment (which a library may read as it loads)."""
+    LIBRARIES that the user's script or function module imports at its top, before any other
+    statement (one that sets the environment or sys.path may change how a library loads)."""
     run = job.run
     if run.function and run.function.split(".")[0] == "training":
         return [run.function.split(":")[0]]
@@ -57,9 +63,11 @@ def imports(job, workdir):
         return []                        # a pickled function, or code the rank will fail on itself
     found = []
     for node in tree.body:
-        if not isinstance(node, (ast.Import, ast.ImportFrom)) and any(
-                isinstance(n, ast.Attribute) and n.attr in ("environ", "putenv") for n in ast.walk(node)):
-            break                        # `os.environ["OMP_NUM_THREADS"] = ...` before `import torch`: as written
+        if not isinstance(node, (ast.Import, ast.ImportFrom)):
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+                continue                 # the docstring
+            break                        # `os.environ[...] = `, `sys.path.insert(...)`: libraries below
+                                         # it load as the code has them load, after it
         names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                  [node.module] + [f"{node.module}.{a.name}" for a in node.names]    # a submodule, if it is one
                  if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
@@ -70,37 +78,55 @@ def imports(job, workdir):
 class WarmRank:
     """The agent's handle on one rank forked by the warm process: pid, poll, wait, kill,
     returncode, as subprocess.Popen's. Made at once; its pid arrives once the warm process
-    has done its imports and forked (asking for it waits until then)."""
+    has done its imports and forked. Where the warm process fails before forking it (an
+    error of its own: it is not the rank's), the rank is started afresh, as a Popen."""
 
-    def __init__(self, warm):
-        self._warm, self._pid, self.returncode = warm, None, None
+    def __init__(self, warm, argv, env):
+        self._warm, self._argv, self._env = warm, argv, env
+        self._pid, self.returncode, self._popen = None, None, None
 
     @property
     def pid(self):
-        while self._pid is None and self.returncode is None:
+        while self._pid is None and self.returncode is None and self._popen is None:
             self._warm.read(block=True)
-        return self._pid
+        return self._popen.pid if self._popen is not None else self._pid
+
+    def afresh(self):
+        log.warning("the warm process ended before it started this rank (exit status %s); starting it afresh",
+                    self._warm.proc.poll())
+        self._popen = subprocess.Popen(self._argv, env=self._env, preexec_fn=die_with_parent)
 
     def poll(self):
-        if self.returncode is None:
+        if self._popen is not None:
+            self.returncode = self._popen.poll()
+        elif self.returncode is None:
             self._warm.read(block=False)
         return self.returncode
 
     def wait(self):
-        while self.returncode is None:
+        while self._popen is None and self.returncode is None:
             self._warm.read(block=True)
+        if self._popen is not None:
+            self.returncode = self._popen.wait()
         return self.returncode
 
     def kill(self):
-        if self.poll() is None and self.pid is not None:
+        if self.poll() is not None:
+            return
+        if self._popen is not None:
+            self._popen.kill()
+        elif self._pid is None:          # still importing: stop the warm process, not wait for it
+            self._warm.close()
+            self.returncode = -signal.SIGKILL
+        else:
             try:
-                os.kill(self.pid, signal.SIGKILL)
+                os.kill(self._pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
 
 class Warm:
-    """The agent's side: starts the warm process once, forks ranks through it."""
+    """The agent's side: starts the warm process, forks ranks through it."""
 
     def __init__(self, env):
         r_cmd, w_cmd = os.pipe()
@@ -110,31 +136,28 @@ class Warm:
         os.close(r_cmd)
         os.close(w_out)
         self._cmd, self._out = os.fdopen(w_cmd, "w", buffering=1), r_out
-        self._buf, self.rank = b"", None
+        self._buf, self.rank, self.failed = b"", None, False
 
     def alive(self):
         return self.proc.poll() is None
 
-    def spawn(self, gen, heartbeat):
-        """A rank of generation `gen`, to be forked by the warm process (a WarmRank), or
-        None where the warm process is gone."""
+    def spawn(self, gen, heartbeat, argv, env):
+        """A rank of generation `gen` (argv and env: as it would be started afresh), to be
+        forked by the warm process: a WarmRank."""
+        self.rank = WarmRank(self, argv, env)
         try:
-            self._cmd.write(f"spawn {gen} {heartbeat}\n")
-        except OSError as e:
-            log.warning("the warm process is gone (%s); starting ranks afresh", e)
-            self.close()
-            return None
-        self.rank = WarmRank(self)
+            self._cmd.write(json.dumps({"generation": gen, "heartbeat": heartbeat}) + "\n")
+        except OSError:
+            self._ended()
         return self.rank
 
     def read(self, block):
-        """Take in what the warm process said: a rank's end sets its returncode."""
+        """Take in what the warm process said: a rank's pid, or its end (its returncode)."""
         while True:
             try:
                 line = self._line(block)
-            except EOFError:             # the warm process died, and its rank with it (PDEATHSIG)
-                if self.rank is not None and self.rank.returncode is None:
-                    self.rank.returncode = -signal.SIGKILL
+            except EOFError:
+                self._ended()
                 return
             if line is None or self.rank is None:
                 return
@@ -147,6 +170,16 @@ class Warm:
             if word == "exit" and int(pid) == self.rank._pid:
                 self.rank.returncode = int(status[0])
                 return
+
+    def _ended(self):
+        """The warm process is gone: its rank died with it (PDEATHSIG), or, not forked yet, starts afresh."""
+        rank = self.rank
+        if rank is not None and rank.returncode is None and rank._popen is None:
+            if rank._pid is None:
+                self.failed = True       # an error of the warm process's own: ranks start afresh from now on
+                rank.afresh()
+            else:
+                rank.returncode = -signal.SIGKILL
 
     def _line(self, block):
         while b"\n" not in self._buf:
@@ -191,21 +224,35 @@ def serve(cmd_fd, out_fd):
             pass
     assert "mpi4py.MPI" not in sys.modules, "the warm process must not initialise MPI"
     commands = os.fdopen(cmd_fd, "r")
+    gc.freeze()                          # what the imports made is never collected: its pages stay shared
     for line in commands:
-        _, gen, heartbeat = line.split()
+        order = json.loads(line)
+        gen = str(order["generation"])
+        sys.stdout.flush()
+        sys.stderr.flush()
+        parent = os.getpid()
         pid = os.fork()
         if pid == 0:
             commands.close()
             os.close(out_fd)
             die_with_parent()
+            if os.getppid() != parent:   # the warm process died before that took hold
+                os._exit(exitcodes.RANK_FAILED)
+            if "numpy" in sys.modules:   # a fresh process's unseeded draws differ each time (random: reseeded by Python)
+                sys.modules["numpy"].random.seed()
             os.environ["YARNAPP_GENERATION"] = gen
-            sys.argv = [sys.argv[0], "--generation", gen, "--heartbeat", heartbeat]
+            sys.argv = [sys.argv[0], "--generation", gen, "--heartbeat", order["heartbeat"]]
             from launcher import rank
             try:
                 rank.main(sys.argv[1:])          # ends the process itself (os._exit)
                 code = 0
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else 1
+            except SystemExit as e:              # as the interpreter ends on it
+                code = e.code
+                if code is None:
+                    code = 0
+                elif not isinstance(code, int):
+                    print(code, file=sys.stderr)
+                    code = 1
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)

@@ -1,6 +1,7 @@
 """What a container's warm process (launcher.warm) imports before it forks ranks: what the
 job's code imports anyway, and nothing a job without it would pay for. (Its forks, a rank
 restarted from it, and one started afresh once it is gone: tests/test_recovery.py.)"""
+import os
 import subprocess
 import sys
 
@@ -62,7 +63,20 @@ def test_a_function_in_a_package_is_read_without_running_the_packages_init(tmp_p
 
 
 def test_a_script_that_sets_its_environment_before_importing_a_library_imports_it_itself(tmp_path):
-    """`os.environ["OMP_NUM_THREADS"] = "1"` then `import torch`: the library reads it as it
-    loads, so it is not loaded before the script has run that far."""
-    (tmp_path / "env.py").write_text("import os\nimport numpy\nos.environ['OMP_NUM_THREADS'] = '1'\nimport torch\n")
+    """`os.environ["OMP_NUM_THREADS"] = "1"` or `sys.path.insert(...)` then `import torch`: the
+    library loads as the script has it load, after that line."""
+    (tmp_path / "env.py").write_text('"""doc"""\nimport os\nimport numpy\nos.environ["OMP_NUM_THREADS"] = "1"\n'
+                                     'import torch\n')
     assert warm.imports(_job({"script": "env.py"}), str(tmp_path)) == ["numpy"]
+    (tmp_path / "path.py").write_text("import sys\nsys.path.insert(0, 'vendor')\nimport numpy\n")
+    assert warm.imports(_job({"script": "path.py"}), str(tmp_path)) == []
+
+
+def test_a_warm_process_that_fails_before_forking_starts_the_rank_afresh(tmp_path):
+    """Its own error (here: no job in its environment) is not the rank's: the rank is started
+    as a process of its own, its exit status is the rank's, and later ranks start so too."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("YARNAPP_")}
+    w = warm.Warm(env)
+    rank = w.spawn(0, str(tmp_path / "hb"), [sys.executable, "-c", "import os; print(os.getpid()); exit(7)"], env)
+    assert rank.wait() == 7 and w.failed and not w.alive()
+    assert rank.pid != w.proc.pid and rank.poll() == 7

@@ -398,7 +398,7 @@ def test_containers_killed_and_frozen_are_replaced_through_skein_bit_identically
 
 def _survives(cluster, reference_weights, name, faults, replaced, **extra):
     """Run the digits job on HDFS; at each (step, fault) of `faults`, in its own generation,
-    fault rank 1's container (kill: SIGKILL its agent; freeze: SIGSTOP its agent, warm process and rank);
+    fault rank 1's container (kill: SIGKILL its agent; freeze: SIGSTOP its agent and rank);
     then check the end: one restart for each replacement in `replaced` ({replacement: the
     slot it took}), status naming the ranks, the uninterrupted run's weights, nothing left.
     Returns the final status."""
@@ -431,11 +431,10 @@ def _survives(cluster, reference_weights, name, faults, replaced, **extra):
                 r == slots[replaced.get(c, c)] for c, r in held.items()), st["containers"]
             members = json.loads(kv[keys.formed(len(st["restarts"]))])["members"]
             rank1 = psutil.Process(next(m["pid"] for m in members if m["rank"] == 1))
-            warm = rank1.parent()                     # the container's launcher.warm, forked from
-            agent = warm.parent()
-            assert "launcher.warm" in " ".join(warm.cmdline()) and "launcher.agent" in " ".join(agent.cmdline())
+            agent = rank1.parent()
+            assert "launcher.agent" in " ".join(agent.cmdline())
             if fault == "freeze":
-                for p in (agent, warm, rank1):
+                for p in (agent, rank1):
                     os.kill(p.pid, signal.SIGSTOP)
             else:
                 os.kill(agent.pid, signal.SIGKILL)                 # the container's process
