@@ -1,4 +1,4 @@
-"""A warm start for every generation after the first: the rank's imports, done once per container.
+"""Warm restarts: a container's ranks forked from a process that did their imports once.
 
 A rank process spends most of its start importing torch and the training modules (about
 2 CPU-seconds, 4 s of wall time in a container of 0.5 vcores), and every restart of a
@@ -31,6 +31,7 @@ import select
 import signal
 import subprocess
 import sys
+import traceback
 
 from . import exitcodes
 from .procs import die_with_parent
@@ -253,6 +254,9 @@ def serve(cmd_fd, out_fd):
                 elif not isinstance(code, int):
                     print(code, file=sys.stderr)
                     code = 1
+            except BaseException:  # noqa: BLE001 - never back into the warm process's loop
+                traceback.print_exc()
+                code = exitcodes.RANK_FAILED
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
