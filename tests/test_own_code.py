@@ -46,37 +46,15 @@ def _equal(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_an_unmodified_torchrun_ddp_script_trains_and_its_replicas_end_equal(tmp_path, yarnapp_home):
+def test_an_unmodified_ddp_script_gets_torchruns_environment_survives_a_sigkill_and_its_snapshot_resumes(
+        tmp_path, yarnapp_home):
+    """A torchrun script, unmodified: the environment torchrun gives it, a rank SIGKILLed after
+    its first snapshot, the world restarted and the script resuming from its own snapshot, the
+    replicas equal at the end."""
     out = tmp_path / "out"
     out.mkdir()
     groups = [GROUPS[0], {**GROUPS[1], "env": {"MALLOC_TRIM_THRESHOLD_": "1073741824"}}]
-    job = {"name": "ddp", "groups": groups, "max_restarts": 0,
-           "run": {"script": os.path.join(JOBS, "ddp_train.py"), "args": ["--out", str(out), "--epochs", "2"]}}
-    run = yarnapp.submit(job)
-    st = run.wait(timeout=300)
-    assert st["state"] == "SUCCEEDED", run.logs()
-    weights, info = _ranks(out)
-    assert _equal(weights[0], weights[1]) and _equal(weights[0], weights[2])
-    envs = [i["env"] for i in info]
-    assert [e["RANK"] for e in envs] == ["0", "1", "2"] and {e["WORLD_SIZE"] for e in envs} == {"3"}
-    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "2"]            # all on this one host
-    assert {e["LOCAL_WORLD_SIZE"] for e in envs} == {"3"} and {e["GROUP_RANK"] for e in envs} == {"0"}
-    assert {e["GROUP_WORLD_SIZE"] for e in envs} == {"1"}
-    assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs}) == 1
-    assert {e["TORCHELASTIC_RESTART_COUNT"] for e in envs} == {"0"}
-    # launcher.malloc's settings, unless the group sets its own (then none of ours)
-    assert [(e["MALLOC_MMAP_THRESHOLD_"], e["MALLOC_TRIM_THRESHOLD_"]) for e in envs] == \
-        [(str(32 << 20), str(256 << 20))] + [(None, "1073741824")] * 2
-    # the script was shipped: every container ran its own copy, not the repository's
-    for c in ("big_0", "small_0", "small_1"):
-        assert os.path.isfile(os.path.join(st["app_dir"], "containers", c, "work", "jobs", "ddp_train.py"))
-    assert_nothing_left(run.app_id)
-
-
-def test_the_ddp_script_survives_a_sigkill_and_its_own_snapshot_resumes(tmp_path, yarnapp_home):
-    out = tmp_path / "out"
-    out.mkdir()
-    job = {"name": "ddp-kill", "groups": GROUPS, "max_restarts": 2,
+    job = {"name": "ddp-kill", "groups": groups, "max_restarts": 2,
            "run": {"script": os.path.join(JOBS, "ddp_train.py"),
                    "args": ["--out", str(out), "--epochs", "6", "--pause", "0.05"]}}
     run = yarnapp.submit(job)
@@ -93,7 +71,19 @@ def test_the_ddp_script_survives_a_sigkill_and_its_own_snapshot_resumes(tmp_path
     assert "rank 1 (small_0) killed by signal 9" in st["restarts"][0]["reason"]
     weights, info = _ranks(out)
     assert _equal(weights[0], weights[1]) and _equal(weights[0], weights[2])
-    assert {i["env"]["TORCHELASTIC_RESTART_COUNT"] for i in info} == {"1"}
+    envs = [i["env"] for i in info]
+    assert [e["RANK"] for e in envs] == ["0", "1", "2"] and {e["WORLD_SIZE"] for e in envs} == {"3"}
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "2"]            # all on this one host
+    assert {e["LOCAL_WORLD_SIZE"] for e in envs} == {"3"} and {e["GROUP_RANK"] for e in envs} == {"0"}
+    assert {e["GROUP_WORLD_SIZE"] for e in envs} == {"1"}
+    assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs}) == 1
+    assert {e["TORCHELASTIC_RESTART_COUNT"] for e in envs} == {"1"}
+    # launcher.malloc's settings, unless the group sets its own (then none of ours)
+    assert [(e["MALLOC_MMAP_THRESHOLD_"], e["MALLOC_TRIM_THRESHOLD_"]) for e in envs] == \
+        [(str(32 << 20), str(256 << 20))] + [(None, "1073741824")] * 2
+    # the script was shipped: every container ran its own copy, not the repository's
+    for c in ("big_0", "small_0", "small_1"):
+        assert os.path.isfile(os.path.join(st["app_dir"], "containers", c, "work", "jobs", "ddp_train.py"))
     started = {i["started_at_epoch"] for i in info}
     assert len(started) == 1 and started.pop() >= 1, info          # resumed from its snapshot
     assert "resuming from the snapshot" in run.logs("small_0")["small_0"]
