@@ -246,12 +246,8 @@ class Agent(PeerDiagnosis):
                     # Only where every unfinished rank waits: one may wait for a slow peer.
                     at = stacks.where(stacks.dump(self.child.pid, self.heartbeat + stacks.SUFFIX))
                     self.store.put(keys.waiting(gen, rank), str(time.time()) if at and at.waiting else "0")
-                    if at and at.waiting and self.all_waiting(gen, early_end + 5.0):
-                        return Outcome.OWN, Failure(kind=Kind.HUNG.value, container=me, rank=rank, reason=(
-                            f"rank {rank} ({me}) waited {now - peer_ended:.0f}s in a collective at "
-                            f"{at.caller or at.frame} for {', '.join(gone)}, {WAITED_FOR_FINISHED}: "
-                            f"{'it' if len(gone) == 1 else 'they'} ran fewer steps than this rank; every rank "
-                            f"must run the same steps"))
+                    if at and at.waiting and self.all_waiting(gen, seen, early_end + 5.0):
+                        return Outcome.OWN, self.waited_for_finished(now - peer_ended, gone, at.caller or at.frame)
                     # busy, or a peer not found waiting (yet): looked at again soon, or a period later
                     peer_ended = now - (max(0.0, early_end - 2.0) if at and at.waiting else 0.0)
                 # a stopped process is not setting up: heartbeat_timeout, in any phase
@@ -285,10 +281,7 @@ class Agent(PeerDiagnosis):
                         continue
                     gone = self.finished_peers(gen, seen) if at and at.waiting else []
                     if gone:        # it waits in a collective for ranks whose code has ended
-                        return Outcome.OWN, Failure(kind=Kind.HUNG.value, container=me, rank=rank, reason=(
-                            f"rank {rank} ({me}) waited {silent:.0f}s in a collective for {', '.join(gone)}, "
-                            f"{WAITED_FOR_FINISHED}: {'it' if len(gone) == 1 else 'they'} ran fewer steps than "
-                            f"this rank; every rank must run the same steps"))
+                        return Outcome.OWN, self.waited_for_finished(silent, gone)
                     return Outcome.OWN, Failure(
                         kind=Kind.HUNG.value, container=me, rank=rank,
                         reason=f"rank {rank} ({me}) hung{' (process stopped)' if stopped else ''}: "
@@ -305,19 +298,28 @@ class Agent(PeerDiagnosis):
                                             reason=f"lost {lost[0]}: {lost[1]}")
             time.sleep(lj.poll_interval)
 
-    def all_waiting(self, gen, within):
-        """Whether every rank whose code has not finished was found waiting in a collective
-        within the last `within` seconds (keys.waiting, written by each one's agent)."""
-        marks = self.store.get_prefix(keys.waiting(gen))
-        finished = self.store.get_prefix(keys.finished(gen))
+    def all_waiting(self, gen, seen, within):
+        """Whether every other rank whose code has not finished was found waiting in a
+        collective within the last `within` seconds (keys.waiting, written by each one's agent;
+        `seen`: this poll's snapshot, which holds the generation's keys). This agent's own rank
+        was just found waiting."""
         fresh = time.time() - within
         for m in self.members:
-            if keys.finished(gen, m["rank"]) in finished:
+            if m["rank"] == self.ident.rank or keys.finished(gen, m["rank"]) in seen:
                 continue
-            mark = marks.get(keys.waiting(gen, m["rank"]))
+            mark = seen.get(keys.waiting(gen, m["rank"]))
             if mark is None or float(mark) < fresh:
                 return False
         return True
+
+    def waited_for_finished(self, seconds, gone, where=None):
+        """The failure of this rank, found waiting in a collective for `gone`, ranks whose
+        code finished (launcher.retries does not retry it: every attempt runs the same steps)."""
+        rank, me = self.ident.rank, self.ident.container
+        return Failure(kind=Kind.HUNG.value, container=me, rank=rank, reason=(
+            f"rank {rank} ({me}) waited {seconds:.0f}s in a collective{f' at {where}' if where else ''} for "
+            f"{', '.join(gone)}, {WAITED_FOR_FINISHED}: {'it' if len(gone) == 1 else 'they'} ran fewer steps "
+            f"than this rank; every rank must run the same steps"))
 
     def phase_words(self, phase):
         """"in train", "in setup"; own code's setup is its time before its first progress
