@@ -217,7 +217,7 @@ def _source_of(module):
 
 def serve(cmd_fd, out_fd):
     """The warm process: import, then fork a rank per `spawn` line until the agent closes the pipe."""
-    from . import identity
+    from . import identity, rank         # once here, not in every fork
     for name in imports(identity.from_env().job, os.getcwd()):
         try:
             importlib.import_module(name)
@@ -243,7 +243,6 @@ def serve(cmd_fd, out_fd):
                 sys.modules["numpy"].random.seed()
             os.environ["YARNAPP_GENERATION"] = gen
             sys.argv = [sys.argv[0], "--generation", gen, "--heartbeat", order["heartbeat"]]
-            from launcher import rank
             try:
                 rank.main(sys.argv[1:])          # ends the process itself (os._exit)
                 code = 0
