@@ -554,13 +554,78 @@ def test_wrong_schema_names_file_and_column(tmp_path, case, table, expect):
     _one_line_naming(e, "part-00001.parquet", expect)
 
 
-def test_a_partitioned_directory_says_its_files_are_one_level_down(tmp_path):
-    """Spark's partitionBy writes part=0/x.parquet: 'no .parquet shards' read as if there were none."""
-    _write(str(tmp_path / "hive" / "part=0" / "x.parquet"), _good_table())
+def _partitioned(root, n=30, classes=3, days=("2026-11-01", "2026-11-02")):
+    """Spark's partitionBy("day", "label") output: day=D/label=N/part-*.parquet (the label and
+    day columns not in the files), with _SUCCESS and .crc side files. Image i holds 12 raw
+    pixels of value i; its label i % classes; returns {pixel value: label}."""
+    want = {}
+    for d, day in enumerate(days):
+        for lab in range(classes):
+            ids = [i for i in range(n) if i % classes == lab and i % len(days) == d]
+            px = np.repeat(np.array(ids, np.uint8), 12)
+            table = pa.table({"image": pa.FixedSizeBinaryArray.from_buffers(pa.binary(12), len(ids),
+                                                                            [None, pa.py_buffer(px)])})
+            leaf = root / f"day={day}" / f"label={lab}"
+            _write(str(leaf / "part-00000-5f1c.c000.snappy.parquet"), table)      # the same name in every one
+            (leaf / ".part-00000-5f1c.c000.snappy.parquet.crc").write_bytes(b"")
+            want.update({i: lab for i in ids})
+    (root / "_SUCCESS").write_bytes(b"")
+    return want
+
+
+def test_spark_partitionby_output_reads_its_labels_from_the_directories(tmp_path):
+    """Spark's and Hive's partitionBy write label=N/ directories and leave the column out of
+    the files: it was refused ("point training.data at one directory"); now every row reads
+    with its directory's label, the classes from them, mean/std cached at the dataset's root."""
+    want = _partitioned(tmp_path / "ds")
+    src = ParquetSource(str(tmp_path / "ds"), _spec(shape=[3, 2, 2]))
+    assert src.num_classes == 3 and len(src) == 30 and len(src.layout.paths) == 6
+    assert src.layout.label_partitioned and src.layout.partitions[0] == {"label": 0}      # day: not read
+    assert src.layout.names[0].endswith("ds/day=2026-11-01/label=0/part-00000-5f1c.c000.snappy.parquet")
+    x, y = src.read_arrays()
+    assert sorted(zip(x[:, 0, 0, 0].tolist(), y.tolist())) == sorted(want.items())
+    src._resolve_stats()
+    assert os.path.exists(tmp_path / "ds" / "_yarnapp_stats.json") and np.allclose(src.mean, np.mean(list(want)))
+    # a label column in the files wins over a directory of that name; class names from a directory too
+    _write(str(tmp_path / "own" / "label=7" / "part-0.parquet"), _good_table(labels=[0, 1, 2, 1]))
+    assert ParquetSource(str(tmp_path / "own")).read_arrays()[1].tolist() == [0, 1, 2, 1]
+    for lab, name in enumerate(["cat", "dog"]):
+        _write(str(tmp_path / "named" / f"class_name={name}" / "x.parquet"), pa.table({
+            "image": pa.array([bytes([lab] * 4)], pa.binary(4)), "label": pa.array([lab], pa.int64())}))
+    named = ParquetSource(str(tmp_path / "named"), _spec(shape=[1, 2, 2], columns={"class_name": "class_name"}))
+    assert named.classes == ["cat", "dog"]
+
+
+def test_partitioned_output_that_cannot_be_read_is_one_line_naming_the_file(tmp_path):
+    _partitioned(tmp_path / "nulls", classes=2, days=("a",))
+    os.rename(tmp_path / "nulls" / "day=a" / "label=1", tmp_path / "nulls" / "day=a" / "label=__HIVE_DEFAULT_PARTITION__")
+    from training.data.checks import check
     with pytest.raises(DataError) as e:
-        ParquetSource(str(tmp_path / "hive"))
-    _one_line_naming(e, "holds no .parquet files of its own, but its subdirectories do (part=0/x.parquet)",
-                     "without partitionBy")
+        check(str(tmp_path / "nulls"), shape=(3, 2, 2))
+    _one_line_naming(e, "day=a/label=__HIVE_DEFAULT_PARTITION__/part-00000", "row(s) without a label",
+                     "its directory label=__HIVE_DEFAULT_PARTITION__")
+    for lab in ("cat", "dog"):
+        _write(str(tmp_path / "strings" / f"label={lab}" / "x.parquet"), pa.table({"image": pa.array([b"abcd"], pa.binary(4))}))
+    with pytest.raises(DataError) as e:
+        ParquetSource(str(tmp_path / "strings"), _spec(shape=[1, 2, 2]))
+    _one_line_naming(e, "label=cat/x.parquet", "label column 'label' (its directories, label=...) is string",
+                     "training.data.columns.class_name")
+    _write(str(tmp_path / "mixed" / "label=0" / "x.parquet"), _good_table())
+    _write(str(tmp_path / "mixed" / "label=1" / "extra" / "y.parquet"), _good_table())
+    with pytest.raises(DataError) as e:
+        ParquetSource(str(tmp_path / "mixed"))
+    _one_line_naming(e, "mixed/label=1/extra/y.parquet", "not under column=value directories")
+    _write(str(tmp_path / "uneven" / "label=0" / "x.parquet"), _good_table())
+    _write(str(tmp_path / "uneven" / "label=1" / "day=a" / "y.parquet"), _good_table())
+    with pytest.raises(DataError) as e:
+        ParquetSource(str(tmp_path / "uneven"))
+    _one_line_naming(e, "uneven/label=1/day=a/y.parquet", "['day', 'label']", "mixes datasets")
+    # subdirectories that are not partitions: two datasets side by side
+    _write(str(tmp_path / "two" / "train" / "x.parquet"), _good_table())
+    with pytest.raises(DataError) as e:
+        ParquetSource(str(tmp_path / "two"))
+    _one_line_naming(e, "holds no .parquet files of its own, but its subdirectories do (train/x.parquet)",
+                     "one directory per dataset")
     os.makedirs(tmp_path / "empty" / "sub")
     with pytest.raises(DataError) as e:
         ParquetSource(str(tmp_path / "empty"))

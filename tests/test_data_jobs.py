@@ -79,9 +79,11 @@ def _jpeg(arr):
     return buf.getvalue()
 
 
-def test_a_plain_pyarrow_jpeg_file_without_metadata_trains(tmp_path, yarnapp_home):
+def test_plain_pyarrow_jpeg_files_without_metadata_written_partitioned_by_class_train(tmp_path, yarnapp_home):
     """JPEG bytes and an int label, written by plain pyarrow: no yarnapp metadata, mean/std
-    computed by rank 0 and cached, augmentation on; the classes are colours, learnt."""
+    computed by rank 0 and cached, augmentation on; the classes are colours, learnt. The
+    training set as Spark's partitionBy("class") writes it (class=K/ directories, the column
+    left out of the files), the test set one file with the column."""
     rng = np.random.default_rng(5)
     colours = np.array([[200, 40, 40], [40, 200, 40], [40, 40, 200], [200, 200, 40]])
 
@@ -89,8 +91,8 @@ def test_a_plain_pyarrow_jpeg_file_without_metadata_trains(tmp_path, yarnapp_hom
         labels = rng.integers(0, 4, n)
         imgs = [np.clip(colours[k] + rng.normal(0, 30, (20, 20, 3)), 0, 255).astype(np.uint8) for k in labels]
         return pa.table({"jpeg": [_jpeg(a) for a in imgs], "class": pa.array(labels, pa.int32())})
-    (tmp_path / "train").mkdir()
-    pq.write_table(table(600), tmp_path / "train" / "a.parquet", row_group_size=100)
+    pq.write_to_dataset(table(600), tmp_path / "train", partition_cols=["class"], row_group_size=100)
+    assert sorted(os.listdir(tmp_path / "train")) == [f"class={k}" for k in range(4)]
     pq.write_table(table(200), tmp_path / "test.parquet")
     groups = [{"name": "big", "instances": 1, "vcores": 1, "memory": "1 GiB"},
               {"name": "small", "instances": 2, "vcores": 0.5, "memory": "1 GiB"}]

@@ -277,3 +277,34 @@ def test_row_groups_read_in_parts_many_times_over_are_warned_of(tmp_path, caplog
     with caplog.at_level(logging.WARNING, logger="yarnapp.preflight"):
         preflight.check_data(job, "job.yaml")                   # row groups of 0.5 MiB: read once
     assert caplog.messages == []
+
+
+def test_labels_from_partition_directories_with_a_small_shuffle_window_are_warned_of(tmp_path, caplog):
+    """Spark's partitionBy("label") puts one class in every row group, and a batch draws from
+    one shuffle window: a window of 2 row groups would train on batches of 1-2 of 4 classes."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    n, width = 2 * 670, 3 * 16 * 16             # 2 row groups of 0.49 MiB a class
+    for label in range(4):
+        px = np.random.default_rng(label).integers(0, 256, (n, width), dtype=np.uint8)
+        (tmp_path / "ds" / f"label={label}").mkdir(parents=True)
+        pq.write_table(pa.table({"image": pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), n,
+                                                                               [None, pa.py_buffer(px)])}),
+                       tmp_path / "ds" / f"label={label}" / "part-0.parquet", row_group_size=n // 2,
+                       compression="none")
+
+    def warned(window):
+        job = conf.load_job({"name": "t", "groups": [{"name": "w", "instances": 1, "vcores": 1}],
+                             "training": {"data": {"train": str(tmp_path / "ds"), "shape": [3, 16, 16],
+                                                   "shuffle_window": window}}})
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="yarnapp.preflight"):
+            preflight.check_data(job, "job.yaml")
+        return caplog.messages
+    assert warned("1 MiB") == [
+        "job.yaml: training.data.train: its labels come from label=N directories, so each row group holds one "
+        "class, and a batch draws from a shuffle window of about 2 row groups (1 MiB) for 4 classes; raise "
+        "training.data.shuffle_window to 4 MiB or more, or write the data shuffled, without partitionBy(\"label\")"]
+    assert warned("4 MiB") == []               # the whole dataset: one window

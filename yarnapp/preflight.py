@@ -92,6 +92,8 @@ def check_data(job, where=None, on_cluster=False):
             if split == "train":
                 _check_window(job, blocks, pre)
                 _warn_big_row_groups(uri, blocks, pre)
+                if found[split].label_partitioned:
+                    _warn_one_class_blocks(job, found[split], pre)
     train, shape = found.get("train"), None
     if not data.transform:      # the user's own transform runs in the containers only
         shape = _check_sizes(data, shapes, pre)
@@ -144,6 +146,25 @@ def _warn_big_row_groups(uri, blocks, pre):
                 "group's start, so an epoch reads about %.1fx the data's %s; write row groups of at most %s "
                 "(pyarrow's row_group_size, Spark's parquet.block.size)", pre, _about(max(groups.values())), uri,
                 _about(MAX_BLOCK_BYTES), cost / once, _about(once), _about(MAX_BLOCK_BYTES))
+
+
+def _warn_one_class_blocks(job, found, pre):
+    """Warn where the labels come from label=N directories (Spark's partitionBy("label")),
+    so every row group holds one class, and a shuffle window holds too few row groups for
+    a batch to see most classes (a batch draws its rows from one window)."""
+    window = (job.training.data.shuffle_window or 0) << 20
+    sizes = [b.nbytes for b in found.blocks]
+    k = found.num_classes or 0
+    if not window or not sizes or not k:
+        return
+    per_window = window / (sum(sizes) / len(sizes))
+    if per_window >= 2 * k or window >= sum(sizes):
+        return
+    need = min(sum(sizes), 2 * k * sum(sizes) / len(sizes))
+    log.warning("%straining.data.train: its labels come from label=N directories, so each row group holds one "
+                "class, and a batch draws from a shuffle window of about %.0f row groups (%s) for %d classes; "
+                "raise training.data.shuffle_window to %s or more, or write the data shuffled, without "
+                "partitionBy(\"label\")", pre, per_window, _size(window), k, f"{-(-int(need) // 2**20)} MiB")
 
 
 def _about(nbytes):

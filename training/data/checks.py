@@ -13,8 +13,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from .common import IO_ERRORS, DataError, one_line
-from .formats import (RAW, STRUCT, Block, Columns, blocks_of, hf_classes, label_range, null_count, read_footers,
-                      wanted_columns)
+from .formats import HIVE_NULL, RAW, STRUCT, Block, Columns, blocks_of, hf_classes, read_footers, wanted_columns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +26,7 @@ class Checked:
     num_classes: Optional[int]      # from its metadata, else the largest label + 1 where the statistics say
     lowest: Optional[int] = None    # its smallest label, where the statistics say
     named: bool = False             # its metadata (ours or Hugging Face's) gives the number of classes
+    label_partitioned: bool = False  # its labels come from label=N directories: a file holds one class
 
 
 def check(uri, columns=None, shape=None, named=False):
@@ -35,19 +35,21 @@ def check(uri, columns=None, shape=None, named=False):
     null label or image (the footers' statistics), no label outside the metadata's classes.
     Returns what it found (Checked). named: the classes are named elsewhere (a test set's,
     by its training set): no class-name column is needed."""
-    columns = columns or Columns()
-    fs, paths, names, footers, meta, kind, raw_shape, columns = read_footers(uri, columns, shape, named)
+    f = read_footers(uri, columns or Columns(), shape, named)
+    columns, meta, kind = f.columns, f.meta, f.kind
     n = int(meta["num_classes"]) if meta.get("num_classes") else None
     top, low = -1, None                     # the largest and smallest label, while every footer gives them
     image = f"{columns.image}.bytes" if kind == STRUCT else columns.image     # a path alone is no image
-    for name, md in zip(names, footers):    # labels outside the classes: found in a rank mid-epoch otherwise
+    for i, (name, md) in enumerate(zip(f.names, f.footers)):    # labels outside the classes: found in a rank mid-epoch otherwise
         for column, what in ((columns.label, "a label"), (image, "an image")):
-            nulls = null_count(md, column)
+            nulls = f.nulls(i, column)
             if nulls:
-                raise DataError(f"{name}: {nulls} row(s) without {what} (null in column {column!r}, its footer's "
-                                f"statistics); drop those rows, or give each {what}")
+                where = (f"its directory {column}={HIVE_NULL}" if column in f.partitions[i] else
+                         f"null in column {column!r}, its footer's statistics")
+                raise DataError(f"{name}: {nulls} row(s) without {what} ({where}); drop those rows, or give "
+                                f"each {what}")
         try:
-            r = label_range(md, columns.label)
+            r = f.labels(i)
         except (TypeError, ValueError):     # statistics that are not integers: the ranks' check
             r = None
         if r and n and (r[0] < 0 or r[1] >= n):
@@ -60,14 +62,15 @@ def check(uri, columns=None, shape=None, named=False):
         if top is not None and md.num_rows:
             top, low = (max(top, r[1]), r[0] if low is None else min(low, r[0])) if r else (None, None)
     if kind != RAW:
-        _check_first_image(fs, paths, names, footers, columns, kind, shape)
-    blocks = [b for i, md in enumerate(footers) for b in blocks_of(i, md, wanted_columns(columns))]
+        _check_first_image(f.fs, f.paths, f.names, f.footers, columns, kind, shape)
+    blocks = [b for i, md in enumerate(f.footers) for b in blocks_of(i, md, wanted_columns(columns))]
     named = [str(c) for c in meta["classes"]] if meta.get("classes") else \
-        hf_classes(footers[0].schema.to_arrow_schema(), columns.label)
-    return Checked(rows=sum(md.num_rows for md in footers), shape=raw_shape if kind == RAW else None,
+        hf_classes(f.footers[0].schema.to_arrow_schema(), columns.label)
+    return Checked(rows=sum(md.num_rows for md in f.footers), shape=f.shape if kind == RAW else None,
                    blocks=blocks, classes=named or None,
                    num_classes=n or (len(named) if named else None) or (top + 1 if top is not None else None),
-                   lowest=low, named=bool(n or named))
+                   lowest=low, named=bool(n or named),
+                   label_partitioned=any(columns.label in part for part in f.partitions))
 
 
 def check_test_classes(uri, classes, num_classes, train_uri, train_classes, train_num_classes):

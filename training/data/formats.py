@@ -25,6 +25,7 @@ import functools
 import json
 import logging
 import posixpath
+import urllib.parse
 from typing import List, Optional
 
 import numpy as np
@@ -40,6 +41,7 @@ META_KEY = b"yarnapp"
 HF_KEY = b"huggingface"
 MAX_BLOCK_BYTES = 32 << 20     # a row group bigger than this is read as row ranges of at most this
 RAW, ENCODED, STRUCT = "raw", "encoded", "struct"
+HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"     # Hive's and Spark's directory name for a null value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +90,8 @@ class Layout:
     classes: Optional[list]
     num_classes: int
     blocks: List[Block]
+    root: str = ""              # the dataset's directory inside fs (the file's, for a single file)
+    partitions: List[dict] = dataclasses.field(default_factory=list)   # per file: Hive directories' values
 
     @property
     def rows(self):
@@ -118,6 +122,31 @@ class Layout:
     def read_columns(self):
         return [self.columns.image, self.columns.label] + ([self.columns.class_name] if self.columns.class_name else [])
 
+    def file_columns(self, file):
+        """The columns read from file `file`'s pages: read_columns() less those its Hive
+        directories give (constant_columns)."""
+        part = self.partitions[file] if self.partitions else {}
+        return [c for c in self.read_columns() if c not in part]
+
+    def constant_columns(self, file, rows):
+        """{column: Arrow array of `rows` copies} of the columns file `file`'s Hive
+        directories give (Spark's partitionBy: label=3/part-0.parquet)."""
+        part = self.partitions[file] if self.partitions else {}
+        return {c: constant(part[c], rows) for c in self.read_columns() if c in part}
+
+    @property
+    def label_partitioned(self):
+        """Whether the labels come from Hive directories: every file holds one class."""
+        return any(self.columns.label in part for part in self.partitions)
+
+
+def constant(value, rows):
+    """An Arrow array of `rows` copies of a partition value (int64, string, or nulls)."""
+    if value is None:
+        return pa.nulls(rows, pa.int64())
+    return pa.array(np.full(rows, value, dtype=np.int64)) if isinstance(value, int) else \
+        pa.array([value] * rows, pa.string())
+
 
 def is_shard(entry):
     """Whether a directory entry (pyarrow FileInfo) is one of a dataset's Parquet shards."""
@@ -126,25 +155,30 @@ def is_shard(entry):
 
 
 def list_files(uri, fs, path):
+    """(paths, partitions): the dataset's Parquet shards, sorted, and for each the values
+    its Hive-style directories give ({} for a shard of the directory itself). A directory
+    with no shards of its own is read as Spark's or Hive's partitionBy output where its
+    subdirectories are `column=value` (as many levels deep as written; `column` then reads
+    as a column of every row below); other subdirectories are refused in one line."""
     found = info(fs, path, uri)
     if found.type == pafs.FileType.NotFound:
         raise DataError(f"no dataset at {uri}: it does not exist; {IMPORT_HINT}")
     if found.type == pafs.FileType.File:
-        return [path]
-    try:
-        entries = fs.get_file_info(pafs.FileSelector(path, recursive=False))
-    except IO_ERRORS as e:
-        raise Unreachable(f"cannot list {uri}: {one_line(e)}") from None
+        return [path], [{}]
+    entries = _listing(fs, path, uri)
     files = sorted(e.path for e in entries if is_shard(e))
-    if not files:
-        nested = _nested_shard(fs, [e for e in entries if e.type == pafs.FileType.Directory])
-        if nested:      # Spark's or Hive's partitionBy output: part=0/x.parquet
-            raise DataError(f"no dataset at {uri}: the directory holds no .parquet files of its own, but its "
-                            f"subdirectories do ({posixpath.relpath(nested, path)}): point training.data at one "
-                            f"directory of .parquet files (write the data without partitionBy, or one directory "
-                            f"per dataset)")
-        raise DataError(f"no dataset at {uri}: the directory holds no .parquet shards; {IMPORT_HINT}")
-    return files
+    if files:
+        return files, [{}] * len(files)
+    dirs = [e for e in entries if e.type == pafs.FileType.Directory and not e.base_name.startswith((".", "_"))]
+    if dirs and all(_hive_key(e.base_name) for e in dirs):
+        return _partitioned(uri, fs, path)
+    nested = _nested_shard(fs, dirs)
+    if nested:
+        raise DataError(f"no dataset at {uri}: the directory holds no .parquet files of its own, but its "
+                        f"subdirectories do ({posixpath.relpath(nested, path)}): point training.data at one "
+                        f"directory of .parquet files (one directory per dataset; partitionBy's column=value "
+                        f"directories are read as a column)")
+    raise DataError(f"no dataset at {uri}: the directory holds no .parquet shards; {IMPORT_HINT}")
 
 
 def _nested_shard(fs, dirs):
@@ -158,6 +192,51 @@ def _nested_shard(fs, dirs):
         if found:
             return found
     return None
+
+
+def _listing(fs, path, uri, recursive=False):
+    try:
+        return fs.get_file_info(pafs.FileSelector(path, recursive=recursive))
+    except IO_ERRORS as e:
+        raise Unreachable(f"cannot list {uri}: {one_line(e)}") from None
+
+
+def _hive_key(name):
+    """The column of a Hive-style directory name `column=value`, or None."""
+    key, eq, _ = name.partition("=")
+    return key if eq and key and not name.startswith((".", "_")) else None
+
+
+def _partitioned(uri, fs, path):
+    """(paths, partitions) of partitionBy output under `path`: every shard below
+    `column=value` directories, the same columns on every path. A value is an int where
+    every value of its column is one (as pyarrow's and Spark's discovery infer), else a
+    string; Hive's __HIVE_DEFAULT_PARTITION__ is None (null)."""
+    files, raw = [], []
+    hidden = lambda p: any(c.startswith((".", "_")) for c in p.split("/"))     # noqa: E731
+    for e in sorted(_listing(fs, path, uri, recursive=True), key=lambda e: e.path):
+        rel = posixpath.relpath(e.path, path)
+        if e.type != pafs.FileType.File or not is_shard(e) or hidden(rel):
+            continue
+        parts = rel.split("/")[:-1]
+        if not all(_hive_key(d) for d in parts):
+            raise DataError(f"{join(uri, rel)}: not under column=value directories as the rest of the dataset "
+                            f"(partitionBy's output); move it out of {uri}")
+        files.append(e.path)
+        raw.append({d.partition("=")[0]: urllib.parse.unquote(d.partition("=")[2]) for d in parts})
+    if not files:
+        raise DataError(f"no dataset at {uri}: its column=value subdirectories hold no .parquet shards; {IMPORT_HINT}")
+    keys = set(raw[0])
+    odd = next((i for i, r in enumerate(raw) if set(r) != keys), None)
+    if odd is not None:
+        raise DataError(f"{join(uri, posixpath.relpath(files[odd], path))}: its directories give "
+                        f"{sorted(raw[odd])}, the first file's {sorted(keys)}; the directory mixes datasets")
+
+    def is_int(v):
+        return v == HIVE_NULL or v.lstrip("-").isdigit()
+    ints = {k for k in keys if all(is_int(r[k]) for r in raw)}
+    parts = [{k: None if v == HIVE_NULL else int(v) if k in ints else v for k, v in r.items()} for r in raw]
+    return files, parts
 
 
 def _footer(fs, path, name, single=False):
@@ -212,24 +291,31 @@ def hf_classes(schema, label):
         return None
 
 
-def _kind(schema, columns, name, shape, meta):
-    """(kind, shape) of the image column; DataError naming the file and column otherwise."""
+def _kind(schema, columns, name, shape, meta, given=None):
+    """(kind, shape) of the image column; DataError naming the file and column otherwise.
+    given: {column: "int" | "string"} of the columns the file's Hive directories give."""
     where = "training.data.columns"
+    given = given or {}
+    if columns.image in given:
+        raise DataError(f"{name}: the image column {columns.image!r} is a directory ({columns.image}=...), not "
+                        f"a column of the file; name the column of images with {where}.image")
     for col, what in ((columns.image, "image"), (columns.label, "label")):
-        if schema.get_field_index(col) < 0:
+        if schema.get_field_index(col) < 0 and col not in given:
             raise DataError(f"{name}: no {what} column {col!r} (columns: {', '.join(schema.names)}); "
                             f"name it with {where}.{what}")
-    if columns.class_name and schema.get_field_index(columns.class_name) < 0:
+    if columns.class_name and schema.get_field_index(columns.class_name) < 0 and columns.class_name not in given:
         raise DataError(f"{name}: no class-name column {columns.class_name!r} (columns: "
                         f"{', '.join(schema.names)}), and no metadata naming the classes; fix {where}.class_name")
     t = schema.field(columns.image).type
-    label_type = schema.field(columns.label).type
+    label_type = {"int": pa.int64(), "string": pa.string()}[given[columns.label]] if columns.label in given \
+        else schema.field(columns.label).type
     if not pa.types.is_integer(label_type):
         how = ("map each class name to an index 0..K-1 in an integer column, and name the column of "
                "names in training.data.columns.class_name" if pa.types.is_string(label_type)
                or pa.types.is_large_string(label_type) or pa.types.is_dictionary(label_type) else
                "cast them to integers" if pa.types.is_floating(label_type) else "write integer class indices")
-        raise DataError(f"{name}: label column {columns.label!r} is {label_type}, expected integers "
+        whose = f" (its directories, {columns.label}=...)" if columns.label in given else ""
+        raise DataError(f"{name}: label column {columns.label!r}{whose} is {label_type}, expected integers "
                         f"(class indices 0..K-1); {how}")
     if pa.types.is_fixed_size_binary(t):
         shape = tuple(shape) if shape else tuple(meta["shape"]) if meta.get("shape") else None
@@ -311,14 +397,15 @@ def null_count(metadata, column):
 def inspect(uri, columns=None, shape=None, named=False):
     """The Layout of the dataset at `uri` (footers only: no data is read, except the label
     column when neither metadata nor statistics give the number of classes)."""
-    columns = columns or Columns()
-    fs, paths, names, footers, meta, kind, raw_shape, columns = read_footers(uri, columns, shape, named)
-    first = footers[0].schema.to_arrow_schema()
-    blocks = [b for i, md in enumerate(footers) for b in blocks_of(i, md, wanted_columns(columns))]
-    layout = Layout(uri, fs, paths, names, columns, kind, raw_shape, meta, None, 0, blocks)
-    layout.classes, layout.num_classes = _classes(layout, first, footers, names)
-    log.info("%s: %d rows in %d files, %d blocks, %s images, %d classes, %.1f MB",
-             uri, layout.rows, len(paths), len(blocks), kind, layout.num_classes, layout.nbytes / 1e6)
+    f = read_footers(uri, columns or Columns(), shape, named)
+    first = f.footers[0].schema.to_arrow_schema()
+    blocks = [b for i, md in enumerate(f.footers) for b in blocks_of(i, md, wanted_columns(f.columns))]
+    layout = Layout(uri, f.fs, f.paths, f.names, f.columns, f.kind, f.shape, f.meta, None, 0, blocks,
+                    root=f.root, partitions=f.partitions)
+    layout.classes, layout.num_classes = _classes(layout, first, f)
+    log.info("%s: %d rows in %d files, %d blocks, %s images, %d classes, %.1f MB%s",
+             uri, layout.rows, len(f.paths), len(blocks), f.kind, layout.num_classes, layout.nbytes / 1e6,
+             f" (from column=value directories: {sorted(f.partitions[0])})" if f.partitions[0] else "")
     return layout
 
 
@@ -327,15 +414,46 @@ def wanted_columns(columns):
     return {columns.image, columns.label} | ({columns.class_name} if columns.class_name else set())
 
 
+@dataclasses.dataclass
+class Footers:
+    """What read_footers found: every file's footer, and what they say together."""
+    fs: object
+    root: str                   # the dataset's directory in fs (the file's own, for one file)
+    paths: List[str]
+    names: List[str]            # how messages name each file
+    footers: list
+    meta: dict
+    kind: str
+    shape: Optional[tuple]
+    columns: Columns
+    partitions: List[dict]      # per file: the values of the wanted columns its Hive directories give
+
+    def nulls(self, i, column):
+        """Rows of file i whose `column` is null: its directory's value, else its footer's statistics."""
+        part = self.partitions[i]
+        if column in part:
+            return self.footers[i].num_rows if part[column] is None else 0
+        return null_count(self.footers[i], column)
+
+    def labels(self, i):
+        """(smallest, largest) label of file i, or None where not known without reading it."""
+        part = self.partitions[i]
+        if self.columns.label in part:
+            v = part[self.columns.label]
+            return None if v is None else (v, v)
+        return label_range(self.footers[i], self.columns.label)
+
+
 def read_footers(uri, columns, shape, named=False):
-    """(fs, paths, names, footers, meta, kind, raw_shape, columns): every file's footer, and
-    the image column's kind, the same in every file; DataError for a dataset of no rows.
-    `columns` less the class-name column where the dataset has none and its metadata (ours
-    or Hugging Face's) names the classes, or `named`: the classes are named elsewhere (a
-    test set, by its training set)."""
+    """Footers: every file's footer, and the image column's kind, the same in every file;
+    DataError for a dataset of no rows. `columns` less the class-name column where the
+    dataset has none and its metadata (ours or Hugging Face's) names the classes, or
+    `named`: the classes are named elsewhere (a test set, by its training set). A wanted
+    column a file lacks may come from its Hive directories (label=3/...)."""
     fs, path = filesystem(uri)
-    paths = list_files(uri, fs, path)
-    names = [uri if p == path else join(uri, posixpath.basename(p)) for p in paths]
+    paths, partitions = list_files(uri, fs, path)
+    root = path if paths != [path] else posixpath.dirname(path)
+    names = [uri if p == path else join(uri, posixpath.relpath(p, path)) for p in paths]
     with concurrent.futures.ThreadPoolExecutor(min(8, len(paths))) as pool:
         footers = list(pool.map(lambda i: _footer(fs, paths[i], names[i], single=paths[i] == path),
                                 range(len(paths))))
@@ -343,23 +461,28 @@ def read_footers(uri, columns, shape, named=False):
         raise DataError(f"{uri}: the dataset has no rows; {IMPORT_HINT}")
     first = footers[0].schema.to_arrow_schema()
     meta = _yarnapp_meta(first, names[0])
-    if columns.class_name and first.get_field_index(columns.class_name) < 0 and \
-            (named or meta.get("num_classes") or hf_classes(first, columns.label)):
+    given = set(partitions[0]) - set(first.names)       # a column in the files wins over a directory's
+    if columns.class_name and first.get_field_index(columns.class_name) < 0 and columns.class_name not in given \
+            and (named or meta.get("num_classes") or hf_classes(first, columns.label)):
         # its metadata names the classes: the column is for datasets without (a training set
         # with it beside a test set imported by yarnapp, say)
         columns = dataclasses.replace(columns, class_name=None)
-    kind, raw_shape = _kind(first, columns, names[0], shape, meta)
+    wanted = wanted_columns(columns)
+    partitions = [{k: v for k, v in part.items() if k in given and k in wanted} for part in partitions]
+    kinds = {k: "int" if all(p[k] is None or isinstance(p[k], int) for p in partitions) else "string"
+             for k in partitions[0]}
+    kind, raw_shape = _kind(first, columns, names[0], shape, meta, kinds)
     image_type = first.field(columns.image).type
     for name, md in zip(names[1:], footers[1:]):
         schema = md.schema.to_arrow_schema()
-        _kind(schema, columns, name, shape, meta)
+        _kind(schema, columns, name, shape, meta, kinds)
         if schema.field(columns.image).type != image_type:
             raise DataError(f"{name}: column {columns.image!r} is {schema.field(columns.image).type}, "
                             f"{image_type} in {names[0]}; the directory mixes datasets")
-    return fs, paths, names, footers, meta, kind, raw_shape, columns
+    return Footers(fs, root, paths, names, footers, meta, kind, raw_shape, columns, partitions)
 
 
-def _classes(layout, schema, footers, names):
+def _classes(layout, schema, found):
     meta, cols = layout.meta, layout.columns
     if meta.get("num_classes"):
         n = int(meta["num_classes"])
@@ -368,8 +491,8 @@ def _classes(layout, schema, footers, names):
     if hf:
         return hf, len(hf)
     if cols.class_name:
-        return _names_from_column(layout, names)
-    ranges = [label_range(md, cols.label) for md in footers]
+        return _names_from_column(layout)
+    ranges = [found.labels(i) for i in range(len(found.paths))]
     if any(r is None for r in ranges):
         labels = read_column(layout, cols.label)
         ranges = [(int(labels.min()), int(labels.max()))]
@@ -383,6 +506,10 @@ def read_column(layout, column):
     """One small column of the whole dataset as numpy (labels, class names)."""
     out = []
     for i, path in enumerate(layout.paths):
+        if layout.partitions and column in layout.partitions[i]:
+            rows = sum(b.rows for b in layout.blocks if b.file == i)
+            out.append(constant(layout.partitions[i][column], rows).to_numpy(zero_copy_only=False))
+            continue
         try:
             with layout.fs.open_input_file(path) as f:
                 out.append(pq.ParquetFile(f).read(columns=[column]).column(column).to_numpy(zero_copy_only=False))
@@ -391,7 +518,7 @@ def read_column(layout, column):
     return np.concatenate(out)
 
 
-def _names_from_column(layout, names):
+def _names_from_column(layout):
     cols = layout.columns
     labels = read_column(layout, cols.label).astype(np.int64)
     given = read_column(layout, cols.class_name)

@@ -95,7 +95,7 @@ class _Files:
 def read_block(layout, files, b):
     """BlockData of block b (a Block of the layout); DataError naming the file."""
     name = layout.name(b.file)
-    cols = layout.read_columns()
+    cols = layout.file_columns(b.file)
     try:
         if b.whole:
             table = files.get(b.file).read_row_group(b.row_group, columns=cols, use_threads=False)
@@ -118,6 +118,8 @@ def read_block(layout, files, b):
             f"or check the filesystem") from None
     if table.num_rows != b.rows:
         raise BadData(f"{name}: row group {b.row_group} holds {table.num_rows} rows, its footer says {b.rows}")
+    for column, values in layout.constant_columns(b.file, b.rows).items():     # from its Hive directories
+        table = table.append_column(column, values)
     files.drop_cache(b.file, b.span)
     return block_data(table, layout, name), b.read_cost
 

@@ -41,12 +41,13 @@ def _cache_path(layout):
             and layout.uri.rstrip("/").endswith(posixpath.basename(layout.paths[0])):
         d, f = posixpath.split(layout.paths[0])
         return posixpath.join(d, f".{f}.yarnapp_stats.json")
-    return posixpath.join(posixpath.dirname(layout.paths[0]), CACHE_NAME)
+    return posixpath.join(layout.root or posixpath.dirname(layout.paths[0]), CACHE_NAME)
 
 
 def _fingerprint(layout):
     infos = layout.fs.get_file_info(layout.paths)       # a file rewritten at its size has another mtime
-    return [[posixpath.basename(i.path), int(i.size or 0), int(i.mtime_ns or 0)] for i in infos] + \
+    root = layout.root or posixpath.dirname(layout.paths[0])
+    return [[posixpath.relpath(i.path, root), int(i.size or 0), int(i.mtime_ns or 0)] for i in infos] + \
         [layout.columns.image]
 
 
