@@ -580,7 +580,7 @@ def test_spark_partitionby_output_reads_its_labels_from_the_directories(tmp_path
     want = _partitioned(tmp_path / "ds")
     src = ParquetSource(str(tmp_path / "ds"), _spec(shape=[3, 2, 2]))
     assert src.num_classes == 3 and len(src) == 30 and len(src.layout.paths) == 6
-    assert src.layout.label_partitioned and src.layout.partitions[0] == {"label": 0}      # day: not read
+    assert src.layout.partitions == [{"label": k % 3} for k in range(6)]       # day: not read
     assert src.layout.names[0].endswith("ds/day=2026-11-01/label=0/part-00000-5f1c.c000.snappy.parquet")
     x, y = src.read_arrays()
     assert sorted(zip(x[:, 0, 0, 0].tolist(), y.tolist())) == sorted(want.items())
@@ -596,20 +596,68 @@ def test_spark_partitionby_output_reads_its_labels_from_the_directories(tmp_path
     assert named.classes == ["cat", "dog"]
 
 
+def test_hive_named_files_and_a_glob_over_one_split_of_a_hub_folder_are_read(tmp_path):
+    """A Hive table's files have no extension (000000_0); the Hugging Face hub's data/ folder
+    holds train-* beside test-*: read as one dataset it trained on the test rows."""
+    _write(str(tmp_path / "hive" / "label=1" / "000000_0"), _good_table(labels=[0, 0, 0, 0]).drop_columns("label"))
+    _write(str(tmp_path / "hive" / "label=1" / "000000_0.crc"), _good_table())       # no extension only
+    assert ParquetSource(str(tmp_path / "hive")).read_arrays()[1].tolist() == [1, 1, 1, 1]
+    _write(str(tmp_path / "hub" / "data" / "train-00000-of-00002.parquet"), _good_table(labels=[0, 1, 2, 0]))
+    _write(str(tmp_path / "hub" / "data" / "train-00001-of-00002.parquet"), _good_table(labels=[1, 1, 1, 1]))
+    _write(str(tmp_path / "hub" / "data" / "test-00000-of-00001.parquet"), _good_table(labels=[2, 2, 2, 2]))
+    with pytest.raises(DataError) as e:
+        ParquetSource(str(tmp_path / "hub" / "data"))
+    _one_line_naming(e, "its files are of 2 splits (test-00000-of-00001.parquet, train-00000-of-00002.parquet)",
+                     f"{tmp_path / 'hub' / 'data'}/test-*.parquet")
+    train = ParquetSource(f"file://{tmp_path}/hub/data/train-*.parquet")
+    assert train.read_arrays()[1].tolist() == [0, 1, 2, 0, 1, 1, 1, 1]
+    assert train.layout.names[1] == f"file://{tmp_path}/hub/data/train-00001-of-00002.parquet"
+    with pytest.raises(DataError) as e:
+        ParquetSource(str(tmp_path / "hub" / "data" / "valid-*.parquet"))
+    _one_line_naming(e, "no file matches 'valid-*.parquet'")
+
+
 def test_partitioned_output_that_cannot_be_read_is_one_line_naming_the_file(tmp_path):
+    from training.data.checks import check
+    from training.data.formats import inspect
+
     _partitioned(tmp_path / "nulls", classes=2, days=("a",))
     os.rename(tmp_path / "nulls" / "day=a" / "label=1", tmp_path / "nulls" / "day=a" / "label=__HIVE_DEFAULT_PARTITION__")
-    from training.data.checks import check
+    for read in (check, inspect):           # the client's check, and a rank's (it raised on a NaN)
+        with pytest.raises(DataError) as e:
+            read(str(tmp_path / "nulls"), shape=(3, 2, 2))
+        _one_line_naming(e, "day=a/label=__HIVE_DEFAULT_PARTITION__/part-00000", "row(s) without a label",
+                         "its directory label=__HIVE_DEFAULT_PARTITION__")
+    image = pa.table({"image": pa.array([b"abcd"], pa.binary(4))})
+    for case, values, expect in [
+            ("strings", ("cat", "dog"), "label column 'label' (its directories, label=...) is string"),
+            ("floats", ("0.0", "1.0"), "label column 'label' (its directories, label=...) is double, expected "
+                                       "integers (class indices 0..K-1); cast them to integers"),
+            ("digits", ("\u00b2", "1"), "is string"),             # isdigit() says yes; int() says no
+            ("negative", ("-1", "0"), "its labels run from -1 to -1 (its directory); labels must be class indices")]:
+        for v in values:
+            _write(str(tmp_path / case / f"label={v}" / "x.parquet"), image)
+        with pytest.raises(DataError) as e:
+            check(str(tmp_path / case), shape=(1, 2, 2))
+        _one_line_naming(e, "/x.parquet", expect)
+    with pytest.raises(DataError) as e:                   # one partition given: its label is in the name above
+        ParquetSource(str(tmp_path / "strings" / "label=cat"), _spec(shape=[1, 2, 2]))
+    _one_line_naming(e, "is one partition (label=cat) of partitionBy's output",
+                     f"give the directory above it ({tmp_path / 'strings'})")
+    _write(str(tmp_path / "beside" / "label=0" / "x.parquet"), _good_table())
+    _write(str(tmp_path / "beside" / "y.parquet"), _good_table())
     with pytest.raises(DataError) as e:
-        check(str(tmp_path / "nulls"), shape=(3, 2, 2))
-    _one_line_naming(e, "day=a/label=__HIVE_DEFAULT_PARTITION__/part-00000", "row(s) without a label",
-                     "its directory label=__HIVE_DEFAULT_PARTITION__")
-    for lab in ("cat", "dog"):
-        _write(str(tmp_path / "strings" / f"label={lab}" / "x.parquet"), pa.table({"image": pa.array([b"abcd"], pa.binary(4))}))
+        ParquetSource(str(tmp_path / "beside"))
+    _one_line_naming(e, "holds .parquet files (y.parquet) beside column=value directories of them (label=0/x.parquet)")
+    _write(str(tmp_path / "backup" / "label=0" / "x.parquet"), _good_table())
+    _write(str(tmp_path / "backup" / "old" / "x.parquet"), _good_table())
     with pytest.raises(DataError) as e:
-        ParquetSource(str(tmp_path / "strings"), _spec(shape=[1, 2, 2]))
-    _one_line_naming(e, "label=cat/x.parquet", "label column 'label' (its directories, label=...) is string",
-                     "training.data.columns.class_name")
+        ParquetSource(str(tmp_path / "backup"))
+    _one_line_naming(e, "backup/old/x.parquet: not under column=value directories", f"move {tmp_path / 'backup' / 'old'} out")
+    _write(str(tmp_path / "splits" / "train" / "label=0" / "x.parquet"), _good_table())
+    with pytest.raises(DataError) as e:
+        ParquetSource(str(tmp_path / "splits"))
+    _one_line_naming(e, "its subdirectories do (train/label=0/x.parquet)")
     _write(str(tmp_path / "mixed" / "label=0" / "x.parquet"), _good_table())
     _write(str(tmp_path / "mixed" / "label=1" / "extra" / "y.parquet"), _good_table())
     with pytest.raises(DataError) as e:

@@ -304,7 +304,35 @@ def test_labels_from_partition_directories_with_a_small_shuffle_window_are_warne
             preflight.check_data(job, "job.yaml")
         return caplog.messages
     assert warned("1 MiB") == [
-        "job.yaml: training.data.train: its labels come from label=N directories, so each row group holds one "
-        "class, and a batch draws from a shuffle window of about 2 row groups (1 MiB) for 4 classes; raise "
-        "training.data.shuffle_window to 4 MiB or more, or write the data shuffled, without partitionBy(\"label\")"]
+        "job.yaml: training.data.train: its classes come from partitionBy's directories, so each row group holds "
+        "one class, and a batch draws from a shuffle window of about 2 row groups (1 MiB) for 4 classes; raise "
+        "training.data.shuffle_window to 4 MiB or more, write smaller row groups, or write the data shuffled, "
+        "without partitionBy"]
     assert warned("4 MiB") == []               # the whole dataset: one window
+
+
+def test_a_test_set_whose_class_directories_mean_other_labels_is_refused_before_anything_starts(tmp_path):
+    """partitionBy("cname") with the label in the files: the client knew no class names
+    (footers only), so a test set with two names swapped started every container to fail."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def write(split, names):
+        for label, name in enumerate(names):
+            (tmp_path / split / f"cname={name}").mkdir(parents=True)
+            pq.write_table(pa.table({"image": pa.array([bytes([label] * 4)] * 3, pa.binary(4)),
+                                     "label": pa.array([label] * 3, pa.int64())}),
+                           tmp_path / split / f"cname={name}" / "part-0.parquet")
+    write("train", ["zero", "one", "two"])
+    write("test", ["zero", "two", "one"])
+
+    def job(test):
+        return conf.load_job({"name": "t", "groups": [{"name": "w", "instances": 1, "vcores": 1}],
+                              "training": {"batch_size": 3, "data": {
+                                  "train": str(tmp_path / "train"), "test": str(tmp_path / test),
+                                  "shape": [1, 2, 2], "columns": {"class_name": "cname"}}}})
+    with pytest.raises(YarnappError, match=r"^job.yaml: training.data.test: .*test: its label 1 is class 'two', in "
+                                           r"the training set \(.*train\) 'one'"):
+        preflight.check_data(job("test"), "job.yaml")
+    write("test2", ["zero", "one"])                 # fewer classes, the same names: fine
+    preflight.check_data(job("test2"), "job.yaml")

@@ -92,7 +92,7 @@ def check_data(job, where=None, on_cluster=False):
             if split == "train":
                 _check_window(job, blocks, pre)
                 _warn_big_row_groups(uri, blocks, pre)
-                if found[split].label_partitioned:
+                if found[split].one_class_files:
                     _warn_one_class_blocks(job, found[split], pre)
     train, shape = found.get("train"), None
     if not data.transform:      # the user's own transform runs in the containers only
@@ -149,9 +149,9 @@ def _warn_big_row_groups(uri, blocks, pre):
 
 
 def _warn_one_class_blocks(job, found, pre):
-    """Warn where the labels come from label=N directories (Spark's partitionBy("label")),
-    so every row group holds one class, and a shuffle window holds too few row groups for
-    a batch to see most classes (a batch draws its rows from one window)."""
+    """Warn where the labels or class names come from partitionBy's directories (label=3/,
+    class_name=cat/), so every row group holds one class, and a shuffle window holds too few
+    row groups for a batch to see most classes (a batch draws its rows from one window)."""
     window = (job.training.data.shuffle_window or 0) << 20
     sizes = [b.nbytes for b in found.blocks]
     k = found.num_classes or 0
@@ -161,10 +161,10 @@ def _warn_one_class_blocks(job, found, pre):
     if per_window >= 2 * k or window >= sum(sizes):
         return
     need = min(sum(sizes), 2 * k * sum(sizes) / len(sizes))
-    log.warning("%straining.data.train: its labels come from label=N directories, so each row group holds one "
-                "class, and a batch draws from a shuffle window of about %.0f row groups (%s) for %d classes; "
-                "raise training.data.shuffle_window to %s or more, or write the data shuffled, without "
-                "partitionBy(\"label\")", pre, per_window, _size(window), k, f"{-(-int(need) // 2**20)} MiB")
+    log.warning("%straining.data.train: its classes come from partitionBy's directories, so each row group holds "
+                "one class, and a batch draws from a shuffle window of about %.0f row groups (%s) for %d classes; "
+                "raise training.data.shuffle_window to %s or more, write smaller row groups, or write the data "
+                "shuffled, without partitionBy", pre, per_window, _size(window), k, f"{-(-int(need) // 2**20)} MiB")
 
 
 def _about(nbytes):

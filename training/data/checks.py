@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from .common import IO_ERRORS, DataError, one_line
-from .formats import HIVE_NULL, RAW, STRUCT, Block, Columns, blocks_of, hf_classes, read_footers, wanted_columns
+from .formats import RAW, STRUCT, Block, Columns, blocks_of, hf_classes, read_footers, wanted_columns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +26,7 @@ class Checked:
     num_classes: Optional[int]      # from its metadata, else the largest label + 1 where the statistics say
     lowest: Optional[int] = None    # its smallest label, where the statistics say
     named: bool = False             # its metadata (ours or Hugging Face's) gives the number of classes
-    label_partitioned: bool = False  # its labels come from label=N directories: a file holds one class
+    one_class_files: bool = False   # its labels or class names come from directories: a file holds one class
 
 
 def check(uri, columns=None, shape=None, named=False):
@@ -44,20 +44,19 @@ def check(uri, columns=None, shape=None, named=False):
         for column, what in ((columns.label, "a label"), (image, "an image")):
             nulls = f.nulls(i, column)
             if nulls:
-                where = (f"its directory {column}={HIVE_NULL}" if column in f.partitions[i] else
-                         f"null in column {column!r}, its footer's statistics")
-                raise DataError(f"{name}: {nulls} row(s) without {what} ({where}); drop those rows, or give "
-                                f"each {what}")
+                raise DataError(f"{name}: {nulls} row(s) without {what} (null in column {column!r}, its footer's "
+                                f"statistics); drop those rows, or give each {what}")
         try:
             r = f.labels(i)
         except (TypeError, ValueError):     # statistics that are not integers: the ranks' check
             r = None
+        says = "its directory" if columns.label in f.partitions[i] else "its footer's statistics"
         if r and n and (r[0] < 0 or r[1] >= n):
-            raise DataError(f"{name}: its labels run from {r[0]} to {r[1]} (its footer's statistics), "
+            raise DataError(f"{name}: its labels run from {r[0]} to {r[1]} ({says}), "
                             f"outside the {n} classes the dataset's metadata gives (0 to {n - 1}); "
                             f"fix the labels, or import the dataset again")
         if r and r[0] < 0:
-            raise DataError(f"{name}: its labels run from {r[0]} to {r[1]} (its footer's statistics); labels "
+            raise DataError(f"{name}: its labels run from {r[0]} to {r[1]} ({says}); labels "
                             f"must be class indices >= 0")
         if top is not None and md.num_rows:
             top, low = (max(top, r[1]), r[0] if low is None else min(low, r[0])) if r else (None, None)
@@ -66,11 +65,34 @@ def check(uri, columns=None, shape=None, named=False):
     blocks = [b for i, md in enumerate(f.footers) for b in blocks_of(i, md, wanted_columns(columns))]
     named = [str(c) for c in meta["classes"]] if meta.get("classes") else \
         hf_classes(f.footers[0].schema.to_arrow_schema(), columns.label)
+    by_directory = None if named else _classes_from_directories(f)
     return Checked(rows=sum(md.num_rows for md in f.footers), shape=f.shape if kind == RAW else None,
-                   blocks=blocks, classes=named or None,
+                   blocks=blocks, classes=named or by_directory or None,
                    num_classes=n or (len(named) if named else None) or (top + 1 if top is not None else None),
                    lowest=low, named=bool(n or named),
-                   label_partitioned=any(columns.label in part for part in f.partitions))
+                   one_class_files=any(c in part for part in f.partitions for c in (columns.label, columns.class_name)))
+
+
+def _classes_from_directories(f):
+    """The class names where partitionBy's directories give them (class_name=cat/) and every
+    file's footer gives it one label; else None (the ranks read them)."""
+    col = f.columns.class_name
+    if not col or not all(col in part for part in f.partitions):
+        return None
+    seen = {}
+    for i, (name, part) in enumerate(zip(f.names, f.partitions)):
+        if not f.footers[i].num_rows:
+            continue
+        try:
+            r = f.labels(i)
+        except (TypeError, ValueError):
+            return None
+        if not r or r[0] != r[1] or r[0] < 0:
+            return None
+        if seen.setdefault(r[0], str(part[col])) != str(part[col]):
+            raise DataError(f"{name}: label {r[0]} is class {str(part[col])!r} here and {seen[r[0]]!r} in another "
+                            f"directory; check training.data.columns.class_name")
+    return [seen.get(k, str(k)) for k in range(max(seen) + 1)] if seen else None
 
 
 def check_test_classes(uri, classes, num_classes, train_uri, train_classes, train_num_classes):

@@ -2,8 +2,8 @@
 image column, classes, and the blocks it is read in.
 
 Accepted (docs/data.md):
-- a directory of `.parquet` files (names starting with "." or "_" are not data:
-  temporary directories, _SUCCESS markers, caches), or one `.parquet` file;
+- the files training.data.listing finds at the URI: a directory's `.parquet` files, one
+  file, a pattern, or Spark's partitionBy output (a column may come from its directories);
 - an image column (`columns.image`, default "image") holding
     * encoded images (binary: JPEG, PNG, or anything Pillow reads),
     * a struct with a binary field `bytes` (Hugging Face datasets' `Image` feature), or
@@ -25,7 +25,6 @@ import functools
 import json
 import logging
 import posixpath
-import urllib.parse
 from typing import List, Optional
 
 import numpy as np
@@ -33,7 +32,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from .common import IMPORT_HINT, IO_ERRORS, DataError, Unreachable, filesystem, info, join, one_line
+from .common import IMPORT_HINT, IO_ERRORS, DataError, Unreachable, filesystem, join, one_line
+from .listing import HIVE_NULL, hive_key, list_files
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,6 @@ META_KEY = b"yarnapp"
 HF_KEY = b"huggingface"
 MAX_BLOCK_BYTES = 32 << 20     # a row group bigger than this is read as row ranges of at most this
 RAW, ENCODED, STRUCT = "raw", "encoded", "struct"
-HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"     # Hive's and Spark's directory name for a null value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,109 +133,12 @@ class Layout:
         part = self.partitions[file] if self.partitions else {}
         return {c: constant(part[c], rows) for c in self.read_columns() if c in part}
 
-    @property
-    def label_partitioned(self):
-        """Whether the labels come from Hive directories: every file holds one class."""
-        return any(self.columns.label in part for part in self.partitions)
-
 
 def constant(value, rows):
-    """An Arrow array of `rows` copies of a partition value (int64, string, or nulls)."""
-    if value is None:
-        return pa.nulls(rows, pa.int64())
-    return pa.array(np.full(rows, value, dtype=np.int64)) if isinstance(value, int) else \
-        pa.array([value] * rows, pa.string())
-
-
-def is_shard(entry):
-    """Whether a directory entry (pyarrow FileInfo) is one of a dataset's Parquet shards."""
-    return (entry.type == pafs.FileType.File and entry.base_name.endswith(".parquet")
-            and not entry.base_name.startswith((".", "_")))
-
-
-def list_files(uri, fs, path):
-    """(paths, partitions): the dataset's Parquet shards, sorted, and for each the values
-    its Hive-style directories give ({} for a shard of the directory itself). A directory
-    with no shards of its own is read as Spark's or Hive's partitionBy output where its
-    subdirectories are `column=value` (as many levels deep as written; `column` then reads
-    as a column of every row below); other subdirectories are refused in one line."""
-    found = info(fs, path, uri)
-    if found.type == pafs.FileType.NotFound:
-        raise DataError(f"no dataset at {uri}: it does not exist; {IMPORT_HINT}")
-    if found.type == pafs.FileType.File:
-        return [path], [{}]
-    entries = _listing(fs, path, uri)
-    files = sorted(e.path for e in entries if is_shard(e))
-    if files:
-        return files, [{}] * len(files)
-    dirs = [e for e in entries if e.type == pafs.FileType.Directory and not e.base_name.startswith((".", "_"))]
-    if dirs and all(_hive_key(e.base_name) for e in dirs):
-        return _partitioned(uri, fs, path)
-    nested = _nested_shard(fs, dirs)
-    if nested:
-        raise DataError(f"no dataset at {uri}: the directory holds no .parquet files of its own, but its "
-                        f"subdirectories do ({posixpath.relpath(nested, path)}): point training.data at one "
-                        f"directory of .parquet files (one directory per dataset; partitionBy's column=value "
-                        f"directories are read as a column)")
-    raise DataError(f"no dataset at {uri}: the directory holds no .parquet shards; {IMPORT_HINT}")
-
-
-def _nested_shard(fs, dirs):
-    """A .parquet shard in one of `dirs` (one level down), or None."""
-    for d in dirs[:16]:
-        try:
-            inner = fs.get_file_info(pafs.FileSelector(d.path, recursive=False))
-        except IO_ERRORS:
-            continue
-        found = next((e.path for e in inner if is_shard(e)), None)
-        if found:
-            return found
-    return None
-
-
-def _listing(fs, path, uri, recursive=False):
-    try:
-        return fs.get_file_info(pafs.FileSelector(path, recursive=recursive))
-    except IO_ERRORS as e:
-        raise Unreachable(f"cannot list {uri}: {one_line(e)}") from None
-
-
-def _hive_key(name):
-    """The column of a Hive-style directory name `column=value`, or None."""
-    key, eq, _ = name.partition("=")
-    return key if eq and key and not name.startswith((".", "_")) else None
-
-
-def _partitioned(uri, fs, path):
-    """(paths, partitions) of partitionBy output under `path`: every shard below
-    `column=value` directories, the same columns on every path. A value is an int where
-    every value of its column is one (as pyarrow's and Spark's discovery infer), else a
-    string; Hive's __HIVE_DEFAULT_PARTITION__ is None (null)."""
-    files, raw = [], []
-    hidden = lambda p: any(c.startswith((".", "_")) for c in p.split("/"))     # noqa: E731
-    for e in sorted(_listing(fs, path, uri, recursive=True), key=lambda e: e.path):
-        rel = posixpath.relpath(e.path, path)
-        if e.type != pafs.FileType.File or not is_shard(e) or hidden(rel):
-            continue
-        parts = rel.split("/")[:-1]
-        if not all(_hive_key(d) for d in parts):
-            raise DataError(f"{join(uri, rel)}: not under column=value directories as the rest of the dataset "
-                            f"(partitionBy's output); move it out of {uri}")
-        files.append(e.path)
-        raw.append({d.partition("=")[0]: urllib.parse.unquote(d.partition("=")[2]) for d in parts})
-    if not files:
-        raise DataError(f"no dataset at {uri}: its column=value subdirectories hold no .parquet shards; {IMPORT_HINT}")
-    keys = set(raw[0])
-    odd = next((i for i, r in enumerate(raw) if set(r) != keys), None)
-    if odd is not None:
-        raise DataError(f"{join(uri, posixpath.relpath(files[odd], path))}: its directories give "
-                        f"{sorted(raw[odd])}, the first file's {sorted(keys)}; the directory mixes datasets")
-
-    def is_int(v):
-        return v == HIVE_NULL or v.lstrip("-").isdigit()
-    ints = {k for k in keys if all(is_int(r[k]) for r in raw)}
-    parts = [{k: None if v == HIVE_NULL else int(v) if k in ints else v for k, v in r.items()} for r in raw]
-    return files, parts
+    """An Arrow array of `rows` copies of a partition value (int64, float64 or string)."""
+    if isinstance(value, (int, float)):
+        return pa.array(np.full(rows, value, dtype=np.int64 if isinstance(value, int) else np.float64))
+    return pa.array([value] * rows, pa.string())
 
 
 def _footer(fs, path, name, single=False):
@@ -291,9 +193,22 @@ def hf_classes(schema, label):
         return None
 
 
+def _refuse_a_partition_itself(uri, path, columns, schema):
+    """One partition of partitionBy's output given as the dataset (.../label=3): its files
+    hold no label column, the directory's name does."""
+    if schema.get_field_index(columns.label) >= 0:
+        return
+    part = next((d for d in reversed(path.rstrip("/").split("/")) if hive_key(d) == columns.label), None)
+    if part:
+        up = uri.partition("?")[0].rstrip("/")
+        up = up[:up.index("/" + part)]
+        raise DataError(f"{uri}: is one partition ({part}) of partitionBy's output, whose files hold no label "
+                        f"column; give the directory above it ({up}), whose column=value directories give the labels")
+
+
 def _kind(schema, columns, name, shape, meta, given=None):
     """(kind, shape) of the image column; DataError naming the file and column otherwise.
-    given: {column: "int" | "string"} of the columns the file's Hive directories give."""
+    given: {column: "int" | "float" | "str"} of the columns the file's Hive directories give."""
     where = "training.data.columns"
     given = given or {}
     if columns.image in given:
@@ -307,7 +222,8 @@ def _kind(schema, columns, name, shape, meta, given=None):
         raise DataError(f"{name}: no class-name column {columns.class_name!r} (columns: "
                         f"{', '.join(schema.names)}), and no metadata naming the classes; fix {where}.class_name")
     t = schema.field(columns.image).type
-    label_type = {"int": pa.int64(), "string": pa.string()}[given[columns.label]] if columns.label in given \
+    label_type = {"int": pa.int64(), "float": pa.float64(), "str": pa.string()}[given[columns.label]] \
+        if columns.label in given \
         else schema.field(columns.label).type
     if not pa.types.is_integer(label_type):
         how = ("map each class name to an index 0..K-1 in an integer column, and name the column of "
@@ -429,18 +345,15 @@ class Footers:
     partitions: List[dict]      # per file: the values of the wanted columns its Hive directories give
 
     def nulls(self, i, column):
-        """Rows of file i whose `column` is null: its directory's value, else its footer's statistics."""
-        part = self.partitions[i]
-        if column in part:
-            return self.footers[i].num_rows if part[column] is None else 0
-        return null_count(self.footers[i], column)
+        """Rows of file i whose `column` is null by its footer's statistics (a column its
+        directories give has none: read_footers refuses a null there)."""
+        return 0 if column in self.partitions[i] else null_count(self.footers[i], column)
 
     def labels(self, i):
         """(smallest, largest) label of file i, or None where not known without reading it."""
         part = self.partitions[i]
         if self.columns.label in part:
-            v = part[self.columns.label]
-            return None if v is None else (v, v)
+            return part[self.columns.label], part[self.columns.label]
         return label_range(self.footers[i], self.columns.label)
 
 
@@ -451,9 +364,10 @@ def read_footers(uri, columns, shape, named=False):
     `named`: the classes are named elsewhere (a test set, by its training set). A wanted
     column a file lacks may come from its Hive directories (label=3/...)."""
     fs, path = filesystem(uri)
-    paths, partitions = list_files(uri, fs, path)
-    root = path if paths != [path] else posixpath.dirname(path)
-    names = [uri if p == path else join(uri, posixpath.relpath(p, path)) for p in paths]
+    root, paths, partitions = list_files(uri, fs, path)
+    base, sep, query = uri.partition("?")
+    named_from = uri if root == path else base.rstrip("/").rsplit("/", 1)[0] + sep + query   # a glob's directory
+    names = [uri if p == path else join(named_from, posixpath.relpath(p, root)) for p in paths]
     with concurrent.futures.ThreadPoolExecutor(min(8, len(paths))) as pool:
         footers = list(pool.map(lambda i: _footer(fs, paths[i], names[i], single=paths[i] == path),
                                 range(len(paths))))
@@ -469,8 +383,14 @@ def read_footers(uri, columns, shape, named=False):
         columns = dataclasses.replace(columns, class_name=None)
     wanted = wanted_columns(columns)
     partitions = [{k: v for k, v in part.items() if k in given and k in wanted} for part in partitions]
-    kinds = {k: "int" if all(p[k] is None or isinstance(p[k], int) for p in partitions) else "string"
-             for k in partitions[0]}
+    for name, part, md in zip(names, partitions, footers):
+        null = next((k for k, v in part.items() if v is None), None)
+        if null is not None and md.num_rows:
+            what = "a label" if null == columns.label else "a class name"
+            raise DataError(f"{name}: {md.num_rows} row(s) without {what} (its directory {null}={HIVE_NULL}, "
+                            f"a null); drop those rows, or give each {what}")
+    kinds = {k: next((type(p[k]).__name__ for p in partitions if p[k] is not None), "int") for k in partitions[0]}
+    _refuse_a_partition_itself(uri, path, columns, first)
     kind, raw_shape = _kind(first, columns, names[0], shape, meta, kinds)
     image_type = first.field(columns.image).type
     for name, md in zip(names[1:], footers[1:]):

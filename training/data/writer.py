@@ -32,7 +32,8 @@ import pyarrow.parquet as pq
 from launcher import interrupts
 
 from .common import IO_ERRORS, DataError, Unreachable, exists, filesystem, info, one_line
-from .formats import META_KEY, is_shard
+from .formats import META_KEY
+from .listing import is_shard
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,191 @@
+"""Which files make a dataset at a URI (training.data.formats reads their footers):
+
+- a file: itself;
+- a directory: its `.parquet` files (names starting with "." or "_" are not data:
+  temporary directories, _SUCCESS markers, caches), else its files named as Hive and
+  MapReduce name theirs (000000_0, part-00000: no extension);
+- Spark's or Hive's partitionBy output: a directory whose subdirectories are
+  `column=value`, as many levels deep as written; every shard below them, with the values
+  its directories give (a column of every row of it where the files leave it out);
+- a pattern in the last part of the path (the Hugging Face hub's data/train-*.parquet).
+
+What would read as a dataset but is not one is refused in one line (DataError): two
+splits' files in one directory, shards beside partitionBy's directories or under other
+directories, subdirectories that are separate datasets.
+"""
+import fnmatch
+import posixpath
+import re
+import urllib.parse
+
+import pyarrow.fs as pafs
+
+from .common import IMPORT_HINT, IO_ERRORS, DataError, Unreachable, info, join, one_line
+
+HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"     # Hive's and Spark's directory name for a null value
+
+
+def is_shard(entry):
+    """Whether a directory entry (pyarrow FileInfo) is one of a dataset's Parquet shards."""
+    return (entry.type == pafs.FileType.File and entry.base_name.endswith(".parquet")
+            and not entry.base_name.startswith((".", "_")))
+
+
+def _hive_file(entry):
+    """A file named as Hive and MapReduce name their output (000000_0, part-00000): no
+    extension. Read as a shard where a directory holds no .parquet files."""
+    return entry.type == pafs.FileType.File and "." not in entry.base_name and not entry.base_name.startswith("_")
+
+
+def _shards(entries):
+    """The shards among one directory's entries: its .parquet files, else its Hive-named files."""
+    return [e for e in entries if is_shard(e)] or [e for e in entries if _hive_file(e)]
+
+
+GLOB_CHARS = "*?["
+SPLIT_NAME = re.compile(r"^(train|test|validation|valid|val|eval)[-_.]")     # Hugging Face's data/train-00000-of-00002.parquet
+
+
+def list_files(uri, fs, path):
+    """(root, paths, partitions): the directory the dataset's files are named from, its
+    Parquet shards, sorted, and for each the values its Hive-style directories give ({}
+    for a shard of the directory itself).
+    - a file: itself;
+    - a directory: its .parquet files (else its files named as Hive names them, 000000_0);
+      with none of its own, Spark's or Hive's partitionBy output where its subdirectories
+      are `column=value` (as many levels deep as written; `column` then reads as a column
+      of every row below);
+    - a glob in the last part of the path (data/train-*.parquet): the files it matches.
+    Anything else is refused in one line: subdirectories that are separate datasets, shards
+    beside partitionBy's directories, a directory of two splits' files (train-*, test-*)."""
+    base = posixpath.basename(path.rstrip("/"))
+    if any(c in base for c in GLOB_CHARS) and info(fs, path, uri).type == pafs.FileType.NotFound:
+        return _glob(uri, fs, path)
+    found = info(fs, path, uri)
+    if found.type == pafs.FileType.NotFound:
+        raise DataError(f"no dataset at {uri}: it does not exist; {IMPORT_HINT}")
+    if found.type == pafs.FileType.File:
+        return posixpath.dirname(path), [path], [{}]
+    entries = _listing(fs, path, uri)
+    files = sorted(e.path for e in entries if is_shard(e))
+    dirs = [e for e in entries if e.type == pafs.FileType.Directory and not e.base_name.startswith((".", "_"))]
+    hive = [d for d in dirs if hive_key(d.base_name)]
+    if files:
+        nested = _nested_shard(fs, hive, deep=True)
+        if nested:
+            raise DataError(f"{uri}: holds .parquet files ({posixpath.basename(files[0])}) beside column=value "
+                            f"directories of them ({posixpath.relpath(nested, path)}), as no partitionBy writes; "
+                            f"move one or the other out")
+        _refuse_splits(uri, files)
+        return path, files, [{}] * len(files)
+    if hive:
+        return (path,) + _partitioned(uri, fs, path)
+    files = sorted(e.path for e in entries if _hive_file(e))        # a Hive table's 000000_0
+    if files:
+        return path, files, [{}] * len(files)
+    nested = _nested_shard(fs, dirs, deep=True)
+    if nested:
+        raise DataError(f"no dataset at {uri}: the directory holds no .parquet files of its own, but its "
+                        f"subdirectories do ({posixpath.relpath(nested, path)}): point training.data at one "
+                        f"directory of .parquet files (one directory per dataset; partitionBy's column=value "
+                        f"directories are read as a column)")
+    raise DataError(f"no dataset at {uri}: the directory holds no .parquet shards; {IMPORT_HINT}")
+
+
+def _glob(uri, fs, path):
+    parent, pattern = posixpath.split(path.rstrip("/"))
+    if any(c in parent for c in GLOB_CHARS):
+        raise DataError(f"{uri}: a pattern (*, ?, [...]) works in the last part of the path only, as in "
+                        f"data/train-*.parquet")
+    entries = [e for e in _listing(fs, parent, uri) if e.type == pafs.FileType.File
+               and not e.base_name.startswith((".", "_")) and fnmatch.fnmatchcase(e.base_name, pattern)]
+    if not entries:
+        raise DataError(f"no dataset at {uri}: no file matches {pattern!r}; {IMPORT_HINT}")
+    return parent, sorted(e.path for e in entries), [{}] * len(entries)
+
+
+def _refuse_splits(uri, files):
+    """A directory of two splits' files (the Hugging Face hub's data/: train-00000-of-00001.parquet
+    beside test-00000-of-00001.parquet) read as one dataset would train on the test set."""
+    splits = {}
+    for f in files:
+        m = SPLIT_NAME.match(posixpath.basename(f))
+        if m:
+            splits.setdefault(m.group(1), posixpath.basename(f))
+    if len(splits) > 1:
+        raise DataError(f"{uri}: its files are of {len(splits)} splits ({', '.join(splits.values())}), read as one "
+                        f"dataset they would mix them; give each split's files: "
+                        f"{join(uri, next(iter(splits)) + '-*.parquet')} (a pattern in the last part of the path)")
+
+
+def _nested_shard(fs, dirs, deep=False):
+    """A shard in one of `dirs` (one level down; deep: any level, for a message), or None."""
+    for d in dirs[:16]:
+        try:
+            inner = fs.get_file_info(pafs.FileSelector(d.path, recursive=deep))
+        except IO_ERRORS:
+            continue
+        found = next((e.path for e in inner if is_shard(e)), None)
+        if found:
+            return found
+    return None
+
+
+def _listing(fs, path, uri, recursive=False):
+    try:
+        return fs.get_file_info(pafs.FileSelector(path, recursive=recursive))
+    except IO_ERRORS as e:
+        raise Unreachable(f"cannot list {uri}: {one_line(e)}") from None
+
+
+def hive_key(name):
+    """The column of a Hive-style directory name `column=value`, or None."""
+    key, eq, _ = name.partition("=")
+    return key if eq and key and not name.startswith((".", "_")) else None
+
+
+INT_VALUE = re.compile(r"^-?[0-9]+$")
+FLOAT_VALUE = re.compile(r"^-?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$")
+
+
+def _partitioned(uri, fs, path):
+    """(paths, partitions) of partitionBy output under `path`: every shard below
+    `column=value` directories, the same columns on every path. A column's values are
+    ints where every value of it is one, floats where every one is a number (as pyarrow's
+    and Spark's discovery infer), else strings; Hive's __HIVE_DEFAULT_PARTITION__ is
+    None (null)."""
+    by_dir = {}
+    hidden = lambda p: any(c.startswith((".", "_")) for c in p.split("/"))     # noqa: E731
+    for e in _listing(fs, path, uri, recursive=True):
+        rel = posixpath.relpath(e.path, path)
+        if e.type == pafs.FileType.File and not hidden(rel):
+            by_dir.setdefault(posixpath.dirname(rel), []).append(e)
+    files, raw = [], []
+    for d in sorted(by_dir):
+        shards = _shards(by_dir[d])
+        if not shards:
+            continue
+        parts = d.split("/") if d else []
+        bad = next((p for p in parts if not hive_key(p)), None) if parts else "."
+        if bad is not None:
+            rel = posixpath.relpath(shards[0].path, path)
+            raise DataError(f"{join(uri, rel)}: not under column=value directories as the rest of the dataset "
+                            f"(partitionBy's output); move {join(uri, d) if d else 'it'} out of {uri}")
+        for e in sorted(shards, key=lambda e: e.path):
+            files.append(e.path)
+            raw.append({p.partition("=")[0]: urllib.parse.unquote(p.partition("=")[2]) for p in parts})
+    if not files:
+        raise DataError(f"no dataset at {uri}: its column=value subdirectories hold no .parquet shards; {IMPORT_HINT}")
+    keys = set(raw[0])
+    odd = next((i for i, r in enumerate(raw) if set(r) != keys), None)
+    if odd is not None:
+        raise DataError(f"{join(uri, posixpath.relpath(files[odd], path))}: its directories give "
+                        f"{sorted(raw[odd])}, the first file's {sorted(keys)}; the directory mixes datasets")
+
+    def typed(k):
+        values = [r[k] for r in raw if r[k] != HIVE_NULL]
+        return int if all(INT_VALUE.match(v) for v in values) else \
+            float if all(FLOAT_VALUE.match(v) for v in values) else str
+    types = {k: typed(k) for k in keys}
+    parts = [{k: None if v == HIVE_NULL else types[k](v) for k, v in r.items()} for r in raw]
+    return files, parts
