@@ -115,7 +115,7 @@ def _refuse_splits(uri, files):
     if len(splits) > 1:
         raise DataError(f"{uri}: its files are of {len(splits)} splits ({', '.join(splits.values())}), read as one "
                         f"dataset they would mix them; give each split's files: "
-                        f"{join(uri, next(iter(splits)) + '-*.parquet')} (a pattern in the last part of the path)")
+                        f"{join(uri, next(iter(splits)) + '*.parquet')} (a pattern in the last part of the path)")
 
 
 def _nested_shard(fs, dirs, deep=False):
