@@ -601,6 +601,9 @@ def test_hive_named_files_and_a_glob_over_one_split_of_a_hub_folder_are_read(tmp
     holds train-* beside test-*: read as one dataset it trained on the test rows."""
     _write(str(tmp_path / "hive" / "label=1" / "000000_0"), _good_table(labels=[0, 0, 0, 0]).drop_columns("label"))
     _write(str(tmp_path / "hive" / "label=1" / "000000_0.crc"), _good_table())       # no extension only
+    for other in ("LICENSE", "notes/TODO"):            # not data, and not under column=value directories
+        os.makedirs(os.path.dirname(tmp_path / "hive" / other), exist_ok=True)
+        (tmp_path / "hive" / other).write_text("not parquet")
     assert ParquetSource(str(tmp_path / "hive")).read_arrays()[1].tolist() == [1, 1, 1, 1]
     _write(str(tmp_path / "hub" / "data" / "train-00000-of-00002.parquet"), _good_table(labels=[0, 1, 2, 0]))
     _write(str(tmp_path / "hub" / "data" / "train-00001-of-00002.parquet"), _good_table(labels=[1, 1, 1, 1]))

@@ -162,16 +162,17 @@ def _partitioned(uri, fs, path):
             by_dir.setdefault(posixpath.dirname(rel), []).append(e)
     files, raw = [], []
     for d in sorted(by_dir):
-        shards = _shards(by_dir[d])
-        if not shards:
+        if not d:               # the directory's own files: none is a .parquet shard (list_files)
             continue
-        parts = d.split("/") if d else []
-        bad = next((p for p in parts if not hive_key(p)), None) if parts else "."
-        if bad is not None:
-            rel = posixpath.relpath(shards[0].path, path)
-            raise DataError(f"{join(uri, rel)}: not under column=value directories as the rest of the dataset "
-                            f"(partitionBy's output); move {join(uri, d) if d else 'it'} out of {uri}")
-        for e in sorted(shards, key=lambda e: e.path):
+        parts = d.split("/")
+        if not all(hive_key(p) for p in parts):
+            stray = [e for e in by_dir[d] if is_shard(e)]
+            if stray:
+                raise DataError(f"{join(uri, posixpath.relpath(stray[0].path, path))}: not under column=value "
+                                f"directories as the rest of the dataset (partitionBy's output); move "
+                                f"{join(uri, d)} out of {uri}")
+            continue
+        for e in sorted(_shards(by_dir[d]), key=lambda e: e.path):
             files.append(e.path)
             raw.append({p.partition("=")[0]: urllib.parse.unquote(p.partition("=")[2]) for p in parts})
     if not files:
