@@ -6,9 +6,11 @@ asks after every abort). These are not, since a restart would fail as this one d
   before: a step too big for the container (a batch, a model) is killed at the same place
   every attempt, and each retry cost a restart and the time to reach it (a step-0 kill ran
   4 attempts). One retry stays, for a passing cause (another process's page cache, a burst);
-- the same rank failed on the data's content (training.data.common.BadData: a page whose
-  CRC fails, an image that does not decode, found at the same step of every attempt) with
-  the same line in this generation and the one before. Other errors in training, an
+- a rank failed on the data's content (training.data.common.BadData: a page whose CRC
+  fails, an image that does not decode, found at the same step of every attempt), or could
+  not write a checkpoint for its storage (full, read-only, no permission:
+  training.checkpoint.CheckpointError's `repeats`), with the same line in this generation
+  and the one before. Other errors in training, an
   unreachable filesystem's among them, are retried as often as the job allows: the same
   line twice may still be a passing cause (a DataNode restarting, a peer that left);
 - a rank found a mistake in the job's model or strategy settings (a model the strategy
@@ -79,14 +81,14 @@ def same_setup_failure(store, members, gen, cause, poll_s, wait_s):
     return all(r and r.phase == "setup" and r.error == cause.error for r in records)
 
 
-def _twice(store, gen, cause, same):
-    """Whether generation `gen` and the one before it ended by the same rank (and container)
-    failing in a way `same(failure)` tells."""
+def _twice(store, gen, cause, same, same_rank=True):
+    """Whether generation `gen` and the one before it ended by the same rank (and container;
+    any rank where not `same_rank`) failing in a way `same(failure)` tells."""
     if gen == 0 or not same(cause):
         return False
     before = Failure.load(store.get(keys.abort(gen - 1)))
-    return before is not None and same(before) and before.rank == cause.rank \
-        and before.container == cause.container
+    return before is not None and same(before) and (not same_rank or before.rank == cause.rank
+                                                    and before.container == cause.container)
 
 
 def oom_again(store, gen, cause):
@@ -96,6 +98,9 @@ def oom_again(store, gen, cause):
 
 
 def input_error_again(store, gen, cause):
-    """Whether the same rank failed on the data's content with the same line in generation
-    `gen` and in the one before."""
-    return bool(cause.error) and _twice(store, gen, cause, lambda f: bool(f.repeats) and f.error == cause.error)
+    """Whether a rank failed on what a restart meets again (the data's content, a checkpoint's
+    storage full or read-only) with the same line in generation `gen` and in the one before:
+    the line names the file (or the URI and the rank that could not write), so any rank's
+    counts (every rank raises a checkpoint's error, and the first recorded names the abort)."""
+    return bool(cause.error) and _twice(store, gen, cause, lambda f: bool(f.repeats) and f.error == cause.error,
+                                        same_rank=False)

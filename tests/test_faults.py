@@ -70,7 +70,7 @@ def small_disk(tmp_path):
 @pytest.mark.parametrize("fault", ["read-only", "full"])
 def test_a_checkpoint_that_cannot_be_written_fails_in_one_line_and_the_previous_stays(
         fault, small_disk, digits, tmp_path, yarnapp_home):
-    job = digits_job(tmp_path, digits, f"ckpt-{fault}", steps=60, every=10, max_restarts=1)
+    job = digits_job(tmp_path, digits, f"ckpt-{fault}", steps=60, every=10, max_restarts=3)
     job["checkpoint"]["uri"] = str(small_disk / "ckpt")
     run = yarnapp.submit(job)
     wait_step(run, rank=0, step=12)                    # step 10's checkpoint is complete
@@ -92,11 +92,12 @@ def test_a_checkpoint_that_cannot_be_written_fails_in_one_line_and_the_previous_
     assert f"checkpoint.uri {small_disk}/ckpt: cannot write the checkpoint of step 20" in reason, reason
     assert why in reason, reason
     assert len(reason.splitlines()) == 1
-    assert [r["generation"] for r in st["restarts"]] == [1]          # retried once, from step 10
+    # retried once, from step 10, and not again: the same storage, the same line (it spent every restart)
+    assert [r["generation"] for r in st["restarts"]] == [1], [r["reason"] for r in st["restarts"]]
     assert "cannot write the checkpoint of step 20" in st["restarts"][0]["reason"]
-    # the previous complete checkpoint is intact and loads on every rank
-    assert sorted(n for n in os.listdir(mine) if not n.startswith("step-00000020")) \
-        == ["application.json", "step-00000010"]
+    assert "the same error in two attempts in a row, so it was not retried again" in reason, reason
+    # the previous complete checkpoint is intact and loads on every rank; nothing half-written is left
+    assert sorted(os.listdir(mine)) == ["application.json", "step-00000010"]
     for r in range(3):
         state = torch.load(mine / "step-00000010" / f"rank-{r:05d}.pt", weights_only=False)
         assert state["step"] == 10
@@ -113,6 +114,21 @@ def test_a_checkpoint_uri_the_containers_cannot_write_is_one_line(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.startswith("checkpoint.uri /proc/nope/ckpt: cannot write to it: "), (out.stdout, out.stderr)
     assert len(out.stdout.splitlines()) == 1
+
+
+def test_resume_latest_takes_no_application_that_started_after_this_one(tmp_path):
+    """Two applications of one job with resume: latest: the first one's restarted world took
+    the checkpoint of the second, started a moment after it (an audit's two submits at once:
+    the first was told "starting from step 0" and ended resumed_from=50 of the other)."""
+    code = ("import sys, time\nfrom mpi4py import MPI\nfrom training.checkpoint import Checkpointer\n"
+            "def c(app, gen=0):\n"
+            "    return Checkpointer(sys.argv[1], MPI.COMM_SELF, app_id=app, name='j', resume='latest', "
+            "generation=gen)\n"
+            "print(c('app_a').latest()[0]); time.sleep(0.01)\n"
+            "b = c('app_b'); print(b.latest()[0]); b.save(5, {'w': 1})\n"
+            "print(c('app_a', gen=1).latest()[0], c('app_c').latest()[0])\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["0", "0", "0", "5"], (out.stdout, out.stderr)
 
 
 RESUMING = """

@@ -3,6 +3,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -287,3 +288,19 @@ def test_logs_of_a_container_right_after_submit_are_empty_not_an_error(yarnapp_h
     finally:
         run.kill()
     assert_nothing_left(run.app_id)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare for a read-only mount")
+def test_a_read_only_yarnapp_home_is_one_line_naming_it(tmp_path):
+    """A read-only (or full) YARNAPP_HOME ended submit and list in an OSError's traceback."""
+    home = tmp_path / "home"
+    home.mkdir()
+    script = (f"mount --bind {home} {home} && mount -o remount,bind,ro {home} && "
+              f"{sys.executable} -m yarnapp.cli submit {HELLO}; echo rc=$?; {sys.executable} -m yarnapp.cli list; "
+              f"echo rc=$?")
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, YARNAPP_HOME=str(home)), cwd=ROOT)
+    assert proc.stdout.split() == ["rc=1", "rc=0"], proc
+    assert re.fullmatch(rf"Error: YARNAPP_HOME \({home}\): cannot create {home}/apps/app_\w+: Read-only file system; "
+                        r"set YARNAPP_HOME to a directory you can write to\n", proc.stderr), proc.stderr
+    assert os.listdir(home) == []

@@ -13,6 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import yarnapp
 from launcher import keys
+from yarnapp.backends.local.engine import LocalBackend
 from recovery_util import digits_job, final_weights, rank_pid, run_to_end, store_of, wait_step
 from util import assert_nothing_left
 
@@ -298,10 +299,17 @@ def test_a_failed_application_says_how_to_go_on_from_its_last_checkpoint(digits,
     run2 = yarnapp.Run(app2)
     wait_step(run2, rank=0, step=23)
     assert _resumed(run2) == [10], run2.logs()["big_0"][-2000:]
-    killed = cli("kill", app2, check=0).stdout.strip()              # `yarnapp kill` says where it can go on from
+    # `yarnapp kill` says where it can go on from; run from another directory, the command
+    # goes back to the one it was submitted from (the job's relative paths are from there)
+    import subprocess
+    import sys
+    submitted_from = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))    # the cli fixture's
+    killed = subprocess.run([sys.executable, "-m", "yarnapp.cli", "kill", app2], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120).stdout.strip()
     step = int(killed.split("checkpoint is step ")[1].split(":")[0])
-    assert step >= 20 and killed == (f"{app2} KILLED; its last complete checkpoint is step {step}: "
-                                     f"`yarnapp submit {path} --resume {app2}` goes on from it"), killed
+    assert step >= 20 and killed == (f"{app2} KILLED; its last complete checkpoint is step {step}: `cd "
+                                     f"{shlex.quote(submitted_from)} && yarnapp submit {path} --resume {app2}` goes "
+                                     f"on from it"), killed
     assert_nothing_left(app)
     assert_nothing_left(app2)
 
@@ -366,6 +374,7 @@ def test_resubmitting_a_job_does_not_resume_another_applications_checkpoints_unl
     assert st2["final"]["resumed_from"] == 0 and "resumed_app" not in st2["final"]
     run3, st3 = run_to_end(job(resume="latest"))
     assert st3["final"]["resumed_app"] == run2.app_id and st3["final"]["resumed_from"] == 20
+    assert LocalBackend().job_of(run3.app_id).checkpoint.resume == run2.app_id      # decided at submit, as said
     assert _equal(final_weights(job()), reference["allreduce"])
     # The next two at once: run4 names run1's checkpoint, and the job of another name looks for
     # the latest of its own name, of which there is none (all the others are "shared"). It runs
@@ -383,6 +392,7 @@ def test_resubmitting_a_job_does_not_resume_another_applications_checkpoints_unl
     assert st4["final"]["trained_steps"] == 0 and "samples_per_s" not in st4["final"], st4["final"]
     assert st3["final"]["trained_steps"] == 20 and st3["final"]["samples_per_s"] > 0
     assert st5["final"]["resumed_from"] == 0                   # latest never takes another job's
+    assert LocalBackend().job_of(run5.app_id).checkpoint.resume == "never"
     runs = (run1, run2, run3, run4, run5)
     assert sorted(os.listdir(tmp_path / "ckpt")) == sorted(r.app_id for r in runs)
     before = sorted(os.listdir(yarnapp_home / "apps"))

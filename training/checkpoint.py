@@ -73,6 +73,7 @@ class Checkpointer:
         self.generation = generation
         self.app_id, self.name, self.resume = app_id, name, resume
         self.resumed_app = None       # whose checkpoint this run started from
+        self._created = None          # when this application registered there (rank 0's _register)
         self.write_s = 0.0
 
     def _dir(self, step, tmp=False, root=None):
@@ -111,8 +112,10 @@ class Checkpointer:
             return None, None, []
         where = self.siblings or self.uri
         if self.resume == "latest":
-            for _, app, name in reversed(self.applications()):
+            for created, app, name in reversed(self.applications()):
                 root = self._app_root(app)
+                if self._created is not None and created >= self._created:
+                    continue            # started after this one: not an earlier application
                 if app != self.app_id and name == self.name and self.complete_steps(root):
                     return root, app, self.complete_steps(root)
             log.warning("checkpoint.resume latest: no earlier application of job %r has a complete "
@@ -209,8 +212,11 @@ class Checkpointer:
     def _register(self):
         path = f"{self.root}/application.json"
         if not fsutil.exists(self.fs, path):
+            self._created = time.time()
             fsutil.write_bytes(self.fs, path, json.dumps(
-                {"app_id": self.app_id, "name": self.name, "created": time.time(), "data": self.data}).encode())
+                {"app_id": self.app_id, "name": self.name, "created": self._created, "data": self.data}).encode())
+        else:                   # a restarted world: registered by its first
+            self._created = json.loads(fsutil.read_bytes(self.fs, path)).get("created")
         self._tidy()            # a world restarting after a crash mid-checkpoint
 
     def save(self, step, state):
@@ -257,9 +263,14 @@ class Checkpointer:
     def _raise_first(self, step, what, errors):
         first = next(((r, e) for r, e in enumerate(errors) if e), None)
         if first:
-            raise CheckpointError(f"checkpoint.uri {self.uri}: cannot {what} the checkpoint of step {step}"
-                                  f"{f' (rank {first[0]})' if what == 'write' else ''}: {first[1]}; "
-                                  f"free space or fix its permissions (the checkpoint before it is intact)")
+            if self.rank == 0:          # nothing half-written is left (a restart's _tidy would, the last not)
+                _attempt(lambda: self.fs.delete_dir(self._dir(step, tmp=True)))
+            detail = first[1].replace(f".tmp-{self.generation}", ".tmp")    # one line in every generation
+            e = CheckpointError(f"checkpoint.uri {self.uri}: cannot {what} the checkpoint of step {step}"
+                                f"{f' (rank {first[0]})' if what == 'write' else ''}: {detail}; "
+                                f"free space or fix its permissions (the checkpoint before it is intact)")
+            e.repeats = any(w in detail.lower() for w in STORAGE_FULL)
+            raise e
 
     def save_model(self, model, card=None):
         """The final model's weights (rank 0), and its card (training.trained: how to build
@@ -272,7 +283,13 @@ class Checkpointer:
 
 
 class CheckpointError(YarnappError, OSError):
-    """A checkpoint that cannot be written. str() names the URI and the first error."""
+    """A checkpoint that cannot be written. str() names the URI and the first error.
+    repeats: its storage is full, read-only or not ours, which a restart meets again
+    (launcher.retries: not retried a second time)."""
+    repeats = False
+
+
+STORAGE_FULL = ("no space left", "quota exceeded", "read-only file system", "permission denied")
 
 
 def other_data(step, app, saved, now):

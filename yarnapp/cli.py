@@ -148,10 +148,12 @@ def cmd_kill(args):
     run = api.Run(args.app)
     st = run.kill()
     job = st.get("job_file")        # the file it was submitted from (the local engine keeps it)
+    where = st.get("submit_dir") or os.getcwd()     # its relative paths (data, code) are from there
+    cd = f"cd {shlex.quote(where)} && " if job and os.path.realpath(where) != os.path.realpath(os.getcwd()) else ""
     if job:
-        rel = os.path.relpath(job)
+        rel = os.path.relpath(job, where)
         job = shlex.quote(job if rel.startswith("..") else rel)
-    hint = run.resume_hint(f"yarnapp submit {job or 'JOB.yaml'}") if st["state"] == "KILLED" else ""
+    hint = run.resume_hint(f"{cd}yarnapp submit {job or 'JOB.yaml'}") if st["state"] == "KILLED" else ""
     _p(f"{args.app} {st['state']}{hint}")
     return 0
 

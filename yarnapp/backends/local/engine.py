@@ -25,7 +25,7 @@ from ... import preflight, shipping
 from ...errors import YarnappError
 from ..base import TERMINAL, Backend
 from . import cgroups, gpus, netem, supervisor
-from .state import apps_dir, read_json, wait_ended, write_json
+from .state import apps_dir, home, read_json, wait_ended, write_json
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +83,12 @@ def check_resume(job, found, where="job"):
     (its own directory here, or a local checkpoint.uri), or a checkpoint the job could not
     go on from (written by fewer ranks, with another batch size or training set): one line
     before anything starts (else the containers start, then report it; `latest` with
-    nothing to resume is said here too). found: check_data's."""
+    nothing to resume is said here too). found: check_data's. Returns what the job resumes
+    from: `latest` decided here, as said (the application it names, or never: one submitted
+    a moment later, started first, is not taken for an earlier one); else as given."""
     app, uri = job.checkpoint.resume, job.checkpoint.uri
     if app == "never" or (uri and not fsutil.is_local(uri)):
-        return
+        return app
     if app != "latest":
         root = checkpoint_dir(app, fsutil.local_path(uri)) if uri else checkpoint_dir(app, siblings=apps_dir())
         if not os.path.isdir(root):
@@ -96,12 +98,14 @@ def check_resume(job, found, where="job"):
     from training.checkpoint import CheckpointError, Checkpointer
     look = Checkpointer(uri or apps_dir(), None, name=job.name, resume=app, siblings=None if uri else apps_dir())
     try:
-        line = look.refusal(look.earlier(), sum(g.instances for g in job.groups),
+        earlier = look.earlier()
+        line = look.refusal(earlier, sum(g.instances for g in job.groups),
                             {"batch_size": job.training.batch_size, "train_rows": found and found.rows})
     except CheckpointError as e:
         line = str(e)
     if line:
         raise YarnappError(f"{where}: {line}")
+    return earlier[1] or "never"
 
 
 def checked(job, where="job"):
@@ -113,7 +117,9 @@ def checked(job, where="job"):
     preflight.check_model(job, where)
     found = preflight.check_data(job, where)
     preflight.check_outputs(job, where)
-    check_resume(job, found, where)
+    resume = check_resume(job, found, where)
+    if resume != job.checkpoint.resume:
+        job = job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"resume": resume})})
     shipment = shipping.plan(job, where)
     preflight.check_strategy(job, found, shipment, where)
     return shipment
@@ -134,8 +140,17 @@ def _stop_just_started(app_id, proc):
 class LocalBackend(Backend):
     name = "local"
 
-    def __init__(self):
-        os.makedirs(apps_dir(), exist_ok=True)
+    @staticmethod
+    def _new_dir(d):
+        """Make an application's directory (owner-only) under $YARNAPP_HOME/apps; one line
+        naming YARNAPP_HOME where it cannot be written (read-only, full, not ours)."""
+        try:
+            os.makedirs(apps_dir(), exist_ok=True)
+            os.makedirs(d, mode=0o700)
+            os.chmod(d, 0o700)
+        except OSError as e:
+            raise YarnappError(f"YARNAPP_HOME ({home()}): cannot create {d}: {e.strerror or e}; set YARNAPP_HOME "
+                               f"to a directory you can write to") from None
 
     def _dir(self, app_id):
         d = os.path.join(apps_dir(), app_id)
@@ -160,8 +175,7 @@ class LocalBackend(Backend):
         # everything the application writes later is created under umask 077 (see below),
         # but for the job's own code, which runs under the submitter's (launcher.rank.run_code):
         # what it writes outside is as `python train.py` would write it.
-        os.makedirs(d, mode=0o700)
-        os.chmod(d, 0o700)
+        self._new_dir(d)
         old, proc = os.umask(0o077), None
         try:
             os.makedirs(os.path.join(d, "containers"))
@@ -172,7 +186,7 @@ class LocalBackend(Backend):
             write_json(os.path.join(d, "app.json"), {"app_id": app_id, "secret": secrets.token_hex(16),
                                                       "submitted": submitted, "name": job.name,
                                                       "job_file": os.path.abspath(where) if os.path.isfile(where)
-                                                      else None})
+                                                      else None, "submit_dir": os.getcwd()})
             FileStore(os.path.join(d, "store"))
             env = dict(os.environ, PYTHONUNBUFFERED="1", YARNAPP_UMASK=f"{old:o}")     # the job's code runs under it
             env.pop("YARNAPP_APP_ID", None)     # the supervisor is not a process of the application
@@ -212,6 +226,7 @@ class LocalBackend(Backend):
             cgroups.Limits.remove_app(app_id)
         st["am_attempts"] = (read_json(supervisor.record_path(d)) or {}).get("attempts", [])
         st["job_file"] = meta.get("job_file")     # the job.yaml it was submitted from, if any
+        st["submit_dir"] = meta.get("submit_dir")  # where: its relative paths are from there
         store = FileStore(os.path.join(d, "store"))
         st["progress"] = {int(k.rsplit("/", 1)[1]): json.loads(v)
                           for k, v in store.get_prefix("progress/").items()}
@@ -286,7 +301,7 @@ class LocalBackend(Backend):
     def list(self):
         out = []
         root = apps_dir()
-        for app_id in sorted(os.listdir(root), reverse=True):
+        for app_id in sorted(os.listdir(root) if os.path.isdir(root) else (), reverse=True):
             if os.path.isfile(os.path.join(root, app_id, "app.json")):
                 st = self.status(app_id)
                 out.append({k: st.get(k) for k in ("app_id", "name", "state", "submitted", "diagnostics")})
