@@ -50,8 +50,9 @@ class Failure:
     log_tail: str = ""
     input_error: Optional[bool] = None       # the rank's line is the whole story (a job's mistake it
                                              # found: a YarnappError), so `submit --wait` shows no log tail
-    repeats: Optional[bool] = None           # that mistake is in the data's content (a bad page): a
-                                             # restart meets it again (launcher.retries)
+    repeats: Optional[bool] = None           # that mistake is in the data's content (a bad page) or a
+                                             # checkpoint's storage (full, read-only): a restart meets
+                                             # it again (launcher.retries)
     certain: Optional[bool] = None           # that mistake is in the job's model or strategy settings:
                                              # every attempt meets it (launcher.retries)
     attempts: Optional[int] = None           # on FAILED: how many generations ran

@@ -594,6 +594,19 @@ def test_spark_partitionby_output_reads_its_labels_from_the_directories(tmp_path
             "image": pa.array([bytes([lab] * 4)], pa.binary(4)), "label": pa.array([lab], pa.int64())}))
     named = ParquetSource(str(tmp_path / "named"), _spec(shape=[1, 2, 2], columns={"class_name": "class_name"}))
     assert named.classes == ["cat", "dog"]
+    for lab, name in enumerate(["007", "1e3"]):            # names that look like numbers stay as written
+        _write(str(tmp_path / "numbers" / f"class_name={name}" / "x.parquet"), pa.table({
+            "image": pa.array([bytes([lab] * 4)], pa.binary(4)), "label": pa.array([lab], pa.int64())}))
+    _write(str(tmp_path / "numbers" / "class_name=x" / "empty.parquet"), pa.table({
+        "image": pa.array([], pa.binary(4)), "label": pa.array([], pa.int64())}))
+    numbers = ParquetSource(str(tmp_path / "numbers"), _spec(shape=[1, 2, 2], columns={"class_name": "class_name"}))
+    assert numbers.classes == ["007", "1e3"]
+    # an empty partition counts no class: the ranks' classes are the client's (it said 2, they built 6)
+    _write(str(tmp_path / "own2" / "label=0" / "x.parquet"), _good_table().drop_columns("label").replace_schema_metadata())
+    _write(str(tmp_path / "own2" / "label=5" / "x.parquet"), _good_table(n=0).drop_columns("label").replace_schema_metadata())
+    from training.data.checks import check
+    own2 = (str(tmp_path / "own2"), _spec(shape=[1, 2, 2]))
+    assert ParquetSource(*own2).num_classes == 1 == check(own2[0], shape=(1, 2, 2)).num_classes
 
 
 def test_hive_named_files_and_a_glob_over_one_split_of_a_hub_folder_are_read(tmp_path):
@@ -601,7 +614,7 @@ def test_hive_named_files_and_a_glob_over_one_split_of_a_hub_folder_are_read(tmp
     holds train-* beside test-*: read as one dataset it trained on the test rows."""
     _write(str(tmp_path / "hive" / "label=1" / "000000_0"), _good_table(labels=[0, 0, 0, 0]).drop_columns("label"))
     _write(str(tmp_path / "hive" / "label=1" / "000000_0.crc"), _good_table())       # no extension only
-    for other in ("LICENSE", "notes/TODO"):            # not data, and not under column=value directories
+    for other in ("LICENSE", "notes/TODO", "label=1/README"):     # not data: not named as Hive names its files
         os.makedirs(os.path.dirname(tmp_path / "hive" / other), exist_ok=True)
         (tmp_path / "hive" / other).write_text("not parquet")
     assert ParquetSource(str(tmp_path / "hive")).read_arrays()[1].tolist() == [1, 1, 1, 1]
@@ -611,6 +624,7 @@ def test_hive_named_files_and_a_glob_over_one_split_of_a_hub_folder_are_read(tmp
     with pytest.raises(DataError) as e:
         ParquetSource(str(tmp_path / "hub" / "data"))
     _one_line_naming(e, "its files are of 2 splits (test-00000-of-00001.parquet, train-00000-of-00002.parquet)",
+                     f"give each split's files with a pattern: {tmp_path / 'hub' / 'data'}/train*.parquet and "
                      f"{tmp_path / 'hub' / 'data'}/test*.parquet")
     train = ParquetSource(f"file://{tmp_path}/hub/data/train-*.parquet")
     assert train.read_arrays()[1].tolist() == [0, 1, 2, 0, 1, 1, 1, 1]
@@ -620,7 +634,7 @@ def test_hive_named_files_and_a_glob_over_one_split_of_a_hub_folder_are_read(tmp
     _one_line_naming(e, "no file matches 'valid-*.parquet'")
 
 
-def test_partitioned_output_that_cannot_be_read_is_one_line_naming_the_file(tmp_path):
+def test_partitioned_output_that_cannot_be_read_is_one_line_naming_the_file(tmp_path, monkeypatch):
     from training.data.checks import check
     from training.data.formats import inspect
 
@@ -647,6 +661,13 @@ def test_partitioned_output_that_cannot_be_read_is_one_line_naming_the_file(tmp_
         ParquetSource(str(tmp_path / "strings" / "label=cat"), _spec(shape=[1, 2, 2]))
     _one_line_naming(e, "is one partition (label=cat) of partitionBy's output",
                      f"give the directory above it ({tmp_path / 'strings'})")
+    monkeypatch.chdir(tmp_path / "strings")               # a relative one: it raised ValueError, a traceback
+    with pytest.raises(DataError) as e:
+        ParquetSource("label=cat/", _spec(shape=[1, 2, 2]))
+    _one_line_naming(e, "label=cat/: is one partition (label=cat)", "give the directory above it (.)")
+    # a dataset under a directory that happens to be named label=...: its own directories give the labels
+    _write(str(tmp_path / "label=x" / "ds" / "label=4" / "x.parquet"), image)
+    assert check(str(tmp_path / "label=x" / "ds"), shape=(1, 2, 2)).num_classes == 5
     _write(str(tmp_path / "beside" / "label=0" / "x.parquet"), _good_table())
     _write(str(tmp_path / "beside" / "y.parquet"), _good_table())
     with pytest.raises(DataError) as e:

@@ -216,7 +216,10 @@ class Checkpointer:
             fsutil.write_bytes(self.fs, path, json.dumps(
                 {"app_id": self.app_id, "name": self.name, "created": self._created, "data": self.data}).encode())
         else:                   # a restarted world: registered by its first
-            self._created = json.loads(fsutil.read_bytes(self.fs, path)).get("created")
+            try:
+                self._created = json.loads(fsutil.read_bytes(self.fs, path)).get("created")
+            except (OSError, ValueError, AttributeError, pa.ArrowException):  # cut short by a crash
+                self._created = None
         self._tidy()            # a world restarting after a crash mid-checkpoint
 
     def save(self, step, state):

@@ -185,8 +185,7 @@ def dry_run(spec, where="job"):
     import yaml
 
     from .backends.local.engine import checked
-    checked(spec, where)                    # as submit would
-    spec = conf.absolutize(spec, os.getcwd())   # relative paths as submit resolves them
+    spec = checked(spec, where).job         # as submit would: relative paths resolved, `latest` decided
     return (f"# {where}: the resolved job the local engine would run (no skein spec: it runs its own "
             f"application master)\n" + yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
 

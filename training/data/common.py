@@ -60,8 +60,9 @@ def filesystem(uri):
 
 
 def join(uri, name):
-    """`uri`/`name`, keeping a URI's query string (s3://b/x?region=r) at the end."""
-    base, sep, query = uri.partition("?")
+    """`uri`/`name`, keeping a URI's query string (s3://b/x?region=r) at the end (a plain
+    path's "?" is its own)."""
+    base, sep, query = uri.partition("?") if "://" in uri else (uri, "", "")
     return base.rstrip("/") + "/" + name + sep + query
 
 

@@ -25,6 +25,7 @@ import functools
 import json
 import logging
 import posixpath
+import re
 from typing import List, Optional
 
 import numpy as np
@@ -193,17 +194,35 @@ def hf_classes(schema, label):
         return None
 
 
-def _refuse_a_partition_itself(uri, path, columns, schema):
+def _refuse_a_partition_itself(uri, columns, schema, given):
     """One partition of partitionBy's output given as the dataset (.../label=3): its files
     hold no label column, the directory's name does."""
-    if schema.get_field_index(columns.label) >= 0:
+    if schema.get_field_index(columns.label) >= 0 or columns.label in given:
         return
-    part = next((d for d in reversed(path.rstrip("/").split("/")) if hive_key(d) == columns.label), None)
-    if part:
-        up = uri.partition("?")[0].rstrip("/")
-        up = up[:up.index("/" + part)]
-        raise DataError(f"{uri}: is one partition ({part}) of partitionBy's output, whose files hold no label "
+    parts = (uri.partition("?")[0] if "://" in uri else uri).rstrip("/").split("/")
+    at = next((i for i in reversed(range(len(parts))) if hive_key(parts[i]) == columns.label), None)
+    if at is not None:
+        up = "/".join(parts[:at]) or "."
+        raise DataError(f"{uri}: is one partition ({parts[at]}) of partitionBy's output, whose files hold no label "
                         f"column; give the directory above it ({up}), whose column=value directories give the labels")
+
+
+INT_VALUE = re.compile(r"^-?[0-9]+$")
+FLOAT_VALUE = re.compile(r"^-?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$")
+
+
+def _typed_labels(partitions, label):
+    """Labels from directories as numbers: ints where every one is an integer, floats where
+    every one is a number (refused by _kind, with how to fix them); else left strings.
+    (Class names and other columns stay as written: cname=007 is '007'.)"""
+    values = [p[label] for p in partitions if p.get(label) is not None]
+    if not values:
+        return partitions
+    cast = int if all(INT_VALUE.match(v) for v in values) else \
+        float if all(FLOAT_VALUE.match(v) for v in values) else None
+    if cast is None:
+        return partitions
+    return [{k: cast(v) if k == label and v is not None else v for k, v in p.items()} for p in partitions]
 
 
 def _kind(schema, columns, name, shape, meta, given=None):
@@ -352,9 +371,20 @@ class Footers:
     def labels(self, i):
         """(smallest, largest) label of file i, or None where not known without reading it."""
         part = self.partitions[i]
-        if self.columns.label in part:
-            return part[self.columns.label], part[self.columns.label]
+        if self.columns.label in part:      # an empty file's directory names no label of a row
+            return (part[self.columns.label],) * 2 if self.footers[i].num_rows else None
         return label_range(self.footers[i], self.columns.label)
+
+
+def _name(uri, path, root, file):
+    """How messages name `file` of the dataset at `uri`: the URI of the file (a glob's
+    files by the pattern's directory, `uri` less its last part)."""
+    rel = posixpath.relpath(file, root)
+    if root == path:
+        return join(uri, rel)
+    base, sep, query = uri.partition("?") if "://" in uri else (uri, "", "")
+    parent = base.rstrip("/").rpartition("/")[0]
+    return join(parent + sep + query, rel) if parent else rel
 
 
 def read_footers(uri, columns, shape, named=False):
@@ -365,9 +395,7 @@ def read_footers(uri, columns, shape, named=False):
     column a file lacks may come from its Hive directories (label=3/...)."""
     fs, path = filesystem(uri)
     root, paths, partitions = list_files(uri, fs, path)
-    base, sep, query = uri.partition("?")
-    named_from = uri if root == path else base.rstrip("/").rsplit("/", 1)[0] + sep + query   # a glob's directory
-    names = [uri if p == path else join(named_from, posixpath.relpath(p, root)) for p in paths]
+    names = [uri if p == path else _name(uri, path, root, p) for p in paths]
     with concurrent.futures.ThreadPoolExecutor(min(8, len(paths))) as pool:
         footers = list(pool.map(lambda i: _footer(fs, paths[i], names[i], single=paths[i] == path),
                                 range(len(paths))))
@@ -382,7 +410,8 @@ def read_footers(uri, columns, shape, named=False):
         # with it beside a test set imported by yarnapp, say)
         columns = dataclasses.replace(columns, class_name=None)
     wanted = wanted_columns(columns)
-    partitions = [{k: v for k, v in part.items() if k in given and k in wanted} for part in partitions]
+    partitions = _typed_labels([{k: v for k, v in part.items() if k in given and k in wanted}
+                                for part in partitions], columns.label)
     for name, part, md in zip(names, partitions, footers):
         null = next((k for k, v in part.items() if v is None), None)
         if null is not None and md.num_rows:
@@ -390,7 +419,7 @@ def read_footers(uri, columns, shape, named=False):
             raise DataError(f"{name}: {md.num_rows} row(s) without {what} (its directory {null}={HIVE_NULL}, "
                             f"a null); drop those rows, or give each {what}")
     kinds = {k: next((type(p[k]).__name__ for p in partitions if p[k] is not None), "int") for k in partitions[0]}
-    _refuse_a_partition_itself(uri, path, columns, first)
+    _refuse_a_partition_itself(uri, columns, first, given)
     kind, raw_shape = _kind(first, columns, names[0], shape, meta, kinds)
     image_type = first.field(columns.image).type
     for name, md in zip(names[1:], footers[1:]):
@@ -412,7 +441,7 @@ def _classes(layout, schema, found):
         return hf, len(hf)
     if cols.class_name:
         return _names_from_column(layout)
-    ranges = [found.labels(i) for i in range(len(found.paths))]
+    ranges = [found.labels(i) for i in range(len(found.paths)) if found.footers[i].num_rows]
     if any(r is None for r in ranges):
         labels = read_column(layout, cols.label)
         ranges = [(int(labels.min()), int(labels.max()))]

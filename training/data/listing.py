@@ -31,10 +31,13 @@ def is_shard(entry):
             and not entry.base_name.startswith((".", "_")))
 
 
+HIVE_NAME = re.compile(r"^(\d+_\d+(_copy_\d+)?|part-([mr]-)?\d+)$")      # 000000_0, 000000_0_copy_1, part-r-00000
+
+
 def _hive_file(entry):
-    """A file named as Hive and MapReduce name their output (000000_0, part-00000): no
-    extension. Read as a shard where a directory holds no .parquet files."""
-    return entry.type == pafs.FileType.File and "." not in entry.base_name and not entry.base_name.startswith("_")
+    """A file named as Hive and MapReduce name their output (000000_0, part-00000, no
+    extension). Read as a shard where a directory holds no .parquet files."""
+    return entry.type == pafs.FileType.File and bool(HIVE_NAME.match(entry.base_name))
 
 
 def _shards(entries):
@@ -42,7 +45,7 @@ def _shards(entries):
     return [e for e in entries if is_shard(e)] or [e for e in entries if _hive_file(e)]
 
 
-GLOB_CHARS = "*?["
+GLOB_CHARS = "*?["      # in a URI with a scheme only "*": "?" starts its query, "[" does not parse
 SPLIT_NAME = re.compile(r"^(train|test|validation|valid|val|eval)[-_.]")     # Hugging Face's data/train-00000-of-00002.parquet
 
 
@@ -95,9 +98,8 @@ def list_files(uri, fs, path):
 def _glob(uri, fs, path):
     parent, pattern = posixpath.split(path.rstrip("/"))
     if any(c in parent for c in GLOB_CHARS):
-        raise DataError(f"{uri}: a pattern (*, ?, [...]) works in the last part of the path only, as in "
-                        f"data/train-*.parquet")
-    entries = [e for e in _listing(fs, parent, uri) if e.type == pafs.FileType.File
+        raise DataError(f"{uri}: a pattern works in the last part of the path only, as in data/train-*.parquet")
+    entries = [e for e in _listing(fs, parent or ".", uri) if e.type == pafs.FileType.File
                and not e.base_name.startswith((".", "_")) and fnmatch.fnmatchcase(e.base_name, pattern)]
     if not entries:
         raise DataError(f"no dataset at {uri}: no file matches {pattern!r}; {IMPORT_HINT}")
@@ -113,21 +115,28 @@ def _refuse_splits(uri, files):
         if m:
             splits.setdefault(m.group(1), posixpath.basename(f))
     if len(splits) > 1:
+        patterns = " and ".join(join(uri, f"{split}*.parquet") for split in sorted(splits, key=lambda k: k != "train"))
         raise DataError(f"{uri}: its files are of {len(splits)} splits ({', '.join(splits.values())}), read as one "
-                        f"dataset they would mix them; give each split's files: "
-                        f"{join(uri, next(iter(splits)) + '*.parquet')} (a pattern in the last part of the path)")
+                        f"dataset they would mix them; give each split's files with a pattern: {patterns}")
 
 
 def _nested_shard(fs, dirs, deep=False):
-    """A shard in one of `dirs` (one level down; deep: any level, for a message), or None."""
-    for d in dirs[:16]:
+    """A shard in one of `dirs` (one level down; deep: up to three, for a message), or None:
+    at most 16 directories are listed (a bucket's root may hold many)."""
+    queue, listed = [(d.path, 1) for d in dirs], 0
+    while queue and listed < 16:
+        path, depth = queue.pop(0)
         try:
-            inner = fs.get_file_info(pafs.FileSelector(d.path, recursive=deep))
+            inner = fs.get_file_info(pafs.FileSelector(path, recursive=False))
         except IO_ERRORS:
             continue
+        listed += 1
         found = next((e.path for e in inner if is_shard(e)), None)
         if found:
             return found
+        if deep and depth < 3:
+            queue += [(e.path, depth + 1) for e in inner if e.type == pafs.FileType.Directory
+                      and not e.base_name.startswith((".", "_"))]
     return None
 
 
@@ -144,16 +153,11 @@ def hive_key(name):
     return key if eq and key and not name.startswith((".", "_")) else None
 
 
-INT_VALUE = re.compile(r"^-?[0-9]+$")
-FLOAT_VALUE = re.compile(r"^-?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$")
-
-
 def _partitioned(uri, fs, path):
     """(paths, partitions) of partitionBy output under `path`: every shard below
-    `column=value` directories, the same columns on every path. A column's values are
-    ints where every value of it is one, floats where every one is a number (as pyarrow's
-    and Spark's discovery infer), else strings; Hive's __HIVE_DEFAULT_PARTITION__ is
-    None (null)."""
+    `column=value` directories, the same columns on every path; the values as written
+    (URL-escapes decoded), Hive's __HIVE_DEFAULT_PARTITION__ None (null). What a column's
+    values mean (a label's integers) is training.data.formats'."""
     by_dir = {}
     hidden = lambda p: any(c.startswith((".", "_")) for c in p.split("/"))     # noqa: E731
     for e in _listing(fs, path, uri, recursive=True):
@@ -182,11 +186,4 @@ def _partitioned(uri, fs, path):
     if odd is not None:
         raise DataError(f"{join(uri, posixpath.relpath(files[odd], path))}: its directories give "
                         f"{sorted(raw[odd])}, the first file's {sorted(keys)}; the directory mixes datasets")
-
-    def typed(k):
-        values = [r[k] for r in raw if r[k] != HIVE_NULL]
-        return int if all(INT_VALUE.match(v) for v in values) else \
-            float if all(FLOAT_VALUE.match(v) for v in values) else str
-    types = {k: typed(k) for k in keys}
-    parts = [{k: None if v == HIVE_NULL else types[k](v) for k, v in r.items()} for r in raw]
-    return files, parts
+    return files, [{k: None if v == HIVE_NULL else v for k, v in r.items()} for r in raw]

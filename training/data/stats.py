@@ -14,6 +14,7 @@ change. In a
 world, rank 0 computes (or reads) them and broadcasts them, so every rank normalises
 with the very same numbers.
 """
+import hashlib
 import json
 import logging
 import os
@@ -41,7 +42,11 @@ def _cache_path(layout):
             and layout.uri.rstrip("/").endswith(posixpath.basename(layout.paths[0])):
         d, f = posixpath.split(layout.paths[0])
         return posixpath.join(d, f".{f}.yarnapp_stats.json")
-    return posixpath.join(layout.root or posixpath.dirname(layout.paths[0]), CACHE_NAME)
+    pattern = posixpath.basename(layout.uri.partition("?")[0] if "://" in layout.uri else layout.uri)
+    name = CACHE_NAME
+    if any(c in pattern for c in "*?["):     # a glob's files: beside other patterns' (train-*, validation-*)
+        name = CACHE_NAME.replace(".json", f".{hashlib.sha1(pattern.encode()).hexdigest()[:8]}.json")
+    return posixpath.join(layout.root or posixpath.dirname(layout.paths[0]), name)
 
 
 def _fingerprint(layout):
