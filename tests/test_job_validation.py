@@ -459,7 +459,7 @@ def test_what_a_new_user_got_wrong_is_one_line_that_says_what_to_do(tmp_path, cl
     for args, words in cases:
         proc = cli(*args, timeout=120)
         assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and words in proc.stderr, (args, proc.stderr)
-    assert sorted(os.listdir(tmp_path)) == ["dd", "flat", "g.npz", "imgs", "passwd.yaml", "train.py", "yarnapp-home"]
+    assert sorted(os.listdir(tmp_path)) == ["dd", "flat", "g.npz", "imgs", "passwd.yaml", "train.py"]  # not even a home
     assert apps(yarnapp_home) == []
     assert os.listdir(tmp_path / "dd") == ["train"]
 
