@@ -597,15 +597,14 @@ def test_spark_partitionby_output_reads_its_labels_from_the_directories(tmp_path
     for lab, name in enumerate(["007", "1e3"]):            # names that look like numbers stay as written
         _write(str(tmp_path / "numbers" / f"class_name={name}" / "x.parquet"), pa.table({
             "image": pa.array([bytes([lab] * 4)], pa.binary(4)), "label": pa.array([lab], pa.int64())}))
-    _write(str(tmp_path / "numbers" / "class_name=x" / "empty.parquet"), pa.table({
-        "image": pa.array([], pa.binary(4)), "label": pa.array([], pa.int64())}))
     numbers = ParquetSource(str(tmp_path / "numbers"), _spec(shape=[1, 2, 2], columns={"class_name": "class_name"}))
     assert numbers.classes == ["007", "1e3"]
     # an empty partition counts no class: the ranks' classes are the client's (it said 2, they built 6)
     _write(str(tmp_path / "own2" / "label=0" / "x.parquet"), _good_table().drop_columns("label").replace_schema_metadata())
     _write(str(tmp_path / "own2" / "label=5" / "x.parquet"), _good_table(n=0).drop_columns("label").replace_schema_metadata())
     from training.data.checks import check
-    own2 = (str(tmp_path / "own2"), _spec(shape=[1, 2, 2]))
+    _write(str(tmp_path / "own2" / "label=cat" / "x.parquet"), _good_table(n=0).drop_columns("label").replace_schema_metadata())
+    own2 = (str(tmp_path / "own2"), _spec(shape=[1, 2, 2]))                 # nor does it make labels strings
     assert ParquetSource(*own2).num_classes == 1 == check(own2[0], shape=(1, 2, 2)).num_classes
 
 
@@ -618,6 +617,11 @@ def test_hive_named_files_and_a_glob_over_one_split_of_a_hub_folder_are_read(tmp
         os.makedirs(os.path.dirname(tmp_path / "hive" / other), exist_ok=True)
         (tmp_path / "hive" / other).write_text("not parquet")
     assert ParquetSource(str(tmp_path / "hive")).read_arrays()[1].tolist() == [1, 1, 1, 1]
+    for name in ("part-r-00000", "part-00000-1f2e3d4c-5b6a-c000", "000000_0_copy_1"):   # MapReduce's, Spark's
+        _write(str(tmp_path / "named" / name), _good_table(labels=[2, 2, 2, 2]))
+    assert ParquetSource(str(tmp_path / "named")).read_arrays()[1].tolist() == [2] * 12
+    _write(str(tmp_path / "impala" / "a_data.0.parq"), _good_table(labels=[0, 1, 0, 1]))      # Impala's
+    assert len(ParquetSource(str(tmp_path / "impala"))) == 4
     _write(str(tmp_path / "hub" / "data" / "train-00000-of-00002.parquet"), _good_table(labels=[0, 1, 2, 0]))
     _write(str(tmp_path / "hub" / "data" / "train-00001-of-00002.parquet"), _good_table(labels=[1, 1, 1, 1]))
     _write(str(tmp_path / "hub" / "data" / "test-00000-of-00001.parquet"), _good_table(labels=[2, 2, 2, 2]))
@@ -632,6 +636,15 @@ def test_hive_named_files_and_a_glob_over_one_split_of_a_hub_folder_are_read(tmp
     with pytest.raises(DataError) as e:
         ParquetSource(str(tmp_path / "hub" / "data" / "valid-*.parquet"))
     _one_line_naming(e, "no file matches 'valid-*.parquet'")
+    with pytest.raises(DataError) as e:
+        ParquetSource(str(tmp_path / "hub" / "data" / "*.parquet"))         # a pattern over both splits
+    _one_line_naming(e, "its files are of 2 splits")
+    one = ParquetSource(str(tmp_path / "hub" / "data" / "train-0000?-of-00002.parquet"))    # a plain path's ?
+    assert one.layout.names[0] == str(tmp_path / "hub" / "data" / "train-00000-of-00002.parquet")
+    from training.data.formats import _name, _parent
+    assert _name("/train-*.parquet", "/train-*.parquet", "/", "/train-0.parquet") == "/train-0.parquet"
+    assert _name("file:///t-*?x=1", "/t-*", "/", "/t-0") == "file:///t-0?x=1"
+    assert [_parent(p) for p in ([""], ["file:", "", ""], [], ["s3:", "", "b"])] == ["/", "file:///", ".", "s3://b"]
 
 
 def test_partitioned_output_that_cannot_be_read_is_one_line_naming_the_file(tmp_path, monkeypatch):
@@ -644,14 +657,18 @@ def test_partitioned_output_that_cannot_be_read_is_one_line_naming_the_file(tmp_
         with pytest.raises(DataError) as e:
             read(str(tmp_path / "nulls"), shape=(3, 2, 2))
         _one_line_naming(e, "day=a/label=__HIVE_DEFAULT_PARTITION__/part-00000", "row(s) without a label",
-                         "its directory label=__HIVE_DEFAULT_PARTITION__")
+                         "a null in its directory's name, label=__HIVE_DEFAULT_PARTITION__ or label=)")
     image = pa.table({"image": pa.array([b"abcd"], pa.binary(4))})
     for case, values, expect in [
             ("strings", ("cat", "dog"), "label column 'label' (its directories, label=...) is string"),
             ("floats", ("0.0", "1.0"), "label column 'label' (its directories, label=...) is double, expected "
                                        "integers (class indices 0..K-1); cast them to integers"),
             ("digits", ("\u00b2", "1"), "is string"),             # isdigit() says yes; int() says no
-            ("negative", ("-1", "0"), "its labels run from -1 to -1 (its directory); labels must be class indices")]:
+            ("negative", ("-1", "0"), "its labels run from -1 to -1 (its directory); labels must be class indices"),
+            ("mixed", ("0", "cat"), "label=cat/x.parquet: label column 'label' (its directories, label=...) is string"),
+            ("blank", ("", "0"), "label=/x.parquet: 1 row(s) without a label (a null in its directory's name"),
+            ("huge", ("99999999999999999999", "0"), "label=99999999999999999999/x.parquet: its directory gives label "
+                                                    "99999999999999999999: labels are class indices 0..K-1")]:
         for v in values:
             _write(str(tmp_path / case / f"label={v}" / "x.parquet"), image)
         with pytest.raises(DataError) as e:

@@ -125,6 +125,7 @@ def test_resume_latest_takes_no_application_that_started_after_this_one(tmp_path
             "    return Checkpointer(sys.argv[1], MPI.COMM_SELF, app_id=app, name='j', resume='latest', "
             "generation=gen)\n"
             "print(c('app_a').latest()[0]); time.sleep(0.01)\n"
+            "open(sys.argv[1] + '/app_a/application.json', 'w').write('{\"app_id\": \"app_a\", \"cre')\n"
             "b = c('app_b'); print(b.latest()[0]); b.save(5, {'w': 1})\n"
             "print(c('app_a', gen=1).latest()[0], c('app_c').latest()[0])\n")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)

@@ -210,17 +210,22 @@ class Checkpointer:
         return self._written_by_fewer(root, app, steps, size) or other_data(steps[-1], app, saved, data)
 
     def _register(self):
+        """Record this application under the URI, once (its first world); a restarted world
+        reads when it was (`latest` takes no application started after it)."""
         path = f"{self.root}/application.json"
-        if not fsutil.exists(self.fs, path):
-            self._created = time.time()
-            fsutil.write_bytes(self.fs, path, json.dumps(
-                {"app_id": self.app_id, "name": self.name, "created": self._created, "data": self.data}).encode())
-        else:                   # a restarted world: registered by its first
+        created = None
+        if fsutil.exists(self.fs, path):
             try:
-                self._created = json.loads(fsutil.read_bytes(self.fs, path)).get("created")
-            except (OSError, ValueError, AttributeError, pa.ArrowException):  # cut short by a crash
-                self._created = None
-        self._tidy()            # a world restarting after a crash mid-checkpoint
+                self._created = float(json.loads(fsutil.read_bytes(self.fs, path))["created"])
+                self._tidy()    # a world restarting after a crash mid-checkpoint
+                return
+            except (ValueError, KeyError, TypeError):   # cut short by a crash: written again, dated by the file
+                mtime = self.fs.get_file_info(path).mtime
+                created = mtime.timestamp() if mtime else None
+        self._created = created or time.time()
+        fsutil.write_bytes(self.fs, path, json.dumps(
+            {"app_id": self.app_id, "name": self.name, "created": self._created, "data": self.data}).encode())
+        self._tidy()
 
     def save(self, step, state):
         """Collective: every rank passes its own state; returns when the checkpoint is complete.

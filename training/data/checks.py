@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from .common import IO_ERRORS, DataError, one_line
-from .formats import RAW, STRUCT, Block, Columns, blocks_of, hf_classes, read_footers, wanted_columns
+from .formats import RAW, STRUCT, Block, Columns, blocks_of, hf_classes, read_footers, too_many, wanted_columns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +60,8 @@ def check(uri, columns=None, shape=None, named=False):
                             f"must be class indices >= 0")
         if top is not None and md.num_rows:
             top, low = (max(top, r[1]), r[0] if low is None else min(low, r[0])) if r else (None, None)
+    if top is not None:
+        too_many(uri, top)
     if kind != RAW:
         _check_first_image(f.fs, f.paths, f.names, f.footers, columns, kind, shape)
     blocks = [b for i, md in enumerate(f.footers) for b in blocks_of(i, md, wanted_columns(columns))]

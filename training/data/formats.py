@@ -199,30 +199,53 @@ def _refuse_a_partition_itself(uri, columns, schema, given):
     hold no label column, the directory's name does."""
     if schema.get_field_index(columns.label) >= 0 or columns.label in given:
         return
-    parts = (uri.partition("?")[0] if "://" in uri else uri).rstrip("/").split("/")
+    base, sep, query = uri.partition("?") if "://" in uri else (uri, "", "")
+    parts = base.rstrip("/").split("/")
     at = next((i for i in reversed(range(len(parts))) if hive_key(parts[i]) == columns.label), None)
     if at is not None:
-        up = "/".join(parts[:at]) or "."
         raise DataError(f"{uri}: is one partition ({parts[at]}) of partitionBy's output, whose files hold no label "
-                        f"column; give the directory above it ({up}), whose column=value directories give the labels")
+                        f"column; give the directory above it ({_parent(parts[:at]) + sep + query}), whose "
+                        f"column=value directories give the labels")
+
+
+def _parent(parts):
+    """The directory of path `parts` (a URI's or a path's, split at "/"), as a person writes it."""
+    up = "/".join(parts)
+    if not up:
+        return "/" if parts else "."        # parts [""]: the root of a plain path
+    return up + "/" if up.endswith(":/") or up.endswith("//") else up     # file:/// and s3://b/ keep their slashes
 
 
 INT_VALUE = re.compile(r"^-?[0-9]+$")
 FLOAT_VALUE = re.compile(r"^-?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$")
 
 
-def _typed_labels(partitions, label):
-    """Labels from directories as numbers: ints where every one is an integer, floats where
-    every one is a number (refused by _kind, with how to fix them); else left strings.
+MAX_CLASSES = 1_000_000     # a label past this is a mistake (a row id, a hash), not a class index
+
+
+def _typed_labels(partitions, label, footers, names):
+    """Labels from directories as numbers: ints where every one of a file with rows is an
+    integer, floats where every one is a number (refused by _kind, with how to fix them);
+    else left strings, and refused by _kind naming the first file whose label is not an
+    integer (its index is returned, else 0). An empty file's directory names no label.
     (Class names and other columns stay as written: cname=007 is '007'.)"""
-    values = [p[label] for p in partitions if p.get(label) is not None]
+    partitions = [p if md.num_rows else {k: v for k, v in p.items() if k != label}
+                  for p, md in zip(partitions, footers)]
+    values = [(i, p[label]) for i, p in enumerate(partitions) if p.get(label) is not None]
     if not values:
-        return partitions
-    cast = int if all(INT_VALUE.match(v) for v in values) else \
-        float if all(FLOAT_VALUE.match(v) for v in values) else None
-    if cast is None:
-        return partitions
-    return [{k: cast(v) if k == label and v is not None else v for k, v in p.items()} for p in partitions]
+        return partitions, 0
+    odd = next((i for i, v in values if not INT_VALUE.match(v)), None)
+    if odd is None:
+        cast = int
+        big = next((i for i, v in values if int(v) >= MAX_CLASSES), None)
+        if big is not None:
+            raise DataError(f"{names[big]}: its directory gives label {partitions[big][label]}: labels are class "
+                            f"indices 0..K-1 (at most {MAX_CLASSES:,} classes); write them so")
+    elif all(FLOAT_VALUE.match(v) for _, v in values):
+        cast = float
+    else:
+        return partitions, odd
+    return [{k: cast(v) if k == label and v is not None else v for k, v in p.items()} for p in partitions], odd or 0
 
 
 def _kind(schema, columns, name, shape, meta, given=None):
@@ -340,7 +363,7 @@ def inspect(uri, columns=None, shape=None, named=False):
     layout.classes, layout.num_classes = _classes(layout, first, f)
     log.info("%s: %d rows in %d files, %d blocks, %s images, %d classes, %.1f MB%s",
              uri, layout.rows, len(f.paths), len(blocks), f.kind, layout.num_classes, layout.nbytes / 1e6,
-             f" (from column=value directories: {sorted(f.partitions[0])})" if f.partitions[0] else "")
+             f" (from column=value directories: {sorted(set().union(*f.partitions))})" if any(f.partitions) else "")
     return layout
 
 
@@ -383,8 +406,8 @@ def _name(uri, path, root, file):
     if root == path:
         return join(uri, rel)
     base, sep, query = uri.partition("?") if "://" in uri else (uri, "", "")
-    parent = base.rstrip("/").rpartition("/")[0]
-    return join(parent + sep + query, rel) if parent else rel
+    head, slash, _ = base.rstrip("/").rpartition("/")
+    return (head + "/" if slash else "") + rel + sep + query
 
 
 def read_footers(uri, columns, shape, named=False):
@@ -410,16 +433,18 @@ def read_footers(uri, columns, shape, named=False):
         # with it beside a test set imported by yarnapp, say)
         columns = dataclasses.replace(columns, class_name=None)
     wanted = wanted_columns(columns)
-    partitions = _typed_labels([{k: v for k, v in part.items() if k in given and k in wanted}
-                                for part in partitions], columns.label)
+    partitions, odd = _typed_labels([{k: v for k, v in part.items() if k in given and k in wanted}
+                                     for part in partitions], columns.label, footers, names)
     for name, part, md in zip(names, partitions, footers):
         null = next((k for k, v in part.items() if v is None), None)
         if null is not None and md.num_rows:
             what = "a label" if null == columns.label else "a class name"
-            raise DataError(f"{name}: {md.num_rows} row(s) without {what} (its directory {null}={HIVE_NULL}, "
-                            f"a null); drop those rows, or give each {what}")
-    kinds = {k: next((type(p[k]).__name__ for p in partitions if p[k] is not None), "int") for k in partitions[0]}
+            raise DataError(f"{name}: {md.num_rows} row(s) without {what} (a null in its directory's name, "
+                            f"{null}={HIVE_NULL} or {null}=); drop those rows, or give each {what}")
+    kinds = {k: next((type(p[k]).__name__ for p in partitions if p.get(k) is not None), "int") for k in given}
     _refuse_a_partition_itself(uri, columns, first, given)
+    if odd:                                 # the first file whose directory's label is not an integer
+        _kind(footers[odd].schema.to_arrow_schema(), columns, names[odd], shape, meta, kinds)
     kind, raw_shape = _kind(first, columns, names[0], shape, meta, kinds)
     image_type = first.field(columns.image).type
     for name, md in zip(names[1:], footers[1:]):
@@ -448,7 +473,15 @@ def _classes(layout, schema, found):
     lo, hi = min(r[0] for r in ranges), max(r[1] for r in ranges)
     if lo < 0:
         raise DataError(f"{layout.uri}: labels must be class indices >= 0, found {lo}")
+    too_many(layout.uri, hi)
     return [str(i) for i in range(hi + 1)], hi + 1
+
+
+def too_many(uri, largest):
+    """DataError where the largest label makes more classes than a model has outputs for."""
+    if largest >= MAX_CLASSES:
+        raise DataError(f"{uri}: its labels go up to {largest}: labels are class indices 0..K-1 (at most "
+                        f"{MAX_CLASSES:,} classes); write them so")
 
 
 def read_column(layout, column):

@@ -27,11 +27,12 @@ HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"     # Hive's and Spark's directory name
 
 def is_shard(entry):
     """Whether a directory entry (pyarrow FileInfo) is one of a dataset's Parquet shards."""
-    return (entry.type == pafs.FileType.File and entry.base_name.endswith(".parquet")
+    return (entry.type == pafs.FileType.File and entry.base_name.endswith((".parquet", ".parq"))
             and not entry.base_name.startswith((".", "_")))
 
 
-HIVE_NAME = re.compile(r"^(\d+_\d+(_copy_\d+)?|part-([mr]-)?\d+)$")      # 000000_0, 000000_0_copy_1, part-r-00000
+# 000000_0, 000000_0_copy_1 (Hive), part-r-00000 (MapReduce), part-00000-<uuid>-c000 (Spark into a Hive table)
+HIVE_NAME = re.compile(r"^(\d+_\d+(_copy_\d+)?|part-([mr]-)?\d+(-[0-9a-f-]+(-c\d+)?)?)$")
 
 
 def _hive_file(entry):
@@ -103,7 +104,9 @@ def _glob(uri, fs, path):
                and not e.base_name.startswith((".", "_")) and fnmatch.fnmatchcase(e.base_name, pattern)]
     if not entries:
         raise DataError(f"no dataset at {uri}: no file matches {pattern!r}; {IMPORT_HINT}")
-    return parent, sorted(e.path for e in entries), [{}] * len(entries)
+    files = sorted(e.path for e in entries)
+    _refuse_splits(uri.partition("?")[0].rstrip("/").rpartition("/")[0] or ".", files)
+    return parent, files, [{}] * len(entries)
 
 
 def _refuse_splits(uri, files):
@@ -156,7 +159,7 @@ def hive_key(name):
 def _partitioned(uri, fs, path):
     """(paths, partitions) of partitionBy output under `path`: every shard below
     `column=value` directories, the same columns on every path; the values as written
-    (URL-escapes decoded), Hive's __HIVE_DEFAULT_PARTITION__ None (null). What a column's
+    (URL-escapes decoded), Hive's __HIVE_DEFAULT_PARTITION__ (and an empty value) None (null). What a column's
     values mean (a label's integers) is training.data.formats'."""
     by_dir = {}
     hidden = lambda p: any(c.startswith((".", "_")) for c in p.split("/"))     # noqa: E731
@@ -170,7 +173,7 @@ def _partitioned(uri, fs, path):
             continue
         parts = d.split("/")
         if not all(hive_key(p) for p in parts):
-            stray = [e for e in by_dir[d] if is_shard(e)]
+            stray = _shards(by_dir[d])
             if stray:
                 raise DataError(f"{join(uri, posixpath.relpath(stray[0].path, path))}: not under column=value "
                                 f"directories as the rest of the dataset (partitionBy's output); move "
@@ -186,4 +189,4 @@ def _partitioned(uri, fs, path):
     if odd is not None:
         raise DataError(f"{join(uri, posixpath.relpath(files[odd], path))}: its directories give "
                         f"{sorted(raw[odd])}, the first file's {sorted(keys)}; the directory mixes datasets")
-    return files, [{k: None if v == HIVE_NULL else v for k, v in r.items()} for r in raw]
+    return files, [{k: None if v in (HIVE_NULL, "") else v for k, v in r.items()} for r in raw]
