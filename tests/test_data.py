@@ -641,7 +641,8 @@ def test_hive_named_files_and_a_glob_over_one_split_of_a_hub_folder_are_read(tmp
     _one_line_naming(e, "its files are of 2 splits")
     one = ParquetSource(str(tmp_path / "hub" / "data" / "train-0000?-of-00002.parquet"))    # a plain path's ?
     assert one.layout.names[0] == str(tmp_path / "hub" / "data" / "train-00000-of-00002.parquet")
-    from training.data.formats import _name, _parent
+    from training.data.formats import _name
+    from training.data.listing import _parent
     assert _name("/train-*.parquet", "/train-*.parquet", "/", "/train-0.parquet") == "/train-0.parquet"
     assert _name("file:///t-*?x=1", "/t-*", "/", "/t-0") == "file:///t-0?x=1"
     assert [_parent(p) for p in ([""], ["file:", "", ""], [], ["s3:", "", "b"])] == ["/", "file:///", ".", "s3://b"]

@@ -11,6 +11,7 @@ from conf.errors import YarnappError
 from training import fsutil
 
 IMPORT_HINT = "import one with `yarnapp data import KIND URI`"
+MAX_CLASSES = 1_000_000     # a label past this is a mistake (a row id, a hash), not a class index
 
 
 class DataError(YarnappError, ValueError):

@@ -25,7 +25,6 @@ import functools
 import json
 import logging
 import posixpath
-import re
 from typing import List, Optional
 
 import numpy as np
@@ -33,8 +32,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from .common import IMPORT_HINT, IO_ERRORS, DataError, Unreachable, filesystem, join, one_line
-from .listing import HIVE_NULL, hive_key, list_files
+from .common import IMPORT_HINT, IO_ERRORS, MAX_CLASSES, DataError, Unreachable, filesystem, join, one_line
+from .listing import HIVE_NULL, list_files, refuse_a_partition_itself, typed_labels
 
 log = logging.getLogger(__name__)
 
@@ -192,60 +191,6 @@ def hf_classes(schema, label):
         return [str(n) for n in names] if feature.get("_type") == "ClassLabel" and names else None
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
-
-
-def _refuse_a_partition_itself(uri, columns, schema, given):
-    """One partition of partitionBy's output given as the dataset (.../label=3): its files
-    hold no label column, the directory's name does."""
-    if schema.get_field_index(columns.label) >= 0 or columns.label in given:
-        return
-    base, sep, query = uri.partition("?") if "://" in uri else (uri, "", "")
-    parts = base.rstrip("/").split("/")
-    at = next((i for i in reversed(range(len(parts))) if hive_key(parts[i]) == columns.label), None)
-    if at is not None:
-        raise DataError(f"{uri}: is one partition ({parts[at]}) of partitionBy's output, whose files hold no label "
-                        f"column; give the directory above it ({_parent(parts[:at]) + sep + query}), whose "
-                        f"column=value directories give the labels")
-
-
-def _parent(parts):
-    """The directory of path `parts` (a URI's or a path's, split at "/"), as a person writes it."""
-    up = "/".join(parts)
-    if not up:
-        return "/" if parts else "."        # parts [""]: the root of a plain path
-    return up + "/" if up.endswith(":/") or up.endswith("//") else up     # file:/// and s3://b/ keep their slashes
-
-
-INT_VALUE = re.compile(r"^-?[0-9]+$")
-FLOAT_VALUE = re.compile(r"^-?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$")
-
-
-MAX_CLASSES = 1_000_000     # a label past this is a mistake (a row id, a hash), not a class index
-
-
-def _typed_labels(partitions, label, footers, names):
-    """Labels from directories as numbers: ints where every one of a file with rows is an
-    integer, floats where every one is a number (refused by _kind, with how to fix them);
-    else left strings, and refused by _kind naming the first file whose label is not an
-    integer (its index is returned, else 0). An empty file's directory names no label.
-    (Class names and other columns stay as written: cname=007 is '007'.)"""
-    partitions = [p if md.num_rows else {k: v for k, v in p.items() if k != label}
-                  for p, md in zip(partitions, footers)]
-    values = [(i, p[label]) for i, p in enumerate(partitions) if p.get(label) is not None]
-    if not values:
-        return partitions, 0
-    odd = next((i for i, v in values if not INT_VALUE.match(v)), None)
-    if odd is None:
-        cast = int
-        big = next((i for i, v in values if int(v) >= MAX_CLASSES), None)
-        if big is not None:
-            raise DataError(f"{names[big]}: its directory gives label {partitions[big][label]}: labels are class "
-                            f"indices 0..K-1 (at most {MAX_CLASSES:,} classes); write them so")
-    elif all(FLOAT_VALUE.match(v) for _, v in values):
-        cast = float
-    else:
-        return partitions, odd
-    return [{k: cast(v) if k == label and v is not None else v for k, v in p.items()} for p in partitions], odd or 0
 
 
 def _kind(schema, columns, name, shape, meta, given=None):
@@ -433,8 +378,8 @@ def read_footers(uri, columns, shape, named=False):
         # with it beside a test set imported by yarnapp, say)
         columns = dataclasses.replace(columns, class_name=None)
     wanted = wanted_columns(columns)
-    partitions, odd = _typed_labels([{k: v for k, v in part.items() if k in given and k in wanted}
-                                     for part in partitions], columns.label, footers, names)
+    partitions, odd = typed_labels([{k: v for k, v in part.items() if k in given and k in wanted}
+                                    for part in partitions], columns.label, footers, names)
     for name, part, md in zip(names, partitions, footers):
         null = next((k for k, v in part.items() if v is None), None)
         if null is not None and md.num_rows:
@@ -442,7 +387,7 @@ def read_footers(uri, columns, shape, named=False):
             raise DataError(f"{name}: {md.num_rows} row(s) without {what} (a null in its directory's name, "
                             f"{null}={HIVE_NULL} or {null}=); drop those rows, or give each {what}")
     kinds = {k: next((type(p[k]).__name__ for p in partitions if p.get(k) is not None), "int") for k in given}
-    _refuse_a_partition_itself(uri, columns, first, given)
+    refuse_a_partition_itself(uri, columns, first, given)
     if odd:                                 # the first file whose directory's label is not an integer
         _kind(footers[odd].schema.to_arrow_schema(), columns, names[odd], shape, meta, kinds)
     kind, raw_shape = _kind(first, columns, names[0], shape, meta, kinds)

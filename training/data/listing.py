@@ -11,7 +11,8 @@
 
 What would read as a dataset but is not one is refused in one line (DataError): two
 splits' files in one directory, shards beside partitionBy's directories or under other
-directories, subdirectories that are separate datasets.
+directories, subdirectories that are separate datasets, one partition given alone
+(refuse_a_partition_itself). Labels from directories are typed by typed_labels.
 """
 import fnmatch
 import posixpath
@@ -20,7 +21,7 @@ import urllib.parse
 
 import pyarrow.fs as pafs
 
-from .common import IMPORT_HINT, IO_ERRORS, DataError, Unreachable, info, join, one_line
+from .common import IMPORT_HINT, IO_ERRORS, MAX_CLASSES, DataError, Unreachable, info, join, one_line
 
 HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"     # Hive's and Spark's directory name for a null value
 
@@ -190,3 +191,54 @@ def _partitioned(uri, fs, path):
         raise DataError(f"{join(uri, posixpath.relpath(files[odd], path))}: its directories give "
                         f"{sorted(raw[odd])}, the first file's {sorted(keys)}; the directory mixes datasets")
     return files, [{k: None if v in (HIVE_NULL, "") else v for k, v in r.items()} for r in raw]
+
+
+def refuse_a_partition_itself(uri, columns, schema, given):
+    """One partition of partitionBy's output given as the dataset (.../label=3): its files
+    hold no label column, the directory's name does."""
+    if schema.get_field_index(columns.label) >= 0 or columns.label in given:
+        return
+    base, sep, query = uri.partition("?") if "://" in uri else (uri, "", "")
+    parts = base.rstrip("/").split("/")
+    at = next((i for i in reversed(range(len(parts))) if hive_key(parts[i]) == columns.label), None)
+    if at is not None:
+        raise DataError(f"{uri}: is one partition ({parts[at]}) of partitionBy's output, whose files hold no label "
+                        f"column; give the directory above it ({_parent(parts[:at]) + sep + query}), whose "
+                        f"column=value directories give the labels")
+
+
+def _parent(parts):
+    """The directory of path `parts` (a URI's or a path's, split at "/"), as a person writes it."""
+    up = "/".join(parts)
+    if not up:
+        return "/" if parts else "."        # parts [""]: the root of a plain path
+    return up + "/" if up.endswith(":/") or up.endswith("//") else up     # file:/// and s3://b/ keep their slashes
+
+
+INT_VALUE = re.compile(r"^-?[0-9]+$")
+FLOAT_VALUE = re.compile(r"^-?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$")
+
+
+def typed_labels(partitions, label, footers, names):
+    """Labels from directories as numbers: ints where every one of a file with rows is an
+    integer, floats where every one is a number (refused by formats' _kind, with how to fix them);
+    else left strings, and refused by formats' _kind naming the first file whose label is not an
+    integer (its index is returned, else 0). An empty file's directory names no label.
+    (Class names and other columns stay as written: cname=007 is '007'.)"""
+    partitions = [p if md.num_rows else {k: v for k, v in p.items() if k != label}
+                  for p, md in zip(partitions, footers)]
+    values = [(i, p[label]) for i, p in enumerate(partitions) if p.get(label) is not None]
+    if not values:
+        return partitions, 0
+    odd = next((i for i, v in values if not INT_VALUE.match(v)), None)
+    if odd is None:
+        cast = int
+        big = next((i for i, v in values if int(v) >= MAX_CLASSES), None)
+        if big is not None:
+            raise DataError(f"{names[big]}: its directory gives label {partitions[big][label]}: labels are class "
+                            f"indices 0..K-1 (at most {MAX_CLASSES:,} classes); write them so")
+    elif all(FLOAT_VALUE.match(v) for _, v in values):
+        cast = float
+    else:
+        return partitions, odd
+    return [{k: cast(v) if k == label and v is not None else v for k, v in p.items()} for p in partitions], odd or 0
