@@ -1,9 +1,10 @@
 """Which files make a dataset at a URI (training.data.formats reads their footers):
 
 - a file: itself;
-- a directory: its `.parquet` files (names starting with "." or "_" are not data:
-  temporary directories, _SUCCESS markers, caches), else its files named as Hive and
-  MapReduce name theirs (000000_0, part-00000: no extension);
+- a directory: its `.parquet` (and Impala's `.parq`) files (names starting with "." or
+  "_" are not data: temporary directories, _SUCCESS markers, caches), else its files
+  named as Hive, MapReduce and Spark name theirs in a table (HIVE_NAME: 000000_0, no
+  extension);
 - Spark's or Hive's partitionBy output: a directory whose subdirectories are
   `column=value`, as many levels deep as written; every shard below them, with the values
   its directories give (a column of every row of it where the files leave it out);
@@ -63,11 +64,10 @@ def list_files(uri, fs, path):
     - a glob in the last part of the path (data/train-*.parquet): the files it matches.
     Anything else is refused in one line: subdirectories that are separate datasets, shards
     beside partitionBy's directories, a directory of two splits' files (train-*, test-*)."""
-    base = posixpath.basename(path.rstrip("/"))
-    if any(c in base for c in GLOB_CHARS) and info(fs, path, uri).type == pafs.FileType.NotFound:
-        return _glob(uri, fs, path)
     found = info(fs, path, uri)
     if found.type == pafs.FileType.NotFound:
+        if any(c in posixpath.basename(path.rstrip("/")) for c in GLOB_CHARS):
+            return _glob(uri, fs, path)
         raise DataError(f"no dataset at {uri}: it does not exist; {IMPORT_HINT}")
     if found.type == pafs.FileType.File:
         return posixpath.dirname(path), [path], [{}]
