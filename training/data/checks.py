@@ -40,7 +40,8 @@ def check(uri, columns=None, shape=None, named=False):
     n = int(meta["num_classes"]) if meta.get("num_classes") else None
     top, low = -1, None                     # the largest and smallest label, while every footer gives them
     image = f"{columns.image}.bytes" if kind == STRUCT else columns.image     # a path alone is no image
-    for i, (name, md) in enumerate(zip(f.names, f.footers)):    # labels outside the classes: found in a rank mid-epoch otherwise
+    # labels outside the classes: found in a rank mid-epoch otherwise
+    for i, (name, md) in enumerate(zip(f.names, f.footers)):
         for column, what in ((columns.label, "a label"), (image, "an image")):
             nulls = f.nulls(i, column)
             if nulls:

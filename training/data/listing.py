@@ -49,7 +49,8 @@ def _shards(entries):
 
 
 GLOB_CHARS = "*?["      # in a URI with a scheme only "*": "?" starts its query, "[" does not parse
-SPLIT_NAME = re.compile(r"^(train|test|validation|valid|val|eval)[-_.]")     # Hugging Face's data/train-00000-of-00002.parquet
+# Hugging Face's data/train-00000-of-00002.parquet
+SPLIT_NAME = re.compile(r"^(train|test|validation|valid|val|eval)[-_.]")
 
 
 def list_files(uri, fs, path):
