@@ -181,3 +181,24 @@ def test_allreduce_resumes_bit_for_bit_without_the_checkpoint_twice_in_memory(tm
     # pages it mapped and read (~1x, which the kernel can drop), the others' nearly nothing
     grew = [round(r["grew"], 2) for r in out]
     assert grew[0] < 1.5 and grew[1] < 1.0, grew
+
+
+def test_a_checkpoint_of_another_strategy_or_split_layers_is_named_by_its_field():
+    """An audit's resumes across strategies started every container, then failed in the
+    ranks (a hypergraph rank's "checkpoint of rank None of None", retried; conv-MP's bare
+    KeyError 'conv1' for other layers). What a checkpoint's states are of is recorded with
+    it, and the line names the field that differs."""
+    import conf
+    from training.checkpoint import other_model, what_it_trains
+
+    def trains(**strategy):
+        job = {"name": "t", "groups": [{"name": "g", "instances": 1, "vcores": 1}],
+               "training": {"strategy": strategy, "data": {"train": "x"}}}
+        return what_it_trains(conf.load_job(job).training)
+    conv = trains(name="conv_model_parallel", layers=["conv2"])
+    assert other_model(7, "app_a", conv, conv) is None and other_model(7, "app_a", None, conv) is None
+    line = other_model(7, "app_a", conv, trains(name="conv_model_parallel"))
+    assert line.startswith("checkpoint.resume: the checkpoint of step 7 (application app_a) was written with "
+                           "training.strategy.layers ['conv2'] (this job: None); its states load only"), line
+    line = other_model(7, "app_a", conv, trains(name="hypergraph"))
+    assert "training.strategy 'conv_model_parallel' (this job: 'hypergraph')" in line and "\n" not in line

@@ -428,9 +428,14 @@ def test_resume_finds_other_applications_when_checkpoint_uri_is_unset(digits, tm
             rf"training.batch_size 48 and 1438 rows of training.data.train; this job has 24 and 1438, so its steps "
             rf"would be other places in the data; resume with the batch size")):
         yarnapp.submit(job(30, resume=run1.app_id, batch=24))
+    with pytest.raises(yarnapp.YarnappError, match=(                    # another model: refused at submit too
+            rf"^job: checkpoint.resume: the checkpoint of step 20 \(application {run1.app_id}\) was written with "
+            rf"training.model 'digits_cnn' \(this job: 'mlp'\); its states load only into the job that wrote them")):
+        yarnapp.submit(job(30, resume=run1.app_id, model="mlp"))
     assert sorted(os.listdir(yarnapp_home / "apps")) == before
+    # an application recorded by an earlier yarnapp (no data, no model): the ranks refuse, not retried
     card = yarnapp_home / "apps" / run1.app_id / "checkpoints" / run1.app_id / "application.json"
-    card.write_text(json.dumps({k: v for k, v in json.loads(card.read_text()).items() if k != "data"}))
+    card.write_text(json.dumps({k: v for k, v in json.loads(card.read_text()).items() if k not in ("data", "trains")}))
     run3 = yarnapp.submit(job(30, resume=run1.app_id))                  # these three at once
     run4 = yarnapp.submit(job(30, resume=run1.app_id, model="mlp"))
     run5 = yarnapp.submit(job(30, resume=run1.app_id, batch=24))
@@ -439,7 +444,8 @@ def test_resume_finds_other_applications_when_checkpoint_uri_is_unset(digits, tm
     assert st3["final"]["resumed_app"] == run1.app_id and st3["final"]["resumed_from"] == 20
     assert st["state"] == "FAILED" and st["failure"]["attempts"] == 1, st
     reason = st["failure"]["reason"]
-    assert f"the checkpoint of step 20 (application {run1.app_id}) does not fit this job's model 'mlp'" in reason
+    assert (f"the checkpoint of step 20 (application {run1.app_id}) was written with training.model 'digits_cnn' "
+            f"(this job: 'mlp')") in reason, reason
     assert "\n" not in reason and "not retried" in reason, reason
     assert st5["state"] == "FAILED" and st5["failure"]["attempts"] == 1, st5
     assert (f"the checkpoint of step 20 (application {run1.app_id}) was written with training.batch_size 48 and "

@@ -57,10 +57,11 @@ def set_rng_state(s):
 
 class Checkpointer:
     def __init__(self, uri, comm, keep=3, generation=0, app_id="app", name="job", resume="never", siblings=None,
-                 data=None):
+                 data=None, trains=None):
         """comm None: a client's look at what is there (earlier(), refusal()), no application
         of its own. data: what the steps mean (batch size, training rows), recorded with the
-        application so that a client can refuse a resume that would read them otherwise."""
+        application so that a client can refuse a resume that would read them otherwise;
+        trains: what its states are of (what_it_trains), recorded for the same reason."""
         self.uri = uri
         self.fs, self.base = fsutil.resolve(uri)
         self.siblings = siblings            # the directory of the applications' own directories, or None
@@ -69,6 +70,7 @@ class Checkpointer:
         self.comm = comm
         self.rank = comm.Get_rank() if comm else 0
         self.data = data
+        self.trains = trains
         self.keep = keep
         self.generation = generation
         self.app_id, self.name, self.resume = app_id, name, resume
@@ -195,19 +197,22 @@ class Checkpointer:
                     f"(checkpoint.resume: never)")
         return None
 
-    def refusal(self, source, size, data):
-        """What a client can tell before starting a world of `size` ranks for `data` (see
-        __init__; rows None: not known): the line refusing `source` (an earlier()), or None."""
+    def refusal(self, source, size, data, trains=None):
+        """What a client can tell before starting a world of `size` ranks for `data` and
+        `trains` (see __init__; rows None: not known): the line refusing `source` (an
+        earlier()), or None."""
         root, app, steps = source
         if root is None:
             return None
         try:
-            saved = json.loads(fsutil.read_bytes(self.fs, f"{root}/application.json")).get("data")
+            meta = json.loads(fsutil.read_bytes(self.fs, f"{root}/application.json"))
         except (OSError, ValueError, pa.ArrowException):
-            saved = None                # written before it was recorded: the ranks check their states
+            meta = {}                   # written before it was recorded: the ranks check their states
+        saved = meta.get("data")
         if saved and data.get("train_rows") is None:
             data = dict(data, train_rows=saved.get("train_rows"))     # a dataset of the user's: rows unknown
-        return self._written_by_fewer(root, app, steps, size) or other_data(steps[-1], app, saved, data)
+        return (self._written_by_fewer(root, app, steps, size)
+                or other_model(steps[-1], app, meta.get("trains"), trains) or other_data(steps[-1], app, saved, data))
 
     def _register(self):
         """Record this application under the URI, once (its first world); a restarted world
@@ -224,7 +229,8 @@ class Checkpointer:
                 created = mtime.timestamp() if mtime else None
         self._created = created or time.time()
         fsutil.write_bytes(self.fs, path, json.dumps(
-            {"app_id": self.app_id, "name": self.name, "created": self._created, "data": self.data}).encode())
+            {"app_id": self.app_id, "name": self.name, "created": self._created, "data": self.data,
+             "trains": self.trains}).encode())
         self._tidy()
 
     def save(self, step, state):
@@ -298,6 +304,31 @@ class CheckpointError(YarnappError, OSError):
 
 
 STORAGE_FULL = ("no space left", "quota exceeded", "read-only file system", "permission denied")
+
+
+def what_it_trains(training):
+    """What a checkpoint's states are of (conf's `training`): its strategy, model and model
+    options, and the layers a model-parallel strategy splits. A checkpoint of another does
+    not load (torch's size mismatches, a conv-MP shard missing, a hypergraph rank's part)."""
+    s = training.strategy
+    layers = getattr(s, "layers", None)
+    return {"strategy": s.name, "model": training.model, "model_options": dict(training.model_options or {}),
+            "layers": list(layers) if layers else None}
+
+
+def other_model(step, app, saved, now):
+    """The line refusing to resume a checkpoint written by a job of another strategy, model or
+    split layers (`saved`, `now`: what_it_trains'), or None (also where `saved` was not recorded:
+    written by an earlier yarnapp)."""
+    if not saved or saved == now:
+        return None
+    differ = [k for k in now if saved.get(k) != now[k]]
+    field = {"strategy": "training.strategy", "model": "training.model", "model_options": "training.model_options",
+             "layers": "training.strategy.layers"}
+    was = "; ".join(f"{field[k]} {saved.get(k)!r} (this job: {now[k]!r})" for k in differ)
+    return (f"checkpoint.resume: the checkpoint of step {step} (application {app}) was written with {was}; its "
+            f"states load only into the job that wrote them: resume with that job, or start afresh "
+            f"(checkpoint.resume: never)")
 
 
 def other_data(step, app, saved, now):

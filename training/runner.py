@@ -14,7 +14,7 @@ import torch
 from launcher import memory   # plain functions reading this process's memory cgroup
 
 from . import collectives, lazy_dynamo, strategies, trained
-from .checkpoint import CheckpointError, Checkpointer, other_data, rng_state, set_rng_state
+from .checkpoint import CheckpointError, Checkpointer, other_data, other_model, rng_state, set_rng_state, what_it_trains
 from .data import open_dataset
 from .models import build_model, check_output
 from .tensorboard import TBLogger
@@ -55,21 +55,23 @@ class Runner:
         c = ctx.job.checkpoint
         self.ckpt = Checkpointer(ctx.checkpoint_uri, self.comm, c.keep, ctx.generation, app_id=ctx.app_id,
                                  name=ctx.job.name, resume=c.resume, siblings=ctx.checkpoint_siblings,
-                                 data=self._data())
+                                 data=self._data(), trains=what_it_trains(spec))
         self.start_step, state = self.ckpt.latest()
         if state is not None:
-            self._check_same_data(state.get("data"), ctx)
+            self._check_same_data(state, ctx)
             try:
                 self.strategy.load_state_dict(state["strategy"])
             except (RuntimeError, KeyError, ValueError, TypeError) as e:   # torch's: "Error(s) in loading..."
                 if "out of memory" in str(e) or type(e).__module__.startswith("mpi4py"):
                     raise                                   # not the checkpoint's fault: retried as any crash
                 log.error("loading the checkpoint of step %d", self.start_step, exc_info=True)
-                raise CheckpointError(
+                error = CheckpointError(
                     f"checkpoint.resume: the checkpoint of step {self.start_step} (application "
                     f"{self.ckpt.resumed_app or ctx.app_id}) does not fit this job's model {spec.model!r} or "
                     f"strategy {spec.strategy.name!r} ({_first_words(e)}); resume with the job that wrote it, "
-                    f"or start afresh (checkpoint.resume: never)") from None
+                    f"or start afresh (checkpoint.resume: never)")
+                error.certain = True        # every attempt would load the same states (launcher.retries)
+                raise error from None
             set_rng_state(state["rng"])
             log.info("resumed from the checkpoint of step %d", self.start_step)
         self.lo, self.hi = self.strategy.batch_slice(spec.batch_size)
@@ -123,15 +125,20 @@ class Runner:
     def _data(self):
         return {"batch_size": self.spec.batch_size, "train_rows": len(self.train)}
 
-    def _check_same_data(self, saved, ctx):
-        """Refuse to resume a checkpoint written for another batch size or training set."""
-        line = other_data(self.start_step, self.ckpt.resumed_app or ctx.app_id, saved, self._data())
+    def _check_same_data(self, state, ctx):
+        """Refuse to resume a checkpoint written by a job of another strategy or model, or for
+        another batch size or training set (not retried: every attempt reads the same)."""
+        app = self.ckpt.resumed_app or ctx.app_id
+        line = other_model(self.start_step, app, state.get("trains"), what_it_trains(self.spec)) or \
+            other_data(self.start_step, app, state.get("data"), self._data())
         if line:
-            raise CheckpointError(line)
+            error = CheckpointError(line)
+            error.certain = True
+            raise error
 
     def save(self, step):
         self.ckpt.save(step, {"step": step, "strategy": self.strategy.state_dict(), "rng": rng_state(),
-                              "data": self._data()})
+                              "data": self._data(), "trains": what_it_trains(self.spec)})
         self.last_ckpt_time = time.monotonic()
 
     def resources(self):

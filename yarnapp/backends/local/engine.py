@@ -81,11 +81,12 @@ def check_resources(job, where="job"):
 def check_resume(job, found, where="job"):
     """checkpoint.resume naming an application whose checkpoints are not on this machine
     (its own directory here, or a local checkpoint.uri), or a checkpoint the job could not
-    go on from (written by fewer ranks, with another batch size or training set): one line
-    before anything starts (else the containers start, then report it; `latest` with
-    nothing to resume is said here too). found: check_data's. Returns what the job resumes
-    from: `latest` decided here, as said (the application it names, or never: one submitted
-    a moment later, started first, is not taken for an earlier one); else as given."""
+    go on from (written by fewer ranks, by another strategy, model or split layers, with
+    another batch size or training set): one line before anything starts (else the
+    containers start, then report it; `latest` with nothing to resume is said here too).
+    found: check_data's. Returns what the job resumes from: `latest` decided here, as said
+    (the application it names, or never: one submitted a moment later, started first, is
+    not taken for an earlier one); else as given."""
     app, uri = job.checkpoint.resume, job.checkpoint.uri
     if app == "never" or (uri and not fsutil.is_local(uri)):
         return app
@@ -95,12 +96,13 @@ def check_resume(job, found, where="job"):
             under = uri or apps_dir()
             raise YarnappError(f"{where}: checkpoint.resume: no checkpoints of application {app} under {under}; "
                                f"give an application id `yarnapp list` shows, latest or never")
-    from training.checkpoint import CheckpointError, Checkpointer
+    from training.checkpoint import CheckpointError, Checkpointer, what_it_trains
     look = Checkpointer(uri or apps_dir(), None, name=job.name, resume=app, siblings=None if uri else apps_dir())
     try:
         earlier = look.earlier()
         line = look.refusal(earlier, sum(g.instances for g in job.groups),
-                            {"batch_size": job.training.batch_size, "train_rows": found and found.rows})
+                            {"batch_size": job.training.batch_size, "train_rows": found and found.rows},
+                            what_it_trains(job.training))
     except CheckpointError as e:
         line = str(e)
     if line:
