@@ -55,6 +55,8 @@ def test_same_seed_is_bit_identical_and_one_rank_matches_three(tmp_path, digits,
     run_to_end(one)
     curve3, curve1 = _curve(a), _curve(one)
     assert [s for s, _ in curve3] == [s for s, _ in curve1] == list(range(1, 21))
+    # each rank's rows of the batch of 48 by shares [3, 1, 2], beside the loss (an audit found them in logs only)
+    assert [_curve(a, f"shares/rows/rank{r}")[-1][1] for r in range(3)] == [24, 8, 16]
     for (s, l3), (_, l1) in zip(curve3, curve1):
         assert l3 == pytest.approx(l1, rel=1e-4, abs=1e-5), (s, l3, l1)
     w1 = final_weights(one)

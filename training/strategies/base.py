@@ -97,8 +97,17 @@ class Strategy(abc.ABC):
 
     def scalars(self):
         """{TensorBoard tag: value} of this strategy's own state, logged by rank 0 beside
-        the runner's timings (e.g. each rank's share of the kernels)."""
-        return {}
+        the runner's timings: here, where the strategy splits the batch by share weights
+        (`self.weights`: the data-parallel ones), each rank's rows of a global batch and its
+        weight (`shares/rows/rankN`, `shares/weight/rankN`: measured speeds for shares:
+        speed); the model-parallel strategies give each rank's share of the model."""
+        weights = getattr(self, "weights", None)
+        if not weights:
+            return {}
+        from training.data.order import split_rows
+        rows = split_rows(self.spec.batch_size, weights)
+        return {**{f"shares/rows/rank{r}": n for r, n in enumerate(rows)},
+                **{f"shares/weight/rank{r}": float(w) for r, w in enumerate(weights)}}
 
     def own_cpu_s(self, step_cpu_s, counted):
         """The CPU seconds of a step that were the strategy's own, from the step's CPU time
