@@ -378,7 +378,7 @@ def test_cli_plan_prints_a_table_and_writes_png_and_json(cli, tmp_path):
     methods = [r["method"] for r in plan["volumes"]["rows"]]
     assert methods == ["hypergraph", "conv_split", "pipeline", "data_parallel"]
     assert all(r["volume_bytes_per_sample"] > 0 for r in plan["volumes"]["rows"])
-    assert "hypergraph" in out and "vs data parallel" in out
+    assert "hypergraph" in out and "traffic saved vs data parallel" in out
     ring = plan["strategies"]["allreduce"]
     assert ring["split"] == [32, 16, 16]                          # shares: vcores
     assert ring["comm_s"] == pytest.approx(2 * 2 / 3 * plan["model"]["param_bytes"] * 8 / 1e9
