@@ -22,6 +22,14 @@ from .tensorboard import TBLogger
 log = logging.getLogger(__name__)
 
 
+def _not_retried(line):
+    """A CheckpointError every attempt would meet again (the same states): launcher.retries
+    does not retry it (`certain`)."""
+    error = CheckpointError(line)
+    error.certain = True
+    return error
+
+
 def _first_words(e, limit=160):
     """An exception as a short one-line excerpt (torch's state_dict errors run to pages)."""
     text = " ".join(f"{type(e).__name__}: {e}".replace(";", ",").split())
@@ -53,25 +61,24 @@ class Runner:
         self.strategy = strategies.get(spec.strategy.name)(ctx, spec)
         self.strategy.setup(model, make_optimizer_factory(spec), example_input=example)
         c = ctx.job.checkpoint
+        self.trains = what_it_trains(spec)      # what this job's checkpoints are of
         self.ckpt = Checkpointer(ctx.checkpoint_uri, self.comm, c.keep, ctx.generation, app_id=ctx.app_id,
                                  name=ctx.job.name, resume=c.resume, siblings=ctx.checkpoint_siblings,
-                                 data=self._data(), trains=what_it_trains(spec))
+                                 data=self._data(), trains=self.trains)
         self.start_step, state = self.ckpt.latest()
         if state is not None:
-            self._check_same_data(state, ctx)
+            self._check_same_job(state, ctx)
             try:
                 self.strategy.load_state_dict(state["strategy"])
             except (RuntimeError, KeyError, ValueError, TypeError) as e:   # torch's: "Error(s) in loading..."
                 if "out of memory" in str(e) or type(e).__module__.startswith("mpi4py"):
                     raise                                   # not the checkpoint's fault: retried as any crash
                 log.error("loading the checkpoint of step %d", self.start_step, exc_info=True)
-                error = CheckpointError(
+                raise _not_retried(
                     f"checkpoint.resume: the checkpoint of step {self.start_step} (application "
                     f"{self.ckpt.resumed_app or ctx.app_id}) does not fit this job's model {spec.model!r} or "
                     f"strategy {spec.strategy.name!r} ({_first_words(e)}); resume with the job that wrote it, "
-                    f"or start afresh (checkpoint.resume: never)")
-                error.certain = True        # every attempt would load the same states (launcher.retries)
-                raise error from None
+                    f"or start afresh (checkpoint.resume: never)") from None
             set_rng_state(state["rng"])
             log.info("resumed from the checkpoint of step %d", self.start_step)
         self.lo, self.hi = self.strategy.batch_slice(spec.batch_size)
@@ -125,20 +132,18 @@ class Runner:
     def _data(self):
         return {"batch_size": self.spec.batch_size, "train_rows": len(self.train)}
 
-    def _check_same_data(self, state, ctx):
+    def _check_same_job(self, state, ctx):
         """Refuse to resume a checkpoint written by a job of another strategy or model, or for
         another batch size or training set (not retried: every attempt reads the same)."""
         app = self.ckpt.resumed_app or ctx.app_id
-        line = other_model(self.start_step, app, state.get("trains"), what_it_trains(self.spec)) or \
+        line = other_model(self.start_step, app, state.get("trains"), self.trains) or \
             other_data(self.start_step, app, state.get("data"), self._data())
         if line:
-            error = CheckpointError(line)
-            error.certain = True
-            raise error
+            raise _not_retried(line)
 
     def save(self, step):
         self.ckpt.save(step, {"step": step, "strategy": self.strategy.state_dict(), "rng": rng_state(),
-                              "data": self._data(), "trains": what_it_trains(self.spec)})
+                              "data": self._data(), "trains": self.trains})
         self.last_ckpt_time = time.monotonic()
 
     def resources(self):

@@ -60,10 +60,15 @@ def filesystem(uri):
         raise Unreachable(f"cannot open {uri}: {one_line(e)}; {hint}") from None
 
 
+def split_query(uri):
+    """(base, "?", query) of a URI with a query string (s3://b/x?region=r); (uri, "", "")
+    otherwise: a plain path's "?" is its own."""
+    return uri.partition("?") if "://" in uri else (uri, "", "")
+
+
 def join(uri, name):
-    """`uri`/`name`, keeping a URI's query string (s3://b/x?region=r) at the end (a plain
-    path's "?" is its own)."""
-    base, sep, query = uri.partition("?") if "://" in uri else (uri, "", "")
+    """`uri`/`name`, keeping a URI's query string (s3://b/x?region=r) at the end."""
+    base, sep, query = split_query(uri)
     return base.rstrip("/") + "/" + name + sep + query
 
 

@@ -32,7 +32,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from .common import IMPORT_HINT, IO_ERRORS, MAX_CLASSES, DataError, Unreachable, filesystem, join, one_line
+from .common import (IMPORT_HINT, IO_ERRORS, MAX_CLASSES, DataError, Unreachable, filesystem, join, one_line,
+                     split_query)
 from .listing import HIVE_NULL, list_files, refuse_a_partition_itself, typed_labels
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ class Layout:
     classes: Optional[list]
     num_classes: int
     blocks: List[Block]
-    root: str = ""              # the dataset's directory inside fs (the file's, for a single file)
+    root: str                   # the dataset's directory inside fs (the file's, for a single file)
     partitions: List[dict] = dataclasses.field(default_factory=list)   # per file: Hive directories' values
 
     @property
@@ -350,7 +351,7 @@ def _name(uri, path, root, file):
     rel = posixpath.relpath(file, root)
     if root == path:
         return join(uri, rel)
-    base, sep, query = uri.partition("?") if "://" in uri else (uri, "", "")
+    base, sep, query = split_query(uri)
     head, slash, _ = base.rstrip("/").rpartition("/")
     return (head + "/" if slash else "") + rel + sep + query
 
@@ -386,7 +387,8 @@ def read_footers(uri, columns, shape, named=False):
             what = "a label" if null == columns.label else "a class name"
             raise DataError(f"{name}: {md.num_rows} row(s) without {what} (a null in its directory's name, "
                             f"{null}={HIVE_NULL} or {null}=); drop those rows, or give each {what}")
-    kinds = {k: next((type(p[k]).__name__ for p in partitions if p.get(k) is not None), "int") for k in given}
+    kinds = {k: next((type(p[k]).__name__ for p in partitions if p.get(k) is not None), "int")
+             for k in given & wanted}
     refuse_a_partition_itself(uri, columns, first, given)
     if odd:                                 # the first file whose directory's label is not an integer
         _kind(footers[odd].schema.to_arrow_schema(), columns, names[odd], shape, meta, kinds)

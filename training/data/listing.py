@@ -22,7 +22,7 @@ import urllib.parse
 
 import pyarrow.fs as pafs
 
-from .common import IMPORT_HINT, IO_ERRORS, MAX_CLASSES, DataError, Unreachable, info, join, one_line
+from .common import IMPORT_HINT, IO_ERRORS, MAX_CLASSES, DataError, Unreachable, info, join, one_line, split_query
 
 HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"     # Hive's and Spark's directory name for a null value
 
@@ -107,7 +107,7 @@ def _glob(uri, fs, path):
     if not entries:
         raise DataError(f"no dataset at {uri}: no file matches {pattern!r}; {IMPORT_HINT}")
     files = sorted(e.path for e in entries)
-    _refuse_splits(uri.partition("?")[0].rstrip("/").rpartition("/")[0] or ".", files)
+    _refuse_splits(split_query(uri)[0].rstrip("/").rpartition("/")[0] or ".", files)
     return parent, files, [{}] * len(entries)
 
 
@@ -199,7 +199,7 @@ def refuse_a_partition_itself(uri, columns, schema, given):
     hold no label column, the directory's name does."""
     if schema.get_field_index(columns.label) >= 0 or columns.label in given:
         return
-    base, sep, query = uri.partition("?") if "://" in uri else (uri, "", "")
+    base, sep, query = split_query(uri)
     parts = base.rstrip("/").split("/")
     at = next((i for i in reversed(range(len(parts))) if hive_key(parts[i]) == columns.label), None)
     if at is not None:

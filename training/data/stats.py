@@ -26,8 +26,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from .common import DataError, one_line
+from .common import DataError, one_line, split_query
 from .decode import decode, gather
+from .listing import GLOB_CHARS
 from .reader import _Files, read_block
 
 log = logging.getLogger(__name__)
@@ -42,17 +43,16 @@ def _cache_path(layout):
             and layout.uri.rstrip("/").endswith(posixpath.basename(layout.paths[0])):
         d, f = posixpath.split(layout.paths[0])
         return posixpath.join(d, f".{f}.yarnapp_stats.json")
-    pattern = posixpath.basename(layout.uri.partition("?")[0] if "://" in layout.uri else layout.uri)
+    pattern = posixpath.basename(split_query(layout.uri)[0])
     name = CACHE_NAME
-    if any(c in pattern for c in "*?["):     # a glob's files: beside other patterns' (train-*, validation-*)
+    if any(c in pattern for c in GLOB_CHARS):     # a glob's files: beside other patterns' (train-*, validation-*)
         name = CACHE_NAME.replace(".json", f".{hashlib.sha1(pattern.encode()).hexdigest()[:8]}.json")
-    return posixpath.join(layout.root or posixpath.dirname(layout.paths[0]), name)
+    return posixpath.join(layout.root, name)
 
 
 def _fingerprint(layout):
     infos = layout.fs.get_file_info(layout.paths)       # a file rewritten at its size has another mtime
-    root = layout.root or posixpath.dirname(layout.paths[0])
-    return [[posixpath.relpath(i.path, root), int(i.size or 0), int(i.mtime_ns or 0)] for i in infos] + \
+    return [[posixpath.relpath(i.path, layout.root), int(i.size or 0), int(i.mtime_ns or 0)] for i in infos] + \
         [layout.columns.image]
 
 
