@@ -48,13 +48,16 @@ def test_channel_wise_layers_in_the_shards_equal_single_process(world):
     assert r["linked_forward"] < TOL and set(r["linked_conv_grads"]) == {"conv1", "conv2"}
     assert all(v < TOL for v in r["linked_conv_grads"].values())
     # the strategy found F.relu and F.max_pool2d after both convs of SmallCNN, on every rank
-    assert r["strategy_fused"] == ["conv1 + relu + max_pool2d; conv2 + relu + max_pool2d; conv1 -> conv2"] * n
+    # and the classifier on conv2's flattened output, run row-parallel
+    assert r["strategy_fused"] == ["conv1 + relu + max_pool2d; conv2 + relu + max_pool2d; conv1 -> conv2; "
+                                   "conv2 -> fc row-parallel"] * n
     # and with `fuse: false` it keeps them on the master, as exact
     assert r["unfused"] == [[True, [0, 0]]] * n
     assert r["unfused_weights"] < TOL
     # nn.ReLU(inplace=True) and pooling modules inside nn.Sequential, through the trace
     assert r["modules_fused"] == ["features.0 + features.1 + features.2; "
-                                  "features.3 + features.4 + features.5; features.0 -> features.3"] * n
+                                  "features.3 + features.4 + features.5; features.0 -> features.3; "
+                                  "features.3 -> fc row-parallel"] * n
     assert r["modules_weights"] < TOL
 
 

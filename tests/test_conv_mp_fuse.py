@@ -69,28 +69,31 @@ class Functional(nn.Module):
 
 
 class Shard(nn.Module):
-    """What DistributedConv2d computes with its followers: the chain right after the conv."""
+    """What DistributedConv2d computes with its followers: the chain right after the conv,
+    and with a head the Linear on its flattened output."""
 
-    def __init__(self, conv, chain):
+    def __init__(self, conv, chain, head=None):
         super().__init__()
-        self.conv, self.chain = conv, chain
+        self.conv, self.chain, self.head = conv, chain, head
 
     def forward(self, x):
         x = self.conv(x)
         for f in self.chain:
             x = f(x)
-        return x
+        return x if self.head is None else self.head(x.flatten(1))
 
 
 def fused_equals_model(model, names, shape):
-    """The plan's graph (chains removed) with each conv replaced by conv + its chain
-    computes exactly what the model computes."""
+    """The plan's graph (chains, flattens and heads removed) with each conv replaced by
+    conv + its chain (+ its head) computes exactly what the model computes."""
     torch.manual_seed(0)
     x = torch.randn(2, *shape)
     want = model(x)
     plan = fuse.plan(model, names)
-    for name, chain in plan.followers(model).items():
-        setattr(model, name, Shard(getattr(model, name), chain))
+    chains = plan.followers(model)
+    for name in set(chains) | set(plan.heads):
+        head = model.get_submodule(plan.heads[name]) if name in plan.heads else None
+        setattr(model, name, Shard(getattr(model, name), chains.get(name, []), head))
     return plan, torch.equal(plan.graph_module(model)(x), want)
 
 
@@ -99,8 +102,10 @@ def test_seed_cnn_moves_relu_and_pool_into_the_shards_and_computes_the_same():
     model = build_model("seed_cnn", (3, 16, 16), 10, {"conv1": 4, "conv2": 8})
     relu1, pool1 = model.relu1, model.pool1
     plan, same = fused_equals_model(model, ["conv1", "conv2"], (3, 16, 16))
-    assert plan.describe() == "conv1 + relu1 + pool1; conv2 + relu2 + pool2; conv1 -> conv2"
+    assert plan.describe() == ("conv1 + relu1 + pool1; conv2 + relu2 + pool2; conv1 -> conv2; "
+                               "conv2 -> fc row-parallel")
     assert plan.links == {"conv1": "conv2"}     # conv1's pooled map goes to conv2 alone
+    assert plan.heads == {"conv2": "fc"}        # conv2's, flattened, to the classifier alone
     assert plan.chains["conv1"] == ["relu1", "pool1"] and model.conv1.chain == [relu1, pool1]
     assert same
 
@@ -108,10 +113,63 @@ def test_seed_cnn_moves_relu_and_pool_into_the_shards_and_computes_the_same():
 def test_functional_and_method_followers_are_found_and_compute_the_same():
     plan, same = fused_equals_model(Functional(), ["conv1", "conv2"], (3, 8, 8))
     assert plan.describe() == ("conv1 + leaky_relu + max_pool2d; conv2 + relu + adaptive_avg_pool2d; "
-                               "conv1 -> conv2")
+                               "conv1 -> conv2; conv2 -> fc row-parallel")
     assert same
     plan, _ = fused_equals_model(Functional(), ["conv2"], (3, 8, 8))      # only the distributed ones
-    assert list(plan.chains) == ["conv2"] and plan.links == {}
+    assert list(plan.chains) == ["conv2"] and plan.links == {} and plan.heads == {"conv2": "fc"}
+
+
+class Classifier(nn.Module):
+    """conv -> ReLU -> flattened as `flatten` says -> fc; `tied`: fc's weight also in `other`."""
+
+    def __init__(self, flatten, tied=False, features=4 * 4 * 4):
+        super().__init__()
+        self.conv, self.fc, self.how = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(features, 3), flatten
+        self.flat = nn.Flatten()
+        self.other = nn.Linear(features, 3)
+        if tied:
+            self.other.weight = self.fc.weight
+
+    def forward(self, x):
+        y = F.relu(self.conv(x))
+        how = self.how
+        if how == "module":
+            return self.fc(self.flat(y))
+        if how == "function":
+            return self.fc(torch.flatten(y, 1))
+        if how == "method":
+            return self.fc(y.flatten(1))
+        if how == "view":
+            return self.fc(y.view(y.size(0), -1))
+        if how == "reshape":
+            return self.fc(y.reshape(y.size(0), -1))
+        if how == "flatten0":       # (N·C·H·W,): not the classifier's input
+            return self.fc(y.flatten().view(x.size(0), -1))
+        if how == "twice":           # fc also elsewhere
+            return self.fc(y.flatten(1)) + self.fc(torch.ones_like(y).flatten(1))
+        if how == "dropout":         # not channel-wise: stays on the master
+            return self.fc(F.dropout(y, 0.5, self.training).flatten(1))
+        return self.fc(y.flatten(1))
+
+
+@pytest.mark.parametrize("how", ["module", "function", "method", "view", "reshape"])
+def test_the_classifier_on_a_conv_flattened_output_runs_row_parallel(how):
+    plan, same = fused_equals_model(Classifier(how), ["conv"], (3, 4, 4))
+    assert plan.heads == {"conv": "fc"} and same
+    assert not [n for n in plan.graph.nodes if n.op == "call_module" and n.target in ("fc", "flat")]
+
+
+@pytest.mark.parametrize("how,tied", [("flatten0", False), ("twice", False), ("method", True)])
+def test_a_classifier_used_elsewhere_or_fed_otherwise_stays_on_the_master(how, tied):
+    plan = fuse.plan(Classifier(how, tied), ["conv"])
+    assert plan is None or plan.heads == {}
+
+
+def test_a_classifier_without_a_whole_number_of_features_per_channel_stays_on_the_master():
+    class Cropped(Classifier):
+        def forward(self, x):
+            return self.fc(F.relu(self.conv(x)).flatten(1)[:, :63])
+    assert fuse.plan(Cropped("method", features=63), ["conv"]).heads == {}
 
 
 def test_shared_modules_and_reused_outputs_stay_on_the_master():

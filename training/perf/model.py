@@ -42,6 +42,9 @@ class Layer:
     chain_s: float = 0.0          # convs: the channel-wise layers right after it (conv-MP runs them in the shards)
     chain_out_bytes: int = 0      # ... and their output's bytes (what is gathered then); 0 = no chain
     feeds: str = ""               # convs: the conv its output (after the chain) goes to alone (a conv-MP link)
+    head: str = ""                # convs: the Linear its flattened output goes to alone, run row-parallel by
+                                  # conv-MP (counted in chain_s and chain_out_bytes, its parameters in head_bytes)
+    head_bytes: int = 0
 
 
 @dataclasses.dataclass

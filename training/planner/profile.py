@@ -181,18 +181,26 @@ def measure_profile(model, sample_shape, batch, make_optimizer, threads=1, devic
 def _time_chains(model, layers, calls, min_time, min_reps, sync):
     """Layer.chain_s and chain_out_bytes of each distributable conv followed by channel-wise
     layers (training.strategies.conv_mp.fuse): forward + backward of the chain on the
-    conv's output, and the bytes of what it outputs; Layer.feeds: the conv it is linked to."""
+    conv's output, and the bytes of what it outputs; Layer.feeds: the conv it is linked to;
+    Layer.head: the Linear it runs row-parallel (timed as the chain's end, its output
+    what is gathered, its parameters in head_bytes)."""
     names = list(dict.fromkeys(lay.name for lay in layers if lay.distributable))
     found = fuse.plan(model, names) if names else None
     if found is None:
         return
     followers = found.followers(model)
+    modules = dict(model.named_modules())
     shapes = {name: out_shape for name, _, _, out_shape in calls}
     for lay in layers:
         lay.feeds = found.links.get(lay.name, "")
-        if lay.name not in followers:
+        lay.head = found.heads.get(lay.name, "")
+        if lay.name not in followers and not lay.head:
             continue
-        chain = nn.Sequential(*followers[lay.name])
+        chain = nn.Sequential(*followers.get(lay.name, ()))
+        if lay.head:
+            head = modules[lay.head]
+            chain.extend([nn.Flatten(), head])
+            lay.head_bytes = sum(p.numel() * p.element_size() for p in head.parameters())
         y = torch.zeros(shapes[lay.name], device=next(model.parameters()).device, requires_grad=True)
         lay.chain_s = _time_layer(chain, y, min_time, min_reps, sync)
         with torch.no_grad():

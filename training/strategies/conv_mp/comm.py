@@ -5,6 +5,8 @@ each way, as fairscale/Megatron pair copy ↔ reduce and gather ↔ scatter):
     gather_channels_to_master  forward Gatherv    ↔ backward Scatterv of the channel slices
     allgather_channels         forward all-gather ↔ backward each rank's channels of every
                                                     rank's gradient, summed (both Alltoallw)
+    row_parallel_linear        forward each rank's partial Linear output, Gather and sum at
+                                                    the master ↔ backward Bcast of dZ
 
 and the plain collectives that move kernel rows (gather_rows_to_master,
 scatter_rows_from_master). Tensors go to and from MPI without copies: a CPU tensor is
@@ -337,6 +339,73 @@ def allgather_channels(y, comm, counts, timings=None):
         raise ValueError(f"allgather_channels: rank {comm.Get_rank()} has {y.shape[1]} "
                          f"channels but counts says {counts[comm.Get_rank()]}")
     return _AllgatherChannels.apply(y, comm, list(counts), timings)
+
+
+class _RowParallelLinear(torch.autograd.Function):
+    """forward: Z = Σ_r Y_r W_r + b at the root, an empty tensor elsewhere: rank r
+    multiplies its channels Y_r (N, c_r, H, W), flattened, by their rows W_r
+    (c_r, H·W, out) of the Linear's weight, and the root gathers the (N, out) partials
+    (MPI_Gather) and sums them in rank order, so the sum is the same on every run.
+    backward: dZ from the root to every rank (MPI_Bcast); rank r computes
+    dY_r = dZ W_rᵀ and dW_r = Y_rᵀ dZ, the root also db = Σ_n dZ.
+    The products count as the rank's share (conv_s): they grow with its kernels."""
+
+    @staticmethod
+    def forward(ctx, y, weight, bias, comm, root, timings):
+        ctx.comm, ctx.root, ctx.timings = comm, root, timings
+        ctx.save_for_backward(y, weight)
+        ctx.has_bias = bias is not None
+        n, out_features = y.shape[0], weight.shape[2]
+        with cputime.counting("share"), _Clock(timings, "conv_s", "conv_cpu_s"):
+            part = _host(y.reshape(n, -1) @ weight.reshape(-1, out_features))
+        mpi_type = mpi_datatype(part.dtype)
+        rank, size = comm.Get_rank(), comm.Get_size()
+        if rank != root:
+            with _Clock(timings, "comm_s"):
+                wait(comm.Igather([_np(part), mpi_type], None, root=root))
+            return y.new_empty(0)
+        parts = torch.empty((size, n, out_features), dtype=part.dtype)
+        with _Clock(timings, "comm_s"):
+            wait(comm.Igather([_np(part), mpi_type], [_np(parts), mpi_type], root=root))
+        z = parts[0].clone()
+        for q in range(1, size):       # in rank order
+            z.add_(parts[q])
+        z = z.to(y.device)
+        return z + bias if bias is not None else z
+
+    @staticmethod
+    def backward(ctx, grad):
+        with cputime.counting("protocol"):
+            return _RowParallelLinear._backward(ctx, grad)
+
+    @staticmethod
+    def _backward(ctx, grad):
+        comm, root = ctx.comm, ctx.root
+        y, weight = ctx.saved_tensors
+        n, out_features = y.shape[0], weight.shape[2]
+        is_root = comm.Get_rank() == root
+        dz = _host(grad) if is_root else torch.empty((n, out_features), dtype=weight.dtype)
+        with _Clock(ctx.timings, "comm_s"):
+            wait(comm.Ibcast([_np(dz), mpi_datatype(dz.dtype)], root=root))
+        dz = dz.to(weight.device)
+        w = weight.reshape(-1, out_features)
+        with cputime.counting("share"), _Clock(ctx.timings, "conv_s", "conv_cpu_s"):
+            dy = (dz @ w.t()).view(y.shape) if ctx.needs_input_grad[0] else None
+            dw = (y.reshape(n, -1).t() @ dz).view(weight.shape) if ctx.needs_input_grad[1] else None
+            db = dz.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dy, dw, db, None, None, None
+
+
+def row_parallel_linear(y, weight, bias, comm, root=0, timings=None):
+    """The Linear after a distributed conv, flattened (N, C·H·W) → (N, out), row-parallel:
+    y is this rank's (N, c_r, H, W) channels, weight its rows (c_r, H·W, out) of the
+    Linear's transposed weight, bias the Linear's bias on the root (None elsewhere).
+    The root gets Z; the other ranks an empty tensor that stands for their part in
+    autograd (backward on it receives dZ and computes their gradients)."""
+    if y.shape[1] != weight.shape[0] or (y.shape[1] and y[0, 0].numel() != weight.shape[1]):
+        raise RuntimeError(f"conv_model_parallel: the Linear after this conv takes {weight.shape[1]} "
+                           f"features per channel, but the conv's output has {tuple(y.shape[2:])} per channel")
+    return _RowParallelLinear.apply(y, weight, bias, comm, root, timings)
 
 
 def gather_rows_to_master(t, comm, counts, root=0):

@@ -4,8 +4,10 @@ bound on its speedup.
 Rank 0 is the master; distributed convs l with C_l kernels split c_r,l, by default in
 proportion to the speed 1/t_r,l (training.strategies.conv_mp.calibrate.proportional_split);
 t_0(B) the master's forward + backward of the whole batch, t_r,l rank r's time of layer l
-(with `fuse`, of the conv and its channel-wise chain), |Y_l| its output's bytes (with
-`fuse`, the chain's output), o_0 the master's optimizer step, α + m/β the link's one-way
+(with `fuse`, of the conv and its channel-wise chain, and of the Linear it runs
+row-parallel where it has one), |Y_l| its output's bytes (with `fuse`, the chain's
+output; with a row-parallel Linear, the Linear's: the partial outputs gathered, dZ
+broadcast), o_0 the master's optimizer step, α + m/β the link's one-way
 time of m bytes:
 
     T = (t_0(B) − Σ_l t_0,l) + Σ_l [max_r (c_r,l/C_l) t_r,l + comm_l]
@@ -125,7 +127,7 @@ def _conv_times(devices, link, names, layer_split, fuse):
         kernels = sum(counts)
         shares = [d.share_s(name, c, full=True, chain=fuse) for c, d in zip(counts, devices)]
         away = 1.0 - counts[0] / kernels
-        moved += calls[0].param_bytes * away
+        moved += (calls[0].param_bytes + calls[0].head_bytes) * away
         layer_comm = 0.0
         if n > 1:
             for call in calls:

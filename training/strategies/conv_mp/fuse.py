@@ -18,7 +18,10 @@ chain: the master still needs it elsewhere. Dropout is not channel-wise in this 
 statistics are per channel, but it holds parameters and buffers the master owns).
 A distributed conv whose output (after its chain) goes to the next distributed conv
 alone is linked to it (`links`): its output is all-gathered on every rank, not
-gathered at the master and broadcast again.
+gathered at the master and broadcast again. One whose output is flattened into an
+nn.Linear alone (`heads`: the classifier after the last conv) runs that Linear
+row-parallel: each rank multiplies its own channels by their columns of the weight and
+the master sums the partial outputs, so the feature map never goes to the master at all.
 
 The master then runs the trace, so nothing is fused where the trace would not do what
 the forward does: a model fx cannot trace, a forward that differs between train and
@@ -98,12 +101,15 @@ def _follower(node, modules, calls):
 
 class Fusion:
     """The chains found in one model: `chains` {conv: [follower module name or Call]}
-    (in model order), the traced graph with those chains removed, and `links` {conv: next
+    (in model order), the traced graph with those chains removed, `links` {conv: next
     conv}: a distributed conv whose output (after its chain) goes to the next distributed
-    conv alone (DistributedConv2d.link_to)."""
+    conv alone (DistributedConv2d.link_to), and `heads` {conv: nn.Linear's name}: a
+    distributed conv whose output (after its chain) is flattened into that Linear alone
+    (DistributedConv2d.attach_head; the graph then has neither the flatten nor the Linear)."""
 
-    def __init__(self, chains, graph, links=None):
+    def __init__(self, chains, graph, links=None, heads=None):
         self.chains, self.graph, self.links = chains, graph, dict(links or {})
+        self.heads = dict(heads or {})
 
     def followers(self, model):
         """{conv: [nn.Module, ...]}: each chain's followers, resolved in `model`; an
@@ -123,7 +129,8 @@ class Fusion:
         """'conv1 + ReLU + MaxPool2d; conv2 + relu; conv1 -> conv2' for a log line."""
         return "; ".join([f"{conv} + " + " + ".join(f if isinstance(f, str) else f.extra_repr() for f in chain)
                           for conv, chain in self.chains.items()] +
-                         [f"{a} -> {b}" for a, b in self.links.items()])
+                         [f"{a} -> {b}" for a, b in self.links.items()] +
+                         [f"{a} -> {b} row-parallel" for a, b in self.heads.items()])
 
 
 def _out_of_place(module):
@@ -246,10 +253,11 @@ def plan(model, names):
                 cur = prev
             found[node.target] = chain
     links = _links(graph, names, calls)
-    if not found and not links:
+    heads = _heads(graph, names, calls, modules)
+    if not found and not links and not heads:
         return None
     graph.lint()
-    return Fusion({n: found[n] for n in names if n in found}, graph, links)
+    return Fusion({n: found[n] for n in names if n in found}, graph, links, heads)
 
 
 def _links(graph, names, calls):
@@ -266,3 +274,70 @@ def _links(graph, names, calls):
                 and calls[user.target] == 1 and user.args == (node,) and not user.kwargs):
             links[node.target] = user.target
     return links
+
+
+def _flattened(node):
+    """The nodes that flatten `node`'s output to (N, -1) and are its only users, the last
+    one first: torch.flatten(x, 1), x.flatten(1), nn.Flatten() (checked by the caller),
+    x.view(x.size(0), -1) or x.reshape(x.size(0), -1); else None."""
+    users = list(node.users)
+    if len(users) == 1:
+        f = users[0]
+        start = f.args[1] if len(f.args) > 1 else f.kwargs.get("start_dim", 0)
+        end = f.args[2] if len(f.args) > 2 else f.kwargs.get("end_dim", -1)
+        if ((f.op == "call_function" and f.target is torch.flatten) or
+                (f.op == "call_method" and f.target == "flatten")) and f.args[0] is node \
+                and start == 1 and end == -1:
+            return [f]
+        if f.op == "call_module":
+            return [f]      # an nn.Flatten: _heads checks the module
+        return None
+    if len(users) == 2:
+        size = next((u for u in users if u.op == "call_method" and u.target == "size"), None)
+        view = next((u for u in users if u is not size), None)
+        if size is not None and size.args == (node, 0) and not size.kwargs and len(size.users) == 1 \
+                and view.op == "call_method" and view.target in ("view", "reshape") \
+                and view.args == (node, size, -1) and not view.kwargs:
+            return [view, size]
+    return None
+
+
+def _shared(module, name, graph, modules):
+    """Whether the forward reads `module`'s parameters directly, or another module holds
+    one of them (tied weights): then they cannot be split into the shards."""
+    if any(n.op == "get_attr" and str(n.target).startswith(name + ".") for n in graph.nodes):
+        return True
+    mine = {id(p) for p in module.parameters()}
+    return any(id(p) in mine for other, m in modules.items() if other != name
+               and not other.startswith(name + ".") and m is not module for p in m.parameters(recurse=False))
+
+
+def _heads(graph, names, calls, modules):
+    """{conv: linear}: distributed convs each called once whose output (after the chain)
+    is flattened to (N, -1) into an nn.Linear called once, which nothing else uses, with
+    a whole number of input features per output channel. The flatten and the Linear are
+    taken out of `graph`: the conv's node stands for the Linear's output."""
+    heads = {}
+    for node in list(graph.nodes):
+        if node.op != "call_module" or node.target not in names or calls[node.target] != 1:
+            continue
+        flat = _flattened(node)
+        if flat is None or len(flat[0].users) != 1:
+            continue
+        if flat[0].op == "call_module":
+            module = modules.get(flat[0].target)
+            if type(module) is not nn.Flatten or (module.start_dim, module.end_dim) != (1, -1) \
+                    or calls[flat[0].target] != 1 or flat[0].args != (node,):
+                continue
+        linear = next(iter(flat[0].users))
+        module = modules.get(linear.target) if linear.op == "call_module" else None
+        if type(module) is not nn.Linear or calls[linear.target] != 1 or linear.args != (flat[0],) \
+                or linear.kwargs or module.in_features % modules[node.target].out_channels \
+                or _shared(module, linear.target, graph, modules):
+            continue
+        linear.replace_all_uses_with(node)
+        graph.erase_node(linear)
+        for f in flat:
+            graph.erase_node(f)
+        heads[node.target] = linear.target
+    return heads

@@ -18,6 +18,10 @@ The communication comes in autograd pairs (training.strategies.conv_mp.comm):
 Bcast X ↔ Reduce dX, Gatherv Y ↔ Scatterv dY; where one distributed conv feeds the
 next alone (link_to), Y all-gathered ↔ each rank's channels of Σ_i dX_i (both by
 Alltoallw, the sum in rank order), and the next conv's input is already on every rank.
+Where the conv's output (after its chain) is flattened into a Linear alone (attach_head:
+the classifier after the last conv), the Linear runs row-parallel: rank i multiplies
+Y_i by its rows of the weight, the master sums the partial outputs (Gather) and adds the
+bias ↔ dZ broadcast to every rank, and neither Y nor dY goes through the master.
 Between distributed convs only the master runs the network
 (training.strategies.conv_mp.protocol.ShardProtocol): the other ranks hold nothing but
 their kernel shards and are told by the master, layer by layer, when to run their share.
@@ -29,7 +33,7 @@ import torch.nn.functional as F
 from training import cputime
 
 from .comm import (Timings, _Clock, allgather_channels, broadcast_from_master, gather_channels_to_master,
-                   gather_rows_to_master, offsets, scatter_rows_from_master)
+                   gather_rows_to_master, offsets, row_parallel_linear, scatter_rows_from_master)
 
 
 class _ShardConv2d(torch.autograd.Function):
@@ -173,6 +177,9 @@ class DistributedConv2d(nn.Module):
         self.feeds = None       # the distributed conv that takes this one's whole output (link_to)
         self.fed = False        # takes its input from the one before it on every rank
         self._linked_input = None
+        self.head_weight = None     # attach_head: this rank's rows (c_i, H·W, out) of the Linear after it
+        self.head_bias = None       # ... and the Linear's bias, on the master only
+        self.head_features = None   # the Linear's (in_features, out_features)
         self._set_split(split)
         lo, hi = self.offset, self.offset + self.count
         self.weight = nn.Parameter(conv.weight.detach()[lo:hi].clone())
@@ -207,6 +214,41 @@ class DistributedConv2d(nn.Module):
         object.__setattr__(self, "feeds", nxt)     # not a submodule: its parameters are its own
         nxt.fed = True
 
+    def attach_head(self, linear):
+        """Collective: run `linear` (nn.Linear, fed this layer's output after its chain,
+        flattened) row-parallel (module docstring); this layer's output is then the
+        Linear's, at the master. Every rank takes its rows of the master's `linear`
+        (ignored elsewhere), the master its bias."""
+        out_features, in_features = linear.weight.shape
+        if in_features % self.out_channels:
+            raise ValueError(f"DistributedConv2d: a Linear of {in_features} features does not take a whole "
+                             f"number per channel of {self.out_channels}")
+        self.head_features = (in_features, out_features)
+        full = None
+        if self.is_master:   # (out, C·P) -> (C, P, out): a channel's weights are one row
+            full = linear.weight.detach().view(out_features, self.out_channels, -1).permute(1, 2, 0)
+        plane = in_features // self.out_channels
+        with torch.no_grad():
+            rows = scatter_rows_from_master(full, self.comm, self.split, (plane, out_features),
+                                            linear.weight.dtype, self.root)
+        self.head_weight = nn.Parameter(rows.to(self.weight.device))
+        if self.is_master and linear.bias is not None:
+            self.head_bias = nn.Parameter(linear.bias.detach().clone().to(self.weight.device))
+
+    def to_linear(self):
+        """Collective: the Linear after this layer (attach_head) as an ordinary nn.Linear
+        with the full weight at the master (None elsewhere)."""
+        rows = gather_rows_to_master(self.head_weight.detach(), self.comm, self.split, self.root)
+        if not self.is_master:
+            return None
+        in_features, out_features = self.head_features
+        linear = nn.Linear(in_features, out_features, bias=self.head_bias is not None)
+        with torch.no_grad():
+            linear.weight.copy_(rows.permute(2, 0, 1).reshape(out_features, in_features))
+            if self.head_bias is not None:
+                linear.bias.copy_(self.head_bias)
+        return linear
+
     def _forward(self, x):
         if self.fed:            # the whole input is on every rank already (link_to)
             if not self.is_master:
@@ -223,6 +265,8 @@ class DistributedConv2d(nn.Module):
             if not self.is_master:
                 self.feeds._linked_input = y
             return y
+        if self.head_weight is not None:
+            return row_parallel_linear(y, self.head_weight, self.head_bias, self.comm, self.root, self.timings)
         return gather_channels_to_master(y, self.comm, self.split, self.root, self.timings)
 
     def load_from_master(self, conv=None):
@@ -270,12 +314,12 @@ class DistributedConv2d(nn.Module):
         per-parameter state (an optimizer's) over with `redistribute`.
         """
         old_split = self.split
-        old = [p for p in (self.weight, self.bias) if p is not None]
+        names = [n for n in ("weight", "bias", "head_weight") if getattr(self, n) is not None]
+        old = [getattr(self, n) for n in names]
         self._set_split(split)
         new = [nn.Parameter(self.redistribute(p.detach(), old_split).to(p.device)) for p in old]
-        self.weight = new[0]
-        if self.bias is not None:
-            self.bias = new[1]
+        for n, p in zip(names, new):
+            setattr(self, n, p)
         return old, new
 
     def redistribute(self, t, old_split):

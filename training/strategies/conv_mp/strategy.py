@@ -25,6 +25,13 @@ the shards, each rank on its own channels (training.strategies.conv_mp.fuse; `fu
 the master then runs a traced copy of the model's forward without them, which shares
 the model's modules.
 
+A distributed conv whose output (after its chain) is flattened into an nn.Linear alone
+(the classifier) runs that Linear row-parallel (fuse's `heads`,
+DistributedConv2d.attach_head): every rank multiplies its own channels by their rows of
+the weight and the master sums the (N, classes) partials, so the master neither gathers
+the feature map nor scatters its gradient, and the classifier's work is shared. The
+Linear's place in the model holds a MovedToShards until export.
+
 A distributed conv whose output (after its chain) goes to the next distributed conv
 alone is linked to it (fuse's `links`, DistributedConv2d.link_to): its output is
 all-gathered on every rank and is the next conv's input there, so neither the Gatherv
@@ -33,8 +40,9 @@ summed dX instead of a Reduce and a Scatterv).
 
 Per step (see training.strategies.conv_mp.protocol.ShardProtocol for the commands):
     master:  forward (each distributed conv: Bcast X, own share and its chain, Gatherv Y;
-             Y all-gathered over a link), loss,
-             backward (each: Scatterv dY, own share, Reduce dX), END(loss, correct, n)
+             Y all-gathered over a link; with a head, the partial logits gathered), loss,
+             backward (each: Scatterv dY, or Bcast dZ to a head; own share, Reduce dX),
+             END(loss, correct, n)
     others:  serve() — run the commanded shares until END
     all:     optimizer.step() on own parameters; gather per-layer conv seconds at the master
 """
@@ -101,6 +109,22 @@ def select_layers(model, wanted, what="the model"):
     return names
 
 
+class MovedToShards(nn.Module):
+    """Stands in the model for a Linear that runs row-parallel inside the shards of the
+    distributed conv `conv` (DistributedConv2d.attach_head): it holds no parameters, and
+    calling it is a bug (the master runs the fused graph, which does not call it)."""
+
+    def __init__(self, conv):
+        super().__init__()
+        self.conv = conv
+
+    def forward(self, *args):
+        raise RuntimeError(f"conv_model_parallel: this Linear runs inside {self.conv}'s shards")
+
+    def extra_repr(self):
+        return f"in the shards of {self.conv}"
+
+
 BUSY_QUOTA = 0.8    # a rank busy for this much of its CPU quota in a step is held back by it
 
 
@@ -127,6 +151,7 @@ class ConvModelParallelStrategy(Strategy):
         self._window_steps = 0
         self.fusion = None          # fuse.Fusion: channel-wise layers run inside the shards
         self._net = None            # the master's forward: the model, or its fused GraphModule
+        self.heads = {}             # conv name -> name of the Linear it runs row-parallel
 
     # -- setup -----------------------------------------------------------------------------
 
@@ -186,9 +211,14 @@ class ConvModelParallelStrategy(Strategy):
             layer.load_from_master(conv)
             _set_module(self.model, name, layer)
             self.layers[name] = layer
-        links = self.comm.bcast(self.fusion.links if self.fusion else {}, root=self.ROOT)
+        links, heads = self.comm.bcast((self.fusion.links, self.fusion.heads) if self.fusion else ({}, {}),
+                                       root=self.ROOT)
         for a, b in links.items():
             self.layers[a].link_to(self.layers[b])
+        self.heads = heads
+        for a, b in heads.items():
+            self.layers[a].attach_head(modules[b])
+            _set_module(self.model, b, MovedToShards(a))
         self._net = self.fusion.graph_module(self.model) if self.fusion else self.model
         if self.fusion and self.is_master:
             log.info("conv_model_parallel: in the shards: %s", self.fusion.describe())
@@ -420,13 +450,15 @@ class ConvModelParallelStrategy(Strategy):
     def model_for_export(self):
         """Collective: the full model with ordinary Conv2d layers, on the CPU, at the master."""
         convs = {n: layer.to_conv2d() for n, layer in self.layers.items()}
+        linears = {b: self.layers[a].to_linear() for a, b in self.heads.items()}
         if not self.is_master:
             return None
-        for n, conv in convs.items():
-            _set_module(self.model, n, conv)
+        moved = {b: self.model.get_submodule(b) for b in linears}
+        for n, module in {**convs, **linears}.items():
+            _set_module(self.model, n, module)
         try:
             export = copy.deepcopy(self.model).cpu()
         finally:
-            for n, layer in self.layers.items():
-                _set_module(self.model, n, layer)
+            for n, module in {**self.layers, **moved}.items():
+                _set_module(self.model, n, module)
         return export
