@@ -111,6 +111,7 @@ def worker(case):
                                           "batch_size": case["batch"]}})
         ctx = RunContext.offline(comm, job, "bench")
         collectives.set_polite(ctx.me.throttled)        # as training.runner does
+        collectives.doorbells(comm)
         s = ConvModelParallelStrategy(ctx, job.training)
         t0 = time.perf_counter()
         s.setup(model, lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9))

@@ -52,6 +52,7 @@ class Runner:
         lazy_dynamo.defer()             # no torch._dynamo import for the optimizer: 1.4 CPU-s a start
         torch.set_num_threads(ctx.me.threads)
         collectives.set_polite(ctx.me.throttled)
+        collectives.doorbells(self.comm)    # one host: polite waits sleep until another rank waits
         self.train = open_dataset(spec.data, "train", ctx)
         self.test = open_dataset(spec.data, "test", ctx, reference=self.train)
         torch.manual_seed(spec.seed)

@@ -3,11 +3,14 @@
 Checks (args["checks"]):
     sums          allreduce_/PreparedAllreduce equal numpy's sum, bit-identical on every
                   rank and from run to run, for odd sizes and every algorithm
-    sums_polite   the same with polite (sleeping) waits
+    sums_polite   the same with polite (sleeping) waits, woken by doorbells
     shm           (2, 3 ranks, one host) shared-memory sums equal the ring's bit for bit,
                   blocking and nonblocking, spinning and polite; nothing left in /dev/shm
     wait_cpu      (2 ranks) a plain wait spins, a polite one sleeps: rank 1's wall and
                   CPU seconds waiting 0.6 s for rank 0, each way
+    doorbell      (2 ranks, one host) rank 1 polite: with doorbells its 0.3 s wait wakes a
+                  few times (rank 0's wait rings it), without them every pause; 5000 rings
+                  nobody waits for are dropped
     training      a small CNN trained on a global batch split 3:1:2 (and by speed) equals
                   the single-process training on the whole batch; overlap modes agree
                   bit for bit; rank 0 saves the weights to args["out"] if given
@@ -36,6 +39,7 @@ def sums(comm, polite):
     """Small, odd, not divisible by 2 or 3, fewer elements than ranks, several ring chunks."""
     r, n = comm.Get_rank(), comm.Get_size()
     collectives.set_polite(polite)   # a throttled rank's waits sleep: same sums, same bits
+    collectives.doorbells(comm)      # ... woken by the others' rings (all are polite here)
     try:
         for count in [0, 1, 2, 7, 1001, 65537, (1 << 18) + 3]:
             want = np.sum([data(q, count).astype(np.float64) for q in range(n)], 0)
@@ -72,6 +76,7 @@ def sums(comm, polite):
             assert "contiguous" in str(e)
     finally:
         collectives.set_polite(False)
+        collectives.close_doorbells()
     return comm.allgather("OK")
 
 
@@ -125,6 +130,34 @@ def wait_cpu(comm):
             collectives.wait(comm.Irecv(buf, source=0), polite=polite)
             out[str(polite)] = [time.perf_counter() - wall, time.process_time() - cpu]
             assert buf[0] == 1
+    return comm.bcast(out, root=1)
+
+
+def doorbell(comm):
+    """Rank 1's wake-ups in a polite 0.3 s wait for rank 0, with and without doorbells."""
+    from training.collectives import waits
+    rank = comm.Get_rank()
+    collectives.set_polite(rank == 1)
+    out = {}
+    for bells in (True, False):
+        if bells:
+            collectives.doorbells(comm)
+            out["bound"] = comm.gather(waits._bell is not None, root=1)
+            if rank == 0:
+                for _ in range(5000):       # nobody waits: its queue fills, the rest are dropped
+                    collectives.ring()
+        buf = np.zeros(1 << 10, np.float32)
+        comm.Barrier()
+        if rank == 0:
+            time.sleep(0.3)
+            collectives.wait(comm.Isend(buf + 1, dest=1))      # rings rank 1
+        else:
+            before = waits.wakeups
+            collectives.wait(comm.Irecv(buf, source=0))
+            out["bells" if bells else "timed"] = waits.wakeups - before
+            assert buf[0] == 1
+        collectives.close_doorbells()
+    collectives.set_polite(False)
     return comm.bcast(out, root=1)
 
 
@@ -263,6 +296,8 @@ def main():
             out[check] = shm_sums(comm)
         elif check == "wait_cpu":
             out[check] = wait_cpu(comm)
+        elif check == "doorbell":
+            out[check] = doorbell(comm)
         elif check == "training":
             out[check] = Training(comm).run(a.get("out"))
         else:

@@ -32,6 +32,7 @@ def main():
     comm, rank, n = join_local()
     torch.set_num_threads(1)
     collectives.set_polite(rank > 0)            # the second rank waits as a throttled one does
+    collectives.doorbells(comm)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(a["batch"], *a["shape"], generator=g)
     y = torch.randint(0, a["classes"], (a["batch"],), generator=g)
