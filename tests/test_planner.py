@@ -265,7 +265,9 @@ def test_measure_profile_of_a_real_model():
 
 
 def test_measured_profile_records_conv_mp_links():
-    """The seed network's conv1 (+ ReLU + pooling) feeds conv2 alone: a link the planner models."""
+    """The seed network's conv1 (+ ReLU + pooling) feeds conv2 alone: a link the planner
+    models; conv2's output, flattened, feeds the classifier alone, which runs row-parallel
+    in conv2's shards: timed as the end of its chain, what is gathered is its output."""
     from training.models import build_model
     model = build_model("seed_cnn", (3, 8, 8), 10, {"conv1": 4, "conv2": 8})
     prof = planner.measure_profile(model, (3, 8, 8), 4, lambda ps: torch.optim.SGD(ps, lr=0.1),
@@ -273,6 +275,9 @@ def test_measured_profile_records_conv_mp_links():
     conv1, conv2 = prof.layer("conv1")[0], prof.layer("conv2")[0]
     assert (conv1.feeds, conv2.feeds) == ("conv2", "")
     assert conv1.chain_out_bytes == 4 * 4 * 4 * 4 * 4                     # pooled: 4 x 4 x 4 x 4 floats
+    assert (conv1.head, conv2.head) == ("", "fc")
+    assert conv2.chain_out_bytes == 4 * 10 * 4                            # the logits: 4 x 10 floats
+    assert conv2.head_bytes == (8 * 2 * 2 * 10 + 10) * 4                  # fc's weight and bias
 
 
 def test_measure_link_with_a_real_ping_pong():
