@@ -10,7 +10,7 @@ pytestmark = pytest.mark.multiprocess
 
 # Three ranks on this 2-core machine sum with polite waits only: spinning ones, two to a
 # core, take turns by the scheduler's tick (13 s against 8 s); they spin in worlds 1 and 2.
-CHECKS = {1: ["sums", "training"], 2: ["sums", "shm", "wait_cpu", "doorbell", "training"],
+CHECKS = {1: ["sums", "training"], 2: ["sums", "shm", "wait_cpu", "doorbell", "training", "doorbell_netns"],
           3: ["sums_polite", "shm", "training"]}
 
 
@@ -70,6 +70,17 @@ def test_a_polite_wait_on_one_host_sleeps_until_another_rank_waits(world2):
     assert d["bound"] == [False, True]          # only the polite rank has a doorbell
     assert d["timed"] > 200, d                  # 0.3 s at <= 200 µs pauses
     assert d["bells"] < 0.4 * d["timed"], d     # at most 0.3 s / BELL_TIMEOUT_S, mostly far fewer
+
+
+def test_doorbells_are_not_armed_where_a_ring_cannot_reach(world2):
+    """A rank in a network namespace of its own (an emulated host) on the same machine,
+    with the same host name: abstract sockets are not shared, so no rank arms doorbells
+    (the polite rank keeps its timed pauses instead of sleeping 2 ms for rings that never
+    come)."""
+    res, _ = world2
+    if res["doorbell_netns"] is None:
+        pytest.skip("no network namespace of its own for a rank here (needs root)")
+    assert res["doorbell_netns"] == [False, False]
 
 
 @pytest.mark.parametrize("n", [1, 2])

@@ -11,6 +11,8 @@ Checks (args["checks"]):
     doorbell      (2 ranks, one host) rank 1 polite: with doorbells its 0.3 s wait wakes a
                   few times (rank 0's wait rings it), without them every pause; 5000 rings
                   nobody waits for are dropped
+    doorbell_netns (2 ranks, last) rank 1 in a network namespace of its own (as an
+                  emulated host), where rank 0's rings cannot reach it: no doorbell is armed
     training      a small CNN trained on a global batch split 3:1:2 (and by speed) equals
                   the single-process training on the whole batch; overlap modes agree
                   bit for bit; rank 0 saves the weights to args["out"] if given
@@ -161,6 +163,30 @@ def doorbell(comm):
     return comm.bcast(out, root=1)
 
 
+def doorbell_netns(comm):
+    """Whether doorbells are armed anywhere once rank 1 has a network namespace of its own
+    (abstract Unix sockets are per namespace); None where it cannot have one (not root)."""
+    import ctypes
+    from training.collectives import waits
+    rank = comm.Get_rank()
+    collectives.set_polite(rank == 1)
+    moved = True
+    if rank == 1:
+        moved = ctypes.CDLL(None, use_errno=True).unshare(0x40000000) == 0     # CLONE_NEWNET
+    if not comm.allreduce(int(moved), op=_mpi_min()):
+        return None
+    collectives.doorbells(comm)
+    armed = comm.allgather(waits._bell is not None or waits._ringer is not None)
+    collectives.close_doorbells()
+    collectives.set_polite(False)
+    return armed
+
+
+def _mpi_min():
+    from mpi4py import MPI
+    return MPI.MIN
+
+
 # -- training: a small CNN (with one parameter that forward never uses) on a global batch
 # split 3:1:2; every rank also computes the single-process reference on the whole batch.
 
@@ -298,6 +324,8 @@ def main():
             out[check] = wait_cpu(comm)
         elif check == "doorbell":
             out[check] = doorbell(comm)
+        elif check == "doorbell_netns":
+            out[check] = doorbell_netns(comm)
         elif check == "training":
             out[check] = Training(comm).run(a.get("out"))
         else:

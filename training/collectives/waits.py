@@ -67,7 +67,9 @@ def doorbells(comm):
     pauses cost more than they saved (each of its ~10 waits a step ended later: 1 ms
     pauses, 170 ms a step against 150 ms). A rank ringing where nobody waits costs it a
     sendto (~3 µs); a polite rank drops the rings that came before its wait. Ranks on
-    several hosts keep the timed pauses (a ring does not cross hosts)."""
+    several hosts, or in network namespaces of their own, keep the timed pauses (a ring
+    crosses neither: every rank rings once here, and unless every ring arrives, none is
+    armed)."""
     global _bell, _ringer
     close_doorbells()
     rank = comm.Get_rank()
@@ -87,6 +89,11 @@ def doorbells(comm):
         sender.setblocking(False)
         _ringer = (sender, others)
     comm.Barrier()      # every doorbell is bound before anyone rings
+    ring()              # a first ring from every rank: do they all arrive? (not across network
+    comm.Barrier()      # namespaces, as emulated hosts have, where abstract sockets are not shared)
+    heard = _drain() if _bell is not None else comm.Get_size() - 1
+    if not comm.allreduce(int(heard >= comm.Get_size() - 1), op=_mpi().MIN):
+        close_doorbells()
 
 
 def close_doorbells():
@@ -111,11 +118,14 @@ def ring():
 
 
 def _drain():
+    """Drop the rings queued at this rank's doorbell; how many there were."""
+    count = 0
     try:
         while True:
             _bell.recv(16)
+            count += 1
     except OSError:
-        pass
+        return count
 
 
 def is_polite():
