@@ -104,6 +104,15 @@ def test_checkpoint_resume_is_exact(world):
     assert r["resume_split"] is True
 
 
+def test_a_checkpoint_with_the_classifier_on_the_master_names_the_setting_that_loads_it(world):
+    """Written with `fuse: false` (or before the classifier ran in the shards): refused on
+    every rank in one line that says to resume with `fuse: false`."""
+    n, r = world
+    assert all(line and "classifier 'fc'" in line and "fuse: false" in line for line in r["kept_classifier"]), \
+        r["kept_classifier"]
+    assert len(r["kept_classifier"]) == n
+
+
 def test_reshard_keeps_training_exact(world):
     n, r = world
     assert r["reshard"] < TOL

@@ -294,6 +294,15 @@ if rank == 0:
     out["resume"] = params_diff(resumed, continued)
 out["resume_split"] = t.layer_split == s.layer_split
 
+# 4b. A checkpoint that keeps the classifier whole on the master (`fuse: false`) does not
+# load into a strategy that runs it in the shards: refused on every rank, naming the setting.
+buf_nf = io.BytesIO()
+torch.save(s_nf.state_dict(), buf_nf)
+buf_nf.seek(0)
+t_nf = make(spec(), seed=1)
+out["kept_classifier"] = comm.gather(refused(lambda: t_nf.load_state_dict(torch.load(buf_nf, weights_only=True))),
+                                     root=0)
+
 # 5. Resharding mid-run (what recalibration does) keeps the run exact, momentum included.
 s2 = make(spec())
 new_split = {"conv1": [1] * (n - 1) + [8 - (n - 1)], "conv2": [16 - (n - 1)] + [1] * (n - 1)}

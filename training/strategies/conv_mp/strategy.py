@@ -435,6 +435,12 @@ class ConvModelParallelStrategy(Strategy):
             self._shard(split)
         elif split is not None and split != self.layer_split:
             self._reshard(split)  # values are overwritten below; this sets the shapes
+        kept = [b for b in self.heads.values() if f"{b}.weight" in state["model"]] if self.is_master else None
+        kept = self.comm.bcast(kept, root=self.ROOT)
+        if kept:
+            raise ValueError(f"conv_model_parallel: this checkpoint holds the classifier {kept[0]!r} whole on "
+                             "rank 0 (written with training.strategy.fuse: false, or by a yarnapp that did not "
+                             "run it in the shards); resume it with training.strategy.fuse: false")
         if self.is_master:
             self.model.load_state_dict(state["model"])
         else:
