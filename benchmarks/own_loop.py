@@ -1,6 +1,6 @@
 """Users' own loops and the example job on unequal containers, through real `yarnapp submit`s.
 
-    python benchmarks/own_loop.py [--quick] [--repeat 3] [--parts loop,example,conv-mp]
+    python benchmarks/own_loop.py [--quick] [--repeat 3] [--parts loop,example,conv-mp,seed]
 
 Every contender runs as an application of the local engine on 1 x 1 vcore + 2 x 0.5
 vcore containers (cgroup CPU quotas, singletons joined through the store: the product's
@@ -21,6 +21,11 @@ example  conf/examples/cifar_resnet.yaml (the built-in runner) for --steps steps
 conv-mp  (not in the default parts) the same example with strategy conv_model_parallel
          (kernels split by measured speed, recalibrated every 5 steps) on the three
          containers, against one-1vcore.
+seed     (not in the default parts) conv-MP where it is meant to run: the seed network
+         (seed_cnn, conv widths 128/384 as benchmarks/conv_mp.py --quick, batch 16) on the
+         same data, the example's job otherwise:
+           seed-1vcore  a single container of 1 vcore (strategy allreduce, one rank)
+           seed-conv-mp the three containers, conv_model_parallel as above
 
 Writes benchmarks/results/own_loop.json.
 """
@@ -70,9 +75,12 @@ def example_run(kind, data, steps):
     job["training"]["max_steps"] = steps
     job["checkpoint"]["every_steps"] = None
     job["name"] = f"example-{kind}"
-    if kind == "one-1vcore":
+    if kind.startswith("seed-"):
+        job["training"].update(model="seed_cnn", model_options={"conv1": 128, "conv2": 384}, batch_size=16,
+                               shares="equal")
+    if kind in ("one-1vcore", "seed-1vcore"):
         job["groups"] = [{**job["groups"][0], "instances": 1}]
-    elif kind == "conv-mp":
+    elif kind in ("conv-mp", "seed-conv-mp"):
         job["training"]["strategy"] = {"name": "conv_model_parallel", "recalibrate_every": 5}
     else:
         job["training"]["shares"] = kind
@@ -90,7 +98,7 @@ def main(argv=None):
     samples = {}
     t0 = time.time()
     try:
-        if "example" in parts or "conv-mp" in parts:
+        if "example" in parts or "conv-mp" in parts or "seed" in parts:
             from training.data import import_synthetic_cifar
             import_synthetic_cifar(os.path.join(home, "cifar"), n_train=8000, n_test=500)
         for r in range(rounds):
@@ -103,6 +111,8 @@ def main(argv=None):
                 if "example" not in parts:          # its baseline
                     contenders.append(("example", "one-1vcore"))
                 contenders.append(("example", "conv-mp"))
+            if "seed" in parts:
+                contenders += [("seed", "seed-1vcore"), ("seed", "seed-conv-mp")]
             if r % 2:
                 contenders.reverse()
             for part, name in contenders:
@@ -118,7 +128,8 @@ def main(argv=None):
     rows = []
     print(f"\n{'part':<8} {'contender':<12} {'samples/s':>10}  ratio")
     for (part, name), m in med.items():
-        base = {"loop": ("loop", "ddp-equal"), "example": ("example", "one-1vcore")}[part]
+        base = {"loop": ("loop", "ddp-equal"), "example": ("example", "one-1vcore"),
+                "seed": ("seed", "seed-1vcore")}[part]
         ratio = {"vs": base[1], "ratio": m / med[base]} if base in med and base != (part, name) else {}
         if part == "example" and name == "vcores" and ("example", "equal") in med:
             ratio["vs_equal"] = m / med[("example", "equal")]
