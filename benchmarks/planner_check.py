@@ -104,6 +104,7 @@ def worker(case):
     ctx = RunContext.offline(comm, job, "plancheck")
     torch.set_num_threads(ctx.me.threads)
     collectives.set_polite(ctx.me.throttled and not case.get("spin"))   # as training.runner does
+    collectives.doorbells(comm)
     torch.manual_seed(spec.seed)
     shape = tuple(case["input_shape"])
     model = build_model(spec.model, shape, 10, spec.model_options)

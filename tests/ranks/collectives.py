@@ -5,7 +5,8 @@ Checks (args["checks"]):
                   rank and from run to run, for odd sizes and every algorithm
     sums_polite   the same with polite (sleeping) waits, woken by doorbells
     shm           (2, 3 ranks, one host) shared-memory sums equal the ring's bit for bit,
-                  blocking and nonblocking, spinning and polite; nothing left in /dev/shm
+                  blocking and nonblocking, spinning, polite, and rank 1 alone polite woken
+                  by doorbells; nothing left in /dev/shm
     wait_cpu      (2 ranks) a plain wait spins, a polite one sleeps: rank 1's wall and
                   CPU seconds waiting 0.6 s for rank 0, each way
     doorbell      (2 ranks, one host) rank 1 polite: with doorbells its 0.3 s wait wakes a
@@ -93,8 +94,10 @@ def shm_sums(comm):
     assert not glob.glob(f"{arena.name}*"), "the segments were not unlinked once mapped"
     ops = [arena.allreduce(arena.tensor(c, torch.float32)) for c in counts]
     try:
-        for polite in (False, True):
-            collectives.set_polite(polite)
+        for polite, bells in ((False, False), (True, False), (r == 1, True)):
+            collectives.set_polite(polite)      # last: rank 1 polite, woken by the others' rings
+            if bells:
+                collectives.doorbells(comm)
             for c, op in zip(counts, ops):
                 x = torch.from_numpy(data(r, c))
                 ring = x.clone()
@@ -111,6 +114,7 @@ def shm_sums(comm):
                     assert torch.equal(op.tensor, ring), (c, polite)
     finally:
         collectives.set_polite(False)
+        collectives.close_doorbells()
     for op in ops:
         op.free()
     del ops

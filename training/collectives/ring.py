@@ -180,6 +180,7 @@ class PreparedAllreduce:
             _mpi().Prequest.Startall(self._pairs[0][0])
         else:
             self._i = None
+        ring()      # sends posted: wake the polite ranks (collectives.doorbells)
 
     def test(self):
         """Progress without blocking; True once the sum is in the buffer."""
@@ -223,6 +224,7 @@ class PreparedAllreduce:
             self._i = None
         else:
             _mpi().Prequest.Startall(self._pairs[self._i][0])
+            ring()
 
     def free(self):
         """Release the persistent requests (idempotent)."""

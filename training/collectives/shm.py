@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from .ring import _segments
-from .waits import wait_until
+from .waits import ring, wait_until
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +187,7 @@ class SharedAllreduce:
         self._seq += 1
         self._arrived[self.arena.rank][0] = self._seq     # after the data: x86-64 keeps store order
         self._phase = 0
+        ring()      # wake the polite ranks waiting for it (collectives.doorbells)
 
     def test(self):
         """Progress without blocking; True once the sum is in the tensor."""
@@ -198,6 +199,7 @@ class SharedAllreduce:
             self._reduce()
             self._done[self.arena.rank][0] = self._seq
             self._phase = 1
+            ring()
         if all(d[0] >= self._seq for d in self._done):
             self._phase = None
             return True

@@ -19,7 +19,7 @@ from training import cputime
 SPIN_S = 2e-4                       # a polite wait spins this long before it sleeps
 MAX_PAUSE_S = 200e-6                # ... and then sleeps at most this long between tests
 
-BELL_TIMEOUT_S = 2e-3              # with doorbells, a polite wait sleeps at most this long between tests
+BELL_TIMEOUT_S = 2e-3               # with doorbells, a polite wait sleeps at most this long between tests
 BELL_SPIN_S = 1e-3                  # ... and after a ring spins this long (the ringer is in MPI now)
 
 _polite = False
@@ -175,14 +175,14 @@ def wait_until(test, polite=None):
 
 
 def _sleepy(test):
+    global wakeups
     if _bell is not None and threading.current_thread() is threading.main_thread():
-        _doorbell_wait(test)
+        _doorbell_wait(test)    # (the main thread's only: two threads would take each other's rings)
         return
     deadline = time.perf_counter() + SPIN_S
     while time.perf_counter() < deadline:
         if test():
             return
-    global wakeups
     pause = 20e-6
     while not test():
         wakeups += 1
