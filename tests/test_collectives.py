@@ -83,6 +83,30 @@ def test_doorbells_are_not_armed_where_a_ring_cannot_reach(world2):
     assert res["doorbell_netns"] == [False, False]
 
 
+def test_a_full_doorbell_still_counts_as_reachable_and_a_missing_one_does_not():
+    """The check that arms doorbells asks the ringer's side: a doorbell whose queue is full
+    (a host with more ranks than the ~10 datagrams a Unix socket queues) is there; a name
+    nobody bound (another network namespace) is not."""
+    import socket
+    import uuid
+
+    from training.collectives import waits
+    name = f"\0yarnapp-bell-test-{uuid.uuid4().hex}".encode()
+    bell = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    bell.bind(name)
+    sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sender.setblocking(False)
+    try:
+        waits._ringer = (sender, [name] * 64)       # far past the queue's length
+        assert waits._reaches_all()
+        waits._ringer = (sender, [name, name + b"-nobody"])
+        assert not waits._reaches_all()
+    finally:
+        waits._ringer = None
+        sender.close()
+        bell.close()
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_gradient_equals_single_process_global_batch(n, request):
     res, _ = request.getfixturevalue(f"world{n}")

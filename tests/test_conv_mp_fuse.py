@@ -165,6 +165,39 @@ def test_a_classifier_used_elsewhere_or_fed_otherwise_stays_on_the_master(how, t
     assert plan is None or plan.heads == {}
 
 
+def _double(module, args, output):
+    return output * 2
+
+
+def test_a_classifier_with_hooks_or_held_by_a_block_fx_keeps_whole_stays_on_the_master():
+    # a hook on the Linear (the old weight_norm computes `weight` in one from weight_g and weight_v)
+    hooked = Classifier("method")
+    hooked.fc.register_forward_hook(_double)
+    assert fuse.plan(hooked, ["conv"]).heads == {}
+    normed = Classifier("method")
+    normed.fc = nn.utils.weight_norm(normed.fc)
+    plan = fuse.plan(normed, ["conv"])
+    assert plan is None or plan.heads == {}
+
+    class Head(nn.Module):          # a user's block (a leaf for the trace) holding the same Linear
+        def __init__(self, fc):
+            super().__init__()
+            self.fc = fc
+
+        def forward(self, x):
+            return self.fc(x)
+
+    class Twice(Classifier):
+        def __init__(self):
+            super().__init__("method")
+            self.head = Head(self.fc)
+
+        def forward(self, x):
+            y = F.relu(self.conv(x)).flatten(1)
+            return self.fc(y) + self.head(x.new_zeros(x.shape[0], self.fc.in_features))
+    assert fuse.plan(Twice(), ["conv"]).heads == {}
+
+
 def test_a_classifier_without_a_whole_number_of_features_per_channel_stays_on_the_master():
     class Cropped(Classifier):
         def forward(self, x):

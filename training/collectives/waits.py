@@ -21,12 +21,14 @@ MAX_PAUSE_S = 200e-6                # ... and then sleeps at most this long betw
 
 BELL_TIMEOUT_S = 2e-3               # with doorbells, a polite wait sleeps at most this long between tests
 BELL_SPIN_S = 1e-3                  # ... and after a ring spins this long (the ringer is in MPI now)
+BELL_AFTER_S = 1e-3                 # ... once it has waited this long with timed pauses
 
 _polite = False
 _MPI = None
 wakeups = 0                         # polite waits' sleeps so far in this process (each costs a wake-up)
 _bell = None                        # this polite rank's doorbell socket (doorbells)
 _ringer = None                      # (socket, addresses of the other polite ranks' doorbells)
+_poll = None                        # a poll object on _bell
 
 
 def _mpi():
@@ -66,11 +68,12 @@ def doorbells(comm):
     (`benchmarks/conv_mp.py --quick`, 1 + 0.5 vcore): a sixth of its compute. Longer
     pauses cost more than they saved (each of its ~10 waits a step ended later: 1 ms
     pauses, 170 ms a step against 150 ms). A rank ringing where nobody waits costs it a
-    sendto (~3 µs); a polite rank drops the rings that came before its wait. Ranks on
-    several hosts, or in network namespaces of their own, keep the timed pauses (a ring
-    crosses neither: every rank rings once here, and unless every ring arrives, none is
-    armed)."""
-    global _bell, _ringer
+    sendto (~3 µs); a polite rank drops the rings queued before its wait, and waits its
+    first BELL_AFTER_S as before (a peer already waiting rings no more). Ranks on several
+    hosts, or in network namespaces of their own, keep the timed pauses (a ring crosses
+    neither: every rank rings every polite one here, and unless every ring is taken, none
+    is armed); so do all where a rank cannot make a Unix socket."""
+    global _bell, _ringer, _poll
     close_doorbells()
     rank = comm.Get_rank()
     every = comm.allgather((socket.gethostname(), _polite))
@@ -79,30 +82,53 @@ def doorbells(comm):
     if len({host for host, _ in every}) != 1 or not polite:
         return
     names = {r: f"\0yarnapp-bell-{token}-{r}".encode() for r in polite}
-    if rank in names:
-        _bell = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        _bell.bind(names[rank])
-        _bell.setblocking(False)
     others = [name for r, name in names.items() if r != rank]
-    if others:
-        sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        sender.setblocking(False)
-        _ringer = (sender, others)
-    comm.Barrier()      # every doorbell is bound before anyone rings
-    ring()              # a first ring from every rank: do they all arrive? (not across network
-    comm.Barrier()      # namespaces, as emulated hosts have, where abstract sockets are not shared)
-    heard = _drain() if _bell is not None else comm.Get_size() - 1
-    if not comm.allreduce(int(heard >= comm.Get_size() - 1), op=_mpi().MIN):
+    ok = True
+    try:
+        if rank in names:
+            _bell = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            _bell.bind(names[rank])
+            _bell.setblocking(False)
+            _poll = select.poll()
+            _poll.register(_bell, select.POLLIN)
+        if others:
+            sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            sender.setblocking(False)
+            _ringer = (sender, others)
+    except OSError:     # no Unix sockets here: every rank keeps the timed pauses
+        ok = False
+    # every doorbell is bound (or none is) before anyone rings; then can every ring reach
+    # its doorbell? Not across network namespaces (emulated hosts): abstract sockets are
+    # per namespace, and a name nobody bound there is refused. (A full queue, EAGAIN, is
+    # a doorbell that is there.)
+    if comm.allreduce(int(ok), op=_mpi().MIN):
+        ok = _reaches_all()
+    if not comm.allreduce(int(ok), op=_mpi().MIN):
         close_doorbells()
 
 
+def _reaches_all():
+    """Whether every other polite rank's doorbell takes this rank's ring."""
+    if _ringer is None:
+        return True
+    sender, names = _ringer
+    for name in names:
+        try:
+            sender.sendto(b"!", name)
+        except BlockingIOError:
+            pass
+        except OSError:
+            return False
+    return True
+
+
 def close_doorbells():
-    global _bell, _ringer
+    global _bell, _ringer, _poll
     if _bell is not None:
         _bell.close()
     if _ringer is not None:
         _ringer[0].close()
-    _bell = _ringer = None
+    _bell = _ringer = _poll = None
 
 
 def ring():
@@ -191,11 +217,24 @@ def _sleepy(test):
 
 
 def _doorbell_wait(test):
-    """Test, spinning SPIN_S; then sleep until a ring or BELL_TIMEOUT_S, and after a ring
-    spin BELL_SPIN_S (the ringer is in MPI: a transfer moves at full speed now)."""
+    """As without doorbells for the first BELL_AFTER_S (spin SPIN_S, then timed pauses):
+    a peer that was in MPI before this wait began rings no more, and a transfer that
+    needs this rank's progress too completes at that pace. Then sleep until a ring or
+    BELL_TIMEOUT_S, and after a ring spin BELL_SPIN_S (the ringer is in MPI now)."""
     global wakeups
-    _drain()            # rings from before this wait
-    spin = SPIN_S
+    _drain()                            # rings from before this wait
+    start = time.perf_counter()
+    while time.perf_counter() - start < SPIN_S:
+        if test():
+            return
+    pause = 20e-6
+    while time.perf_counter() - start < BELL_AFTER_S:
+        if test():
+            return
+        wakeups += 1
+        time.sleep(pause)
+        pause = min(pause * 2, MAX_PAUSE_S)
+    spin = 0.0
     while True:
         deadline = time.perf_counter() + spin
         while True:
@@ -204,7 +243,7 @@ def _doorbell_wait(test):
             if time.perf_counter() >= deadline:
                 break
         wakeups += 1
-        rung, _, _ = select.select([_bell], [], [], BELL_TIMEOUT_S)
+        rung = _poll.poll(BELL_TIMEOUT_S * 1e3)
         if rung:
             _drain()
         spin = BELL_SPIN_S if rung else 0.0

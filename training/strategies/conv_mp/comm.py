@@ -356,8 +356,9 @@ class _RowParallelLinear(torch.autograd.Function):
         ctx.save_for_backward(y, weight)
         ctx.has_bias = bias is not None
         n, out_features = y.shape[0], weight.shape[2]
+        features = weight.shape[0] * weight.shape[1]
         with cputime.counting("share"), _Clock(timings, "conv_s", "conv_cpu_s"):
-            part = _host(y.reshape(n, -1) @ weight.reshape(-1, out_features))
+            part = _host(y.reshape(n, features) @ weight.reshape(features, out_features))
         mpi_type = mpi_datatype(part.dtype)
         rank, size = comm.Get_rank(), comm.Get_size()
         if rank != root:
@@ -388,10 +389,11 @@ class _RowParallelLinear(torch.autograd.Function):
         with _Clock(ctx.timings, "comm_s"):
             wait(comm.Ibcast([_np(dz), mpi_datatype(dz.dtype)], root=root))
         dz = dz.to(weight.device)
-        w = weight.reshape(-1, out_features)
+        features = weight.shape[0] * weight.shape[1]
+        w = weight.reshape(features, out_features)
         with cputime.counting("share"), _Clock(ctx.timings, "conv_s", "conv_cpu_s"):
             dy = (dz @ w.t()).view(y.shape) if ctx.needs_input_grad[0] else None
-            dw = (y.reshape(n, -1).t() @ dz).view(weight.shape) if ctx.needs_input_grad[1] else None
+            dw = (y.reshape(n, features).t() @ dz).view(weight.shape) if ctx.needs_input_grad[1] else None
             db = dz.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dy, dw, db, None, None, None
 
@@ -402,7 +404,7 @@ def row_parallel_linear(y, weight, bias, comm, root=0, timings=None):
     Linear's transposed weight, bias the Linear's bias on the root (None elsewhere).
     The root gets Z; the other ranks an empty tensor that stands for their part in
     autograd (backward on it receives dZ and computes their gradients)."""
-    if y.shape[1] != weight.shape[0] or (y.shape[1] and y[0, 0].numel() != weight.shape[1]):
+    if y.shape[1] != weight.shape[0] or (y.shape[1] and y.shape[2:].numel() != weight.shape[1]):
         raise RuntimeError(f"conv_model_parallel: the Linear after this conv takes {weight.shape[1]} "
                            f"features per channel, but the conv's output has {tuple(y.shape[2:])} per channel")
     return _RowParallelLinear.apply(y, weight, bias, comm, root, timings)

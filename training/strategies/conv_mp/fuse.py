@@ -253,7 +253,7 @@ def plan(model, names):
                 cur = prev
             found[node.target] = chain
     links = _links(graph, names, calls)
-    heads = _heads(graph, names, calls, modules)
+    heads = _heads(graph, names, calls, modules, list(model.named_modules(remove_duplicate=False)))
     if not found and not links and not heads:
         return None
     graph.lint()
@@ -302,17 +302,29 @@ def _flattened(node):
     return None
 
 
-def _shared(module, name, graph, modules):
-    """Whether the forward reads `module`'s parameters directly, or another module holds
-    one of them (tied weights): then they cannot be split into the shards."""
+def _shared(module, name, graph, every):
+    """Whether `module` (the Linear `name`) cannot move into the shards: the forward reads
+    its parameters directly, another module holds it or one of its parameters (tied
+    weights, or a block fx does not trace into calling it too), or it is more than a plain
+    weight and bias (hooks, as the old weight_norm and spectral_norm add: its `weight`
+    is then computed, not a parameter)."""
     if any(n.op == "get_attr" and str(n.target).startswith(name + ".") for n in graph.nodes):
         return True
+    if set(dict(module.named_parameters())) - {"weight", "bias"} or list(module.buffers()) \
+            or not isinstance(module.weight, nn.Parameter) \
+            or module._forward_hooks or module._forward_pre_hooks or module._backward_hooks \
+            or getattr(module, "_backward_pre_hooks", None):
+        return True
     mine = {id(p) for p in module.parameters()}
-    return any(id(p) in mine for other, m in modules.items() if other != name
-               and not other.startswith(name + ".") and m is not module for p in m.parameters(recurse=False))
+    for other, m in every:
+        if other == name:
+            continue
+        if m is module or any(id(p) in mine for p in m.parameters(recurse=False)):
+            return True
+    return False
 
 
-def _heads(graph, names, calls, modules):
+def _heads(graph, names, calls, modules, every):
     """{conv: linear}: distributed convs each called once whose output (after the chain)
     is flattened to (N, -1) into an nn.Linear called once, which nothing else uses, with
     a whole number of input features per output channel. The flatten and the Linear are
@@ -333,7 +345,7 @@ def _heads(graph, names, calls, modules):
         module = modules.get(linear.target) if linear.op == "call_module" else None
         if type(module) is not nn.Linear or calls[linear.target] != 1 or linear.args != (flat[0],) \
                 or linear.kwargs or module.in_features % modules[node.target].out_channels \
-                or _shared(module, linear.target, graph, modules):
+                or _shared(module, linear.target, graph, every):
             continue
         linear.replace_all_uses_with(node)
         graph.erase_node(linear)

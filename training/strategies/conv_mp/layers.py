@@ -182,8 +182,9 @@ class DistributedConv2d(nn.Module):
         self.head_features = None   # the Linear's (in_features, out_features)
         self._set_split(split)
         lo, hi = self.offset, self.offset + self.count
-        self.weight = nn.Parameter(conv.weight.detach()[lo:hi].clone())
-        self.bias = nn.Parameter(conv.bias.detach()[lo:hi].clone()) if conv.bias is not None else None
+        self.weight = nn.Parameter(conv.weight.detach()[lo:hi].clone(), requires_grad=conv.weight.requires_grad)
+        self.bias = nn.Parameter(conv.bias.detach()[lo:hi].clone(), requires_grad=conv.bias.requires_grad) \
+            if conv.bias is not None else None
 
     def _set_split(self, split):
         split = [int(s) for s in split]
@@ -231,9 +232,10 @@ class DistributedConv2d(nn.Module):
         with torch.no_grad():
             rows = scatter_rows_from_master(full, self.comm, self.split, (plane, out_features),
                                             linear.weight.dtype, self.root)
-        self.head_weight = nn.Parameter(rows.to(self.weight.device))
+        self.head_weight = nn.Parameter(rows.to(self.weight.device), requires_grad=linear.weight.requires_grad)
         if self.is_master and linear.bias is not None:
-            self.head_bias = nn.Parameter(linear.bias.detach().clone().to(self.weight.device))
+            self.head_bias = nn.Parameter(linear.bias.detach().clone().to(self.weight.device),
+                                          requires_grad=linear.bias.requires_grad)
 
     def to_linear(self):
         """Collective: the Linear after this layer (attach_head) as an ordinary nn.Linear
@@ -242,7 +244,7 @@ class DistributedConv2d(nn.Module):
         if not self.is_master:
             return None
         in_features, out_features = self.head_features
-        linear = nn.Linear(in_features, out_features, bias=self.head_bias is not None)
+        linear = nn.Linear(in_features, out_features, bias=self.head_bias is not None, dtype=rows.dtype)
         with torch.no_grad():
             linear.weight.copy_(rows.permute(2, 0, 1).reshape(out_features, in_features))
             if self.head_bias is not None:
@@ -317,7 +319,8 @@ class DistributedConv2d(nn.Module):
         names = [n for n in ("weight", "bias", "head_weight") if getattr(self, n) is not None]
         old = [getattr(self, n) for n in names]
         self._set_split(split)
-        new = [nn.Parameter(self.redistribute(p.detach(), old_split).to(p.device)) for p in old]
+        new = [nn.Parameter(self.redistribute(p.detach(), old_split).to(p.device), requires_grad=p.requires_grad)
+               for p in old]
         for n, p in zip(names, new):
             setattr(self, n, p)
         return old, new
