@@ -11,9 +11,9 @@
 from .buckets import OVERLAP_MODES, GradientReducer
 from .ring import (ALGORITHMS, RING_CHUNK_BYTES, RING_THRESHOLD_BYTES, PreparedAllreduce,
                    allreduce_, choose_algorithm)
-from .waits import (MAX_PAUSE_S, SPIN_S, as_buffer, close_doorbells, doorbells, is_polite, mpi_datatype, ring,
-                    set_polite, wait, wait_until)
+from .waits import (MAX_PAUSE_S, SPIN_S, as_buffer, close_doorbells, doorbells, in_mpi, is_polite, mpi_datatype,
+                    ring, set_polite, wait, wait_until)
 
 __all__ = ["OVERLAP_MODES", "GradientReducer", "ALGORITHMS", "RING_CHUNK_BYTES", "RING_THRESHOLD_BYTES",
            "PreparedAllreduce", "allreduce_", "choose_algorithm", "MAX_PAUSE_S", "SPIN_S", "as_buffer",
-           "close_doorbells", "doorbells", "is_polite", "mpi_datatype", "ring", "set_polite", "wait", "wait_until"]
+           "close_doorbells", "doorbells", "in_mpi", "is_polite", "mpi_datatype", "ring", "set_polite", "wait", "wait_until"]

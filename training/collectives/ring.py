@@ -27,7 +27,7 @@ import weakref
 
 import numpy as np
 
-from .waits import _mpi, as_buffer, is_polite, ring, wait
+from .waits import _mpi, as_buffer, in_mpi, is_polite, ring, wait
 
 RING_THRESHOLD_BYTES = 256 * 1024   # conf/defaults.yaml strategies.allreduce.ring_threshold_kb
 RING_CHUNK_BYTES = 1 << 20          # measured best of 64 KiB..4 MiB (benchmarks/README.md)
@@ -157,15 +157,15 @@ class PreparedAllreduce:
             raise RuntimeError("PreparedAllreduce.run() while a start() is still in flight")
         if self._coll is not None:      # (the plain Wait inline: this runs in microseconds)
             self._coll.Start()
-            ring()
-            self._coll.Wait() if not is_polite() else wait(self._coll)
+            with in_mpi:
+                self._coll.Wait() if not is_polite() else wait(self._coll)
             return
         mpi = _mpi()
         waitall = mpi.Request.Waitall if not is_polite() else wait
         for reqs, add_into, recv in self._pairs:
             mpi.Prequest.Startall(reqs)
-            ring()
-            waitall(reqs)
+            with in_mpi:
+                waitall(reqs)
             if add_into is not None:
                 np.add(add_into, recv, out=add_into)
 
@@ -205,15 +205,15 @@ class PreparedAllreduce:
         if self._i is None:
             return
         if self._coll is not None:
-            ring()
-            self._coll.Wait() if not is_polite() else wait(self._coll)
+            with in_mpi:
+                self._coll.Wait() if not is_polite() else wait(self._coll)
             self._i = None
             return
         waitall = _mpi().Request.Waitall if not is_polite() else wait
         while self._i is not None:
             reqs, add_into, recv = self._pairs[self._i]
-            ring()
-            waitall(reqs)
+            with in_mpi:
+                waitall(reqs)
             self._finish_exchange(add_into, recv)
 
     def _finish_exchange(self, add_into, recv):

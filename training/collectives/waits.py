@@ -5,6 +5,8 @@ quota (`set_polite`), spinning briefly and then sleeping between tests; where ev
 rank is on one host (`doorbells`), it sleeps until another rank starts waiting. `as_buffer`
 hands a contiguous CPU tensor to MPI as the numpy view of its own memory (no copy).
 """
+import mmap
+import os
 import select
 import socket
 import threading
@@ -20,8 +22,6 @@ SPIN_S = 2e-4                       # a polite wait spins this long before it sl
 MAX_PAUSE_S = 200e-6                # ... and then sleeps at most this long between tests
 
 BELL_TIMEOUT_S = 2e-3               # with doorbells, a polite wait sleeps at most this long between tests
-BELL_SPIN_S = 1e-3                  # ... and after a ring spins this long (the ringer is in MPI now)
-BELL_AFTER_S = 1e-3                 # ... once it has waited this long with timed pauses
 
 _polite = False
 _MPI = None
@@ -29,6 +29,7 @@ wakeups = 0                         # polite waits' sleeps so far in this proces
 _bell = None                        # this polite rank's doorbell socket (doorbells)
 _ringer = None                      # (socket, addresses of the other polite ranks' doorbells)
 _poll = None                        # a poll object on _bell
+_flags = None                       # (mmap, this rank's flag, the others' flags): who is in an MPI wait now
 
 
 def _mpi():
@@ -68,9 +69,9 @@ def doorbells(comm):
     (`benchmarks/conv_mp.py --quick`, 1 + 0.5 vcore): a sixth of its compute. Longer
     pauses cost more than they saved (each of its ~10 waits a step ended later: 1 ms
     pauses, 170 ms a step against 150 ms). A rank ringing where nobody waits costs it a
-    sendto (~3 µs); a polite rank drops the rings queued before its wait, and waits its
-    first BELL_AFTER_S as before (a peer already waiting rings no more). Ranks on several
-    hosts, or in network namespaces of their own, keep the timed pauses (a ring crosses
+    sendto (~3 µs); a polite rank drops the rings queued before its wait, and tests at
+    the timed pace while a peer is in an MPI wait too (a byte per rank in shared memory
+    says who is). Ranks on several hosts, or in network namespaces of their own, keep the timed pauses (a ring crosses
     neither: every rank rings every polite one here, and unless every ring is taken, none
     is armed); so do all where a rank cannot make a Unix socket."""
     global _bell, _ringer, _poll
@@ -97,6 +98,7 @@ def doorbells(comm):
             _ringer = (sender, others)
     except OSError:     # no Unix sockets here: every rank keeps the timed pauses
         ok = False
+    ok = _share_flags(comm, token, ok)
     # every doorbell is bound (or none is) before anyone rings; then can every ring reach
     # its doorbell? Not across network namespaces (emulated hosts): abstract sockets are
     # per namespace, and a name nobody bound there is refused. (A full queue, EAGAIN, is
@@ -105,6 +107,43 @@ def doorbells(comm):
         ok = _reaches_all()
     if not comm.allreduce(int(ok), op=_mpi().MIN):
         close_doorbells()
+
+
+def _share_flags(comm, token, ok):
+    """Collective: map one byte per rank that says whether that rank is in an MPI wait
+    (a file in /dev/shm, unlinked once every rank has mapped it); whether every rank has."""
+    global _flags
+    MIN, rank, size = _mpi().MIN, comm.Get_rank(), comm.Get_size()
+    path = f"/dev/shm/yarnapp-bell-{token}"
+    if rank == 0 and ok:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
+        except OSError:
+            ok = False
+    if comm.allreduce(int(ok), op=MIN):
+        try:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                area = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+            flags = np.frombuffer(area, np.uint8)
+            _flags = (area, flags[rank:rank + 1], flags[:rank], flags[rank + 1:])
+        except OSError:
+            ok = False
+    else:
+        ok = False
+    comm.Barrier()
+    if rank == 0:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return ok
 
 
 def _reaches_all():
@@ -123,12 +162,34 @@ def _reaches_all():
 
 
 def close_doorbells():
-    global _bell, _ringer, _poll
+    global _bell, _ringer, _poll, _flags
     if _bell is not None:
         _bell.close()
     if _ringer is not None:
         _ringer[0].close()
-    _bell = _ringer = _poll = None
+    _bell = _ringer = _poll = _flags = None
+
+
+class _InMpi:
+    """`with in_mpi:` around an MPI wait: rings the polite ranks' doorbells and marks this
+    rank as in MPI (its peers' polite waits then test at the timed pace: a transfer that
+    needs both sides' progress moves) until it leaves."""
+
+    def __enter__(self):
+        if _flags is not None:
+            _flags[1][0] = 1
+        ring()
+
+    def __exit__(self, *exc):
+        if _flags is not None:
+            _flags[1][0] = 0
+
+
+in_mpi = _InMpi()
+
+
+def _peers_in_mpi():
+    return bool(_flags[2].any() or _flags[3].any())
 
 
 def ring():
@@ -173,14 +234,14 @@ def wait(reqs, polite=None):
 def _wait(reqs, polite):
     mpi = _mpi()
     many = isinstance(reqs, (list, tuple))
-    ring()
-    if not (_polite if polite is None else polite):
-        if many:
-            mpi.Request.Waitall(reqs)
-        else:
-            reqs.Wait()
-        return
-    _sleepy((lambda: mpi.Request.Testall(reqs)) if many else reqs.Test)
+    with in_mpi:
+        if not (_polite if polite is None else polite):
+            if many:
+                mpi.Request.Waitall(reqs)
+            else:
+                reqs.Wait()
+            return
+        _sleepy((lambda: mpi.Request.Testall(reqs)) if many else reqs.Test)
 
 
 def wait_until(test, polite=None):
@@ -188,8 +249,7 @@ def wait_until(test, polite=None):
     SPIN_S and then sleeping between calls (shared-memory reductions wait with this).
     Off the main thread a spin yields the GIL at every call: the thread that runs
     backward must not wait for a communication thread's spinning."""
-    with cputime.counting("wait"):
-        ring()
+    with cputime.counting("wait"), in_mpi:
         if _polite if polite is None else polite:
             _sleepy(test)
         elif threading.current_thread() is threading.main_thread():
@@ -217,24 +277,13 @@ def _sleepy(test):
 
 
 def _doorbell_wait(test):
-    """As without doorbells for the first BELL_AFTER_S (spin SPIN_S, then timed pauses):
-    a peer that was in MPI before this wait began rings no more, and a transfer that
-    needs this rank's progress too completes at that pace. Then sleep until a ring or
-    BELL_TIMEOUT_S, and after a ring spin BELL_SPIN_S (the ringer is in MPI now)."""
+    """Test, spinning SPIN_S; then, while another rank is in an MPI wait too, test at the
+    timed pace (a transfer that needs both sides' progress moves: a 4 MiB message to a
+    rank that came last took 11 ms sleeping until rings, 1.5 ms so); while none is, sleep
+    until a ring (a rank entering a wait) or BELL_TIMEOUT_S, and spin SPIN_S after a ring."""
     global wakeups
     _drain()                            # rings from before this wait
-    start = time.perf_counter()
-    while time.perf_counter() - start < SPIN_S:
-        if test():
-            return
-    pause = 20e-6
-    while time.perf_counter() - start < BELL_AFTER_S:
-        if test():
-            return
-        wakeups += 1
-        time.sleep(pause)
-        pause = min(pause * 2, MAX_PAUSE_S)
-    spin = 0.0
+    spin, pause = SPIN_S, 20e-6
     while True:
         deadline = time.perf_counter() + spin
         while True:
@@ -243,10 +292,14 @@ def _doorbell_wait(test):
             if time.perf_counter() >= deadline:
                 break
         wakeups += 1
+        if _peers_in_mpi():
+            time.sleep(pause)
+            pause, spin = min(pause * 2, MAX_PAUSE_S), 0.0
+            continue
         rung = _poll.poll(BELL_TIMEOUT_S * 1e3)
         if rung:
             _drain()
-        spin = BELL_SPIN_S if rung else 0.0
+        spin, pause = (SPIN_S if rung else 0.0), 20e-6
 
 
 def mpi_datatype(dtype):
