@@ -133,6 +133,7 @@ class PreparedAllreduce:
         self._coll = None
         self._pairs = []          # [(requests [recv, send], add_into, recv view)]
         self._i = None            # next exchange to finish while running; None when idle
+        self._flagged = False     # started: this rank counts as in MPI until it is done (waits.in_mpi)
         if buf.size == 0:
             pass
         elif self.algorithm == "mpi":
@@ -180,7 +181,9 @@ class PreparedAllreduce:
             _mpi().Prequest.Startall(self._pairs[0][0])
         else:
             self._i = None
-        ring()      # sends posted: wake the polite ranks (collectives.doorbells)
+        if self._i is not None:   # in flight, progressed by test(): in MPI for the polite ranks' waits
+            self._flagged = True
+            in_mpi.enter()
 
     def test(self):
         """Progress without blocking; True once the sum is in the buffer."""
@@ -189,7 +192,7 @@ class PreparedAllreduce:
         mpi = _mpi()
         if self._coll is not None:
             if self._coll.Test():
-                self._i = None
+                self._finished()
                 return True
             return False
         while True:
@@ -207,7 +210,7 @@ class PreparedAllreduce:
         if self._coll is not None:
             with in_mpi:
                 self._coll.Wait() if not is_polite() else wait(self._coll)
-            self._i = None
+            self._finished()
             return
         waitall = _mpi().Request.Waitall if not is_polite() else wait
         while self._i is not None:
@@ -221,10 +224,16 @@ class PreparedAllreduce:
             np.add(add_into, recv, out=add_into)
         self._i += 1
         if self._i == len(self._pairs):
-            self._i = None
+            self._finished()
         else:
             _mpi().Prequest.Startall(self._pairs[self._i][0])
             ring()
+
+    def _finished(self):
+        self._i = None
+        if self._flagged:
+            self._flagged = False
+            in_mpi.leave()
 
     def free(self):
         """Release the persistent requests (idempotent)."""
@@ -239,7 +248,7 @@ class PreparedAllreduce:
                 if r != mpi.REQUEST_NULL:
                     r.Free()
         self._pairs = []
-        self._i = None
+        self._finished()
         _live.discard(self)
 
 

@@ -171,18 +171,43 @@ def close_doorbells():
 
 
 class _InMpi:
-    """`with in_mpi:` around an MPI wait: rings the polite ranks' doorbells and marks this
-    rank as in MPI (its peers' polite waits then test at the timed pace: a transfer that
-    needs both sides' progress moves) until it leaves."""
+    """`with in_mpi:` (or enter() ... leave()) around an MPI wait, or while an operation
+    this rank progresses by tests is in flight: rings the polite ranks' doorbells and
+    marks this rank as in MPI (its peers' polite waits then test at the timed pace: a
+    transfer that needs both sides' progress moves) until it leaves. Counted: nested and
+    concurrent (a communication thread's) uses ring and mark once, and the mark stays
+    until the last one leaves."""
+
+    def __init__(self):
+        self._depth = 0
+        self._lock = threading.Lock()
+
+    def enter(self):
+        with self._lock:
+            self._depth += 1
+            first = self._depth == 1
+        if first:
+            _mark(1)
+            ring()
+
+    def leave(self):
+        with self._lock:
+            self._depth -= 1
+            last = self._depth == 0
+        if last:
+            _mark(0)
 
     def __enter__(self):
-        if _flags is not None:
-            _flags[1][0] = 1
-        ring()
+        self.enter()
 
     def __exit__(self, *exc):
-        if _flags is not None:
-            _flags[1][0] = 0
+        self.leave()
+
+
+def _mark(value):
+    flags = _flags
+    if flags is not None:
+        flags[1][0] = value
 
 
 in_mpi = _InMpi()
@@ -280,7 +305,9 @@ def _doorbell_wait(test):
     """Test, spinning SPIN_S; then, while another rank is in an MPI wait too, test at the
     timed pace (a transfer that needs both sides' progress moves: a 4 MiB message to a
     rank that came last took 11 ms sleeping until rings, 1.5 ms so); while none is, sleep
-    until a ring (a rank entering a wait) or BELL_TIMEOUT_S, and spin SPIN_S after a ring."""
+    until a ring (a rank entering a wait) or BELL_TIMEOUT_S, and spin SPIN_S after a ring.
+    Asleep, this rank is not marked in MPI (two polite ranks waiting for a third would
+    otherwise keep each other at the timed pace)."""
     global wakeups
     _drain()                            # rings from before this wait
     spin, pause = SPIN_S, 20e-6
@@ -296,7 +323,13 @@ def _doorbell_wait(test):
             time.sleep(pause)
             pause, spin = min(pause * 2, MAX_PAUSE_S), 0.0
             continue
-        rung = _poll.poll(BELL_TIMEOUT_S * 1e3)
+        if test():      # a peer may have sent its last part and left between the test and the look
+            return
+        _mark(0)
+        try:
+            rung = _poll.poll(BELL_TIMEOUT_S * 1e3)
+        finally:
+            _mark(1)
         if rung:
             _drain()
         spin, pause = (SPIN_S if rung else 0.0), 20e-6
