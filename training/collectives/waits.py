@@ -2,7 +2,8 @@
 
 `wait` completes requests as MPI does (MPICH spins), or, on a rank throttled by a CPU
 quota (`set_polite`), spinning briefly and then sleeping between tests; where every
-rank is on one host (`doorbells`), it sleeps until another rank starts waiting. `as_buffer`
+rank is on one host (`doorbells`), it sleeps until another rank enters an MPI wait (a
+ring), and tests at the timed pace while one is in one (`in_mpi` marks). `as_buffer`
 hands a contiguous CPU tensor to MPI as the numpy view of its own memory (no copy).
 """
 import mmap
@@ -54,8 +55,6 @@ def set_polite(flag):
     _polite = bool(flag)
 
 
-
-
 def doorbells(comm):
     """Collective, after set_polite on every rank of `comm`: where all its ranks are on one
     host and some wait politely, give each polite rank a doorbell (a Unix datagram socket
@@ -71,9 +70,10 @@ def doorbells(comm):
     pauses, 170 ms a step against 150 ms). A rank ringing where nobody waits costs it a
     sendto (~3 µs); a polite rank drops the rings queued before its wait, and tests at
     the timed pace while a peer is in an MPI wait too (a byte per rank in shared memory
-    says who is). Ranks on several hosts, or in network namespaces of their own, keep the timed pauses (a ring crosses
-    neither: every rank rings every polite one here, and unless every ring is taken, none
-    is armed); so do all where a rank cannot make a Unix socket."""
+    says who is). Ranks on several hosts, or in network namespaces of their own, keep the
+    timed pauses (a ring crosses neither: every rank rings every polite one here, and
+    unless every ring is taken, none is armed); so do all where a rank cannot make a Unix
+    socket or map /dev/shm."""
     global _bell, _ringer, _poll
     close_doorbells()
     rank = comm.Get_rank()
@@ -250,7 +250,9 @@ def wait(reqs, polite=None):
 
     Not polite: MPI_Waitall (MPICH spins). Polite (the module setting, or `polite=True`):
     test for SPIN_S (while the peers are present, a pipelined transfer completes in this
-    phase at full speed), then sleep between tests, 20 µs doubling up to MAX_PAUSE_S.
+    phase at full speed), then sleep between tests, 20 µs doubling up to MAX_PAUSE_S; with
+    doorbells, only while another rank is in MPI too, else until a ring (_doorbell_wait).
+    Either way this rank is marked in MPI meanwhile, and rings the polite ranks' doorbells.
     """
     with cputime.counting("wait"):
         _wait(reqs, polite)
