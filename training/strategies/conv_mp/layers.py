@@ -20,7 +20,7 @@ next alone (link_to), Y all-gathered ↔ each rank's channels of Σ_i dX_i (both
 Alltoallw, the sum in rank order), and the next conv's input is already on every rank.
 Where the conv's output (after its chain) is flattened into a Linear alone (attach_head:
 the classifier after the last conv), the Linear runs row-parallel: rank i multiplies
-Y_i by its rows of the weight, the master sums the partial outputs (Gather) and adds the
+Y_i by its columns of the weight, the master sums the partial outputs (Gather) and adds the
 bias ↔ dZ broadcast to every rank, and neither Y nor dY goes through the master.
 Between distributed convs only the master runs the network
 (training.strategies.conv_mp.protocol.ShardProtocol): the other ranks hold nothing but
@@ -218,7 +218,7 @@ class DistributedConv2d(nn.Module):
     def attach_head(self, linear):
         """Collective: run `linear` (nn.Linear, fed this layer's output after its chain,
         flattened) row-parallel (module docstring); this layer's output is then the
-        Linear's, at the master. Every rank takes its rows of the master's `linear`
+        Linear's, at the master. Every rank takes its columns of the master's `linear`
         (ignored elsewhere), the master its bias."""
         out_features, in_features = linear.weight.shape
         if in_features % self.out_channels:

@@ -27,7 +27,7 @@ the model's modules.
 
 A distributed conv whose output (after its chain) is flattened into an nn.Linear alone
 (the classifier) runs that Linear row-parallel (fuse's `heads`,
-DistributedConv2d.attach_head): every rank multiplies its own channels by their rows of
+DistributedConv2d.attach_head): every rank multiplies its own channels by their columns of
 the weight and the master sums the (N, classes) partials, so the master neither gathers
 the feature map nor scatters its gradient, and the classifier's work is shared. The
 Linear's place in the model holds a MovedToShards until export.
