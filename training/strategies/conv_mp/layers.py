@@ -179,7 +179,6 @@ class DistributedConv2d(nn.Module):
         self._linked_input = None
         self.head_weight = None     # attach_head: this rank's rows (c_i, H·W, out) of the Linear after it
         self.head_bias = None       # ... and the Linear's bias, on the master only
-        self.head_features = None   # the Linear's (in_features, out_features)
         self._set_split(split)
         lo, hi = self.offset, self.offset + self.count
         self.weight = nn.Parameter(conv.weight.detach()[lo:hi].clone(), requires_grad=conv.weight.requires_grad)
@@ -224,7 +223,6 @@ class DistributedConv2d(nn.Module):
         if in_features % self.out_channels:
             raise ValueError(f"DistributedConv2d: a Linear of {in_features} features does not take a whole "
                              f"number per channel of {self.out_channels}")
-        self.head_features = (in_features, out_features)
         full = None
         if self.is_master:   # (out, C·P) -> (C, P, out): a channel's weights are one row
             full = linear.weight.detach().view(out_features, self.out_channels, -1).permute(1, 2, 0)
@@ -243,7 +241,8 @@ class DistributedConv2d(nn.Module):
         rows = gather_rows_to_master(self.head_weight.detach(), self.comm, self.split, self.root)
         if not self.is_master:
             return None
-        in_features, out_features = self.head_features
+        channels, plane, out_features = rows.shape
+        in_features = channels * plane
         linear = nn.Linear(in_features, out_features, bias=self.head_bias is not None, dtype=rows.dtype)
         with torch.no_grad():
             linear.weight.copy_(rows.permute(2, 0, 1).reshape(out_features, in_features))
