@@ -6,7 +6,8 @@
 
 Cases (each a real MPI world of processes joined as the engine's containers join,
 launcher.world.run_local; a throttled rank waits politely, as training.runner makes it;
-time per step = wall time of the timed steps between two barriers / their number):
+16 random batches with random labels cycled, as common.random_batches explains; time per
+step = wall time of the timed steps between two barriers / their number):
     single 1x1        the plain single-process model, 1 thread (the baseline)
     single 1x2        the plain model, 1 process with 2 threads
     conv-mp 1r        the strategy on 1 rank, 1 thread (its overhead over the baseline)
@@ -84,15 +85,20 @@ def worker(case):
     comm, rank, n = join_local()
     torch.manual_seed(0)
     model, source = build_seed_model(case["conv1"], case["conv2"])
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(case["batch"], 3, 32, 32, generator=g)
-    y = torch.randint(0, 10, (case["batch"],), generator=g)
+    from common import random_batches
+    batches = random_batches(case["batch"], (3, 32, 32))     # cycled (a fixed batch goes denormal)
+    taken = [0]
+
+    def batch():
+        taken[0] += 1
+        return batches[taken[0] % len(batches)]
     result = {"model": source}
 
     if case["kind"] == "single":
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
         def step():
+            x, y = batch()
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
             opt.step()
@@ -118,6 +124,7 @@ def worker(case):
         stats = []
 
         def step():
+            x, y = batch()
             st = s.train_step(x if rank == 0 else None, y if rank == 0 else None)
             stats.append((st.compute_s, st.comm_s, s.last_conv_s))
         step()  # the first step also calibrates and shards where setup could not

@@ -24,7 +24,7 @@ singletons, Connect/Accept), every rank in its own cgroup with the CPU quota of 
 vcores as the local engine sets it (100 ms CFS period; see make_cgroups for why not
 under the engine's parent), ceil(vcores) torch threads, polite waits where throttled
 (as training.runner sets them), a RunContext.offline of the job, the strategy from the
-registry, a fixed random batch; measured step time = wall time of the timed steps
+registry, 16 random batches cycled (common.random_batches); measured step time = wall time of the timed steps
 between two barriers / their number, after warm-up steps. The timed steps last about
 `--seconds` by the prediction (at least 5 steps): a 0.5-vcore rank runs 50 ms of every
 100 ms CFS period, so a run of a few steps would measure where the periods happened to
@@ -108,16 +108,16 @@ def worker(case):
     torch.manual_seed(spec.seed)
     shape = tuple(case["input_shape"])
     model = build_model(spec.model, shape, 10, spec.model_options)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(spec.batch_size, *shape, generator=g)
-    y = torch.randint(0, 10, (spec.batch_size,), generator=g)
+    batches = common.random_batches(spec.batch_size, shape)     # cycled (a fixed batch goes denormal)
     s = strategies.get(spec.strategy.name)(ctx, spec)
     s.setup(model, make_optimizer_factory(spec))
     lo, hi = s.batch_slice(spec.batch_size)
-    xs, ys = (x[lo:hi], y[lo:hi]) if hi > lo or spec.strategy.name != "conv_model_parallel" else (None, None)
+    mine = [(x[lo:hi], y[lo:hi]) if hi > lo or spec.strategy.name != "conv_model_parallel" else (None, None)
+            for x, y in batches]
+    xs, ys = mine[0]
     stats = []
-    for _ in range(case["warmup"]):
-        s.train_step(xs, ys)
+    for k in range(case["warmup"]):
+        s.train_step(*mine[k % len(mine)])
     # CPU seconds of this rank's own forward + backward (its rows, the whole model) here,
     # to tell the strategy's own CPU per step (cpu_s_by_rank) from the model's
     probe_x = xs if xs is not None and len(xs) and spec.strategy.name != "conv_model_parallel" else None
@@ -133,10 +133,10 @@ def worker(case):
     times = []
     cputime.enable()                            # CPU seconds of a step in waits and conv shares
     t0, cpu0 = time.perf_counter(), time.process_time()
-    for _ in range(case["steps"]):
+    for k in range(case["steps"]):
         cputime.reset()
         t = time.perf_counter()
-        st = s.train_step(xs, ys)
+        st = s.train_step(*mine[k % len(mine)])
         times.append(time.perf_counter() - t)
         counted = cputime.seconds()
         stats.append((st.compute_s, st.comm_s, counted["wait"], counted["share"]))
