@@ -22,7 +22,8 @@ from training import cputime
 SPIN_S = 2e-4                       # a polite wait spins this long before it sleeps
 MAX_PAUSE_S = 200e-6                # ... and then sleeps at most this long between tests
 
-BELL_TIMEOUT_S = 2e-3               # with doorbells, a polite wait sleeps at most this long between tests
+BELL_TIMEOUT_S = 2e-3               # with doorbells, a polite wait first sleeps at most this long between tests,
+MAX_BELL_TIMEOUT_S = 8e-3           # ... doubling up to this while no ring comes
 
 _polite = False
 _MPI = None
@@ -298,12 +299,17 @@ def _doorbell_wait(test):
     """Test, spinning SPIN_S; then, while another rank is in an MPI wait too, test at the
     timed pace (a transfer that needs both sides' progress moves: a 4 MiB message to a
     rank that came last took 11 ms sleeping until rings, 1.5 ms so); while none is, sleep
-    until a ring (a rank entering a wait) or BELL_TIMEOUT_S, and spin SPIN_S after a ring.
+    until a ring (a rank entering a wait) or a timeout, and spin SPIN_S after a ring.
     Asleep, this rank is not marked in MPI (two polite ranks waiting for a third would
-    otherwise keep each other at the timed pace)."""
+    otherwise keep each other at the timed pace). The timeout, for a peer that finishes
+    its part without ringing (a blocking MPI call of its own), starts at BELL_TIMEOUT_S
+    and doubles up to MAX_BELL_TIMEOUT_S while no ring comes: a 0.5-vcore conv-MP worker
+    waits ~90 ms a step for the master's larger share, mostly in stretches of 10-50 ms
+    with no MPI call on the other side, and woke every 2 ms through them (~45 wake-ups a
+    step at ~40 µs of CPU each, `benchmarks/conv_mp.py --quick`, 1 + 0.5 vcore)."""
     global wakeups
     _drain()                            # rings from before this wait
-    spin, pause = SPIN_S, 20e-6
+    spin, pause, timeout = SPIN_S, 20e-6, BELL_TIMEOUT_S
     while True:
         deadline = time.perf_counter() + spin
         while True:
@@ -320,12 +326,13 @@ def _doorbell_wait(test):
             return
         _mark(0)
         try:
-            rung = _poll.poll(BELL_TIMEOUT_S * 1e3)
+            rung = _poll.poll(timeout * 1e3)
         finally:
             _mark(1)
         if rung:
             _drain()
         spin, pause = (SPIN_S if rung else 0.0), 20e-6
+        timeout = BELL_TIMEOUT_S if rung else min(2 * timeout, MAX_BELL_TIMEOUT_S)
 
 
 def mpi_datatype(dtype):

@@ -17,8 +17,9 @@ def measure_wait_cpu(late=(0.002, 0.005, 0.02), repeat=10, timeout=60, sizes=(8,
                      bcasts=20):
     """(a, r, b): what a polite wait (training.collectives.wait, as throttled ranks
     wait, woken by doorbells as on one host) costs in CPU: a seconds for every wait (its
-    0.2 ms spin, the first wake-ups) plus r seconds per second it lasts (a wake-up every
-    BELL_TIMEOUT_S to test; every ~0.2 ms without doorbells) plus b seconds per byte it
+    0.2 ms spin, the first wake-ups) plus r seconds per second it lasts (a wake-up after
+    BELL_TIMEOUT_S, doubling to MAX_BELL_TIMEOUT_S, to test; every ~0.2 ms without
+    doorbells) plus b seconds per byte it
     receives (MPI copies the message inside the wait).
     Two joined ranks, one computing `late` seconds before it sends 8 bytes, the other
     waiting and counting its own CPU seconds; a line fitted through the median of each
@@ -26,8 +27,8 @@ def measure_wait_cpu(late=(0.002, 0.005, 0.02), repeat=10, timeout=60, sizes=(8,
     broadcasts of each of `sizes` bytes after 5 ms (the strategies move data in
     collectives), interleaved, `bcasts` of each, from buffers not in the cache (a step's
     activations are not): b is the slope, over the sizes, of the median CPU beyond r·wait.
-    Measured here: a ~0.25 ms, r ~0.02 (~0.1 without doorbells), b 0.1-0.25 ns (0.1-0.25 ms
-    per MB)."""
+    Measured here: a ~0.25 ms, r ~0.012 (0.02 waking every 2 ms, ~0.1 without doorbells),
+    b 0.1-0.25 ns (0.1-0.25 ms per MB)."""
     out = run_probe("training.probes.wait_cpu", {"late": list(late) * repeat, "sizes": list(sizes),
                                                  "bcasts": int(bcasts)}, "wait probe", timeout)
     sent = {int(k[1:]): out.pop(k) for k in list(out) if k.startswith("b")}
