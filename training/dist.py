@@ -26,7 +26,8 @@ ranks with w_r = n_r / B (`sampler.weight`), which is the gradient of the mean l
 over the global batch: every step equals the step one process takes on all B rows,
 whatever the split. The sum runs in buckets during backward (bucketed ring
 all-reduce, training.collectives.GradientReducer), in a fixed order, so runs are
-bit-identical; a rank under a CPU quota waits politely instead of spinning.
+bit-identical; a rank under a CPU quota waits politely instead of spinning (where every
+rank is on one host, asleep until another rank starts a wait, as the runner's ranks).
 
 It works beside torch.distributed (`ctx.init_process_group()`), which the launcher
 sets up as torchrun does; the collectives here do not go through it.
@@ -48,6 +49,7 @@ __all__ = ["init", "rank", "size", "local_rank", "local_size", "context", "share
            "broadcast_object", "allreduce", "allreduce_", "allgather_object", "barrier", "report"]
 
 _ctx = None
+_armed = None       # the communicator whose polite waits have doorbells (_comm)
 
 
 def init(ctx=None):
@@ -60,6 +62,21 @@ def init(ctx=None):
     collectives.set_polite(_ctx.me.throttled)
     torch.set_num_threads(_ctx.me.threads)
     return _ctx
+
+
+def _comm(ctx):
+    """ctx.comm, for a collective of this API: on the first, collectively, its doorbells
+    (training.collectives.doorbells: where every rank is on one host, a throttled rank's
+    waits sleep until another rank starts a wait, instead of waking every 0.2 ms to
+    test, as the runner's ranks wait). Here and not in init(), which a rank may call
+    alone (or never): every rank enters the collectives in the same order, so the first
+    one arms them on every rank at once."""
+    global _armed
+    comm = ctx.comm
+    if _armed is not comm:
+        collectives.doorbells(comm)
+        _armed = comm
+    return comm
 
 
 def context():
@@ -121,7 +138,7 @@ def share_weights(shares="equal", ctx=None, model=None, example=None, batch=None
     if model is None or example is None:
         raise ValueError("shares 'speed' needs model= and example= (a batch of inputs) to measure")
     from .strategies.shares import measured_weights
-    weights, _ = measured_weights(ctx.comm, model, example, batch or len(example) * ctx.world_size)
+    weights, _ = measured_weights(_comm(ctx), model, example, batch or len(example) * ctx.world_size)
     return weights
 
 
@@ -246,9 +263,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=No
                            f"per model, or leave out model= so that each wraps its own optimizer's parameters")
     weight = 1.0 / ctx.world_size if weight is None else float(weight)
     overlap = "thread" if ctx.me.vcores - torch.get_num_threads() >= 1 else "poll"
+    comm = _comm(ctx)
 
     def make_reducer(trainable):
-        return collectives.GradientReducer(trainable, ctx.comm, bucket_mb=bucket_mb,
+        return collectives.GradientReducer(trainable, comm, bucket_mb=bucket_mb,
                                            ring_threshold_kb=ring_threshold_kb, overlap=overlap,
                                            shared_memory=shared_memory)
 
@@ -404,7 +422,7 @@ def broadcast_parameters(params, root_rank=0, ctx=None):
     from .devices import bcast_
     ctx = ctx or context()
     root_rank = _root(root_rank, ctx)
-    comm = ctx.comm
+    comm = _comm(ctx)
     for t in _tensors(params):
         if isinstance(t, torch.Tensor) and t.numel():
             bcast_(comm, t, root=root_rank)
@@ -413,7 +431,8 @@ def broadcast_parameters(params, root_rank=0, ctx=None):
 def broadcast_object(obj, root_rank=0, ctx=None):
     """root_rank's `obj` on every rank (pickled). Collective."""
     ctx = ctx or context()
-    return ctx.comm.bcast(obj, root=_root(root_rank, ctx))
+    root_rank = _root(root_rank, ctx)
+    return _comm(ctx).bcast(obj, root=root_rank)
 
 
 def broadcast_optimizer_state(optimizer, root_rank=0, ctx=None):
@@ -441,7 +460,7 @@ def allreduce_(tensor, average=True, ctx=None):
     host = tensor.detach()
     if host.device.type != "cpu" or not host.is_contiguous() or host.dtype != wire:
         host = host.to("cpu", wire).contiguous()
-    collectives.allreduce_(host, ctx.comm)
+    collectives.allreduce_(host, _comm(ctx))
     if average:
         host.div_(ctx.world_size)
     if host.data_ptr() != tensor.data_ptr():
@@ -463,8 +482,8 @@ def allreduce(tensor, average=True, ctx=None):
 
 def allgather_object(obj, ctx=None):
     """[every rank's obj] in rank order. Collective."""
-    return (ctx or context()).comm.allgather(obj)
+    return _comm(ctx or context()).allgather(obj)
 
 
 def barrier(ctx=None):
-    collectives.wait((ctx or context()).comm.Ibarrier())
+    collectives.wait(_comm(ctx or context()).Ibarrier())

@@ -12,6 +12,8 @@ Checks (args["checks"]):
     doorbell      (2 ranks, one host) rank 1 polite: with doorbells its 0.3 s wait wakes a
                   few times (rank 0's wait rings it), without them every pause; 5000 rings
                   nobody waits for are dropped
+    dist_doorbell (2 ranks, one host) rank 1 of 0.5 vcore in a loop on training.dist:
+                  polite after init(), its doorbell armed by the first collective
     doorbell_netns (2 ranks, last) rank 1 in a network namespace of its own (as an
                   emulated host), where rank 0's rings cannot reach it: no doorbell is armed
     training      a small CNN trained on a global batch split 3:1:2 (and by speed) equals
@@ -165,6 +167,23 @@ def doorbell(comm):
         collectives.close_doorbells()
     collectives.set_polite(False)
     return comm.bcast(out, root=1)
+
+
+def dist_doorbell(comm):
+    """[rank] -> (polite, doorbell after init(), doorbell after the first collective) of a
+    loop on training.dist whose rank 1 has 0.5 vcore."""
+    import training.dist as yd
+    from training.collectives import waits
+    ctx = RunContext.offline(comm, conf.offline_job([1.0, 0.5]))
+    yd.init(ctx)
+    before = waits._bell is not None
+    yd.barrier()
+    seen = (collectives.is_polite(), before, waits._bell is not None)
+    collectives.close_doorbells()
+    collectives.set_polite(False)
+    yd._ctx = yd._armed = None
+    torch.set_num_threads(1)
+    return comm.allgather(seen)
 
 
 def doorbell_netns(comm):
@@ -328,6 +347,8 @@ def main():
             out[check] = wait_cpu(comm)
         elif check == "doorbell":
             out[check] = doorbell(comm)
+        elif check == "dist_doorbell":
+            out[check] = dist_doorbell(comm)
         elif check == "doorbell_netns":
             out[check] = doorbell_netns(comm)
         elif check == "training":
