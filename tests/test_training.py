@@ -45,6 +45,7 @@ THREE = [{"name": "big", "instances": 1, "vcores": 1, "memory": "1 GiB"},
 def test_same_seed_is_bit_identical_and_one_rank_matches_three(tmp_path, digits, yarnapp_home):
     a = _job(tmp_path, digits, "three-a", THREE, shares=[3, 1, 2])
     b = _job(tmp_path, digits, "three-b", THREE, shares=[3, 1, 2])
+    b["checkpoint"]["every_seconds"] = 0.3      # by rank 0's clock, agreed every step: mid-run, same weights
     one = _job(tmp_path, digits, "one", [{"name": "solo", "instances": 1, "vcores": 1, "memory": "1 GiB"}])
     runs = [yarnapp.submit(j) for j in (a, b)]           # two at once: timing differs, results must not
     for r in runs:
@@ -52,6 +53,8 @@ def test_same_seed_is_bit_identical_and_one_rank_matches_three(tmp_path, digits,
         assert_nothing_left(r.app_id)
     wa, wb = final_weights(a), final_weights(b)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    timed = [int(d.name[5:]) for d in (tmp_path / "three-b" / "ckpt").rglob("step-*") if d.name[5:].isdigit()]
+    assert any(0 < s < 20 for s in timed), timed
     run_to_end(one)
     curve3, curve1 = _curve(a), _curve(one)
     assert [s for s, _ in curve3] == [s for s, _ in curve1] == list(range(1, 21))

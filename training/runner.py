@@ -125,9 +125,11 @@ class Runner:
     def checkpoint_due(self, step):
         c = self.ctx.job.checkpoint
         due = bool(c.every_steps and step % c.every_steps == 0)
-        if c.every_seconds and not due:
-            due = self.comm.bcast(time.monotonic() - self.last_ckpt_time >= c.every_seconds
-                                  if self.ctx.rank == 0 else None, root=0)
+        if c.every_seconds and not due:     # rank 0's clock decides; a polite wait where throttled
+            flag = np.array([self.ctx.rank == 0 and time.monotonic() - self.last_ckpt_time >= c.every_seconds],
+                            dtype=np.uint8)
+            collectives.wait(self.comm.Ibcast(flag, root=0))
+            due = bool(flag[0])
         return due
 
     def _data(self):

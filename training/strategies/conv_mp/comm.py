@@ -160,7 +160,7 @@ def broadcast_from_master(x, comm, root=0, device=None, timings=None):
         if meta[1] < 0:
             mpi_datatype(x.dtype)  # raises the explanatory TypeError
     with _Clock(timings, "comm_s"):
-        comm.Bcast([meta, MPI.INT64_T], root=root)
+        wait(comm.Ibcast([meta, MPI.INT64_T], root=root))
     needs_grad, dtype = bool(meta[0]), _DTYPES[int(meta[1])]
     shape = tuple(int(d) for d in meta[3:3 + int(meta[2])])
     if rank != root:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from training.collectives import mpi_datatype
+from training.collectives import mpi_datatype, wait
 
 ROOT = 0
 
@@ -82,7 +82,8 @@ class Counters:
 def _alltoallv(comm, sendbuf, scounts, sdispls, recvbuf, rcounts, rdispls, dtype, counters):
     t0 = time.perf_counter()
     mtype = mpi_datatype(dtype)
-    comm.Alltoallv([sendbuf.numpy(), (scounts, sdispls), mtype], [recvbuf.numpy(), (rcounts, rdispls), mtype])
+    wait(comm.Ialltoallv([sendbuf.numpy(), (scounts, sdispls), mtype],     # polite where throttled
+                         [recvbuf.numpy(), (rcounts, rdispls), mtype]))
     counters.comm_s += time.perf_counter() - t0
     counters.sent_bytes += int(sum(scounts)) * sendbuf.element_size()
 

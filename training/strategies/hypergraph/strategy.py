@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from training import cputime
-from training.collectives import mpi_datatype
+from training.collectives import mpi_datatype, wait
 from training.partition import PartitionError, build_hypergraph, evaluate, hypergraph_partition, layer_chain
 from training.strategies.base import StepStats, Strategy, StrategyError
 
@@ -164,10 +164,14 @@ class HypergraphStrategy(Strategy):
         return 0, global_batch                   # every rank reads the whole batch
 
     def _finish(self, values):
+        """(loss, correct, rows) of the step from the loss rank, on every rank (a polite
+        wait where throttled: the others wait here for the loss rank's backward)."""
+        from mpi4py import MPI
         t0 = time.perf_counter()
-        out = self.comm.bcast(values if self.rank == self.net.loss_rank else None, root=self.net.loss_rank)
+        out = np.array(values if self.rank == self.net.loss_rank else [0.0, 0, 0], dtype=np.float64)
+        wait(self.comm.Ibcast([out, MPI.DOUBLE], root=self.net.loss_rank))
         self.net.counters.comm_s += time.perf_counter() - t0
-        return out
+        return float(out[0]), int(out[1]), int(out[2])
 
     def train_step(self, x, y):
         self._ensure_partitioned(x)
