@@ -19,6 +19,7 @@ Kinds:
     protocol   the conv-MP protocol: distributed layers' forward, their communication's
                backward, the master's commands, gathering conv times
 """
+import functools
 import threading
 import time
 
@@ -68,6 +69,19 @@ def counting(kind):
     if _owner is not None and _owner == threading.get_ident():
         return _Region(kind)
     return _OFF
+
+
+def counted(kind):
+    """A decorator: the function's CPU time counts as `kind` (as `with counting(kind):`
+    around its body); for torch.autograd.Function's forward and backward under their
+    @staticmethod."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            with counting(kind):
+                return fn(*args, **kwargs)
+        return inner
+    return wrap
 
 
 def enable(flag=True):

@@ -122,12 +122,8 @@ class _BroadcastFromMaster(torch.autograd.Function):
         return host.to(device)
 
     @staticmethod
+    @cputime.counted("protocol")
     def backward(ctx, grad):
-        with cputime.counting("protocol"):
-            return _BroadcastFromMaster._backward(ctx, grad)
-
-    @staticmethod
-    def _backward(ctx, grad):
         comm, root = ctx.comm, ctx.root
         g = _host(grad)
         mpi_type = mpi_datatype(g.dtype)
@@ -212,12 +208,8 @@ class _GatherChannelsToMaster(torch.autograd.Function):
         return out.to(y.device)
 
     @staticmethod
+    @cputime.counted("protocol")
     def backward(ctx, grad):
-        with cputime.counting("protocol"):
-            return _GatherChannelsToMaster._backward(ctx, grad)
-
-    @staticmethod
-    def _backward(ctx, grad):
         comm, counts, root = ctx.comm, ctx.counts, ctx.root
         n, c = ctx.shape[0], ctx.shape[1]
         plane = int(np.prod(ctx.shape[2:], dtype=np.int64))
@@ -293,12 +285,8 @@ class _AllgatherChannels(torch.autograd.Function):
         return out.to(y.device)
 
     @staticmethod
+    @cputime.counted("protocol")
     def backward(ctx, grad):
-        with cputime.counting("protocol"):
-            return _AllgatherChannels._backward(ctx, grad)
-
-    @staticmethod
-    def _backward(ctx, grad):
         comm, counts = ctx.comm, ctx.counts
         rank, size = comm.Get_rank(), comm.Get_size()
         g = _host(grad)
@@ -375,12 +363,8 @@ class _RowParallelLinear(torch.autograd.Function):
         return z + bias if bias is not None else z
 
     @staticmethod
+    @cputime.counted("protocol")
     def backward(ctx, grad):
-        with cputime.counting("protocol"):
-            return _RowParallelLinear._backward(ctx, grad)
-
-    @staticmethod
-    def _backward(ctx, grad):
         comm, root = ctx.comm, ctx.root
         y, weight = ctx.saved_tensors
         n, out_features = y.shape[0], weight.shape[2]

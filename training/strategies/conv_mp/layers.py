@@ -46,12 +46,8 @@ class _ShardConv2d(torch.autograd.Function):
     """
 
     @staticmethod
+    @cputime.counted("share")
     def forward(ctx, x, weight, bias, geometry, timings, followers=(), track=False):
-        with cputime.counting("share"):
-            return _ShardConv2d._forward(ctx, x, weight, bias, geometry, timings, followers, track)
-
-    @staticmethod
-    def _forward(ctx, x, weight, bias, geometry, timings, followers, track):
         stride, padding, dilation = geometry
         ctx.geometry, ctx.timings, ctx.has_bias = geometry, timings, bias is not None
         ctx.save_for_backward(x, weight)
@@ -76,12 +72,8 @@ class _ShardConv2d(torch.autograd.Function):
         return y
 
     @staticmethod
+    @cputime.counted("share")
     def backward(ctx, grad):
-        with cputime.counting("share"):
-            return _ShardConv2d._backward(ctx, grad)
-
-    @staticmethod
-    def _backward(ctx, grad):
         x, weight = ctx.saved_tensors
         stride, padding, dilation = ctx.geometry
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
