@@ -366,10 +366,11 @@ def test_cli_plan_stopped_by_kill_leaves_nothing_behind(yarnapp_home):
 
 
 def test_cli_plan_prints_a_table_and_writes_png_and_json(cli, tmp_path):
-    png, js = tmp_path / "plan.png", tmp_path / "plan.json"
+    png, js = tmp_path / "plan", tmp_path / "plan.json"      # a plot's name without an extension gets .png
     proc = cli("plan", "conf/examples/digits.yaml", "--bandwidth", "1gbit,10gbit", "--quick",
                "--gpu-speed", "8", "--png", png, "--json", js, check=0, timeout=120)
     out = proc.stdout
+    assert f"written {png}.png" in out and (tmp_path / "plan.png").is_file() and not png.exists()
     from training import strategies
     for name in strategies.names():
         assert name in out
@@ -396,14 +397,14 @@ def test_cli_plan_prints_a_table_and_writes_png_and_json(cli, tmp_path):
     assert all(math.isclose(v["speedup"], 1.0, rel_tol=1e-6) for v in one["strategies"].values())
 
     import matplotlib.image
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    img = matplotlib.image.imread(str(png))
+    assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    img = matplotlib.image.imread(str(tmp_path / "plan.png"))
     assert img.shape[0] >= 400 and img.shape[1] >= 1000            # two panels
     colours = {tuple(px) for px in (img[::4, ::4, :3] * 255).astype(int).reshape(-1, 3).tolist()}
     assert len(colours) > 50, "the plot looks blank"
 
 
-def test_cli_plan_errors_are_one_line(cli):
+def test_cli_plan_errors_are_one_line(cli, tmp_path):
     proc = cli("plan", "conf/examples/hello.yaml", "--bandwidth", "1gbit", check=1)
     assert proc.stderr.startswith("Error: ") and "training section" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
@@ -412,7 +413,12 @@ def test_cli_plan_errors_are_one_line(cli):
     for flags, says in ((["--latency", "1 parsec"], "--latency: cannot parse"),
                         (["--machines", "a,b"], "--machines: expected positive integers"),
                         (["--classes", "0"], "--classes: must be at least 1, got 0"),
-                        (["--json", "/nonexistent-yarnapp/x.json"], "directory /nonexistent-yarnapp does not exist")):
+                        (["--json", "/nonexistent-yarnapp/x.json"], "directory /nonexistent-yarnapp does not exist"),
+                        # found after the measuring before, or not at all (the plot went beside the directory)
+                        (["--json", str(tmp_path)], "is a directory; give a file name"),
+                        (["--png", str(tmp_path)], "is a directory; give a file name"),
+                        (["--json", "/proc/x.json"], "cannot create a file in /proc"),
+                        (["--png", str(tmp_path / "plot.v1")], "cannot draw a .v1 file")):
         proc = cli("plan", "conf/examples/digits.yaml", *flags, check=1)      # before any measuring
         assert proc.stderr.startswith("Error: --") and says in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import shlex
+import tempfile
 import sys
 import time
 
@@ -260,10 +261,8 @@ def cmd_plan(args):
     opts = planner.parse_options(measure=args.measure, bandwidth=args.bandwidth, latency=args.latency,
                                  machines=args.machines, gpu_speed=args.gpu_speed, quick=args.quick,
                                  input_shape=args.input_shape, classes=args.classes)
-    for flag, path in (("--json", args.json), ("--png", args.png)):     # before minutes of measuring
-        where = os.path.dirname(os.path.abspath(path)) if path else None
-        if where and not os.path.isdir(where):
-            raise YarnappError(f"{flag} {path}: directory {where} does not exist; create it or give another path")
+    args.json = args.json and _output_file("--json", args.json, "plan.json")    # before minutes of measuring
+    args.png = args.png and _output_file("--png", args.png, "plan.png")
     from . import preflight, shipping
     preflight.check_model(spec, args.job)
     _interrupt_on_sigterm()        # its probes, co-runners and busy processes are stopped
@@ -282,6 +281,35 @@ def cmd_plan(args):
     if args.png:
         _p(f"written {planner.write_png(plan, args.png)}")
     return 0
+
+
+def _output_file(flag, path, example):
+    """The file `flag` will write, checked now: not a directory, in one that exists and
+    takes a new file, of a kind it can write. A plot's name without an extension gets
+    .png, as matplotlib adds it (the plan said it wrote the name it was given)."""
+    if os.path.isdir(path):
+        raise YarnappError(f"{flag} {path}: is a directory; give a file name, e.g. {os.path.join(path, example)}")
+    ext = os.path.splitext(path)[1].lower()
+    if flag == "--png":
+        if not ext:
+            path, ext = path + ".png", ".png"
+        from matplotlib.backend_bases import FigureCanvasBase
+        kinds = FigureCanvasBase.get_supported_filetypes()
+        if ext[1:] not in kinds:
+            raise YarnappError(f"{flag} {path}: cannot draw a {ext} file; give a name ending in .png "
+                               f"(or {', '.join('.' + k for k in sorted(kinds) if k != 'png')})")
+    where = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(where):
+        raise YarnappError(f"{flag} {path}: directory {where} does not exist; create it or give another path")
+    try:
+        with tempfile.NamedTemporaryFile(dir=where, prefix=".yarnapp-"):
+            pass
+    except OSError as e:
+        raise YarnappError(f"{flag} {path}: cannot create a file in {where} ({e.strerror or e}); give a "
+                           f"writable path") from None
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise YarnappError(f"{flag} {path}: cannot write it (permission denied); give a writable path")
+    return path
 
 
 def cmd_hadoop(args):
@@ -400,7 +428,8 @@ def build_parser():
     s.add_argument("--quick", action="store_true", help="time each layer briefly (fast, noisier)")
     s.add_argument("--input-shape", dest="input_shape", help="CxHxW when the job's data cannot be read")
     s.add_argument("--classes", type=int, help="classes when the job's data cannot be read (default 10)")
-    s.add_argument("--png", help="write a plot of predicted speedup against machines")
+    s.add_argument("--png", help="write a plot of predicted speedup against machines (.png added to a name "
+                                 "without an extension)")
     s.add_argument("--json", help="write the whole plan as JSON")
     s.set_defaults(fn=cmd_plan)
 
