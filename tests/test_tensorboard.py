@@ -185,6 +185,18 @@ def test_mirror_copies_only_what_grew(tmp_path):
     tb.close()
 
 
+def test_a_logdir_tensorboard_cannot_open_or_reach_is_one_line_and_starts_nothing(cli):
+    """hdfs:// without libhdfs here printed pyarrow's ~90 lines of dlopen failures; an
+    unreachable WebHDFS started a TensorBoard on nothing (a listing takes a refused
+    connection for an empty tree)."""
+    for logdir, says in (("hdfs://localhost:9000/tb", " hdfs://localhost:9000/tb: "),     # no libhdfs, or no namenode
+                         ("webhdfs://localhost:1/tb", "cannot reach webhdfs://localhost:1/tb"),
+                         ("nosuch://x/tb", "check the scheme")):
+        proc = cli("tensorboard", logdir, check=1, timeout=60)
+        assert proc.stderr.startswith("Error: the logdir: ") and says in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
 def test_a_notebooks_tensorboard_url_goes_through_jupyter_server_proxy_where_it_is_installed(tmp_path, monkeypatch):
     """The URL only (the proxy itself is not started here). A remote notebook (JupyterHub, Hopsworks) could not reach 127.0.0.1:<port>: with
     jupyter-server-proxy in the environment the inline view goes through the notebook

@@ -123,16 +123,17 @@ class TensorBoard:
     def _prepare(self, logdir):
         if is_local(logdir):
             return os.path.abspath(_local_path(logdir))    # may not exist yet: runs appear once written
-        from training import fsutil
-        try:
-            fs, path = fsutil.resolve(logdir)
-        except (ValueError, OSError) as e:
-            raise YarnappError(f"cannot open the logdir {logdir!r}: {e}") from None
+        from training.data.common import filesystem, info, one_line
+        try:                # one line with what to do (libhdfs's failure is ~90 lines of dlopen)
+            fs, path = filesystem(logdir)
+            info(fs, path, logdir)      # reachable (the sync's listing of a tree takes a refusal for nothing there)
+        except YarnappError as e:
+            raise YarnappError(f"the logdir: {e}") from None
         self.mirror = Mirror(fs, path, os.path.join(self._tmp, "cache"))
         try:
             self.mirror.sync()
         except (OSError, ValueError) as e:
-            raise YarnappError(f"cannot read the logdir {logdir!r}: {e}") from None
+            raise YarnappError(f"cannot read the logdir {logdir!r}: {one_line(e)}") from None
         return self.mirror.local_dir
 
     def _sync_loop(self, every):
