@@ -92,6 +92,7 @@ def cmd_status(args):
     _p(f"{st['app_id']}  {st['name']}  {st['state']}  {st.get('diagnostics') or ''}".rstrip())
     if st.get("tensorboard"):
         _p(f"tensorboard: {st['tensorboard']}")
+    failure = (st.get("failure") or {}) if st["state"] == "FAILED" else {}
     for c in st.get("containers", []):
         peak = f" (peak {c['memory_peak_mib']} MiB)" if c.get("memory_peak_mib") else ""
         if c.get("gpu_devices"):
@@ -102,6 +103,8 @@ def cmd_status(args):
            f"attempts={c['attempts']}{' slot=' + c['slot'] if c.get('slot') else ''}{res}".rstrip())
         if c.get("exit"):
             _p(f"    {c['exit']}")
+        elif c["id"] == failure.get("container") and failure.get("reason"):    # beside the others' "failed elsewhere"
+            _p(f"    the application failed here: {failure['reason']}")
         if c.get("memory_kill"):
             _p(f"    {c['memory_kill']}")
     for r in st.get("restarts") or []:
