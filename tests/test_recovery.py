@@ -117,6 +117,10 @@ def test_rank_0_sigkilled_then_the_master_killed_resume_bit_identically(referenc
     assert "rank 0 (big_0) killed by signal 9" in st["restarts"][0]["reason"], st["restarts"]
     assert "the application master died (attempt 1)" in st["restarts"][1]["reason"], st["restarts"]
     assert [a["attempt"] for a in st["am_attempts"]] == [1, 2] and st["am_attempts"][0]["exit_code"] == -9
+    # the second master's starts say so (its containers' counts start again: "attempt 1" twice)
+    banners = re.findall(r"==== small_0 attempt .*? started", run.logs()["small_0"])
+    assert banners[0] == "==== small_0 attempt 1 started" and \
+        banners[-1] == "==== small_0 attempt 1, application master attempt 2 started", banners
     resumed = _resumed(run)
     assert len(resumed) == 2 and kill_at - 10 <= resumed[0] <= kill_at + 1, (kill_at, resumed)
     assert resumed[1] >= resumed[0] and resumed[1] == st["final"]["resumed_from"], resumed

@@ -74,7 +74,8 @@ class Container:
                    PYTHONUNBUFFERED="1",
                    CUDA_VISIBLE_DEVICES=gpus.visible_devices(self.gpus))   # its own GPUs, or none
         out = open(self.log, "ab")
-        out.write(f"==== {self.id} attempt {self.attempts} started {time.ctime()} "
+        master = f", application master attempt {self.app.attempt}" if self.app.attempt > 1 else ""
+        out.write(f"==== {self.id} attempt {self.attempts}{master} started {time.ctime()} "
                   f"(resources: {self.limits.why}) ====\n".encode())
         out.flush()
         limits = self.limits
@@ -93,7 +94,7 @@ class Container:
                                      start_new_session=True, preexec_fn=setup)
         out.close()
         self.state = "RUNNING"
-        log.info("started %s (attempt %d, pid %d)", self.id, self.attempts, self.proc.pid)
+        log.info("started %s (attempt %d%s, pid %d)", self.id, self.attempts, master, self.proc.pid)
 
     def kill(self, sig=signal.SIGKILL):
         if self.proc and self.proc.poll() is None:
