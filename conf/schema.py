@@ -44,6 +44,14 @@ Name = Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{0,30}$")]
 def _module_function(value):
     if value is not None and (value.count(":") != 1 or not all(value.split(":"))):
         raise ValueError(f"expected 'package.module:function', got {value!r}")
+    if value is not None:
+        module, func = value.split(":")
+        if module.endswith(".py") or "/" in module:     # a file named where Python wants its module
+            name = module.rsplit("/", 1)[-1].removesuffix(".py")
+            raise ValueError(f"{value!r} names a file; name its module as Python imports it: {name}:{func} "
+                             f"(and ship {module} with run.files)")
+        if not all(p.isidentifier() for p in module.split(".") + func.split(".")):
+            raise ValueError(f"expected 'package.module:function' of Python names, got {value!r}")
     return value
 
 

@@ -53,15 +53,14 @@ def entry_point(job, workdir):
     if run.function:
         module, func = run.function.split(":")
         try:
-            fn = getattr(importlib.import_module(module), func)
+            return _function(run.function, importlib.import_module(module), module, func)
         except ImportError as e:
             raise UserCodeError(f"run.function {run.function}: {type(e).__name__}: {e}; install it, or ship it "
                                 f"with the job (run.files)") from e
-        except AttributeError:
-            raise UserCodeError(f"run.function {run.function}: module {module} has no {func!r}") from None
-        if not callable(fn):
-            raise UserCodeError(f"run.function {run.function}: {func} is not callable")
-        return fn
+        except UserCodeError:
+            raise
+        except Exception:  # noqa: BLE001 - its top level may need the world (a Horovod-style init()): see Later
+            return Later(run.function, module, func)
     if run.pickle:
         import cloudpickle
         path = os.path.join(workdir, run.pickle)
@@ -81,6 +80,30 @@ def entry_point(job, workdir):
     return None
 
 
+def _function(spec, mod, module, func):
+    try:
+        fn = getattr(mod, func)
+    except AttributeError:
+        raise UserCodeError(f"run.function {spec}: module {module} has no {func!r}") from None
+    if not callable(fn):
+        raise UserCodeError(f"run.function {spec}: {func} is not callable")
+    return fn
+
+
+class Later:
+    """run.function's module, whose top-level code raised as it was imported before the
+    MPI world formed: imported again once this rank's RunContext is set (run_code), so
+    that code run at import may use it, as a script's may (training.dist.init() at the top,
+    as under Horovod: it raised "no yarnapp RunContext" inside one). What it raises then
+    is the job's own error."""
+
+    def __init__(self, spec, module, func):
+        self.spec, self.module, self.func = spec, module, func
+
+    def load(self):
+        return _function(self.spec, importlib.import_module(self.module), self.module, self.func)
+
+
 def script_path(job, workdir):
     return os.path.join(workdir, job.run.script)
 
@@ -90,6 +113,8 @@ def run_code(job, ctx, fn):
     context_mod._set_current(ctx)
     if os.environ.get("YARNAPP_UMASK"):     # the local engine's submitter's (its own files are under 077)
         os.umask(int(os.environ["YARNAPP_UMASK"], 8))
+    if isinstance(fn, Later):
+        fn = fn.load()
     if fn is not None:
         result = fn(ctx)
         if result is not None and not ctx.finished:    # a notebook function's result, as Hopsworks keeps it

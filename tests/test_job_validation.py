@@ -62,6 +62,8 @@ CASES = [
     ("env-boolean", _with("groups.0.env", {"A": True}), "groups[0].env", "A: a boolean"),       # a number is its text
     ("env-not-text", _with("groups.0.env", {"A": [1]}), "groups[0].env.A", "string"),
     ("bad-function", _with("run.function", "no_colon"), "run.function", "module:function"),
+    ("function-in-a-file", _with("run.function", "mytrain.py:main"), "run.function",     # passed, failed in the ranks
+     "names a file; name its module as Python imports it: mytrain:main"),
     ("function-and-script", _with("run.script", "x.py"), "run", "not function and script"),
     ("negative-restarts", _with("max_restarts", -1), "max_restarts", "greater than or equal to 0"),
     ("bad-backend", _with("backend", "k8s"), "backend", "local"),

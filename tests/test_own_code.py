@@ -490,6 +490,33 @@ def test_a_script_shipped_with_its_directory_runs_in_it_and_opens_files_beside_i
     assert_nothing_left(app)
 
 
+def test_a_function_whose_module_calls_init_at_its_top_as_under_horovod_runs(cli, tmp_path):
+    """`import training.dist as yd; yd.init()` at a run.function module's top: the module
+    was imported before the world formed, and every rank failed "no yarnapp RunContext:
+    this code must run inside a yarnapp container" (inside one), with no reason in the
+    failure line. It is imported again once the context is set; a module whose top level
+    raises for its own reasons still fails with its line, once."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "modinit.py").write_text(
+        "import torch\nimport training.dist as yd\nctx0 = yd.init()\nRANK = yd.rank()\n\n"
+        "def main(ctx):\n    s = yd.allreduce(torch.tensor([float(RANK)]), average=False)\n"
+        "    ctx.final(sum=float(s[0]), same=ctx is ctx0)\n")
+    (code / "broken.py").write_text("raise ValueError('a setting this module needs is missing')\n\n"
+                                    "def main(ctx):\n    pass\n")
+    for name in ("modinit", "broken"):
+        write_job(tmp_path / f"{name}.yaml", {"name": name, "groups": GROUPS[:1] + [dict(GROUPS[1], instances=1)],
+                                              "max_restarts": 2, "run": {"function": f"{name}:main",
+                                                                         "files": [str(code / f"{name}.py")]}})
+    proc = cli("submit", tmp_path / "modinit.yaml", "--wait", check=0)
+    assert "final: " in proc.stdout and "sum=1" in proc.stdout and "same=True" in proc.stdout, proc.stdout
+    proc = cli("submit", tmp_path / "broken.yaml", "--wait", check=1)
+    err = proc.stderr.strip().splitlines()[-1]
+    assert "ValueError: a setting this module needs is missing" in err and "after 1 attempt(s)" in err, err
+    for app in (app_id_from(proc.stdout + proc.stderr),):
+        assert_nothing_left(app)
+
+
 def test_a_notebook_function_using_a_local_module_takes_it_along(tmp_path, yarnapp_home):
     """cloudpickle sends a __main__ function by value but what it uses from other modules
     by name, and the containers lack a module beside the notebook. Before, every rank

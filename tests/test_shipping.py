@@ -321,7 +321,7 @@ def test_a_function_its_module_does_not_define_and_a_script_that_does_not_compil
     (proj / "nets").mkdir(parents=True)
     (proj / "nets" / "__init__.py").write_text("")
     (proj / "nets" / "small.py").write_text(
-        "import torch as _t\nfrom os import path as p\ndef build(ctx):\n    pass\n"
+        "import torch as _t\nfrom os import path as p\ndef build(ctx):\n    pass\ndef bare():\n    pass\n"
         "try:\n    from fast import Net\nexcept ImportError:\n    class Net:\n        pass\n"
         "if p:\n    WIDTH, (DEPTH, _) = 3, (4, 5)\n")
     (proj / "lazy.py").write_text("def __getattr__(name):\n    return name\n")
@@ -334,6 +334,10 @@ def test_a_function_its_module_does_not_define_and_a_script_that_does_not_compil
         shipping.plan(_job({"function": "nets.small:biuld", **files}))
     assert str(e.value) == (f"run.function: nets.small:biuld: module nets.small ({proj / 'nets' / 'small.py'}) "
                             f"has no 'biuld'; did you mean 'build'?")
+    with pytest.raises(YarnappError) as e:       # every rank failed: bare() takes 0 positional arguments
+        shipping.plan(_job({"function": "nets.small:bare", **files}))
+    assert str(e.value) == ("run.function: nets.small:bare: bare() cannot be called with the RunContext alone; "
+                            "every rank calls it as bare(ctx): give it one parameter (def bare(ctx): ...)")
     with pytest.raises(YarnappError, match=r"^run.function: training.hello:mian: module training.hello \(.*hello.py\) "
                                            r"has no 'mian'; did you mean 'main'\?$"):
         shipping.plan(_job({"function": "training.hello:mian"}))

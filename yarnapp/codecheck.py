@@ -108,11 +108,30 @@ def attribute(field, target, origin, locations):
         return
     tree = _parse(origin)
     names = _defined(tree) if tree is not None else None
+    if names is not None and attr in names and field == "run.function":
+        _called_with_the_context(field, target, tree, attr)
     if names is None or attr in names:
         return
     close = difflib.get_close_matches(attr, sorted(n for n in names if not n.startswith("_")), n=1)
     hint = f"; did you mean {close[0]!r}?" if close else "; define it there, or name one that is"
     raise YarnappError(f"{field}: {target}: module {module} ({origin}) has no {attr!r}{hint}")
+
+
+def _called_with_the_context(field, target, tree, name):
+    """Refuse run.function's `def name(...)` (a plain one at its module's top level) that
+    cannot be called with the RunContext alone: every rank calls name(ctx) (every rank
+    failed with "TypeError: name() takes 0 positional arguments but 1 was given", as
+    yarnapp.submit(job, function=f) already refuses)."""
+    defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name]
+    if len(defs) != 1 or defs[0].decorator_list:
+        return                      # defined twice, or wrapped: the source does not tell
+    a = defs[0].args
+    positional = a.posonlyargs + a.args
+    required = len(positional) - len(a.defaults)
+    if (positional or a.vararg) and required <= 1 and all(d is not None for d in a.kw_defaults):
+        return
+    raise YarnappError(f"{field}: {target}: {name}({ast.unparse(a)}) cannot be called with the RunContext "
+                       f"alone; every rank calls it as {name}(ctx): give it one parameter (def {name}(ctx): ...)")
 
 
 def own_names(run, entries, field):
