@@ -140,7 +140,9 @@ def test_distributed_optimizer_mistakes_are_one_line_each():
         "said(yd.barrier)\n"                                 # outside a rank: no context to init from
         "from training.context import _set_current\n_set_current(ctx)\n"
         "yd.barrier()\nprint('without init(), in a rank:', yd.rank(), yd.size())\n"     # init()s itself
-        "yd.init(ctx)\nnet = torch.nn.Linear(4, 2)\n"
+        "yd.init(ctx)\nprint(\"Horovod's name=:\", float(yd.allreduce(torch.tensor([2.0]), name='loss')[0]), "
+        "yd.broadcast_object(3, name='x'), yd.allgather_object(4, name='y'))\n"
+        "net = torch.nn.Linear(4, 2)\n"
         "said(lambda: yd.DistributedOptimizer(net.parameters(), model=net))\n"
         "opt = yd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), model=net)\n"
         "said(lambda: yd.DistributedOptimizer(opt, model=net))\n"
@@ -169,6 +171,7 @@ def test_distributed_optimizer_mistakes_are_one_line_each():
     assert out.stdout.splitlines() == [
         "RuntimeError no yarnapp RunContext: this code must run inside a yarnapp container (yarnapp submit)",
         "without init(), in a rank: 0 1",
+        "Horovod's name=: 2.0 3 [4]",
         "TypeError DistributedOptimizer: expected a torch.optim.Optimizer, got generator; wrap the optimizer: "
         "DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=...), model=model)",
         "RuntimeError DistributedOptimizer: this optimizer is distributed already (DistributedOptimizer was called "
@@ -202,6 +205,28 @@ def test_ranks_that_freeze_apart_fail_in_one_line_instead_of_summing_other_tenso
     assert st["state"] == "FAILED", run.logs()
     assert "the ranks disagree on which parameters are trainable this step" in run.failure_message(), \
         run.failure_message()
+    assert_nothing_left(run.app_id)
+
+
+@pytest.mark.parametrize("broadcast,says", [
+    ("rank0", "the ranks are in different collectives of training.dist (rank(s) 0 in broadcast_parameters("
+              "root_rank=0); rank(s) 1, 2 in DistributedOptimizer): every rank calls them"),
+    ("none", "at the first step the parameters of rank(s) 1, 2 differ from rank 0's")])
+def test_replicas_left_apart_by_a_broadcast_on_rank_0_alone_or_none_fail_once(tmp_path, yarnapp_home, broadcast, says):
+    """Horovod slips: `if rank == 0: broadcast_parameters(...)`, whose broadcasts met the
+    others' next collectives (the application hung, or, where MPI's root returned from a
+    small broadcast at once, SUCCEEDED with replicas that had trained apart); and no
+    broadcast of weights each rank drew itself. Each now fails in one line, once."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {"OUT": str(out), "SHARES": "vcores", "STEPS": "6", "BATCH": "48", "BROADCAST": broadcast}
+    job = {"name": "apart-weights", "groups": [dict(g, env=env) for g in GROUPS], "max_restarts": 2,
+           "run": {"function": "user_loop:main", "files": [os.path.join(JOBS, "user_loop.py")]}}
+    run = yarnapp.submit(job)
+    st = run.wait(timeout=120)
+    assert st["state"] == "FAILED", run.logs()
+    line = run.failure_message()
+    assert says in line and "after 1 attempt(s)" in line, line
     assert_nothing_left(run.app_id)
 
 
@@ -387,6 +412,7 @@ def test_a_loop_whose_rank_runs_fewer_steps_names_it_not_a_hang_in_our_code(cli,
     had done nothing wrong but stop first)."""
     job = _script_job(tmp_path, "fewer",
                       "import torch\nimport training.dist as yd\nctx = yd.init()\nmodel = torch.nn.Linear(4, 1)\n"
+                      "yd.broadcast_parameters(model.state_dict(), root_rank=0)\n"
                       "opt = yd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)\n"
                       "for i in range(20 if ctx.rank == 0 else 19):\n"
                       "    opt.zero_grad()\n    model(torch.ones(2, 4)).sum().backward()\n    opt.step()\n",

@@ -64,18 +64,35 @@ def init(ctx=None):
     return _ctx
 
 
-def _comm(ctx):
+def _comm(ctx, call=None):
     """ctx.comm, for a collective of this API: on the first, collectively, its doorbells
     (training.collectives.doorbells: where every rank is on one host, a throttled rank's
     waits sleep until another rank starts a wait, instead of waking every 0.2 ms to
     test, as the runner's ranks wait). Here and not in init(), which a rank may call
     alone (or never): every rank enters the collectives in the same order, so the first
-    one arms them on every rank at once."""
+    one arms them on every rank at once.
+
+    `call`: the setup collective this is (a broadcast, DistributedOptimizer), checked to
+    be the one every rank is in. A Horovod slip, `if rank == 0: broadcast_parameters(...)`,
+    matched rank 0's broadcasts with the others' next collectives: the application hung,
+    or, where MPI's root returned from a small broadcast at once, SUCCEEDED with replicas
+    that trained apart. (Not per step: an allreduce of a metric stays one collective.)"""
     global _armed
     comm = ctx.comm
     if _armed is not comm:
         collectives.doorbells(comm)
         _armed = comm
+    if call is not None and ctx.world_size > 1:
+        calls = comm.allgather(call)
+        if len(set(calls)) > 1:
+            from conf.errors import YarnappError
+            where = {}
+            for r, c in enumerate(calls):
+                where.setdefault(c, []).append(str(r))
+            said = "; ".join(f"rank(s) {', '.join(rs)} in {c}" for c, rs in where.items())
+            raise YarnappError(f"the ranks are in different collectives of training.dist ({said}): every rank "
+                               f"calls them, in the same order; a broadcast too (not under `if rank == 0`: "
+                               f"root_rank says whose values every rank gets)")
     return comm
 
 
@@ -138,7 +155,7 @@ def share_weights(shares="equal", ctx=None, model=None, example=None, batch=None
     if model is None or example is None:
         raise ValueError("shares 'speed' needs model= and example= (a batch of inputs) to measure")
     from .strategies.shares import measured_weights
-    weights, _ = measured_weights(_comm(ctx), model, example, batch or len(example) * ctx.world_size)
+    weights, _ = measured_weights(_comm(ctx, "share_weights"), model, example, batch or len(example) * ctx.world_size)
     return weights
 
 
@@ -263,7 +280,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=No
                            f"per model, or leave out model= so that each wraps its own optimizer's parameters")
     weight = 1.0 / ctx.world_size if weight is None else float(weight)
     overlap = "thread" if ctx.me.vcores - torch.get_num_threads() >= 1 else "poll"
-    comm = _comm(ctx)
+    comm = _comm(ctx, "DistributedOptimizer")
 
     def make_reducer(trainable):
         return collectives.GradientReducer(trainable, comm, bucket_mb=bucket_mb,
@@ -276,7 +293,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=No
         now = params if model is None and named_parameters is not None else _params(model, None, optimizer)
         return [p for p in dict.fromkeys(now) if _REDUCED.get(p) in (None, state["reducer"])]
 
-    state = {"queued": False, "reduced": False, "reducer": make_reducer(params), "changed": False}
+    state = {"queued": False, "reduced": False, "reducer": make_reducer(params), "changed": False,
+             "checked": False}
 
     def trainable_changed(reducer):
         """Parameters frozen or unfrozen since the reducer was made (fine-tuning that
@@ -368,8 +386,30 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=No
         state["reduced"] = state["queued"] = False
         state["reducer"].begin(weight)
 
+    def same_replicas(reducer):
+        """Once, at the first step: every rank's parameters are the same bits. A broadcast
+        made on rank 0 alone (or none) left replicas that trained apart without a word (MPI's
+        root returns from a small broadcast at once). A hash of each rank's, gathered."""
+        if reducer.alone:
+            return
+        import hashlib
+        h = hashlib.blake2b(digest_size=16)
+        for p in in_scope():
+            h.update(p.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes())
+        digests = reducer.comm.allgather(h.digest())
+        apart = [r for r, d in enumerate(digests) if d != digests[0]]
+        if apart:
+            from conf.errors import YarnappError
+            raise YarnappError(f"DistributedOptimizer: at the first step the parameters of rank(s) "
+                               f"{', '.join(map(str, apart))} differ from rank 0's, and the replicas would train "
+                               f"apart; on every rank, before the first step, call "
+                               f"training.dist.broadcast_parameters(model.state_dict(), root_rank=0)")
+
     def before_step(opt, args, kwargs):
         synchronize()           # a step without a backward (a rank with no rows): zeros of its own
+        if not state["checked"]:
+            state["checked"] = True
+            same_replicas(state["reducer"])
 
     def after_step(opt, args, kwargs):
         ctx.heartbeat()          # progress: from now on, silence is a hang
@@ -422,17 +462,17 @@ def broadcast_parameters(params, root_rank=0, ctx=None):
     from .devices import bcast_
     ctx = ctx or context()
     root_rank = _root(root_rank, ctx)
-    comm = _comm(ctx)
+    comm = _comm(ctx, f"broadcast_parameters(root_rank={root_rank})")
     for t in _tensors(params):
         if isinstance(t, torch.Tensor) and t.numel():
             bcast_(comm, t, root=root_rank)
 
 
-def broadcast_object(obj, root_rank=0, ctx=None):
-    """root_rank's `obj` on every rank (pickled). Collective."""
+def broadcast_object(obj, root_rank=0, ctx=None, name=None):
+    """root_rank's `obj` on every rank (pickled). Collective. (`name`: Horovod's, unused.)"""
     ctx = ctx or context()
     root_rank = _root(root_rank, ctx)
-    return _comm(ctx).bcast(obj, root=root_rank)
+    return _comm(ctx, f"broadcast_object(root_rank={root_rank})").bcast(obj, root=root_rank)
 
 
 def broadcast_optimizer_state(optimizer, root_rank=0, ctx=None):
@@ -444,10 +484,10 @@ def broadcast_optimizer_state(optimizer, root_rank=0, ctx=None):
         optimizer.load_state_dict(state)
 
 
-def allreduce_(tensor, average=True, ctx=None):
+def allreduce_(tensor, average=True, ctx=None, name=None):
     """Sum (or average) a tensor over the world, in place, in a fixed order. Collective.
     An integer tensor (a count of correct predictions) is summed exactly; its average
-    has no place in it: allreduce(t) returns one."""
+    has no place in it: allreduce(t) returns one. (`name`: Horovod's, unused.)"""
     ctx = ctx or context()
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"allreduce_: expected a tensor to reduce in place, got {type(tensor).__name__}; "
@@ -469,9 +509,9 @@ def allreduce_(tensor, average=True, ctx=None):
     return tensor
 
 
-def allreduce(tensor, average=True, ctx=None):
+def allreduce(tensor, average=True, ctx=None, name=None):
     """A new tensor: the sum (or average) of `tensor` (or a number) over the world; the
-    average of integers is a float64 tensor. Collective."""
+    average of integers is a float64 tensor. Collective. (`name`: Horovod's, unused.)"""
     if not isinstance(tensor, torch.Tensor):
         if not isinstance(tensor, (int, float, np.number, np.ndarray)):
             raise TypeError(f"allreduce: expected a tensor or a number, got {type(tensor).__name__}")
@@ -480,8 +520,8 @@ def allreduce(tensor, average=True, ctx=None):
     return allreduce_(t.to(torch.float64) if average and not t.is_floating_point() else t, average, ctx)
 
 
-def allgather_object(obj, ctx=None):
-    """[every rank's obj] in rank order. Collective."""
+def allgather_object(obj, ctx=None, name=None):
+    """[every rank's obj] in rank order. Collective. (`name`: Horovod's, unused.)"""
     return _comm(ctx or context()).allgather(obj)
 
 

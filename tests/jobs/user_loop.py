@@ -8,7 +8,9 @@ final weights), SHARES (equal | vcores), STEPS, BATCH, CLIP (clip the gradient's
 to this between backward and step: DDP's way on odd steps, Horovod's synchronize() and
 skip_synchronize() on even ones), FINETUNE (1: the first conv frozen when the optimizer
 is wrapped and unfrozen at step 5, the second frozen from step 12 on: `finetune`;
-apart: rank 1 alone freezes the first conv at step 3).
+apart: rank 1 alone freezes the first conv at step 3), BROADCAST (every, the default;
+rank0, none: the ranks start from weights of their own, and rank 0 alone broadcasts, or
+none does).
 """
 import os
 
@@ -55,7 +57,12 @@ def main(ctx):
     loader = torch.utils.data.DataLoader(data, batch_sampler=sampler)
     dev = yd.device()                   # cuda:0 in a container with a GPU, else the CPU
     net = model().to(dev)
-    yd.broadcast_parameters(net.state_dict(), root_rank=0)
+    broadcast = os.environ.get("BROADCAST", "every")
+    if broadcast != "every":        # each rank its own weights, broadcast on rank 0 alone or on none
+        with torch.no_grad():
+            net[0].weight.add_(yd.rank())
+    if broadcast == "every" or (broadcast == "rank0" and yd.rank() == 0):
+        yd.broadcast_parameters(net.state_dict(), root_rank=0)
     tune = os.environ.get("FINETUNE") == "1"
     if tune:
         finetune(net, 0)
