@@ -50,8 +50,6 @@ def _module_function(value):
             name = module.rsplit("/", 1)[-1].removesuffix(".py")
             raise ValueError(f"{value!r} names a file; name its module as Python imports it: {name}:{func} "
                              f"(and ship {module} with run.files)")
-        if not all(p.isidentifier() for p in module.split(".") + func.split(".")):
-            raise ValueError(f"expected 'package.module:function' of Python names, got {value!r}")
     return value
 
 

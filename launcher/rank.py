@@ -59,8 +59,12 @@ def entry_point(job, workdir):
                                 f"with the job (run.files)") from e
         except UserCodeError:
             raise
-        except Exception:  # noqa: BLE001 - its top level may need the world (a Horovod-style init()): see Later
-            return Later(run.function, module, func)
+        except Exception as e:  # noqa: BLE001 - the module's own top level raised
+            from training.context import NoContext
+            if isinstance(e, NoContext) or (isinstance(e, KeyError) and e.args and e.args[0] in WORLD_ENV):
+                return Later(run.function, module, func)    # it needs the world (a Horovod-style init())
+            raise UserCodeError(f"run.function {run.function}: importing {module} raised "
+                                f"{type(e).__name__}: {e}") from e
     if run.pickle:
         import cloudpickle
         path = os.path.join(workdir, run.pickle)
@@ -90,11 +94,15 @@ def _function(spec, mod, module, func):
     return fn
 
 
+WORLD_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
 class Later:
-    """run.function's module, whose top-level code raised as it was imported before the
-    MPI world formed: imported again once this rank's RunContext is set (run_code), so
-    that code run at import may use it, as a script's may (training.dist.init() at the top,
-    as under Horovod: it raised "no yarnapp RunContext" inside one). What it raises then
+    """run.function's module, whose top-level code needed the world as it was imported
+    before the MPI world formed (training.dist.init() at the top, as under Horovod: it
+    raised "no yarnapp RunContext" inside one; os.environ["RANK"], set with the world):
+    imported again once this rank's RunContext and environment are set (run_code), as a
+    script's top level runs. Its top level up to that line runs twice. What it raises then
     is the job's own error."""
 
     def __init__(self, spec, module, func):

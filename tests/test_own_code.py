@@ -169,7 +169,7 @@ def test_distributed_optimizer_mistakes_are_one_line_each():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [
-        "RuntimeError no yarnapp RunContext: this code must run inside a yarnapp container (yarnapp submit)",
+        "NoContext no yarnapp RunContext: this code must run inside a yarnapp container (yarnapp submit)",
         "without init(), in a rank: 0 1",
         "Horovod's name=: 2.0 3 [4]",
         "TypeError DistributedOptimizer: expected a torch.optim.Optimizer, got generator; wrap the optimizer: "
@@ -209,14 +209,16 @@ def test_ranks_that_freeze_apart_fail_in_one_line_instead_of_summing_other_tenso
 
 
 @pytest.mark.parametrize("broadcast,says", [
-    ("rank0", "the ranks are in different collectives of training.dist (rank(s) 0 in broadcast_parameters("
+    ("rank0", "the ranks' first collectives of training.dist differ (rank(s) 0 in broadcast_parameters("
               "root_rank=0); rank(s) 1, 2 in DistributedOptimizer): every rank calls them"),
-    ("none", "at the first step the parameters of rank(s) 1, 2 differ from rank 0's")])
+    ("none", "at the first step the ranks' parameters differ")])
 def test_replicas_left_apart_by_a_broadcast_on_rank_0_alone_or_none_fail_once(tmp_path, yarnapp_home, broadcast, says):
-    """Horovod slips: `if rank == 0: broadcast_parameters(...)`, whose broadcasts met the
-    others' next collectives (the application hung, or, where MPI's root returned from a
-    small broadcast at once, SUCCEEDED with replicas that had trained apart); and no
-    broadcast of weights each rank drew itself. Each now fails in one line, once."""
+    """Horovod slips: `if rank == 0: broadcast_parameters(...)` before the optimizer is
+    wrapped (its broadcasts met the others' next collectives: the application hung), and
+    no broadcast of weights each rank drew itself (trained apart without a word). Each now
+    fails in one line, once. (After the optimizer is wrapped, a rank-0-only broadcast is
+    caught by the replicas' check where MPI's root returns from its broadcasts at once,
+    2 ranks and a small model; with 3 ranks here, rank 0 stays in its first broadcast.)"""
     out = tmp_path / "out"
     out.mkdir()
     env = {"OUT": str(out), "SHARES": "vcores", "STEPS": "6", "BATCH": "48", "BROADCAST": broadcast}
@@ -520,12 +522,14 @@ def test_a_function_whose_module_calls_init_at_its_top_as_under_horovod_runs(cli
     """`import training.dist as yd; yd.init()` at a run.function module's top: the module
     was imported before the world formed, and every rank failed "no yarnapp RunContext:
     this code must run inside a yarnapp container" (inside one), with no reason in the
-    failure line. It is imported again once the context is set; a module whose top level
-    raises for its own reasons still fails with its line, once."""
+    failure line; os.environ["LOCAL_RANK"] there raised KeyError. It is imported again
+    once the context and the environment are set; a module whose top level raises for its
+    own reasons fails before the world forms, with its line, once."""
     code = tmp_path / "code"
     code.mkdir()
     (code / "modinit.py").write_text(
-        "import torch\nimport training.dist as yd\nctx0 = yd.init()\nRANK = yd.rank()\n\n"
+        "import os\nimport torch\nimport training.dist as yd\nLOCAL = int(os.environ['LOCAL_RANK'])\n"
+        "ctx0 = yd.init()\nRANK = yd.rank()\n\n"
         "def main(ctx):\n    s = yd.allreduce(torch.tensor([float(RANK)]), average=False)\n"
         "    ctx.final(sum=float(s[0]), same=ctx is ctx0)\n")
     (code / "broken.py").write_text("raise ValueError('a setting this module needs is missing')\n\n"

@@ -322,12 +322,13 @@ def test_a_function_its_module_does_not_define_and_a_script_that_does_not_compil
     (proj / "nets" / "__init__.py").write_text("")
     (proj / "nets" / "small.py").write_text(
         "import torch as _t\nfrom os import path as p\ndef build(ctx):\n    pass\ndef bare():\n    pass\n"
+        "def bound(ctx, cfg):\n    pass\nbound = _t.nn.Module and bound\nasync def coro(ctx):\n    pass\n"
         "try:\n    from fast import Net\nexcept ImportError:\n    class Net:\n        pass\n"
         "if p:\n    WIDTH, (DEPTH, _) = 3, (4, 5)\n")
     (proj / "lazy.py").write_text("def __getattr__(name):\n    return name\n")
     (proj / "star.py").write_text("from os.path import *\n")
     files = {"files": [str(proj / "nets"), str(proj / "lazy.py"), str(proj / "star.py")]}
-    for defined in ("nets.small:build", "nets.small:Net", "nets.small:DEPTH", "nets.small:p", "lazy:anything",
+    for defined in ("nets.small:build", "nets.small:bound", "nets.small:Net", "nets.small:DEPTH", "nets.small:p", "lazy:anything",
                     "star:join", "training.hello:main"):
         shipping.plan(_job({"function": defined, **files}))
     with pytest.raises(YarnappError) as e:
@@ -338,6 +339,9 @@ def test_a_function_its_module_does_not_define_and_a_script_that_does_not_compil
         shipping.plan(_job({"function": "nets.small:bare", **files}))
     assert str(e.value) == ("run.function: nets.small:bare: bare() cannot be called with the RunContext alone; "
                             "every rank calls it as bare(ctx): give it one parameter (def bare(ctx): ...)")
+    with pytest.raises(YarnappError, match=r"async def coro: every rank calls coro\(ctx\), which only makes a "
+                                           r"coroutine nobody runs"):
+        shipping.plan(_job({"function": "nets.small:coro", **files}))
     with pytest.raises(YarnappError, match=r"^run.function: training.hello:mian: module training.hello \(.*hello.py\) "
                                            r"has no 'mian'; did you mean 'main'\?$"):
         shipping.plan(_job({"function": "training.hello:mian"}))

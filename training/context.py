@@ -171,10 +171,14 @@ def plain(value):
 _current: Optional[RunContext] = None
 
 
+class NoContext(RuntimeError):
+    """current() outside a yarnapp rank, or before its context is set."""
+
+
 def current():
     """The RunContext of this process (for `run.script` jobs)."""
     if _current is None:
-        raise RuntimeError("no yarnapp RunContext: this code must run inside a yarnapp container (yarnapp submit)")
+        raise NoContext("no yarnapp RunContext: this code must run inside a yarnapp container (yarnapp submit)")
     return _current
 
 

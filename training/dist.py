@@ -64,35 +64,35 @@ def init(ctx=None):
     return _ctx
 
 
-def _comm(ctx, call=None):
-    """ctx.comm, for a collective of this API: on the first, collectively, its doorbells
-    (training.collectives.doorbells: where every rank is on one host, a throttled rank's
-    waits sleep until another rank starts a wait, instead of waking every 0.2 ms to
-    test, as the runner's ranks wait). Here and not in init(), which a rank may call
-    alone (or never): every rank enters the collectives in the same order, so the first
-    one arms them on every rank at once.
+def _comm(ctx, call):
+    """ctx.comm, for the collective `call` of this API. On the first, collectively: every
+    rank says which call it is in, and its doorbells are armed (training.collectives.
+    doorbells: where every rank is on one host, a throttled rank's waits sleep until
+    another rank starts a wait, instead of waking every 0.2 ms to test, as the runner's
+    ranks wait). Here and not in init(), which a rank may call alone (or never): every rank
+    enters the collectives in the same order, so the first one is every rank's.
 
-    `call`: the setup collective this is (a broadcast, DistributedOptimizer), checked to
-    be the one every rank is in. A Horovod slip, `if rank == 0: broadcast_parameters(...)`,
-    matched rank 0's broadcasts with the others' next collectives: the application hung,
-    or, where MPI's root returned from a small broadcast at once, SUCCEEDED with replicas
-    that trained apart. (Not per step: an allreduce of a metric stays one collective.)"""
+    The calls compared: a Horovod slip, `if rank == 0: broadcast_parameters(...)` before the
+    optimizer is wrapped, matched rank 0's broadcasts with the others' next collectives, and
+    the application hung (or, where MPI's root returned from a small broadcast at once,
+    trained apart). Only the first call: a later check would be a collective of its own,
+    where a rank-0-only broadcast after DistributedOptimizer (Horovod's order) met the
+    others in their gradients' sum (the first step's check of the replicas finds that)."""
     global _armed
     comm = ctx.comm
     if _armed is not comm:
+        calls = comm.allgather(call) if ctx.world_size > 1 else [call]
         collectives.doorbells(comm)
         _armed = comm
-    if call is not None and ctx.world_size > 1:
-        calls = comm.allgather(call)
         if len(set(calls)) > 1:
             from conf.errors import YarnappError
             where = {}
             for r, c in enumerate(calls):
                 where.setdefault(c, []).append(str(r))
             said = "; ".join(f"rank(s) {', '.join(rs)} in {c}" for c, rs in where.items())
-            raise YarnappError(f"the ranks are in different collectives of training.dist ({said}): every rank "
-                               f"calls them, in the same order; a broadcast too (not under `if rank == 0`: "
-                               f"root_rank says whose values every rank gets)")
+            raise YarnappError(f"the ranks' first collectives of training.dist differ ({said}): every rank calls "
+                               f"them, in the same order; a broadcast too (not under `if rank == 0`: root_rank "
+                               f"says whose values every rank gets)")
     return comm
 
 
@@ -319,18 +319,31 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=No
 
     def agree(trainable, reducer):
         """Raise where the ranks disagree on which parameters are trainable (one all-reduce
-        of two integers a step): a rank that froze alone (on its own validation loss) would
-        sum other tensors into its peers' or wait in a sum they never start."""
+        of a few integers a step): a rank that froze alone (on its own validation loss) would
+        sum other tensors into its peers' or wait in a sum they never start. At the first
+        step, also where their parameters are not the same bits (a hash of them): weights
+        each rank drew and nobody broadcast, or a broadcast made on rank 0 alone, trained
+        apart without a word."""
         if reducer.alone:
             return
         from mpi4py import MPI
-        sig = hash(tuple(trainable)) & ((1 << 62) - 1)
-        both = np.array([sig, -sig], dtype=np.int64)
+        words = [hash(tuple(trainable)) & ((1 << 62) - 1)]
+        first = not state["checked"]
+        if first:
+            state["checked"] = True
+            words += _digest(in_scope())
+        both = np.array(words + [-w for w in words], dtype=np.int64)
         collectives.wait(reducer.comm.Iallreduce(MPI.IN_PLACE, both, op=MPI.MAX))  # polite where throttled
-        if both[0] != -both[1]:
+        same = both[:len(words)] == -both[len(words):]
+        if not same[0]:
             raise RuntimeError("the ranks disagree on which parameters are trainable this step (frozen on some "
                                "ranks, not on others): freeze and unfreeze on every rank alike (decide on rank 0 "
                                "and share the decision with training.dist.broadcast_object)")
+        if first and not same.all():
+            from conf.errors import YarnappError
+            raise YarnappError("DistributedOptimizer: at the first step the ranks' parameters differ, and the "
+                               "replicas would train apart; on every rank, before the first step, call "
+                               "training.dist.broadcast_parameters(model.state_dict(), root_rank=0)")
 
     def synchronize():
         """Wait for the sum of this step's gradients (done by the end of backward already)."""
@@ -386,30 +399,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=No
         state["reduced"] = state["queued"] = False
         state["reducer"].begin(weight)
 
-    def same_replicas(reducer):
-        """Once, at the first step: every rank's parameters are the same bits. A broadcast
-        made on rank 0 alone (or none) left replicas that trained apart without a word (MPI's
-        root returns from a small broadcast at once). A hash of each rank's, gathered."""
-        if reducer.alone:
-            return
-        import hashlib
-        h = hashlib.blake2b(digest_size=16)
-        for p in in_scope():
-            h.update(p.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes())
-        digests = reducer.comm.allgather(h.digest())
-        apart = [r for r, d in enumerate(digests) if d != digests[0]]
-        if apart:
-            from conf.errors import YarnappError
-            raise YarnappError(f"DistributedOptimizer: at the first step the parameters of rank(s) "
-                               f"{', '.join(map(str, apart))} differ from rank 0's, and the replicas would train "
-                               f"apart; on every rank, before the first step, call "
-                               f"training.dist.broadcast_parameters(model.state_dict(), root_rank=0)")
-
     def before_step(opt, args, kwargs):
         synchronize()           # a step without a backward (a rank with no rows): zeros of its own
-        if not state["checked"]:
-            state["checked"] = True
-            same_replicas(state["reducer"])
 
     def after_step(opt, args, kwargs):
         ctx.heartbeat()          # progress: from now on, silence is a hang
@@ -435,6 +426,16 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=No
 
 
 # -- broadcasts and collectives ------------------------------------------------------------
+
+def _digest(params):
+    """Two 62-bit words of a hash of the parameters' bits (any dtype, any device)."""
+    import hashlib
+    h = hashlib.blake2b(digest_size=16)
+    for p in params:
+        h.update(p.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    d = h.digest()
+    return [int.from_bytes(d[i:i + 8], "little") & ((1 << 62) - 1) for i in (0, 8)]
+
 
 def _tensors(params):
     if isinstance(params, torch.nn.Module):        # broadcast_parameters(model): its state_dict, as meant
@@ -500,7 +501,7 @@ def allreduce_(tensor, average=True, ctx=None, name=None):
     host = tensor.detach()
     if host.device.type != "cpu" or not host.is_contiguous() or host.dtype != wire:
         host = host.to("cpu", wire).contiguous()
-    collectives.allreduce_(host, _comm(ctx))
+    collectives.allreduce_(host, _comm(ctx, "allreduce"))
     if average:
         host.div_(ctx.world_size)
     if host.data_ptr() != tensor.data_ptr():
@@ -522,8 +523,8 @@ def allreduce(tensor, average=True, ctx=None, name=None):
 
 def allgather_object(obj, ctx=None, name=None):
     """[every rank's obj] in rank order. Collective. (`name`: Horovod's, unused.)"""
-    return _comm(ctx or context()).allgather(obj)
+    return _comm(ctx or context(), "allgather_object").allgather(obj)
 
 
 def barrier(ctx=None):
-    collectives.wait(_comm(ctx or context()).Ibarrier())
+    collectives.wait(_comm(ctx or context(), "barrier").Ibarrier())

@@ -297,7 +297,8 @@ def _output_file(flag, path, example):
         if not ext:
             path, ext = path + ".png", ".png"
         from matplotlib.backend_bases import FigureCanvasBase
-        kinds = FigureCanvasBase.get_supported_filetypes()
+        kinds = set(FigureCanvasBase.get_supported_filetypes()) & {      # not .pgf: it needs LaTeX
+            "png", "svg", "pdf", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp"}
         if ext[1:] not in kinds:
             raise YarnappError(f"{flag} {path}: cannot draw a {ext} file; give a name ending in .png "
                                f"(or {', '.join('.' + k for k in sorted(kinds) if k != 'png')})")

@@ -123,8 +123,11 @@ def _called_with_the_context(field, target, tree, name):
     failed with "TypeError: name() takes 0 positional arguments but 1 was given", as
     yarnapp.submit(job, function=f) already refuses)."""
     defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name]
-    if len(defs) != 1 or defs[0].decorator_list:
-        return                      # defined twice, or wrapped: the source does not tell
+    if len(defs) != 1 or defs[0].decorator_list or _bound(tree, name) != 1:
+        return                      # defined twice, wrapped, rebound (functools.partial): the source does not tell
+    if isinstance(defs[0], ast.AsyncFunctionDef):
+        raise YarnappError(f"{field}: {target}: async def {name}: every rank calls {name}(ctx), which only makes "
+                           f"a coroutine nobody runs; make it a plain def (asyncio.run(...) inside it)")
     a = defs[0].args
     positional = a.posonlyargs + a.args
     required = len(positional) - len(a.defaults)
@@ -132,6 +135,26 @@ def _called_with_the_context(field, target, tree, name):
         return
     raise YarnappError(f"{field}: {target}: {name}({ast.unparse(a)}) cannot be called with the RunContext "
                        f"alone; every rank calls it as {name}(ctx): give it one parameter (def {name}(ctx): ...)")
+
+
+def _bound(tree, name):
+    """How many statements of a module's top level (into if/try/with blocks) bind `name`."""
+    count, todo = 0, list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            count += node.name == name
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            count += sum((a.asname or a.name.split(".")[0]) == name for a in node.names)
+        elif isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While)) or type(node).__name__ == "TryStar":
+            for block in ("body", "orelse", "finalbody", "handlers"):
+                todo.extend(getattr(node, block, None) or [])
+        elif isinstance(node, ast.ExceptHandler):
+            todo.extend(node.body)
+        else:
+            count += any(isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store) and sub.id == name
+                         for sub in ast.walk(node))
+    return count
 
 
 def own_names(run, entries, field):

@@ -9,8 +9,8 @@ to this between backward and step: DDP's way on odd steps, Horovod's synchronize
 skip_synchronize() on even ones), FINETUNE (1: the first conv frozen when the optimizer
 is wrapped and unfrozen at step 5, the second frozen from step 12 on: `finetune`;
 apart: rank 1 alone freezes the first conv at step 3), BROADCAST (every, the default;
-rank0, none: the ranks start from weights of their own, and rank 0 alone broadcasts, or
-none does).
+rank0, none: the ranks start from weights of their own, and rank 0 alone broadcasts
+them, or none does).
 """
 import os
 
