@@ -48,29 +48,31 @@ def syntax(script, field="run.script"):
         pass                        # unreadable, null bytes: the container reports it
 
 
-def _defined(tree):
-    """Names a module's source binds at its top level (into if/try/with blocks, not into
-    functions or classes); None where it may bind others (a star import, __getattr__)."""
-    names, todo = set(), list(tree.body)
+def _bindings(tree):
+    """Each name a module's top level binds (into if/try/with blocks, not into functions or
+    classes), once per statement that binds it; "*" for a star import."""
+    todo = list(tree.body)
     while todo:
         node = todo.pop()
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
+            yield node.name
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             for a in node.names:
-                if a.name == "*":
-                    return None
-                names.add(a.asname or a.name.split(".")[0])
+                yield "*" if a.name == "*" else a.asname or a.name.split(".")[0]
         elif isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While)) or type(node).__name__ == "TryStar":
             for block in ("body", "orelse", "finalbody", "handlers"):
                 todo.extend(getattr(node, block, None) or [])
         elif isinstance(node, ast.ExceptHandler):
             todo.extend(node.body)
-        else:
-            for sub in ast.walk(node) if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) else ():
-                if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
-                    names.add(sub.id)
-    return None if "__getattr__" in names else names
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            yield from {sub.id for sub in ast.walk(node) if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store)}
+
+
+def _defined(tree):
+    """Names a module's source binds at its top level; None where it may bind others (a
+    star import, __getattr__)."""
+    names = set(_bindings(tree))
+    return None if "*" in names or "__getattr__" in names else names
 
 
 def _dynamic(init):
@@ -138,23 +140,8 @@ def _called_with_the_context(field, target, tree, name):
 
 
 def _bound(tree, name):
-    """How many statements of a module's top level (into if/try/with blocks) bind `name`."""
-    count, todo = 0, list(tree.body)
-    while todo:
-        node = todo.pop()
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            count += node.name == name
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            count += sum((a.asname or a.name.split(".")[0]) == name for a in node.names)
-        elif isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While)) or type(node).__name__ == "TryStar":
-            for block in ("body", "orelse", "finalbody", "handlers"):
-                todo.extend(getattr(node, block, None) or [])
-        elif isinstance(node, ast.ExceptHandler):
-            todo.extend(node.body)
-        else:
-            count += any(isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store) and sub.id == name
-                         for sub in ast.walk(node))
-    return count
+    """How many statements of a module's top level bind `name`."""
+    return sum(1 for n in _bindings(tree) if n == name)
 
 
 def own_names(run, entries, field):
