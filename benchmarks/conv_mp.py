@@ -31,6 +31,7 @@ root and a cgroup v1 cpu controller at /sys/fs/cgroup/cpu (or cgroup v2 with the
 controller); they are skipped otherwise.
 """
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -86,19 +87,14 @@ def worker(case):
     torch.manual_seed(0)
     model, source = build_seed_model(case["conv1"], case["conv2"])
     from common import random_batches
-    batches = random_batches(case["batch"], (3, 32, 32))     # cycled (a fixed batch goes denormal)
-    taken = [0]
-
-    def batch():
-        taken[0] += 1
-        return batches[taken[0] % len(batches)]
+    batches = itertools.cycle(random_batches(case["batch"], (3, 32, 32)))     # (a fixed batch goes denormal)
     result = {"model": source}
 
     if case["kind"] == "single":
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
         def step():
-            x, y = batch()
+            x, y = next(batches)
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
             opt.step()
@@ -124,7 +120,7 @@ def worker(case):
         stats = []
 
         def step():
-            x, y = batch()
+            x, y = next(batches)
             st = s.train_step(x if rank == 0 else None, y if rank == 0 else None)
             stats.append((st.compute_s, st.comm_s, s.last_conv_s))
         step()  # the first step also calibrates and shards where setup could not

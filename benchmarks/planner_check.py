@@ -37,6 +37,7 @@ them every rank runs unthrottled and the error says little.
 """
 import argparse
 import copy
+import itertools
 import json
 import math
 import os
@@ -115,9 +116,10 @@ def worker(case):
     mine = [(x[lo:hi], y[lo:hi]) if hi > lo or spec.strategy.name != "conv_model_parallel" else (None, None)
             for x, y in batches]
     xs, ys = mine[0]
+    feed = itertools.cycle(mine)
     stats = []
-    for k in range(case["warmup"]):
-        s.train_step(*mine[k % len(mine)])
+    for _ in range(case["warmup"]):
+        s.train_step(*next(feed))
     # CPU seconds of this rank's own forward + backward (its rows, the whole model) here,
     # to tell the strategy's own CPU per step (cpu_s_by_rank) from the model's
     probe_x = xs if xs is not None and len(xs) and spec.strategy.name != "conv_model_parallel" else None
@@ -133,10 +135,10 @@ def worker(case):
     times = []
     cputime.enable()                            # CPU seconds of a step in waits and conv shares
     t0, cpu0 = time.perf_counter(), time.process_time()
-    for k in range(case["steps"]):
+    for _ in range(case["steps"]):
         cputime.reset()
         t = time.perf_counter()
-        st = s.train_step(*mine[k % len(mine)])
+        st = s.train_step(*next(feed))
         times.append(time.perf_counter() - t)
         counted = cputime.seconds()
         stats.append((st.compute_s, st.comm_s, counted["wait"], counted["share"]))

@@ -51,20 +51,19 @@ def entry_point(job, workdir):
     is checked). Raises UserCodeError naming the field and the cause."""
     run = job.run
     if run.function:
-        module, func = run.function.split(":")
+        module = run.function.split(":")[0]
         try:
-            return _function(run.function, importlib.import_module(module), module, func)
+            mod = importlib.import_module(module)
         except ImportError as e:
             raise UserCodeError(f"run.function {run.function}: {type(e).__name__}: {e}; install it, or ship it "
                                 f"with the job (run.files)") from e
-        except UserCodeError:
-            raise
         except Exception as e:  # noqa: BLE001 - the module's own top level raised
             from training.context import NoContext
             if isinstance(e, NoContext) or (isinstance(e, KeyError) and e.args and e.args[0] in WORLD_ENV):
-                return Later(run.function, module, func)    # it needs the world (a Horovod-style init())
+                return Later(run.function)      # it needs the world (a Horovod-style init())
             raise UserCodeError(f"run.function {run.function}: importing {module} raised "
                                 f"{type(e).__name__}: {e}") from e
+        return _function(run.function, mod)
     if run.pickle:
         import cloudpickle
         path = os.path.join(workdir, run.pickle)
@@ -84,7 +83,9 @@ def entry_point(job, workdir):
     return None
 
 
-def _function(spec, mod, module, func):
+def _function(spec, mod):
+    """run.function `spec`'s callable in its imported module `mod`."""
+    module, func = spec.split(":")
     try:
         fn = getattr(mod, func)
     except AttributeError:
@@ -105,11 +106,11 @@ class Later:
     script's top level runs. Its top level up to that line runs twice. What it raises then
     is the job's own error."""
 
-    def __init__(self, spec, module, func):
-        self.spec, self.module, self.func = spec, module, func
+    def __init__(self, spec):
+        self.spec = spec
 
     def load(self):
-        return _function(self.spec, importlib.import_module(self.module), self.module, self.func)
+        return _function(self.spec, importlib.import_module(self.spec.split(":")[0]))
 
 
 def script_path(job, workdir):
