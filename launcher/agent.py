@@ -234,6 +234,9 @@ class Agent(PeerDiagnosis):
             formed = keys.formed(gen) in seen
             if not formed and now - self.spawned > lj.rendezvous_timeout:
                 return Outcome.OWN, self.not_formed(gen, seen)
+            apart = self.called_apart(gen, seen) if formed else None
+            if apart:
+                return Outcome.OWN, apart
             if formed:
                 phase, silent = self.read_heartbeat(now)
                 stopped = process_stopped(self.child.pid)

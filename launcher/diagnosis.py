@@ -10,6 +10,7 @@ the others (launcher.agent's `Agent` takes these methods from `PeerDiagnosis`).
   this abort ends the application (`fails_with`);
 - a world that did not form: who is missing, and which running container never reported
   (`not_formed`);
+- ranks waiting in different calls of training.dist's collectives (`called_apart`);
 - a rank found waiting in a collective defers to a peer whose rank beat after it
   (`judged_later`), and a hang or a missing member on emulated nodes names the unreachable
   node (`network_note`).
@@ -22,14 +23,18 @@ import logging
 import time
 
 from . import beats, keys, network, stacks
-from .failure import Failure, Kind, spends_the_last_restart
+from .failure import CALLED_APART, Failure, Kind, spends_the_last_restart
 
 log = logging.getLogger("launcher.agent")
+
+APART_GRACE_S = 5.0     # called_apart waits this long for every rank to say where it waits
 
 
 class PeerDiagnosis:
     """Mixed into launcher.agent.Agent: uses its ident, job, members, store, peers and
     observe()."""
+
+    apart_since = None      # when called_apart first found ranks in calls that never meet
 
     def lost_member(self, gen, seen):
         """A member that joined this generation whose container is gone or replaced
@@ -153,6 +158,42 @@ class PeerDiagnosis:
         if silent > 2 * turn:   # a peer that beats on while this rank waits in vain (mismatched collectives)
             return False
         return any(quiet < silent - beats.BEAT_S and quiet < turn for quiet in self.peers.rank_quiet(now).values())
+
+    def called_apart(self, gen, seen):
+        """A HUNG Failure when two ranks wait in calls of training.dist's collectives with the
+        same number and different names (training.stalls: every rank's n-th call is the same
+        in a correct program, so they never meet), naming where each waits; else None. Once
+        every unfinished rank has said where it waits, or APART_GRACE_S after the conflict
+        showed (a rank not in a call of the API by then is elsewhere). Only the agent of a
+        rank found waiting judges (they all write the same line)."""
+        waits, elsewhere = {}, []
+        for m in self.members:
+            raw = seen.get(keys.stall(gen, m["rank"]))
+            rec = json.loads(raw) if raw else {}
+            if rec.get("name"):
+                waits[m["rank"]] = (m["container"], rec)
+            elif keys.finished(gen, m["rank"]) not in seen:
+                elsewhere.append(f"{m['rank']} ({m['container']})")
+        by_call = {}
+        for _, rec in waits.values():
+            by_call.setdefault(rec["call"], set()).add(rec["name"])
+        if self.ident.rank not in waits or not any(len(names) > 1 for names in by_call.values()):
+            self.apart_since = None
+            return None
+        self.apart_since = self.apart_since or time.monotonic()
+        if elsewhere and time.monotonic() - self.apart_since < APART_GRACE_S:
+            return None
+        at = {}
+        for rank, (container, rec) in sorted(waits.items()):
+            where = f"{rec['name']} (call {rec['call']} of training.dist" + \
+                (f", at {rec['at']})" if rec.get("at") else ")")
+            at.setdefault(where, []).append(f"{rank} ({container})")
+        said = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(rs)} in {w}" for w, rs in at.items())
+        if elsewhere:
+            said += f"; rank{'s' if len(elsewhere) > 1 else ''} {', '.join(elsewhere)} elsewhere"
+        return Failure(kind=Kind.HUNG.value, container=self.ident.container, rank=self.ident.rank, reason=(
+            f"the ranks wait in {CALLED_APART}, which never meet: {said}; every rank must call them in the same "
+            f"order (one made under `if rank == 0:`, or after a rank ran more steps than the others?)"))
 
     def network_note(self):
         """On emulated nodes: "; <which node is unreachable>" when the world hangs or cannot

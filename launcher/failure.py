@@ -158,6 +158,7 @@ _TRANSITION = re.compile(r" agent \S+ INFO: [A-Z_]+ -> [A-Z_]+ \(generation \d+\
 
 EXITED_EARLY = "had ended (exit 0)"     # said of a rank whose code ended first (ended_early, launcher.retries)
 WAITED_FOR_FINISHED = "whose code had finished"     # said of the ranks a peer waited for in a collective
+CALLED_APART = "different collectives of training.dist"     # said of ranks whose calls never meet (diagnosis)
 
 
 def caused_by_an_end(failure):

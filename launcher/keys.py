@@ -96,6 +96,14 @@ def waiting(gen, rank=None):
     return f"gen/{gen:04d}/waiting/" + ("" if rank is None else f"{rank:05d}")
 
 
+def stall(gen, rank):
+    """Written by a rank whose call of a training.dist collective has lasted a while
+    (training.stalls): JSON {"call": its number on this rank, "name", "at": the user's
+    line}, and {"call", "name": null} once it left it; the agents compare them
+    (launcher.diagnosis: called_apart)."""
+    return f"gen/{gen:04d}/stall/{rank:05d}"
+
+
 def done(container):
     """Written by an agent whose rank finished successfully."""
     return f"done/{container}"

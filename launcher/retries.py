@@ -19,6 +19,8 @@ asks after every abort). These are not, since a restart would fail as this one d
   training.partition.PartitionError), in any phase: the
   hypergraph strategy partitions at its first step, and a model it cannot place was tried
   as often as the job allowed;
+- ranks waited in different collectives of training.dist (launcher.diagnosis.called_apart:
+  their code calls them in another order, which every attempt runs again);
 - a rank's code ended (exit 0) in the generation that failed: its agent, and on YARN its
   container, ended with it, so no new world can form (each restart waited out
   launcher.rendezvous_timeout, then failed as "world not formed; missing: w_1").
@@ -26,7 +28,7 @@ asks after every abort). These are not, since a restart would fail as this one d
 import time
 
 from . import keys
-from .failure import EXITED_EARLY, WAITED_FOR_FINISHED, Failure, Kind, ended_in
+from .failure import CALLED_APART, EXITED_EARLY, WAITED_FOR_FINISHED, Failure, Kind, ended_in
 
 NOT_RETRIED = ("every rank failed the same way before training started, so it was not retried "
                "(a restart would fail the same way)")
@@ -36,6 +38,7 @@ OOM_AGAIN = "killed for memory in two attempts in a row, so it was not retried a
 INPUT_AGAIN = "the same error in two attempts in a row, so it was not retried again (a restart would fail the same way)"
 CERTAIN = "a mistake in the job's model or strategy settings, which every attempt meets, so it was not retried"
 FEWER_STEPS = "every attempt would run the same steps, so it was not retried"
+SAME_CALLS = "every attempt would make the same calls, so it was not retried"
 ENDED = ("{who} " + EXITED_EARLY + " in this attempt, and {whose} container with {it}, so it was not retried (a "
          "new world cannot form without {it})")
 ENDED_NAMED = "so it was not retried ({whose} container ended with {it}: a new world cannot form without {it})"
@@ -51,6 +54,8 @@ def not_worth_retrying(store, members, gen, cause, poll_s, wait_s):
         return CERTAIN
     if WAITED_FOR_FINISHED in (cause.reason or ""):
         return FEWER_STEPS
+    if CALLED_APART in (cause.reason or ""):
+        return SAME_CALLS
     if oom_again(store, gen, cause):
         return OOM_AGAIN
     if input_error_again(store, gen, cause):

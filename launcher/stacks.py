@@ -71,7 +71,7 @@ class Where:
         return f"{self.caller} (in {self.frame})" if self.caller else self.frame
 
 
-def _ours_or_libraries(path):
+def ours_or_library(path):
     """A frame of yarnapp's own packages, of an installed library or of Python itself."""
     return "/site-packages/" in path or "/dist-packages/" in path or path.startswith(_LIBRARIES) or \
         any(path.startswith(os.path.join(_ROOT, pkg) + os.sep) for pkg in _OWN) or path.startswith("<")
@@ -105,7 +105,7 @@ def where(text):
         return None
     path, line, fn = main[0]
     calls_mpi = bool(_MPI_CALL.search(linecache.getline(path, int(line))))
-    user = next(((p, ln, f) for p, ln, f in main if not _ours_or_libraries(p)), None)
+    user = next(((p, ln, f) for p, ln, f in main if not ours_or_library(p)), None)
     caller = f"{user[0]}:{user[1]} in {user[2]}" if user and user != main[0] else ""
     return Where(frame=f"{path}:{line} in {fn}",
                  waiting=calls_mpi or any(w in p for p, _, _ in main for w in WAITING), caller=caller)

@@ -39,7 +39,7 @@ import math
 import numpy as np
 import torch
 
-from . import collectives
+from . import collectives, stalls
 from .context import current
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,14 @@ def _comm(ctx, call):
                                f"them, in the same order; a broadcast too (not under `if rank == 0`: root_rank "
                                f"says whose values every rank gets)")
     return comm
+
+
+@contextlib.contextmanager
+def _collective(ctx, call):
+    """ctx.comm (_comm), for one collective `call` of the API made inside the block: a long
+    wait in it is told to the agent (training.stalls)."""
+    with stalls.within(ctx, call):
+        yield _comm(ctx, call)
 
 
 def context():
@@ -155,7 +163,8 @@ def share_weights(shares="equal", ctx=None, model=None, example=None, batch=None
     if model is None or example is None:
         raise ValueError("shares 'speed' needs model= and example= (a batch of inputs) to measure")
     from .strategies.shares import measured_weights
-    weights, _ = measured_weights(_comm(ctx, "share_weights"), model, example, batch or len(example) * ctx.world_size)
+    with _collective(ctx, "share_weights") as comm:
+        weights, _ = measured_weights(comm, model, example, batch or len(example) * ctx.world_size)
     return weights
 
 
@@ -280,9 +289,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=No
                            f"per model, or leave out model= so that each wraps its own optimizer's parameters")
     weight = 1.0 / ctx.world_size if weight is None else float(weight)
     overlap = "thread" if ctx.me.vcores - torch.get_num_threads() >= 1 else "poll"
-    comm = _comm(ctx, "DistributedOptimizer")
-
-    def make_reducer(trainable):
+    def make_reducer(trainable):        # collective (the reducer's own communicator)
         return collectives.GradientReducer(trainable, comm, bucket_mb=bucket_mb,
                                            ring_threshold_kb=ring_threshold_kb, overlap=overlap,
                                            shared_memory=shared_memory)
@@ -293,8 +300,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=No
         now = params if model is None and named_parameters is not None else _params(model, None, optimizer)
         return [p for p in dict.fromkeys(now) if _REDUCED.get(p) in (None, state["reducer"])]
 
-    state = {"queued": False, "reduced": False, "reducer": make_reducer(params), "changed": False,
-             "checked": False}
+    with _collective(ctx, "DistributedOptimizer") as comm:
+        state = {"queued": False, "reduced": False, "reducer": make_reducer(params), "changed": False,
+                 "checked": False}
 
     def trainable_changed(reducer):
         """Parameters frozen or unfrozen since the reducer was made (fine-tuning that
@@ -349,8 +357,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=No
         """Wait for the sum of this step's gradients (done by the end of backward already)."""
         if not state["reduced"]:
             reducer = state["reducer"]
-            reducer.finish()
-            state["changed"] = trainable_changed(reducer)
+            with stalls.within(ctx, "the optimizer step's sum of gradients"):
+                reducer.finish()
+                state["changed"] = trainable_changed(reducer)
             state["reduced"] = True
 
     def at_backward_end():
@@ -463,17 +472,18 @@ def broadcast_parameters(params, root_rank=0, ctx=None):
     from .devices import bcast_
     ctx = ctx or context()
     root_rank = _root(root_rank, ctx)
-    comm = _comm(ctx, f"broadcast_parameters(root_rank={root_rank})")
-    for t in _tensors(params):
-        if isinstance(t, torch.Tensor) and t.numel():
-            bcast_(comm, t, root=root_rank)
+    with _collective(ctx, f"broadcast_parameters(root_rank={root_rank})") as comm:
+        for t in _tensors(params):
+            if isinstance(t, torch.Tensor) and t.numel():
+                bcast_(comm, t, root=root_rank)
 
 
 def broadcast_object(obj, root_rank=0, ctx=None, name=None):
     """root_rank's `obj` on every rank (pickled). Collective. (`name`: Horovod's, unused.)"""
     ctx = ctx or context()
     root_rank = _root(root_rank, ctx)
-    return _comm(ctx, f"broadcast_object(root_rank={root_rank})").bcast(obj, root=root_rank)
+    with _collective(ctx, f"broadcast_object(root_rank={root_rank})") as comm:
+        return comm.bcast(obj, root=root_rank)
 
 
 def broadcast_optimizer_state(optimizer, root_rank=0, ctx=None):
@@ -501,7 +511,8 @@ def allreduce_(tensor, average=True, ctx=None, name=None):
     host = tensor.detach()
     if host.device.type != "cpu" or not host.is_contiguous() or host.dtype != wire:
         host = host.to("cpu", wire).contiguous()
-    collectives.allreduce_(host, _comm(ctx, "allreduce"))
+    with _collective(ctx, "allreduce") as comm:
+        collectives.allreduce_(host, comm)
     if average:
         host.div_(ctx.world_size)
     if host.data_ptr() != tensor.data_ptr():
@@ -523,8 +534,10 @@ def allreduce(tensor, average=True, ctx=None, name=None):
 
 def allgather_object(obj, ctx=None, name=None):
     """[every rank's obj] in rank order. Collective. (`name`: Horovod's, unused.)"""
-    return _comm(ctx or context(), "allgather_object").allgather(obj)
+    with _collective(ctx or context(), "allgather_object") as comm:
+        return comm.allgather(obj)
 
 
 def barrier(ctx=None):
-    collectives.wait(_comm(ctx or context(), "barrier").Ibarrier())
+    with _collective(ctx or context(), "barrier") as comm:
+        collectives.wait(comm.Ibarrier())

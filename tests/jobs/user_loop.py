@@ -9,8 +9,8 @@ to this between backward and step: DDP's way on odd steps, Horovod's synchronize
 skip_synchronize() on even ones), FINETUNE (1: the first conv frozen when the optimizer
 is wrapped and unfrozen at step 5, the second frozen from step 12 on: `finetune`;
 apart: rank 1 alone freezes the first conv at step 3), BROADCAST (every, the default;
-rank0, none: the ranks start from weights of their own, and rank 0 alone broadcasts
-them, or none does).
+rank0, rank0_late, none: the ranks start from weights of their own, and rank 0 alone
+broadcasts them, before or after the optimizer is wrapped, or none does).
 """
 import os
 
@@ -67,6 +67,8 @@ def main(ctx):
     if tune:
         finetune(net, 0)
     opt = yd.DistributedOptimizer(optimizer(net), model=net, weight=sampler.weight)
+    if broadcast == "rank0_late" and yd.rank() == 0:      # Horovod's order, on rank 0 alone
+        yd.broadcast_parameters(net.state_dict(), root_rank=0)
     step = 0
     for epoch in range(100):
         sampler.set_epoch(epoch)
