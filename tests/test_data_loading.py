@@ -115,11 +115,40 @@ def test_step_bytes_estimates_the_largest_step_of_the_real_plan_on_layouts_it_wa
         s = int(rng.integers(1, B + 1))
         lo = int(rng.integers(0, B - s + 1))
         plan = Schedule(o, 0, B, lo, lo + s).plan(0)
-        exact = max(int(o.block_bytes[list(b)].sum()) for b in plan.index["step_blocks"])
+        exact = max(int(o.block_bytes[list(plan.step_blocks(i))].sum()) for i in range(plan.steps))
         ratios.append((o.step_bytes(B, s) / exact, exact / o.block_bytes.mean()))
     big = [r for r, blocks in ratios if blocks >= 8]          # the steps a budget is about
     assert len(big) >= 10 and 0.75 <= min(big) and max(big) <= 1.25, big
     assert all(0.6 <= r <= 2.0 for r, _ in ratios), ratios
+
+
+@pytest.mark.parametrize("window", [3000, 0])
+def test_a_ranks_plan_is_its_strata_of_the_epochs_order_made_in_the_memory_of_its_own_rows(window):
+    """Order.plan made every rank build the whole epoch's positions, ~40 bytes a row of the
+    dataset at once: 16M rows of small images took 0.7 GiB, and 1 GiB containers were
+    killed at step 0. It now draws the same deal window by window, keeping only its rows."""
+    import tracemalloc
+
+    from training.data.order import Schedule, slice_of
+    o = Order([50] * 12 + [7], [1000] * 12 + [140], window_bytes=window)
+    B = 64
+    for lo, hi, drop_last in ((0, 64, True), (9, 40, False), (40, 64, False), (5, 5, True)):
+        u = o.positions(3, 2, B, shuffle=True)[0]
+        p = o.plan(3, 2, B, lo, hi, drop_last)
+        full = o.n // B
+        for s in range(p.steps):
+            batch = np.sort(u[s * B:(s + 1) * B])
+            a, b = (lo, hi) if s < full else slice_of(lo, hi, o.n - full * B, B)
+            rows, blocks = o.to_rows(batch[a:b], *o.positions(3, 2, B)[1:])
+            assert p.step(s)[0].tolist() == rows.tolist() and p.step(s)[1].tolist() == blocks.tolist()
+            assert p.step_blocks(s) == tuple(sorted(set(blocks.tolist())))
+    big = Order([65536] * 61, [65536 * 64] * 61, window_bytes=window and 64 << 20)       # 4M rows of 64 bytes
+    tracemalloc.start()
+    plan = Schedule(big, 0, 512, 0, 256).plan(0)
+    kept, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert len(plan.rows) == big.n // 512 * 256 and plan.rows.itemsize == 4
+    assert peak < 12 * big.n and kept < 4 * big.n, (peak / big.n, kept / big.n)    # was 42 and 8.5 bytes a row
 
 
 @pytest.mark.parametrize("drop_last", [True, False])

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 Found = collections.namedtuple("Found", "shape classes rows")     # check_data's: None where not known here
 SLACK = 1.25        # a step's blocks are refused only this far over the rank's data budget, where its
                     # reader warns (a 1024 MiB container ran 1.5x over it, at its memory limit)
+ORDER_FRACTION = 0.125  # warn where a rank's epoch orders (Order.plan_bytes) take more of its container
 
 
 def check_data(job, where=None, on_cluster=False):
@@ -113,6 +114,12 @@ def _check_window(job, blocks, pre):
     t, data = job.training, job.training.data
     order = Order([b.rows for b in blocks], [b.nbytes for b in blocks], (data.shuffle_window or 0) << 20)
     for i, group, rows in _rows_per_step(job):
+        order_bytes = order.plan_bytes(t.batch_size, rows)
+        if order_bytes > (int(group.memory) << 20) * ORDER_FRACTION:
+            log.warning("%straining.data.train: its %d rows are many for group %r: each of its ranks keeps the order "
+                        "of its rows for two epochs, about %s beside the data it holds (training.data.memory), of "
+                        "its container's %d MiB; raise groups[%d].memory if it is killed for memory", pre, order.n,
+                        group.name, _about(order_bytes), group.memory, i)
         budget = data_budget(data.memory, group.memory)
         need = order.largest_step_bytes(t.batch_size, rows, job.training.seed)
         if need <= budget * SLACK:

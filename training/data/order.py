@@ -31,6 +31,7 @@ mixed sample if the data was written in a meaningful order (sorted by class, say
 yarnapp's importers write shuffled rows; see docs/data.md.
 """
 import dataclasses
+import itertools
 
 import numpy as np
 
@@ -96,11 +97,16 @@ def slice_of(lo, hi, size, global_batch):
 @dataclasses.dataclass
 class Plan:
     """One rank's rows of one epoch: step i (0-based in the epoch) is rows[ptr[i]:ptr[i+1]]
-    (global row ids), from blocks[ptr[i]:ptr[i+1]] (block ids; -1 for map-style data)."""
+    (global row ids, in position order). They lie in runs of one block each: run k is
+    rows[run_at[k]:run_at[k+1]], of block run_block[k], and step i's runs are
+    run_ptr[i]:run_ptr[i+1] (map-style data has no blocks: run_block None). Its memory
+    is the rank's rows (4 bytes each below 2**31 rows, else 8) and its runs."""
     epoch: int
     ptr: np.ndarray
     rows: np.ndarray
-    blocks: np.ndarray
+    run_at: np.ndarray = None
+    run_block: np.ndarray = None
+    run_ptr: np.ndarray = None
     index: dict = dataclasses.field(default=None, repr=False)     # Schedule's per-block view
 
     @property
@@ -108,8 +114,23 @@ class Plan:
         return len(self.ptr) - 1
 
     def step(self, i):
+        """(global row ids, block ids) of step i (block -1 for map-style data)."""
         a, b = self.ptr[i], self.ptr[i + 1]
-        return self.rows[a:b], self.blocks[a:b]
+        if self.run_block is None:
+            return self.rows[a:b], np.full(b - a, -1, dtype=np.int64)
+        r0, r1 = self.run_ptr[i], self.run_ptr[i + 1]
+        return self.rows[a:b], np.repeat(self.run_block[r0:r1], np.diff(self.run_at[r0:r1 + 1]))
+
+    def step_blocks(self, i):
+        """The distinct blocks step i reads, in block order."""
+        if self.run_block is None:
+            return ()
+        return tuple(sorted(self.run_block[self.run_ptr[i]:self.run_ptr[i + 1]].tolist()))
+
+    @property
+    def blocks(self):
+        """Every row's block id (a copy: tests and tools; the reader walks the runs)."""
+        return np.concatenate([self.step(i)[1] for i in range(self.steps)]) if self.steps else np.zeros(0, np.int64)
 
 
 class Order:
@@ -176,6 +197,13 @@ class Order:
         batches = int((nbytes - 2 * block) // (rows * row)) if nbytes > 2 * block else 0
         return int(batches * int(global_batch) * row) if batches >= 1 else 0
 
+    def plan_bytes(self, global_batch, rows):
+        """About the bytes a Schedule of a rank reading `rows` of each global batch holds:
+        Schedule.KEEP epochs of its rows (4 bytes each below 2**31 rows, else 8; their runs
+        of one block are fewer), and plan's temporaries while one is made."""
+        itemsize = 4 if self.n < 2 ** 31 else 8
+        return int(Schedule.KEEP * self.n * int(rows) / int(global_batch) * itemsize) + 40 * self.CHUNK
+
     def positions(self, seed, epoch, global_batch, shuffle=True):
         """(u, perm, cum): the epoch's sequence u of positions in the row space laid out in
         block order perm (cum[j] = rows before the j-th block of perm)."""
@@ -210,31 +238,83 @@ class Order:
         """The global row ids of the epoch, in order."""
         return self.to_rows(*self.positions(seed, epoch, global_batch, shuffle))[0]
 
+    CHUNK = 1 << 18     # positions made or turned into rows at a time (plan's temporaries: ~40 bytes each)
+
     def plan(self, seed, epoch, global_batch, lo, hi, drop_last=True, shuffle=True):
-        """This rank's Plan of `epoch`: slice [lo, hi) of every global batch."""
-        B = int(global_batch)
-        u, perm, cum = self.positions(seed, epoch, B, shuffle)
-        full = self.n // B
-        parts = []
-        head = u[:full * B].reshape(full, B)
-        if not self.map_style:
-            head = np.sort(head, axis=1)          # position order: stratum by stratum
-        parts.append(head[:, lo:hi].reshape(-1))
-        counts = [hi - lo] * full
-        rest = self.n - full * B
-        if rest and not drop_last:
-            tail = u[full * B:]
-            if not self.map_style:
-                tail = np.sort(tail)
-            a, b = slice_of(lo, hi, rest, B)
-            parts.append(tail[a:b])
-            counts.append(b - a)
-        mine = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-        ptr = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
+        """This rank's Plan of `epoch`: slice [lo, hi) of every global batch (the rows of
+        `positions` there, each batch's in position order). Made window by window from
+        the same random draws, so that its memory is that of the rank's own rows: the
+        whole epoch's positions took ~40 bytes a row of the dataset at once (16M rows of
+        small images: 0.7 GiB, and the kernel killed 1 GiB containers at step 0)."""
+        B, lo, hi = int(global_batch), int(lo), int(hi)
+        full, rest = divmod(self.n, B)
+        partial = bool(rest) and not drop_last
+        a, b = slice_of(lo, hi, rest, B) if partial else (0, 0)
+        counts = np.append(np.full(full, hi - lo, dtype=np.int64), [b - a] if partial else [])
+        ptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         if self.map_style:
-            return Plan(epoch, ptr, mine, np.full(len(mine), -1, dtype=np.int64))
-        rows, blocks = self.to_rows(mine, perm, cum)
-        return Plan(epoch, ptr, rows, blocks)
+            u = self.positions(seed, epoch, B, shuffle)[0]
+            mine = np.concatenate([u[:full * B].reshape(full, B)[:, lo:hi].reshape(-1), u[full * B:][a:b]])
+            return Plan(epoch, ptr, mine)
+        perm, cum, parts = self._positions_of(seed, epoch, B, lo, hi, shuffle)
+        tail = np.arange(full * B + a, full * B + b, dtype=np.int64)  # the partial batch, in position order
+        rows = np.empty(int(ptr[-1]), dtype=np.int32 if self.n < 2 ** 31 else np.int64)
+        block = np.empty(len(rows), dtype=np.int32)
+        at = 0
+        for part in itertools.chain(parts, [tail]):
+            for c in range(0, len(part), self.CHUNK):
+                u = part[c:c + self.CHUNK]
+                j = np.searchsorted(cum, u, side="right") - 1
+                block[at:at + len(u)] = perm[j]
+                rows[at:at + len(u)] = self.starts[perm[j]] + (u - cum[j])
+                at += len(u)
+        # runs: a new one where the block changes, and at every step's start
+        cut = np.zeros(len(rows), dtype=bool)
+        if len(rows):
+            cut[0] = True
+            np.not_equal(block[1:], block[:-1], out=cut[1:])
+            cut[ptr[:-1][ptr[:-1] < len(rows)]] = True
+        run_at = np.append(np.flatnonzero(cut), len(rows)).astype(rows.dtype)
+        del cut
+        run_block = block[run_at[:-1]]
+        return Plan(epoch, ptr, rows, run_at, run_block, np.searchsorted(run_at[:-1], ptr).astype(np.int64))
+
+    def _positions_of(self, seed, epoch, B, lo, hi, shuffle):
+        """(perm, cum, parts): the block order and its offsets as `positions` lays them
+        out, and this rank's positions of the epoch's whole batches, window by window (a
+        generator): batch j of a window holds one position of each of its B strata of K
+        (row i: a + i*K + deal[i, j]), so its strata lo..hi-1 are its rows here, in
+        position order. The deal is drawn in chunks of strata, as `positions` draws it."""
+        k, n = len(self.block_rows), self.n
+        full = n // B
+        if not shuffle:
+            mine = (np.arange(full, dtype=np.int64)[:, None] * B + np.arange(lo, hi)[None, :]).reshape(-1)
+            return np.arange(k), self.starts, iter([mine])
+        rng = np.random.default_rng(np.random.SeedSequence([int(seed) % 2 ** 64, int(epoch), 2]))
+        perm = rng.permutation(k)
+        cum = np.concatenate([[0], np.cumsum(self.block_rows[perm])])
+        window = self.window_rows(B) or max(B, full * B)
+
+        def parts():
+            a = 0
+            strata = np.arange(lo, hi, dtype=np.int64)[:, None]
+            while n - a >= B:
+                K = min(window, n - a) // B
+                per = max(1, self.CHUNK // K)            # strata drawn at once
+                kept = []
+                for r0 in range(0, B, per):
+                    r1 = min(B, r0 + per)
+                    deal = np.tile(np.arange(K, dtype=np.int32), (r1 - r0, 1))
+                    rng.permuted(deal, axis=1, out=deal)
+                    s0, s1 = max(r0, lo), min(r1, hi)
+                    if s0 < s1:
+                        kept.append(deal[s0 - r0:s1 - r0])
+                deal = np.concatenate(kept) if kept else np.zeros((0, K), np.int32)
+                per = max(1, self.CHUNK // max(1, hi - lo))     # batches made at once
+                for j in range(0, K, per):
+                    yield (a + strata * K + deal[:, j:j + per]).T.reshape(-1)
+                a += K * B
+        return perm, cum, parts()
 
 
 class Schedule:
@@ -242,7 +322,7 @@ class Schedule:
     step g % spe of it): what the reader and the batch assembler walk. Plans are made
     on demand and the last few kept; thread-safe."""
 
-    KEEP = 3
+    KEEP = 2        # the epoch being read, and the next (the reader looks a few steps ahead)
 
     def __init__(self, order, seed, global_batch, lo, hi, drop_last=True, shuffle=True):
         import threading
@@ -271,7 +351,7 @@ class Schedule:
 
     def blocks(self, g):
         e, i = divmod(g, self.spe)
-        return self.plan(e).index["step_blocks"][i]
+        return self.plan(e).step_blocks(i)
 
     def last_use(self, g, block):
         e, i = divmod(g, self.spe)
@@ -292,28 +372,23 @@ class Schedule:
 
 
 def _block_steps(plan):
-    """(blocks, steps): every distinct (block, step) pair of `plan`, by block then step."""
-    step_of = np.repeat(np.arange(plan.steps), np.diff(plan.ptr))
-    pairs = np.unique(plan.blocks.astype(np.int64) * (plan.steps + 1) + step_of)
-    return pairs // (plan.steps + 1), pairs % (plan.steps + 1)
+    """(blocks, steps): every distinct (block, step) pair of `plan` (its runs: a block is
+    one run of a step, its rows being in position order), by block then step."""
+    steps = np.repeat(np.arange(plan.steps, dtype=np.int64), np.diff(plan.run_ptr))
+    order = np.lexsort((steps, plan.run_block))
+    return plan.run_block[order].astype(np.int64), steps[order]
 
 
 def _index(plan):
-    """Per step its distinct blocks; per block its steps and last step; per step the
-    blocks it is the last to read."""
-    if plan.blocks.size == 0 or plan.blocks[0] < 0:
-        return {"step_blocks": [()] * plan.steps, "last": {}, "releases": {}, "steps_of": {}}
+    """Per block its steps and last step; per step the blocks it is the last to read."""
+    if plan.run_block is None or not len(plan.run_block):
+        return {"last": {}, "releases": {}, "steps_of": {}}
     blocks, steps = _block_steps(plan)
-    step_blocks = [[] for _ in range(plan.steps)]
-    for b, s in zip(blocks.tolist(), steps.tolist()):
-        step_blocks[s].append(b)
     steps_of, last, releases = {}, {}, {}
     cuts = np.flatnonzero(np.diff(blocks)) + 1
     for chunk_b, chunk_s in zip(np.split(blocks, cuts), np.split(steps, cuts)):
-        if len(chunk_b):
-            b = int(chunk_b[0])
-            steps_of[b] = chunk_s
-            last[b] = int(chunk_s[-1])
-            releases.setdefault(int(chunk_s[-1]), []).append(b)
-    return {"step_blocks": [tuple(x) for x in step_blocks], "last": last, "releases": releases,
-            "steps_of": steps_of}
+        b = int(chunk_b[0])
+        steps_of[b] = chunk_s
+        last[b] = int(chunk_s[-1])
+        releases.setdefault(int(chunk_s[-1]), []).append(b)
+    return {"last": last, "releases": releases, "steps_of": steps_of}
