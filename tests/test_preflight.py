@@ -137,11 +137,12 @@ def test_equal_shares_over_groups_of_unequal_vcores_are_warned_of(caplog):
     assert caplog.messages == []
 
 
-def _write(path, images, labels):
+def _write(path, images, labels, statistics=True):
     import pyarrow as pa
     import pyarrow.parquet as pq
     path.mkdir()
-    pq.write_table(pa.table({"image": images, "label": pa.array(labels, pa.int64())}), path / "part-0.parquet")
+    pq.write_table(pa.table({"image": images, "label": pa.array(labels, pa.int64())}), path / "part-0.parquet",
+                   write_statistics=statistics)
     return str(path)
 
 
@@ -226,6 +227,9 @@ def test_null_labels_and_test_labels_past_the_training_classes_are_refused_befor
     import numpy as np
     import pyarrow as pa
     from PIL import Image
+
+    from training.data import DataError
+    from training.data.formats import inspect
     png = io.BytesIO()
     Image.fromarray(np.zeros((8, 8), np.uint8)).save(png, format="PNG")
     images = pa.array([png.getvalue()] * 64, pa.binary())
@@ -235,6 +239,18 @@ def test_null_labels_and_test_labels_past_the_training_classes_are_refused_befor
         preflight.check_data(_job(nulls), "job.yaml")
     assert str(e.value) == (f"job.yaml: training.data.train: {nulls}/part-0.parquet: 1 row(s) without a label (null "
                             f"in column 'label', its footer's statistics); drop those rows, or give each a label")
+    # written without statistics: its label column is read (a null label was a bare "cannot
+    # convert float NaN to integer" in every rank; -1 named only the directory)
+    for labels, says in (([None] + [i % 4 for i in range(1, 64)], "1 row(s) without a label (null in column "
+                          "'label'); drop those rows, or give each a label"),
+                         ([-1] + [i % 4 for i in range(1, 64)], "its labels run from -1 to 3 (its label column); "
+                          "labels must be class indices >= 0")):
+        bare = _write(tmp_path / f"bare{len(says)}", images, labels, statistics=False)
+        for check in (lambda: preflight.check_data(_job(bare), "job.yaml"), lambda: inspect(bare)):
+            with pytest.raises((YarnappError, DataError)) as e:       # at submit, and in the ranks
+                check()
+            assert f"{bare}/part-0.parquet: " in str(e.value) and \
+                (says in str(e.value) or "labels must be class indices >= 0, found -1" in str(e.value)), e.value
     one_based = _write(tmp_path / "one-based", images, [1 + i % 4 for i in range(64)])
     with pytest.raises(YarnappError) as e:
         preflight.check_data(_job(train, one_based), "job.yaml")

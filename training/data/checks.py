@@ -10,10 +10,13 @@ import shlex
 from typing import List, Optional
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .common import IO_ERRORS, DataError, one_line
-from .formats import RAW, STRUCT, Block, Columns, blocks_of, hf_classes, read_footers, too_many, wanted_columns
+from .formats import (RAW, STRUCT, Block, Columns, blocks_of, hf_classes, read_file_column, read_footers, too_many,
+                      wanted_columns)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +55,8 @@ def check(uri, columns=None, shape=None, named=False):
         except (TypeError, ValueError):     # statistics that are not integers: the ranks' check
             r = None
         says = "its directory" if columns.label in f.partitions[i] else "its footer's statistics"
+        if r is None and md.num_rows and columns.label not in f.partitions[i]:
+            r, says = _read_labels(f, i, name, columns.label), "its label column"      # written without statistics
         if r and n and (r[0] < 0 or r[1] >= n):
             raise DataError(f"{name}: its labels run from {r[0]} to {r[1]} ({says}), "
                             f"outside the {n} classes the dataset's metadata gives (0 to {n - 1}); "
@@ -74,6 +79,17 @@ def check(uri, columns=None, shape=None, named=False):
                    num_classes=n or (len(named) if named else None) or (top + 1 if top is not None else None),
                    lowest=low, named=bool(n or named),
                    one_class_files=any(c in part for part in f.partitions for c in (columns.label, columns.class_name)))
+
+
+def _read_labels(f, i, name, column):
+    """(smallest, largest) label of file i, read from its label column (a file written without
+    statistics: a null label in it was a bare "cannot convert float NaN to integer" in every
+    rank), or None where the labels are not integers (the ranks' check)."""
+    values = read_file_column(f.fs, f.paths[i], name, column, "label")
+    if not pa.types.is_integer(values.type):
+        return None
+    lo_hi = pc.min_max(values)
+    return int(lo_hi["min"].as_py()), int(lo_hi["max"].as_py())
 
 
 def _classes_from_directories(f):

@@ -413,13 +413,20 @@ def _classes(layout, schema, found):
         return hf, len(hf)
     if cols.class_name:
         return _names_from_column(layout)
-    ranges = [found.labels(i) for i in range(len(found.paths)) if found.footers[i].num_rows]
-    if any(r is None for r in ranges):
-        labels = read_column(layout, cols.label)
-        ranges = [(int(labels.min()), int(labels.max()))]
-    lo, hi = min(r[0] for r in ranges), max(r[1] for r in ranges)
-    if lo < 0:
-        raise DataError(f"{layout.uri}: labels must be class indices >= 0, found {lo}")
+    ranges = {}
+    for i in range(len(found.paths)):
+        if found.footers[i].num_rows:
+            ranges[i] = found.labels(i)
+            if ranges[i] is None:       # a file written without statistics: its labels read
+                labels = read_column(layout, cols.label, "label", files=[i])
+                ranges[i] = (int(labels.min()), int(labels.max())) if len(labels) else None
+    ranges = {i: r for i, r in ranges.items() if r is not None}
+    if not ranges:
+        return [], 0
+    low = min(ranges, key=lambda i: ranges[i][0])
+    if ranges[low][0] < 0:
+        raise DataError(f"{layout.name(low)}: labels must be class indices >= 0, found {ranges[low][0]}")
+    hi = max(r[1] for r in ranges.values())
     too_many(layout.uri, hi)
     return [str(i) for i in range(hi + 1)], hi + 1
 
@@ -431,26 +438,40 @@ def too_many(uri, largest):
                         f"{MAX_CLASSES:,} classes); write them so")
 
 
-def read_column(layout, column):
-    """One small column of the whole dataset as numpy (labels, class names)."""
+def read_column(layout, column, what, files=None):
+    """One small column of the dataset (of `files`, indexes into layout.paths; default all)
+    as numpy (labels, class names); DataError naming the file where a row has none (a null
+    `what`: a label became NaN, and then a bare "cannot convert float NaN to integer")."""
     out = []
     for i, path in enumerate(layout.paths):
+        if files is not None and i not in files:
+            continue
         if layout.partitions and column in layout.partitions[i]:
             rows = sum(b.rows for b in layout.blocks if b.file == i)
             out.append(constant(layout.partitions[i][column], rows).to_numpy(zero_copy_only=False))
             continue
-        try:
-            with layout.fs.open_input_file(path) as f:
-                out.append(pq.ParquetFile(f).read(columns=[column]).column(column).to_numpy(zero_copy_only=False))
-        except (pa.ArrowException, OSError) as e:
-            raise DataError(f"{layout.name(i)}: corrupt Parquet data ({one_line(e)}); re-import the dataset") from None
-    return np.concatenate(out)
+        out.append(read_file_column(layout.fs, path, layout.name(i), column, what).to_numpy(zero_copy_only=False))
+    return np.concatenate(out) if out else np.zeros(0)
+
+
+def read_file_column(fs, path, name, column, what):
+    """One column of one file (`name`: as the user named it) as a pyarrow ChunkedArray;
+    DataError where it is corrupt, or where a row has no `what` (null)."""
+    try:
+        with fs.open_input_file(path) as f:
+            values = pq.ParquetFile(f).read(columns=[column]).column(column)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{name}: corrupt Parquet data ({one_line(e)}); re-import the dataset") from None
+    if values.null_count:
+        raise DataError(f"{name}: {values.null_count} row(s) without a {what} (null in column {column!r}); drop "
+                        f"those rows, or give each a {what}")
+    return values
 
 
 def _names_from_column(layout):
     cols = layout.columns
-    labels = read_column(layout, cols.label).astype(np.int64)
-    given = read_column(layout, cols.class_name)
+    labels = read_column(layout, cols.label, "label").astype(np.int64)
+    given = read_column(layout, cols.class_name, "class name")
     if len(labels) and labels.min() < 0:
         raise DataError(f"{layout.uri}: labels must be class indices >= 0, found {labels.min()}")
     n = int(labels.max()) + 1 if len(labels) else 0
