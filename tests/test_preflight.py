@@ -352,3 +352,30 @@ def test_a_test_set_whose_class_directories_mean_other_labels_is_refused_before_
         preflight.check_data(job("test"), "job.yaml")
     write("test2", ["zero", "one"])                 # fewer classes, the same names: fine
     preflight.check_data(job("test2"), "job.yaml")
+
+
+def test_a_dataset_of_very_many_rows_is_warned_of_for_its_epoch_orders(tmp_path, caplog, monkeypatch):
+    """A rank keeps the order of its rows for two epochs (training.data.order, 4 bytes a
+    row), outside training.data.memory: where that passes an eighth of its container,
+    submit says so (a fraction lowered here, for a dataset of 64 rows)."""
+    import io
+
+    import numpy as np
+    import pyarrow as pa
+    from PIL import Image
+
+    from training.data.order import Order
+    png = io.BytesIO()
+    Image.fromarray(np.zeros((8, 8), np.uint8)).save(png, format="PNG")
+    train = _write(tmp_path / "train", pa.array([png.getvalue()] * 64, pa.binary()), [i % 4 for i in range(64)])
+    assert Order([160_000_000], window_bytes=64 << 20).plan_bytes(512, 256) > 1024 << 20 >> 3    # 160M rows: warned
+    with caplog.at_level(logging.WARNING, logger="yarnapp.preflight"):
+        preflight.check_data(_job(train), "job.yaml")
+    assert not caplog.records
+    monkeypatch.setattr(preflight, "ORDER_FRACTION", 1e-5)
+    with caplog.at_level(logging.WARNING, logger="yarnapp.preflight"):
+        preflight.check_data(_job(train), "job.yaml")
+    assert [r.getMessage() for r in caplog.records] == [
+        "job.yaml: training.data.train: its 64 rows are many for group 'w': each of its ranks keeps the order of "
+        "its rows for two epochs, about 10 MiB beside the data it holds (training.data.memory), of its "
+        "container's 1024 MiB; raise groups[0].memory if it is killed for memory"]
