@@ -230,6 +230,25 @@ def test_kill_right_after_submit_ends_the_application_killed(yarnapp_home, tmp_p
     assert_nothing_left(run.app_id)
 
 
+def test_a_supervisor_signalled_from_elsewhere_is_not_said_to_be_killed_by_the_user(yarnapp_home, tmp_path):
+    """A SIGTERM to the supervisor from outside yarnapp (a host shutting down, an operator's
+    kill) ended the application "killed by the user", though nobody ran `yarnapp kill`."""
+    import signal
+
+    from yarnapp.backends.local import supervisor
+    run = yarnapp.submit(_sleeper(tmp_path))
+    deadline = time.monotonic() + 60
+    while not (run.status().get("progress") or {}).get(1) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    d = run.status()["app_dir"]
+    pid = json.load(open(supervisor.record_path(d)))["pid"]
+    os.kill(pid, signal.SIGTERM)
+    st = run.wait(timeout=60)
+    assert st["state"] == "KILLED" and st["diagnostics"] == (
+        f"killed: its supervisor (pid {pid}) was sent SIGTERM from outside yarnapp (not by `yarnapp kill`)"), st
+    assert_nothing_left(run.app_id)
+
+
 def _first_progress(home):
     """The first application's progress at step 1, or None while it is not yet readable."""
     if not apps(home) or not os.path.exists(os.path.join(home, "apps", apps(home)[0], "app.json")):

@@ -26,7 +26,7 @@ from launcher.procs import die_with_parent
 from launcher.store import FileStore
 
 from . import cgroups, gpus, netem
-from .state import app_processes, write_state
+from .state import app_processes, kill_words, write_state
 
 log = logging.getLogger("yarnapp.am")
 
@@ -138,6 +138,7 @@ class ApplicationMaster:
         self.state = "ACCEPTED"
         self.diagnostics = ""
         self.stopping = None
+        self.signum = None      # the signal that stopped it (state.kill_words)
         self.extra = {}
         self.network = None          # netem.Network of the emulated nodes, when the job has some
         self.tensorboard = None      # the tensorboard.service process, when the job asks for one
@@ -150,6 +151,7 @@ class ApplicationMaster:
 
     def on_signal(self, signum, frame):
         self.stopping = "KILLED"
+        self.signum = self.signum or signum
 
     def container_exited(self, c, rc):
         self.store.release(c.id)
@@ -383,7 +385,7 @@ class ApplicationMaster:
             self.extra["failure"] = cause.as_dict() if cause else {}
             self.diagnostics = cause.reason if cause else ""
         elif self.state == "KILLED":
-            self.diagnostics = "killed by the user"
+            self.diagnostics = kill_words(self.dir, self.signum, f"its application master (pid {os.getpid()})")
         self.extra["finished"] = time.time()
         self.save()
         log.info("application %s %s", self.app_id, self.state)

@@ -25,7 +25,7 @@ from ... import preflight, shipping
 from ...errors import YarnappError
 from ..base import TERMINAL, Backend
 from . import cgroups, gpus, netem, supervisor
-from .state import apps_dir, home, read_json, wait_ended, write_json
+from .state import apps_dir, home, read_json, request_kill, wait_ended, write_json
 
 log = logging.getLogger(__name__)
 
@@ -283,6 +283,7 @@ class LocalBackend(Backend):
         # The supervisor passes SIGTERM on to the master and starts no new attempt.
         target = sup if sup and supervisor.alive(d) else st.get("am_pid")
         if st["state"] not in TERMINAL and target and psutil.pid_exists(target):
+            request_kill(d)
             try:
                 os.kill(target, signal.SIGTERM)
             except ProcessLookupError:          # it ended between the two calls

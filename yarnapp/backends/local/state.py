@@ -4,12 +4,15 @@
         app.json        id, secret, submit time (written once by the client, atomic rename)
         job.json        the resolved job spec
         state.json      written by the AM on every change (atomic rename)
+        kill_request    written by `yarnapp kill` before it signals (kill_words)
+        stop_reason     written by a supervisor signalled from elsewhere (kill_words)
         am.log          the AM's log
         store/          the coordination store (launcher.store.FileStore)
         containers/<id>/container.log, work/
 """
 import json
 import os
+import signal
 import time
 
 import psutil
@@ -41,6 +44,25 @@ def read_json(path, default=None):
             return json.load(f)
     except (FileNotFoundError, json.JSONDecodeError):
         return default
+
+
+def request_kill(app_dir):
+    """`yarnapp kill` (or an interrupted `submit --wait`) asks: written before the signal."""
+    write_json(os.path.join(app_dir, "kill_request"), {"time": time.time(), "pid": os.getpid()})
+
+
+def kill_words(app_dir, signum, who):
+    """The diagnostics of an application stopped by signal `signum` sent to `who` (its
+    supervisor, its master): "killed by the user" where `yarnapp kill` asked; else where
+    a supervisor said why (stop_reason), that; else the signal from elsewhere (a host
+    shutting down, or someone's kill: "killed by the user" said so before)."""
+    if os.path.exists(os.path.join(app_dir, "kill_request")):
+        return "killed by the user"
+    said = read_json(os.path.join(app_dir, "stop_reason"))
+    if said:
+        return said["diagnostics"]
+    name = signal.Signals(signum).name if signum else "a signal"
+    return f"killed: {who} was sent {name} from outside yarnapp (not by `yarnapp kill`)"
 
 
 def app_processes(app_id, exclude=None):

@@ -38,7 +38,7 @@ from launcher.procs import stopped as process_stopped
 
 from ..base import TERMINAL
 from . import cgroups, netem
-from .state import app_processes, read_json, write_state
+from .state import app_processes, kill_words, read_json, write_json, write_state
 
 log = logging.getLogger("yarnapp.supervisor")
 
@@ -92,6 +92,7 @@ class Supervisor:
         self.app_id = read_json(os.path.join(app_dir, "app.json"))["app_id"]
         self.am = None
         self.stopping = False
+        self.stopped_by = None      # the KILLED diagnostics (state.kill_words)
         self.attempts = []
 
     def save(self):
@@ -101,6 +102,10 @@ class Supervisor:
         os.replace(tmp, record_path(self.dir))
 
     def on_signal(self, signum, frame):
+        if not self.stopping:
+            self.stopped_by = kill_words(self.dir, signum, f"its supervisor (pid {os.getpid()})")
+            if self.stopped_by != "killed by the user":      # the master says it too
+                write_json(os.path.join(self.dir, "stop_reason"), {"diagnostics": self.stopped_by})
         self.stopping = True
         if self.am and self.am.poll() is None:
             self.am.send_signal(signal.SIGTERM)
@@ -159,7 +164,7 @@ class Supervisor:
             log.error("%s without ending the application; cleaned up (%d processes killed)", what, len(killed))
             if self.stopping or attempt >= self.job.am_attempts:
                 self.finish(st, "KILLED" if self.stopping else "FAILED",
-                            "killed by the user" if self.stopping else
+                            self.stopped_by if self.stopping else
                             f"{what}; no application master attempts left (am_attempts: {self.job.am_attempts})")
                 return 0 if self.stopping else 1
             log.warning("%s; starting attempt %d of %d", what, attempt + 1, self.job.am_attempts)
