@@ -191,6 +191,7 @@ class PeerDiagnosis:
         said = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(rs)} in {w}" for w, rs in at.items())
         if elsewhere:
             said += f"; rank{'s' if len(elsewhere) > 1 else ''} {', '.join(elsewhere)} elsewhere"
+        self.apart_since = None
         return Failure(kind=Kind.HUNG.value, container=self.ident.container, rank=self.ident.rank, reason=(
             f"the ranks wait in {CALLED_APART}, which never meet: {said}; every rank must call them in the same "
             f"order (one made under `if rank == 0:`, or after a rank ran more steps than the others?)"))

@@ -213,7 +213,8 @@ def test_ranks_that_freeze_apart_fail_in_one_line_instead_of_summing_other_tenso
                "root_rank=0); rank(s) 1, 2 in DistributedOptimizer): every rank calls them"]),
     ("rank0_late", ["the ranks wait in different collectives of training.dist, which never meet: rank 0 (big_0) in "
                     "broadcast_parameters(root_rank=0) (call 2 of training.dist, at user_loop.py:",
-                    "ranks 1 (small_0), 2 (small_1) in the optimizer step's sum of gradients (call 2 of training.dist, "
+                    "ranks 1 (small_0), 2 (small_1) in optimizer #1's sum of gradients (backward, or step()) (call 2 of "
+                    "training.dist, "
                     "at user_loop.py:", "every attempt would make the same calls, so it was not retried"]),
     ("none", ["at the first step the ranks' parameters differ"])])
 def test_replicas_left_apart_by_a_broadcast_on_rank_0_alone_or_none_fail_once(tmp_path, yarnapp_home, broadcast, says):

@@ -49,7 +49,7 @@ __all__ = ["init", "rank", "size", "local_rank", "local_size", "context", "share
            "broadcast_object", "allreduce", "allreduce_", "allgather_object", "barrier", "report"]
 
 _ctx = None
-_armed = None       # the communicator whose polite waits have doorbells (_comm)
+_optimizers = 0     # DistributedOptimizers made in this rank (names their sums: training.stalls)
 
 
 def init(ctx=None):
@@ -62,46 +62,6 @@ def init(ctx=None):
     collectives.set_polite(_ctx.me.throttled)
     torch.set_num_threads(_ctx.me.threads)
     return _ctx
-
-
-def _comm(ctx, call):
-    """ctx.comm, for the collective `call` of this API. On the first, collectively: every
-    rank says which call it is in, and its doorbells are armed (training.collectives.
-    doorbells: where every rank is on one host, a throttled rank's waits sleep until
-    another rank starts a wait, instead of waking every 0.2 ms to test, as the runner's
-    ranks wait). Here and not in init(), which a rank may call alone (or never): every rank
-    enters the collectives in the same order, so the first one is every rank's.
-
-    The calls compared: a Horovod slip, `if rank == 0: broadcast_parameters(...)` before the
-    optimizer is wrapped, matched rank 0's broadcasts with the others' next collectives, and
-    the application hung (or, where MPI's root returned from a small broadcast at once,
-    trained apart). Only the first call: a later check would be a collective of its own,
-    where a rank-0-only broadcast after DistributedOptimizer (Horovod's order) met the
-    others in their gradients' sum (the first step's check of the replicas finds that)."""
-    global _armed
-    comm = ctx.comm
-    if _armed is not comm:
-        calls = comm.allgather(call) if ctx.world_size > 1 else [call]
-        collectives.doorbells(comm)
-        _armed = comm
-        if len(set(calls)) > 1:
-            from conf.errors import YarnappError
-            where = {}
-            for r, c in enumerate(calls):
-                where.setdefault(c, []).append(str(r))
-            said = "; ".join(f"rank(s) {', '.join(rs)} in {c}" for c, rs in where.items())
-            raise YarnappError(f"the ranks' first collectives of training.dist differ ({said}): every rank calls "
-                               f"them, in the same order; a broadcast too (not under `if rank == 0`: root_rank "
-                               f"says whose values every rank gets)")
-    return comm
-
-
-@contextlib.contextmanager
-def _collective(ctx, call):
-    """ctx.comm (_comm), for one collective `call` of the API made inside the block: a long
-    wait in it is told to the agent (training.stalls)."""
-    with stalls.within(ctx, call):
-        yield _comm(ctx, call)
 
 
 def context():
@@ -163,7 +123,7 @@ def share_weights(shares="equal", ctx=None, model=None, example=None, batch=None
     if model is None or example is None:
         raise ValueError("shares 'speed' needs model= and example= (a batch of inputs) to measure")
     from .strategies.shares import measured_weights
-    with _collective(ctx, "share_weights") as comm:
+    with stalls.collective(ctx, "share_weights") as comm:
         weights, _ = measured_weights(comm, model, example, batch or len(example) * ctx.world_size)
     return weights
 
@@ -289,6 +249,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=No
                            f"per model, or leave out model= so that each wraps its own optimizer's parameters")
     weight = 1.0 / ctx.world_size if weight is None else float(weight)
     overlap = "thread" if ctx.me.vcores - torch.get_num_threads() >= 1 else "poll"
+    global _optimizers
+    _optimizers += 1
+    sum_call = f"optimizer #{_optimizers}'s sum of gradients (backward, or step())"   # (training.stalls)
+    comm = ctx.comm
+
     def make_reducer(trainable):        # collective (the reducer's own communicator)
         return collectives.GradientReducer(trainable, comm, bucket_mb=bucket_mb,
                                            ring_threshold_kb=ring_threshold_kb, overlap=overlap,
@@ -300,7 +265,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=No
         now = params if model is None and named_parameters is not None else _params(model, None, optimizer)
         return [p for p in dict.fromkeys(now) if _REDUCED.get(p) in (None, state["reducer"])]
 
-    with _collective(ctx, "DistributedOptimizer") as comm:
+    with stalls.collective(ctx, "DistributedOptimizer"):
         state = {"queued": False, "reduced": False, "reducer": make_reducer(params), "changed": False,
                  "checked": False}
 
@@ -357,7 +322,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=No
         """Wait for the sum of this step's gradients (done by the end of backward already)."""
         if not state["reduced"]:
             reducer = state["reducer"]
-            with stalls.within(ctx, "the optimizer step's sum of gradients"):
+            with stalls.within(ctx, sum_call):
                 reducer.finish()
                 state["changed"] = trainable_changed(reducer)
             state["reduced"] = True
@@ -472,7 +437,7 @@ def broadcast_parameters(params, root_rank=0, ctx=None):
     from .devices import bcast_
     ctx = ctx or context()
     root_rank = _root(root_rank, ctx)
-    with _collective(ctx, f"broadcast_parameters(root_rank={root_rank})") as comm:
+    with stalls.collective(ctx, f"broadcast_parameters(root_rank={root_rank})") as comm:
         for t in _tensors(params):
             if isinstance(t, torch.Tensor) and t.numel():
                 bcast_(comm, t, root=root_rank)
@@ -482,7 +447,7 @@ def broadcast_object(obj, root_rank=0, ctx=None, name=None):
     """root_rank's `obj` on every rank (pickled). Collective. (`name`: Horovod's, unused.)"""
     ctx = ctx or context()
     root_rank = _root(root_rank, ctx)
-    with _collective(ctx, f"broadcast_object(root_rank={root_rank})") as comm:
+    with stalls.collective(ctx, f"broadcast_object(root_rank={root_rank})") as comm:
         return comm.bcast(obj, root=root_rank)
 
 
@@ -511,7 +476,7 @@ def allreduce_(tensor, average=True, ctx=None, name=None):
     host = tensor.detach()
     if host.device.type != "cpu" or not host.is_contiguous() or host.dtype != wire:
         host = host.to("cpu", wire).contiguous()
-    with _collective(ctx, "allreduce") as comm:
+    with stalls.collective(ctx, "allreduce") as comm:
         collectives.allreduce_(host, comm)
     if average:
         host.div_(ctx.world_size)
@@ -534,10 +499,10 @@ def allreduce(tensor, average=True, ctx=None, name=None):
 
 def allgather_object(obj, ctx=None, name=None):
     """[every rank's obj] in rank order. Collective. (`name`: Horovod's, unused.)"""
-    with _collective(ctx or context(), "allgather_object") as comm:
+    with stalls.collective(ctx or context(), "allgather_object") as comm:
         return comm.allgather(obj)
 
 
 def barrier(ctx=None):
-    with _collective(ctx or context(), "barrier") as comm:
+    with stalls.collective(ctx or context(), "barrier") as comm:
         collectives.wait(comm.Ibarrier())

@@ -1,21 +1,28 @@
-"""A rank's long waits in training.dist's collectives, told to its agent: the proof that
-the ranks' code calls different collectives.
+"""Ranks that call different collectives of training.dist, found instead of hung.
 
-Every collective of the API (training.dist: a broadcast, an allreduce, the optimizer
+Every collective of the API (training.dist: a broadcast, an allreduce, an optimizer
 step's sum of gradients...) is one call, counted per rank: in a correct program every
-rank makes the same calls in the same order, so its n-th call is every rank's n-th. A
-rank whose call has lasted WAIT_S publishes which it is (launcher.keys.stall: its number,
-its name, the line of the user's code it came from), and publishes again when it leaves
-it. Two ranks waiting in calls of the same number and different names can never meet:
-`if rank == 0: broadcast_parameters(...)` after the optimizer is wrapped left rank 0 in
-its broadcast and the others in their first step's sum, before any progress report, so
-nothing judged it and the application hung for good. Their agents (launcher.diagnosis
-`called_apart`) end the generation naming each rank's call and line, and it is not
-retried: every attempt runs the same code. Horovod's stall inspector warns of a tensor
-that some ranks did not submit, after a minute; here the world ends in one line.
+rank makes the same calls in the same order, so its n-th call is every rank's n-th.
 
-Waits of other kinds (torch.distributed, the communicator's own methods) are not
-counted; a hang in them is judged from the ranks' silence (launcher.agent).
+- The first call of a world (`collective`), collectively: every rank says which it is
+  in, and its doorbells are armed (training.collectives.doorbells: where every rank is on
+  one host, a throttled rank's waits sleep until another rank starts a wait). A Horovod
+  slip, `if rank == 0: broadcast_parameters(...)` before the optimizer is wrapped, matched
+  rank 0's broadcasts with the others' next collectives: it hung, or trained apart.
+- Any later call that lasts WAIT_S is published (launcher.keys.stall: its number, name and
+  the user's line it came from), and published again once left. Two ranks waiting in
+  calls of the same number and different names never meet: a rank-0-only broadcast after
+  the optimizer is wrapped left rank 0 in its broadcast and the others in their first
+  step's sum, before any progress report, and the application hung for good; a rank one
+  step ahead met the others' `allreduce` of a metric and hung until heartbeat_timeout,
+  then again at every retry. Their agents (launcher.diagnosis `called_apart`) end the
+  generation naming each rank's call and line, not retried: every attempt runs the same
+  code. (Horovod's stall inspector warns of a tensor some ranks did not submit, after a
+  minute.) A check at every call would be a collective of its own; this costs nothing
+  until a call lasts.
+
+Waits of other kinds (torch.distributed, the communicator's own methods) are not counted;
+a hang in them is judged from the ranks' silence (launcher.agent).
 """
 import contextlib
 import json
@@ -27,7 +34,8 @@ import time
 WAIT_S = 5.0        # a call this long is published (a rank may wait this long for a slow peer)
 CHECK_S = 1.0       # how often the watcher looks
 
-_calls = None       # this rank's Calls (one per RunContext: a generation's)
+_calls = None       # this rank's Calls: one per (generation, rank)
+_armed = None       # the communicator whose first call was checked (collective)
 
 
 class Calls:
@@ -37,10 +45,11 @@ class Calls:
         from launcher import keys
         self.key = keys.stall(ctx.generation, ctx.rank)
         self.publish = ctx.publish
-        self.ctx = ctx
         self.count = 0
         self.now = None         # (number, name, monotonic start, thread id) of the call in progress
-        self.told = 0           # the number of the call last published
+        self.told = 0           # the number of the call last published as waited in
+        self.lock = threading.Lock()
+        self.main = threading.main_thread().ident
         threading.Thread(target=self._watch, name="yarnapp-stalls", daemon=True).start()
 
     @contextlib.contextmanager
@@ -51,9 +60,10 @@ class Calls:
         try:
             yield
         finally:
-            self.now = None
-            if self.told == n:
-                self._put({"call": n, "name": None})
+            with self.lock:     # the watcher publishes a wait only while the call lasts
+                self.now = None
+                if self.told == n:
+                    self._put({"call": n, "name": None})
 
     def _watch(self):
         while True:
@@ -62,8 +72,11 @@ class Calls:
             if now is None or now[0] == self.told or time.monotonic() - now[2] < WAIT_S:
                 continue
             n, name, _, thread = now
-            self.told = n
-            self._put({"call": n, "name": name, "at": user_line(thread), "time": time.time()})
+            at = user_line(thread) or user_line(self.main)  # (a CUDA backward's sum runs on torch's thread)
+            with self.lock:
+                if self.now is now:
+                    self.told = n
+                    self._put({"call": n, "name": name, "at": at, "time": time.time()})
 
     def _put(self, record):
         try:
@@ -78,9 +91,34 @@ def within(ctx, name):
     global _calls
     if ctx.publish is None or ctx.world_size < 2:
         return contextlib.nullcontext()
-    if _calls is None or _calls.ctx is not ctx:
+    from launcher import keys
+    if _calls is None or _calls.key != keys.stall(ctx.generation, ctx.rank):
         _calls = Calls(ctx)
     return _calls.within(name)
+
+
+@contextlib.contextmanager
+def collective(ctx, name):
+    """ctx.comm, for one collective call `name` of the API made inside the block (`within`);
+    the world's first is checked collectively (module docstring)."""
+    global _armed
+    with within(ctx, name):
+        comm = ctx.comm
+        if _armed is not comm:
+            names = comm.allgather(name) if ctx.world_size > 1 else [name]
+            from . import collectives
+            collectives.doorbells(comm)
+            _armed = comm
+            if len(set(names)) > 1:
+                from conf.errors import YarnappError
+                where = {}
+                for r, c in enumerate(names):
+                    where.setdefault(c, []).append(str(r))
+                said = "; ".join(f"rank(s) {', '.join(rs)} in {c}" for c, rs in where.items())
+                raise YarnappError(f"the ranks' first collectives of training.dist differ ({said}): every rank "
+                                   f"calls them, in the same order; a broadcast too (not under `if rank == 0`: "
+                                   f"root_rank says whose values every rank gets)")
+        yield comm
 
 
 def user_line(thread):
