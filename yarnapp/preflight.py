@@ -5,8 +5,9 @@ at the first checkpoint).
 
 A job whose data is missing, empty, not Parquet, or lacks its image and label columns
 would start its containers only to fail in them. For a job of the built-in runner (the
-one that reads `training.data`), the client reads every file's footer first (no rows:
-training.data.checks.check, what each rank does at start) and refuses such a job in one
+one that reads `training.data`), the client reads every file's footer first (no rows, but
+the label column of a file written without statistics: training.data.checks.check, what
+each rank does at start) and refuses such a job in one
 line naming the field; where the files give the images' size (raw pixels), it plays the
 augmentation and test transforms on one blank image of it, so that sizes which differ
 (a crop larger than the test images) are refused too. On YARN, a local path (one on the

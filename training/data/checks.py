@@ -1,5 +1,5 @@
-"""Checks of a Parquet image dataset before any rank reads it, from its footers (and its
-first image): what `yarnapp submit` refuses at once (yarnapp.preflight) that a rank would
+"""Checks of a Parquet image dataset before any rank reads it, from its footers (the label
+column of a file written without statistics, and the first image): what `yarnapp submit` refuses at once (yarnapp.preflight) that a rank would
 otherwise meet mid-epoch: no rows, no labels, null labels or images, labels outside the
 classes, bytes that are no image, a test set whose classes are not the training set's
 (checked by the ranks too, training.data.source). What a dataset holds is
@@ -35,7 +35,8 @@ class Checked:
 def check(uri, columns=None, shape=None, named=False):
     """Raise DataError (Unreachable where the filesystem cannot be reached) unless `uri`
     holds a dataset `inspect` can open: every file's footer read, no rows, no labels, no
-    null label or image (the footers' statistics), no label outside the metadata's classes.
+    null label or image (the footers' statistics; a file's label column where it has none),
+    no label outside the metadata's classes.
     Returns what it found (Checked). named: the classes are named elsewhere (a test set's,
     by its training set): no class-name column is needed."""
     f = read_footers(uri, columns or Columns(), shape, named)
@@ -55,7 +56,8 @@ def check(uri, columns=None, shape=None, named=False):
         except (TypeError, ValueError):     # statistics that are not integers: the ranks' check
             r = None
         says = "its directory" if columns.label in f.partitions[i] else "its footer's statistics"
-        if r is None and md.num_rows and columns.label not in f.partitions[i]:
+        if r is None and md.num_rows and columns.label not in f.partitions[i] and \
+                pa.types.is_integer(md.schema.to_arrow_schema().field(columns.label).type):
             r, says = _read_labels(f, i, name, columns.label), "its label column"      # written without statistics
         if r and n and (r[0] < 0 or r[1] >= n):
             raise DataError(f"{name}: its labels run from {r[0]} to {r[1]} ({says}), "
@@ -84,11 +86,8 @@ def check(uri, columns=None, shape=None, named=False):
 def _read_labels(f, i, name, column):
     """(smallest, largest) label of file i, read from its label column (a file written without
     statistics: a null label in it was a bare "cannot convert float NaN to integer" in every
-    rank), or None where the labels are not integers (the ranks' check)."""
-    values = read_file_column(f.fs, f.paths[i], name, column, "label")
-    if not pa.types.is_integer(values.type):
-        return None
-    lo_hi = pc.min_max(values)
+    rank); its labels are integers."""
+    lo_hi = pc.min_max(read_file_column(f.fs, f.paths[i], name, column, "label"))
     return int(lo_hi["min"].as_py()), int(lo_hi["max"].as_py())
 
 

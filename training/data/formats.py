@@ -443,9 +443,8 @@ def read_column(layout, column, what, files=None):
     as numpy (labels, class names); DataError naming the file where a row has none (a null
     `what`: a label became NaN, and then a bare "cannot convert float NaN to integer")."""
     out = []
-    for i, path in enumerate(layout.paths):
-        if files is not None and i not in files:
-            continue
+    for i in range(len(layout.paths)) if files is None else files:
+        path = layout.paths[i]
         if layout.partitions and column in layout.partitions[i]:
             rows = sum(b.rows for b in layout.blocks if b.file == i)
             out.append(constant(layout.partitions[i][column], rows).to_numpy(zero_copy_only=False))

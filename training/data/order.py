@@ -199,10 +199,17 @@ class Order:
 
     def plan_bytes(self, global_batch, rows):
         """About the bytes a Schedule of a rank reading `rows` of each global batch holds:
-        Schedule.KEEP epochs of its rows (4 bytes each below 2**31 rows, else 8; their runs
-        of one block are fewer), and plan's temporaries while one is made."""
+        Schedule.KEEP epochs of its rows (4 bytes each below 2**31 rows, else 8) and of
+        their runs of one block (~16 bytes each with the index: a run per block a step
+        touches, as step_bytes counts them), and plan's temporaries while one is made."""
+        B, rows = int(global_batch), int(rows)
+        if rows <= 0 or self.n < B:
+            return 0
+        K = max(1, min(self.window_rows(B) or self.n, self.n) // B)
+        row, block = self._row_and_block()
+        runs_per_row = min(rows, rows * K * row / block + 2) / rows
         itemsize = 4 if self.n < 2 ** 31 else 8
-        return int(Schedule.KEEP * self.n * int(rows) / int(global_batch) * itemsize) + 40 * self.CHUNK
+        return int(Schedule.KEEP * self.n * rows / B * (itemsize + 16 * runs_per_row)) + 48 * self.CHUNK
 
     def positions(self, seed, epoch, global_batch, shuffle=True):
         """(u, perm, cum): the epoch's sequence u of positions in the row space laid out in
@@ -259,60 +266,71 @@ class Order:
         perm, cum, parts = self._positions_of(seed, epoch, B, lo, hi, shuffle)
         tail = np.arange(full * B + a, full * B + b, dtype=np.int64)  # the partial batch, in position order
         rows = np.empty(int(ptr[-1]), dtype=np.int32 if self.n < 2 ** 31 else np.int64)
-        block = np.empty(len(rows), dtype=np.int32)
-        at = 0
+        firsts = ptr[:-1][counts > 0]               # where the steps with rows start: each starts a run
+        run_at, run_block, at, last = [], [], 0, -1
         for part in itertools.chain(parts, [tail]):
             for c in range(0, len(part), self.CHUNK):
                 u = part[c:c + self.CHUNK]
                 j = np.searchsorted(cum, u, side="right") - 1
-                block[at:at + len(u)] = perm[j]
-                rows[at:at + len(u)] = self.starts[perm[j]] + (u - cum[j])
-                at += len(u)
-        # runs: a new one where the block changes, and at every step's start
-        cut = np.zeros(len(rows), dtype=bool)
-        if len(rows):
-            cut[0] = True
-            np.not_equal(block[1:], block[:-1], out=cut[1:])
-            cut[ptr[:-1][ptr[:-1] < len(rows)]] = True
-        run_at = np.append(np.flatnonzero(cut), len(rows)).astype(rows.dtype)
-        del cut
-        run_block = block[run_at[:-1]]
+                block = perm[j]
+                rows[at:at + len(u)] = self.starts[block] + (u - cum[j])
+                cut = np.empty(len(u), dtype=bool)     # a new run where the block changes, or a step starts
+                cut[0] = block[0] != last
+                np.not_equal(block[1:], block[:-1], out=cut[1:])
+                cut[firsts[np.searchsorted(firsts, at):np.searchsorted(firsts, at + len(u))] - at] = True
+                new = np.flatnonzero(cut)
+                run_at.append(new + at)
+                run_block.append(block[new].astype(np.int32))
+                at, last = at + len(u), block[-1]
+        run_at = np.concatenate(run_at + [[len(rows)]]).astype(rows.dtype)
+        run_block = np.concatenate(run_block) if run_block else np.zeros(0, np.int32)
         return Plan(epoch, ptr, rows, run_at, run_block, np.searchsorted(run_at[:-1], ptr).astype(np.int64))
 
     def _positions_of(self, seed, epoch, B, lo, hi, shuffle):
         """(perm, cum, parts): the block order and its offsets as `positions` lays them
-        out, and this rank's positions of the epoch's whole batches, window by window (a
-        generator): batch j of a window holds one position of each of its B strata of K
-        (row i: a + i*K + deal[i, j]), so its strata lo..hi-1 are its rows here, in
-        position order. The deal is drawn in chunks of strata, as `positions` draws it."""
+        out, and this rank's positions of the epoch's whole batches, in pieces of about
+        CHUNK (a generator): batch j of a window holds one position of each of its B strata
+        of K (stratum i: a + i*K + deal[i, j]), so its strata lo..hi-1 are its rows here,
+        in position order. The deal is drawn as `positions` draws it, in pieces: several
+        windows at once where they are small (a window of one batch each, large images),
+        strata of one window at a time where it is large."""
         k, n = len(self.block_rows), self.n
         full = n // B
+        per = max(1, self.CHUNK // max(1, hi - lo))         # batches made at once
+        strata = np.arange(lo, hi, dtype=np.int64)[:, None]
         if not shuffle:
-            mine = (np.arange(full, dtype=np.int64)[:, None] * B + np.arange(lo, hi)[None, :]).reshape(-1)
-            return np.arange(k), self.starts, iter([mine])
+            return np.arange(k), self.starts, ((np.arange(s, min(full, s + per), dtype=np.int64)[:, None] * B
+                                                + strata.T).reshape(-1) for s in range(0, full, per))
         rng = np.random.default_rng(np.random.SeedSequence([int(seed) % 2 ** 64, int(epoch), 2]))
         perm = rng.permutation(k)
         cum = np.concatenate([[0], np.cumsum(self.block_rows[perm])])
         window = self.window_rows(B) or max(B, full * B)
 
+        def deal(strata_count, K):
+            d = np.tile(np.arange(K, dtype=np.int32), (strata_count, 1))
+            return rng.permuted(d, axis=1, out=d)
+
         def parts():
             a = 0
-            strata = np.arange(lo, hi, dtype=np.int64)[:, None]
             while n - a >= B:
                 K = min(window, n - a) // B
-                per = max(1, self.CHUNK // K)            # strata drawn at once
+                W = min((n - a) // (K * B), self.CHUNK // (K * B))      # whole windows of K batches at once
+                if W > 1:
+                    d = deal(W * B, K).reshape(W, B, K)[:, lo:hi, :]
+                    yield (a + np.arange(W)[:, None, None] * (K * B) + strata[None] * K + d).transpose(0, 2, 1) \
+                        .reshape(-1)
+                    a += W * K * B
+                    continue
+                step = max(1, self.CHUNK // K)          # strata drawn at once
                 kept = []
-                for r0 in range(0, B, per):
-                    r1 = min(B, r0 + per)
-                    deal = np.tile(np.arange(K, dtype=np.int32), (r1 - r0, 1))
-                    rng.permuted(deal, axis=1, out=deal)
-                    s0, s1 = max(r0, lo), min(r1, hi)
+                for r0 in range(0, B, step):
+                    d = deal(min(B, r0 + step) - r0, K)
+                    s0, s1 = max(r0, lo), min(r0 + len(d), hi)
                     if s0 < s1:
-                        kept.append(deal[s0 - r0:s1 - r0])
-                deal = np.concatenate(kept) if kept else np.zeros((0, K), np.int32)
-                per = max(1, self.CHUNK // max(1, hi - lo))     # batches made at once
+                        kept.append(d[s0 - r0:s1 - r0])
+                d = np.concatenate(kept) if kept else np.zeros((0, K), np.int32)
                 for j in range(0, K, per):
-                    yield (a + strata * K + deal[:, j:j + per]).T.reshape(-1)
+                    yield (a + strata * K + d[:, j:j + per]).T.reshape(-1)
                 a += K * B
         return perm, cum, parts()
 
@@ -374,9 +392,9 @@ class Schedule:
 def _block_steps(plan):
     """(blocks, steps): every distinct (block, step) pair of `plan` (its runs: a block is
     one run of a step, its rows being in position order), by block then step."""
-    steps = np.repeat(np.arange(plan.steps, dtype=np.int64), np.diff(plan.run_ptr))
+    steps = np.repeat(np.arange(plan.steps, dtype=np.int32), np.diff(plan.run_ptr))
     order = np.lexsort((steps, plan.run_block))
-    return plan.run_block[order].astype(np.int64), steps[order]
+    return plan.run_block[order], steps[order]
 
 
 def _index(plan):
