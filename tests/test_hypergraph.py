@@ -191,6 +191,36 @@ def test_models_that_are_not_chains_are_refused():
         P.partition_report(P.LeNetCIFAR(), (3, 32, 32), [1, 0], 64)
 
 
+def test_a_reshape_by_the_batchs_size_is_a_chain_and_other_size_arithmetic_is_refused():
+    """`x.view(x.size(0), -1)` (and x.size()[0], x.shape[0]: the tutorials' flatten) was
+    refused as "not a chain of layers": the size node is a second user of the tensor."""
+    class Net(nn.Module):
+        def __init__(self, how):
+            super().__init__()
+            self.conv, self.fc, self.how = nn.Conv2d(3, 4, 3), nn.Linear(4 * 6 * 6, 2), how
+
+        def forward(self, x):
+            x = F.relu(self.conv(x))
+            if self.how == "size":
+                x = x.view(x.size(0), -1)
+            elif self.how == "size()":
+                x = x.view(x.size()[0], -1)
+            elif self.how == "shape":
+                x = x.reshape(x.shape[0], -1)
+            else:
+                x = x.view(x.size(0), x.size(1) * 36)
+            return self.fc(x)
+    x = torch.randn(5, 3, 8, 8)
+    for how in ("size", "size()", "shape"):
+        net = Net(how)
+        chain = P.layer_chain(net, (3, 8, 8))               # traced at batch 1, run at 5
+        assert [layer.name for layer in chain.layers] == ["conv", "fc", "loss"]
+        t = chain.layers[0].post[0](net.conv(x))
+        assert torch.equal(chain.layers[1].pre[0](t), F.relu(net.conv(x)).reshape(5, -1)), how
+    with pytest.raises(P.PartitionError, match="not a chain of layers at node 'mul'"):
+        P.layer_chain(Net("arithmetic"), (3, 8, 8))
+
+
 def test_digits_cnn_and_mlp_are_chains():
     from training.models import build_model
     digits = P.layer_chain(build_model("digits_cnn", (1, 8, 8), 10), (1, 8, 8))

@@ -32,7 +32,8 @@ class SmallCNN(nn.Module):
     def forward(self, x):
         x = F.max_pool2d(F.relu(self.conv1(x)), 2)
         x = F.max_pool2d(torch.relu(self.conv2(x)), 2)
-        return self.fc2(F.relu(self.fc1(torch.flatten(x, 1))))
+        x = x.view(x.size(0), -1)       # the batch's size read at each step, not traced (batch 1)
+        return self.fc2(F.relu(self.fc1(x)))
 
 
 class WithDropout(SmallCNN):

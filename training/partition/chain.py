@@ -103,17 +103,70 @@ class _Slot:
 _SLOT = _Slot()
 
 
-def _bound(node, fn):
+@dataclasses.dataclass(frozen=True)
+class _Size:
+    """Stands for t.size(dim) of the chain's tensor: `x.view(x.size(0), -1)` (the batch's
+    size differs by rank and step, so it is read from t, never traced as a constant)."""
+    dim: int
+
+
+def _size_dim(node, prev):
+    """dim, where fx node `node` is a size of `prev` — x.size(d), x.size()[d], x.shape[d] —
+    else None."""
+    import operator
+    if node.op == "call_method" and node.target == "size" and len(node.args) == 2 and node.args[0] is prev \
+            and isinstance(node.args[1], int):
+        return node.args[1]
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], int):
+        whole = node.args[0]
+        if isinstance(whole, torch.fx.Node) and whole.args and whole.args[0] is prev and (
+                (whole.op == "call_method" and whole.target == "size" and len(whole.args) == 1)
+                or (whole.op == "call_function" and whole.target is getattr and whole.args[1:] == ("shape",))):
+            return node.args[1]
+    return None
+
+
+def _size_part(node, prev):
+    """Whether fx node `node` computes a size of `prev` (x.size(d), x.size(), x.shape, or an
+    item of those)."""
+    import operator
+    if node.op == "call_method" and node.target == "size":
+        return node.args[0] is prev
+    if node.op == "call_function" and node.target is getattr:
+        return node.args[0] is prev and node.args[1:] == ("shape",)
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+        return _size_part(node.args[0], prev)
+    return False
+
+
+def _sizes(node, prev):
+    """{argument node: dim} of the sizes of `prev` that `node` (a reshape of prev) takes as
+    arguments, or None where one is not a size of one dimension."""
+    out = {}
+    for a in node.all_input_nodes:
+        if a is not prev and _size_part(a, prev):
+            d = _size_dim(a, prev)
+            if d is None:
+                return None
+            out[a] = d
+    return out
+
+
+def _bound(node, fn, sizes=None):
     """A one-argument callable applying fx node `node` to a tensor t: the node's args with its
-    one input (the chain's predecessor) replaced by t. Only constants are kept, not the
-    node, so the callable holds no reference to the traced graph or the model's weights."""
-    args = torch.fx.node.map_arg(node.args, lambda n: _SLOT)
-    kwargs = dict(torch.fx.node.map_arg(node.kwargs, lambda n: _SLOT))
+    one input (the chain's predecessor) replaced by t, and its sizes of it (`sizes`, from
+    _sizes) read from t. Only constants are kept, not the node, so the callable holds no
+    reference to the traced graph or the model's weights."""
+    sizes = sizes or {}
+    args = torch.fx.node.map_arg(node.args, lambda n: _Size(sizes[n]) if n in sizes else _SLOT)
+    kwargs = dict(torch.fx.node.map_arg(node.kwargs, lambda n: _Size(sizes[n]) if n in sizes else _SLOT))
     method = node.target if node.op == "call_method" else None
 
     def fill(a, t):
         if a is _SLOT:
             return t
+        if isinstance(a, _Size):
+            return t.size(a.dim)
         if isinstance(a, (tuple, list)):
             return type(a)(fill(v, t) for v in a)
         return a
@@ -127,8 +180,9 @@ def _bound(node, fn):
     return call
 
 
-def _classify(node, modules):
-    """('unit', module) | ('op', Op); raises PartitionError for anything else."""
+def _classify(node, modules, sizes=None):
+    """('unit', module) | ('op', Op); raises PartitionError for anything else. sizes: a
+    reshape's size arguments (_sizes)."""
     if node.op == "call_module":
         m = modules[node.target]
         if isinstance(m, nn.Conv2d):
@@ -148,12 +202,12 @@ def _classify(node, modules):
     elif node.op == "call_function":
         f = node.target
         if f in _ELEMENTWISE_FUNCTIONS or f in _POOL_FUNCTIONS or f in _RESHAPE_FUNCTIONS:
-            return "op", Op(node.name, _bound(node, f), f not in _RESHAPE_FUNCTIONS,
+            return "op", Op(node.name, _bound(node, f, sizes), f not in _RESHAPE_FUNCTIONS,
                             dropout=f is F.dropout)
         what = getattr(f, "__name__", str(f))
     elif node.op == "call_method":
         if node.target in _ELEMENTWISE_METHODS or node.target in _RESHAPE_METHODS:
-            return "op", Op(node.name, _bound(node, None), node.target in _ELEMENTWISE_METHODS)
+            return "op", Op(node.name, _bound(node, None, sizes), node.target in _ELEMENTWISE_METHODS)
         what = f"Tensor.{node.target}"
     else:
         what = f"{node.op} {node.target}"
@@ -191,13 +245,16 @@ def layer_chain(model, input_shape, num_classes=None):
     layers, pending = [], []          # pending: ops since the last unit layer
     prev = placeholders[0]
     for node in nodes:
-        if node.op in ("placeholder", "output"):
-            continue
-        if node.all_input_nodes != [prev] or len(prev.users) != 1:
+        if node.op in ("placeholder", "output") or _size_part(node, prev):
+            continue                    # a size of the chain's tensor: read by the reshape that takes it
+        sizes = _sizes(node, prev) if node.op == "call_method" and node.target in ("view", "reshape") else {}
+        users = [u for u in prev.users if not _size_part(u, prev)]
+        if sizes is None or prev not in node.all_input_nodes or users != [node] or \
+                any(a is not prev and a not in sizes for a in node.all_input_nodes):
             raise PartitionError(f"the model is not a chain of layers at node {node.name!r} "
                                  f"(inputs {[n.name for n in node.all_input_nodes]}): residual or "
                                  "branching graphs are not supported by the hypergraph strategy")
-        kind, what = _classify(node, modules)
+        kind, what = _classify(node, modules, sizes)
         if kind == "op":
             pending.append((what, node))
         else:
