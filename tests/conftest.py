@@ -15,7 +15,7 @@ def pytest_configure(config):
     # Ctrl-C need it as a user's terminal delivers it.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if config.option.durations is None:     # the suite's budget (20 min on CI's 2 cores): where it goes
-        config.option.durations = 15
+        config.option.durations = 40
     config.addinivalue_line("markers", "yarn: runs on a real YARN: the suite's own single-node Hadoop "
                             "(tests/test_yarn_real.py), or your cluster with YARNAPP_TEST_YARN=1")
     config.addinivalue_line("markers", "slow: a multi-process job taking more than a few seconds")
