@@ -724,3 +724,37 @@ def test_a_users_error_line_says_where_their_code_raised_it_and_keeps_every_line
         assert error_line(e.value).startswith("KeyError: 'missing' (test_agent_states.py:")
     finally:
         sys.path.remove(str(tmp_path))
+
+
+def test_ranks_in_calls_of_the_same_number_and_different_names_are_named_and_a_silent_one_after_a_grace():
+    """launcher.diagnosis.called_apart on the records training.stalls publishes: the same call
+    number everywhere is no verdict (a slow peer), a conflict is, naming every rank; a rank
+    that has said nothing is named "elsewhere" once APART_GRACE_S has passed."""
+    from types import SimpleNamespace
+
+    from launcher import diagnosis
+
+    class Judge(diagnosis.PeerDiagnosis):
+        def __init__(self, rank):
+            self.ident = SimpleNamespace(rank=rank, container=f"w_{rank}")
+            self.members = [{"rank": r, "container": f"w_{r}"} for r in range(3)]
+
+    def seen(*records):
+        return {keys.stall(0, r): json.dumps(rec) for r, rec in records}
+
+    waiting = {"call": 4, "name": "allreduce", "at": "train.py:9 in main"}
+    same = seen((0, waiting), (1, waiting), (2, waiting))
+    assert Judge(0).called_apart(0, same) is None
+    left = seen((0, {"call": 4, "name": "barrier", "at": "train.py:7 in main"}), (1, waiting),
+                (2, {"call": 4, "name": None}))
+    judge = Judge(0)
+    assert judge.called_apart(0, left) is None              # rank 2 may still say where it waits
+    assert Judge(2).called_apart(0, left) is None           # a rank not found waiting does not judge
+    judge.apart_since -= diagnosis.APART_GRACE_S
+    f = judge.called_apart(0, left)
+    assert f.kind == Kind.HUNG.value and f.reason == (
+        "the ranks wait in different collectives of training.dist, which never meet: rank 0 (w_0) in barrier "
+        "(call 4 of training.dist, at train.py:7 in main); rank 1 (w_1) in allreduce (call 4 of training.dist, "
+        "at train.py:9 in main); rank 2 (w_2) elsewhere; every rank must call them in the same order (one made "
+        "under `if rank == 0:`, or after a rank ran more steps than the others?)"), f.reason
+    assert judge.apart_since is None
