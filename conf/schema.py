@@ -60,6 +60,11 @@ def _ipv4_subnet(value):
         raise ValueError(f"{value!r} is not an IPv4 subnet such as 10.77.0.0/24") from None
     if net.num_addresses < 4:
         raise ValueError(f"{value!r} is too small for emulated nodes; use at most a /30")
+    kind = ("loopback" if net.is_loopback else "multicast" if net.is_multicast else "link-local" if net.is_link_local
+            else "reserved" if net.is_reserved or net.network_address.packed[0] == 0 else None)
+    if kind:        # 127.0.0.0/24: node0 got 127.0.0.1, MPI took `lo`, and the world never formed
+        raise ValueError(f"{value!r} is a {kind} range, which emulated nodes cannot use; give a private one "
+                         f"such as 10.77.0.0/24")
     return str(net)
 
 

@@ -200,5 +200,6 @@ class PeerDiagnosis:
         """On emulated nodes: "; <which node is unreachable>" when the world hangs or cannot
         form because of the network (empty otherwise, and always on a shared host)."""
         members = network.members_from(self.store)
-        why = network.diagnose(members, self.ident.container) if members else ""
+        cut = [k.removeprefix(keys.CUT_PREFIX) for k in self.store.get_prefix(keys.CUT_PREFIX)] if members else []
+        why = network.diagnose(members, self.ident.container, cut=cut) if members else ""
         return f"; network: {why}" if why else ""

@@ -117,6 +117,16 @@ def node(container):
     return f"{NODE_PREFIX}{container}"
 
 
+CUT_PREFIX = "cut/"
+
+
+def cut(node_name):
+    """Written by `yarnapp netem --cut` while an emulated node's link is cut (removed when
+    restored): the agents' network diagnosis names that node, which the peers' view alone
+    cannot tell apart from its peer with two nodes."""
+    return f"{CUT_PREFIX}{node_name}"
+
+
 FINAL = "final"            # rank 0's final metrics (JSON)
 FAILED = "failed"          # the application failed for good: JSON with the last generation's cause
 RESTARTS = "restarts/"     # restarts/<gen> : JSON reason of each world restart

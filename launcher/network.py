@@ -109,12 +109,13 @@ def unreachable(peers, timeout=1.0):
     return dict(sorted(out.items()))
 
 
-def diagnose(members, me, timeout=1.0):
+def diagnose(members, me, timeout=1.0, cut=()):
     """One phrase naming the unreachable node(s), or "" when every member answers.
 
-    members: {container: {"node", "addr"}} of the world; me: this container. If this
-    container reaches none of the other nodes (and there are at least two), it is its
-    own node that is cut off.
+    members: {container: {"node", "addr"}} of the world; me: this container; cut: the
+    nodes whose link `yarnapp netem --cut` cut (launcher.keys.cut). If this container
+    reaches none of the other nodes (and there are at least two), it is its own node that
+    is cut off; with two nodes, each side sees the other gone, and `cut` tells which.
     """
     mine = members.get(me)
     if not mine:
@@ -128,6 +129,13 @@ def diagnose(members, me, timeout=1.0):
     lost = unreachable(peers, timeout)
     if not lost:
         return ""
+    addrs = {m["node"]: m["addr"] for m in members.values()}
+    named = [n for n in sorted(cut) if n in addrs]
+    if named:
+        return (f"{', '.join(f'{n} ({addrs[n]})' for n in named)} "
+                f"{'is' if len(named) == 1 else 'are'} cut off (`yarnapp netem --cut`): from {me} on "
+                f"{mine['node']}, {', '.join(f'{n} ({a})' for n, a in lost.items())} "
+                f"{'does' if len(lost) == 1 else 'do'} not answer")
     if len(lost) == len(peers) and len(peers) >= 2:
         return (f"{mine['node']} ({mine['addr']}) is unreachable: from {me} on it, none of "
                 f"{', '.join(f'{n} ({a})' for n, a in peers.items())} answers")

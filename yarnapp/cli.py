@@ -98,7 +98,8 @@ def cmd_status(args):
         if c.get("gpu_devices"):
             peak += f"  gpus {','.join(str(g) for g in c['gpu_devices'])}"
         res = (f"  {c['vcores']:g} vcores {c['memory_mib']} MiB{peak}  [{c['resources']}]" if "vcores" in c
-               else f"  {c.get('node') or ''}")
+               else "") + (f"  {c['node']}" if c.get("node") else "") + \
+            (f" ({c['addr']})" if c.get("addr") else "")     # YARN's host, or an emulated node and its address
         _p(f"  {c['id']:<14} rank {c.get('rank')!s:<4} {c['state']:<10} exit={'-' if c['exit_code'] is None else c['exit_code']} "
            f"attempts={c['attempts']}{' slot=' + c['slot'] if c.get('slot') else ''}{res}".rstrip())
         if c.get("exit"):
@@ -211,6 +212,8 @@ def cmd_tensorboard(args):
 
 def cmd_netem(args):
     """Fault injection on a running application's emulated nodes (local engine)."""
+    from launcher import keys
+
     from .backends.local import netem
     net = netem.for_app(args.app)
     name = args.node.removeprefix("node")
@@ -219,9 +222,11 @@ def cmd_netem(args):
     i = int(name)
     if args.cut:
         net.cut(i)
+        netem.app_store(args.app).put(keys.cut(net.node_name(i)), json.dumps({"time": time.time()}))
         what = "link cut"
     elif args.restore:
         net.restore(i)
+        netem.app_store(args.app).delete(keys.cut(net.node_name(i)))
         what = "link restored"
     else:
         import conf

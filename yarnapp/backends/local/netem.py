@@ -307,14 +307,18 @@ class Network:
             raise NetemError(f"no node {i}: the application has nodes 0..{self.nodes - 1}")
 
     def cut(self, i):
-        """Partition node i: its link goes down at the switch."""
+        """Partition node i: its port is taken off the switch's bridge, so what it sends is
+        dropped there. The link stays up, as a cable does behind a failed switch: taken down,
+        the node's interface lost its carrier, and MPI_Init in a rank starting there failed
+        at once (libfabric: "ep_enable failed ... Bad file descriptor"), which spent a
+        restart every 3 s instead of waiting for the link in the rendezvous."""
         self._check_node(i)
-        _run("ip", "-n", self.switch, "link", "set", self.port(i), "down")
+        _run("ip", "-n", self.switch, "link", "set", self.port(i), "nomaster")
 
     def restore(self, i):
-        """Bring node i's link back up (its qdiscs are kept)."""
+        """Put node i back on the switch (its qdiscs are kept)."""
         self._check_node(i)
-        _run("ip", "-n", self.switch, "link", "set", self.port(i), "up")
+        _run("ip", "-n", self.switch, "link", "set", self.port(i), "master", self.bridge, "up")
 
     def set_latency(self, i, delay_s):
         """One-way delay on node i's link (None or 0: none). Needs the netem qdisc."""
@@ -327,9 +331,10 @@ class Network:
 
     # -- observation ---------------------------------------------------------------
     def link_up(self, i):
-        """Whether node i's link is up at the switch (False once cut)."""
+        """Whether node i's link is up and on the switch (False once cut)."""
         proc = _run("ip", "-n", self.switch, "-j", "link", "show", "dev", self.port(i))
-        return "UP" in json.loads(proc.stdout)[0].get("flags", [])
+        link = json.loads(proc.stdout)[0]
+        return "UP" in link.get("flags", []) and link.get("master") == self.bridge
 
     def counters(self):
         """{node name: {"rx_bytes", "tx_bytes", "rx_packets", "tx_packets"}} of each node's
@@ -365,6 +370,15 @@ def for_app(app_id):
     if net.switch not in namespaces():
         raise NetemError(f"application {app_id} has no network now (it has ended, or is not started yet)")
     return net
+
+
+def app_store(app_id):
+    """The application's store (launcher.store.FileStore), where `yarnapp netem` leaves a
+    record of a cut link for the agents (launcher.keys.cut)."""
+    from launcher.store import FileStore
+
+    from .state import apps_dir
+    return FileStore(os.path.join(apps_dir(), app_id, "store"))
 
 
 def sweep(app_id):
