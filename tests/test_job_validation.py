@@ -421,6 +421,7 @@ def test_flags_merge_into_their_section_and_a_bad_value_names_the_file(tmp_path,
     spec = api.load(str(path), checkpoint={"resume": "latest"})
     assert spec.checkpoint.resume == "latest" and spec.checkpoint.every_steps == 7
     for flag, value, field in (("--resume", "bogus", "checkpoint.resume"), ("--nodes", "-1", "network.nodes"),
+                               ("--nodes", "99", "network.nodes"),      # found as the nodes are made
                                ("--max-restarts", "-1", "max_restarts")):
         proc = cli("submit", path, flag, value, timeout=60)
         assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr

@@ -20,26 +20,38 @@ from .console import p as _p, readers_gone, say, stdout_gone
 from .errors import YarnappError
 
 
+def _flagged(args, e):
+    """A flag's bad value: the error names its field and that the flag gave it (checked when
+    the job is read, or later: --nodes more than the containers, when the nodes are made)."""
+    for field, flag, value in (("checkpoint.resume", "--resume", args.resume), ("network.nodes", "--nodes",
+                               args.nodes), ("max_restarts", "--max-restarts", args.max_restarts)):
+        head = f"{args.job}: {field}: "
+        if value is not None and str(e).startswith(head):
+            return YarnappError(f"{args.job}: {field} (given as {flag} {value}): {str(e)[len(head):]}")
+    return e
+
+
 def cmd_submit(args):
     try:
         spec = api.load(args.job, backend=args.backend, max_restarts=args.max_restarts,   # errors name the file
                         checkpoint=None if args.resume is None else {"resume": args.resume},
                         network=None if args.nodes is None else {"nodes": args.nodes})
-    except YarnappError as e:       # a flag's bad value: its field, and that the flag gave it
-        for field, flag, value in (("checkpoint.resume", "--resume", args.resume), ("network.nodes", "--nodes",
-                                   args.nodes), ("max_restarts", "--max-restarts", args.max_restarts)):
-            head = f"{args.job}: {field}: "
-            if value is not None and str(e).startswith(head):
-                raise YarnappError(f"{args.job}: {field} (given as {flag} {value}): {str(e)[len(head):]}") from None
-        raise
+    except YarnappError as e:
+        raise _flagged(args, e) from None
     if args.dry_run:
         if args.wait:
             raise YarnappError("--wait: a --dry-run starts nothing to wait for; give one of them")
-        _p(api.dry_run(spec, where=args.job), end="")
+        try:
+            _p(api.dry_run(spec, where=args.job), end="")
+        except YarnappError as e:
+            raise _flagged(args, e) from None
         return 0
     _interrupt_on_sigterm()         # `kill` or `timeout` stops a submit as Ctrl-C does
     t0, out = time.time(), sys.stdout
-    run = api.start(spec, where=args.job)
+    try:
+        run = api.start(spec, where=args.job)
+    except YarnappError as e:
+        raise _flagged(args, e) from None
     try:
         app_id = run.app_id
         if not args.wait:
