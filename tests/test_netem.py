@@ -257,8 +257,8 @@ def test_without_the_capabilities_submit_says_so_plainly(yarnapp_home):
                            sys.executable, "-m", "yarnapp.cli", "submit", HELLO, "--nodes", "3"],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 1
-    assert proc.stderr.startswith(f"Error: {HELLO}: network.nodes: emulated nodes need root with CAP_SYS_ADMIN "
-                                  "and CAP_NET_ADMIN, and here `ip netns add` fails: "), proc.stderr
+    assert proc.stderr.startswith(f"Error: {HELLO}: network.nodes (given as --nodes 3): emulated nodes need root "
+                                  "with CAP_SYS_ADMIN and CAP_NET_ADMIN, and here `ip netns add` fails: "), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and apps(yarnapp_home) == []
 
 
@@ -269,7 +269,7 @@ def test_netem_command_errors_in_one_line(cli, yarnapp_home, tmp_path):
                                    "`yarnapp list` shows them")
     if netem.unavailable_reason():
         proc = cli("submit", HELLO, "--nodes", "2")
-        assert proc.returncode == 1 and "network.nodes: emulated nodes need root" in proc.stderr
+        assert proc.returncode == 1 and "network.nodes (given as --nodes 2): emulated nodes need root" in proc.stderr
         return
     noop = tmp_path / "noop.py"
     noop.write_text("pass\n")
