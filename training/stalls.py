@@ -43,7 +43,8 @@ class Calls:
 
     def __init__(self, ctx):
         from launcher import keys
-        self.key = keys.stall(ctx.generation, ctx.rank)
+        self.who = (ctx.generation, ctx.rank)
+        self.key = keys.stall(*self.who)
         self.publish = ctx.publish
         self.count = 0
         self.now = None         # (number, name, monotonic start, thread id) of the call in progress
@@ -91,8 +92,7 @@ def within(ctx, name):
     global _calls
     if ctx.publish is None or ctx.world_size < 2:
         return contextlib.nullcontext()
-    from launcher import keys
-    if _calls is None or _calls.key != keys.stall(ctx.generation, ctx.rank):
+    if _calls is None or _calls.who != (ctx.generation, ctx.rank):     # (every step passes here)
         _calls = Calls(ctx)
     return _calls.within(name)
 

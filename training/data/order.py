@@ -197,6 +197,11 @@ class Order:
         batches = int((nbytes - 2 * block) // (rows * row)) if nbytes > 2 * block else 0
         return int(batches * int(global_batch) * row) if batches >= 1 else 0
 
+    @property
+    def row_dtype(self):
+        """The dtype a Plan keeps row ids in: int32 below 2**31 rows, else int64."""
+        return np.int32 if self.n < 2 ** 31 else np.int64
+
     def plan_bytes(self, global_batch, rows):
         """About the bytes a Schedule of a rank reading `rows` of each global batch holds:
         Schedule.KEEP epochs of its rows (4 bytes each below 2**31 rows, else 8) and of
@@ -208,7 +213,7 @@ class Order:
         K = max(1, min(self.window_rows(B) or self.n, self.n) // B)
         row, block = self._row_and_block()
         runs_per_row = min(rows, rows * K * row / block + 2) / rows
-        itemsize = 4 if self.n < 2 ** 31 else 8
+        itemsize = np.dtype(self.row_dtype).itemsize
         return int(Schedule.KEEP * self.n * rows / B * (itemsize + 16 * runs_per_row)) + 48 * self.CHUNK
 
     def positions(self, seed, epoch, global_batch, shuffle=True):
@@ -265,7 +270,7 @@ class Order:
             return Plan(epoch, ptr, mine)
         perm, cum, parts = self._positions_of(seed, epoch, B, lo, hi, shuffle)
         tail = np.arange(full * B + a, full * B + b, dtype=np.int64)  # the partial batch, in position order
-        rows = np.empty(int(ptr[-1]), dtype=np.int32 if self.n < 2 ** 31 else np.int64)
+        rows = np.empty(int(ptr[-1]), dtype=self.row_dtype)
         firsts = ptr[:-1][counts > 0]               # where the steps with rows start: each starts a run
         run_at, run_block, at, last = [], [], 0, -1
         for part in itertools.chain(parts, [tail]):
