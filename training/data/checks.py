@@ -1,8 +1,9 @@
 """Checks of a Parquet image dataset before any rank reads it, from its footers (the label
-column of a file written without statistics, and the first image): what `yarnapp submit` refuses at once (yarnapp.preflight) that a rank would
-otherwise meet mid-epoch: no rows, no labels, null labels or images, labels outside the
-classes, bytes that are no image, a test set whose classes are not the training set's
-(checked by the ranks too, training.data.source). What a dataset holds is
+column of a file written without statistics, and the first image): what `yarnapp submit`
+refuses at once (yarnapp.preflight) that a rank would otherwise meet mid-epoch: no rows,
+no labels, null labels or images, labels outside the classes, bytes that are no image, a
+test set whose classes are not the training set's (checked by the ranks too,
+training.data.source). What a dataset holds is
 training.data.formats'.
 """
 import dataclasses
@@ -11,11 +12,10 @@ from typing import List, Optional
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .common import IO_ERRORS, DataError, one_line
-from .formats import (RAW, STRUCT, Block, Columns, blocks_of, hf_classes, read_file_column, read_footers, too_many,
+from .formats import (RAW, STRUCT, Block, Columns, blocks_of, hf_classes, read_footers, read_label_range, too_many,
                       wanted_columns)
 
 
@@ -58,7 +58,7 @@ def check(uri, columns=None, shape=None, named=False):
         says = "its directory" if columns.label in f.partitions[i] else "its footer's statistics"
         if r is None and md.num_rows and columns.label not in f.partitions[i] and \
                 pa.types.is_integer(md.schema.to_arrow_schema().field(columns.label).type):
-            r, says = _read_labels(f, i, name, columns.label), "its label column"      # written without statistics
+            r, says = read_label_range(f.fs, f.paths[i], name, columns.label), "its label column"     # no statistics
         if r and n and (r[0] < 0 or r[1] >= n):
             raise DataError(f"{name}: its labels run from {r[0]} to {r[1]} ({says}), "
                             f"outside the {n} classes the dataset's metadata gives (0 to {n - 1}); "
@@ -81,14 +81,6 @@ def check(uri, columns=None, shape=None, named=False):
                    num_classes=n or (len(named) if named else None) or (top + 1 if top is not None else None),
                    lowest=low, named=bool(n or named),
                    one_class_files=any(c in part for part in f.partitions for c in (columns.label, columns.class_name)))
-
-
-def _read_labels(f, i, name, column):
-    """(smallest, largest) label of file i, read from its label column (a file written without
-    statistics: a null label in it was a bare "cannot convert float NaN to integer" in every
-    rank); its labels are integers."""
-    lo_hi = pc.min_max(read_file_column(f.fs, f.paths[i], name, column, "label"))
-    return int(lo_hi["min"].as_py()), int(lo_hi["max"].as_py())
 
 
 def _classes_from_directories(f):

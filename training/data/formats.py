@@ -29,6 +29,7 @@ from typing import List, Optional
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
@@ -418,9 +419,7 @@ def _classes(layout, schema, found):
         if found.footers[i].num_rows:
             ranges[i] = found.labels(i)
             if ranges[i] is None:       # a file written without statistics: its labels read
-                labels = read_column(layout, cols.label, "label", files=[i])
-                ranges[i] = (int(labels.min()), int(labels.max())) if len(labels) else None
-    ranges = {i: r for i, r in ranges.items() if r is not None}
+                ranges[i] = read_label_range(layout.fs, layout.paths[i], layout.name(i), cols.label)
     if not ranges:
         return [], 0
     low = min(ranges, key=lambda i: ranges[i][0])
@@ -438,19 +437,25 @@ def too_many(uri, largest):
                         f"{MAX_CLASSES:,} classes); write them so")
 
 
-def read_column(layout, column, what, files=None):
-    """One small column of the dataset (of `files`, indexes into layout.paths; default all)
-    as numpy (labels, class names); DataError naming the file where a row has none (a null
-    `what`: a label became NaN, and then a bare "cannot convert float NaN to integer")."""
+def read_column(layout, column, what):
+    """One small column of the whole dataset as numpy (labels, class names); DataError
+    naming the file where a row has none (a null `what`: a label became NaN, and then a
+    bare "cannot convert float NaN to integer")."""
     out = []
-    for i in range(len(layout.paths)) if files is None else files:
-        path = layout.paths[i]
+    for i, path in enumerate(layout.paths):
         if layout.partitions and column in layout.partitions[i]:
             rows = sum(b.rows for b in layout.blocks if b.file == i)
             out.append(constant(layout.partitions[i][column], rows).to_numpy(zero_copy_only=False))
             continue
         out.append(read_file_column(layout.fs, path, layout.name(i), column, what).to_numpy(zero_copy_only=False))
     return np.concatenate(out) if out else np.zeros(0)
+
+
+def read_label_range(fs, path, name, column):
+    """(smallest, largest) label of one file (`name`: as the user named it), read from its
+    label column: a file written without statistics (DataError for a null label)."""
+    lo_hi = pc.min_max(read_file_column(fs, path, name, column, "label"))
+    return int(lo_hi["min"].as_py()), int(lo_hi["max"].as_py())
 
 
 def read_file_column(fs, path, name, column, what):

@@ -1,6 +1,7 @@
 """The layer chain: a model traced (torch.fx) into unit layers joined by parameter-free
 ops (see training.partition for what a unit, an owner-side and a consumer-side op are)."""
 import dataclasses
+import operator
 
 import numpy as np
 import torch
@@ -110,26 +111,9 @@ class _Size:
     dim: int
 
 
-def _size_dim(node, prev):
-    """dim, where fx node `node` is a size of `prev` — x.size(d), x.size()[d], x.shape[d] —
-    else None."""
-    import operator
-    if node.op == "call_method" and node.target == "size" and len(node.args) == 2 and node.args[0] is prev \
-            and isinstance(node.args[1], int):
-        return node.args[1]
-    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], int):
-        whole = node.args[0]
-        if isinstance(whole, torch.fx.Node) and whole.args and whole.args[0] is prev and (
-                (whole.op == "call_method" and whole.target == "size" and len(whole.args) == 1)
-                or (whole.op == "call_function" and whole.target is getattr and whole.args[1:] == ("shape",))):
-            return node.args[1]
-    return None
-
-
 def _size_part(node, prev):
     """Whether fx node `node` computes a size of `prev` (x.size(d), x.size(), x.shape, or an
     item of those)."""
-    import operator
     if node.op == "call_method" and node.target == "size":
         return node.args[0] is prev
     if node.op == "call_function" and node.target is getattr:
@@ -137,6 +121,14 @@ def _size_part(node, prev):
     if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
         return _size_part(node.args[0], prev)
     return False
+
+
+def _size_dim(node, prev):
+    """dim, where fx node `node` is the size of one dimension of `prev` — x.size(d),
+    x.size()[d], x.shape[d] — else None."""
+    if not _size_part(node, prev) or len(node.args) != 2 or not isinstance(node.args[1], int):
+        return None
+    return node.args[1]         # x.size(d)'s d, or the item of x.size() / x.shape
 
 
 def _sizes(node, prev):
@@ -247,7 +239,7 @@ def layer_chain(model, input_shape, num_classes=None):
     for node in nodes:
         if node.op in ("placeholder", "output") or _size_part(node, prev):
             continue                    # a size of the chain's tensor: read by the reshape that takes it
-        sizes = _sizes(node, prev) if node.op == "call_method" and node.target in ("view", "reshape") else {}
+        sizes = _sizes(node, prev) if node.op == "call_method" and node.target in _RESHAPE_METHODS else {}
         users = [u for u in prev.users if not _size_part(u, prev)]
         if sizes is None or prev not in node.all_input_nodes or users != [node] or \
                 any(a is not prev and a not in sizes for a in node.all_input_nodes):
