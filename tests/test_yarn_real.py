@@ -104,7 +104,7 @@ def test_hello_three_containers_two_groups_one_world_and_results_after_the_end(c
         assert f"hello from rank {rank} of 3" in sections[c], sections[c]
     one = cluster.cli("logs", app, "--container", "small_1")
     assert one.stdout.startswith("==> small_1 <==") and "==> big_0" not in one.stdout
-    assert cluster.hadoop.container_pids(app) == []
+    assert cluster.hadoop.container_pids(app, wait_s=30) == []
 
 
 def test_a_failed_application_ends_failed_once_not_run_again_by_a_second_master_attempt(cluster, shell, tmp_path):
@@ -137,7 +137,7 @@ def test_a_failed_application_ends_failed_once_not_run_again_by_a_second_master_
     assert [n["text"] for n in st["notices"]] == [
         f"this container runs yarnapp from {other}, whose code differs from the client's ({ROOT}): install the "
         f"client's yarnapp for the cluster's python, or pack the client's environment (environment.packer)"], st
-    assert cluster.hadoop.container_pids(app_of(proc.stdout)) == []
+    assert cluster.hadoop.container_pids(app_of(proc.stdout), wait_s=30) == []
 
 
 def test_fractional_vcores_are_refused_with_one_line_and_nothing_submitted(cluster, tmp_path):
@@ -256,10 +256,7 @@ def test_tensorboard_through_the_proxy_acls_kill_and_a_canary_secret(cluster, sh
         assert killed.returncode == 0 and killed.stdout.strip() == f"{app} KILLED", killed
     finally:
         backend.client.kill_application(app) if backend.status(app)["state"] in ("NEW", "RUNNING") else None
-    deadline = time.monotonic() + 60
-    while cluster.hadoop.container_pids(app) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert cluster.hadoop.container_pids(app) == [], "container processes outlived `yarnapp kill`"
+    assert cluster.hadoop.container_pids(app, wait_s=60) == [], "container processes outlived `yarnapp kill`"
 
     # The canary is nowhere a viewer, a log or TensorBoard shows.
     full_logs = cluster.run(["yarn", "logs", "-applicationId", app], timeout=120)
@@ -460,7 +457,7 @@ def _survives(cluster, reference_weights, name, faults, replaced, **extra):
         assert new in logs and f"agent {slot}" in logs[new], (new, slot, sorted(logs))
     fs, tb = fsutil.resolve(f"{cluster.storage()}/{app}/tensorboard/{app}")
     assert any(n.startswith("events.out.tfevents") for n in fsutil.listdir(fs, tb))
-    assert cluster.hadoop.container_pids(app) == []
+    assert cluster.hadoop.container_pids(app, wait_s=30) == []
     return st
 
 

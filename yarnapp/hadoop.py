@@ -442,8 +442,17 @@ esac
                 continue
         return out
 
-    def container_pids(self, app_id=None):
-        """Pids of container processes (of one application) still running on the NodeManager."""
+    def container_pids(self, app_id=None, wait_s=0.0):
+        """Pids of container processes (of one application) still running on the NodeManager,
+        after waiting up to wait_s for none to be left: YARN stops an application's containers
+        after its final state is reported (the NodeManager hears of it at its next heartbeat,
+        then signals them), so a client that saw the state may still see them for a moment."""
+        deadline = time.monotonic() + wait_s
+        while (pids := self._container_pids(app_id)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return pids
+
+    def _container_pids(self, app_id):
         daemons = set(self.running().values())
         mark = os.path.join("appcache", app_id) if app_id else ""
         out = []
