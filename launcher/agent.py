@@ -29,7 +29,7 @@ from . import beats, exitcodes, identity, keys, malloc, memory, results, retries
 from .diagnosis import PeerDiagnosis
 from .procs import die_with_parent, stopped as process_stopped
 from .failure import (WAITED_FOR_FINISHED, Failure, Kind, current_generation, ended_early, log_tail,
-                      looks_collateral, spent_restarts)
+                      looks_collateral, native_crash, spent_restarts)
 
 log = logging.getLogger("launcher.agent")
 
@@ -96,7 +96,7 @@ class Agent(PeerDiagnosis):
         self.child = None
         self.warm = None                 # launcher.warm: where this container's ranks are forked from
         self.heartbeat = os.path.abspath(f".heartbeat.{ident.container}")
-        self.log_path = os.environ.get("YARNAPP_LOG", "")
+        self.log_path = os.environ.get("YARNAPP_LOG") or _yarn_log(ident.group)
         self.members = ident.job.ranks()
         self.cgroup = memory.own_cgroup()          # to tell a memory kill from any SIGKILL
         self.group_index = next(i for i, g in enumerate(ident.job.groups) if g.name == ident.group)
@@ -117,6 +117,7 @@ class Agent(PeerDiagnosis):
         except FileNotFoundError:
             pass
         self.memory_before = memory.state(self.cgroup)
+        self.log_start = _size(self.log_path)      # where this generation's output starts (native_crash)
         argv = [sys.executable, "-m", "launcher.rank", "--generation", str(gen), "--heartbeat", self.heartbeat]
         # On the local engine the rank is forked from the container's warm process (launcher.warm),
         # which did its imports once. Not on YARN: the NodeManager's memory check adds up each
@@ -210,6 +211,8 @@ class Agent(PeerDiagnosis):
                 if oom:
                     what, kind = f"was killed by the kernel: {oom}", Kind.OOM
                 err = self.rank_error(gen, rank) or Failure(reason="")
+                if rc < 0 and not err.error and kind is Kind.CRASHED:
+                    err.error = native_crash(self.log_path, self.log_start)     # a C++ abort: its what()
                 line = f": {err.error}" if err.error and err.error != what else ""     # sys.exit(3) says no more
                 return Outcome.OWN, Failure(kind=kind.value, container=me, rank=rank, exit_code=rc,
                                             error=err.error, phase=err.phase, input_error=err.input_error,
@@ -413,8 +416,9 @@ class Agent(PeerDiagnosis):
                                 2 * self.job.launcher.poll_interval) \
                 if own and found.kind == Kind.CRASHED.value and looks_collateral(found.reason) else None
             found = found.stamped(reason=f"{found.reason}; {early}") if early else found
-            # The log is this container's: only for a failure of its own (not one it observed).
-            found = found.stamped(generation=gen, log=self.log_path if own else "",
+            # The log is this container's: only for a failure of its own (not one it observed); its
+            # path only locally (on YARN it is on the node: `yarnapp logs` reads it).
+            found = found.stamped(generation=gen, log=self.log_path if own and self.ident.backend == "local" else "",
                                   log_tail=log_tail(self.log_path) if own and not found.input_error else "")
             if self.store.put_if_absent(keys.abort(gen), found.dumps()):
                 log.error("generation %d aborted: %s", gen, found.reason)
@@ -469,6 +473,20 @@ def main():
     results.publish_end(ident, store, code)     # YARN: what outlives the application
     logging.shutdown()
     return code
+
+
+def _yarn_log(service):
+    """This container's log on YARN, where skein sends the service's output
+    ($LOG_DIRS/<service>.log), or ""."""
+    path = os.path.join(os.environ.get("LOG_DIRS", "").split(",")[0], f"{service}.log")
+    return path if os.environ.get("LOG_DIRS") and os.path.exists(path) else ""
+
+
+def _size(path):
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ The rank process (launcher.rank) ends with 0, its user code's status, or 1 (RANK
 YARN reports negative ContainerExitStatus values for containers it ended itself; those
 are not the application's fault and do not spend its restart budget.
 """
+import signal
 
 SUCCEEDED = 0
 RANK_FAILED = 1          # launcher.rank: the user's code or our setup failed (its line is in the store)
@@ -58,10 +59,17 @@ def describe(code, yarn=False, agent=False):
         name, text, external = YARN[code]
         return f"{text} ({name}, exit {code})", external
     if code < 0:
-        return f"killed by signal {-code}", False
+        return f"killed by signal {-code}{_name(-code)}", False
     if code > 128 and code - 128 in (9, 15):
         return f"exited with status {code} (signal {code - 128})", False
     return f"exited with status {code}", False
+
+
+def _name(signum):
+    try:
+        return f" ({signal.Signals(signum).name})"
+    except ValueError:
+        return ""
 
 
 def container_exit(code, yarn=False):

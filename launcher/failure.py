@@ -147,12 +147,47 @@ def log_tail(path, lines=20):
         return ""
     heads = [i for i, line in enumerate(tail) if line.startswith("==== ")]
     tail = tail[heads[-1] + 1:] if heads else tail        # this attempt's lines (every attempt appends)
-    tail = [line for line in tail if not _TRANSITION.search(line)][-lines:]
+    tail = [line for line in tail if not _TRANSITION.search(line) and not line.startswith(_CRASH_BOILERPLATE)][-lines:]
     return "\n".join(tail) if any(line.strip() for line in tail) else ""
+
+
+def native_crash(path, offset=0):
+    """What a rank that died of a signal said natively in its log after `offset` (where its
+    generation started), as one line, or "": a C++ exception nothing caught ("terminate
+    called after throwing an instance of 'gloo::EnforceNotMet'" and its what(), SIGABRT: a
+    collective that ranks called with different sizes), else the interpreter's "Fatal
+    Python error"; and where the main thread was (the dump of launcher.stacks.enable).
+    Python's stderr never sees these, so the failure read "killed by signal 6" alone."""
+    from .stacks import where
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(offset, f.tell() - 65536))
+            text = f.read().decode(errors="replace")
+    except (OSError, TypeError):
+        return ""
+    thrown = [m for m in _THROWN.finditer(text)][-1:]
+    fatal = [m for m in _FATAL.finditer(text)][-1:]
+    said = ""
+    if thrown:
+        what = _ENFORCE_AT.sub("", (thrown[0].group("what") or "").strip())
+        said = f"a C++ exception nothing caught, {thrown[0].group('type')}" + (f": {what}" if what else "")
+    elif fatal:
+        said = f"Fatal Python error: {fatal[0].group(1).strip()}"
+    at = where(text[fatal[0].end():]) if fatal else None
+    return f"{said} (at {_DIRS.sub('', at.describe())})" if said and at else said
+
+
+_THROWN = re.compile(r"^terminate called after throwing an instance of '(?P<type>[^']+)'\n"
+                     r"(?:\s*what\(\):\s*(?P<what>[^\n]*))?", re.M)
+_FATAL = re.compile(r"^Fatal Python error: ([^\n]+)", re.M)
+_ENFORCE_AT = re.compile(r"^\[enforce fail at [^\]]*\]\s*")      # gloo's own source line
+_DIRS = re.compile(r"(?<![\w.])/(?:[^/\s:()]+/)+")      # a frame's file by its name (its log has the path)
 
 
 # the agent's own state changes ("RUNNING -> RESTARTING (generation 0)"): an excerpt of a
 # failure not retried ended in "RESTARTING", which read as a restart
+_CRASH_BOILERPLATE = "Extension modules: "     # a crash dump's list of every module loaded (native_crash)
 _TRANSITION = re.compile(r" agent \S+ INFO: [A-Z_]+ -> [A-Z_]+ \(generation \d+\)$")
 
 

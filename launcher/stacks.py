@@ -15,6 +15,7 @@ import linecache
 import os
 import re
 import signal
+import sys
 import time
 
 SUFFIX = ".stack"      # a rank's dump file: its heartbeat file's path and this
@@ -35,6 +36,9 @@ def enable(path):
     """Rank side: dump every thread's stack to `path` on SIGUSR1 (the file stays open, in
     append mode: each dump lands at the start of the file `dump` truncated)."""
     faulthandler.register(signal.SIGUSR1, file=open(path, "a"), all_threads=True, chain=False)
+    # ... and on a fatal signal (a segfault, a C++ exception nothing caught), to its log
+    # (launcher.failure.native_crash reads where the main thread was)
+    faulthandler.enable(file=sys.__stderr__, all_threads=True)
 
 
 def dump(pid, path, timeout=1.0):

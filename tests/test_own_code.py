@@ -363,6 +363,47 @@ def test_a_script_exiting_non_zero_silently_is_described_by_its_status_not_our_l
     assert_nothing_left(app_id_from(err))
 
 
+def test_a_rank_aborted_by_gloo_on_mismatched_collectives_says_what_gloo_said_and_where(cli, tmp_path):
+    """A DDP script whose rank 0 alone all-reduces a metric (a logging slip under `if rank ==
+    0`): gloo aborts the process (a C++ exception nothing caught, SIGABRT), and the failure
+    read "killed by signal 6" alone. It now carries gloo's own words and the user's line
+    (the crash's faulthandler dump, launcher.failure.native_crash)."""
+    job = _script_job(tmp_path, "slip", "import torch, torch.distributed as dist\n"
+                      "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+                      "dist.init_process_group('gloo')\n"
+                      "model = DDP(torch.nn.Linear(20, 4))\n"
+                      "for step in range(50):\n"
+                      "    model(torch.randn(8, 20)).sum().backward()\n"
+                      "    if dist.get_rank() == 0 and step == 3:\n"
+                      "        dist.all_reduce(torch.zeros(1))\n", groups=[GROUPS[0], {**GROUPS[1], "instances": 1}])
+    proc = cli("submit", job, "--wait")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    err = proc.stderr.strip().splitlines()[-1]
+    assert "Extension modules:" not in proc.stderr, proc.stderr          # the crash dump's boilerplate, not shown
+    assert re.search(r"FAILED after 1 attempt\(s\): rank [01] \((big|small)_0\) killed by signal 6 \(SIGABRT\): a C\+\+ "
+                     r"exception nothing caught, gloo::\w+: .*Is there a distributed collective mismatch in your code\? "
+                     r"\(at slip\.py:[68] in <module> \(in [\w.]+:\d+ in \w+\)\) — log: ", err), err
+    assert_nothing_left(app_id_from(err))
+
+
+def test_a_segfault_names_the_line_that_made_it(tmp_path):
+    """The same for a native crash of the interpreter (a broken extension's segfault): the
+    rank's faulthandler, armed by launcher.stacks.enable, writes where its thread was."""
+    from launcher.failure import native_crash
+    script, log = tmp_path / "crash.py", tmp_path / "container.log"
+    script.write_text("import ctypes, sys\nfrom launcher import stacks\nstacks.enable(sys.argv[1])\n\n"
+                      "def native_step():\n    return ctypes.string_at(0)\n\nnative_step()\n")
+    log.write_text("an earlier generation's lines\nFatal Python error: Aborted\n")
+    start = log.stat().st_size
+    with open(log, "a") as f:
+        rc = subprocess.run([sys.executable, str(script), str(tmp_path / "stack")], stderr=f,
+                            env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__)))).returncode
+    assert rc == -signal.SIGSEGV
+    assert re.fullmatch(r"Fatal Python error: Segmentation fault \(at crash\.py:6 in native_step \(in __init__\.py:\d+ "
+                        r"in string_at\)\)", native_crash(str(log), start)), log.read_text()
+    assert native_crash(str(log), log.stat().st_size) == ""       # nothing of its own said: nothing made up
+
+
 @pytest.mark.parametrize("ddp", [False, True])
 def test_a_torchrun_script_whose_rank_returns_early_fails_its_peers_instead_of_hanging(cli, tmp_path, ddp):
     """Rank 1 of an unmodified gloo script leaves with sys.exit(0) at step 3 while the

@@ -377,5 +377,5 @@ def test_a_dataset_of_very_many_rows_is_warned_of_for_its_epoch_orders(tmp_path,
         preflight.check_data(_job(train), "job.yaml")
     assert [r.getMessage() for r in caplog.records] == [
         "job.yaml: training.data.train: its 64 rows are many for group 'w': each of its ranks keeps the order of "
-        "its rows for two epochs, about 12 MiB beside the data it holds (training.data.memory), of its "
+        "its rows for 2 epochs, about 12 MiB beside the data it holds (training.data.memory), of its "
         "container's 1024 MiB; raise groups[0].memory if it is killed for memory"]

@@ -110,7 +110,7 @@ def _check_window(job, blocks, pre):
     the rank's log, and a step's blocks take more than their bytes while they are read:
     the kernel killed 768 and 896 MiB containers for a step of 377 MiB (a 2 GiB window,
     batch 256, a 381 MiB dataset), and the line said only to raise groups[].memory."""
-    from training.data.order import Order
+    from training.data.order import Order, Schedule
     from training.data.source import MEMORY_FRACTION, data_budget
     t, data = job.training, job.training.data
     order = Order([b.rows for b in blocks], [b.nbytes for b in blocks], (data.shuffle_window or 0) << 20)
@@ -118,9 +118,9 @@ def _check_window(job, blocks, pre):
         order_bytes = order.plan_bytes(t.batch_size, rows)
         if order_bytes > (int(group.memory) << 20) * ORDER_FRACTION:
             log.warning("%straining.data.train: its %d rows are many for group %r: each of its ranks keeps the order "
-                        "of its rows for two epochs, about %s beside the data it holds (training.data.memory), of "
+                        "of its rows for %d epochs, about %s beside the data it holds (training.data.memory), of "
                         "its container's %d MiB; raise groups[%d].memory if it is killed for memory", pre, order.n,
-                        group.name, _about(order_bytes), group.memory, i)
+                        group.name, Schedule.KEEP, _about(order_bytes), group.memory, i)
         budget = data_budget(data.memory, group.memory)
         need = order.largest_step_bytes(t.batch_size, rows, job.training.seed)
         if need <= budget * SLACK:
