@@ -78,11 +78,14 @@ class Where:
 def ours_or_library(path):
     """A frame of yarnapp's own packages, of an installed library or of Python itself."""
     return "/site-packages/" in path or "/dist-packages/" in path or path.startswith(_LIBRARIES) or \
-        any(path.startswith(os.path.join(_ROOT, pkg) + os.sep) for pkg in _OWN) or path.startswith("<")
+        any(path.startswith(os.path.join(_ROOT, pkg) + os.sep) for pkg in _OWN) or \
+        (path.startswith("<") and not path.startswith(_USERS_PSEUDO))
 
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))     # this checkout (or install)
 _OWN = ("launcher", "training", "conf", "yarnapp")
+_USERS_PSEUDO = ("<string>", "<stdin>", "<ipython-input-")     # code the user ran from a string or a cell (not
+                                                                # <frozen runpy>, torch.fx's <eval_with_key>.0)
 _LIBRARIES = tuple(p for p in {os.path.dirname(os.__file__)} if p)       # the standard library
 
 

@@ -447,6 +447,10 @@ def test_a_rank_waiting_inside_yarnapp_is_described_from_the_users_own_line():
     at = stacks.where(dump)
     assert at.waiting and at.describe() == f"/w/work/train.py:42 in <module> (in {root}/training/collectives/" \
                                            f"waits.py:97 in _sleepy)"
+    # code the user ran from a string (exec, python -c) is the user's too; Python's and torch.fx's pseudo-files not
+    exec_d = dump.replace('"/w/work/train.py", line 42 in <module>', '"<eval_with_key>.0", line 7 in forward\n'
+                          '  File "<string>", line 3 in main')
+    assert stacks.where(exec_d).caller == "<string>:3 in main", exec_d
 
 
 def test_a_line_calling_a_communicators_blocking_method_is_waiting_and_others_are_not(tmp_path):
