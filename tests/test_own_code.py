@@ -17,7 +17,7 @@ import yaml
 
 import yarnapp
 from recovery_util import rank_pid
-from util import app_id_from, apps, assert_nothing_left, write_job
+from util import app_id_from, apps, assert_nothing_left, tb_scalars, write_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -285,15 +285,24 @@ def test_a_crash_during_training_is_still_retried(tmp_path, yarnapp_home):
         "from training.context import current\n"
         "ctx = current()\n"
         "ctx.report(step=1)\n"
+        "ctx.report(step=2, loss=1.0 + ctx.restart_count)\n"
+        "ctx.comm.Barrier()\n"
         "if ctx.rank == 1 and ctx.restart_count == 0:\n"
         "    raise RuntimeError('transient failure')\n"
         "ctx.comm.Barrier()\n")
-    job = {"name": "flaky", "groups": GROUPS, "max_restarts": 1, "run": {"script": str(code / "flaky.py")}}
+    job = {"name": "flaky", "groups": GROUPS, "max_restarts": 1, "run": {"script": str(code / "flaky.py")},
+           "tensorboard": {"logdir": str(tmp_path / "tb")}}
     run = yarnapp.submit(job)
     st = run.wait(timeout=300)
     assert st["state"] == "SUCCEEDED", run.logs()
     assert [r["generation"] for r in st["restarts"]] == [1]
     assert "RuntimeError: transient failure" in st["restarts"][0]["reason"]
+    # the code started again from step 1: the first generation's points are gone from the curve (were repeated)
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+    written = [(e.step, v.simple_value) for f in sorted((tmp_path / "tb" / run.app_id).iterdir())
+               for e in LegacyEventFileLoader(str(f)).Load() for v in e.summary.value if v.tag == "report/loss"]
+    assert written == [(2, 1.0), (2, 2.0)], written         # both generations wrote theirs
+    assert tb_scalars(tmp_path / "tb" / run.app_id, "report/loss") == [(2, 2.0)]
     assert_nothing_left(run.app_id)
 
 
@@ -670,6 +679,7 @@ def test_a_functions_reports_are_tensorboard_scalars_and_its_return_value_its_re
     assert run.final == {"acc": 0.75, "steps": 5, "mean_rank": 2.0, "sum_rank": 6, "n": 3.0, "same": 1.0}, run.final
     tb = EventAccumulator(str(logdir / run.app_id), size_guidance={"scalars": 0})
     tb.Reload()
+    assert tb_scalars(logdir / run.app_id, "report/loss")[0] == (1, 1.0)       # as TensorBoard's server reads it
     assert sorted(tb.Tags()["scalars"]) == ["final/acc", "final/mean_rank", "final/n", "final/same", "final/steps",
                                             "final/sum_rank", "mine/value", "report/loss", "report/rank_seen"]
     assert os.listdir(logdir) == [run.app_id]           # nothing in the experiment's own directory

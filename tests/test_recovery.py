@@ -9,13 +9,12 @@ import time
 
 import pytest
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import yarnapp
 from launcher import keys
 from yarnapp.backends.local.engine import LocalBackend
 from recovery_util import digits_job, final_weights, rank_pid, run_to_end, store_of, wait_step
-from util import assert_nothing_left
+from util import assert_nothing_left, tb_scalars
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -48,9 +47,7 @@ def _equal(a, b):
 
 
 def _tb_steps(job, run):
-    tb = EventAccumulator(os.path.join(job["tensorboard"]["logdir"], run.app_id), size_guidance={"scalars": 0})
-    tb.Reload()
-    return [e.step for e in tb.Scalars("train/loss")]
+    return [step for step, _ in tb_scalars(os.path.join(job["tensorboard"]["logdir"], run.app_id), "train/loss")]
 
 
 def _resumed(run):

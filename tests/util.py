@@ -36,3 +36,14 @@ def app_id_from(output):
 def apps(home):
     d = os.path.join(home, "apps")
     return sorted(os.listdir(d)) if os.path.isdir(d) else []
+
+
+def tb_scalars(run_dir, tag):
+    """[(step, value)] of scalar `tag` in a run's event files, as TensorBoard's server loads
+    them (its plugin loader, the one `yarnapp tensorboard` runs with --load_fast=false): a
+    restart's purge included, which its first session start does not make."""
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+    acc = EventAccumulator(str(run_dir), size_guidance={"tensors": 0})
+    acc.Reload()
+    return [(e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in acc.Tensors(tag)]

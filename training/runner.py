@@ -94,7 +94,8 @@ class Runner:
         if ctx.rank == 0:
             # What an earlier generation logged after the step resumed from is gone from the
             # curves (TensorBoard drops steps >= purge_step); the resumed step's own stays.
-            self.tb = TBLogger(ctx.logdir, ctx.app_id, purge_step=self.start_step + 1 if self.start_step else None,
+            # From step 0 on, everything goes (a restart before the first checkpoint).
+            self.tb = TBLogger(ctx.logdir, ctx.app_id, purge_step=self.start_step + 1 if self.start_step else 0,
                                sync_every=ctx.job.tensorboard.sync_every, hparams=self._hparams())
         self.last_ckpt_time = time.monotonic()
         self.cgroup = memory.own_cgroup()
@@ -262,7 +263,7 @@ class Runner:
         self.strategy.close()
         if self.tb:
             self.tb.scalars(step, {f"eval/{k}": v for k, v in ev.items()})
-            self.tb.close(final)
+            self.tb.close(final, step=step)
         # the last record: training's loss and accuracy as before, and the test set's beside them
         # (under the same names they read as training getting worse)
         ctx.report(step=step, total_steps=self.total_steps, epoch=self.epochs(step),

@@ -1,8 +1,11 @@
 """TensorBoard event files for a run, written live (flushed as they are logged).
 
 Rank 0 writes; the run appears as `<logdir>/<app_id>` so runs of one experiment
-sit side by side. After a restart the runner's writer purges events past the resumed
-step, so curves continue without duplicated steps. A logdir that is not local (hdfs://,
+sit side by side. Every generation's writer starts with a session start at the step it
+begins from (purge_step): TensorBoard drops what earlier writers logged from that step on,
+so curves continue without duplicated steps after a restart. (TensorBoard's own loader,
+the one `--load_fast=false` and `yarnapp tensorboard` use, takes the first start of a run
+for its beginning and purges at the later ones only: the first generation writes one too.) A logdir that is not local (hdfs://,
 s3://...) is written to a local cache and copied up every `sync_every` seconds and
 at the end. Own code (a script, a function, a loop on training.dist) gets a `ReportLog`
 instead: the numbers rank 0 reports.
@@ -25,10 +28,14 @@ class _Scalars:
     """Scalars only, through tensorboard's own event writer: no torch (own code may not load
     it, and torch.utils.tensorboard costs a process ~450 MiB more than this)."""
 
-    def __init__(self, logdir):
+    def __init__(self, logdir, purge_step=None):
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
         os.makedirs(logdir, exist_ok=True)
         self.events = EventFileWriter(logdir, flush_secs=1)
+        if purge_step is not None:          # as SummaryWriter(purge_step=) writes it
+            self.events.add_event(Event(wall_time=time.time(), step=int(purge_step),
+                                        session_log=SessionLog(status=SessionLog.START)))
 
     def add_scalar(self, tag, value, step):
         from tensorboard.compat.proto.event_pb2 import Event
@@ -50,7 +57,7 @@ class TBLogger:
         self.local_dir = os.path.join(base, run_name)
         self.run_name = run_name
         if scalars_only:
-            self.writer = _Scalars(self.local_dir)
+            self.writer = _Scalars(self.local_dir, purge_step)
         else:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(self.local_dir, purge_step=purge_step, flush_secs=1)
@@ -82,12 +89,12 @@ class TBLogger:
             except Exception as e:  # a failed sync must not stop training; the next one retries
                 log.warning("TensorBoard sync to %s failed: %s", self.remote, e)
 
-    def close(self, final_metrics=None):
-        if final_metrics and self.hparams:
+    def close(self, final_metrics=None, step=None):
+        if final_metrics and self.hparams:      # (the metrics' points at `step`: the last, not 0)
             self.writer.add_hparams({k: v for k, v in self.hparams.items()
                                      if isinstance(v, (int, float, str, bool))},
                                     {f"hparam/{k}": v for k, v in final_metrics.items()
-                                     if isinstance(v, (int, float))}, run_name=".")
+                                     if isinstance(v, (int, float))}, run_name=".", global_step=step)
         self.writer.close()
         if self.remote:
             self._stop.set()
@@ -98,9 +105,10 @@ class ReportLog:
     """Own code's TensorBoard: the numbers rank 0 passes to ctx.report(...) (and final(...)),
     as scalars report/<name> at their `step` (else the count of reports so far), in the
     run `<logdir>/<app_id>` the built-in runner writes. The writer opens at the first number.
-    Nothing is purged after a restart (where the code resumed is its own business): a
-    restarted generation's points sit beside the earlier ones. A metric never stops the
-    code: a write or a sync that fails is a warning."""
+    A generation's writer starts at the step of its first number: what earlier generations
+    logged from that step on is dropped (the code resumed from there, from its own
+    snapshot or from the start), so curves have no repeated steps after a restart. A
+    metric never stops the code: a write or a sync that fails is a warning."""
 
     def __init__(self, logdir, run_name, sync_every=5.0):
         self.logdir, self.run_name, self.sync_every = logdir, run_name, sync_every
@@ -123,7 +131,8 @@ class ReportLog:
             return
         try:
             if self.tb is None:
-                self.tb = TBLogger(self.logdir, self.run_name, sync_every=self.sync_every, scalars_only=True)
+                self.tb = TBLogger(self.logdir, self.run_name, purge_step=self.step, sync_every=self.sync_every,
+                                   scalars_only=True)
             self.tb.scalars(self.step, values, prefix=prefix)
         except Exception as e:  # noqa: BLE001 - a metric never stops training (e.g. a full disk)
             log.warning("TensorBoard: could not log %s at step %d: %s", sorted(values), self.step, e)
