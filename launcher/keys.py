@@ -131,6 +131,7 @@ FINAL = "final"            # rank 0's final metrics (JSON)
 FAILED = "failed"          # the application failed for good: JSON with the last generation's cause
 RESTARTS = "restarts/"     # restarts/<gen> : JSON reason of each world restart
 TENSORBOARD = "tensorboard/url"
+TENSORBOARD_PORT = "tensorboard/port"   # the port it last bound (not owned): a restarted local service takes it again
 NOTICES = "notices/"       # notices/<gen>/<rank>/<n>: JSON {"rank", "generation", "time", "text"} of a
                            # warning a rank logged (launcher.rank.Notices), shown by status and --wait
 

@@ -41,7 +41,6 @@ def logdir(job, app_dir):
 def main():
     import conf
     from yarnapp.errors import YarnappError
-    from yarnapp.tensorboard import TensorBoard
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s tensorboard-service %(name)s: %(message)s")
     with open(os.environ["YARNAPP_JOB"]) as f:
@@ -53,13 +52,12 @@ def main():
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    store = store_mod.from_env()
     try:
-        tb = TensorBoard(where, host="127.0.0.1" if backend == "local" else "0.0.0.0",
-                         sync_every=job.tensorboard.sync_every)
+        tb = _serve(where, backend, job.tensorboard.sync_every, store)
     except YarnappError as e:
         log.error("%s", e)
         return 1
-    store = store_mod.from_env()
     try:
         if backend == "yarn":
             # A page of skein's web UI, so that it is reachable through the ResourceManager's
@@ -81,6 +79,27 @@ def main():
             store.delete(keys.TENSORBOARD)
         except Exception as e:  # noqa: BLE001 - the application's end took the store (YARN's master) with it
             log.info("TensorBoard's address not removed from the store: %s", e)
+
+
+def _serve(where, backend, sync_every, store):
+    """TensorBoard on `where`. Locally, on the port an earlier start of the service bound
+    where it is free (a restarted application master starts the service again: the page a
+    user has open goes on answering), else on any; on YARN the web UI's page stays."""
+    from yarnapp.errors import YarnappError
+    from yarnapp.tensorboard import TensorBoard
+    host = "127.0.0.1" if backend == "local" else "0.0.0.0"
+    before = store.get(keys.TENSORBOARD_PORT) if backend == "local" else None
+    if before:
+        try:
+            tb = TensorBoard(where, port=int(before), host=host, sync_every=sync_every)
+        except YarnappError as e:
+            log.info("port %s of TensorBoard's earlier start is taken (%s): another one", before, e)
+        else:
+            return tb
+    tb = TensorBoard(where, host=host, sync_every=sync_every)
+    if backend == "local":
+        store.put(keys.TENSORBOARD_PORT, str(tb.port))
+    return tb
 
 
 def start_local(app_dir, app_id, store_root):

@@ -127,12 +127,20 @@ tb.stop()
 
 @pytest.mark.timeout(150)
 def test_service_publishes_its_url_in_status_and_dies_with_the_application(cli, yarnapp_home, tmp_path):
-    app = cli("submit", _job(tmp_path / "svc.yaml", tensorboard={"service": True}), check=0).stdout.strip()
+    app = cli("submit", _job(tmp_path / "svc.yaml", tensorboard={"service": True}, am_attempts=2),
+              check=0).stdout.strip()
     try:
         url = _until("the service's URL in the store", lambda: yarnapp.status(app)["tensorboard"])
         assert url.startswith("http://127.0.0.1:")
         assert f"tensorboard: {url}" in cli("status", app, check=0).stdout.splitlines()
         _until(f"{TAG} served by the service", lambda: len(_scalars(url, app)) >= 2)
+        # a master that dies takes the service along; the next master's serves at the same address
+        # (the page a user has open goes on answering: was another port, printed nowhere)
+        os.kill(yarnapp.status(app)["am_pid"], signal.SIGKILL)
+        _until("the second master's service", lambda: len(yarnapp.status(app)["am_attempts"]) == 2
+               and yarnapp.status(app)["tensorboard"])
+        assert yarnapp.status(app)["tensorboard"] == url
+        _until(f"{TAG} served again", lambda: len(_scalars(url, app)) >= 2)
         assert yarnapp.status(app)["state"] == "RUNNING"
         mine = [" ".join(p.cmdline()) for p in app_processes(app)]
         assert any("launcher.tensorboard_service" in c for c in mine), mine

@@ -78,6 +78,8 @@ class Progress:
                                f"({len(st.get('containers', []))} ranks)")
         for r in st.get("restarts") or []:
             self.say(f"restart{r.get('generation')}", f"restart {r.get('generation')}: {r.get('reason')}")
+        if st.get("tensorboard"):       # the service's page (again, should a restarted master's move)
+            self.say(f"tensorboard {st['tensorboard']}", f"tensorboard: {st['tensorboard']}")
         self._notices(st)
         p = (st.get("progress") or {}).get(0)
         if p and ("step" not in p or not self.tty):
