@@ -140,6 +140,7 @@ def test_service_publishes_its_url_in_status_and_dies_with_the_application(cli, 
         _until("the second master's service", lambda: len(yarnapp.status(app)["am_attempts"]) == 2
                and yarnapp.status(app)["tensorboard"])
         assert yarnapp.status(app)["tensorboard"] == url
+        assert "  application master attempt 2 (pid " in cli("status", app, check=0).stdout      # containers' attempts=1 again
         _until(f"{TAG} served again", lambda: len(_scalars(url, app)) >= 2)
         assert yarnapp.status(app)["state"] == "RUNNING"
         mine = [" ".join(p.cmdline()) for p in app_processes(app)]

@@ -105,6 +105,10 @@ def cmd_status(args):
     if st.get("tensorboard"):
         _p(f"tensorboard: {st['tensorboard']}")
     failure = (st.get("failure") or {}) if st["state"] == "FAILED" else {}
+    masters = st.get("am_attempts") or []
+    if len(masters) > 1:        # a container's attempts= count its starts under this master
+        _p(f"  application master attempt {masters[-1]['attempt']} (pid {masters[-1]['pid']}): every container "
+           f"started again under it")
     for c in st.get("containers", []):
         peak = f" (peak {c['memory_peak_mib']} MiB)" if c.get("memory_peak_mib") else ""
         if c.get("gpu_devices"):
