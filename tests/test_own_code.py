@@ -310,13 +310,15 @@ def test_a_users_model_factory_with_nested_options_trains_in_the_built_in_runner
                                                                                  monkeypatch):
     """...and the notebook that submitted it uses the trained model: Run.model() builds it
     with the user's factory and options, and predicts as the run's evaluation did (before,
-    only a state_dict, with the normalisation to be found in the dataset's side files)."""
+    only a state_dict, with the normalisation to be found in the dataset's side files). Its
+    BatchNorm too: each rank scored its test rows with its own statistics, so the final
+    figures were not the saved model's (rank 0's)."""
     job = {"name": "user-model", "max_restarts": 0,
            "groups": [{"name": "big", "instances": 1, "vcores": 1, "memory": "2 GiB"},
                       {"name": "small", "instances": 1, "vcores": 0.5, "memory": "2 GiB"}],
            "run": {"files": [os.path.join(JOBS, "user_model.py")]},
            "training": {"model": "user_model:make_net",
-                        "model_options": {"hidden": 16, "block": {"kind": "tanh", "dropout": 0.1}},
+                        "model_options": {"hidden": 16, "block": {"kind": "tanh", "dropout": 0.1}, "norm": True},
                         "data": {"train": f"{digits}/train", "test": f"{digits}/test"},
                         "batch_size": 64, "epochs": 4, "shares": "vcores"},
            "checkpoint": {"uri": str(tmp_path / "ckpt")}}
@@ -334,6 +336,8 @@ def test_a_users_model_factory_with_nested_options_trains_in_the_built_in_runner
     images, labels = ParquetSource(f"{digits}/test").read_arrays()      # uint8 N x C x H x W
     accuracy = float((trained.predict(images) == labels).mean())
     assert abs(accuracy - st["final"]["accuracy"]) <= 1 / len(labels), (accuracy, st["final"])
+    loss = float(torch.nn.functional.cross_entropy(trained.logits(images), torch.as_tensor(labels).long()))
+    assert loss == pytest.approx(st["final"]["loss"], rel=1e-5), (loss, st["final"])
     with pytest.raises(ValueError, match=r"images must be uint8 N x 1 x H x W \(or N x H x W\), got float32"):
         trained.predict(images.astype(np.float32))
     assert_nothing_left(run.app_id)

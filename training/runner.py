@@ -114,6 +114,7 @@ class Runner:
         B = self.spec.batch_size
         lo, hi = self.strategy.batch_slice(B)
         loader = self.test.batches(B, lo, hi, seed=self.spec.seed, epochs=1, drop_last=False, train=False)
+        self.strategy.before_eval()
         sums = np.zeros(3)
         for _, _, x, y in loader:
             loss_sum, correct, n = self.strategy.eval_step(x, y)

@@ -5,12 +5,12 @@ import torch
 from torch import nn
 
 
-def make_net(num_classes, input_shape, hidden=32, block=None):
+def make_net(num_classes, input_shape, hidden=32, block=None, norm=False):
     block = block or {"kind": "relu", "dropout": 0.0}
     act = {"relu": nn.ReLU, "tanh": nn.Tanh}[block["kind"]]
     c, h, w = input_shape
-    return nn.Sequential(nn.Conv2d(c, hidden, 3, padding=1), act(), nn.Dropout(block["dropout"]),
-                         nn.Flatten(), nn.Linear(hidden * h * w, num_classes))
+    return nn.Sequential(nn.Conv2d(c, hidden, 3, padding=1), nn.BatchNorm2d(hidden) if norm else nn.Identity(), act(),
+                         nn.Dropout(block["dropout"]), nn.Flatten(), nn.Linear(hidden * h * w, num_classes))
 
 
 def make_bn_net(num_classes, input_shape, width=8):

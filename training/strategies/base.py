@@ -83,6 +83,10 @@ class Strategy(abc.ABC):
     def eval_step(self, x, y):
         """(loss_sum, correct, n) over the rows this rank was given (runner reduces)."""
 
+    def before_eval(self):
+        """Called on every rank before an evaluation's eval_steps (a collective where the
+        strategy needs one)."""
+
     @abc.abstractmethod
     def state_dict(self):
         ...
