@@ -59,6 +59,8 @@ def test_channel_wise_layers_in_the_shards_equal_single_process(world):
                                   "features.3 + features.4 + features.5; features.0 -> features.3; "
                                   "features.3 -> fc row-parallel"] * n
     assert r["modules_weights"] < TOL
+    # in-place ReLUs on a distributed layer's output (the classifier's in the shards; the convs' unfused)
+    assert len(r["inplace_weights"]) == 2 and all(d < TOL for d in r["inplace_weights"]), r["inplace_weights"]
 
 
 def test_misconfigurations_are_refused(world):

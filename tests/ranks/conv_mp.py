@@ -269,6 +269,30 @@ out["modules_fused"] = comm.gather(s_mod.fusion.describe() if s_mod.fusion else 
 if rank == 0:
     out["modules_weights"] = params_diff(export_mod, ref_mod)
 
+# 2d. In-place ReLUs on what a distributed layer hands the master: after the gathered conv
+# outputs (`fuse: false`), and after the classifier's first Linear, run in the shards. They
+# were refused: "Output 0 of _AnnounceBackward is a view and is being modified inplace".
+class InplaceCNN(ModuleCNN):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Sequential(nn.Flatten(), nn.Linear(16 * 3 * 3, 32), nn.ReLU(inplace=True), nn.Linear(32, 10))
+
+    def forward(self, x):
+        return self.fc(self.features(x))
+
+
+def fresh_inplace(seed=0):
+    torch.manual_seed(seed)
+    return InplaceCNN()
+
+
+out["inplace_weights"] = []
+for fuse in (True, False):
+    s_ip = make(spec(layers=["features.0", "features.3"], fuse=fuse), build=fresh_inplace)
+    export_ip, ref_ip = against_reference(s_ip, steps=3, build=fresh_inplace)
+    if rank == 0:
+        out["inplace_weights"].append(params_diff(export_ip, ref_ip))
+
 # 3. eval_step agrees with the reference's summed loss and correct count.
 x, y = data(10)
 ev = s.eval_step(x if rank == 0 else None, y if rank == 0 else None)

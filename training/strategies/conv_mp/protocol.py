@@ -23,8 +23,8 @@ class ShardProtocol:
     Protocol: before each distributed conv call the master broadcasts a command
     [FORWARD, layer, call, grad_mode]; the servers run that layer (`layer(None)`), which
     enters the same Bcast/Gatherv. In backward, right before a call's Scatterv, the master
-    broadcasts [BACKWARD, layer, call] (an identity autograd function placed after the
-    gather: its backward runs immediately before the gather's) and the servers run
+    broadcasts [BACKWARD, layer, call] (a hook on the gathered output: it fires once that
+    output's gradient is complete, immediately before the gather's backward) and the servers run
     backward on that call's stand-in output, entering the same Scatterv and, where X
     needs a gradient, the same Reduce. The master ends a step with [END, payload] (e.g.
     loss and correct count), which returns from `serve()` on every server. Commands
@@ -72,9 +72,19 @@ class ShardProtocol:
     def _after(self, index):
         def hook(module, args, output):
             if output.requires_grad and module.feeds is None:   # a link's backward comes with the next layer's
-                return _AnnounceBackward.apply(output, self, index, self._current[index])
+                call = self._current[index]
+                # The gradient of this output is ready: the layer's backward comes next, so the
+                # servers are told which. (A hook on the tensor, not an identity Function: a
+                # model's ReLU(inplace=True) on the output was refused, "Output 0 of
+                # _AnnounceBackward is a view and is being modified inplace"; a hook fires for
+                # the value it was registered on, whatever is done to it in place after.)
+                output.register_hook(lambda grad: self._announce(index, call))
             return output
         return hook
+
+    def _announce(self, index, call):
+        with cputime.counting("protocol"):
+            self._send(np.array([self.BACKWARD, index, call, 1, 0, 0, 0, 0]))
 
     def finish(self, payload=()):
         """Master: end the step; the servers' `serve()` returns `payload` (≤ 7 floats)."""
@@ -112,19 +122,3 @@ class ShardProtocol:
                 return header[1:].copy()
             else:
                 raise RuntimeError(f"ShardProtocol: unknown command {header.tolist()} from the master")
-
-
-class _AnnounceBackward(torch.autograd.Function):
-    """Identity in forward; in backward the master tells the servers which call's
-    backward comes next, then passes the gradient on unchanged."""
-
-    @staticmethod
-    def forward(ctx, y, protocol, index, call):
-        ctx.protocol, ctx.index, ctx.call = protocol, index, call
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        with cputime.counting("protocol"):
-            ctx.protocol._send(np.array([ShardProtocol.BACKWARD, ctx.index, ctx.call, 1, 0, 0, 0, 0]))
-            return grad, None, None, None
