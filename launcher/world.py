@@ -181,25 +181,44 @@ def stop_all(procs):
     for p in running:
         p.kill()
     for p in running:
-        p.communicate()
+        p.wait()
 
 
-def run_local(argv, size, env=None, timeout=600):
+def run_local(argv, size, env=None, timeout=600, grace=5.0):
     """spawn_local, wait for every process (at most `timeout` seconds in all; then the
     rest are killed and subprocess.TimeoutExpired is raised) and remove the store.
-    Returns [(returncode, stdout, stderr)] in rank order."""
+    Returns [(returncode, stdout, stderr)] in rank order. Once a process has failed (a
+    non-zero exit), the others get `grace` seconds to end before they are killed (-9):
+    they would wait for it in a collective until the timeout (a plan's probe whose master
+    raised kept its worker waiting 180 s, and the line said nothing of why)."""
     import shutil
     import subprocess
+    import threading
     import time
     procs, root = spawn_local(argv, size, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    outs = [None] * len(procs)
+
+    def read(i, p):                 # every pipe drained at once: none blocks its writer
+        outs[i] = p.communicate()
+    readers = [threading.Thread(target=read, args=(i, p), daemon=True) for i, p in enumerate(procs)]
     try:
-        deadline, outs = time.monotonic() + timeout, []
-        for p in procs:
-            out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            outs.append((p.returncode, out, err))
-        return outs
+        for t in readers:
+            t.start()
+        deadline, failed = time.monotonic() + timeout, None
+        while any(t.is_alive() for t in readers):
+            now = time.monotonic()
+            if now > deadline:
+                raise subprocess.TimeoutExpired(argv, timeout)
+            if failed is None and any(p.poll() not in (None, 0) for p in procs):
+                failed = now
+            if failed is not None and now - failed > grace:
+                stop_all(procs)
+            time.sleep(0.05)
+        return [(p.returncode, *out) for p, out in zip(procs, outs)]
     finally:
         stop_all(procs)
+        for t in readers:
+            t.join(5.0)
         shutil.rmtree(root, ignore_errors=True)
 
 

@@ -325,6 +325,31 @@ def test_measure_strategy_cpu_runs_every_strategy_on_two_ranks():
         assert all(0 <= v < 0.05 for v in own[name]) and sum(own[name]) > 0, (name, own[name])
 
 
+def test_a_strategy_that_cannot_run_the_model_is_left_out_of_the_probe_at_once(monkeypatch):
+    """conv_model_parallel's step raised on a model (an in-place ReLU, before it took one):
+    its peer waited in a collective until the probe's 180 s timeout, and `yarnapp plan`
+    failed, telling the user to give --bandwidth. The strategy is now left out, with its
+    error, and the others are measured."""
+    monkeypatch.setenv("PYTHONPATH", os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobs"))
+    t0 = time.monotonic()
+    own, cannot = planner.measure_strategy_cpu("user_model:make_whole_conv_net", {}, (1, 8, 8), 10, 16,
+                                               ["conv1", "conv2"], steps=2, with_failures=True)
+    assert time.monotonic() - t0 < 60
+    assert set(own) == set(planner.modelled()) - {"conv_model_parallel"}
+    assert cannot == {"conv_model_parallel": "RuntimeError: conv2 is a DistributedConv2d: this model needs "
+                                             "nn.Conv2d layers"}, cannot
+    # the plan: no prediction for it, the others' recommended, the table saying why
+    from training.planner import present
+    case = _regression_cases()["digits-example"]
+    measured = dataclasses.replace(planner.Measured.from_dict(case["measured"]), cannot_run=cannot)
+    plan = planner.plan_from(conf.load_job(case["job"]), measured)
+    assert plan["strategies"]["conv_model_parallel"] is None and plan["cannot_run"] == cannot
+    assert plan["recommended"]["strategy"] != "conv_model_parallel"
+    row = next(ln for ln in present.format_table(plan).splitlines() if ln.startswith("conv_model_parallel "))
+    assert row.endswith(": cannot run this model: RuntimeError: conv2 is a DistributedConv2d: this model needs "
+                        "nn.Conv2d layers"), row
+
+
 # -- yarnapp plan ----------------------------------------------------------------------------
 
 def _probe_processes():

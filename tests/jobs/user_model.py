@@ -44,3 +44,23 @@ def process_group(ctx):
     dist.all_reduce(t)
     ctx.final(sum=float(t), backend=dist.get_backend(), world=dist.get_world_size())
     dist.destroy_process_group()
+
+
+class _WholeConv(nn.Module):
+    def __init__(self, num_classes, input_shape):
+        super().__init__()
+        c, h, w = input_shape
+        self.conv1, self.conv2 = nn.Conv2d(c, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8 * h * w, num_classes)
+
+    def forward(self, x):
+        # a model that reads its layers' own attributes (where torch.fx cannot trace it: the
+        # check runs in every call, not once at the trace)
+        if float(x.detach().sum()) > -1e30 and type(self.conv2) is not nn.Conv2d:
+            raise RuntimeError(f"conv2 is a {type(self.conv2).__name__}: this model needs nn.Conv2d layers")
+        return self.fc(self.conv2(self.conv1(x).relu()).relu().flatten(1))
+
+
+def make_whole_conv_net(num_classes, input_shape):
+    """A model conv_model_parallel cannot run (it replaces the convs), the others can."""
+    return _WholeConv(num_classes, input_shape)

@@ -2,7 +2,9 @@
 strategy spends per step on its own (both measured on two joined ranks: training.probes)."""
 import statistics
 
-from training import strategies as registry
+from training import probes, strategies as registry
+from training.perf.model import PlanError
+from training.probes.strategy_cpu import FAILED
 
 from .link import run_probe
 
@@ -41,7 +43,7 @@ def measure_wait_cpu(late=(0.002, 0.005, 0.02), repeat=10, timeout=60, sizes=(8,
 
 
 def measure_strategy_cpu(model_name, options, sample_shape, classes, batch, layers, strategies=None,
-                         steps=20, timeout=180):
+                         steps=20, timeout=180, with_failures=False):
     """{strategy: [rank 0's, a worker's]} seconds of CPU a rank spends per step beyond
     what the planner times and counts itself: the model's forward + backward on its rows
     (the profile), conv shares, the optimizer, the waits (measure_wait_cpu). That is the
@@ -59,12 +61,28 @@ def measure_strategy_cpu(model_name, options, sample_shape, classes, batch, laye
     own: Strategy.own_cpu_s). The median over `steps` steps; CPU time throughout: a busy machine slows the
     probe but does not change what it counts. Here, seed_cnn: ~0.5-1 ms for the
     data-parallel strategies, ~3 ms for a conv-MP worker; on a 0.5-vcore rank that
-    comes out of its quota."""
+    comes out of its quota. A strategy that cannot run the model (its step raises) is left
+    out; with_failures: ({strategy: seconds}, {strategy: its error line})."""
     if strategies is None:
         strategies = [k for k in registry.names() if registry.entry(k).cost]
     strategies = [k for k in strategies if k != "conv_model_parallel" or layers]
     args = {"model": model_name, "options": dict(options), "shape": list(sample_shape), "classes": int(classes),
             "batch": int(batch), "layers": list(layers or []), "steps": int(steps), "strategies": strategies,
             "warmup": 3 if steps >= 10 else 1}
-    out = run_probe("training.probes.strategy_cpu", args, "strategy probe", timeout)
-    return {k: [max(0.0, float(v)) for v in vs] for k, vs in out.items()}
+    cannot = {}
+    while True:
+        try:
+            out = probes.run("training.probes.strategy_cpu", 2, args, timeout=timeout)
+            break
+        except probes.ProbeError as e:
+            said = str(e).rsplit(FAILED, 1)
+            name, _, why = said[1].partition(": ") if len(said) == 2 else ("", "", "")
+            if name not in args["strategies"]:
+                raise PlanError(f"the MPI strategy probe failed ({e})") from None
+            cannot[name] = why                  # the others are measured without it
+            args["strategies"] = [k for k in args["strategies"] if k != name]
+            if not args["strategies"]:
+                out = {}
+                break
+    own = {k: [max(0.0, float(v)) for v in vs] for k, vs in out.items()}
+    return (own, cannot) if with_failures else own

@@ -191,13 +191,14 @@ class Measured:
     link: Link
     scheduling: Scheduling
     strategy_cpu: dict            # {strategy: [rank 0's, the others']} seconds per step
+    cannot_run: dict = dataclasses.field(default_factory=dict)     # {strategy: why its step failed on the model}
 
     def as_dict(self):
         return {"input_shape": list(self.input_shape), "classes": self.classes, "input_from": self.input_from,
                 "profiles": [p.as_dict() for p in self.profiles.values()],
                 "idle": [p.as_dict() for p in self.idle.values()],
                 "link": dict(dataclasses.asdict(self.link)), "scheduling": dataclasses.asdict(self.scheduling),
-                "strategy_cpu": self.strategy_cpu}
+                "strategy_cpu": self.strategy_cpu, "cannot_run": self.cannot_run}
 
     @classmethod
     def from_dict(cls, d):
@@ -209,7 +210,7 @@ class Measured:
         idle = [profile(p) for p in d["idle"]]
         return cls(tuple(d["input_shape"]), int(d["classes"]), d["input_from"],
                    {(p.device, p.threads): p for p in profiles}, {(p.device, p.threads): p for p in idle},
-                   Link(**d["link"]), Scheduling(**d["scheduling"]), d["strategy_cpu"])
+                   Link(**d["link"]), Scheduling(**d["scheduling"]), d["strategy_cpu"], d.get("cannot_run") or {})
 
 
 def measure_job(job, options=PlanOptions()):
@@ -254,12 +255,11 @@ def measure_job(job, options=PlanOptions()):
                 if layer_split:
                     measure_shares(cold, model, shape, layer_split, min_time=options.min_time)
     sched = _job_scheduling(job, devices, options)
-    own = options.strategy_cpu
-    if own is None:
-        own = measure_strategy_cpu(spec.model, spec.model_options, shape, classes, B, names,
-                                   steps=options.strategy_steps) \
-            if len(devices) > 1 else {}
-    return Measured(shape, classes, shape_from, profiles, idle, link, sched, own)
+    own, cannot = options.strategy_cpu, {}
+    if own is None and len(devices) > 1:
+        own, cannot = measure_strategy_cpu(spec.model, spec.model_options, shape, classes, B, names,
+                                           steps=options.strategy_steps, with_failures=True)
+    return Measured(shape, classes, shape_from, profiles, idle, link, sched, own or {}, cannot)
 
 
 def plan_job(job, options=PlanOptions()):
@@ -294,6 +294,9 @@ def plan_from(job, measured, options=PlanOptions()):
     # The data-parallel strategies also with speed-proportional shares, for the recommendation.
     speed = dataclasses.replace(case, shares="speed")
     speed_preds = {name: predict(name, speed, configs[name]) for name in modelled() if registry.entry(name).data_parallel}
+    for name in measured.cannot_run:        # its step raised on this model (the strategy probe)
+        preds[name] = None
+        speed_preds.pop(name, None)
     mine = spec.strategy.name
     if len(devices) == 1:   # nothing to spread: the predictions differ by their models' error only
         best = mine if preds.get(mine) else "allreduce"
@@ -333,6 +336,7 @@ def plan_from(job, measured, options=PlanOptions()):
                         "split": best_p["split"], "why": why,
                         "one_container": len(devices) > 1 and best_p["speedup"] < 1},
         "job_strategy": spec.strategy.name,
+        "cannot_run": dict(measured.cannot_run),
         "bound": conv["bound"] if conv else None,
         "scaling": simulate(ref, link.between_machines(), B, names, options, own),
         "volumes": _volumes(model, shape, [d.speed for d in devices], B),

@@ -10,12 +10,12 @@ from training import probes
 from training.perf.model import Link, PlanError
 
 
-def run_probe(module, args, what, timeout):
+def run_probe(module, args, what, timeout, advice="; give the link with --bandwidth"):
     """Rank 0's result of `module` (training.probes) on two joined ranks; PlanError if it fails."""
     try:
         return probes.run(module, 2, args, timeout=timeout)
     except probes.ProbeError as e:
-        raise PlanError(f"the MPI {what} failed ({e}); give the link with --bandwidth") from None
+        raise PlanError(f"the MPI {what} failed ({e}){advice}") from None
 
 
 def _pingpong(sizes, trials, timeout, busy=0, polite=False, duty=1.0, shm=None):

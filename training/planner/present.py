@@ -65,8 +65,10 @@ def format_table(plan):
             continue
         p = plan["strategies"][name]
         if p is None:
-            lines.append(f"{name:21s} {'n/a':>10s} {'':9s} {'':9s} {'':8s}  {title}: cannot run here "
-                         "(a layer has fewer kernels than there are ranks, or no conv layer to distribute)")
+            why = (plan.get("cannot_run") or {}).get(name)
+            lines.append(f"{name:21s} {'n/a':>10s} {'':9s} {'':9s} {'':8s}  {title}: " + (
+                f"cannot run this model: {why}" if why else
+                "cannot run here (a layer has fewer kernels than there are ranks, or no conv layer to distribute)"))
             continue
         note = f"{title}; {_split_text(name, p['split'])}"
         if p.get("settled_from"):

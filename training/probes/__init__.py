@@ -93,7 +93,8 @@ def run_argv(argv, size, timeout=120, env=None):
     lines = [ln for ln in outs[0][1].splitlines() if ln.startswith(TAG)]
     if any(rc != 0 for rc, _, _ in outs) or not lines:
         codes = [rc for rc, _, _ in outs]
-        tail = next((e.strip().splitlines()[-1] for _, _, e in outs if e.strip()), "no output")
+        first = sorted(outs, key=lambda o: o[0] in (0, -9))     # what failed by itself speaks first, not those killed
+        tail = next((e.strip().splitlines()[-1] for _, _, e in first if e.strip()), "no output")
         err = ProbeError(f"{module} on {size} ranks failed (exit codes {codes}): {tail}")
         err.output = "\n".join(o[-3000:] + e[-3000:] for _, o, e in outs)
         raise err
