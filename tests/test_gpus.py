@@ -5,6 +5,7 @@ impossible request is refused at submit; an application whose GPUs another holds
 and never shares them."""
 import os
 import stat
+import tempfile
 import time
 
 import pytest
@@ -69,6 +70,38 @@ def test_every_container_sees_only_its_own_gpus(two_fake_gpus, yarnapp_home):
     assert_nothing_left(run.app_id)
 
 
+def test_gpus_are_leased_machine_wide_in_the_order_applications_asked(tmp_path, monkeypatch):
+    """The ledger was $YARNAPP_HOME/gpus.json: two users (two homes) were both given GPU 0.
+    And a waiting application was passed over by later ones that fit (a 2-GPU job waited
+    while 1-GPU jobs submitted after it took each GPU freed). Real processes hold the leases."""
+    import subprocess
+    import sys
+    monkeypatch.delenv("YARNAPP_GPU_LEDGER", raising=False)
+    assert gpus.Leases().path == os.path.join(tempfile.gettempdir(), "yarnapp-gpus", "gpus.json")   # not the home's
+    ledger = str(tmp_path / "ledger" / "gpus.json")
+    two = [gpus.Gpu(0, "GPU-0", "x", 0), gpus.Gpu(1, "GPU-1", "x", 0)]
+    masters = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(4)]
+    try:
+        a, b, c, d = (m.pid for m in masters)
+        mine, theirs = gpus.Leases(ledger), gpus.Leases(ledger)     # two engines (homes) of one machine
+        assert mine.acquire("app_a", 1, two, pid=a) == ([0], [], [])
+        assert theirs.acquire("app_big", 2, two, pid=b) == (None, ["app_a"], [])       # waits for 2
+        assert theirs.acquire("app_c", 1, two, pid=c) == (None, ["app_a"], ["app_big"])  # GPU 1 free, but in line
+        mine.release("app_a")
+        assert theirs.acquire("app_c", 1, two, pid=c) == (None, [], ["app_big"])
+        assert theirs.acquire("app_big", 2, two, pid=b) == ([0, 1], [], [])
+        assert theirs.acquire("app_c", 1, two, pid=c) == (None, ["app_big"], [])
+        masters[1].kill()
+        masters[1].wait()                            # its master died: its GPUs are free again
+        assert theirs.acquire("app_c", 1, two, pid=c) == ([0], [], [])
+        assert mine.acquire("app_d", 1, two, pid=d) == ([1], [], [])
+        assert mine.held() == {"app_c": [0], "app_d": [1]}
+    finally:
+        for m in masters:
+            m.kill()
+            m.wait()
+
+
 def test_asking_for_more_gpus_than_the_machine_has_is_refused_at_submit(two_fake_gpus, cli, tmp_path):
     import yaml
     job = tmp_path / "greedy.yaml"
@@ -83,7 +116,7 @@ def test_asking_for_more_gpus_than_the_machine_has_is_refused_at_submit(two_fake
     assert not os.path.isdir(apps) or not os.listdir(apps)          # nothing was started
 
 
-def _second_waits_for_the_first(gpus_each, env=None):
+def _second_waits_for_the_first(gpus_each, env=None, third=False):
     """Two applications asking for the same GPUs: the second waits (ACCEPTED, saying
     whose they are) until the first ends, and its ranks start only then."""
     group = {"name": "g", "instances": 1, "gpus": gpus_each, "vcores": 0.5, "memory": "512 MiB",
@@ -103,6 +136,16 @@ def _second_waits_for_the_first(gpus_each, env=None):
         time.sleep(0.1)
     assert running, "the first ended before the second's master looked for a GPU"
     assert st2["state"] == "ACCEPTED" and st2["diagnostics"] == f"waiting for {gpus_each} GPU(s): held by {first.app_id}"
+    if third:       # a third waits in line after the second; killed there, it ends KILLED, all of it
+        third = _submit("third", [group])
+        deadline = time.monotonic() + 30
+        while not third.status()["diagnostics"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert third.status()["diagnostics"] == (f"waiting for {gpus_each} GPU(s): held by {first.app_id}; in line "
+                                                 f"after {second.app_id}, which asked first")
+        third.kill()
+        st3 = third.wait(timeout=60)
+        assert st3["state"] == "KILLED" and [c["state"] for c in st3["containers"]] == ["KILLED"], st3
     st1 = first.wait(timeout=120)
     assert st1["state"] == "SUCCEEDED", first.logs()
     st2 = second.wait(timeout=120)
@@ -116,7 +159,7 @@ def _second_waits_for_the_first(gpus_each, env=None):
 
 def test_an_application_whose_gpu_another_holds_waits_and_never_shares_it(monkeypatch, yarnapp_home):
     monkeypatch.setenv("YARNAPP_GPUS", "0")                      # one GPU on this machine
-    _, st2 = _second_waits_for_the_first(1)
+    _, st2 = _second_waits_for_the_first(1, third=True)
     assert st2["final"]["visible"] == ["0"]
 
 

@@ -111,8 +111,8 @@ def cmd_status(args):
            f"started again under it")
     for c in st.get("containers", []):
         peak = f" (peak {c['memory_peak_mib']} MiB)" if c.get("memory_peak_mib") else ""
-        if c.get("gpu_devices"):
-            peak += f"  gpus {','.join(str(g) for g in c['gpu_devices'])}"
+        if c.get("gpu_devices"):        # which (their indices), not how many
+            peak += f"  GPU{'s' if len(c['gpu_devices']) > 1 else ''} {','.join(str(g) for g in c['gpu_devices'])}"
         res = (f"  {c['vcores']:g} vcores {c['memory_mib']} MiB{peak}  [{c['resources']}]" if "vcores" in c
                else "") + (f"  {c['node']}" if c.get("node") else "") + \
             (f" ({c['addr']})" if c.get("addr") else "")     # YARN's host, or an emulated node and its address

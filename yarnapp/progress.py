@@ -73,6 +73,8 @@ class Progress:
         n = len(st.get("containers") or [])
         containers = f"{n} containers, " if n > 1 else "1 container, " if n else ""
         self.say("submitted", f"{self.run.app_id}: {containers}state {st['state']}")
+        if st["state"] in ("NEW", "ACCEPTED") and st.get("diagnostics"):      # why it waits (for GPUs, say)
+            self.say(f"waiting {st['diagnostics']}", f"{self.run.app_id}: {st['diagnostics']}")
         if st.get("world_formed_s") is not None:
             self.say("formed", f"world formed {st['world_formed_s']:.2f}s after submit "
                                f"({len(st.get('containers', []))} ranks)")

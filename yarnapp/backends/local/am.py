@@ -295,13 +295,15 @@ class ApplicationMaster:
             return True
         leases = gpus.Leases()
         while not self.stopping:
-            got, holders = leases.acquire(self.app_id, sum(want), gpus.inventory())
+            got, holders, ahead = leases.acquire(self.app_id, sum(want), gpus.inventory())
             if got is not None:
                 for c, mine in zip(self.containers, gpus.split(got, want)):
                     c.gpus = mine
                 log.info("GPUs leased: %s", {c.id: c.gpus for c in self.containers if c.gpus})
                 return True
-            why = f"waiting for {sum(want)} GPU(s): held by {', '.join(holders) or 'nobody (too few visible)'}"
+            why = f"waiting for {sum(want)} GPU(s): " + "; ".join(
+                ([f"held by {', '.join(holders)}"] if holders else []) +
+                ([f"in line after {', '.join(ahead)}, which asked first"] if ahead else []) or ["too few visible"])
             if why != self.diagnostics:
                 self.diagnostics = why
                 log.info("%s", why)
@@ -354,6 +356,8 @@ class ApplicationMaster:
                 rc = c.proc.wait()
                 if c.state == "RUNNING":
                     c.state, c.exit_code = ("KILLED" if self.stopping == "KILLED" else "FAILED"), rc
+            elif c.state == "NEW":          # never started (the application waited for GPUs)
+                c.state = "KILLED" if self.stopping == "KILLED" else "FAILED"
         if self.tensorboard:
             tensorboard_service.stop_local(self.tensorboard, self.store)
         # Anything of this application that escaped its process group (it set up a

@@ -8,12 +8,15 @@ machines whose driver tools are elsewhere, and for tests). The client never impo
 torch, so the inventory never comes from it.
 
 Leases (`Leases`): every application's master leases whole GPUs for its containers
-from a ledger in the engine's home ($YARNAPP_HOME/gpus.json, under an flock), and gives
-each container exactly its own through CUDA_VISIBLE_DEVICES (a container without GPUs
-gets an empty CUDA_VISIBLE_DEVICES: it sees none). A lease of a master that is gone is
-free again. A job asking for more GPUs than the machine has is refused at submit; one
-whose GPUs are leased to another application waits (ACCEPTED) until they are free: a
-GPU is never shared silently.
+from one ledger of the machine ($YARNAPP_GPU_LEDGER, else <tmp>/yarnapp-gpus/gpus.json,
+under an flock: every user's engine, whatever its YARNAPP_HOME, sees the same GPUs), and
+gives each container exactly its own through CUDA_VISIBLE_DEVICES (a container without
+GPUs gets an empty CUDA_VISIBLE_DEVICES: it sees none). A lease of a master that is gone
+is free again. A job asking for more GPUs than the machine has is refused at submit; one
+whose GPUs are leased to another application waits (ACCEPTED) until they are free, in
+line: first come, first served (a later application never takes GPUs before one that
+asked first, even where it would fit: a stream of small jobs would keep a large one
+waiting for ever). A GPU is never shared silently.
 """
 import contextlib
 import dataclasses
@@ -21,10 +24,10 @@ import fcntl
 import json
 import os
 import subprocess
+import tempfile
+import time
 
 import psutil
-
-from .state import home
 
 QUERY = ["nvidia-smi", "--query-gpu=index,uuid,name,memory.total", "--format=csv,noheader,nounits"]
 
@@ -73,52 +76,71 @@ def inventory(environ=None):
 
 
 class Leases:
-    """The ledger of which application's master holds which GPU indices."""
+    """The machine's ledger: which application's master holds which GPU indices, and which
+    wait for some, in the order they asked."""
 
     def __init__(self, path=None):
-        self.path = path or os.path.join(home(), "gpus.json")
+        self.path = path or os.environ.get("YARNAPP_GPU_LEDGER") or \
+            os.path.join(tempfile.gettempdir(), "yarnapp-gpus", "gpus.json")
 
     @contextlib.contextmanager
     def _locked(self):
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        with open(self.path + ".lock", "a") as lock:
+        folder = os.path.dirname(self.path)
+        if not os.path.isdir(folder):
+            os.makedirs(folder, exist_ok=True)
+            with contextlib.suppress(OSError):      # every user's engine writes it (as /tmp is)
+                os.chmod(folder, 0o1777)
+        old = os.umask(0o000)
+        try:
+            lock = open(self.path + ".lock", "a")
+        finally:
+            os.umask(old)
+        with lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 try:
                     with open(self.path) as f:
-                        held = json.load(f)
+                        ledger = json.load(f)
                 except (FileNotFoundError, ValueError):
-                    held = {}
-                # a lease whose master is gone is free again
-                held = {app: v for app, v in held.items() if psutil.pid_exists(v["pid"])}
-                yield held
+                    ledger = {}
+                # a lease or a place in line whose master is gone is free again
+                ledger = {part: {app: v for app, v in (ledger.get(part) or {}).items() if psutil.pid_exists(v["pid"])}
+                          for part in ("held", "waiting")}
+                yield ledger
                 tmp = f"{self.path}.{os.getpid()}.tmp"
                 with open(tmp, "w") as f:
-                    json.dump(held, f)
+                    json.dump(ledger, f)
+                os.chmod(tmp, 0o666)
                 os.replace(tmp, self.path)
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
     def acquire(self, app_id, count, gpus, pid=None):
-        """Lease `count` GPUs of inventory `gpus` to app_id; returns their indices, or None
-        (and whose leases stand in the way) when not enough are free now."""
-        with self._locked() as held:
+        """Lease `count` GPUs of inventory `gpus` to app_id: (their indices, [], []), or
+        (None, whose leases stand in the way, the applications in line before it) when it
+        must wait: not enough are free now, or another asked first."""
+        with self._locked() as ledger:
+            held, waiting = ledger["held"], ledger["waiting"]
             if app_id in held:
-                return held[app_id]["gpus"], []
+                return held[app_id]["gpus"], [], []
+            me = waiting.setdefault(app_id, {"pid": pid or os.getpid(), "since": time.time(), "count": count})
+            ahead = sorted((w["since"], app) for app, w in waiting.items() if app != app_id and w["since"] < me["since"])
             taken = {i for v in held.values() for i in v["gpus"]}
             free = [g.index for g in gpus if g.index not in taken]
-            if len(free) < count:
-                return None, sorted(held)
+            if ahead or len(free) < count:
+                return None, sorted(held), [app for _, app in ahead]
+            waiting.pop(app_id)
             held[app_id] = {"pid": pid or os.getpid(), "gpus": free[:count]}
-            return free[:count], []
+            return free[:count], [], []
 
     def release(self, app_id):
-        with self._locked() as held:
-            held.pop(app_id, None)
+        with self._locked() as ledger:
+            ledger["held"].pop(app_id, None)
+            ledger["waiting"].pop(app_id, None)
 
     def held(self):
-        with self._locked() as held:
-            return {app: v["gpus"] for app, v in held.items()}
+        with self._locked() as ledger:
+            return {app: v["gpus"] for app, v in ledger["held"].items()}
 
 
 def split(indices, requests):
