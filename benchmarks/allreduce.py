@@ -46,7 +46,7 @@ def parse_args(argv):
     p.add_argument("--threshold-kb", type=float, default=None, help="ring threshold (default: the library's)")
     p.add_argument("--no-gloo", action="store_true")
     p.add_argument("--no-shm", action="store_true", help="ours without shared memory: the ring")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "allreduce.json"))
+    common.add_out(p, "allreduce")
     return p.parse_args(argv)
 
 

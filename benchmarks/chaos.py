@@ -52,7 +52,7 @@ def parse_args(argv):
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-network", action="store_true", help="no emulated nodes (and no link cuts)")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "chaos.json"))
+    common.add_out(p, "chaos")
     return p.parse_args(argv)
 
 

@@ -91,6 +91,22 @@ def machine_meta():
             "mpich_cvars": {k: v for k, v in os.environ.items() if k.startswith("MPIR_CVAR_")}}
 
 
+def add_out(parser, name):
+    """The benchmark's --out: by default results/NAME.json, and results/NAME_quick.json
+    with --quick (a quick run overwrote the full run's results the README cites)."""
+    parser.add_argument("--out", default=None, help=f"JSON to write (default results/{name}.json; with --quick, "
+                                                    f"results/{name}_quick.json)")
+    parse = parser.parse_args
+
+    def parse_args(*a, **k):
+        args = parse(*a, **k)
+        if args.out is None:
+            args.out = os.path.join(HERE, "results", f"{name}{'_quick' if getattr(args, 'quick', False) else ''}.json")
+        return args
+    parser.parse_args = parse_args
+    return parser
+
+
 def write_results(path, meta, rows):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

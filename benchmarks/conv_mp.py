@@ -39,6 +39,8 @@ import statistics
 import sys
 import time
 
+import common
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 CGROUP_CPU = "/sys/fs/cgroup/cpu"
 CGROUP_V2 = "/sys/fs/cgroup"
@@ -216,7 +218,7 @@ def main(argv=None):
     p.add_argument("--no-fuse", dest="fuse", action="store_false",
                    help="keep ReLU and pooling on the master (conv_model_parallel fuse: false)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per case")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "conv_mp.json"))
+    common.add_out(p, "conv_mp")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:

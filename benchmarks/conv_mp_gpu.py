@@ -69,8 +69,8 @@ def run_all(args):
         print(f"{case:<10} {r['step_s']:>9.4f}  {r['split']}")
     print(f"GPU+CPU speedup over the GPU alone: {ratio:.3f}x  (device: {out['gpu']['gpu']}, "
           f"conv {args.conv1}/{args.conv2}, batch {args.batch}, CPU rank {args.cpu_threads} threads)")
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "conv_mp_gpu.json"), "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
         json.dump({"cases": out, "speedup_gpu_cpu_over_gpu": ratio, "args": vars(args)}, f, indent=1)
 
 
@@ -85,6 +85,7 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--cpu-threads", type=int, default=14)
     p.add_argument("--timeout", type=float, default=240)
+    p.add_argument("--out", default=os.path.join(HERE, "results", "conv_mp_gpu.json"), help="JSON to write")
     args = p.parse_args()
     if args.all:
         run_all(args)

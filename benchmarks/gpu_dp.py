@@ -40,7 +40,7 @@ def parse_args(argv):
     p.add_argument("--cpu-vcores", type=float, default=4.0)
     p.add_argument("--gpu-vcores", type=float, default=4.0)
     p.add_argument("--steps", type=int, default=None, help="training steps per run (default 200)")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "gpu_dp.json"))
+    common.add_out(p, "gpu_dp")
     return p.parse_args(argv)
 
 
@@ -140,7 +140,7 @@ def main(argv=None):
         wait = f"{row['data_wait_pct']:8.1f}%" if "data_wait_pct" in row else f"{'':>9}"
         print(f"{name:<10} {m:>10.1f} {pred} {wait}  {ratio}")
     meta = {**common.machine_meta(), "gpu": torch.cuda.get_device_name(0), "rounds": rounds, "steps": steps,
-            "cpus": args.cpus, "cpu_vcores": args.cpu_vcores, "wall_s": round(time.time() - t0, 1)}
+            "cpu_containers": args.cpus, "cpu_vcores": args.cpu_vcores, "wall_s": round(time.time() - t0, 1)}
     common.write_results(args.out, meta, rows)
     return 0
 

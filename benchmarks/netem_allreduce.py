@@ -50,7 +50,7 @@ def parse_args(argv):
     p.add_argument("--sizes", default="1,4,16", help="message sizes in MiB, comma-separated")
     p.add_argument("--reps", type=int, default=5, help="least timed calls per size and contender "
                    "(more for small messages: about 3 s of calls)")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "netem_allreduce.json"))
+    common.add_out(p, "netem_allreduce")
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)   # rank, inside a node
     p.add_argument("--store", default=None, help=argparse.SUPPRESS)
     p.add_argument("--reps-list", default=None, help=argparse.SUPPRESS)    # per size, set by the driver

@@ -115,7 +115,7 @@ def parse_args(argv):
     p.add_argument("--quick", action="store_true", help="shorter planner measurements")
     p.add_argument("--timeout", type=float, default=600, help="seconds per job")
     p.add_argument("--plan-only", action="store_true", help="print the predictions, run nothing")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "netem_planner.json"))
+    common.add_out(p, "netem_planner")
     return p.parse_args(argv)
 
 

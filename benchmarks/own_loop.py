@@ -52,7 +52,7 @@ def parse_args(argv):
     p.add_argument("--repeat", type=int, default=3, help="interleaved rounds")
     p.add_argument("--parts", default="loop,example")
     p.add_argument("--steps", type=int, default=None, help="example: training steps per run (default 60)")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "own_loop.json"))
+    common.add_out(p, "own_loop")
     return p.parse_args(argv)
 
 

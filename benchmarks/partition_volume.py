@@ -37,6 +37,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
+import common  # noqa: E402  (the JSON's path)
+
 EQUAL = {2: [1.0, 1.0], 3: [1.0, 1.0, 1.0], 4: [1.0, 1.0, 1.0, 1.0]}
 UNEQUAL = {2: [2.0, 1.0], 3: [2.0, 1.0, 1.0], 4: [2.0, 2.0, 1.0, 1.0]}
 EPSILONS = (0.01, 0.03, 0.1, 0.3)
@@ -143,7 +145,7 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="LeNet only, no measured execution")
     p.add_argument("--batch", type=int, default=128, help="global batch for data parallelism's per-sample volume")
     p.add_argument("--exec-batch", type=int, default=4, help="rows of the measured step")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "partition_volume.json"))
+    common.add_out(p, "partition_volume")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:

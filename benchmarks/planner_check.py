@@ -254,7 +254,7 @@ def parse_args(argv):
     p.add_argument("--spin", action="store_true",
                    help="throttled ranks wait as MPICH does (spinning), to compare with polite waits")
     p.add_argument("--timeout", type=float, default=600, help="seconds per run")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "planner_check.json"))
+    common.add_out(p, "planner_check")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 

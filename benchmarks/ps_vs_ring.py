@@ -41,7 +41,7 @@ def main(argv=None):
     p.add_argument("--reserve", type=int, nargs="?", const=pc.RESERVE_SHARES, default=0, metavar="SHARES",
                    help="cpu.shares = SHARES x vcores for the ranks (see planner_check.py)")
     p.add_argument("--timeout", type=float, default=600)
-    p.add_argument("--out", default=os.path.join(HERE, "results", "ps_vs_ring.json"))
+    common.add_out(p, "ps_vs_ring")
     a = p.parse_args(argv)
     seconds = a.seconds or (1.5 if a.quick else 4.0)
     load_before = os.getloadavg()

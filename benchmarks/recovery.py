@@ -71,6 +71,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--fault", choices=["sigkill", "crash"], default="sigkill")
+    p.add_argument("--out", default=None, help="JSON to write (default results/recovery.json, "
+                                               "results/recovery_crash.json for --fault crash)")
     args = p.parse_args(argv)
     from training.data import import_digits
     tmp = tempfile.mkdtemp(prefix="yarnapp-recovery-")
@@ -88,9 +90,10 @@ def main(argv=None):
     print(f"median: failure -> first resumed step {med['first_resumed_step_s']:.2f}s; a whole-application "
           f"restart needs at least {med['fresh_submit_to_first_step_s']:.2f}s ({ratio:.2f}x ours), "
           f"plus the steps since the user's own last checkpoint")
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    name = "recovery.json" if args.fault == "sigkill" else f"recovery_{args.fault}.json"
-    with open(os.path.join(HERE, "results", name), "w") as f:
+    out = args.out or os.path.join(HERE, "results", "recovery.json" if args.fault == "sigkill"
+                                   else f"recovery_{args.fault}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
         json.dump({"fault": args.fault, "runs": rows, "median": med, "whole_app_restart_over_ours": ratio,
                    "load_average": os.getloadavg()}, f, indent=1)
 

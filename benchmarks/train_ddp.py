@@ -44,7 +44,7 @@ def parse_args(argv):
     p.add_argument("--batch", type=int, default=64, help="global batch (rows)")
     p.add_argument("--steps", type=int, default=None, help="steps per round")
     p.add_argument("--rounds", type=int, default=None)
-    p.add_argument("--out", default=os.path.join(HERE, "results", "train_ddp.json"))
+    common.add_out(p, "train_ddp")
     return p.parse_args(argv)
 
 

@@ -24,6 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
+import common  # noqa: E402
 from common import machine_meta, write_results  # noqa: E402
 
 import conf  # noqa: E402
@@ -54,7 +55,7 @@ def main(argv=None):
     p.add_argument("--sizes", default="3,12")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--port-base", type=int, default=None)
-    p.add_argument("--out", default=os.path.join(HERE, "results", "yarn_world.json"))
+    common.add_out(p, "yarn_world")
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     work = tempfile.mkdtemp(prefix="yarnapp-bench-")
