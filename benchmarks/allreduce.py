@@ -38,7 +38,7 @@ QUICK_SIZES = [1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26]
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer sizes, trials and repetitions")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--trials", type=int, default=None)

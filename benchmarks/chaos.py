@@ -48,7 +48,7 @@ KEEP = 2           # complete checkpoints kept (a crash_in_cleanup needs KEEP + 
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-network", action="store_true", help="no emulated nodes (and no link cuts)")

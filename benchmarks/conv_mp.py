@@ -206,7 +206,7 @@ def remove_cgroup(path):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smaller layers (128/384): 10 timed steps of ~0.1 s a round")
     p.add_argument("--conv1", type=int)
     p.add_argument("--conv2", type=int)

@@ -75,7 +75,7 @@ def run_all(args):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--case", choices=["gpu", "gpu+cpu"])
     p.add_argument("--all", action="store_true")
     p.add_argument("--conv1", type=int, default=500)

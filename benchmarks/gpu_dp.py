@@ -33,7 +33,7 @@ ROOT = os.path.dirname(HERE)
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="one round, fewer steps")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--cpus", type=int, default=2, help="CPU containers beside the GPU")

@@ -44,7 +44,7 @@ PAYLOAD = 1448 / 1514          # TCP payload per Ethernet frame (MTU 1500, TCP t
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rates", default="100mbit,1gbit,10gbit,none",
                    help="comma-separated link rates (none: unshaped)")
     p.add_argument("--sizes", default="1,4,16", help="message sizes in MiB, comma-separated")

@@ -101,7 +101,7 @@ def leftover_namespaces():
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--model", default="seed_cnn")
     p.add_argument("--options", default='{"conv1": 8, "conv2": 256}', help="model options as JSON")

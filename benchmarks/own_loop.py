@@ -47,7 +47,7 @@ GROUPS = [{"name": "big", "instances": 1, "vcores": 1, "memory": "2 GiB"},
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="one round, fewer steps")
     p.add_argument("--repeat", type=int, default=3, help="interleaved rounds")
     p.add_argument("--parts", default="loop,example")

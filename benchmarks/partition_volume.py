@@ -141,7 +141,7 @@ def claims(case):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="LeNet only, no measured execution")
     p.add_argument("--batch", type=int, default=128, help="global batch for data parallelism's per-sample volume")
     p.add_argument("--exec-batch", type=int, default=4, help="rows of the measured step")

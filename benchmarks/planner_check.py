@@ -237,7 +237,7 @@ def predict(size, link, probes, quick):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="shorter runs and measurements")
     p.add_argument("--seconds", type=float, help="timed seconds per run (default 4, --quick 1.5)")
     p.add_argument("--configs", default="all",

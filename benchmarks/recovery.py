@@ -68,7 +68,7 @@ def once(tmp, data, i, fault):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--fault", choices=["sigkill", "crash"], default="sigkill")
     p.add_argument("--out", default=None, help="JSON to write (default results/recovery.json, "

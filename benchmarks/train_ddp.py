@@ -36,7 +36,7 @@ NUM_CLASSES = 10
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer rounds and steps")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--models", default="resnet,mlp", help="comma-separated build_model names")
@@ -117,9 +117,7 @@ def bench(args, comm):
     steps = args.steps or (3 if args.quick else 8)
     rounds = args.rounds or (3 if args.quick else 5)
     per_rank = args.batch // n
-    g = torch.Generator().manual_seed(1234)
-    batches = [(torch.randn(args.batch, *INPUT_SHAPE, generator=g),
-                torch.randint(0, NUM_CLASSES, (args.batch,), generator=g)) for _ in range(4)]
+    batches = common.random_batches(args.batch, INPUT_SHAPE, NUM_CLASSES, seed=1234)     # 16, cycled (not 4)
     batches = [(x[rank * per_rank:(rank + 1) * per_rank].contiguous(),
                 y[rank * per_rank:(rank + 1) * per_rank].contiguous()) for x, y in batches]
     rows = []

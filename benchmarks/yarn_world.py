@@ -51,7 +51,7 @@ def formed(run, timeout=600):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="3,12")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--port-base", type=int, default=None)
@@ -89,8 +89,7 @@ def main(argv=None):
         shutil.rmtree(work, ignore_errors=True)
     meta = {**machine_meta(), "hadoop": hadoop.version(), "repeat": args.repeat,
             "cluster_start_cold_s": round(cold["start_s"], 1), "jars_fetch_s": round(cold["fetch_s"], 1),
-            "cluster_start_warm_s": round(warm["start_s"], 1),
-            "note": "provisional: measured on a shared 2-core machine while others worked"}
+            "cluster_start_warm_s": round(warm["start_s"], 1)}
     print(f"cluster start: cold {meta['cluster_start_cold_s']}s (jars {meta['jars_fetch_s']}s, formats HDFS), "
           f"warm {meta['cluster_start_warm_s']}s")
     for n in sizes:
