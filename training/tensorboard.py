@@ -5,10 +5,10 @@ sit side by side. Every generation's writer starts with a session start at the s
 begins from (purge_step): TensorBoard drops what earlier writers logged from that step on,
 so curves continue without duplicated steps after a restart. (TensorBoard's own loader,
 the one `--load_fast=false` and `yarnapp tensorboard` use, takes the first start of a run
-for its beginning and purges at the later ones only: the first generation writes one too.) A logdir that is not local (hdfs://,
-s3://...) is written to a local cache and copied up every `sync_every` seconds and
-at the end. Own code (a script, a function, a loop on training.dist) gets a `ReportLog`
-instead: the numbers rank 0 reports.
+for its beginning and purges at the later ones only: the first generation writes one
+too.) A logdir that is not local (hdfs://, s3://...) is written to a local cache and
+copied up every `sync_every` seconds and at the end. Own code (a script, a function, a
+loop on training.dist) gets a `ReportLog` instead: the numbers rank 0 reports.
 """
 import logging
 import math

@@ -32,7 +32,7 @@ def measure_wait_cpu(late=(0.002, 0.005, 0.02), repeat=10, timeout=60, sizes=(8,
     Measured here: a ~0.25 ms, r ~0.012 (0.02 waking every 2 ms, ~0.1 without doorbells),
     b 0.1-0.25 ns (0.1-0.25 ms per MB)."""
     out = run_probe("training.probes.wait_cpu", {"late": list(late) * repeat, "sizes": list(sizes),
-                                                 "bcasts": int(bcasts)}, "wait probe", timeout)
+                                                 "bcasts": int(bcasts)}, "wait probe", timeout, advice="")
     sent = {int(k[1:]): out.pop(k) for k in list(out) if k.startswith("b")}
     points = [(statistics.median(w for _, w in xs), statistics.median(c for c, _ in xs)) for xs in out.values()]
     r = min(max(_slope(points), 0.0), 1.0)

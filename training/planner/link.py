@@ -11,7 +11,8 @@ from training.perf.model import Link, PlanError
 
 
 def run_probe(module, args, what, timeout, advice="; give the link with --bandwidth"):
-    """Rank 0's result of `module` (training.probes) on two joined ranks; PlanError if it fails."""
+    """Rank 0's result of `module` (training.probes) on two joined ranks; PlanError if it
+    fails, ending with `advice` (the link's probe: the link can be given instead)."""
     try:
         return probes.run(module, 2, args, timeout=timeout)
     except probes.ProbeError as e:

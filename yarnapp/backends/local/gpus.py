@@ -90,11 +90,9 @@ class Leases:
             os.makedirs(folder, exist_ok=True)
             with contextlib.suppress(OSError):      # every user's engine writes it (as /tmp is)
                 os.chmod(folder, 0o1777)
-        old = os.umask(0o000)
-        try:
-            lock = open(self.path + ".lock", "a")
-        finally:
-            os.umask(old)
+        lock = open(self.path + ".lock", "a")
+        with contextlib.suppress(OSError):      # (the umask is the process's: not changed in a thread)
+            os.chmod(self.path + ".lock", 0o666)
         with lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
