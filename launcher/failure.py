@@ -185,9 +185,9 @@ _ENFORCE_AT = re.compile(r"^\[enforce fail at [^\]]*\]\s*")      # gloo's own so
 _DIRS = re.compile(r"(?<![\w.])/(?:[^/\s:()]+/)+")      # a frame's file by its name (its log has the path)
 
 
+_CRASH_BOILERPLATE = "Extension modules: "     # a crash dump's list of every module loaded (native_crash)
 # the agent's own state changes ("RUNNING -> RESTARTING (generation 0)"): an excerpt of a
 # failure not retried ended in "RESTARTING", which read as a restart
-_CRASH_BOILERPLATE = "Extension modules: "     # a crash dump's list of every module loaded (native_crash)
 _TRANSITION = re.compile(r" agent \S+ INFO: [A-Z_]+ -> [A-Z_]+ \(generation \d+\)$")
 
 

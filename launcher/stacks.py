@@ -78,14 +78,23 @@ class Where:
 def ours_or_library(path):
     """A frame of yarnapp's own packages, of an installed library or of Python itself."""
     return "/site-packages/" in path or "/dist-packages/" in path or path.startswith(_LIBRARIES) or \
-        any(path.startswith(os.path.join(_ROOT, pkg) + os.sep) for pkg in _OWN) or \
-        (path.startswith("<") and not path.startswith(_USERS_PSEUDO))
+        any(path.startswith(os.path.join(_ROOT, pkg) + os.sep) for pkg in _OWN) or path.startswith("<")
+
+
+def users_frame(frames):
+    """The innermost of `frames` ((path, line, function), innermost first) in the user's own
+    code: a file of theirs, else code they ran from a string (exec, python -c, a notebook
+    cell), which only counts where no file of theirs lies further out (a dataclass's
+    generated __init__ is "<string>" too); or None."""
+    frames = list(frames)
+    return next((f for f in frames if not ours_or_library(f[0])), None) or \
+        next((f for f in frames if f[0].startswith(_USERS_PSEUDO)), None)
 
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))     # this checkout (or install)
 _OWN = ("launcher", "training", "conf", "yarnapp")
-_USERS_PSEUDO = ("<string>", "<stdin>", "<ipython-input-")     # code the user ran from a string or a cell (not
-                                                                # <frozen runpy>, torch.fx's <eval_with_key>.0)
+_USERS_PSEUDO = ("<string>", "<stdin>", "<ipython-input-")     # code run from a string or a cell (users_frame;
+                                                                # not <frozen runpy>, torch.fx's <eval_with_key>.0)
 _LIBRARIES = tuple(p for p in {os.path.dirname(os.__file__)} if p)       # the standard library
 
 
@@ -112,7 +121,7 @@ def where(text):
         return None
     path, line, fn = main[0]
     calls_mpi = bool(_MPI_CALL.search(linecache.getline(path, int(line))))
-    user = next(((p, ln, f) for p, ln, f in main if not ours_or_library(p)), None)
+    user = users_frame(main)
     caller = f"{user[0]}:{user[1]} in {user[2]}" if user and user != main[0] else ""
     return Where(frame=f"{path}:{line} in {fn}",
                  waiting=calls_mpi or any(w in p for p, _, _ in main for w in WAITING), caller=caller)

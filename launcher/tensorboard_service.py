@@ -89,17 +89,28 @@ def _serve(where, backend, sync_every, store):
     from yarnapp.tensorboard import TensorBoard
     host = "127.0.0.1" if backend == "local" else "0.0.0.0"
     before = store.get(keys.TENSORBOARD_PORT) if backend == "local" else None
-    if before:
+    if before and _free(host, int(before)):
         try:
             tb = TensorBoard(where, port=int(before), host=host, sync_every=sync_every)
         except YarnappError as e:
-            log.info("port %s of TensorBoard's earlier start is taken (%s): another one", before, e)
+            log.info("TensorBoard on port %d of its earlier start failed (%s): on another", int(before), e)
         else:
             return tb
     tb = TensorBoard(where, host=host, sync_every=sync_every)
     if backend == "local":
         store.put(keys.TENSORBOARD_PORT, str(tb.port))
     return tb
+
+
+def _free(host, port):
+    import socket
+    with socket.socket() as s:
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
 
 
 def start_local(app_dir, app_id, store_root):

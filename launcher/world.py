@@ -199,7 +199,10 @@ def run_local(argv, size, env=None, timeout=600, grace=5.0):
     outs = [None] * len(procs)
 
     def read(i, p):                 # every pipe drained at once: none blocks its writer
-        outs[i] = p.communicate()
+        try:
+            outs[i] = p.communicate()
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+            outs[i] = e
     readers = [threading.Thread(target=read, args=(i, p), daemon=True) for i, p in enumerate(procs)]
     try:
         for t in readers:
@@ -214,6 +217,9 @@ def run_local(argv, size, env=None, timeout=600, grace=5.0):
             if failed is not None and now - failed > grace:
                 stop_all(procs)
             time.sleep(0.05)
+        for out in outs:
+            if isinstance(out, BaseException):
+                raise out
         return [(p.returncode, *out) for p, out in zip(procs, outs)]
     finally:
         stop_all(procs)

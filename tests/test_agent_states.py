@@ -451,6 +451,10 @@ def test_a_rank_waiting_inside_yarnapp_is_described_from_the_users_own_line():
     exec_d = dump.replace('"/w/work/train.py", line 42 in <module>', '"<eval_with_key>.0", line 7 in forward\n'
                           '  File "<string>", line 3 in main')
     assert stacks.where(exec_d).caller == "<string>:3 in main", exec_d
+    # ... but not where a file of the user's lies further out (a dataclass's generated __init__)
+    generated = dump.replace('"/w/work/train.py", line 42 in <module>', '"<string>", line 4 in __init__\n'
+                             '  File "/w/work/train.py", line 42 in <module>')
+    assert stacks.where(generated).caller == "/w/work/train.py:42 in <module>", generated
 
 
 def test_a_line_calling_a_communicators_blocking_method_is_waiting_and_others_are_not(tmp_path):

@@ -3,7 +3,9 @@
 YARNAPP_GPUS; each container gets exactly its own through CUDA_VISIBLE_DEVICES; an
 impossible request is refused at submit; an application whose GPUs another holds waits
 and never shares them."""
+import json
 import os
+import shutil
 import stat
 import tempfile
 import time
@@ -100,6 +102,43 @@ def test_gpus_are_leased_machine_wide_in_the_order_applications_asked(tmp_path, 
         for m in masters:
             m.kill()
             m.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as two users")
+def test_two_users_engines_share_the_machines_ledger():
+    """Each user's engine writes the ledger: the first made the file and, in the sticky
+    folder, the second could not rename its copy over it (PermissionError, its master
+    crashed). Written in place under the lock, the three users' leases stand side by side."""
+    shared = tempfile.mkdtemp(prefix="yarnapp-test-")     # (pytest's tmp_path is the root's alone)
+    os.chmod(shared, 0o1777)                               # as /tmp is
+    try:
+        _three_users(os.path.join(shared, "yarnapp-gpus", "gpus.json"))
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def _three_users(ledger):
+    two = [gpus.Gpu(0, "GPU-0", "x", 0), gpus.Gpu(1, "GPU-1", "x", 0)]
+    said = []
+    for uid in (1001, 1002, 1003):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:                        # a user's engine (their master: this test's process)
+            os.close(r)
+            try:
+                os.setgid(uid)
+                os.setuid(uid)
+                got = list(gpus.Leases(ledger).acquire(f"app_{uid}", 1, two, pid=os.getppid()))
+            except Exception as e:  # noqa: BLE001 - reported to the parent
+                got = repr(e)
+            os.write(w, json.dumps(got).encode())
+            os._exit(0)
+        os.close(w)
+        os.waitpid(pid, 0)
+        with os.fdopen(r) as f:
+            said.append(json.loads(f.read()))
+    assert said == [[[0], [], []], [[1], [], []], [None, ["app_1001", "app_1002"], []]], said
+    assert gpus.Leases(ledger).held() == {"app_1001": [0], "app_1002": [1]}
 
 
 def test_asking_for_more_gpus_than_the_machine_has_is_refused_at_submit(two_fake_gpus, cli, tmp_path):

@@ -345,6 +345,7 @@ def test_a_strategy_that_cannot_run_the_model_is_left_out_of_the_probe_at_once(m
     plan = planner.plan_from(conf.load_job(case["job"]), measured)
     assert plan["strategies"]["conv_model_parallel"] is None and plan["cannot_run"] == cannot
     assert plan["recommended"]["strategy"] != "conv_model_parallel"
+    assert all(row["strategies"]["conv_model_parallel"] is None for row in plan["scaling"])   # nor simulated
     row = next(ln for ln in present.format_table(plan).splitlines() if ln.startswith("conv_model_parallel "))
     assert row.endswith(": cannot run this model: RuntimeError: conv2 is a DistributedConv2d: this model needs "
                         "nn.Conv2d layers"), row

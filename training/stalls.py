@@ -124,11 +124,10 @@ def collective(ctx, name):
 def user_line(thread):
     """"file:line in function" of the innermost frame of the user's own code in `thread`'s
     stack now (not yarnapp's, a library's or Python's), or ""."""
-    from launcher.stacks import ours_or_library
-    frame = sys._current_frames().get(thread)
+    from launcher.stacks import users_frame
+    frame, frames = sys._current_frames().get(thread), []
     while frame is not None:
-        code = frame.f_code
-        if not ours_or_library(code.co_filename):
-            return f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
+        frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
         frame = frame.f_back
-    return ""
+    user = users_frame(frames)
+    return f"{os.path.basename(user[0])}:{user[1]} in {user[2]}" if user else ""

@@ -131,8 +131,8 @@ class ReportLog:
             return
         try:
             if self.tb is None:
-                self.tb = TBLogger(self.logdir, self.run_name, purge_step=self.step, sync_every=self.sync_every,
-                                   scalars_only=True)
+                self.tb = TBLogger(self.logdir, self.run_name, sync_every=self.sync_every, scalars_only=True,
+                                   purge_step=self.step if prefix != "final/" else None)  # (a final purges nothing)
             self.tb.scalars(self.step, values, prefix=prefix)
         except Exception as e:  # noqa: BLE001 - a metric never stops training (e.g. a full disk)
             log.warning("TensorBoard: could not log %s at step %d: %s", sorted(values), self.step, e)

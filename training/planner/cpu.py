@@ -2,9 +2,10 @@
 strategy spends per step on its own (both measured on two joined ranks: training.probes)."""
 import statistics
 
+import re
+
 from training import probes, strategies as registry
 from training.perf.model import PlanError
-from training.probes.strategy_cpu import FAILED
 
 from .link import run_probe
 
@@ -75,14 +76,13 @@ def measure_strategy_cpu(model_name, options, sample_shape, classes, batch, laye
             out = probes.run("training.probes.strategy_cpu", 2, args, timeout=timeout)
             break
         except probes.ProbeError as e:
-            said = str(e).rsplit(FAILED, 1)
-            name, _, why = said[1].partition(": ") if len(said) == 2 else ("", "", "")
-            if name not in args["strategies"]:
+            said = re.search(rf"^{probes.FAILED}(\S+): (.*)$", getattr(e, "output", ""), re.M)   # rank 0's first
+            if not said or said.group(1) not in args["strategies"]:
                 raise PlanError(f"the MPI strategy probe failed ({e})") from None
-            cannot[name] = why                  # the others are measured without it
-            args["strategies"] = [k for k in args["strategies"] if k != name]
+            cannot[said.group(1)] = said.group(2)       # the others are measured without it
+            args["strategies"] = [k for k in args["strategies"] if k != said.group(1)]
             if not args["strategies"]:
-                out = {}
-                break
+                raise PlanError("no strategy could run the model in the strategy probe: " + "; ".join(
+                    f"{k}: {v}" for k, v in cannot.items())) from None
     own = {k: [max(0.0, float(v)) for v in vs] for k, vs in out.items()}
     return (own, cannot) if with_failures else own

@@ -338,7 +338,9 @@ def plan_from(job, measured, options=PlanOptions()):
         "job_strategy": spec.strategy.name,
         "cannot_run": dict(measured.cannot_run),
         "bound": conv["bound"] if conv else None,
-        "scaling": simulate(ref, link.between_machines(), B, names, options, own),
+        "scaling": [dict(row, strategies={k: None if k in measured.cannot_run else v
+                                          for k, v in row["strategies"].items()})
+                    for row in simulate(ref, link.between_machines(), B, names, options, own)],
         "volumes": _volumes(model, shape, [d.speed for d in devices], B),
     }
     return _rounded(plan)

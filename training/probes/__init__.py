@@ -21,6 +21,7 @@ import subprocess
 import sys
 
 TAG = "RESULT "
+FAILED = "FAILED "     # a probe's line `FAILED <what>: <error>` on stderr: what could not run (strategy_cpu)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -21,10 +21,8 @@ from launcher.world import join_local
 from training import collectives, cputime, strategies
 from training.context import RunContext
 from training.models import build_model
-from training.probes import arguments, finish, report
+from training.probes import FAILED, arguments, finish, report
 from training.runner import make_optimizer_factory
-
-FAILED = "FAILED "
 
 
 def job_for(name, a, n):

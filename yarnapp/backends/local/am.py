@@ -356,8 +356,8 @@ class ApplicationMaster:
                 rc = c.proc.wait()
                 if c.state == "RUNNING":
                     c.state, c.exit_code = ("KILLED" if self.stopping == "KILLED" else "FAILED"), rc
-            elif c.state == "NEW":          # never started (the application waited for GPUs)
-                c.state = "KILLED" if self.stopping == "KILLED" else "FAILED"
+            elif c.state == "NEW" and self.stopping == "KILLED":     # never started (it waited for GPUs)
+                c.state = "KILLED"
         if self.tensorboard:
             tensorboard_service.stop_local(self.tensorboard, self.store)
         # Anything of this application that escaped its process group (it set up a
@@ -374,7 +374,7 @@ class ApplicationMaster:
         for c in self.containers:
             c.memory = c.memory_state() or c.memory       # its peak, before the cgroup goes
             c.limits.remove()
-        if any(c.gpus for c in self.containers):
+        if any(c.group.gpus for c in self.containers):       # its lease, or its place in line
             gpus.Leases().release(self.app_id)
         cgroups.Limits.remove_app(self.app_id)
         failed = self.store.get(keys.FAILED)

@@ -16,7 +16,8 @@ is free again. A job asking for more GPUs than the machine has is refused at sub
 whose GPUs are leased to another application waits (ACCEPTED) until they are free, in
 line: first come, first served (a later application never takes GPUs before one that
 asked first, even where it would fit: a stream of small jobs would keep a large one
-waiting for ever). A GPU is never shared silently.
+waiting for ever). A GPU is never shared silently. (Every local user may write the
+ledger: it keeps engines apart, it does not police users; a cluster's GPUs are YARN's.)
 """
 import contextlib
 import dataclasses
@@ -85,31 +86,34 @@ class Leases:
 
     @contextlib.contextmanager
     def _locked(self):
+        """The ledger, read and written back in place under the lock: every user's engine
+        writes it, and in the sticky folder only a file's owner may rename over it."""
         folder = os.path.dirname(self.path)
         if not os.path.isdir(folder):
             os.makedirs(folder, exist_ok=True)
             with contextlib.suppress(OSError):      # every user's engine writes it (as /tmp is)
                 os.chmod(folder, 0o1777)
-        lock = open(self.path + ".lock", "a")
-        with contextlib.suppress(OSError):      # (the umask is the process's: not changed in a thread)
-            os.chmod(self.path + ".lock", 0o666)
-        with lock:
+        with open(self.path + ".lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
-                try:
-                    with open(self.path) as f:
-                        ledger = json.load(f)
-                except (FileNotFoundError, ValueError):
-                    ledger = {}
-                # a lease or a place in line whose master is gone is free again
-                ledger = {part: {app: v for app, v in (ledger.get(part) or {}).items() if psutil.pid_exists(v["pid"])}
-                          for part in ("held", "waiting")}
-                yield ledger
-                tmp = f"{self.path}.{os.getpid()}.tmp"
-                with open(tmp, "w") as f:
-                    json.dump(ledger, f)
-                os.chmod(tmp, 0o666)
-                os.replace(tmp, self.path)
+                with open(self.path, "a+") as f:
+                    for made in (lock.name, self.path):     # only its creator may; the umask left alone
+                        with contextlib.suppress(OSError):
+                            os.chmod(made, 0o666)
+                    f.seek(0)
+                    try:
+                        ledger = json.loads(f.read() or "{}")
+                    except ValueError:
+                        ledger = {}
+                    # a lease or a place in line whose master is gone is free again
+                    ledger = {part: {app: v for app, v in (ledger.get(part) or {}).items()
+                                     if psutil.pid_exists(v["pid"])} for part in ("held", "waiting")}
+                    yield ledger
+                    f.seek(0)
+                    f.truncate()
+                    f.write(json.dumps(ledger))
+                    f.flush()
+                    os.fsync(f.fileno())
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
