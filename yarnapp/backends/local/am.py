@@ -295,7 +295,9 @@ class ApplicationMaster:
             return True
         leases = gpus.Leases()
         while not self.stopping:
-            got, holders, ahead = leases.acquire(self.app_id, sum(want), gpus.inventory())
+            # held for the application's supervisor, which outlives a master attempt: a
+            # restarted master finds its GPUs (or its place in line) still its own
+            got, holders, ahead = leases.acquire(self.app_id, sum(want), gpus.inventory(), pid=os.getppid())
             if got is not None:
                 for c, mine in zip(self.containers, gpus.split(got, want)):
                     c.gpus = mine
