@@ -132,6 +132,37 @@ def test_resume_latest_takes_no_application_that_started_after_this_one(tmp_path
     assert out.stdout.split() == ["0", "0", "0", "5"], (out.stdout, out.stderr)
 
 
+def test_a_resume_that_cannot_load_is_refused_before_anything_starts(tmp_path):
+    """What a client sees before starting a world (Checkpointer.refusal, as submit asks it):
+    a ps_sharded checkpoint of 2 ranks into 1 (each rank holds a segment of the server), and
+    SGD's state into Adam, were taken and failed in every rank ("does not fit this job's
+    model or strategy", KeyError 'step'); fewer ranks under allreduce still resume."""
+    code = ("import sys\nfrom mpi4py import MPI\nimport conf\n"
+            "from training.checkpoint import Checkpointer, what_it_trains\n"
+            "def job(strategy, optimizer='sgd'):\n"
+            "    return conf.offline_job([1.0], name='j', strategy=strategy, model='digits_cnn', batch_size=8,\n"
+            "                            optimizer=optimizer).training\n"
+            "data = {'batch_size': 8, 'train_rows': 100}\n"
+            "for app, strategy in (('app_ps', 'ps_sharded'), ('app_ring', 'allreduce')):\n"
+            "    c = Checkpointer(sys.argv[1], MPI.COMM_SELF, app_id=app, name='j', data=data,\n"
+            "                     trains=what_it_trains(job(strategy)))\n"
+            "    c.latest()\n"
+            "    c.save(10, {'w': 1})\n"
+            "    c._dir(10) and open(c._dir(10) + '/rank-00001.pt', 'wb').write(b'')  # a second rank's file\n"
+            "for app, strategy, optimizer in (('app_ps', 'ps_sharded', 'sgd'), ('app_ring', 'allreduce', 'sgd'),\n"
+            "                                 ('app_ring', 'allreduce', 'adam')):\n"
+            "    look = Checkpointer(sys.argv[1], None, name='j', resume=app)\n"
+            "    print(look.refusal(look.earlier(), 1, data, what_it_trains(job(strategy, optimizer))))\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    lines = out.stdout.splitlines()
+    assert len(lines) == 3, (out.stdout, out.stderr)
+    assert lines[0] == ("checkpoint.resume: the checkpoint of step 10 (application app_ps) was written by 2 ranks, "
+                        "and this job has 1 (groups[].instances); ps_sharded keeps a part of the model on each "
+                        "rank: resume it with 2 ranks, or start afresh (checkpoint.resume: never)"), lines
+    assert lines[1] == "None", lines                                     # allreduce: rank 0's state is all of it
+    assert "was written with training.optimizer 'sgd' (this job: 'adam')" in lines[2], lines
+
+
 RESUMING = """
 import os, resource, sys, torch
 import pyarrow.fs as pafs

@@ -462,22 +462,31 @@ def test_a_checkpoint_with_an_unreadable_file_is_passed_over_for_the_one_before(
     was never tried. Now it resumes from that one; when none can be read, one line, not retried."""
     first = digits_job(tmp_path, digits, "ckpt", steps=20, instances=(1, 1))
     run1, _ = run_to_end(first)
+    # its training ended: a kill a moment later offered `--resume` of its last step (0 steps to train)
+    assert run1.resume_hint("yarnapp submit j.yaml") == "; its training had ended (step 20): its model and final " \
+                                                         "metrics are kept"
     root = tmp_path / "ckpt" / "ckpt" / run1.app_id
     with open(root / "step-00000020" / "rank-00001.pt", "r+b") as f:
         f.truncate(1000)
     again = digits_job(tmp_path, digits, "ckpt", steps=30, instances=(1, 1))
     again["checkpoint"]["resume"] = run1.app_id
+    again["training"]["lr"] = 0.02          # (it trained on with the checkpoint's 0.05, saying nothing)
     wider = digits_job(tmp_path, digits, "ckpt", steps=30, instances=(1, 2))       # 3 ranks: no file for rank 2
     wider["checkpoint"]["resume"] = run1.app_id
     with pytest.raises(yarnapp.YarnappError, match=rf"^job: checkpoint.resume: the checkpoint of step 20 "
                                                    rf"\(application {run1.app_id}\) was written by 2 ranks, and "
-                                                   rf"this job has 3; resume it with 2"):
+                                                   rf"this job has 3 \(groups\[\]\.instances\); resume it with at "
+                                                   rf"most 2"):
         yarnapp.submit(wider)                                                       # nothing started
     run2 = yarnapp.submit(again)
     st2 = run2.wait(timeout=300)
     assert st2["state"] == "SUCCEEDED", (st2.get("diagnostics"), run2.logs())
     assert st2["final"]["resumed_app"] == run1.app_id and st2["final"]["resumed_from"] == 10
     assert "the checkpoint of step 20 cannot be read" in run2.logs()["big_0"]
+    assert any(n["text"] == "resumed with this job's training.lr 0.02 (the checkpoint of step 10 was trained with "
+                            "0.05)" for n in st2["notices"]), st2["notices"]
+    last = torch.load(tmp_path / "ckpt" / "ckpt" / run2.app_id / "step-00000030" / "rank-00000.pt", weights_only=False)
+    assert {g["lr"] for g in last["strategy"]["optimizer"]["param_groups"]} == {0.02}
     # ... and said where the user looks, not only in rank 0's log: status and submit --wait
     said = [n for n in st2["notices"] if n["text"].startswith("the checkpoint of step 20 cannot be read (")]
     assert len(said) == 1 and said[0]["ranks"] == [0] and "rank-00001.pt: RuntimeError: " in said[0]["text"], st2

@@ -185,15 +185,21 @@ class Checkpointer:
 
     def _written_by_fewer(self, root, app, steps, size=None):
         """The line refusing a checkpoint written by fewer ranks than this world (of `size`)
-        has (its files are not broken: there is none for the others), or None."""
+        has (its files are not broken: there is none for the others), or by another number
+        of ranks where the job's strategy keeps a part of the model or optimizer on each rank
+        (SAME_RANKS: a sharded server's segments, conv-MP's kernel shares, hypergraph's
+        parts; they failed in every rank after submit took them), or None."""
         if root is None:
             return None
         ranks = max(sum(1 for n in fsutil.listdir(self.fs, self._dir(step, root=root)) if n.startswith("rank-"))
                     for step in steps)        # the most any step has: one missing file is a broken step
         size = size or self.comm.Get_size()
-        if 0 < ranks < size:
+        strategy = (self.trains or {}).get("strategy")
+        if 0 < ranks < size or (strategy in SAME_RANKS and ranks and ranks != size):
+            how = (f"{strategy} keeps a part of the model on each rank: resume it with {ranks} ranks"
+                   if strategy in SAME_RANKS else f"resume it with at most {ranks}")
             return (f"checkpoint.resume: the checkpoint of step {steps[-1]} (application {app}) was written by "
-                    f"{ranks} ranks, and this job has {size}; resume it with {ranks}, or start afresh "
+                    f"{ranks} ranks, and this job has {size} (groups[].instances); {how}, or start afresh "
                     f"(checkpoint.resume: never)")
         return None
 
@@ -211,6 +217,7 @@ class Checkpointer:
         saved = meta.get("data")
         if saved and data.get("train_rows") is None:
             data = dict(data, train_rows=saved.get("train_rows"))     # a dataset of the user's: rows unknown
+        self.trains = self.trains or trains
         return (self._written_by_fewer(root, app, steps, size)
                 or other_model(steps[-1], app, meta.get("trains"), trains) or other_data(steps[-1], app, saved, data))
 
@@ -306,25 +313,29 @@ class CheckpointError(YarnappError, OSError):
 STORAGE_FULL = ("no space left", "quota exceeded", "read-only file system", "permission denied")
 
 
+SAME_RANKS = ("ps_sharded", "conv_model_parallel", "hypergraph")  # resume only on as many ranks as wrote them
+
+
 def what_it_trains(training):
     """What a checkpoint's states are of (conf's `training`): its strategy, model and model
-    options, and the layers a model-parallel strategy splits. A checkpoint of another does
-    not load (torch's size mismatches, a conv-MP shard missing, a hypergraph rank's part)."""
+    options, the layers a model-parallel strategy splits, and the optimizer. A checkpoint of
+    another does not load (torch's size mismatches, a conv-MP shard missing, a hypergraph
+    rank's part; SGD's state into Adam: KeyError 'step', in every rank, retried)."""
     s = training.strategy
     layers = getattr(s, "layers", None)
     return {"strategy": s.name, "model": training.model, "model_options": dict(training.model_options or {}),
-            "layers": list(layers) if layers else None}
+            "layers": list(layers) if layers else None, "optimizer": training.optimizer}
 
 
 def other_model(step, app, saved, now):
     """The line refusing to resume a checkpoint written by a job of another strategy, model or
     split layers (`saved`, `now`: what_it_trains'), or None (also where `saved` was not recorded:
     written by an earlier yarnapp)."""
-    if not saved or saved == now:
+    differ = [k for k in now if k in (saved or {}) and saved[k] != now[k]]     # (an earlier yarnapp's has fewer)
+    if not differ:
         return None
-    differ = [k for k in now if saved.get(k) != now[k]]
     field = {"strategy": "training.strategy", "model": "training.model", "model_options": "training.model_options",
-             "layers": "training.strategy.layers"}
+             "layers": "training.strategy.layers", "optimizer": "training.optimizer"}
     was = "; ".join(f"{field[k]} {saved.get(k)!r} (this job: {now[k]!r})" for k in differ)
     return (f"checkpoint.resume: the checkpoint of step {step} (application {app}) was written with {was}; its "
             f"states load only into the job that wrote them: resume with that job, or start afresh "

@@ -81,6 +81,7 @@ class Runner:
                     f"strategy {spec.strategy.name!r} ({_first_words(e)}); resume with the job that wrote it, "
                     f"or start afresh (checkpoint.resume: never)") from None
             set_rng_state(state["rng"])
+            self._job_hyperparameters()
             log.info("resumed from the checkpoint of step %d", self.start_step)
         self.lo, self.hi = self.strategy.batch_slice(spec.batch_size)
         self.loader = self.train.batches(spec.batch_size, self.lo, self.hi, seed=spec.seed,
@@ -136,6 +137,24 @@ class Runner:
 
     def _data(self):
         return {"batch_size": self.spec.batch_size, "train_rows": len(self.train)}
+
+    def _job_hyperparameters(self):
+        """The job's lr, momentum and weight decay over those of the checkpoint's optimizer
+        state (load_state_dict puts back its param_groups' settings: a resume with lr 0.01, or
+        5.0, trained on with the first job's 0.05, bit for bit, while job.json said 0.01).
+        Said once by rank 0 where one changed."""
+        want = {"lr": self.spec.lr, "weight_decay": self.spec.weight_decay, "momentum": self.spec.momentum}
+        field = {"lr": "training.lr", "weight_decay": "training.weight_decay", "momentum": "training.momentum"}
+        changed = {}
+        for group in getattr(getattr(self.strategy, "optimizer", None), "param_groups", ()):
+            for k, v in want.items():
+                if k in group and group[k] != v:            # (Adam has no momentum)
+                    changed[k] = (group[k], v)
+                    group[k] = v
+        if changed and self.ctx.rank == 0:
+            log.warning("resumed with this job's %s (the checkpoint of step %d was trained with %s)",
+                        ", ".join(f"{field[k]} {new:g}" for k, (_, new) in changed.items()), self.start_step,
+                        ", ".join(f"{old:g}" for old, _ in changed.values()))
 
     def _check_same_job(self, state, ctx):
         """Refuse to resume a checkpoint written by a job of another strategy or model, or for

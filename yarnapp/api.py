@@ -331,7 +331,15 @@ class Run:
         return steps[-1] if steps else None
 
     def resume_hint(self, resubmit=None):
-        """'; its last complete checkpoint is step N: ... goes on from it', or '' (see failure_message)."""
+        """'; its last complete checkpoint is step N: ... goes on from it', or '' (see failure_message).
+        Where its training had ended (rank 0's final record: a kill a moment after), it says so
+        instead: resuming would train 0 steps."""
+        try:
+            final = (self._last if self._last and self._last["state"] in TERMINAL else self.status()).get("final")
+        except Exception:  # noqa: BLE001 - a hint never hides the line it ends
+            final = None
+        if final and final.get("steps") is not None:
+            return f"; its training had ended (step {final['steps']}): its model and final metrics are kept"
         step = self.last_checkpoint()       # None on any error: a hint never hides the line it ends
         if step is None:
             return ""
