@@ -406,23 +406,24 @@ def build_parser():
     s.set_defaults(fn=cmd_submit)
 
     s = sub.add_parser("status", help="an application's state, containers, restarts and progress")
-    s.add_argument("app")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("app", help="application id (`yarnapp list` shows them)")
+    s.add_argument("--json", action="store_true", help="everything status knows, as JSON")
     s.set_defaults(fn=cmd_status)
 
     s = sub.add_parser("logs", help="container logs")
-    s.add_argument("app")
+    s.add_argument("app", help="application id (`yarnapp list` shows them)")
     s.add_argument("--container", help="one container, e.g. big_0 (`yarnapp status` lists them), or master: "
                    "the application master's log")
     s.add_argument("--follow", "-f", action="store_true", help="keep printing until the application ends")
     s.set_defaults(fn=cmd_logs)
 
     s = sub.add_parser("kill", help="stop an application; nothing of it keeps running")
-    s.add_argument("app")
+    s.add_argument("app", help="application id (`yarnapp list` shows them)")
     s.set_defaults(fn=cmd_kill)
 
     s = sub.add_parser("list", help="applications, newest first")
-    s.add_argument("--backend", default="local", choices=["local", "yarn"])
+    s.add_argument("--backend", default="local", choices=["local", "yarn"],
+                   help="whose applications: the local engine's (default) or the YARN cluster's")
     s.set_defaults(fn=cmd_list)
 
     s = sub.add_parser("tensorboard", help="serve an application's TensorBoard (every run of its logdir) until Ctrl-C")
