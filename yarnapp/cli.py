@@ -291,9 +291,14 @@ def cmd_plan(args):
     preflight.check_model(spec, args.job)
     _interrupt_on_sigterm()        # its probes, co-runners and busy processes are stopped
     shipment = shipping.plan(conf.absolutize(spec, os.getcwd()), args.job)
+    busy = os.getloadavg()[0]              # other work's, before the plan's own probes add theirs
     with shipping.importable(shipment):     # a model of the job's own, as it ships
         plan = planner.plan_job(spec, opts)
     _p(planner.format_table(plan))
+    cores = os.cpu_count() or 1
+    if busy > 0.75 * cores:     # an audit's plan at load 3-4 on 2 cores: rank 0 alone 568 ms (322 quiet), 2.80x for 2x the CPU
+        _p(f"note: this machine was busy when the plan measured (load average {busy:.1f} on {cores} cores before it "
+           f"started): its timings, and so these predictions, can be far off; plan again when it is quieter")
     try:                            # what submit would refuse, said beside the predictions
         m = plan["model"]
         preflight.check_strategy(spec, (m["input_shape"], m["classes"]), shipment)
