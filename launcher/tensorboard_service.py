@@ -86,10 +86,11 @@ def _serve(where, backend, sync_every, store):
     where it is free (a restarted application master starts the service again: the page a
     user has open goes on answering), else on any; on YARN the web UI's page stays."""
     from yarnapp.errors import YarnappError
+    from yarnapp.hadoop import port_free
     from yarnapp.tensorboard import TensorBoard
     host = "127.0.0.1" if backend == "local" else "0.0.0.0"
     before = store.get(keys.TENSORBOARD_PORT) if backend == "local" else None
-    if before and _free(host, int(before)):
+    if before and port_free(int(before)):          # (locally on 127.0.0.1, as port_free looks)
         try:
             tb = TensorBoard(where, port=int(before), host=host, sync_every=sync_every)
         except YarnappError as e:
@@ -100,17 +101,6 @@ def _serve(where, backend, sync_every, store):
     if backend == "local":
         store.put(keys.TENSORBOARD_PORT, str(tb.port))
     return tb
-
-
-def _free(host, port):
-    import socket
-    with socket.socket() as s:
-        try:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((host, port))
-            return True
-        except OSError:
-            return False
 
 
 def start_local(app_dir, app_id, store_root):
