@@ -146,6 +146,8 @@ def keep_result(ctx, result):
     from training.context import plain
 
     def scalar(v):
+        if not (isinstance(v, (bool, int, float, str)) or hasattr(v, "item")):
+            return False, v     # a model, a list, an object: its text is no result (plain() would give it)
         v = plain(v)
         return isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= 200), v
     items = result.items() if isinstance(result, dict) else [("result", result)]

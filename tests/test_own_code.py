@@ -671,13 +671,14 @@ def test_a_functions_reports_are_tensorboard_scalars_and_its_return_value_its_re
         yd.broadcast_parameters(model)                                   # a model, not its state_dict
         mine = model.weight.detach().numpy().tobytes()
         same = all(theirs == mine for theirs in yd.allgather_object(mine))        # bit for bit on every rank
-        return {"acc": 0.75, "steps": np.int64(5), "weights": np.zeros(10_000),     # an array is left out
+        return {"acc": 0.75, "steps": np.int64(5), "weights": np.zeros(10_000),     # an array is left out,
+                "model": model,             # and a model (was kept as its text: "Linear(in_features=2, ...)")
                 "mean_rank": float(count), "sum_rank": int(total), "n": float(yd.allreduce(1.0, average=False)),
                 "same": float(same)}
     logdir = tmp_path / "tb"
     # what was left out is said where a notebook looks: a warning of wait() (was: rank 0's log only)
     with pytest.warns(RuntimeWarning, match=r"app_\w+: warning \(rank 0\): the function's return value: weights "
-                                            r"\(ndarray of shape \(10000,\)\) not kept \(only numbers and short"):
+                                            r"\(ndarray of shape \(10000,\)\), model \(Linear\) not kept \(only numbers"):
         run = yarnapp.submit({"name": "fn-tb", "groups": GROUPS[:2], "max_restarts": 0,
                               "tensorboard": {"logdir": str(logdir)}}, function=train, wait=True, progress=False)
     assert run.final == {"acc": 0.75, "steps": 5, "mean_rank": 2.0, "sum_rank": 6, "n": 3.0, "same": 1.0}, run.final

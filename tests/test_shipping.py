@@ -311,6 +311,11 @@ def test_a_function_that_cannot_be_shipped_is_one_line_naming_it(yarnapp_home, m
         with pytest.raises(YarnappError, match=rf"^function: .*\.{f.__name__}\(.*\) cannot be called with the "
                                                rf"RunContext alone; every rank calls it as .*{f.__name__}\(ctx\)"):
             yarnapp.submit(job, function=f)
+    # submit(job, train), the function given where the backend goes: was "backend: Input should
+    # be 'local' or 'yarn'"
+    with pytest.raises(YarnappError, match=r"^submit: backend: got captures, a callable; pass the function by "
+                                           r"name: submit\(job, function=captures\)$"):
+        yarnapp.submit(job, captures)
     assert not os.path.isdir(os.path.join(yarnapp_home, "apps")) or os.listdir(os.path.join(yarnapp_home, "apps")) == []
 
 
@@ -543,3 +548,53 @@ def test_a_relative_script_beside_the_job_file_is_named(tmp_path, monkeypatch):
                                            rf"is {tmp_path}/ddp/train.py, but paths in a job file are relative to "
                                            rf"the directory you submit from: submit from {tmp_path}/ddp"):
         shipping.plan(job, "ddp/job.yaml")
+
+
+def test_the_apis_own_errors_leave_a_notebook_their_line_not_yarnapps_frames(yarnapp_home, tmp_path):
+    """A notebook showed 3-6 frames of api.py and the engine (_started, start, checked,
+    check_resources) above a YarnappError's one line: the error now leaves the API cut at the
+    call the user made, whose frame IPython hides (__tracebackhide__). Our own bugs keep theirs."""
+    import traceback
+
+    import yarnapp
+    job = {"name": "t", "groups": [{"name": "a", "instances": 1, "vcores": 4096, "memory": "256 MiB"}]}
+
+    def train(ctx):
+        pass
+    with pytest.raises(YarnappError, match=r"vcores") as caught:      # said by the engine's check_resources
+        yarnapp.submit(job, function=train)
+    frames = traceback.extract_tb(caught.value.__traceback__)
+    assert [(os.path.basename(f.filename), f.name) for f in frames] == [
+        ("test_shipping.py", "test_the_apis_own_errors_leave_a_notebook_their_line_not_yarnapps_frames"),
+        ("api.py", "call")], frames
+    assert caught.traceback[-1].frame.f_locals.get("__tracebackhide__") is True
+    with pytest.raises(YarnappError, match=r"app_nothing"):
+        yarnapp.Run("app_nothing").status()
+    assert not os.path.isdir(os.path.join(yarnapp_home, "apps")) or os.listdir(os.path.join(yarnapp_home, "apps")) == []
+
+
+def test_progress_of_own_code_without_a_total_says_its_lines_beside_its_bar():
+    """Own code's records have no total_steps: its tqdm bar has no total, whose bool() raises
+    (tqdm's __bool__), and Progress.say asked `if self.bar:` - so a notebook's
+    wait(progress=True) on a notebook function raised TypeError at its first restart or at its
+    end, in place of the line saying how it ended."""
+    import io
+
+    from yarnapp.progress import Progress
+
+    class Run:
+        app_id = "app_x"
+
+        def failure_message(self):
+            return "app_x FAILED: rank 1 (w_1) exited with status 1"
+    out = io.StringIO()
+    shown = Progress(Run(), file=out)
+    shown.tty = True                        # as in a notebook or a terminal: a bar
+    shown.update({"state": "RUNNING", "progress": {0: {"step": 3, "loss": 0.5, "time": 1.0}},
+                  "restarts": [{"generation": 1, "reason": "rank 1 (w_1) exited with status 1"}]})
+    assert shown.bar is not None and shown.bar.total is None
+    shown.end({"state": "FAILED"})
+    shown.close()
+    text = out.getvalue()
+    assert "restart 1: rank 1 (w_1) exited with status 1" in text and "3it" in text, text
+    assert "app_x FAILED: rank 1 (w_1) exited with status 1\n" in text, text     # written above the bar

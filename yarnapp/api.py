@@ -1,4 +1,5 @@
 """The Python API (notebooks) and what the CLI is built on."""
+import functools
 import logging
 import os
 import time
@@ -19,6 +20,21 @@ def backend_for(app_id):
     return backends.get("yarn" if str(app_id).startswith("application_") else "local")
 
 
+def _one_line(fn):
+    """A call of the API whose own errors read as their one line in a notebook: a YarnappError
+    (the user's mistake, said whole in its message) or our interrupt's KeyboardInterrupt leave
+    with their traceback cut at this call, whose frame IPython (and pytest) hide too
+    (__tracebackhide__). Any other error keeps its whole traceback: a bug of ours needs it."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        __tracebackhide__ = True  # noqa: F841 - read from the frame by IPython's and pytest's tracebacks
+        try:
+            return fn(*args, **kwargs)
+        except (YarnappError, KeyboardInterrupt) as e:
+            raise e.with_traceback(None)
+    return call
+
+
 def load(job, where=None, **overrides):
     """A validated JobSpec from a path, dict or JobSpec (a user's: checked for what users
     get wrong, conf.check_bare_memory); raises YarnappError (one line)."""
@@ -33,18 +49,25 @@ def load(job, where=None, **overrides):
         raise YarnappError(str(e)) from None
 
 
+@_one_line
 def submit(job, backend=None, wait=False, progress=True, function=None, **overrides):
     """Start a job; return its Run. `job` is a job.yaml path, a dict or a conf.JobSpec.
 
     backend: 'local' or 'yarn' (default: the job's `backend`, else the defaults file's).
     wait: block until it ends (showing progress), raising JobFailed if it fails; interrupted
-        (Ctrl-C), it kills the application, as `yarnapp submit --wait` does.
+        (Ctrl-C), it kills the application, as `yarnapp submit --wait` does. A notebook's
+        kernel restarted or shut down while it waits leaves the application running (as a
+        closed terminal does): list_apps() finds it, kill(app_id) stops it.
     function: a callable(ctx) to run on every rank instead of the job's `run` (say, one
         defined in a notebook cell): it is pickled with cloudpickle and shipped.
     overrides: top-level job fields, e.g. max_restarts=1; a section given as a dict merges
     into the job's, e.g. checkpoint={"resume": "latest"}.
     """
     where = str(job) if isinstance(job, (str, os.PathLike)) else "job"
+    if callable(backend):           # submit(JOB, train): the function taken for the backend
+        name = getattr(backend, "__name__", None) or type(backend).__name__
+        raise YarnappError(f"submit: backend: got {name}, a callable; pass the function by name: "
+                           f"submit(job, function={name})")
     _check_keywords(overrides)
     if function is None:
         return _started(start(load(job, backend=backend, **overrides), where=where), wait, progress)
@@ -170,9 +193,9 @@ def _started(run, wait, progress):
             raise KeyboardInterrupt(f"interrupted: killed {run.app_id}") from None
         if st["state"] != "SUCCEEDED":
             raise JobFailed(run.failure_message())
-        if progress:
+        if progress:                # (its warnings were said while it waited)
             from .progress import Progress
-            Progress(run).end(st)
+            Progress(run).end(st, notices=False)
     return run
 
 
@@ -208,6 +231,7 @@ class Run:
     def __repr__(self):
         return f"Run({self.app_id!r}, state={self.state!r})"
 
+    @_one_line
     def status(self):
         self._last = self.backend.status(self.app_id)
         return self._last
@@ -220,12 +244,17 @@ class Run:
     def final(self):
         return self.status().get("final")
 
+    @_one_line
     def logs(self, container=None):
+        """Each container's log ({container id: its text}; `container`: that one's only), where
+        what the code prints goes, beside the launcher's lines."""
         return self.backend.logs(self.app_id, container)
 
+    @_one_line
     def kill(self):
         return self.backend.kill(self.app_id)
 
+    @_one_line
     def tensorboard(self, port=0):
         """Start TensorBoard on this application's logdir (its runs side by side with the
         experiment's others); returns a handle with `.url` and `.stop()`. In a Jupyter
@@ -235,6 +264,7 @@ class Run:
         tensorboard.show_in_notebook(tb)
         return tb
 
+    @_one_line
     def wait(self, timeout=None, progress=False, interval=0.2, summary=True):
         """Block until the application ends; return its last status. progress: show a bar
         (a widget in a notebook) and, with summary, a last line of how it ended: the final
@@ -292,6 +322,7 @@ class Run:
         job = self.backend.job_of(self.app_id) or self.spec
         return job, (self.backend.checkpoints_of(self.app_id, job) if job is not None else None)
 
+    @_one_line
     def model(self):
         """The model this application trained (training.trained.TrainedModel: `.module`,
         `.classes`, `.predict(images)` with the run's test transforms and normalisation).
@@ -348,13 +379,16 @@ class Run:
         return f"; its last complete checkpoint is step {step}: {how} goes on from it"
 
 
+@_one_line
 def status(app_id):
     return Run(app_id).status()
 
 
+@_one_line
 def list_apps(backend="local"):
     return backends.get(backend).list()
 
 
+@_one_line
 def kill(app_id):
     return Run(app_id).kill()

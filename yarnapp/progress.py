@@ -64,7 +64,7 @@ class Progress:
     def say(self, key, text):
         if key not in self.said:
             self.said.add(key)
-            if self.bar:
+            if self.bar is not None:   # (tqdm's bool() raises for a bar without a total: own code's)
                 self.bar.write(text, file=self.file)
             else:
                 print(text, file=self.file, flush=True)
@@ -108,10 +108,11 @@ class Progress:
         for n in st.get("notices") or []:
             self.say(f"notice {n['text']}", notice(n))
 
-    def end(self, st):
-        """Say how the run ended (after any warning not said yet): its final metrics, or why
-        it failed."""
-        self._notices(st)
+    def end(self, st, notices=True):
+        """Say how the run ended (after any warning not said yet, unless `notices` is False: a
+        wait's display said them): its final metrics, or why it failed."""
+        if notices:
+            self._notices(st)
         if st["state"] == "SUCCEEDED":
             final = metrics(st.get("final") or {})
             self.say("end", f"{self.run.app_id} SUCCEEDED" + (f"; final: {final}" if final else ""))
