@@ -28,7 +28,7 @@ from conf import BUILTIN_RUNNER
 from . import beats, exitcodes, identity, keys, malloc, memory, results, retries, stacks, store as store_mod, warm
 from .diagnosis import PeerDiagnosis
 from .procs import die_with_parent, stopped as process_stopped
-from .failure import (WAITED_FOR_FINISHED, Failure, Kind, current_generation, ended_early, log_tail,
+from .failure import (WAITED_FOR_FINISHED, Failure, Kind, after_an_end, current_generation, ended_early, log_tail,
                       looks_collateral, native_crash, spent_restarts)
 
 log = logging.getLogger("launcher.agent")
@@ -415,7 +415,7 @@ class Agent(PeerDiagnosis):
             early = ended_early(self.store, self.members, gen, self.ident.rank,
                                 2 * self.job.launcher.poll_interval) \
                 if own and found.kind == Kind.CRASHED.value and looks_collateral(found.reason) else None
-            found = found.stamped(reason=f"{found.reason}; {early}") if early else found
+            found = found.stamped(reason=after_an_end(early, found.reason)) if early else found
             # The log is this container's: only for a failure of its own (not one it observed); its
             # path only locally (on YARN it is on the node: `yarnapp logs` reads it).
             found = found.stamped(generation=gen, log=self.log_path if own and self.ident.backend == "local" else "",

@@ -222,6 +222,18 @@ def ended_in(store, members, gen, wait_s=0.0):
         time.sleep(min(0.05, wait_s))
 
 
+_SOURCE_AT = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|h):\d+\]\s*")     # gloo's "[/__w/.../pair.cc:537] "
+_ADVICE = re.compile(r" This is typically caused by[^()]*?(?= \(|$)")  # gloo's advice, to the code's "(at ...)"
+
+
+def after_an_end(early, reason):
+    """The reason of a generation a rank's early end broke: the rank that ended first (`early`,
+    ended_early's note), then the peer's failure it caused, without gloo's source path and
+    advice (its line led, and read as the peer's own crash)."""
+    brief = _ADVICE.sub("", _SOURCE_AT.sub("", reason))
+    return f"{early} (then {brief})"
+
+
 def ended_early(store, members, gen, rank, wait_s=0.0):
     """The note naming the peers of `rank` whose code ended (exit 0) in generation `gen`
     while the others still ran, or None: a rank that leaves training early (a `sys.exit(0)`

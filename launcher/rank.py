@@ -276,6 +276,27 @@ def print_user_traceback(exc):
 ERROR_CHARS = 300      # of an exception's message in its one line
 
 
+def exit_line(exc, last):
+    """The line of a SystemExit with a non-zero status: sys.exit("message")'s message; else
+    where the job's code exited (`sys.exit(3) at train.py:37 in main`, an argparse error at its
+    parse_args call) and the last line it wrote to stderr, which may be its reason (argparse's
+    `error: ...`) or may not (a greeting at its start): before, that line alone was the reason."""
+    if isinstance(exc.code, str):
+        return exc.code
+    own = [f for f in traceback.extract_tb(exc.__traceback__) if _users(f.filename)]
+    at = f"sys.exit({exc.code}) at {_place(own[-1])}" if own else ""
+    if at and last:
+        return f"{at}; its last line on stderr: {last}"
+    return at or last or f"exited with status {exc.code}"
+
+
+def _place(frame):
+    """`train.py:12 in step` (a function shipped by value has lost its file's name, cloudpickle's
+    <dynamic-code>: `line 12 in step`)."""
+    where = "line " if frame.filename.startswith("<") else os.path.basename(frame.filename) + ":"
+    return f"{where}{frame.lineno} in {frame.name}"
+
+
 def error_line(exc):
     """The one line of an exception from the job's code: `Type: message`, the message's lines
     joined, and where the job's code raised it (`(train.py:12 in step)`: an `assert x == 4`
@@ -287,9 +308,7 @@ def error_line(exc):
     own = [f for f in traceback.extract_tb(exc.__traceback__) if _users(f.filename)]
     if not own:
         return line
-    f = own[-1]     # a function shipped by value has lost its file's name (cloudpickle: <dynamic-code>)
-    return f"{line} ({'line ' if f.filename.startswith('<') else os.path.basename(f.filename) + ':'}{f.lineno} " \
-           f"in {f.name})"
+    return f"{line} ({_place(own[-1])})"
 
 
 @functools.cache
@@ -464,7 +483,7 @@ def main(argv=None):
         run_code(job, ctx, fn)
     except SystemExit as e:
         if e.code not in (None, 0):
-            line = e.code if isinstance(e.code, str) else (stderr.last or f"exited with status {e.code}")
+            line = exit_line(e, stderr.last)
             fail(store, gen, ident.rank, line, ctx.phase, e.code if isinstance(e.code, int) else exitcodes.RANK_FAILED)
     except YarnappError as e:       # bad input (data, model...): its one line is the whole story
         fail(store, gen, ident.rank, str(e), ctx.phase, input_error=True, repeats=getattr(e, "repeats", None) or None,

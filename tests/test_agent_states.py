@@ -274,10 +274,12 @@ def test_a_peer_that_ended_early_is_named_beside_the_collective_it_broke(tmp_pat
                    "retried (a new world cannot form without it)")
     a, store = agent(tmp_path, [(Outcome.OWN, reset, peer_left)] * 2, max_restarts=3, instances=2)
     assert a.run() != exitcodes.SUCCEEDED and a.spawned_gens == [0]     # each restart waited for w_1, then failed
-    assert load(store, keys.FAILED).reason == (f"{reset.reason}; rank 1 (w_1) had ended (exit 0) while the others "
-                                               f"still ran collectives with it: every rank must run the same steps; "
-                                               f"so it was not retried (its container ended with it: a new world "
-                                               f"cannot form without it)")
+    # the rank that ended leads (gloo's line led, and read as rank 0's own crash), gloo's source path dropped
+    assert load(store, keys.FAILED).reason == ("rank 1 (w_1) had ended (exit 0) while the others still ran collectives "
+                                               "with it: every rank must run the same steps (then "
+                                               + reset.reason.replace("[gloo/transport/tcp/pair.cc:537] ", "") +
+                                               "); so it was not retried (its container ended with it: a new world "
+                                               "cannot form without it)")
     a, store = agent(tmp_path / "b", [(Outcome.OWN, crash(code=1), peer_left)] * 2, max_restarts=3, instances=2)
     assert a.run() != exitcodes.SUCCEEDED and a.spawned_gens == [0]
     assert load(store, keys.FAILED).reason == crash(code=1).reason + not_retried      # its own bug, not blamed on w_1
@@ -766,3 +768,20 @@ def test_ranks_in_calls_of_the_same_number_and_different_names_are_named_and_a_s
         "at train.py:9 in main); rank 2 (w_2) elsewhere; every rank must call them in the same order (one made "
         "under `if rank == 0:`, or after a rank ran more steps than the others?)"), f.reason
     assert judge.apart_since is None
+
+
+def test_a_sys_exit_is_said_where_it_was_called_beside_the_last_line_on_stderr(tmp_path):
+    """`sys.exit(3)` on one rank read `exited with status 3: stderr hello from 1`, a line the
+    script printed at its start, as if it were the reason: where the code exited now leads."""
+    from launcher.rank import exit_line
+    script = tmp_path / "train.py"
+    script.write_text("import sys\n\n\ndef main():\n    sys.exit(3)\n")
+    scope = {}
+    exec(compile(script.read_text(), str(script), "exec"), scope)
+    with pytest.raises(SystemExit) as exited:
+        scope["main"]()
+    assert exit_line(exited.value, "hello from 1") == "sys.exit(3) at train.py:5 in main; its last line on stderr: " \
+                                                      "hello from 1"
+    assert exit_line(exited.value, "") == "sys.exit(3) at train.py:5 in main"
+    assert exit_line(SystemExit("lr too high"), "hello") == "lr too high"      # sys.exit("...") says it itself
+    assert exit_line(SystemExit(4), "") == "exited with status 4"
