@@ -475,7 +475,7 @@ def main(argv=None):
         if ident.rank == 0:         # own code's TensorBoard: what it reports (the runner logs its own)
             try:
                 from training.tensorboard import ReportLog
-                ctx.tensorboard = ReportLog(ident.logdir, ident.app_id, job.tensorboard.sync_every)
+                ctx.tensorboard = ReportLog(ident.logdir, ident.app_id, job.tensorboard.sync_every, scratch=workdir)
             except ImportError as e:    # an environment of the job's own, without pyarrow or tensorboard
                 log.warning("no TensorBoard for what this code reports: %s", e)
     ctx.comm_used = False

@@ -99,6 +99,8 @@ def test_kill_leaves_nothing_running(cli, yarnapp_home, tmp_path):
     proc = cli("kill", app, check=0)
     assert "KILLED" in proc.stdout
     assert yarnapp.status(app)["state"] == "KILLED"
+    again = cli("kill", app, check=0)           # (said "KILLED" again, as if it had done it)
+    assert again.stdout.strip() == f"{app} had already ended KILLED; nothing to kill", again.stdout
     out, _ = follow.communicate(timeout=60)
     first = {c: open(p).readline().rstrip("\n") for c, p in LocalBackend().log_paths(app).items()}
     for c in ("a_0", "b_0"):

@@ -598,3 +598,26 @@ def test_progress_of_own_code_without_a_total_says_its_lines_beside_its_bar():
     text = out.getvalue()
     assert "restart 1: rank 1 (w_1) exited with status 1" in text and "3it" in text, text
     assert "app_x FAILED: rank 1 (w_1) exited with status 1\n" in text, text     # written above the bar
+
+
+def test_progress_counts_ranks_not_the_tensorboard_service_and_says_no_wait_once_formed():
+    """On YARN `--wait` read "world formed ... (4 ranks)" for 3 ranks (the TensorBoard service
+    is a container too), and, a failed application's second master attempt being ACCEPTED,
+    YARN's "Application is Activated, waiting for resources" after the world had formed."""
+    import io
+
+    from yarnapp.progress import Progress
+
+    class Run:
+        app_id = "application_1_0001"
+    out = io.StringIO()
+    shown = Progress(Run(), file=out)
+    containers = [{"id": f"w_{i}", "group": "w"} for i in range(3)] + [{"id": "tensorboard_0", "group": "tensorboard"}]
+    shown.update({"state": "NEW", "diagnostics": "waiting for AM container to Register", "containers": []})
+    shown.update({"state": "RUNNING", "world_formed_s": 10.2, "containers": containers})
+    shown.update({"state": "NEW", "diagnostics": "Application is Activated, waiting for resources",
+                  "world_formed_s": 10.2, "containers": containers})
+    text = out.getvalue()
+    assert "application_1_0001: waiting for AM container to Register" in text, text
+    assert "world formed 10.20s after submit (3 ranks)" in text, text
+    assert "Application is Activated" not in text, text

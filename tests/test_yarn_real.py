@@ -4,12 +4,14 @@ to the real ResourceManager; data, checkpoints and TensorBoard live on the real 
 (through WebHDFS: libhdfs cannot be had here). Skipped, saying why, where Java, Maven or
 Maven Central is missing."""
 import contextlib
+import glob
 import json
 import os
 import re
 import shutil
 import signal
 import stat
+import tempfile
 import time
 import urllib.error
 import urllib.parse
@@ -216,6 +218,7 @@ def test_tensorboard_through_the_proxy_acls_kill_and_a_canary_secret(cluster, sh
                          "groups": [{"name": "w", "instances": 2, "vcores": 1, "memory": "512 MiB", "env": ENV}],
                          "run": {"script": WRITER}, "environment": {"packer": "none"},
                          "tensorboard": {"service": True, "sync_every": "1s"}})
+    staged = _tensorboard_staging()
     app = backend.submit(job)
     try:
         deadline, points, url = time.monotonic() + 300, None, None
@@ -257,6 +260,10 @@ def test_tensorboard_through_the_proxy_acls_kill_and_a_canary_secret(cluster, sh
     finally:
         backend.client.kill_application(app) if backend.status(app)["state"] in ("NEW", "RUNNING") else None
     assert cluster.hadoop.container_pids(app, wait_s=60) == [], "container processes outlived `yarnapp kill`"
+    # the ranks' local copy of the HDFS logdir went with their containers (was: one in /tmp per rank, for good)
+    assert _tensorboard_staging() - staged == set()
+    # `yarnapp tensorboard APP` once it ended (its job went with its driver): the default logdir
+    assert logdir_of(app, backend) == (f"{cluster.storage()}/{app}/tensorboard", 5.0)
 
     # The canary is nowhere a viewer, a log or TensorBoard shows.
     full_logs = cluster.run(["yarn", "logs", "-applicationId", app], timeout=120)
@@ -285,6 +292,11 @@ def test_tensorboard_through_the_proxy_acls_kill_and_a_canary_secret(cluster, sh
             except OSError:
                 continue
     assert readable == []
+
+
+def _tensorboard_staging():
+    """The local copies of remote TensorBoard logdirs in this host's temporary directories."""
+    return {p for d in {"/tmp", tempfile.gettempdir()} for p in glob.glob(os.path.join(d, "*yarnapp-tb-*"))}
 
 
 def _others_can_read(path):

@@ -97,7 +97,8 @@ class Runner:
             # curves (TensorBoard drops steps >= purge_step); the resumed step's own stays.
             # From step 0 on, everything goes (a restart before the first checkpoint).
             self.tb = TBLogger(ctx.logdir, ctx.app_id, purge_step=self.start_step + 1 if self.start_step else 0,
-                               sync_every=ctx.job.tensorboard.sync_every, hparams=self._hparams())
+                               sync_every=ctx.job.tensorboard.sync_every, hparams=self._hparams(),
+                               scratch=ctx.workdir)
         self.last_ckpt_time = time.monotonic()
         self.cgroup = memory.own_cgroup()
         self.rss_peak = 0

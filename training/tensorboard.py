@@ -13,6 +13,7 @@ loop on training.dist) gets a `ReportLog` instead: the numbers rank 0 reports.
 import logging
 import math
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -51,10 +52,15 @@ class _Scalars:
 
 
 class TBLogger:
-    def __init__(self, logdir, run_name, purge_step=None, sync_every=5.0, hparams=None, scalars_only=False):
+    def __init__(self, logdir, run_name, purge_step=None, sync_every=5.0, hparams=None, scalars_only=False,
+                 scratch=None):
+        """A remote logdir (hdfs://...) is written in a local copy, synced every `sync_every`
+        seconds: under `scratch` (the container's working directory, which YARN removes with the
+        container; the system's temporary directory was left a copy by every YARN application),
+        removed at close."""
         self.remote = None if fsutil.is_local(logdir) else logdir
-        base = fsutil.local_path(logdir) if self.remote is None else tempfile.mkdtemp(prefix="yarnapp-tb-")
-        self.local_dir = os.path.join(base, run_name)
+        self.staging = None if self.remote is None else tempfile.mkdtemp(prefix=".yarnapp-tb-", dir=scratch)
+        self.local_dir = os.path.join(self.staging or fsutil.local_path(logdir), run_name)
         self.run_name = run_name
         if scalars_only:
             self.writer = _Scalars(self.local_dir, purge_step)
@@ -99,6 +105,7 @@ class TBLogger:
         if self.remote:
             self._stop.set()
             self._sync()
+            shutil.rmtree(self.staging, ignore_errors=True)
 
 
 class ReportLog:
@@ -110,8 +117,8 @@ class ReportLog:
     snapshot or from the start), so curves have no repeated steps after a restart. A
     metric never stops the code: a write or a sync that fails is a warning."""
 
-    def __init__(self, logdir, run_name, sync_every=5.0):
-        self.logdir, self.run_name, self.sync_every = logdir, run_name, sync_every
+    def __init__(self, logdir, run_name, sync_every=5.0, scratch=None):
+        self.logdir, self.run_name, self.sync_every, self.scratch = logdir, run_name, sync_every, scratch
         self.tb, self.count, self.step = None, 0, 0
 
     def report(self, metrics, prefix="report/"):
@@ -132,6 +139,7 @@ class ReportLog:
         try:
             if self.tb is None:
                 self.tb = TBLogger(self.logdir, self.run_name, sync_every=self.sync_every, scalars_only=True,
+                                   scratch=self.scratch,
                                    purge_step=self.step if prefix != "final/" else None)  # (a final purges nothing)
             self.tb.scalars(self.step, values, prefix=prefix)
         except Exception as e:  # noqa: BLE001 - a metric never stops training (e.g. a full disk)

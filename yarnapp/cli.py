@@ -16,6 +16,7 @@ import time
 import conf
 
 from . import __version__, api
+from .backends.base import TERMINAL
 from .console import p as _p, readers_gone, say, stdout_gone
 from .errors import YarnappError
 
@@ -167,6 +168,10 @@ def follow_increment(printed, text):
 
 def cmd_kill(args):
     run = api.Run(args.app)
+    before = run.status()["state"]
+    if before in TERMINAL:          # (said as if this kill had ended it)
+        _p(f"{args.app} had already ended {before}; nothing to kill")
+        return 0
     st = run.kill()
     job = st.get("job_file")        # the file it was submitted from (the local engine keeps it)
     where = st.get("submit_dir") or os.getcwd()     # its relative paths (data, code) are from there

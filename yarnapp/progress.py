@@ -1,6 +1,8 @@
 """Live progress of a run: a tqdm bar in a terminal, a widget in a notebook."""
 import sys
 
+import conf
+
 try:        # tqdm.auto's notebook widget needs ipywidgets; without it, it warns and falls back
     import ipywidgets  # noqa: F401
     from tqdm.auto import tqdm
@@ -73,11 +75,13 @@ class Progress:
         n = len(st.get("containers") or [])
         containers = f"{n} containers, " if n > 1 else "1 container, " if n else ""
         self.say("submitted", f"{self.run.app_id}: {containers}state {st['state']}")
-        if st["state"] in ("NEW", "ACCEPTED") and st.get("diagnostics"):      # why it waits (for GPUs, say)
+        if st["state"] in ("NEW", "ACCEPTED") and st.get("diagnostics") and "formed" not in self.said:
+            # why it waits (for GPUs, say); not once its world formed (YARN's second master
+            # attempt of a failed application: "Application is Activated, waiting for ...")
             self.say(f"waiting {st['diagnostics']}", f"{self.run.app_id}: {st['diagnostics']}")
         if st.get("world_formed_s") is not None:
-            self.say("formed", f"world formed {st['world_formed_s']:.2f}s after submit "
-                               f"({len(st.get('containers', []))} ranks)")
+            ranks = [c for c in st.get("containers") or [] if c.get("group") != conf.TENSORBOARD_SERVICE]
+            self.say("formed", f"world formed {st['world_formed_s']:.2f}s after submit ({len(ranks)} ranks)")
         for r in st.get("restarts") or []:
             self.say(f"restart{r.get('generation')}", f"restart {r.get('generation')}: {r.get('reason')}")
         if st.get("tensorboard"):       # the service's page (again, should a restarted master's move)

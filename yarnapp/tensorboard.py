@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 READY_TIMEOUT = 120.0        # seconds for TensorBoard to import, bind and answer
 RELOAD_INTERVAL = 1.0        # seconds between TensorBoard's reloads: new runs and steps show within ~1 s
+DEFAULT_SYNC_S = 5.0         # seconds between syncs of a remote logdir given directly (conf: tensorboard.sync_every)
 _URL_LINE = re.compile(r"TensorBoard \S+ at (http://\S+?):(\d+)/")
 
 
@@ -245,6 +246,7 @@ def _yarn_logdir(app_id, backend):
 
     from training import fsutil
 
+    from .backends import yarn_cluster
     from .backends.yarn_cluster import python_uri
     try:
         spec = backend.client.connect(app_id, wait=False).get_specification()
@@ -253,8 +255,18 @@ def _yarn_logdir(app_id, backend):
         with fs.open_input_stream(path) as f:
             tb = json.loads(f.read())["tensorboard"]
     except (skein.exceptions.SkeinError, KeyError, StopIteration, OSError, ValueError) as e:
+        # an application that ended: its job went with its driver; an unset logdir was the default storage's
+        from .backends.yarn import submitting_user
+        storage = yarn_cluster.default_storage(submitting_user())
+        guess = f"{storage.rstrip('/')}/{app_id}/tensorboard" if storage else None
+        try:
+            if guess and _is_dir(guess):
+                return guess, DEFAULT_SYNC_S
+        except (OSError, ValueError):
+            pass
+        default = f" (an unset logdir was {guess})" if guess else ""
         raise YarnappError(f"cannot read the job of {app_id} from YARN ({e}); give its tensorboard.logdir "
-                           f"instead: `yarnapp tensorboard URI` (hdfs://... where libhdfs loads here, else "
+                           f"instead: `yarnapp tensorboard URI`{default} (hdfs://... where libhdfs loads here, else "
                            f"webhdfs://NAMENODE:HTTP-PORT/...)") from None
     storage = service.env.get("YARNAPP_STORAGE")
     if not tb["logdir"] and not storage:
@@ -263,11 +275,19 @@ def _yarn_logdir(app_id, backend):
     return tb["logdir"] or f"{storage.rstrip('/')}/{app_id}/tensorboard", tb["sync_every"]
 
 
+def _is_dir(uri):
+    import pyarrow.fs as pafs
+
+    from training import fsutil
+    fs, path = fsutil.resolve(uri)
+    return fs.get_file_info(path).type == pafs.FileType.Directory
+
+
 def for_app(app_or_logdir, port=0, backend=None):
     """TensorBoard for an application id (its logdir, every run of the experiment), or for a
     logdir given directly (a path or URI: anything with '/' in it)."""
     if "/" in app_or_logdir:
-        logdir, sync_every = app_or_logdir, 5.0
+        logdir, sync_every = app_or_logdir, DEFAULT_SYNC_S
     else:
         logdir, sync_every = logdir_of(app_or_logdir, backend)
     return TensorBoard(logdir, port=port, sync_every=sync_every)
