@@ -11,6 +11,7 @@ Why a generation ended is one `launcher.failure.Failure`; when the cause is a pe
 frozen, missing, or the one this rank died of), `launcher.diagnosis` finds it. The
 container's exit status is decided in `launcher.exitcodes`.
 """
+import collections
 import dataclasses
 import enum
 import json
@@ -27,7 +28,7 @@ from conf import BUILTIN_RUNNER
 
 from . import beats, exitcodes, identity, keys, malloc, memory, results, retries, stacks, store as store_mod, warm
 from .diagnosis import PeerDiagnosis
-from .procs import die_with_parent, stopped as process_stopped
+from .procs import cpu_seconds, die_with_parent, stopped as process_stopped
 from .failure import (WAITED_FOR_FINISHED, Failure, Kind, after_an_end, current_generation, ended_early, log_tail,
                       looks_collateral, native_crash, spent_restarts)
 
@@ -37,6 +38,8 @@ SETUP_GRACE_S = 8.0      # after a peer failed in setup, how long a rank in setu
                          # the same way on its own (ranks start seconds apart on a busy host)
 BUSY_HINT = ("; if it was busy there (an evaluation or a save on one rank), call ctx.heartbeat() "
              "(training.dist.context().heartbeat()) in that work, or raise launcher.heartbeat_timeout")
+IDLE_CPU = 0.05             # of a core: a silent rank of an unmodified script using less is idle (Agent.busy)
+HANG_CPU_WINDOW_S = 600.0   # how far back Agent.busy keeps its CPU samples
 EARLY_END_FRACTION = 0.25   # a rank still in a collective this part of launcher.heartbeat_timeout (15 s of
                             # the default 60 s) after a peer's code finished waits for it (code on
                             # torch.distributed fails sooner: the ended rank's sockets close after
@@ -96,6 +99,7 @@ class Agent(PeerDiagnosis):
         self.child = None
         self.warm = None                 # launcher.warm: where this container's ranks are forked from
         self.heartbeat = os.path.abspath(f".heartbeat.{ident.container}")
+        self._phase, self._seen, self._cpu = "setup", False, collections.deque()   # (read_heartbeat, busy)
         self.log_path = os.environ.get("YARNAPP_LOG") or _yarn_log(ident.group)
         self.members = ident.job.ranks()
         self.cgroup = memory.own_cgroup()          # to tell a memory kill from any SIGKILL
@@ -129,7 +133,7 @@ class Agent(PeerDiagnosis):
         else:
             self.child = subprocess.Popen(argv, env=env, preexec_fn=die_with_parent)
         self.spawned = time.monotonic()
-        self._phase = "setup"
+        self._phase, self._seen, self._cpu = "setup", False, collections.deque()
 
     def kill_child(self):
         if self.child and self.child.poll() is None:
@@ -174,7 +178,27 @@ class Agent(PeerDiagnosis):
         if not words:            # caught between the rank's truncate and write: it is beating now
             return self._phase, age
         self._phase = words[0]
+        self._seen = words[-1] == "seen"        # only its optimizer's steps were seen (RunContext.heartbeat)
         return words[0], age
+
+    def busy(self, now, silent):
+        """Whether the rank, silent `silent` seconds in "seen" progress (an unmodified script's
+        optimizer steps), used CPU over that time, at least IDLE_CPU of a core (sampled at most
+        once a second from half the heartbeat timeout on): a rank evaluating or saving longer
+        than the timeout is busy, not hung; a rank waiting in a collective, or hung in a
+        sleep or a lock, is idle. Not yet known (fewer than two samples a second apart): busy."""
+        if not self._cpu or now - self._cpu[-1][0] >= 1.0:      # (psutil reads /proc)
+            cpu = cpu_seconds(self.child.pid)
+            if cpu is None:
+                return False
+            self._cpu.append((now, cpu))
+        while now - self._cpu[0][0] > HANG_CPU_WINDOW_S:
+            self._cpu.popleft()
+        since = [(t, c) for t, c in self._cpu if t >= now - silent]
+        if len(since) < 2 or since[-1][0] - since[0][0] < 1.0:
+            return True
+        (t0, c0), (t1, c1) = since[0], since[-1]
+        return (c1 - c0) >= IDLE_CPU * (t1 - t0)
 
     def monitor(self, gen):
         """Watch one generation until it ends: (Outcome, the Failure this agent found or None)."""
@@ -264,7 +288,12 @@ class Agent(PeerDiagnosis):
                 # When one rank stops, the others soon block in a collective waiting for it
                 # and go silent too: a rank that is merely waiting gives the stopped one's
                 # agent a grace period to name the real culprit first.
+                if self._seen and phase == "train" and not stopped and silent > limit / 2:
+                    self.busy(now, silent)          # sampled from half the limit on: the window it judges
                 if silent > limit + (0 if stopped else min(2.0, limit / 2)) + waited:
+                    if self._seen and phase == "train" and not stopped and self.busy(now, silent):
+                        time.sleep(lj.poll_interval)    # an unmodified script's rank at work: not hung
+                        continue
                     # ... or a peer whose whole container stopped, whose agent cannot say so.
                     suspects = [] if stopped else self.peers.silent(now, beats.SUSPECT_S)
                     if suspects:
@@ -281,7 +310,8 @@ class Agent(PeerDiagnosis):
                             f"progress since (limit {limit:g}s: the larger of launcher.heartbeat_timeout and "
                             f"rendezvous_timeout): one waiting in a collective for it may have run more steps; "
                             f"every rank must run the same steps"))
-                    at = None if stopped else stacks.where(stacks.dump(self.child.pid, self.heartbeat + stacks.SUFFIX))
+                    at = None if stopped else stacks.where(stacks.dump(self.child.pid, self.heartbeat + stacks.SUFFIX),
+                                                            idle=self._seen and phase == "train")
                     if at and at.waiting and not waited:    # the rank it waits for is named first
                         waited = min(limit, stacks.WAITING_GRACE_S)
                         continue
@@ -295,7 +325,8 @@ class Agent(PeerDiagnosis):
                                f"launcher.{which}_timeout)"
                                + (f"; its main thread is at {at.describe()}"
                                   f"{', waiting for its peers' if at.waiting else ''}" if at else "")
-                               + (BUSY_HINT if at and not at.waiting and phase == "train"
+                               + (" and idle (no optimizer step, no CPU used since)" if self._seen else
+                                  BUSY_HINT if at and not at.waiting and phase == "train"
                                   and self.job.run.function != BUILTIN_RUNNER else "")
                                + self.network_note())
             lost = self.lost_member(gen, seen)

@@ -24,3 +24,22 @@ def process_state(pid):
             return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return None
+
+
+def cpu_seconds(pid):
+    """CPU seconds a process and its descendants have used (the live ones, and those it has
+    reaped), or None where it is gone: a rank's own and its DataLoader workers'."""
+    import psutil
+    try:
+        p = psutil.Process(pid)
+        t = p.cpu_times()
+        total = t.user + t.system + t.children_user + t.children_system
+        for child in p.children(recursive=True):
+            try:
+                c = child.cpu_times()
+                total += c.user + c.system
+            except psutil.Error:
+                continue
+        return total
+    except psutil.Error:
+        return None

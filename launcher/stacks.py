@@ -23,6 +23,7 @@ WAITING_GRACE_S = 5.0  # a rank found waiting is declared hung this much later (
                        # time for the agent of the rank it waits on to dump that one's stack and say so
 # A main thread with a frame in one of these waits for its peers.
 WAITING = ("training/collectives/", "torch/distributed/", "mpi4py/")
+WAITING_IF_IDLE = ("torch/autograd/",)      # ... and, using no CPU, so does one in backward (where)
 # ... and so does one whose innermost frame calls a communicator's blocking method (or waits
 # on requests): mpi4py's are C code, so `ctx.comm.Barrier()` leaves no frame of mpi4py's (its
 # line tells; the receiver must be named like a communicator, so torch's x.gather(...) is not).
@@ -98,10 +99,12 @@ _USERS_PSEUDO = ("<string>", "<stdin>", "<ipython-input-")     # code run from a
 _LIBRARIES = tuple(p for p in {os.path.dirname(os.__file__)} if p)       # the standard library
 
 
-def where(text):
+def where(text, idle=False):
     """The main thread's innermost frame in a faulthandler dump, or None: the thread that
     runs launcher/rank.py and was not started by `threading` (the liveness thread runs
-    rank.py's code too), else the thread that took the signal."""
+    rank.py's code too), else the thread that took the signal. idle: the rank used no CPU
+    while silent (launcher.agent's busy), so a main thread in autograd's backward waits too:
+    DistributedDataParallel's all-reduce runs in C++, under loss.backward()."""
     if not text:
         return None
     threads, current = [], None
@@ -124,4 +127,5 @@ def where(text):
     user = users_frame(main)
     caller = f"{user[0]}:{user[1]} in {user[2]}" if user and user != main[0] else ""
     return Where(frame=f"{path}:{line} in {fn}",
-                 waiting=calls_mpi or any(w in p for p, _, _ in main for w in WAITING), caller=caller)
+                 waiting=calls_mpi or any(w in p for p, _, _ in main for w in WAITING + (WAITING_IF_IDLE if idle else ())),
+                 caller=caller)

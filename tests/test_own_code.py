@@ -696,3 +696,46 @@ def test_a_functions_reports_are_tensorboard_scalars_and_its_return_value_its_re
     assert {e.value for e in tb.Scalars("report/rank_seen")} == {0.0}          # rank 0's
     assert [e.step for e in tb.Scalars("final/acc")] == [5]
     assert_nothing_left(run.app_id)
+
+
+def test_a_hung_rank_of_an_unmodified_ddp_script_is_named_and_a_long_evaluation_is_not(cli, tmp_path):
+    """An unmodified DDP script reports no progress: its rank 1 asleep at step 50 while the
+    others waited in DDP's all-reduce ran on silently until gloo's own 30-minute timeout
+    (`status`: every rank RUNNING). Its optimizer's steps are now progress the launcher sees:
+    a rank silent past launcher.heartbeat_timeout and idle is hung, and the one asleep is
+    named, not the ones waiting in loss.backward(). A rank busy that long without a step (an
+    evaluation between epochs) is not taken for a hang."""
+    script = ("import os, sys, time\nimport torch, torch.distributed as dist\n"
+              "dist.init_process_group('gloo')\nrank = int(os.environ['RANK'])\ntorch.manual_seed(0)\n"
+              "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 2))\n"
+              "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+              "for step in range(80):\n"
+              "    if step == 50 and sys.argv[1] == 'hang' and rank == 1:\n"
+              "        time.sleep(3600)\n"
+              "    if step == 50 and sys.argv[1] == 'evaluate':\n"
+              "        t, a = time.monotonic(), torch.rand(200, 200)\n"
+              "        while time.monotonic() - t < 12:         # an evaluation: no optimizer step for 12 s\n"
+              "            a = (a @ a).tanh()\n"
+              "    opt.zero_grad()\n    model(torch.ones(8, 64)).sum().backward()\n    opt.step()\n"
+              "    time.sleep(0.05)\n"
+              "dist.destroy_process_group()\n")
+    launcher = {"heartbeat_timeout": "6s"}
+    hang = _script_job(tmp_path, "ddp", script, launcher=launcher)
+    with open(hang) as f:
+        raw = yaml.safe_load(f)
+    raw["run"]["args"] = ["hang"]
+    write_job(hang, raw)
+    t0 = time.monotonic()
+    proc = cli("submit", hang, "--wait", timeout=240)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    err = proc.stderr.strip().splitlines()[-1]
+    assert re.search(r"FAILED after 1 attempt\(s\): rank 1 \(small_0\) hung: no progress for \d+\.\ds in train "
+                     r"\(limit 6s: launcher\.heartbeat_timeout\); its main thread is at \S*/ddp\.py:10 in <module> and idle \(no "
+                     r"optimizer step, no CPU used since\) — log", err), err
+    assert time.monotonic() - t0 < 120, time.monotonic() - t0
+    assert_nothing_left(app_id_from(err))
+
+    raw["run"]["args"] = ["evaluate"]
+    write_job(hang, raw)
+    proc = cli("submit", hang, "--wait", timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -118,18 +118,25 @@ class RunContext:
         return dist.group.WORLD
 
     phase: str = "setup"         # "train" from the first training step on (heartbeat)
+    said_progress: bool = False  # the code itself said it made progress (not only its optimizer's steps)
 
-    def heartbeat(self, phase="train"):
+    def heartbeat(self, phase="train", seen=False):
         """Tell the agent this rank is making progress (it declares silence a hang).
 
         phase "setup" (before the first step: imports, data, calibration) is held to
         launcher.rendezvous_timeout; "train" to the shorter launcher.heartbeat_timeout.
         A failure in "setup" that every rank shares is not retried (launcher.agent).
+        seen: progress the launcher saw, not the code said (a torch optimizer's step in an
+        unmodified script: launcher.rank): until the code says any itself, a rank silent
+        that long is hung only while it is idle, as a rank waiting for a peer is; one busy
+        (an evaluation, a save) is not.
         """
+        if phase == "train" and not seen:
+            self.said_progress = True
         self.phase = phase
         if self.heartbeat_path:
             with open(self.heartbeat_path, "w") as f:
-                f.write(f"{phase} {time.time()}")
+                f.write(f"{phase} {time.time()}" + (" seen" if seen and not self.said_progress else ""))
 
     def report(self, **metrics):
         """Publish this rank's progress (shown by `yarnapp status`/`submit --wait`); rank 0's
