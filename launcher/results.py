@@ -6,7 +6,8 @@ two places the agents fill in before it ends:
 
     <app dir>/result.json     on the cluster's default filesystem (launcher.identity's
                               app_dir: <YARNAPP_STORAGE>/<app id>): final, failure (with
-                              the log tail), restarts, world_formed_time, state
+                              the log tail), restarts, world_formed_time, state, and each
+                              rank's last progress record
     YARN's final diagnostics  "yarnapp-result: {...}": the same without log tails, kept by
                               the ResourceManager with the application report
 
@@ -30,6 +31,7 @@ RESULT_FILE = "result.json"
 DIAGNOSTICS_PREFIX = "yarnapp-result: "
 PUBLISHED = "result/published"        # first writer publishes
 DONE_WAIT_S = 30.0
+PROGRESS = keys.progress(0).rsplit("/", 1)[0] + "/"      # each rank's last progress record
 
 
 NOTICES_KEPT = 10                     # in YARN's final diagnostics: the first ones, each cut to
@@ -50,9 +52,12 @@ def notices(items):
 
 def collect(store):
     """The application's results from its store, in one store call."""
-    seen = store.snapshot(prefixes=(keys.RESTARTS, keys.ABORT_PREFIX, keys.NOTICES), keys=(keys.FINAL, keys.FAILED))
+    seen = store.snapshot(prefixes=(keys.RESTARTS, keys.ABORT_PREFIX, keys.NOTICES, PROGRESS),
+                          keys=(keys.FINAL, keys.FAILED))
     formed = sorted(k for k in seen if k.startswith(keys.ABORT_PREFIX) and k.endswith("/formed"))
     return {"final": json.loads(seen[keys.FINAL]) if keys.FINAL in seen else None,
+            # each rank's last record: what it read, its peak memory (result.json only, not the diagnostics)
+            "progress": {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in seen.items() if k.startswith(PROGRESS)},
             "failure": Failure.record(seen.get(keys.FAILED)),
             "restarts": [Failure.record(v) for k, v in sorted(seen.items()) if k.startswith(keys.RESTARTS)],
             "world_formed_time": json.loads(seen[formed[0]]).get("time") if formed else None,
@@ -61,7 +66,7 @@ def collect(store):
 
 def diagnostics(result):
     """The one-line final diagnostics for YARN (no log tails: they may be long)."""
-    slim = dict(result)
+    slim = {k: v for k, v in result.items() if k != "progress"}
     if slim.get("failure"):
         slim["failure"] = {k: v for k, v in slim["failure"].items() if k != "log_tail"}
     slim["restarts"] = [{k: v for k, v in r.items() if k != "log_tail"} for r in slim.get("restarts") or []]

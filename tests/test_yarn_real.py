@@ -98,6 +98,8 @@ def test_hello_three_containers_two_groups_one_world_and_results_after_the_end(c
     assert 0 < st["world_formed_s"] < 120
     stored = cluster.backend()._stored_results(app, cluster.owner)           # and in its storage
     assert stored["final"] == st["final"] and stored["results"].endswith(f"/{app}/result.json")
+    # each rank's last progress record (what it read, its peak memory) outlives it (was: {})
+    assert {r: p["step"] for r, p in st["progress"].items()} == {"0": 1, "1": 1, "2": 1}, st["progress"]
     logs = cluster.cli("logs", app)
     assert logs.returncode == 0, logs.stderr
     sections = dict(re.findall(r"^==> (\S+) <==\n(.*?)(?=^==> |\Z)", logs.stdout, re.M | re.S))

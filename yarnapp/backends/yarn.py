@@ -393,8 +393,11 @@ class YarnBackend(Backend):
                 log.debug("status of %s from the report only: %s", app_id, e)
                 report = self._call(self.client.application_report, app_id)
                 record = app_record(report)
-        if record["state"] in ("SUCCEEDED", "FAILED") and "results" not in record:
-            record.update(self._stored_results(app_id, report.user))
+        if record["state"] in ("SUCCEEDED", "FAILED"):
+            stored = self._stored_results(app_id, report.user)
+            if "results" not in record:
+                record.update(stored)
+            record["progress"] = stored.get("progress") or {}    # (the diagnostics keep no progress)
         return with_formed_s(record)
 
     def checkpoints_of(self, app_id, job):
@@ -419,6 +422,7 @@ class YarnBackend(Backend):
         return {"final": found.get("final"), "failure": found.get("failure"),
                 "restarts": found.get("restarts") or [], "world_formed_time": found.get("world_formed_time"),
                 "notices": found.get("notices") or [],
+                "progress": {int(k): v for k, v in (found.get("progress") or {}).items()},
                 "results": f"{storage}/{app_id}/{results.RESULT_FILE}"}
 
     def logs(self, app_id, container=None):
