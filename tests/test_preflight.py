@@ -33,8 +33,11 @@ def test_an_unknown_scheme_is_refused_on_both_backends():
 
 
 def test_a_filesystem_out_of_reach_is_left_to_the_cluster_once_and_refused_locally(caplog):
-    port = _closed_port()
-    train, test = f"webhdfs://127.0.0.1:{port}/d/train", f"webhdfs://127.0.0.1:{port}/d/test"
+    """Out of this client's reach, a cluster's containers may still reach it: left to them,
+    with a warning. A port refused on this machine's own address is refused on a cluster too
+    (it started three containers, which failed 33 s later): a single-node cluster's
+    containers run here, and on a cluster of several a loopback address is each node's own."""
+    train, test = "webhdfs://namenode.invalid:9870/d/train", "webhdfs://namenode.invalid:9870/d/test"
     with caplog.at_level(logging.WARNING, logger="yarnapp.preflight"):
         preflight.check_data(_job(train, test), "job.yaml", on_cluster=True)
     warned = [r.getMessage() for r in caplog.records]
@@ -42,6 +45,10 @@ def test_a_filesystem_out_of_reach_is_left_to_the_cluster_once_and_refused_local
                                                      f"cannot reach {train}"), warned    # test: same host, not retried
     with pytest.raises(YarnappError, match=rf"^job.yaml: training.data.train: cannot reach {train}"):
         preflight.check_data(_job(train, test), "job.yaml")
+    here = f"webhdfs://127.0.0.1:{_closed_port()}/d/train"
+    for on_cluster in (False, True):
+        with pytest.raises(YarnappError, match=rf"^job.yaml: training.data.train: cannot reach {here}"):
+            preflight.check_data(_job(here), "job.yaml", on_cluster=on_cluster)
 
 
 def test_local_paths_are_the_nodes_own_on_a_cluster(tmp_path):
@@ -91,6 +98,9 @@ def test_outputs_that_cannot_be_written_are_refused_before_anything_starts(tmp_p
     far = f"webhdfs://127.0.0.1:{port}/ckpt"
     with pytest.raises(YarnappError, match=rf"^job.yaml: checkpoint.uri: cannot reach {far}"):
         preflight.check_outputs(_outputs(far), "job.yaml")
+    with pytest.raises(YarnappError, match=rf"^job.yaml: checkpoint.uri: cannot reach {far}"):
+        preflight.check_outputs(_outputs(far), "job.yaml", on_cluster=True)       # refused on this machine
+    far = "webhdfs://namenode.invalid:9870/ckpt"
     with caplog.at_level(logging.WARNING, logger="yarnapp.preflight"):      # the nodes' paths; their reach
         preflight.check_outputs(_outputs(far, "/proc/nope/tb"), "job.yaml", on_cluster=True)
     assert [r.getMessage().split(":")[0] for r in caplog.records] == ["checkpoint.uri not checked before submitting"]

@@ -79,7 +79,7 @@ def check_data(job, where=None, on_cluster=False):
                             "image; labels are class indices from 0 (subtract %d if they count from %d)",
                             low, unseen, low, low)
         except Unreachable as e:
-            if not on_cluster:
+            if not on_cluster or refused_on_loopback(uri):
                 raise YarnappError(f"{pre}training.data.{split}: {e}") from None
             unreachable.add((u.scheme, u.netloc))
             log.warning("training.data.%s not checked before submitting: %s (the containers report it if they "
@@ -348,6 +348,33 @@ def check_model(job, where=None):
         raise YarnappError(f"{pre}training.model_options: {e}") from None
 
 
+DEFAULT_PORTS = {"webhdfs": 9870, "hdfs": 8020}       # a NameNode's, where the URI gives none
+
+
+def refused_on_loopback(uri):
+    """Whether an unreachable URI names this machine (127.0.0.1, localhost) and refused the
+    connection: no one listens on that port here, where a single-node cluster's containers run
+    too (on a cluster of several, a loopback address is each node's own). Else the containers,
+    on the cluster's network, may reach what this client cannot."""
+    import ipaddress
+    import socket
+    u = urllib.parse.urlparse(uri)
+    host = u.hostname or ""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        return False
+    try:                # (the error's text is cut short; asked again, directly)
+        socket.create_connection((host, u.port or DEFAULT_PORTS.get(u.scheme, 8020)), timeout=2).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
 def check_outputs(job, where=None, on_cluster=False):
     """Raise YarnappError naming checkpoint.uri or tensorboard.logdir when the job could not
     write there: a local directory that cannot be created or written (tried with a
@@ -372,7 +399,7 @@ def check_outputs(job, where=None, on_cluster=False):
                 fs, path = filesystem(uri)
                 info(fs, path, uri)
         except Unreachable as e:
-            if not on_cluster:
+            if not on_cluster or refused_on_loopback(uri):
                 raise YarnappError(f"{pre}{field}: {e}") from None
             log.warning("%s not checked before submitting: %s (the containers report it if they cannot "
                         "reach it either)", field, e)
