@@ -32,6 +32,7 @@ log = logging.getLogger("launcher.tensorboard_service")
 
 LOCAL_ID = "tensorboard"      # its id in the local engine's store (owner of the URL key)
 YARN_PAGE = "tensorboard"     # its page of skein's web UI on YARN (yarnapp.backends.yarn.TENSORBOARD_PAGE)
+RESTARTS = 3                  # TensorBoard started again after it dies (killed, out of memory), at most
 
 
 def logdir(job, app_dir):
@@ -59,26 +60,44 @@ def main():
         log.error("%s", e)
         return 1
     try:
-        if backend == "yarn":
-            # A page of skein's web UI, so that it is reachable through the ResourceManager's
-            # proxy (http://RM/proxy/<app>/pages/tensorboard/, under the application's view
-            # ACL) and not only at this node's address.
-            page = store.app.ui.add_page(YARN_PAGE, tb.url.rstrip("/"), link_name="TensorBoard")
-            log.info("TensorBoard page of the application's web UI: %s", page.address)
-        store.put(keys.TENSORBOARD, tb.url.rstrip("/"), owned=True)
-        log.info("TensorBoard on %s at %s", where, tb.url)
-        while not stop.wait(0.5) and tb.alive:
-            pass
-        if not stop.is_set():
-            log.error("TensorBoard exited with status %s", tb.proc.returncode)
-            return 1
-        return 0
+        _publish(tb, where, backend, store)
+        for restart in range(1, RESTARTS + 2):
+            while not stop.wait(0.5) and tb.alive:
+                pass
+            if stop.is_set():
+                return 0
+            code = tb.proc.returncode
+            if restart > RESTARTS:
+                log.error("TensorBoard exited with status %s, the %d restarts spent", code, RESTARTS)
+                return 1
+            # (killed, or out of memory: the page a user had open went dark, and status said nothing)
+            log.warning("TensorBoard exited with status %s; starting it again (%d of %d)", code, restart, RESTARTS)
+            tb.stop()
+            tb = _serve(where, backend, job.tensorboard.sync_every, store)
+            _publish(tb, where, backend, store, again=True)
+    except YarnappError as e:
+        log.error("%s", e)
+        return 1
     finally:
         tb.stop()                   # first: its files go even where the store is gone
         try:
             store.delete(keys.TENSORBOARD)
         except Exception as e:  # noqa: BLE001 - the application's end took the store (YARN's master) with it
             log.info("TensorBoard's address not removed from the store: %s", e)
+
+
+def _publish(tb, where, backend, store, again=False):
+    """Say where TensorBoard answers: the store's key, which status shows; on YARN also a page
+    of skein's web UI, reachable through the ResourceManager's proxy
+    (http://RM/proxy/<app>/pages/tensorboard/, under the application's view ACL) and not only
+    at this node's address."""
+    if backend == "yarn":
+        if again:
+            store.app.ui.remove_page(YARN_PAGE)
+        page = store.app.ui.add_page(YARN_PAGE, tb.url.rstrip("/"), link_name="TensorBoard")
+        log.info("TensorBoard page of the application's web UI: %s", page.address)
+    store.put(keys.TENSORBOARD, tb.url.rstrip("/"), owned=True)
+    log.info("TensorBoard on %s at %s", where, tb.url)
 
 
 def _serve(where, backend, sync_every, store):

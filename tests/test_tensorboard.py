@@ -147,6 +147,15 @@ def test_service_publishes_its_url_in_status_and_dies_with_the_application(cli, 
         assert any("launcher.tensorboard_service" in c for c in mine), mine
         assert any("tensorboard.main" in c for c in mine), mine        # found by YARNAPP_APP_ID: swept at the end
         assert "TensorBoard on" in yarnapp.Run(app).logs("tensorboard")["tensorboard"]
+        # TensorBoard itself killed: started again, at the same address (it vanished from status)
+        [board] = [p for p in app_processes(app) if "tensorboard.main" in " ".join(p.cmdline())]
+        board.kill()
+        _until("TensorBoard started again", lambda: any("tensorboard.main" in " ".join(p.cmdline())
+                                                        for p in app_processes(app) if p.pid != board.pid))
+        _until(f"{TAG} served after the restart", lambda: len(_scalars(url, app)) >= 2)
+        assert yarnapp.status(app)["tensorboard"] == url
+        assert "TensorBoard exited with status -9; starting it again (1 of 3)" in \
+            yarnapp.Run(app).logs("tensorboard")["tensorboard"]
     finally:
         cli("kill", app)
     assert_nothing_left(app)
