@@ -147,7 +147,7 @@ def log_tail(path, lines=20):
         return ""
     heads = [i for i, line in enumerate(tail) if line.startswith("==== ")]
     tail = tail[heads[-1] + 1:] if heads else tail        # this attempt's lines (every attempt appends)
-    tail = [line for line in tail if not _TRANSITION.search(line) and not line.startswith(_CRASH_BOILERPLATE)][-lines:]
+    tail = [line for line in tail if not _TRANSITION.search(line) and not line.startswith(CRASH_BOILERPLATE)][-lines:]
     return "\n".join(tail) if any(line.strip() for line in tail) else ""
 
 
@@ -185,7 +185,7 @@ _ENFORCE_AT = re.compile(r"^\[enforce fail at [^\]]*\]\s*")      # gloo's own so
 _DIRS = re.compile(r"(?<![\w.])/(?:[^/\s:()]+/)+")      # a frame's file by its name (its log has the path)
 
 
-_CRASH_BOILERPLATE = "Extension modules: "     # a crash dump's list of every module loaded (native_crash)
+CRASH_BOILERPLATE = "Extension modules: "     # a crash dump's list of every module loaded (native_crash)
 # the agent's own state changes ("RUNNING -> RESTARTING (generation 0)"): an excerpt of a
 # failure not retried ended in "RESTARTING", which read as a restart
 _TRANSITION = re.compile(r" agent \S+ INFO: [A-Z_]+ -> [A-Z_]+ \(generation \d+\)$")

@@ -144,6 +144,7 @@ def test_distributed_optimizer_mistakes_are_one_line_each():
         "yd.broadcast_object(3, name='x'), yd.allgather_object(4, name='y'))\n"
         "net = torch.nn.Linear(4, 2)\n"
         "said(lambda: yd.DistributedOptimizer(net.parameters(), model=net))\n"
+        "said(lambda: yd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), backward_passes_per_step=2))\n"
         "opt = yd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), model=net)\n"
         "said(lambda: yd.DistributedOptimizer(opt, model=net))\n"
         "said(lambda: yd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), model=net))\n"
@@ -174,6 +175,8 @@ def test_distributed_optimizer_mistakes_are_one_line_each():
         "Horovod's name=: 2.0 3 [4]",
         "TypeError DistributedOptimizer: expected a torch.optim.Optimizer, got generator; wrap the optimizer: "
         "DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=...), model=model)",
+        "TypeError DistributedOptimizer(backward_passes_per_step=2): Horovod's accumulation over backward passes is "
+        "not offered; add up the micro-batches' losses and call backward() once per step (docs/own-code.md)",
         "RuntimeError DistributedOptimizer: this optimizer is distributed already (DistributedOptimizer was called "
         "on it before); call it once per optimizer",
         "RuntimeError DistributedOptimizer: 2 of these parameters are reduced by another DistributedOptimizer "
@@ -637,16 +640,22 @@ def test_a_notebook_function_using_a_local_module_takes_it_along(tmp_path, yarna
 
 def test_reports_with_or_without_a_step_show_in_submit_wait(cli, tmp_path):
     """report(epoch=..., loss=...) without step= showed nothing while `submit --wait` waited;
-    with step=, a metric of the user's own (lr) was left out."""
+    with step=, a metric of the user's own (lr) was left out. And what rank 0's code prints
+    shows as it comes, as under torchrun (it was in the containers' logs only), yarnapp's
+    own lines and the other ranks' output left out."""
     job = _script_job(tmp_path, "epochs", "import time\nfrom training import context\nctx = context.current()\n"
                                           "for epoch in range(2):\n    ctx.report(epoch=epoch, loss=1.5 - epoch)\n"
+                                          "    print(f'epoch {epoch} on rank {ctx.rank}', flush=True)\n"
                                           "    time.sleep(1.5)\n"
                                           "ctx.report(step=3, total_steps=3, lr=0.01)\ntime.sleep(1.5)\n",
-                      groups=GROUPS[:1])
+                      groups=GROUPS[:2])
     proc = cli("submit", job, "--wait")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "rank 0: epoch=1 loss=0.5 restarts=0" in proc.stderr, proc.stderr
     assert "step 3/3 lr=0.01 restarts=0" in proc.stderr, proc.stderr
+    shown = [line for line in proc.stderr.splitlines() if line.startswith("big_0| ")]
+    assert shown == ["big_0| epoch 0 on rank 0", "big_0| epoch 1 on rank 0"], proc.stderr
+    assert "on rank 1" not in proc.stderr, proc.stderr
 
 
 def test_a_functions_reports_are_tensorboard_scalars_and_its_return_value_its_result(tmp_path, yarnapp_home):

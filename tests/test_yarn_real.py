@@ -235,6 +235,10 @@ def test_tensorboard_through_the_proxy_acls_kill_and_a_canary_secret(cluster, sh
         assert re.fullmatch(rf"http://(127\.0\.0\.1|localhost):{cluster.hadoop.ports['rm_web_port']}"
                             rf"/proxy/{app}/pages/tensorboard/", url), url
         assert [p[2] for p in points][:2] == [2.0, 1.0]             # (time, step, value): 2/(step+1)
+        # the URL status prints opens: this cluster's web UIs refuse anonymous requests (was: a bare 401)
+        assert f"tensorboard: {url}?user.name={cluster.owner}" in cluster.cli("status", app).stdout.splitlines()
+        with urllib.request.urlopen(f"{url}?user.name={cluster.owner}", timeout=10) as page:
+            assert page.status == 200
         live = backend.logs(app)                                     # from the NodeManager, while it runs
         assert {"w_0", "w_1", "tensorboard_0"} <= set(live) and "yarnapp container w_0" in live["w_0"]
         with pytest.raises(YarnappError, match=r"has no container 'w_9'; it has .*w_0"):

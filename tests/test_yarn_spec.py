@@ -495,16 +495,18 @@ def test_results_survive_in_one_line_of_diagnostics(tmp_path):
     store.put(keys.FINAL, json.dumps({"accuracy": 0.98}))
     store.put(keys.formed(0), json.dumps({"time": 100.0}))
     store.put(keys.restart(1), json.dumps({"generation": 1, "reason": "lost w_1", "log_tail": "x" * 5000}))
+    store.put(keys.progress(1), json.dumps({"step": 9, "memory_peak_mib": 300}))
     for n in range(12):       # warnings of 12 ranks, the last one long: the diagnostics keep 10, each cut
         store.put(keys.notice(0, n, 0), json.dumps({"rank": n, "generation": 0, "time": n, "text": f"w{n}" * 200}))
     got = results.collect(store)
     notices = got.pop("notices")
     assert got == {"final": {"accuracy": 0.98}, "failure": None, "world_formed_time": 100.0,
-                   "restarts": [{"generation": 1, "reason": "lost w_1", "log_tail": "x" * 5000}]}
+                   "restarts": [{"generation": 1, "reason": "lost w_1", "log_tail": "x" * 5000}],
+                   "progress": {1: {"step": 9, "memory_peak_mib": 300}}}         # result.json's alone
     assert [n["text"] for n in notices] == [f"w{n}" * 200 for n in range(12)]
     got["notices"] = notices
     line = results.diagnostics({**got, "state": "SUCCEEDED"})
-    assert "\n" not in line and "log_tail" not in line and len(line) < 5000
+    assert "\n" not in line and "log_tail" not in line and "progress" not in line and len(line) < 5000
     assert results.from_diagnostics(f"some text\n{line}")["restarts"] == [{"generation": 1, "reason": "lost w_1"}]
     assert [n["text"] for n in results.from_diagnostics(line)["notices"]] == [
         (f"w{n}" * 200)[:results.NOTICE_CHARS] for n in range(results.NOTICES_KEPT)]
@@ -514,4 +516,16 @@ def test_results_survive_in_one_line_of_diagnostics(tmp_path):
                                                 "container_e17_1795852724187_0012_01_000001", "")] == [2, 1, None]
     assert results.from_diagnostics(results.DIAGNOSTICS_PREFIX + "{not json") is None
     results.write(str(tmp_path / "app"), got)
-    assert results.read(str(tmp_path / "app")) == got
+    assert results.read(str(tmp_path / "app")) == {**got, "progress": {"1": {"step": 9, "memory_peak_mib": 300}}}
+
+
+def test_a_proxied_page_is_signed_in_where_the_clusters_web_uis_refuse_anonymous_requests():
+    """The TensorBoard URL `status` printed for the local Hadoop answered 401 (its web UIs take
+    who asks from ?user.name= and refuse anonymous requests); with Kerberos the browser signs in."""
+    from yarnapp.backends.yarn_cluster import signed_in
+    simple = {"hadoop.http.authentication.type": "simple",
+              "hadoop.http.authentication.simple.anonymous.allowed": "false"}
+    assert signed_in("ann", simple) == "?user.name=ann"
+    assert signed_in("ann", {**simple, "hadoop.http.authentication.simple.anonymous.allowed": "true"}) == ""
+    assert signed_in("ann", {"hadoop.http.authentication.type": "kerberos"}) == ""
+    assert signed_in("ann", {}) == ""

@@ -219,7 +219,7 @@ def _params(model, named_parameters, optimizer):
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=None, bucket_mb=4.0,
-                         ring_threshold_kb=256.0, shared_memory=True, ctx=None):
+                         ring_threshold_kb=256.0, shared_memory=True, ctx=None, backward_passes_per_step=1):
     """Make `optimizer` step on the gradient summed over the world; returns it.
 
     Every rank's gradients are weighted by `weight` (default 1/size, Horovod's average;
@@ -228,7 +228,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=No
     when `backward()` returns: gradients may be clipped, scaled or inspected before
     `optimizer.step()`, and are the same on every rank. Horovod's
     `optimizer.synchronize()` and `with optimizer.skip_synchronize():` are there too
-    (nothing is left for them to do). Call backward once per step. Parameters may be
+    (nothing is left for them to do). Call backward once per step (Horovod's
+    backward_passes_per_step: 1 only). Parameters may be
     frozen or unfrozen between steps (fine-tuning), on every rank alike. The optimizer stays
     what it was (schedulers, state_dict and isinstance keep working): hooks do the work.
     Collective: every rank calls it, once per optimizer and model.
@@ -237,6 +238,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=No
         raise TypeError(f"DistributedOptimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}; "
                         f"wrap the optimizer: DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=...), "
                         f"model=model)")
+    if backward_passes_per_step != 1:      # (was a bare "unexpected keyword argument" from a Horovod port)
+        raise TypeError(f"DistributedOptimizer(backward_passes_per_step={backward_passes_per_step}): Horovod's "
+                        f"accumulation over backward passes is not offered; add up the micro-batches' losses and "
+                        f"call backward() once per step (docs/own-code.md)")
     if getattr(optimizer, "yarnapp_reducer", None) is not None:
         raise RuntimeError("DistributedOptimizer: this optimizer is distributed already (DistributedOptimizer "
                            "was called on it before); call it once per optimizer")

@@ -267,8 +267,8 @@ class Run:
     @_one_line
     def wait(self, timeout=None, progress=False, interval=0.2, summary=True):
         """Block until the application ends; return its last status. progress: show a bar
-        (a widget in a notebook) and, with summary, a last line of how it ended: the final
-        metrics, or why it failed. Interrupted (Ctrl-C, a notebook's interrupt), it stops
+        (a widget in a notebook) and what rank 0's code prints (the local engine), and, with
+        summary, a last line of how it ended: the final metrics, or why it failed. Interrupted (Ctrl-C, a notebook's interrupt), it stops
         waiting and leaves the application running: kill() stops it. (submit(..., wait=True)
         interrupted kills it, as `yarnapp submit --wait`.)"""
         from .progress import Progress

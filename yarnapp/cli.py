@@ -18,6 +18,7 @@ import conf
 from . import __version__, api
 from .backends.base import TERMINAL
 from .console import p as _p, readers_gone, say, stdout_gone
+from .progress import rank0_streamed
 from .errors import YarnappError
 
 
@@ -75,7 +76,8 @@ def cmd_submit(args):
     took = time.time() - t0
     if st["state"] != "SUCCEEDED":
         f = st.get("failure") or {}
-        if f.get("log_tail"):
+        streamed = rank0_streamed(st)
+        if f.get("log_tail") and not (streamed and streamed["id"] == f.get("container")):   # (shown as it came)
             _p(f"--- last lines of {f.get('container')}'s log ---\n{f['log_tail']}\n---", file=sys.stderr)
         raise YarnappError(run.failure_message(resubmit=_resubmit(args)))
     formed = st.get("world_formed_s")
@@ -104,7 +106,7 @@ def cmd_status(args):
         return 0
     _p(f"{st['app_id']}  {st['name']}  {st['state']}  {st.get('diagnostics') or ''}".rstrip())
     if st.get("tensorboard"):
-        _p(f"tensorboard: {st['tensorboard']}")
+        _p(f"tensorboard: {st.get('tensorboard_open') or st['tensorboard']}")
     failure = (st.get("failure") or {}) if st["state"] == "FAILED" else {}
     masters = st.get("am_attempts") or []
     if len(masters) > 1:        # a container's attempts= count its starts under this master

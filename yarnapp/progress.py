@@ -1,7 +1,11 @@
-"""Live progress of a run: a tqdm bar in a terminal, a widget in a notebook."""
+"""Live progress of a run: a tqdm bar in a terminal, a widget in a notebook, and what rank 0's
+code prints."""
+import os
+import re
 import sys
 
 import conf
+from launcher.failure import CRASH_BOILERPLATE
 
 try:        # tqdm.auto's notebook widget needs ipywidgets; without it, it warns and falls back
     import ipywidgets  # noqa: F401
@@ -53,8 +57,23 @@ def _interactive(file):
     return _in_notebook() or (hasattr(file, "isatty") and file.isatty())
 
 
+# A line of yarnapp's own in a container's log: an attempt's header, the agent's records, and
+# the records of yarnapp's packages in a rank (launcher.rank's format: time, rank, container,
+# logger). The rest is the code's own: what it printed, its warnings, its tracebacks.
+_OURS = re.compile(r"^(==== |\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (agent \S+ [A-Z]+: |rank\d+ \S+ "
+                   r"(launcher|training|yarnapp|conf)[\w.]*: ))")
+OUTPUT_CHUNK = 1 << 16      # bytes of rank 0's log read per update (a code printing faster is caught up later)
+
+
+def rank0_streamed(st):
+    """The container of rank 0 where a wait's progress shows its output (its log is a file
+    here), or None."""
+    c = next((c for c in st.get("containers") or [] if c.get("rank") == 0), None)
+    return c if c and c.get("log") and os.path.isfile(c["log"]) else None
+
+
 class Progress:
-    def __init__(self, run, file=None):
+    def __init__(self, run, file=None, output=True):
         self.run = run
         # In a notebook stderr renders red: messages and the bar go to stdout there.
         self.file = file or (sys.stdout if _in_notebook() else sys.stderr)
@@ -62,14 +81,40 @@ class Progress:
         self.said = set()
         self.last = None
         self.tty = _interactive(self.file)
+        self.output = output
+        self.read = {}              # a log's path -> how far it was shown
 
     def say(self, key, text):
         if key not in self.said:
             self.said.add(key)
-            if self.bar is not None:   # (tqdm's bool() raises for a bar without a total: own code's)
-                self.bar.write(text, file=self.file)
-            else:
-                print(text, file=self.file, flush=True)
+            self._write(text)
+
+    def _write(self, text):
+        if self.bar is not None:   # (tqdm's bool() raises for a bar without a total: own code's)
+            self.bar.write(text, file=self.file)
+        else:
+            print(text, file=self.file, flush=True)
+
+    def _rank0_output(self, st):
+        """What rank 0's code wrote (prints, warnings, tracebacks; not yarnapp's own lines, nor a
+        crash dump's list of modules), as torchrun shows it, prefixed with its container as
+        `yarnapp logs --follow` does: where its log is a file here (the local engine; on YARN
+        `yarnapp logs APP --follow`)."""
+        c = rank0_streamed(st)
+        if not self.output or c is None:
+            return
+        path = c["log"]
+        at = self.read.get(path, 0)
+        with open(path, "rb") as f:
+            f.seek(at)
+            data = f.read(OUTPUT_CHUNK)
+        end = data.rfind(b"\n")
+        if end < 0:
+            return
+        self.read[path] = at + end + 1
+        for line in data[:end].decode(errors="replace").splitlines():
+            if line.strip() and not _OURS.match(line) and not line.startswith(CRASH_BOILERPLATE):
+                self._write(f"{c['id']}| {line}")
 
     def update(self, st):
         n = len(st.get("containers") or [])
@@ -85,8 +130,10 @@ class Progress:
         for r in st.get("restarts") or []:
             self.say(f"restart{r.get('generation')}", f"restart {r.get('generation')}: {r.get('reason')}")
         if st.get("tensorboard"):       # the service's page (again, should a restarted master's move)
-            self.say(f"tensorboard {st['tensorboard']}", f"tensorboard: {st['tensorboard']}")
+            url = st.get("tensorboard_open") or st["tensorboard"]       # (on YARN: signed in, where needed)
+            self.say(f"tensorboard {url}", f"tensorboard: {url}")
         self._notices(st)
+        self._rank0_output(st)
         p = (st.get("progress") or {}).get(0)
         if p and ("step" not in p or not self.tty):
             # One plain line per new progress record: not a terminal (CI, a log file), or a

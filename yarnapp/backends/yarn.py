@@ -388,6 +388,7 @@ class YarnBackend(Backend):
                 if record["tensorboard"]:      # reachable through the ResourceManager's proxy
                     record["tensorboard_node"] = record["tensorboard"]
                     record["tensorboard"] = proxied(report.tracking_url, TENSORBOARD_PAGE)
+                    record["tensorboard_open"] = record["tensorboard"] + yarn_cluster.signed_in(report.user)
                 return record
             except skein.exceptions.ConnectionError as e:   # finished between the two calls
                 log.debug("status of %s from the report only: %s", app_id, e)

@@ -42,6 +42,16 @@ def hadoop_conf(names=("core-site.xml", "hdfs-site.xml", "yarn-site.xml")):
     return out
 
 
+def signed_in(user, conf=None):
+    """`?user.name=USER` where the cluster's web UIs take who asks from the URL and refuse
+    anonymous requests (simple HTTP authentication: the local Hadoop's): its proxied pages
+    answered 401 without it. Else (Kerberos' SPNEGO, the browser's own; or anonymous): ''."""
+    conf = hadoop_conf(("core-site.xml",)) if conf is None else conf
+    simple = conf.get("hadoop.http.authentication.type") == "simple" and \
+        conf.get("hadoop.http.authentication.simple.anonymous.allowed", "true").lower() == "false"
+    return f"?user.name={user}" if simple and user else ""
+
+
 def resourcemanager_unreachable(conf=None, timeout=5.0):
     """One line when the ResourceManager of the client's configuration does not accept a
     connection (not started, a wrong address), else None. Without it, skein's driver retried
