@@ -74,8 +74,8 @@ def resident(cgroup):
 
 _YARN_BEYOND = re.compile(r"beyond the '(PHYSICAL|VIRTUAL)' memory limit|beyond (physical|virtual) memory limits",
                           re.IGNORECASE)
-_YARN_USAGE = re.compile(r"Current usage: ([\d.]+) ?([KMGTP]?)B of ([\d.]+) ?([KMGTP]?)B (physical|virtual) memory used",
-                         re.IGNORECASE)
+_YARN_USAGE = re.compile(r"(?:Current usage: |^)([\d.]+) ?([KMGTP]?)B of ([\d.]+) ?([KMGTP]?)B (physical|virtual) "
+                         r"memory used", re.IGNORECASE)     # (skein's master says the usage alone)
 _UNITS = {"": 2**-20, "K": 2**-10, "M": 1, "G": 2**10, "T": 2**20, "P": 2**30}
 
 
@@ -87,6 +87,10 @@ def yarn_memory_kill(diagnostics, exit_code, container, group):
     limit of L MiB (peak P MiB): raise the memory of group <group>'."""
     text = diagnostics or ""
     beyond = _YARN_BEYOND.search(text)
+    alone = _YARN_USAGE.match(text)     # skein's master's words for the kill: "1.6 GB of 512 MB physical memory used"
+    if alone and not beyond and exit_code is None:
+        exit_code = exitcodes.YARN_KILLED_EXCEEDED_PMEM if alone.group(5).lower() == "physical" \
+            else exitcodes.YARN_KILLED_EXCEEDED_VMEM
     if not beyond and exit_code not in (exitcodes.YARN_KILLED_EXCEEDED_VMEM, exitcodes.YARN_KILLED_EXCEEDED_PMEM):
         return None
     kind = ((beyond.group(1) or beyond.group(2)) if beyond

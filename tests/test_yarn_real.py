@@ -111,6 +111,26 @@ def test_hello_three_containers_two_groups_one_world_and_results_after_the_end(c
     assert cluster.hadoop.container_pids(app, wait_s=30) == []
 
 
+def test_a_container_its_nodemanager_killed_for_memory_is_named_with_its_limit(cluster, tmp_path):
+    """The NodeManager's memory check never ran here (its strict enforcement, on by default,
+    leaves memory to cgroups, which this cluster has none of): 1.6 GB lived in a 512 MiB
+    container. Now it kills it, and as no agent of a one-container job is left to say why,
+    the line comes from skein's master's log ("Failure in service w, see logs" before)."""
+    script = tmp_path / "hog.py"
+    script.write_text("import time\nx = bytearray(1200 * 2**20)\nfor i in range(0, len(x), 4096):\n    x[i] = 1\n"
+                      "time.sleep(60)\n")
+    job = write(tmp_path / "hog.yaml", hello_job(name="hog", max_restarts=0, am_attempts=1,
+                                                 groups=[{"name": "w", "instances": 1, "vcores": 1,
+                                                          "memory": "512 MiB", "env": ENV}],
+                                                 run={"script": str(script), "files": [str(script)]}))
+    proc = cluster.cli("submit", job, "--wait")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    err = proc.stderr.strip().splitlines()[-1]
+    assert re.search(r"FAILED: w_0 exceeded its memory limit of 512 MiB \(peak \d+ MiB\): raise the memory of "
+                     r"group w", err), err
+    assert cluster.hadoop.container_pids(app_of(proc.stdout), wait_s=30) == []
+
+
 def test_a_failed_application_ends_failed_once_not_run_again_by_a_second_master_attempt(cluster, shell, tmp_path):
     """skein ends a master shut down FAILED without unregistering while attempts are left
     (am_attempts: 2), and YARN started the whole application again: its code ran twice, and

@@ -529,3 +529,18 @@ def test_a_proxied_page_is_signed_in_where_the_clusters_web_uis_refuse_anonymous
     assert signed_in("ann", {**simple, "hadoop.http.authentication.simple.anonymous.allowed": "true"}) == ""
     assert signed_in("ann", {"hadoop.http.authentication.type": "kerberos"}) == ""
     assert signed_in("ann", {}) == ""
+
+
+def test_a_nodemanagers_memory_kill_is_named_from_its_words_or_skeins():
+    """The NodeManager's diagnostics of a container's exit, its exit status alone, and skein's
+    master's log line ("FAILED: w_0 - 1.6 GB of 512 MB physical memory used"), each named as
+    the local engine names a memory kill; any other failure is not one."""
+    from launcher.memory import yarn_memory_kill
+    nm = ("Container [pid=21291,containerID=container_1_0001_01_000002] is running 1221967872B beyond the "
+          "'PHYSICAL' memory limit. Current usage: 1.6 GB of 512 MB physical memory used; 2.9 GB of 1.0 GB "
+          "virtual memory used. Killing container.")
+    said = "w_0 exceeded its memory limit of 512 MiB (peak 1638 MiB): raise the memory of group w"
+    assert yarn_memory_kill(nm, -104, "w_0", "w") == said
+    assert yarn_memory_kill("1.6 GB of 512 MB physical memory used", None, "w_0", "w") == said
+    assert yarn_memory_kill("", -104, "w_0", "w") == "w_0 exceeded its memory limit: raise the memory of group w"
+    assert yarn_memory_kill("Exception from container-launch. Exit code: 1", 1, "w_0", "w") is None
