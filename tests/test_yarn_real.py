@@ -183,7 +183,7 @@ def test_fractional_vcores_are_refused_with_one_line_and_nothing_submitted(clust
     raw, before = hello_job(), cluster.cli("list", "--backend", "yarn").stdout
     big = dict(raw["groups"][0], vcores=64)
     for name, groups, line in (
-            ("vcores", [big, raw["groups"][1]], "groups[0]: a container of group 'big' asks for 64 vcores and 512 "
+            ("vcores", [big, raw["groups"][1]], "groups[0]: a container of group 'big' asks for 64 vcores and 1024 "
                                                 "MiB, more than any node it may use has (the largest: 16 "
                                                 "vcores, 16384 MiB); ask for less"),
             ("label", [dict(raw["groups"][0], node_label="gpu"), raw["groups"][1]],
@@ -237,7 +237,7 @@ def test_tensorboard_through_the_proxy_acls_kill_and_a_canary_secret(cluster, sh
     monkeypatch.setattr(yarn_mod.secrets, "token_hex", lambda n=None: CANARY if n == 16 else real(n))
     backend = cluster.backend()
     job = conf.load_job({"name": "tb", "backend": "yarn", "max_restarts": 0,
-                         "groups": [{"name": "w", "instances": 2, "vcores": 1, "memory": "512 MiB", "env": ENV}],
+                         "groups": [{"name": "w", "instances": 2, "vcores": 1, "memory": "1 GiB", "env": ENV}],
                          "run": {"script": WRITER}, "environment": {"packer": "none"},
                          "tensorboard": {"service": True, "sync_every": "1s"}})
     staged = _tensorboard_staging()
@@ -521,8 +521,8 @@ def test_a_venv_packed_by_venv_pack_is_localized_and_runs_the_job(cluster, tmp_p
             pytest.skip(f"cannot build the environment to pack (PyPI unreachable?): {out.stderr.strip()[-300:]}")
     job = write(tmp_path / "packed.yaml", {
         "name": "packed", "backend": "yarn", "max_restarts": 0,
-        "groups": [{"name": "a", "instances": 1, "vcores": 1, "memory": "512 MiB"},
-                   {"name": "b", "instances": 1, "vcores": 1, "memory": "512 MiB"}],
+        "groups": [{"name": "a", "instances": 1, "vcores": 1, "memory": "1 GiB"},
+                   {"name": "b", "instances": 1, "vcores": 1, "memory": "1 GiB"}],
         "run": {"script": os.path.join(ROOT, "tests", "jobs", "mpi_hello.py"), "editable": False},
         "environment": {"packer": "venv-pack"}})
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
