@@ -186,6 +186,21 @@ def test_names_and_env_the_contract_owns_are_refused():
         check_job(clash)
 
 
+def test_a_container_smaller_than_an_agent_and_its_rank_is_warned_of(caplog):
+    """hello-yarn's 512 MiB containers: rank 0 peaked at 666 MiB (the agent and a rank with
+    torch, both counted by the NodeManager), which killed it once its memory check ran."""
+    import logging
+    job = conf.load_job({"name": "x", "backend": "yarn", "run": {"function": "training.hello:main"},
+                         "groups": [{"name": "w", "instances": 1, "vcores": 1, "memory": "1 GiB"},
+                                    {"name": "v", "instances": 1, "vcores": 1, "memory": "512 MiB"}]})
+    with caplog.at_level(logging.WARNING, logger="yarnapp.backends.yarn"):
+        check_job(job, where="job.yaml")
+    assert [r.getMessage() for r in caplog.records] == [
+        "job.yaml: groups[1].memory: 512 MiB: on YARN a container's agent and its rank (torch) hold about 700 MiB "
+        "before any model or data, and the NodeManager kills a container over its memory (it counts both "
+        "processes); give it 1 GiB or more"]
+
+
 @pytest.mark.skipif(shutil.which("yarn") is not None, reason="this machine has a YARN client")
 def test_backend_without_hadoop_is_unavailable_with_one_clear_line():
     skein_dir_existed = os.path.exists(skein.properties.config_dir)

@@ -72,6 +72,9 @@ def submitting_user():
     return os.environ.get("HADOOP_USER_NAME") or getpass.getuser()
 
 
+BASELINE_MIB = 700      # an agent and a rank that imported torch and joined MPI (hello-yarn's rank 0: 666 MiB)
+
+
 def check_job(job, where=None):
     """Refuse what YARN cannot run before anything is packed or uploaded."""
     pre = f"{where}: " if where else ""
@@ -82,6 +85,10 @@ def check_job(job, where=None):
         for key in CONTRACT_KEYS:
             if key in g.env:
                 raise YarnappError(f"{pre}groups[{i}].env.{key}: set by yarnapp for every container; remove it")
+        if g.memory < BASELINE_MIB:
+            log.warning("%sgroups[%d].memory: %d MiB: on YARN a container's agent and its rank (torch) hold about "
+                        "%d MiB before any model or data, and the NodeManager kills a container over its memory "
+                        "(it counts both processes); give it 1 GiB or more", pre, i, g.memory, BASELINE_MIB)
 
 
 def stage_files(job, staging_dir, cache=None, shipped=None, pack=True):
