@@ -621,3 +621,37 @@ def test_progress_counts_ranks_not_the_tensorboard_service_and_says_no_wait_once
     assert "application_1_0001: waiting for AM container to Register" in text, text
     assert "world formed 10.20s after submit (3 ranks)" in text, text
     assert "Application is Activated" not in text, text
+
+
+def test_rank_0s_own_output_is_shown_as_it_comes_without_yarnapps_lines(tmp_path):
+    """What rank 0's code printed was in its container's log only (`submit --wait` showed a
+    torchrun script nothing until its end): its lines now show as they come, yarnapp's own
+    lines and a crash dump's module list left out, a line still being written left for the
+    next look, and a line longer than a read shown in pieces rather than never."""
+    import io
+
+    from yarnapp.progress import OUTPUT_CHUNK, Progress
+
+    class Run:
+        app_id = "app_x"
+    log = tmp_path / "container.log"
+    log.write_text("==== w_0 attempt 1 started Sun Nov 29 (resources: ...) ====\n"
+                   "2026-11-29 07:46:23,507 agent w_0 INFO: START -> RENDEZVOUS (generation 0)\n"
+                   "2026-11-29 07:46:23,880 rank0 w_0 launcher.rank: world generation 0 formed\n"
+                   "epoch 0 loss 2.3\n"
+                   "2026-11-29 07:46:24,000 rank0 w_0 mine: the user's own logger\n"
+                   "Extension modules: numpy, torch._C\n"
+                   "epoch 1 lo")
+    st = {"state": "RUNNING", "containers": [{"id": "w_0", "rank": 0, "log": str(log)},
+                                             {"id": "w_1", "rank": 1, "log": str(tmp_path / "other.log")}]}
+    out = io.StringIO()
+    shown = Progress(Run(), file=out)
+    shown.update(st)
+    with open(log, "a") as f:
+        f.write("ss 1.9\n" + "x" * (OUTPUT_CHUNK + 10) + "\nafter\n")
+    for _ in range(3):
+        shown.update(st)
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("w_0| ")]
+    assert lines[:3] == ["w_0| epoch 0 loss 2.3", "w_0| 2026-11-29 07:46:24,000 rank0 w_0 mine: the user's own logger",
+                         "w_0| epoch 1 loss 1.9"], lines
+    assert "".join(line[5:] for line in lines[3:-1]) == "x" * (OUTPUT_CHUNK + 10) and lines[-1] == "w_0| after"

@@ -109,10 +109,11 @@ class Progress:
             f.seek(at)
             data = f.read(OUTPUT_CHUNK)
         end = data.rfind(b"\n")
-        if end < 0:
-            return
+        if end < 0 and len(data) < OUTPUT_CHUNK:
+            return                  # a line still being written
+        end = end if end >= 0 else len(data) - 1        # (a line longer than a chunk: shown in pieces)
         self.read[path] = at + end + 1
-        for line in data[:end].decode(errors="replace").splitlines():
+        for line in data[:end + 1].decode(errors="replace").splitlines():
             if line.strip() and not _OURS.match(line) and not line.startswith(CRASH_BOILERPLATE):
                 self._write(f"{c['id']}| {line}")
 
