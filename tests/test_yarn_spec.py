@@ -19,7 +19,7 @@ from launcher.store import FileStore
 from yarnapp import packaging
 from yarnapp.backends import get as get_backend
 from yarnapp.backends.base import TERMINAL
-from yarnapp.backends.yarn import (YarnBackend, kv_fields, app_record, app_state, build_spec, check_job,
+from yarnapp.backends.yarn import (YarnBackend, kv_fields, app_record, app_state, build_spec, check_job, warn_small,
                                    container_record, name_memory_kills, named_logs, stage_files, with_ranks)
 from yarnapp.errors import BackendUnavailable, YarnappError
 
@@ -194,7 +194,9 @@ def test_a_container_smaller_than_an_agent_and_its_rank_is_warned_of(caplog):
                          "groups": [{"name": "w", "instances": 1, "vcores": 1, "memory": "1 GiB"},
                                     {"name": "v", "instances": 1, "vcores": 1, "memory": "512 MiB"}]})
     with caplog.at_level(logging.WARNING, logger="yarnapp.backends.yarn"):
-        check_job(job, where="job.yaml")
+        check_job(job, where="job.yaml")            # refusals only: a job refused is its one line
+        assert caplog.records == []
+        warn_small(job, where="job.yaml")
     assert [r.getMessage() for r in caplog.records] == [
         "job.yaml: groups[1].memory: 512 MiB: on YARN a container's agent and its rank (torch) hold about 700 MiB "
         "before any model or data, and the NodeManager kills a container over its memory (it counts both "

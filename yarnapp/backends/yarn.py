@@ -85,6 +85,13 @@ def check_job(job, where=None):
         for key in CONTRACT_KEYS:
             if key in g.env:
                 raise YarnappError(f"{pre}groups[{i}].env.{key}: set by yarnapp for every container; remove it")
+
+
+def warn_small(job, where=None):
+    """A warning for each group whose containers are smaller than an agent and its rank hold
+    before any model or data. Said once the job passed every check (a refused job is its one line)."""
+    pre = f"{where}: " if where else ""
+    for i, g in enumerate(job.groups):
         if g.memory < BASELINE_MIB:
             log.warning("%sgroups[%d].memory: %d MiB: on YARN a container's agent and its rank (torch) hold about "
                         "%d MiB before any model or data, and the NodeManager kills a container over its memory "
@@ -374,6 +381,7 @@ class YarnBackend(Backend):
     def submit(self, job, where=None):
         capacity.check_fits(self.client.get_nodes, job, where, TENSORBOARD_RESOURCES)
         with prepared(job, where) as (spec, storage):
+            warn_small(job, where)
             try:
                 app_id = self.client.submit(spec)      # skein uploads local files during submit
             except (skein.exceptions.DriverError, ValueError) as e:
