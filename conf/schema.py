@@ -361,6 +361,7 @@ class Yarn(Model):
 class Launcher(Model):
     rendezvous_timeout: Seconds
     heartbeat_timeout: Seconds
+    idle_timeout: Seconds
     poll_interval: Seconds
 
 

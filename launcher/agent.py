@@ -283,6 +283,8 @@ class Agent(PeerDiagnosis):
                 # a stopped process is not setting up: heartbeat_timeout, in any phase
                 which = "heartbeat" if phase == "train" or (stopped and phase != "finished") else "rendezvous"
                 limit = lj.heartbeat_timeout if which == "heartbeat" else lj.rendezvous_timeout
+                if self._seen and phase == "train" and not stopped:     # an unmodified script's: idle that long
+                    which, limit = "idle", lj.idle_timeout
                 if phase == "finished":     # waits for its peers: theirs the judgement, this one a backstop
                     limit = max(lj.heartbeat_timeout, lj.rendezvous_timeout)
                 # When one rank stops, the others soon block in a collective waiting for it

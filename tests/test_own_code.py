@@ -711,7 +711,7 @@ def test_a_hung_rank_of_an_unmodified_ddp_script_is_named_and_a_long_evaluation_
     """An unmodified DDP script reports no progress: its rank 1 asleep at step 50 while the
     others waited in DDP's all-reduce ran on silently until gloo's own 30-minute timeout
     (`status`: every rank RUNNING). Its optimizer's steps are now progress the launcher sees:
-    a rank silent past launcher.heartbeat_timeout and idle is hung, and the one asleep is
+    a rank without one for launcher.idle_timeout and idle meanwhile is hung, and the one asleep is
     named, not the ones waiting in loss.backward(). A rank busy that long without a step (an
     evaluation between epochs) is not taken for a hang."""
     script = ("import os, sys, time\nimport torch, torch.distributed as dist\n"
@@ -728,7 +728,7 @@ def test_a_hung_rank_of_an_unmodified_ddp_script_is_named_and_a_long_evaluation_
               "    opt.zero_grad()\n    model(torch.ones(8, 64)).sum().backward()\n    opt.step()\n"
               "    time.sleep(0.05)\n"
               "dist.destroy_process_group()\n")
-    launcher = {"heartbeat_timeout": "6s"}
+    launcher = {"idle_timeout": "6s"}
     hang = _script_job(tmp_path, "ddp", script, launcher=launcher)
     with open(hang) as f:
         raw = yaml.safe_load(f)
@@ -739,7 +739,7 @@ def test_a_hung_rank_of_an_unmodified_ddp_script_is_named_and_a_long_evaluation_
     assert proc.returncode == 1, proc.stdout + proc.stderr
     err = proc.stderr.strip().splitlines()[-1]
     assert re.search(r"FAILED after 1 attempt\(s\): rank 1 \(small_0\) hung: no progress for \d+\.\ds in train "
-                     r"\(limit 6s: launcher\.heartbeat_timeout\); its main thread is at \S*/ddp\.py:10 in <module> and idle \(no "
+                     r"\(limit 6s: launcher\.idle_timeout\); its main thread is at \S*/ddp\.py:10 in <module> and idle \(no "
                      r"optimizer step, no CPU used since\) — log", err), err
     assert time.monotonic() - t0 < 120, time.monotonic() - t0
     assert_nothing_left(app_id_from(err))
