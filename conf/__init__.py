@@ -8,7 +8,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from .errors import YarnappError
-from .schema import (BUILTIN_RUNNER, TENSORBOARD_SERVICE, JobSpec, StrategyConfig, container_id,  # noqa: F401
+from .schema import (BUILTIN_RUNNER, PACKAGES, TENSORBOARD_SERVICE, JobSpec, StrategyConfig, container_id,  # noqa: F401
                      strategy_fields, strategy_names)
 from .units import parse_duration_s, parse_memory_mib  # noqa: F401
 

@@ -69,6 +69,7 @@ def _ipv4_subnet(value):
 
 
 TENSORBOARD_SERVICE = "tensorboard"      # the TensorBoard service's name among the groups (YARN: a skein service)
+PACKAGES = ("conf", "launcher", "training", "yarnapp")   # yarnapp's own top-level packages, in every rank
 BUILTIN_RUNNER = "training.runner:main"    # run.function of the built-in runner, which needs `training`
 MIN_VCORES = 0.01    # a CPU quota of 1 ms per 100 ms period: the least the kernel's CFS accepts
 

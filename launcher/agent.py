@@ -39,7 +39,6 @@ SETUP_GRACE_S = 8.0      # after a peer failed in setup, how long a rank in setu
 BUSY_HINT = ("; if it was busy there (an evaluation or a save on one rank), call ctx.heartbeat() "
              "(training.dist.context().heartbeat()) in that work, or raise launcher.heartbeat_timeout")
 IDLE_CPU = 0.05             # of a core: a silent rank of an unmodified script using less is idle (Agent.busy)
-HANG_CPU_WINDOW_S = 600.0   # how far back Agent.busy keeps its CPU samples
 EARLY_END_FRACTION = 0.25   # a rank still in a collective this part of launcher.heartbeat_timeout (15 s of
                             # the default 60 s) after a peer's code finished waits for it (code on
                             # torch.distributed fails sooner: the ended rank's sockets close after
@@ -99,7 +98,7 @@ class Agent(PeerDiagnosis):
         self.child = None
         self.warm = None                 # launcher.warm: where this container's ranks are forked from
         self.heartbeat = os.path.abspath(f".heartbeat.{ident.container}")
-        self._phase, self._seen, self._cpu = "setup", False, collections.deque()   # (read_heartbeat, busy)
+        self._phase, self._seen, self._cpu, self._busy = "setup", False, collections.deque(), False   # (busy)
         self.log_path = os.environ.get("YARNAPP_LOG") or _yarn_log(ident.group)
         self.members = ident.job.ranks()
         self.cgroup = memory.own_cgroup()          # to tell a memory kill from any SIGKILL
@@ -133,7 +132,7 @@ class Agent(PeerDiagnosis):
         else:
             self.child = subprocess.Popen(argv, env=env, preexec_fn=die_with_parent)
         self.spawned = time.monotonic()
-        self._phase, self._seen, self._cpu = "setup", False, collections.deque()
+        self._phase, self._seen, self._cpu, self._busy = "setup", False, collections.deque(), False
 
     def kill_child(self):
         if self.child and self.child.poll() is None:
@@ -163,7 +162,8 @@ class Agent(PeerDiagnosis):
         try:
             if self.child is None or self.child.returncode is not None or self._phase != "train":
                 return {}
-            return {"rank_quiet": round(max(0.0, time.time() - os.path.getmtime(self.heartbeat)), 2)}
+            return {"rank_quiet": round(max(0.0, time.time() - os.path.getmtime(self.heartbeat)), 2),
+                    **({"rank_busy": True} if self._busy else {})}
         except (OSError, AttributeError):
             return {}
 
@@ -181,24 +181,24 @@ class Agent(PeerDiagnosis):
         self._seen = words[-1] == "seen"        # only its optimizer's steps were seen (RunContext.heartbeat)
         return words[0], age
 
-    def busy(self, now, silent):
-        """Whether the rank, silent `silent` seconds in "seen" progress (an unmodified script's
-        optimizer steps), used CPU over that time, at least IDLE_CPU of a core (sampled at most
-        once a second from half the heartbeat timeout on): a rank evaluating or saving longer
-        than the timeout is busy, not hung; a rank waiting in a collective, or hung in a
-        sleep or a lock, is idle. Not yet known (fewer than two samples a second apart): busy."""
+    def busy(self, now, limit):
+        """Whether the rank, silent in "seen" progress (an unmodified script's optimizer steps),
+        used at least IDLE_CPU of a core over the last `limit` seconds (launcher.idle_timeout;
+        sampled at most once a second from half that silence on): a rank evaluating longer
+        than the limit is busy, not hung; a rank waiting in a collective, or hung in a sleep or
+        a lock, is idle. Not yet known (samples less than a second apart): busy. Said in this
+        agent's beat (`rank_busy`), so that peers waiting for it are not judged hung either."""
         if not self._cpu or now - self._cpu[-1][0] >= 1.0:      # (psutil reads /proc)
             cpu = cpu_seconds(self.child.pid)
             if cpu is None:
+                self._busy = False
                 return False
             self._cpu.append((now, cpu))
-        while now - self._cpu[0][0] > HANG_CPU_WINDOW_S:
+        while now - self._cpu[0][0] > limit:
             self._cpu.popleft()
-        since = [(t, c) for t, c in self._cpu if t >= now - silent]
-        if len(since) < 2 or since[-1][0] - since[0][0] < 1.0:
-            return True
-        (t0, c0), (t1, c1) = since[0], since[-1]
-        return (c1 - c0) >= IDLE_CPU * (t1 - t0)
+        (t0, c0), (t1, c1) = self._cpu[0], self._cpu[-1]
+        self._busy = t1 - t0 < 1.0 or (c1 - c0) >= IDLE_CPU * (t1 - t0)
+        return self._busy
 
     def monitor(self, gen):
         """Watch one generation until it ends: (Outcome, the Failure this agent found or None)."""
@@ -290,11 +290,17 @@ class Agent(PeerDiagnosis):
                 # When one rank stops, the others soon block in a collective waiting for it
                 # and go silent too: a rank that is merely waiting gives the stopped one's
                 # agent a grace period to name the real culprit first.
-                if self._seen and phase == "train" and not stopped and silent > limit / 2:
-                    self.busy(now, silent)          # sampled from half the limit on: the window it judges
+                judged_idle = self._seen and phase == "train" and not stopped
+                if judged_idle and silent > limit / 2:
+                    self.busy(now, limit)           # sampled from half the limit on: the window it judges
+                elif self._cpu or self._busy:       # stepping again (or stopped, or past training)
+                    self._busy = False
+                    self._cpu.clear()
                 if silent > limit + (0 if stopped else min(2.0, limit / 2)) + waited:
-                    if self._seen and phase == "train" and not stopped and self.busy(now, silent):
-                        time.sleep(lj.poll_interval)    # an unmodified script's rank at work: not hung
+                    if judged_idle and (self.busy(now, limit) or self.peers.busy()):
+                        # an unmodified script's rank at work, or idle waiting for a peer's that is
+                        # (an evaluation on rank 0 alone): not hung
+                        time.sleep(lj.poll_interval)
                         continue
                     # ... or a peer whose whole container stopped, whose agent cannot say so.
                     suspects = [] if stopped else self.peers.silent(now, beats.SUSPECT_S)

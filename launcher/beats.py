@@ -102,6 +102,12 @@ class Watch:
                     out[c] = quiet + now - self.seen[c][1]
         return out
 
+    def busy(self):
+        """The peers whose agents say their rank, an unmodified script's silent between optimizer
+        steps, is at work (`rank_busy` in its beat: launcher.agent's busy): an evaluation on one
+        rank, which its peers wait for, idle, in their next collective."""
+        return [c for c in self.peers if c in self.seen and json.loads(self.seen[c][0]).get("rank_busy")]
+
     def frozen(self, snapshot, now):
         """update, then the peers silent for longer than the limit (see silent)."""
         self.update(snapshot, now)

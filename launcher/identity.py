@@ -95,7 +95,6 @@ def complete_steps(names):
     return sorted(int(m.group(1)) for n in names if (m := re.match(r"step-(\d{8})$", n)))
 
 
-PACKAGES = ("conf", "launcher", "training", "yarnapp")      # yarnapp's own top-level packages
 
 
 @functools.lru_cache(maxsize=1)
@@ -106,7 +105,7 @@ def code():
     yarnapp installed (packer: none) ran other code than the client's, and said nothing."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     digest = hashlib.sha256()
-    for pkg in PACKAGES:
+    for pkg in conf.PACKAGES:
         for d, dirs, files in sorted(os.walk(os.path.join(root, pkg))):
             dirs[:] = sorted(x for x in dirs if x != "__pycache__")
             for f in sorted(x for x in files if x.endswith(".py")):

@@ -8,6 +8,7 @@ World generations: the world is formed once per generation `gen` (0, 1, ...). A
 failure of any rank aborts the generation (`abort(gen)`, first writer wins); the
 agents then form generation gen+1, which resumes from the last checkpoint.
 """
+import json
 
 
 def alive(container):
@@ -83,9 +84,17 @@ def formed(gen):
     return f"gen/{gen:04d}/formed"
 
 
+PROGRESS_PREFIX = "progress/"
+
+
 def progress(rank):
     """Latest progress record of a rank (JSON: step, epoch, loss, samples/s...)."""
-    return f"progress/{rank:05d}"
+    return f"{PROGRESS_PREFIX}{rank:05d}"
+
+
+def progress_records(items):
+    """{rank: record} of the progress keys among `items` ({key: JSON} of a store)."""
+    return {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in items.items() if k.startswith(PROGRESS_PREFIX)}
 
 
 def waiting(gen, rank=None):

@@ -30,7 +30,7 @@ import time
 import traceback
 
 from conf.errors import YarnappError
-from conf.schema import BUILTIN_RUNNER
+from conf.schema import BUILTIN_RUNNER, PACKAGES
 
 from . import exitcodes, identity, keys, network, stacks, store as store_mod, torch_env, world
 from .failure import Failure, caused_by_an_end
@@ -207,19 +207,20 @@ class LastLine:
         return getattr(self._stream, name)
 
 
-class ByOrigin(logging.StreamHandler):
-    """The rank's log handler: yarnapp's own records (launcher, training, yarnapp, conf)
-    go to the stream as they are, the job's code's through LastLine, so that a rank that
-    exits non-zero is described by the last line its code wrote, never by ours."""
-    OURS = ("launcher", "training", "yarnapp", "conf")
-
-    def __init__(self, ours, theirs):
-        super().__init__(theirs)
-        self.ours, self.theirs = ours, theirs
-
-    def emit(self, record):
-        self.stream = self.ours if record.name.split(".", 1)[0] in self.OURS else self.theirs
-        super().emit(record)
+def own_logging(stream, rank, container, *handlers):
+    """yarnapp's own loggers (its packages': launcher, training, ...) write to `stream` (the
+    rank's stderr past LastLine, so that a rank that exits non-zero is described by the last
+    line its code wrote, never by ours), at INFO, with `handlers` too; the root logger is left
+    to the job's code, whose `logging.basicConfig(...)` works as under torchrun (it was a
+    no-op: the root logger had ours)."""
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s rank{rank} {container} %(name)s: %(message)s"))
+    for name in PACKAGES:
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+        for h in (handler, *handlers):
+            logger.addHandler(h)
 
 
 class Notices(logging.Handler):
@@ -235,7 +236,7 @@ class Notices(logging.Handler):
         self.pid = os.getpid()      # a forked child (a DataLoader's worker) has no store of its own
 
     def emit(self, record):
-        if record.levelno != logging.WARNING or record.name.split(".", 1)[0] not in ByOrigin.OURS \
+        if record.levelno != logging.WARNING or record.name.split(".", 1)[0] not in PACKAGES \
                 or self.n >= self.LIMIT or os.getpid() != self.pid:
             return
         try:
@@ -264,9 +265,15 @@ class Liveness(threading.Thread):
                 os.utime(self.ctx.heartbeat_path)
             except OSError:
                 pass
-            if not self.hooked and "torch.optim.optimizer" in sys.modules:
-                sys.modules["torch.optim.optimizer"].register_optimizer_step_post_hook(self.stepped)
-                self.hooked = True
+            # (in sys.modules while it still imports: its function may not be defined yet)
+            register = getattr(sys.modules.get("torch.optim.optimizer"), "register_optimizer_step_post_hook", None)
+            if not self.hooked and register is not None:
+                try:
+                    register(self.stepped)
+                    self.hooked = True
+                except Exception as e:  # noqa: BLE001 - the liveness thread must go on beating
+                    log.warning("optimizer steps will not count as progress: %s", e)
+                    self.hooked = True
             time.sleep(LIVENESS_S)
 
     def stepped(self, optimizer, args, kwargs):
@@ -335,7 +342,7 @@ def _users(filename):
     if filename.startswith("<frozen") or filename == __file__:
         return False
     ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    theirs = [os.path.join(ours, p, "") for p in ("launcher", "training", "yarnapp", "conf")]
+    theirs = [os.path.join(ours, p, "") for p in PACKAGES]
     theirs += [os.path.join(os.path.realpath(p), "") for p in {sysconfig.get_paths()[k] for k in
                                                               ("stdlib", "platstdlib", "purelib", "platlib")}]
     path = os.path.realpath(filename) if os.path.isabs(filename) else filename
@@ -431,12 +438,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     ident = identity.from_env()
     stderr = sys.stderr = LastLine(sys.stderr)
-    handler = ByOrigin(ours=stderr._stream, theirs=stderr)
-    handler.setFormatter(logging.Formatter(f"%(asctime)s rank{ident.rank} {ident.container} %(name)s: %(message)s"))
-    logging.basicConfig(level=logging.INFO, handlers=[handler])
     store = store_mod.from_env()
     gen, job = args.generation, ident.job
-    logging.getLogger().addHandler(Notices(store, gen, ident.rank))
+    own_logging(stderr._stream, ident.rank, ident.container, Notices(store, gen, ident.rank))
     theirs = os.environ.get("YARNAPP_CODE")          # the YARN client's (yarnapp.backends.yarn)
     ours = identity.code() if theirs and ident.rank == 0 else theirs
     if theirs and theirs.split()[0] != ours.split()[0]:

@@ -31,7 +31,6 @@ RESULT_FILE = "result.json"
 DIAGNOSTICS_PREFIX = "yarnapp-result: "
 PUBLISHED = "result/published"        # first writer publishes
 DONE_WAIT_S = 30.0
-PROGRESS = keys.progress(0).rsplit("/", 1)[0] + "/"      # each rank's last progress record
 
 
 NOTICES_KEPT = 10                     # in YARN's final diagnostics: the first ones, each cut to
@@ -52,12 +51,12 @@ def notices(items):
 
 def collect(store):
     """The application's results from its store, in one store call."""
-    seen = store.snapshot(prefixes=(keys.RESTARTS, keys.ABORT_PREFIX, keys.NOTICES, PROGRESS),
+    seen = store.snapshot(prefixes=(keys.RESTARTS, keys.ABORT_PREFIX, keys.NOTICES, keys.PROGRESS_PREFIX),
                           keys=(keys.FINAL, keys.FAILED))
     formed = sorted(k for k in seen if k.startswith(keys.ABORT_PREFIX) and k.endswith("/formed"))
     return {"final": json.loads(seen[keys.FINAL]) if keys.FINAL in seen else None,
             # each rank's last record: what it read, its peak memory (result.json only, not the diagnostics)
-            "progress": {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in seen.items() if k.startswith(PROGRESS)},
+            "progress": keys.progress_records(seen),
             "failure": Failure.record(seen.get(keys.FAILED)),
             "restarts": [Failure.record(v) for k, v in sorted(seen.items()) if k.startswith(keys.RESTARTS)],
             "world_formed_time": json.loads(seen[formed[0]]).get("time") if formed else None,

@@ -18,6 +18,8 @@ import signal
 import sys
 import time
 
+from conf.schema import PACKAGES
+
 SUFFIX = ".stack"      # a rank's dump file: its heartbeat file's path and this
 WAITING_GRACE_S = 5.0  # a rank found waiting is declared hung this much later (at most its limit):
                        # time for the agent of the rank it waits on to dump that one's stack and say so
@@ -79,7 +81,7 @@ class Where:
 def ours_or_library(path):
     """A frame of yarnapp's own packages, of an installed library or of Python itself."""
     return "/site-packages/" in path or "/dist-packages/" in path or path.startswith(_LIBRARIES) or \
-        any(path.startswith(os.path.join(_ROOT, pkg) + os.sep) for pkg in _OWN) or path.startswith("<")
+        any(path.startswith(os.path.join(_ROOT, pkg) + os.sep) for pkg in PACKAGES) or path.startswith("<")
 
 
 def users_frame(frames):
@@ -93,7 +95,6 @@ def users_frame(frames):
 
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))     # this checkout (or install)
-_OWN = ("launcher", "training", "conf", "yarnapp")
 _USERS_PSEUDO = ("<string>", "<stdin>", "<ipython-input-")     # code run from a string or a cell (users_frame;
                                                                 # not <frozen runpy>, torch.fx's <eval_with_key>.0)
 _LIBRARIES = tuple(p for p in {os.path.dirname(os.__file__)} if p)       # the standard library

@@ -639,6 +639,8 @@ def test_rank_0s_own_output_is_shown_as_it_comes_without_yarnapps_lines(tmp_path
                    "2026-11-29 07:46:23,507 agent w_0 INFO: START -> RENDEZVOUS (generation 0)\n"
                    "2026-11-29 07:46:23,880 rank0 w_0 launcher.rank: world generation 0 formed\n"
                    "epoch 0 loss 2.3\n"
+                   "==== Epoch 1/3 ====\n"                                   # the code's, not a header of ours
+                   "fit:  10%|#    \rfit: 100%|#####\n"                       # a bar redrawn in place
                    "2026-11-29 07:46:24,000 rank0 w_0 mine: the user's own logger\n"
                    "Extension modules: numpy, torch._C\n"
                    "epoch 1 lo")
@@ -652,6 +654,15 @@ def test_rank_0s_own_output_is_shown_as_it_comes_without_yarnapps_lines(tmp_path
     for _ in range(3):
         shown.update(st)
     lines = [line for line in out.getvalue().splitlines() if line.startswith("w_0| ")]
-    assert lines[:3] == ["w_0| epoch 0 loss 2.3", "w_0| 2026-11-29 07:46:24,000 rank0 w_0 mine: the user's own logger",
+    assert lines[:5] == ["w_0| epoch 0 loss 2.3", "w_0| ==== Epoch 1/3 ====", "w_0| fit: 100%|#####",
+                         "w_0| 2026-11-29 07:46:24,000 rank0 w_0 mine: the user's own logger",
                          "w_0| epoch 1 loss 1.9"], lines
-    assert "".join(line[5:] for line in lines[3:-1]) == "x" * (OUTPUT_CHUNK + 10) and lines[-1] == "w_0| after"
+    assert "".join(line[5:] for line in lines[5:-1]) == "x" * (OUTPUT_CHUNK + 10) and lines[-1] == "w_0| after"
+    # at the end: everything, however much (it showed a chunk more and lost the rest), and the
+    # last line the code left without its newline, without the agent's record written after it
+    with open(log, "a") as f:
+        f.write("".join(f"line {i}\n" for i in range(20000)) + "no newline at exit"
+                "2026-11-29 07:46:30,000 agent w_0 INFO: RUNNING -> SUCCEEDED (generation 0)\n")
+    shown.update(dict(st, state="SUCCEEDED"))
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("w_0| ")]
+    assert lines[-20001:] == [f"w_0| line {i}" for i in range(20000)] + ["w_0| no newline at exit"], lines[-3:]

@@ -156,6 +156,10 @@ def test_service_publishes_its_url_in_status_and_dies_with_the_application(cli, 
         assert yarnapp.status(app)["tensorboard"] == url
         assert "TensorBoard exited with status -9; starting it again (1 of 3)" in \
             yarnapp.Run(app).logs("tensorboard")["tensorboard"]
+        # the service itself killed: its URL goes from status (it was shown, answering nothing)
+        [service] = [p for p in app_processes(app) if "launcher.tensorboard_service" in " ".join(p.cmdline())]
+        service.kill()
+        _until("the URL gone with the service", lambda: yarnapp.status(app)["tensorboard"] is None, timeout=30)
     finally:
         cli("kill", app)
     assert_nothing_left(app)

@@ -322,7 +322,8 @@ def test_tensorboard_through_the_proxy_acls_kill_and_a_canary_secret(cluster, sh
 
 def _tensorboard_staging():
     """The local copies of remote TensorBoard logdirs in this host's temporary directories."""
-    return {p for d in {"/tmp", tempfile.gettempdir()} for p in glob.glob(os.path.join(d, "*yarnapp-tb-*"))}
+    return {p for d in {"/tmp", tempfile.gettempdir()} for pattern in ("yarnapp-tb-*", ".yarnapp-tb-*")
+            for p in glob.glob(os.path.join(d, pattern))}
 
 
 def _others_can_read(path):

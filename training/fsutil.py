@@ -34,6 +34,9 @@ class URIError(YarnappError, ValueError):
     """A URI that names no filesystem we can open (a ValueError too, as pyarrow's are)."""
 
 
+NAMENODE_PORTS = {"webhdfs": 9870, "hdfs": 8020}      # a NameNode's, where a URI names none (Hadoop 3's)
+
+
 def resolve(uri):
     """(filesystem, path) for a URI or local path."""
     if "://" not in uri:
@@ -42,7 +45,7 @@ def resolve(uri):
         u = urllib.parse.urlparse(uri)
         if not u.hostname:
             raise URIError(f"{uri}: a webhdfs URI names the NameNode's HTTP address: webhdfs://HOST:PORT/path")
-        return _webhdfs(u.hostname, u.port or 9870, hdfs_user()), u.path or "/"
+        return _webhdfs(u.hostname, u.port or NAMENODE_PORTS["webhdfs"], hdfs_user()), u.path or "/"
     if uri.startswith(("gs://", "gcs://")) and "retry_limit_seconds=" not in uri:
         # google-cloud-cpp retries for many minutes by default, deaf to Ctrl-C: an unreachable
         # bucket (no credentials, no network) hung submit; this fails it in ~2x the limit

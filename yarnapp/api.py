@@ -285,7 +285,7 @@ class Run:
                     elif not display:       # said nowhere else: a notebook shows Python's warnings
                         from .progress import notice
                         for n in st.get("notices") or []:
-                            warnings.warn(f"{self.app_id}: {notice(n)}", RuntimeWarning, stacklevel=2)
+                            warnings.warn(f"{self.app_id}: {notice(n)}", RuntimeWarning, stacklevel=3)   # (_one_line)
                     return st
                 if deadline and time.monotonic() > deadline:
                     raise WaitTimeout(f"{self.app_id} still {st['state']} after {timeout:g}s; it runs on "

@@ -18,7 +18,6 @@ import conf
 from . import __version__, api
 from .backends.base import TERMINAL
 from .console import p as _p, readers_gone, say, stdout_gone
-from .progress import rank0_streamed
 from .errors import YarnappError
 
 
@@ -76,8 +75,7 @@ def cmd_submit(args):
     took = time.time() - t0
     if st["state"] != "SUCCEEDED":
         f = st.get("failure") or {}
-        streamed = rank0_streamed(st)
-        if f.get("log_tail") and not (streamed and streamed["id"] == f.get("container")):   # (shown as it came)
+        if f.get("log_tail"):
             _p(f"--- last lines of {f.get('container')}'s log ---\n{f['log_tail']}\n---", file=sys.stderr)
         raise YarnappError(run.failure_message(resubmit=_resubmit(args)))
     formed = st.get("world_formed_s")

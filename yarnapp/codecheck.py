@@ -17,9 +17,10 @@ import ast
 import difflib
 import os
 
+import conf
+
 from .errors import YarnappError
 
-OWN_PACKAGES = ("conf", "training", "launcher", "yarnapp")     # its top-level packages, in every rank
 MAX_SOURCE = 2**20                 # larger files are not read
 
 
@@ -155,14 +156,14 @@ def own_names(run, entries, field):
     from .shipping import module_name
     for n, src in entries.items():      # in the working directory, first on every process's sys.path
         importable = os.path.isfile(os.path.join(src, "__init__.py")) if os.path.isdir(src) else n != module_name(n)
-        if module_name(n) in OWN_PACKAGES and importable and not _is_own_package(module_name(n), src):
+        if module_name(n) in conf.PACKAGES and importable and not _is_own_package(module_name(n), src):
             raise YarnappError(f"{field}: {src} would land as {n!r} in the containers' working directory, "
                                f"where it would shadow yarnapp's own package {module_name(n)!r} for yarnapp's "
                                f"launcher itself; rename it (say, my_{n}), or ship the directory it is in")
     if not run.script:
         return
     beside, places = os.path.dirname(os.path.abspath(run.script)), {}
-    for name in OWN_PACKAGES:
+    for name in conf.PACKAGES:
         for path in (os.path.join(beside, name + ".py"), os.path.join(beside, name)):
             if os.path.isfile(path) or os.path.isfile(os.path.join(path, "__init__.py")):
                 places.setdefault(name, path)

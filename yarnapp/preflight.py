@@ -348,9 +348,6 @@ def check_model(job, where=None):
         raise YarnappError(f"{pre}training.model_options: {e}") from None
 
 
-DEFAULT_PORTS = {"webhdfs": 9870, "hdfs": 8020}       # a NameNode's, where the URI gives none
-
-
 def refused_on_loopback(uri):
     """Whether an unreachable URI names this machine (127.0.0.1, localhost) and refused the
     connection: no one listens on that port here, where a single-node cluster's containers run
@@ -358,6 +355,8 @@ def refused_on_loopback(uri):
     on the cluster's network, may reach what this client cannot."""
     import ipaddress
     import socket
+
+    from training import fsutil
     u = urllib.parse.urlparse(uri)
     host = u.hostname or ""
     try:
@@ -367,7 +366,7 @@ def refused_on_loopback(uri):
     if not loopback:
         return False
     try:                # (the error's text is cut short; asked again, directly)
-        socket.create_connection((host, u.port or DEFAULT_PORTS.get(u.scheme, 8020)), timeout=2).close()
+        socket.create_connection((host, u.port or fsutil.NAMENODE_PORTS.get(u.scheme, 8020)), timeout=2).close()
     except ConnectionRefusedError:
         return True
     except OSError:

@@ -7,6 +7,8 @@ import sys
 import conf
 from launcher.failure import CRASH_BOILERPLATE
 
+from .backends.base import TERMINAL
+
 try:        # tqdm.auto's notebook widget needs ipywidgets; without it, it warns and falls back
     import ipywidgets  # noqa: F401
     from tqdm.auto import tqdm
@@ -60,8 +62,10 @@ def _interactive(file):
 # A line of yarnapp's own in a container's log: an attempt's header, the agent's records, and
 # the records of yarnapp's packages in a rank (launcher.rank's format: time, rank, container,
 # logger). The rest is the code's own: what it printed, its warnings, its tracebacks.
-_OURS = re.compile(r"^(==== |\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (agent \S+ [A-Z]+: |rank\d+ \S+ "
-                   r"(launcher|training|yarnapp|conf)[\w.]*: ))")
+_RECORD = (r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (agent \S+ [A-Z]+: |rank\d+ \S+ "
+           rf"({'|'.join(conf.PACKAGES)})(\.[\w.]+)?: )")
+_OURS = re.compile(rf"^(==== \S+ attempt \d+ started .* ====$|{_RECORD})")
+_GLUED = re.compile(_RECORD)        # ours, after a line the code left without its newline
 OUTPUT_CHUNK = 1 << 16      # bytes of rank 0's log read per update (a code printing faster is caught up later)
 
 
@@ -103,19 +107,29 @@ class Progress:
         c = rank0_streamed(st)
         if not self.output or c is None:
             return
-        path = c["log"]
-        at = self.read.get(path, 0)
-        with open(path, "rb") as f:
-            f.seek(at)
-            data = f.read(OUTPUT_CHUNK)
-        end = data.rfind(b"\n")
-        if end < 0 and len(data) < OUTPUT_CHUNK:
-            return                  # a line still being written
-        end = end if end >= 0 else len(data) - 1        # (a line longer than a chunk: shown in pieces)
-        self.read[path] = at + end + 1
-        for line in data[:end + 1].decode(errors="replace").splitlines():
-            if line.strip() and not _OURS.match(line) and not line.startswith(CRASH_BOILERPLATE):
-                self._write(f"{c['id']}| {line}")
+        path, ended = c["log"], st["state"] in TERMINAL
+        while True:                 # a chunk a look; at the end, all of it, its last line too
+            at = self.read.get(path, 0)
+            try:
+                with open(path, "rb") as f:
+                    f.seek(at)
+                    data = f.read(OUTPUT_CHUNK)
+            except OSError:         # (gone with its application's directory)
+                return
+            end = data.rfind(b"\n")
+            if end < 0 and len(data) < OUTPUT_CHUNK and not ended:
+                return              # a line still being written
+            end = end if end >= 0 and not (ended and len(data) < OUTPUT_CHUNK) else len(data) - 1
+            self.read[path] = at + end + 1
+            lines = data[:end + 1].decode(errors="replace").split("\n")
+            for line in lines[:-1] if lines[-1] == "" else lines:
+                line = line.rsplit("\r", 1)[-1]        # a bar redrawn in place: as a terminal shows it
+                glued = _GLUED.search(line, 1)
+                line = line[:glued.start()] if glued else line
+                if not _OURS.match(line) and not line.startswith(CRASH_BOILERPLATE):
+                    self._write(f"{c['id']}| {line}")
+            if not ended or len(data) < OUTPUT_CHUNK:
+                return
 
     def update(self, st):
         n = len(st.get("containers") or [])

@@ -34,7 +34,6 @@ log = logging.getLogger(__name__)
 
 READY_TIMEOUT = 120.0        # seconds for TensorBoard to import, bind and answer
 RELOAD_INTERVAL = 1.0        # seconds between TensorBoard's reloads: new runs and steps show within ~1 s
-DEFAULT_SYNC_S = 5.0         # seconds between syncs of a remote logdir given directly (conf: tensorboard.sync_every)
 _URL_LINE = re.compile(r"TensorBoard \S+ at (http://\S+?):(\d+)/")
 
 
@@ -261,7 +260,7 @@ def _yarn_logdir(app_id, backend):
         guess = f"{storage.rstrip('/')}/{app_id}/tensorboard" if storage else None
         try:
             if guess and _is_dir(guess):
-                return guess, DEFAULT_SYNC_S
+                return guess, _default_sync_s()
         except (OSError, ValueError):
             pass
         default = f" (an unset logdir was {guess})" if guess else ""
@@ -273,6 +272,13 @@ def _yarn_logdir(app_id, backend):
         raise YarnappError(f"{app_id} has no tensorboard.logdir: on YARN its event files stayed inside its "
                            f"containers; set tensorboard.logdir to shared storage (hdfs://...) in the job")
     return tb["logdir"] or f"{storage.rstrip('/')}/{app_id}/tensorboard", tb["sync_every"]
+
+
+def _default_sync_s():
+    """tensorboard.sync_every's default (conf/defaults.yaml): for a logdir given directly."""
+    import conf
+    from conf.units import parse_duration_s
+    return parse_duration_s(conf.defaults()["tensorboard"]["sync_every"])
 
 
 def _is_dir(uri):
@@ -287,7 +293,7 @@ def for_app(app_or_logdir, port=0, backend=None):
     """TensorBoard for an application id (its logdir, every run of the experiment), or for a
     logdir given directly (a path or URI: anything with '/' in it)."""
     if "/" in app_or_logdir:
-        logdir, sync_every = app_or_logdir, DEFAULT_SYNC_S
+        logdir, sync_every = app_or_logdir, _default_sync_s()
     else:
         logdir, sync_every = logdir_of(app_or_logdir, backend)
     return TensorBoard(logdir, port=port, sync_every=sync_every)

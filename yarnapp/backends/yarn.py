@@ -275,7 +275,7 @@ def named_logs(logs):
 
 
 def kv_fields(kv):
-    out = {"progress": {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in kv.get_prefix("progress/").items()},
+    out = {"progress": keys.progress_records(kv.get_prefix(keys.PROGRESS_PREFIX)),
            "restarts": [Failure.record(v) for _, v in sorted(kv.get_prefix(keys.RESTARTS).items())],
            "notices": results.notices(kv.get_prefix(keys.NOTICES))}
     final = kv.get(keys.FINAL)
@@ -433,7 +433,13 @@ class YarnBackend(Backend):
         """Why skein's master ended the application when no agent of it could say (every one of
         its containers killed at once: a container of a one-container job killed by its
         NodeManager for memory), from the master's log: "FAILED: w_0 - 1.6 GB of 512 MB
-        physical memory used". Its record, or None where the log has no such line."""
+        physical memory used". Its record, or None where the log has no such line. Read once
+        per application (a `yarn logs` is a JVM's start, and status is asked again and again)."""
+        if app_id not in _SERVICE_FAILURES:    # (each Run makes its own backend)
+            _SERVICE_FAILURES[app_id] = self._read_service_failure(app_id, user)
+        return _SERVICE_FAILURES[app_id]
+
+    def _read_service_failure(self, app_id, user):
         try:
             logs = yarn_cluster.aggregated_logs(app_id, user, timeout=SERVICE_LOG_WAIT_S)
         except Exception as e:  # noqa: BLE001 - the diagnostics' line stands
@@ -526,6 +532,7 @@ TENSORBOARD_PAGE = "tensorboard"       # the skein web UI page launcher.tensorbo
 SERVICE_FAILED = "Failure in service "         # skein's diagnostics of an application it ended
 _SERVICE_FAILED = re.compile(r"skein\.ApplicationMaster: FAILED: (\S+) - ([^\n]+)")   # ... and its log's why
 SERVICE_LOG_WAIT_S = 20.0
+_SERVICE_FAILURES = {}      # app id -> what _service_failure found (an application that ended stays so)
 
 
 def proxied(tracking_url, page):

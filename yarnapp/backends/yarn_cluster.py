@@ -94,7 +94,8 @@ def default_fs_uri(conf=None):
     u = urllib.parse.urlparse(fs)
     if u.scheme != "hdfs" or libhdfs_available():
         return fs.rstrip("/")
-    http = conf.get("dfs.namenode.http-address") or f"{u.hostname}:9870"
+    from training.fsutil import NAMENODE_PORTS
+    http = conf.get("dfs.namenode.http-address") or f"{u.hostname}:{NAMENODE_PORTS['webhdfs']}"
     host, _, port = http.rpartition(":")
     if host in ("0.0.0.0", ""):
         host = u.hostname

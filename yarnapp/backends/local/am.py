@@ -262,6 +262,10 @@ class ApplicationMaster:
             changed = False
             self.replace_frozen(handled)
             self.never_beaten()
+            if self.tensorboard and self.tensorboard.poll() is not None:     # (killed: its URL went on in status)
+                log.warning("the TensorBoard service exited with status %s", self.tensorboard.returncode)
+                tensorboard_service.stop_local(self.tensorboard, self.store)
+                self.tensorboard = None
             for c in self.containers:
                 if c.state == "RUNNING":
                     rc = c.proc.poll()

@@ -230,8 +230,7 @@ class LocalBackend(Backend):
         st["job_file"] = meta.get("job_file")     # the job.yaml it was submitted from, if any
         st["submit_dir"] = meta.get("submit_dir")  # where: its relative paths are from there
         store = FileStore(os.path.join(d, "store"))
-        st["progress"] = {int(k.rsplit("/", 1)[1]): json.loads(v)
-                          for k, v in store.get_prefix("progress/").items()}
+        st["progress"] = keys.progress_records(store.get_prefix(keys.PROGRESS_PREFIX))
         final = store.get(keys.FINAL)
         st["final"] = json.loads(final) if final else None
         st["restarts"] = [Failure.record(v) for _, v in sorted(store.get_prefix(keys.RESTARTS).items())]
