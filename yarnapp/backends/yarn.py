@@ -48,7 +48,7 @@ import skein
 import conf
 from launcher import exitcodes, keys, memory, results
 from launcher.identity import checkpoint_dir, code
-from launcher.failure import Failure, Kind
+from launcher.failure import Failure
 
 from .. import packaging, preflight, shipping
 from ..errors import BackendUnavailable, YarnappError
@@ -415,8 +415,8 @@ class YarnBackend(Backend):
                 record.update(stored)
             record["progress"] = stored.get("progress") or {}    # (the diagnostics keep no progress)
         if record["state"] == "FAILED" and not record.get("failure") and \
-                record["diagnostics"].startswith(SERVICE_FAILED):
-            record["failure"] = self._service_failure(app_id, report.user)
+                record["diagnostics"].startswith(yarn_cluster.SERVICE_FAILED):
+            record["failure"] = yarn_cluster.service_failure(app_id, report.user)
             record["diagnostics"] = (record["failure"] or {}).get("reason") or record["diagnostics"]
         return with_formed_s(record)
 
@@ -428,31 +428,6 @@ class YarnBackend(Backend):
             storage = job.yarn.storage or yarn_cluster.default_storage(submitting_user())
             root = checkpoint_dir(app_id, siblings=storage) if storage else None
         return yarn_cluster.python_uri(root) if root else None     # webhdfs:// where libhdfs is not here
-
-    def _service_failure(self, app_id, user):
-        """Why skein's master ended the application when no agent of it could say (every one of
-        its containers killed at once: a container of a one-container job killed by its
-        NodeManager for memory), from the master's log: "FAILED: w_0 - 1.6 GB of 512 MB
-        physical memory used". Its record, or None where the log has no such line. Read once
-        per application (a `yarn logs` is a JVM's start, and status is asked again and again)."""
-        if app_id not in _SERVICE_FAILURES:    # (each Run makes its own backend)
-            _SERVICE_FAILURES[app_id] = self._read_service_failure(app_id, user)
-        return _SERVICE_FAILURES[app_id]
-
-    def _read_service_failure(self, app_id, user):
-        try:
-            logs = yarn_cluster.aggregated_logs(app_id, user, timeout=SERVICE_LOG_WAIT_S)
-        except Exception as e:  # noqa: BLE001 - the diagnostics' line stands
-            log.debug("no master log of %s: %s", app_id, e)
-            return None
-        found = next((m for _, text in sorted(logs.items()) for m in _SERVICE_FAILED.finditer(text)), None)
-        if found is None:
-            return None
-        container, words = found.group(1), found.group(2).strip()
-        group = container.rsplit("_", 1)[0]
-        killed = memory.yarn_memory_kill(words, None, container, group)
-        return Failure(kind=Kind.CONTAINER.value, container=container,
-                       reason=killed or f"{container}'s container failed: {words}").as_dict()
 
     def _stored_results(self, app_id, user):
         """The results a finished application wrote to its storage (default storage only)."""
@@ -529,10 +504,6 @@ def with_formed_s(record):
 TENSORBOARD_PAGE = "tensorboard"       # the skein web UI page launcher.tensorboard_service adds
 
 
-SERVICE_FAILED = "Failure in service "         # skein's diagnostics of an application it ended
-_SERVICE_FAILED = re.compile(r"skein\.ApplicationMaster: FAILED: (\S+) - ([^\n]+)")   # ... and its log's why
-SERVICE_LOG_WAIT_S = 20.0
-_SERVICE_FAILURES = {}      # app id -> what _service_failure found (an application that ended stays so)
 
 
 def proxied(tracking_url, page):

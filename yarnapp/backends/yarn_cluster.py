@@ -9,6 +9,7 @@ Hadoop before 3.3 (<remote-app-log-dir>/<user>/logs/<app>); Hadoop 3.3+ writes
 reads every layout, so it is the fallback.
 """
 import ctypes.util
+import functools
 import glob
 import logging
 import os
@@ -164,3 +165,30 @@ def aggregated_logs(app_id, user, timeout=LOGS_TIMEOUT):
             detail = (out.stderr.strip().splitlines() or out.stdout.strip().splitlines() or ["no output"])[-1]
             raise TimeoutError(f"`yarn logs` had no logs of {app_id} after {timeout:.0f}s ({detail})")
         time.sleep(2)
+
+
+SERVICE_FAILED = "Failure in service "         # skein's diagnostics of an application it ended
+_SERVICE_FAILED = re.compile(r"skein\.ApplicationMaster: FAILED: (\S+) - ([^\n]+)")   # ... and its log's why
+SERVICE_LOG_WAIT_S = 20.0
+
+
+@functools.cache        # once per application: `yarn logs` is a JVM's start, and status is asked again and again
+def service_failure(app_id, user):
+    """Why skein's master ended an application when no agent of it could say (every one of
+    its containers killed at once: a container of a one-container job killed by its
+    NodeManager for memory), from the master's log ("FAILED: w_0 - 1.6 GB of 512 MB physical
+    memory used"): its failure record, or None where the log has no such line."""
+    from launcher import memory
+    from launcher.failure import Failure, Kind
+    try:
+        logs = aggregated_logs(app_id, user, timeout=SERVICE_LOG_WAIT_S)
+    except Exception as e:  # noqa: BLE001 - the diagnostics' line stands
+        log.debug("no master log of %s: %s", app_id, e)
+        return None
+    found = next((m for _, text in sorted(logs.items()) for m in _SERVICE_FAILED.finditer(text)), None)
+    if found is None:
+        return None
+    container, words = found.group(1), found.group(2).strip()
+    killed = memory.yarn_memory_kill(words, None, container, container.rsplit("_", 1)[0])
+    return Failure(kind=Kind.CONTAINER.value, container=container,
+                   reason=killed or f"{container}'s container failed: {words}").as_dict()
