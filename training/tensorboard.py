@@ -55,10 +55,12 @@ class TBLogger:
     def __init__(self, logdir, run_name, purge_step=None, sync_every=5.0, hparams=None, scalars_only=False,
                  scratch=None):
         """A remote logdir (hdfs://...) is written in a local copy, synced every `sync_every`
-        seconds: under `scratch` (the container's working directory, which YARN removes with the
-        container; the system's temporary directory was left a copy by every YARN application),
-        removed at close."""
+        seconds: under `scratch` (default: the working directory, where writable; a rank's is its
+        container's, which YARN removes with the container: the system's temporary directory was
+        left a copy by every YARN application), removed at close."""
         self.remote = None if fsutil.is_local(logdir) else logdir
+        if scratch is None and os.access(os.getcwd(), os.W_OK):
+            scratch = os.getcwd()
         self.staging = None if self.remote is None else tempfile.mkdtemp(prefix=".yarnapp-tb-", dir=scratch)
         self.local_dir = os.path.join(self.staging or fsutil.local_path(logdir), run_name)
         self.run_name = run_name

@@ -95,8 +95,8 @@ def default_fs_uri(conf=None):
     u = urllib.parse.urlparse(fs)
     if u.scheme != "hdfs" or libhdfs_available():
         return fs.rstrip("/")
-    from training.fsutil import NAMENODE_PORTS
-    http = conf.get("dfs.namenode.http-address") or f"{u.hostname}:{NAMENODE_PORTS['webhdfs']}"
+    # (9870: training.fsutil.NAMENODE_PORTS, not imported: a client without pyarrow submits too)
+    http = conf.get("dfs.namenode.http-address") or f"{u.hostname}:9870"
     host, _, port = http.rpartition(":")
     if host in ("0.0.0.0", ""):
         host = u.hostname
