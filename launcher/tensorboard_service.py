@@ -31,7 +31,7 @@ from . import keys, store as store_mod
 log = logging.getLogger("launcher.tensorboard_service")
 
 LOCAL_ID = "tensorboard"      # its id in the local engine's store (owner of the URL key)
-YARN_PAGE = "tensorboard"     # its page of skein's web UI on YARN (yarnapp.backends.yarn.TENSORBOARD_PAGE)
+YARN_PAGE = "tensorboard"     # its page of skein's web UI on YARN (yarnapp.backends.yarn_reports.TENSORBOARD_PAGE)
 RESTARTS = 3                  # TensorBoard started again after it dies (killed, out of memory), at most
 
 

@@ -19,8 +19,9 @@ from launcher.store import FileStore
 from yarnapp import packaging
 from yarnapp.backends import get as get_backend
 from yarnapp.backends.base import TERMINAL
-from yarnapp.backends.yarn import (YarnBackend, kv_fields, app_record, app_state, build_spec, check_job, warn_small,
-                                   container_record, name_memory_kills, named_logs, stage_files, with_ranks)
+from yarnapp.backends.yarn import YarnBackend, build_spec, check_job, stage_files, warn_small
+from yarnapp.backends.yarn_reports import (app_record, app_state, container_record, kv_fields, name_memory_kills,
+                                           named_logs, with_ranks)
 from yarnapp.errors import BackendUnavailable, YarnappError
 
 pytestmark = pytest.mark.unit
