@@ -283,19 +283,19 @@ class Agent(PeerDiagnosis):
                 # a stopped process is not setting up: heartbeat_timeout, in any phase
                 which = "heartbeat" if phase == "train" or (stopped and phase != "finished") else "rendezvous"
                 limit = lj.heartbeat_timeout if which == "heartbeat" else lj.rendezvous_timeout
-                if self._seen and phase == "train" and not stopped:     # an unmodified script's: idle that long
+                judged_idle = self._seen and phase == "train" and not stopped   # an unmodified script's rank
+                if judged_idle:
                     which, limit = "idle", lj.idle_timeout
                 if phase == "finished":     # waits for its peers: theirs the judgement, this one a backstop
                     limit = max(lj.heartbeat_timeout, lj.rendezvous_timeout)
-                # When one rank stops, the others soon block in a collective waiting for it
-                # and go silent too: a rank that is merely waiting gives the stopped one's
-                # agent a grace period to name the real culprit first.
-                judged_idle = self._seen and phase == "train" and not stopped
                 if judged_idle and silent > limit / 2:
                     self.busy(now, limit)           # sampled from half the limit on: the window it judges
                 elif self._cpu or self._busy:       # stepping again (or stopped, or past training)
                     self._busy = False
                     self._cpu.clear()
+                # When one rank stops, the others soon block in a collective waiting for it
+                # and go silent too: a rank that is merely waiting gives the stopped one's
+                # agent a grace period to name the real culprit first.
                 if silent > limit + (0 if stopped else min(2.0, limit / 2)) + waited:
                     if judged_idle and (self.busy(now, limit) or self.peers.busy()):
                         # an unmodified script's rank at work, or idle waiting for a peer's that is
@@ -319,7 +319,7 @@ class Agent(PeerDiagnosis):
                             f"rendezvous_timeout): one waiting in a collective for it may have run more steps; "
                             f"every rank must run the same steps"))
                     at = None if stopped else stacks.where(stacks.dump(self.child.pid, self.heartbeat + stacks.SUFFIX),
-                                                            idle=self._seen and phase == "train")
+                                                            idle=judged_idle)
                     if at and at.waiting and not waited:    # the rank it waits for is named first
                         waited = min(limit, stacks.WAITING_GRACE_S)
                         continue
