@@ -54,32 +54,29 @@ def main():
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     store = store_mod.from_env()
+    tb = None
     try:
-        tb = _serve(where, backend, job.tensorboard.sync_every, store)
-    except YarnappError as e:
-        log.error("%s", e)
-        return 1
-    try:
-        _publish(tb, where, backend, store)
-        for restart in range(1, RESTARTS + 2):
+        for restart in range(RESTARTS + 1):
+            tb = _serve(where, backend, job.tensorboard.sync_every, store)
+            _publish(tb, where, backend, store, again=restart > 0)
             while not stop.wait(0.5) and tb.alive:
                 pass
             if stop.is_set():
                 return 0
             code = tb.proc.returncode
-            if restart > RESTARTS:
+            if restart == RESTARTS:
                 log.error("TensorBoard exited with status %s, the %d restarts spent", code, RESTARTS)
                 return 1
             # (killed, or out of memory: the page a user had open went dark, and status said nothing)
-            log.warning("TensorBoard exited with status %s; starting it again (%d of %d)", code, restart, RESTARTS)
+            log.warning("TensorBoard exited with status %s; starting it again (%d of %d)", code, restart + 1,
+                        RESTARTS)
             tb.stop()
-            tb = _serve(where, backend, job.tensorboard.sync_every, store)
-            _publish(tb, where, backend, store, again=True)
     except YarnappError as e:
         log.error("%s", e)
         return 1
     finally:
-        tb.stop()                   # first: its files go even where the store is gone
+        if tb is not None:
+            tb.stop()               # first: its files go even where the store is gone
         try:
             store.delete(keys.TENSORBOARD)
         except Exception as e:  # noqa: BLE001 - the application's end took the store (YARN's master) with it
