@@ -3,6 +3,7 @@ read over HTTP while the job runs; nothing may be left running afterwards."""
 import importlib.util
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -141,6 +142,10 @@ def test_service_publishes_its_url_in_status_and_dies_with_the_application(cli, 
                and yarnapp.status(app)["tensorboard"])
         assert yarnapp.status(app)["tensorboard"] == url
         assert "  application master attempt 2 (pid " in cli("status", app, check=0).stdout      # containers' attempts=1 again
+        # (the store's URL is the first master's until the second's is up: its TensorBoard said so)
+        _until("the second master's TensorBoard at the same address",
+               lambda: len(re.findall(rf"launcher\.tensorboard_service: TensorBoard on \S+ at {re.escape(url)}/$",
+                                      yarnapp.Run(app).logs("tensorboard")["tensorboard"], re.M)) == 2)
         _until(f"{TAG} served again", lambda: len(_scalars(url, app)) >= 2)
         assert yarnapp.status(app)["state"] == "RUNNING"
         mine = [" ".join(p.cmdline()) for p in app_processes(app)]
