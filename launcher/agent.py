@@ -29,7 +29,7 @@ from conf import BUILTIN_RUNNER
 from . import beats, exitcodes, identity, keys, malloc, memory, results, retries, stacks, store as store_mod, warm
 from .diagnosis import PeerDiagnosis
 from .procs import cpu_seconds, die_with_parent, stopped as process_stopped
-from .failure import (WAITED_FOR_FINISHED, Failure, Kind, after_an_end, current_generation, ended_early, log_tail,
+from .failure import (Failure, Kind, after_an_end, current_generation, ended_early, log_tail,
                       looks_collateral, native_crash, spent_restarts)
 
 log = logging.getLogger("launcher.agent")
@@ -342,29 +342,6 @@ class Agent(PeerDiagnosis):
                 return Outcome.OWN, Failure(kind=Kind.LOST.value, container=lost[0], observed_by=me,
                                             reason=f"lost {lost[0]}: {lost[1]}")
             time.sleep(lj.poll_interval)
-
-    def all_waiting(self, gen, seen, within):
-        """Whether every other rank whose code has not finished was found waiting in a
-        collective within the last `within` seconds (keys.waiting, written by each one's agent;
-        `seen`: this poll's snapshot, which holds the generation's keys). This agent's own rank
-        was just found waiting."""
-        fresh = time.time() - within
-        for m in self.members:
-            if m["rank"] == self.ident.rank or keys.finished(gen, m["rank"]) in seen:
-                continue
-            mark = seen.get(keys.waiting(gen, m["rank"]))
-            if mark is None or float(mark) < fresh:
-                return False
-        return True
-
-    def waited_for_finished(self, seconds, gone, where=None):
-        """The failure of this rank, found waiting in a collective for `gone`, ranks whose
-        code finished (launcher.retries does not retry it: every attempt runs the same steps)."""
-        rank, me = self.ident.rank, self.ident.container
-        return Failure(kind=Kind.HUNG.value, container=me, rank=rank, reason=(
-            f"rank {rank} ({me}) waited {seconds:.0f}s in a collective{f' at {where}' if where else ''} for "
-            f"{', '.join(gone)}, {WAITED_FOR_FINISHED}: {'it' if len(gone) == 1 else 'they'} ran fewer steps "
-            f"than this rank; every rank must run the same steps"))
 
     def phase_words(self, phase):
         """"in train", "in setup"; own code's setup is its time before its first progress

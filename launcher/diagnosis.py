@@ -2,7 +2,8 @@
 the others (launcher.agent's `Agent` takes these methods from `PeerDiagnosis`).
 
 - a member whose container exited or was replaced (`lost_member`), or whose code already
-  finished while this rank waits for it (`finished_peers`);
+  finished while this rank waits for it (`finished_peers`; once every unfinished rank was
+  found waiting, `all_waiting`, this one fails naming them: `waited_for_finished`);
 - a rank that died of its peer's death, not its own (`peer_cause`: wait a moment for the
   root cause to show);
 - a frozen container, whose agent's beat stopped: the generation ends naming it and the
@@ -23,7 +24,7 @@ import logging
 import time
 
 from . import beats, keys, network, stacks
-from .failure import CALLED_APART, Failure, Kind, spends_the_last_restart
+from .failure import CALLED_APART, WAITED_FOR_FINISHED, Failure, Kind, spends_the_last_restart
 
 log = logging.getLogger("launcher.agent")
 
@@ -57,6 +58,29 @@ class PeerDiagnosis:
         """The peers ("rank 1 (w_1)") whose code finished in generation `gen` (launcher.rank)."""
         return [f"rank {m['rank']} ({m['container']})" for m in self.members
                 if m["rank"] != self.ident.rank and keys.finished(gen, m["rank"]) in seen]
+
+    def all_waiting(self, gen, seen, within):
+        """Whether every other rank whose code has not finished was found waiting in a
+        collective within the last `within` seconds (keys.waiting, written by each one's agent;
+        `seen`: this poll's snapshot, which holds the generation's keys). This agent's own rank
+        was just found waiting."""
+        fresh = time.time() - within
+        for m in self.members:
+            if m["rank"] == self.ident.rank or keys.finished(gen, m["rank"]) in seen:
+                continue
+            mark = seen.get(keys.waiting(gen, m["rank"]))
+            if mark is None or float(mark) < fresh:
+                return False
+        return True
+
+    def waited_for_finished(self, seconds, gone, where=None):
+        """The failure of this rank, found waiting in a collective for `gone`, ranks whose
+        code finished (launcher.retries does not retry it: every attempt runs the same steps)."""
+        rank, me = self.ident.rank, self.ident.container
+        return Failure(kind=Kind.HUNG.value, container=me, rank=rank, reason=(
+            f"rank {rank} ({me}) waited {seconds:.0f}s in a collective{f' at {where}' if where else ''} for "
+            f"{', '.join(gone)}, {WAITED_FOR_FINISHED}: {'it' if len(gone) == 1 else 'they'} ran fewer steps "
+            f"than this rank; every rank must run the same steps"))
 
     def peer_cause(self, gen, grace):
         """After this rank died of something other than SIGKILL: was it collateral? A rank that

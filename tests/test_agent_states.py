@@ -716,7 +716,7 @@ def test_the_run_context_knows_whether_code_read_the_mpi_world():
 def test_a_users_error_line_says_where_their_code_raised_it_and_keeps_every_line(tmp_path):
     """`assert x == 4` in a user's function said only "AssertionError: "; a message of several
     lines kept its first ("ValueError: shape mismatch:")."""
-    from launcher.rank import error_line
+    from launcher.user_errors import error_line
     (tmp_path / "user_code_mod.py").write_text("def step(x):\n    assert x == 4\n\n\ndef shape():\n"
                                                "    raise ValueError('shape mismatch:\\n  expected (3, 8, 8)\\n"
                                                "  got (1, 8, 8)')\n")
@@ -773,7 +773,7 @@ def test_ranks_in_calls_of_the_same_number_and_different_names_are_named_and_a_s
 def test_a_sys_exit_is_said_where_it_was_called_beside_the_last_line_on_stderr(tmp_path):
     """`sys.exit(3)` on one rank read `exited with status 3: stderr hello from 1`, a line the
     script printed at its start, as if it were the reason: where the code exited now leads."""
-    from launcher.rank import exit_line
+    from launcher.user_errors import exit_line
     script = tmp_path / "train.py"
     script.write_text("import sys\n\n\ndef main():\n    sys.exit(3)\n")
     scope = {}
