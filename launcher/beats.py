@@ -11,7 +11,6 @@ watcher whose own beat is not fresh judges nobody: the store, or the watcher, st
 import json
 import logging
 import threading
-import time
 
 from . import keys
 

@@ -10,7 +10,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import yarnapp
 from recovery_util import run_to_end
 from util import assert_nothing_left
 

@@ -92,8 +92,8 @@ class TrainedModel:
             raise ValueError(f"predict: images must be {want}: the model takes {c} channels, got shape "
                              f"{images.shape}{one}")
         if images.ndim == 4 and images.shape[1] != c:
-            hint = (f"; they look channels-last (N x H x W x C, as PIL and numpy give): "
-                    f"images.transpose(0, 3, 1, 2)" if images.shape[3] == c else "")
+            hint = ("; they look channels-last (N x H x W x C, as PIL and numpy give): "
+                    "images.transpose(0, 3, 1, 2)" if images.shape[3] == c else "")
             raise ValueError(f"predict: images must be {want}: the model takes {c} channel(s), got shape "
                              f"{images.shape}{hint}")
         return images

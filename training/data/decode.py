@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .common import BadData, DataError, one_line
+from .common import BadData, one_line
 from .formats import RAW, STRUCT
 
 try:

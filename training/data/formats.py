@@ -30,7 +30,6 @@ from typing import List, Optional
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from .common import (IMPORT_HINT, IO_ERRORS, MAX_CLASSES, DataError, Unreachable, filesystem, join, one_line,

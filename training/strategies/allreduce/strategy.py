@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from training import collectives, cputime, devices
 from training.precision import Precision
-from training.strategies.base import StepStats, Strategy, StrategyError
+from training.strategies.base import StepStats, Strategy
 from training.strategies.shares import SPEED_PROBE_ROWS, costly_ranks, measured_weights, split_rows
 
 log = logging.getLogger(__name__)
