@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import yaml
 
 import yarnapp
 from yarnapp.backends.local.engine import LocalBackend
@@ -112,26 +113,36 @@ def test_kill_leaves_nothing_running(cli, yarnapp_home, tmp_path):
 
 
 def test_failed_rank_names_container_exit_status_and_log(cli, yarnapp_home, tmp_path):
+    """The failed rank's log tail follows its line; rank 0's output, shown as it came, is not
+    shown again (its traceback showed twice)."""
     bad = tmp_path / "boom.py"
     bad.write_text("import os, sys\nfrom training.context import current\n"
-                   "ctx = current()\nif ctx.rank == 1:\n    print('boom on purpose', flush=True)\n    sys.exit(7)\n"
-                   "import time\ntime.sleep(60)\n")
+                   "ctx = current()\nif ctx.rank == int(sys.argv[1]):\n    print('boom on purpose', flush=True)\n"
+                   "    sys.exit(7)\nimport time\ntime.sleep(60)\n")
     job = write_job(tmp_path / "boom.yaml", {
         "name": "boom", "max_restarts": 0,
         "groups": [{"name": "w", "instances": 2, "vcores": 0.5, "memory": "256 MiB"}],
-        "run": {"script": str(bad)}})
+        "run": {"script": str(bad), "args": ["1"]}})
     t0 = time.monotonic()
     proc = cli("submit", job, "--wait")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     err = proc.stderr.strip().splitlines()[-1]
     assert err.startswith("Error: app_") and "FAILED" in err, err
     assert "w_1" in err and "exited with status 7" in err and "container.log" in err, err
-    assert "boom on purpose" in proc.stderr          # the log tail is shown
+    assert re.search(r"--- last lines of w_1's log ---\n(.*\n)*boom on purpose\n", proc.stderr), proc.stderr
     assert time.monotonic() - t0 < 30                # the survivor did not hang in its sleep
     app = app_id_from(err)
     st = yarnapp.status(app)
     assert st["state"] == "FAILED"
     assert_nothing_left(app)
+
+    raw = yaml.safe_load(open(job))
+    raw["run"]["args"] = ["0"]
+    proc = cli("submit", write_job(job, raw), "--wait")
+    assert proc.returncode == 1 and "w_0" in proc.stderr.strip().splitlines()[-1], proc.stdout + proc.stderr
+    assert "w_0| boom on purpose" in proc.stderr and proc.stderr.count("boom on purpose") == 1, proc.stderr
+    assert "--- last lines of" not in proc.stderr, proc.stderr
+    assert_nothing_left(app_id_from(proc.stderr.strip().splitlines()[-1]))
 
 
 def test_python_api_submit_and_wait(yarnapp_home):
@@ -181,7 +192,6 @@ def test_ctrl_c_while_submit_copies_the_files_leaves_no_application(yarnapp_home
 def test_kill_of_submit_wait_stops_the_application_as_ctrl_c_does(yarnapp_home, tmp_path):
     """`timeout 1h yarnapp submit job.yaml --wait` or a `kill` of it: SIGTERM stops the
     application as Ctrl-C does (before, the command died and its application ran on)."""
-    import signal
     submit = subprocess.Popen([sys.executable, "-m", "yarnapp.cli", "submit", _sleeper(tmp_path), "--wait"],
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=dict(os.environ))

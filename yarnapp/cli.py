@@ -75,7 +75,9 @@ def cmd_submit(args):
     took = time.time() - t0
     if st["state"] != "SUCCEEDED":
         f = st.get("failure") or {}
-        if f.get("log_tail"):
+        from .progress import rank0_streamed
+        shown = (rank0_streamed(st) or {}).get("id")     # its code's output showed as it came (progress)
+        if f.get("log_tail") and f.get("container") != shown:
             _p(f"--- last lines of {f.get('container')}'s log ---\n{f['log_tail']}\n---", file=sys.stderr)
         raise YarnappError(run.failure_message(resubmit=_resubmit(args)))
     formed = st.get("world_formed_s")
