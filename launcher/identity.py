@@ -92,7 +92,7 @@ def checkpoint_dir(app, base=None, siblings=None):
 def complete_steps(names):
     """The steps of the complete checkpoints among the entry names of a checkpoint_dir,
     oldest first (step-00000050; one being written is step-00000050.tmp-<gen>)."""
-    return sorted(int(m.group(1)) for n in names if (m := re.match(r"step-(\d{8})$", n)))
+    return sorted(int(m.group(1)) for n in names if (m := re.match(r"step-(\d{8,})$", n)))
 
 
 

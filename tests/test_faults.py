@@ -132,6 +132,22 @@ def test_resume_latest_takes_no_application_that_started_after_this_one(tmp_path
     assert out.stdout.split() == ["0", "0", "0", "5"], (out.stdout, out.stderr)
 
 
+def test_steps_past_eight_digits_are_kept_pruned_and_resumed_in_order(tmp_path):
+    """Checkpoints are step-00000050; one of step 100000000 (nine digits: a small model at
+    300 steps/s reaches it in four days) was not seen as one: never pruned, a restart resumed
+    from the last of eight digits, and every later commit failed on a directory not empty."""
+    code = ("import os, sys\nfrom mpi4py import MPI\nfrom training.checkpoint import Checkpointer\n"
+            "c = Checkpointer(sys.argv[1], MPI.COMM_SELF, keep=2, app_id='app_a', name='j')\nc.latest()\n"
+            "for step in (99999998, 99999999, 100000000, 100000001):\n    c.save(step, {'w': step})\n"
+            "print(sorted(os.listdir(sys.argv[1] + '/app_a')))\n"
+            "step, state = Checkpointer(sys.argv[1], MPI.COMM_SELF, app_id='app_a', name='j', generation=1).latest()\n"
+            "print(step, state['w'])\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["['application.json', 'step-100000000', 'step-100000001']",
+                                       "100000001 100000001"], (out.stdout, out.stderr)
+
+
 def test_a_resume_that_cannot_load_is_refused_before_anything_starts(tmp_path):
     """What a client sees before starting a world (Checkpointer.refusal, as submit asks it):
     a ps_sharded checkpoint of 2 ranks into 1 (each rank holds a segment of the server), and
