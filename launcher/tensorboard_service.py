@@ -21,6 +21,7 @@ on the local engine it binds 127.0.0.1.
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -105,18 +106,30 @@ def _serve(where, backend, sync_every, store):
     from yarnapp.hadoop import port_free
     from yarnapp.tensorboard import TensorBoard
     host = "127.0.0.1" if backend == "local" else "0.0.0.0"
+    # Its scratch (its log, a remote logdir's copy) in its own directory (on YARN its container's,
+    # which YARN removes), not /tmp: a service killed with its master left it there for good.
+    sweep(os.getcwd())      # what an earlier start left (its master killed: it died at once, PDEATHSIG)
     before = store.get(keys.TENSORBOARD_PORT) if backend == "local" else None
     if before and port_free(int(before)):          # (locally on 127.0.0.1, as port_free looks)
         try:
-            tb = TensorBoard(where, port=int(before), host=host, sync_every=sync_every)
+            tb = TensorBoard(where, port=int(before), host=host, sync_every=sync_every, scratch=os.getcwd())
         except YarnappError as e:
             log.info("TensorBoard on port %d of its earlier start failed (%s): on another", int(before), e)
         else:
             return tb
-    tb = TensorBoard(where, host=host, sync_every=sync_every)
+    tb = TensorBoard(where, host=host, sync_every=sync_every, scratch=os.getcwd())
     if backend == "local":
         store.put(keys.TENSORBOARD_PORT, str(tb.port))
     return tb
+
+
+def sweep(directory):
+    """Remove the scratch directories TensorBoards of the service left in `directory` (its
+    working directory), killed before they could."""
+    from yarnapp.tensorboard import TensorBoard
+    for n in os.listdir(directory) if directory and os.path.isdir(directory) else ():
+        if n.startswith(TensorBoard.SCRATCH_PREFIX):
+            shutil.rmtree(os.path.join(directory, n), ignore_errors=True)
 
 
 def start_local(app_dir, app_id, store_root):
@@ -132,9 +145,11 @@ def start_local(app_dir, app_id, store_root):
                YARNAPP_JOB=os.path.join(app_dir, "job.json"), YARNAPP_STORE=store_root,
                YARNAPP_APP_DIR=app_dir, PYTHONUNBUFFERED="1")
     with open(os.path.join(log_dir, "container.log"), "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "launcher.tensorboard_service"], cwd=log_dir, env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "launcher.tensorboard_service"], cwd=log_dir, env=env,
                                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True, preexec_fn=die_with_parent)
+    proc.workdir = log_dir          # (stop_local sweeps it)
+    return proc
 
 
 def stop_local(proc, store, timeout=5.0):
@@ -149,6 +164,7 @@ def stop_local(proc, store, timeout=5.0):
             except ProcessLookupError:
                 pass
             proc.wait()
+    sweep(getattr(proc, "workdir", None))     # a service killed: its TensorBoard's scratch stayed
     store.release(LOCAL_ID)
 
 

@@ -1,6 +1,7 @@
 """TensorBoard for applications: real jobs writing event files, real TensorBoard processes,
 read over HTTP while the job runs; nothing may be left running afterwards."""
 import importlib.util
+import glob
 import json
 import os
 import re
@@ -148,6 +149,8 @@ def test_service_publishes_its_url_in_status_and_dies_with_the_application(cli, 
                                       yarnapp.Run(app).logs("tensorboard")["tensorboard"], re.M)) == 2)
         _until(f"{TAG} served again", lambda: len(_scalars(url, app)) >= 2)
         assert yarnapp.status(app)["state"] == "RUNNING"
+        scratch = os.path.join(yarnapp.status(app)["app_dir"], "containers", "tensorboard", "yarnapp-tensorboard-*")
+        assert len(glob.glob(scratch)) == 1, glob.glob(scratch)    # the killed one's went (it stayed in /tmp for good)
         mine = [" ".join(p.cmdline()) for p in app_processes(app)]
         assert any("launcher.tensorboard_service" in c for c in mine), mine
         assert any("tensorboard.main" in c for c in mine), mine        # found by YARNAPP_APP_ID: swept at the end
@@ -170,6 +173,7 @@ def test_service_publishes_its_url_in_status_and_dies_with_the_application(cli, 
     assert_nothing_left(app)
     assert not _answers(url)
     assert yarnapp.status(app)["tensorboard"] is None
+    assert not glob.glob(scratch), glob.glob(scratch)
 
     # After the end, Run.tensorboard() still serves the run, and in a notebook shows it inline.
     nbformat = pytest.importorskip("nbformat")

@@ -88,13 +88,16 @@ class TensorBoard:
 
     host: the interface to bind (127.0.0.1; "0.0.0.0" serves every interface and
     `url` then names this machine by its fully qualified name). port: 0 picks a free
-    one. sync_every: seconds between syncs of a non-local logdir.
+    one. sync_every: seconds between syncs of a non-local logdir. scratch: the directory
+    its log and a non-local logdir's copy go under (a temporary directory of their own,
+    removed by stop; default the system's temporary directory).
     Raises YarnappError if TensorBoard exits or does not answer within `timeout`.
     """
+    SCRATCH_PREFIX = "yarnapp-tensorboard-"
 
-    def __init__(self, logdir, port=0, host="127.0.0.1", sync_every=5.0, timeout=READY_TIMEOUT):
+    def __init__(self, logdir, port=0, host="127.0.0.1", sync_every=5.0, timeout=READY_TIMEOUT, scratch=None):
         self.logdir = logdir
-        self._tmp = tempfile.mkdtemp(prefix="yarnapp-tensorboard-")
+        self._tmp = tempfile.mkdtemp(prefix=self.SCRATCH_PREFIX, dir=scratch)
         self._log_path = os.path.join(self._tmp, "tensorboard.log")
         self._stop_sync = threading.Event()
         self._sync_thread = None
