@@ -407,6 +407,8 @@ class Agent(PeerDiagnosis):
             if self.store.get(keys.replace(self.ident.container, self.incarnation)) is not None:
                 self.fence()
             log.info("generation %d as rank %d of %d", self.gen, self.ident.rank, self.ident.world_size)
+            if self.ident.rank == 0 and self.gen >= 2:
+                self.store.delete_prefixes(keys.spent(self.gen - 2))
             self.spawn(self.gen)
             return State.RUNNING
         if state is State.RUNNING:

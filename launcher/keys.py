@@ -113,6 +113,15 @@ def stall(gen, rank):
     return f"gen/{gen:04d}/stall/{rank:05d}"
 
 
+def spent(gen):
+    """The prefixes of generation `gen`'s keys no one reads once generation gen+2 forms
+    (launcher.retries compares a generation's failure with the one before it): all but its
+    abort and formed records, which say what happened (restarts, the time the world first
+    formed). Removed, so that the store, which every poll reads, does not grow with restarts."""
+    return tuple(f"gen/{gen:04d}/{p}" for p in ("port", "master", "joined/", "incarnation/", "finished/",
+                                                 "waiting/", "stall/", "error/"))
+
+
 def done(container):
     """Written by an agent whose rank finished successfully."""
     return f"done/{container}"

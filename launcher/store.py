@@ -36,6 +36,11 @@ class Store(abc.ABC):
     def delete(self, key):
         """Remove key if present."""
 
+    def delete_prefixes(self, prefixes):
+        """Remove every key under any of `prefixes`."""
+        for key in self.snapshot(prefixes=prefixes):
+            self.delete(key)
+
     def snapshot(self, prefixes=(), keys=()):
         """{key: value} of every key under any of `prefixes` and of each of `keys` that exists,
         read in ONE call (on skein one RPC: a transaction of reads), so that a poller's store
@@ -249,6 +254,10 @@ class SkeinStore(Store):
 
     def delete(self, key):
         self.app.kv.discard(key)
+
+    def delete_prefixes(self, prefixes):
+        ops = self._skein.kv
+        self.app.kv.transaction(on_success=[ops.discard_prefix(p) for p in prefixes])     # one RPC
 
 
 def from_env(environ=None):

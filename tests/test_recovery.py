@@ -245,6 +245,11 @@ def test_crashes_while_checkpointing_resume_from_the_newest_complete_one(referen
     assert _equal(final_weights(job), reference["allreduce"])
     steps = sorted(os.listdir(os.path.join(job["checkpoint"]["uri"], run.app_id)))
     assert steps == ["application.json", "final", "step-00000020", "step-00000030", "step-00000040"], steps
+    # the store does not grow with restarts (each poll reads it): of a generation two back,
+    # only what happened is kept (its abort and formed records)
+    kept = store_of(run).get_prefix(keys.ABORT_PREFIX)
+    assert {k for k in kept if k < "gen/0002/"} == {f"gen/{g:04d}/{k}" for g in (0, 1) for k in ("abort", "formed")}
+    assert "gen/0002/joined/00001" in kept and "gen/0003/incarnation/00002" in kept, sorted(kept)
     assert_nothing_left(run.app_id)
 
 
