@@ -12,6 +12,7 @@ import time
 import pytest
 import yaml
 
+import conf
 import yarnapp
 from yarnapp.backends.local.engine import LocalBackend
 from util import app_id_from, apps, assert_nothing_left, write_job
@@ -156,6 +157,35 @@ def test_python_api_submit_and_wait(yarnapp_home):
         yarnapp.submit({"name": "x", "groups": [{"name": "a", "instances": 0}], "run": {"function": "a:b"}})
     raw = json.load(open(os.path.join(st["app_dir"], "job.json")))
     assert raw["groups"][1]["vcores"] == 0.5
+
+
+def test_a_status_while_another_submit_starts_its_supervisor_leaves_it_accepted(yarnapp_home, monkeypatch):
+    """Another user's `yarnapp list` between an application's app.json and its supervisor's
+    record (a loaded machine's fork takes seconds) found no master and no supervisor, and
+    ended it FAILED ("the application master died"), which it then left for RUNNING."""
+    import threading
+    started = threading.Event()
+    popen = subprocess.Popen
+
+    def slow(argv, **kw):
+        if "yarnapp.backends.local.supervisor" in argv:
+            started.set()
+            time.sleep(2)
+        return popen(argv, **kw)
+    monkeypatch.setattr(subprocess, "Popen", slow)
+    backend = LocalBackend()
+    out = {}
+    t = threading.Thread(target=lambda: out.update(app=backend.submit(conf.load_job(yaml.safe_load(open(HELLO))))))
+    t.start()
+    try:
+        assert started.wait(30)
+        [app] = apps(yarnapp_home)
+        assert backend.status(app)["state"] == "ACCEPTED"
+    finally:
+        t.join()
+    st = yarnapp.Run(out["app"]).wait(timeout=120)
+    assert st["state"] == "SUCCEEDED", st
+    assert_nothing_left(out["app"])
 
 
 def test_ctrl_c_while_submit_copies_the_files_leaves_no_application(yarnapp_home, tmp_path):

@@ -192,13 +192,16 @@ class LocalBackend(Backend):
             FileStore(os.path.join(d, "store"))
             env = dict(os.environ, PYTHONUNBUFFERED="1", YARNAPP_UMASK=f"{old:o}")     # the job's code runs under it
             env.pop("YARNAPP_APP_ID", None)     # the supervisor is not a process of the application
+            # Until its supervisor is started, this process stands for it: a status meanwhile (another
+            # user's `yarnapp list`) found neither and ended the application FAILED, for a moment.
+            supervisor.write_record(d, {"pid": os.getpid(), "attempts": []})
             with interrupts.deferred():     # a supervisor started is a supervisor recorded
                 with open(os.path.join(d, "supervisor.log"), "ab") as out:
                     proc = subprocess.Popen([sys.executable, "-m", "yarnapp.backends.local.supervisor", d],
                                             env=env, cwd=d, stdin=subprocess.DEVNULL, stdout=out,
                                             stderr=subprocess.STDOUT, start_new_session=True, umask=0o077)
-                with open(supervisor.record_path(d), "w") as f:     # known before it writes it itself
-                    json.dump({"pid": proc.pid, "attempts": []}, f)
+                if (read_json(supervisor.record_path(d)) or {}).get("pid") == os.getpid():    # not yet its own
+                    supervisor.write_record(d, {"pid": proc.pid, "attempts": []})
         except BaseException:
             # Ctrl-C or a failure (a disk full while copying the files) part way: nothing is
             # left, neither half-written nor started.

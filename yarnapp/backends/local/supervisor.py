@@ -49,6 +49,14 @@ def record_path(app_dir):
     return os.path.join(app_dir, RECORD)
 
 
+def write_record(app_dir, record):
+    """The supervisor's record, replaced whole (a reader never sees it half-written)."""
+    tmp = record_path(app_dir) + f".{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, record_path(app_dir))
+
+
 def alive(app_dir):
     """Whether the application's supervisor runs (it outlives a dead AM while it restarts one)."""
     pid = (read_json(record_path(app_dir)) or {}).get("pid")
@@ -96,10 +104,7 @@ class Supervisor:
         self.attempts = []
 
     def save(self):
-        tmp = record_path(self.dir) + f".{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({"pid": os.getpid(), "am_attempts": self.job.am_attempts, "attempts": self.attempts}, f)
-        os.replace(tmp, record_path(self.dir))
+        write_record(self.dir, {"pid": os.getpid(), "am_attempts": self.job.am_attempts, "attempts": self.attempts})
 
     def on_signal(self, signum, frame):
         if not self.stopping:
