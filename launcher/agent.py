@@ -102,6 +102,7 @@ class Agent(PeerDiagnosis):
         self.log_path = os.environ.get("YARNAPP_LOG") or _yarn_log(ident.group)
         self.members = ident.job.ranks()
         self.cgroup = memory.own_cgroup()          # to tell a memory kill from any SIGKILL
+        self.held = memory.Held(os.getpid())       # ... and, on YARN, from any SIGTERM (sampled in monitor)
         self.group_index = next(i for i, g in enumerate(ident.job.groups) if g.name == ident.group)
         self.peers = beats.Watch(self.members, ident.container, ident.job.launcher.heartbeat_timeout)
         self.formed_seen = None          # when this agent first saw this generation's world formed
@@ -242,6 +243,8 @@ class Agent(PeerDiagnosis):
                                             error=err.error, phase=err.phase, input_error=err.input_error,
                                             repeats=err.repeats, certain=err.certain,
                                             reason=f"rank {rank} ({me}) {what}{line}" + self.network_note())
+            if self.ident.backend == "yarn":
+                self.held.sample()
             seen = self.observe(gen)
             if self.formed_seen is None and keys.formed(gen) in seen:
                 self.formed_seen = time.monotonic()
@@ -473,15 +476,22 @@ def main():
 
     def on_term(signum, frame):
         # The resource manager stops a container with SIGTERM (preemption, decommission,
-        # `yarnapp kill`): say so, so that this generation's end does not spend the budget.
+        # `yarnapp kill`): say so, so that this generation's end does not spend the budget;
+        # unless YARN's NodeManager stopped it for its memory (it stops those the same way).
+        over = None
+        if signum == signal.SIGTERM and ident.backend == "yarn":     # (the local engine's limit: its cgroup)
+            over = memory.stopped_for_memory(agent.held.peak(), agent.job.groups[agent.group_index].memory,
+                                             agent.group_index)
         agent.kill_child()
         if agent.store.get(keys.replace(ident.container, agent.incarnation)) is not None:
             os._exit(exitcodes.signalled(signum))    # replaced as frozen: the peers said why
         try:
             gen = current_generation(agent.store)
-            agent.store.put_if_absent(keys.abort(gen), Failure(
+            agent.store.put_if_absent(keys.abort(gen), (Failure(
+                kind=Kind.OOM.value, container=ident.container, rank=ident.rank, phase=agent._phase,
+                reason=f"rank {ident.rank} ({ident.container}) {over}") if over else Failure(
                 kind=Kind.EXTERNAL.value, container=ident.container, rank=ident.rank, external=True,
-                reason=f"container {ident.container} was stopped by the resource manager (SIGTERM)"
+                reason=f"container {ident.container} was stopped by the resource manager (SIGTERM)")
             ).stamped(generation=gen).dumps())
         finally:
             os._exit(exitcodes.signalled(signum))

@@ -7,10 +7,13 @@ OOM killer SIGKILLs a process of it, and the cgroup counts it: `memory.oom_contr
 cgroup from /proc/self/cgroup, so the agent can tell "killed by signal 9" from "killed
 for exceeding its memory limit" and say which limit to raise.
 """
+import collections
 import os
 import re
+import time
 
 from . import exitcodes
+from .procs import resident_bytes
 
 ROOT = "/sys/fs/cgroup/memory"
 
@@ -56,6 +59,43 @@ def killed_for_memory(before, after, container, group_index):
         return None
     return (f"{container} exceeded its memory limit of {mib(after['limit'])} MiB "
             f"(peak {mib(after['peak'])} MiB): raise groups[{group_index}].memory")
+
+
+class Held:
+    """What a container's processes held (resident memory, as YARN's NodeManager adds it up)
+    at most over the last WINDOW_S seconds, sampled at most once a second (`sample`, from
+    the agent's polls): at a SIGTERM the rank may be gone already (the NodeManager signals
+    the container's whole process group), and what it held is what the NodeManager counted."""
+    WINDOW_S = 10.0
+
+    def __init__(self, pid):
+        self.pid, self.samples = pid, collections.deque()
+
+    def sample(self, force=False):
+        now = time.monotonic()
+        if force or not self.samples or now - self.samples[-1][0] >= 1.0:
+            held = resident_bytes(self.pid)
+            if held is not None:
+                self.samples.append((now, held))
+        while self.samples and now - self.samples[0][0] > self.WINDOW_S:
+            self.samples.popleft()
+
+    def peak(self):
+        self.sample(force=True)
+        return max((held for _, held in self.samples), default=None)
+
+
+def stopped_for_memory(held, asked_mib, group_index):
+    """At a SIGTERM on YARN: the phrase naming a container stopped for its memory, or None.
+    The NodeManager's memory check adds up the resident memory of the container's processes
+    every few seconds and stops one above its allocation as it stops any container (a
+    preemption spends no restart: one stopped for its memory would be retried for ever). A
+    container holding more than its group's `memory` (`held` bytes) was stopped for it:
+    'was stopped by YARN holding H MiB, above its memory of M MiB ...: raise groups[i].memory'."""
+    if held is None or held <= asked_mib * 2**20:
+        return None
+    return (f"was stopped by YARN holding {mib(held)} MiB, above its memory of {asked_mib} MiB "
+            f"(the NodeManager's memory check): raise groups[{group_index}].memory")
 
 
 def resident(cgroup):

@@ -1,5 +1,5 @@
 """Process helpers the container side and the client share: a child that dies with the
-process that started it, and a process's state as the kernel shows it."""
+process that started it, and a process's state and use as the kernel shows them."""
 import ctypes
 import signal
 
@@ -38,6 +38,23 @@ def cpu_seconds(pid):
             try:
                 c = child.cpu_times()
                 total += c.user + c.system
+            except psutil.Error:
+                continue
+        return total
+    except psutil.Error:
+        return None
+
+
+def resident_bytes(pid):
+    """Resident memory of a process and its live descendants (what YARN's NodeManager adds
+    up for its memory check), or None where it is gone."""
+    import psutil
+    try:
+        p = psutil.Process(pid)
+        total = p.memory_info().rss
+        for child in p.children(recursive=True):
+            try:
+                total += child.memory_info().rss
             except psutil.Error:
                 continue
         return total

@@ -131,6 +131,27 @@ def test_a_container_its_nodemanager_killed_for_memory_is_named_with_its_limit(c
     assert cluster.hadoop.container_pids(app_of(proc.stdout), wait_s=30) == []
 
 
+def test_a_container_of_several_stopped_for_memory_spends_restarts_and_is_named(cluster, tmp_path):
+    """The NodeManager stops a container over its memory with SIGTERM, as it stops one it
+    preempts: its agent took it for a preemption ("stopped by the resource manager"), which
+    spends no restart, and the job was retried for ever. It now sees its container holds more
+    than its group's memory, and names it; killed so twice in a row, it is not retried."""
+    script = tmp_path / "hog.py"
+    script.write_text("import os, time\nif os.environ['RANK'] == '1':\n    x = bytearray(900 * 2**20)\n"
+                      "    for i in range(0, len(x), 4096):\n        x[i] = 1\ntime.sleep(120)\n")
+    job = write(tmp_path / "hog2.yaml", hello_job(
+        name="hog2", max_restarts=3, groups=[{"name": "a", "instances": 1, "vcores": 1, "memory": "1 GiB", "env": ENV},
+                                             {"name": "w", "instances": 1, "vcores": 1, "memory": "512 MiB", "env": ENV}],
+        run={"script": str(script), "files": [str(script)]}))
+    proc = cluster.cli("submit", job, "--wait", timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    err = proc.stderr.strip().splitlines()[-1]
+    assert re.search(r"FAILED after 2 attempt\(s\): rank 1 \(w_\d\) was stopped by YARN holding \d+ MiB, above its "
+                     r"memory of 512 MiB \(the NodeManager's memory check\): raise groups\[1\]\.memory; .*killed for "
+                     r"memory in two attempts in a row", err), err
+    assert cluster.hadoop.container_pids(app_of(proc.stdout), wait_s=30) == []
+
+
 def test_a_failed_application_ends_failed_once_not_run_again_by_a_second_master_attempt(cluster, shell, tmp_path):
     """skein ends a master shut down FAILED without unregistering while attempts are left
     (am_attempts: 2), and YARN started the whole application again: its code ran twice, and
