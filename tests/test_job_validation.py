@@ -265,6 +265,27 @@ def test_a_model_of_the_users_own_that_its_strategy_cannot_run_is_refused_before
         assert apps(yarnapp_home) == []
 
 
+def test_a_conv_with_fewer_kernels_than_ranks_stays_whole_or_is_refused_by_its_field(tmp_path, cli, yarnapp_home,
+                                                                                     digits):
+    """conv1 of 2 kernels on 3 ranks: conv-MP's layers (every one that can be split) took it,
+    and every rank failed at the first step with proportional_split's ValueError and its
+    traceback, max_restarts + 1 times. It stays whole on the master now; named in `layers`,
+    it is refused at submit."""
+    from training.models import build_model
+    from training.strategies.conv_mp.strategy import select_layers
+    assert select_layers(build_model("digits_cnn", (1, 8, 8), 10, {"conv1": 2}), None, ranks=3) == ["conv2"]
+    raw = {"name": "few", "groups": [{"name": "w", "instances": 3, "vcores": 0.5, "memory": "512 MiB"}],
+           "training": {"data": {"train": os.path.join(digits, "train")}, "model": "digits_cnn",
+                        "model_options": {"conv1": 2}, "strategy": {"name": "conv_model_parallel", "layers": ["conv1"]}}}
+    job = tmp_path / "few.yaml"
+    job.write_text(yaml.safe_dump(raw))
+    proc = cli("submit", job, "--dry-run", timeout=60)
+    assert proc.returncode == 1 and proc.stderr == (
+        f"Error: {job}: training.strategy.layers: conv1: its 2 kernel(s) cannot give each of 3 ranks one; leave it "
+        f"out (the layers that can be split: ['conv2'])\n"), proc.stderr
+    assert apps(yarnapp_home) == []
+
+
 def test_images_that_would_come_out_in_other_sizes_are_refused_before_anything_starts(tmp_path, cli, yarnapp_home,
                                                                                          digits):
     """A crop larger than digits' 8x8 images in training.data.augment alone, and a test set of

@@ -300,7 +300,7 @@ def check_strategy(job, found, shipment, where=None):
                 return
             from training.strategies.conv_mp.calibrate import conv_shapes
             from training.strategies.conv_mp.strategy import select_layers
-            conv_shapes(model, shape, 1, select_layers(model, t.strategy.layers, f"model {t.model!r}"))
+            conv_shapes(model, shape, 1, select_layers(model, t.strategy.layers, f"model {t.model!r}", job.world_size))
     except (StrategyError, PartitionError) as e:
         field = "" if str(e).startswith("training.") else "training.strategy: "
         raise YarnappError(f"{pre}{field}{e}") from None

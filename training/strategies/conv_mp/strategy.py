@@ -73,14 +73,16 @@ def _set_module(model, name, module):
     setattr(model.get_submodule(parent) if parent else model, attr, module)
 
 
-def select_layers(model, wanted, what="the model"):
-    """The names of the Conv2d layers of `model` to distribute, in model order: `wanted`
-    (training.strategy.layers), else every one DistributedConv2d can split (the others
-    logged). StrategyError, one line naming the field, for a name that is not a Conv2d of
-    the model or one that cannot be split, and where nothing is left to distribute. The
-    client checks it at submit too (yarnapp.preflight.check_strategy)."""
+def select_layers(model, wanted, what="the model", ranks=1):
+    """The names of the Conv2d layers of `model` to distribute over `ranks`, in model order:
+    `wanted` (training.strategy.layers), else every one DistributedConv2d can split (the
+    others logged), which has a kernel for each rank. StrategyError, one line naming the
+    field, for a name that is not a Conv2d of the model or one that cannot be split, and
+    where nothing is left to distribute. The client checks it at submit too
+    (yarnapp.preflight.check_strategy)."""
     convs = {n: m for n, m in model.named_modules() if isinstance(m, nn.Conv2d)}
-    why = {n: why_not_distributable(m) for n, m in convs.items()}
+    why = {n: why_not_distributable(m) or (f"its {m.out_channels} kernel(s) cannot give each of {ranks} ranks one"
+                                           if m.out_channels < ranks else None) for n, m in convs.items()}
     if wanted is None:
         names = [n for n in convs if why[n] is None]
         for n in sorted(set(convs) - set(names)):
@@ -178,7 +180,7 @@ class ConvModelParallelStrategy(Strategy):
         # else: sharded by the first train/eval step, once the batch shows the input shape
 
     def _select_layers(self, model):
-        return select_layers(model, self.config.layers)
+        return select_layers(model, self.config.layers, ranks=self.world_size)
 
     def _calibrated_split(self, sample_shape):
         shapes = conv_shapes(self.model, sample_shape, self.spec.batch_size, self.names)
