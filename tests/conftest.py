@@ -35,7 +35,7 @@ def yarnapp_home(tmp_path, monkeypatch):
     take the CPUs of the tests after it."""
     home = tmp_path / "yarnapp-home"
     monkeypatch.setenv("YARNAPP_HOME", str(home))
-    monkeypatch.setenv("YARNAPP_GPU_LEDGER", str(tmp_path / "gpu-ledger" / "gpus.json"))  # not the machine's
+    monkeypatch.setenv("YARNAPP_LEDGER", str(tmp_path / "ledger" / "leases.json"))  # not the machine's
     yield home
     if (home / "apps").is_dir():
         from yarnapp.backends.base import TERMINAL

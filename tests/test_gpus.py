@@ -14,7 +14,7 @@ import pytest
 
 import yarnapp
 from util import assert_nothing_left
-from yarnapp.backends.local import gpus
+from yarnapp.backends.local import gpus, leases
 
 pytestmark = pytest.mark.e2e
 
@@ -68,7 +68,7 @@ def test_every_container_sees_only_its_own_gpus(two_fake_gpus, yarnapp_home):
     assert st["state"] == "SUCCEEDED", run.logs()
     assert st["final"]["visible"] == ["0", "1", ""]             # rank order: gpu_0, gpu_1, cpu_0
     assert {c["id"]: c["gpu_devices"] for c in st["containers"]} == {"gpu_0": [0], "gpu_1": [1], "cpu_0": []}
-    assert gpus.Leases().held() == {}                            # released at the end
+    assert leases.Leases().held() == {}                            # released at the end
     assert_nothing_left(run.app_id)
 
 
@@ -78,26 +78,26 @@ def test_gpus_are_leased_machine_wide_in_the_order_applications_asked(tmp_path, 
     while 1-GPU jobs submitted after it took each GPU freed). Real processes hold the leases."""
     import subprocess
     import sys
-    monkeypatch.delenv("YARNAPP_GPU_LEDGER", raising=False)
-    assert gpus.Leases().path == os.path.join(tempfile.gettempdir(), "yarnapp-gpus", "gpus.json")   # not the home's
+    monkeypatch.delenv("YARNAPP_LEDGER", raising=False)
+    assert leases.Leases().path == os.path.join(tempfile.gettempdir(), "yarnapp-leases", "leases.json")   # not the home's
     ledger = str(tmp_path / "ledger" / "gpus.json")
     two = [gpus.Gpu(0, "GPU-0", "x", 0), gpus.Gpu(1, "GPU-1", "x", 0)]
     masters = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(4)]
     try:
         a, b, c, d = (m.pid for m in masters)
-        mine, theirs = gpus.Leases(ledger), gpus.Leases(ledger)     # two engines (homes) of one machine
-        assert mine.acquire("app_a", 1, two, pid=a) == ([0], [], [])
-        assert theirs.acquire("app_big", 2, two, pid=b) == (None, ["app_a"], [])       # waits for 2
-        assert theirs.acquire("app_c", 1, two, pid=c) == (None, ["app_a"], ["app_big"])  # GPU 1 free, but in line
+        mine, theirs = leases.Leases(ledger), leases.Leases(ledger)     # two engines (homes) of one machine
+        assert mine.acquire("app_a", 1, two, pid=a) == ([0], [], [], [])
+        assert theirs.acquire("app_big", 2, two, pid=b) == (None, ["app_a"], [], ["gpus"])       # waits for 2
+        assert theirs.acquire("app_c", 1, two, pid=c) == (None, [], ["app_big"], [])  # GPU 1 free, but in line
         mine.release("app_a")
-        assert theirs.acquire("app_c", 1, two, pid=c) == (None, [], ["app_big"])
-        assert theirs.acquire("app_big", 2, two, pid=b) == ([0, 1], [], [])
-        assert theirs.acquire("app_c", 1, two, pid=c) == (None, ["app_big"], [])
+        assert theirs.acquire("app_c", 1, two, pid=c) == (None, [], ["app_big"], [])
+        assert theirs.acquire("app_big", 2, two, pid=b) == ([0, 1], [], [], [])
+        assert theirs.acquire("app_c", 1, two, pid=c) == (None, ["app_big"], [], ["gpus"])
         masters[1].kill()
         masters[1].wait()                            # its master died: its GPUs are free again
-        assert theirs.acquire("app_c", 1, two, pid=c) == ([0], [], [])
-        assert mine.acquire("app_d", 1, two, pid=d) == ([1], [], [])
-        assert mine.held() == {"app_c": [0], "app_d": [1]}
+        assert theirs.acquire("app_c", 1, two, pid=c) == ([0], [], [], [])
+        assert mine.acquire("app_d", 1, two, pid=d) == ([1], [], [], [])
+        assert mine.held() == {"app_c": {"gpus": [0], "memory": 0}, "app_d": {"gpus": [1], "memory": 0}}
     finally:
         for m in masters:
             m.kill()
@@ -112,7 +112,7 @@ def test_two_users_engines_share_the_machines_ledger():
     shared = tempfile.mkdtemp(prefix="yarnapp-test-")     # (pytest's tmp_path is the root's alone)
     os.chmod(shared, 0o1777)                               # as /tmp is
     try:
-        _three_users(os.path.join(shared, "yarnapp-gpus", "gpus.json"))
+        _three_users(os.path.join(shared, "yarnapp-leases", "leases.json"))
     finally:
         shutil.rmtree(shared, ignore_errors=True)
 
@@ -128,7 +128,7 @@ def _three_users(ledger):
             try:
                 os.setgid(uid)
                 os.setuid(uid)
-                got = list(gpus.Leases(ledger).acquire(f"app_{uid}", 1, two, pid=os.getppid()))
+                got = list(leases.Leases(ledger).acquire(f"app_{uid}", 1, two, pid=os.getppid()))
             except Exception as e:  # noqa: BLE001 - reported to the parent
                 got = repr(e)
             os.write(w, json.dumps(got).encode())
@@ -137,8 +137,9 @@ def _three_users(ledger):
         os.waitpid(pid, 0)
         with os.fdopen(r) as f:
             said.append(json.loads(f.read()))
-    assert said == [[[0], [], []], [[1], [], []], [None, ["app_1001", "app_1002"], []]], said
-    assert gpus.Leases(ledger).held() == {"app_1001": [0], "app_1002": [1]}
+    assert said == [[[0], [], [], []], [[1], [], [], []], [None, ["app_1001", "app_1002"], [], ["gpus"]]], said
+    assert leases.Leases(ledger).held() == {"app_1001": {"gpus": [0], "memory": 0},
+                                            "app_1002": {"gpus": [1], "memory": 0}}
 
 
 def test_asking_for_more_gpus_than_the_machine_has_is_refused_at_submit(two_fake_gpus, cli, tmp_path):
@@ -163,7 +164,7 @@ def _second_waits_for_the_first(gpus_each, env=None, third=False):
     first = _submit("first", [dict(group, env=dict(group["env"], HOLD_S="6"))])
     # its rank holds on 6 s: the GPU is still held when the second asks
     deadline = time.monotonic() + 60
-    while first.state != "RUNNING" or not gpus.Leases().held():
+    while first.state != "RUNNING" or not leases.Leases().held():
         assert time.monotonic() < deadline, first.logs()
         time.sleep(0.1)
     second = _submit("second", [group])

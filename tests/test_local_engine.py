@@ -65,6 +65,48 @@ def _sleeper(tmp_path, **extra):
         "run": {"script": script}, **extra})
 
 
+def test_an_application_whose_memory_others_hold_waits_in_line_and_runs_once_they_end(cli, yarnapp_home,
+                                                                                       tmp_path):
+    """Three applications asking for 60% of the machine's memory each (a cap per container,
+    not a reservation) ran side by side, the machine's memory promised three times over. As
+    a NodeManager would, the engine now leases memory: the second waits, saying for whom,
+    and a small third waits in line after it (it would keep the large one waiting for ever)."""
+    from yarnapp.backends.local.leases import machine_memory_mib
+    big = f"{int(machine_memory_mib() * 0.6)} MiB"
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobs", "sleeper.py")
+
+    def job(name, memory):
+        return write_job(tmp_path / f"{name}.yaml", {"name": name, "run": {"script": script}, "groups": [
+            {"name": "a", "instances": 1, "vcores": 0.5, "memory": memory}]})
+    first = cli("submit", job("first", big), check=0).stdout.strip()
+    _until(lambda: (yarnapp.status(first).get("progress") or {}).get(0))
+    second = cli("submit", job("second", big), check=0).stdout.strip()
+    third = cli("submit", job("third", "256 MiB"), check=0).stdout.strip()
+    try:
+        _until(lambda: yarnapp.status(third)["diagnostics"])
+        st2, st3 = yarnapp.status(second), yarnapp.status(third)
+        assert st2["state"] == "ACCEPTED" and re.fullmatch(
+            rf"waiting for \d+ MiB of memory \(this machine's \d+ MiB\): held by {first}", st2["diagnostics"]), st2
+        assert st3["state"] == "ACCEPTED" and st3["diagnostics"].endswith(
+            f": in line after {second}, which asked first"), st3
+        assert "waiting for" in cli("status", second, check=0).stdout
+        cli("kill", first, check=0)
+        _until(lambda: (yarnapp.status(second).get("progress") or {}).get(0))
+        _until(lambda: yarnapp.status(third)["state"] == "RUNNING")        # it fits beside the second
+    finally:
+        for app in (first, second, third):
+            cli("kill", app)
+    for app in (first, second, third):
+        assert_nothing_left(app)
+
+
+def _until(ready, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert time.monotonic() < deadline, "not ready in time"
+        time.sleep(0.2)
+
+
 def test_kill_leaves_nothing_running(cli, yarnapp_home, tmp_path):
     app = cli("submit", _sleeper(tmp_path), check=0).stdout.strip()
     run = yarnapp.Run(app)

@@ -25,7 +25,8 @@ from launcher.failure import Failure, Kind, current_generation, log_tail, spends
 from launcher.procs import die_with_parent
 from launcher.store import FileStore
 
-from . import cgroups, gpus, netem
+from . import cgroups, gpus, leases, netem
+from .leases import machine_memory_mib
 from .state import app_processes, kill_words, write_state
 
 log = logging.getLogger("yarnapp.am")
@@ -247,7 +248,7 @@ class ApplicationMaster:
         signal.signal(signal.SIGINT, self.on_signal)
         if self.attempt > 1:
             self.take_over()
-        if not self.start_network() or not self.lease_gpus():
+        if not self.start_network() or not self.lease():
             self.stopping = self.stopping or "FAILED"
             return self.shutdown()
         for c in self.containers:
@@ -291,23 +292,28 @@ class ApplicationMaster:
             time.sleep(0.05)
         self.shutdown()
 
-    def lease_gpus(self):
-        """Lease the job's GPUs and give each container its own; while another application
-        holds them, wait (ACCEPTED, saying for whom). False if stopped while waiting."""
+    def lease(self):
+        """Lease the job's GPUs (giving each container its own) and its memory from the
+        machine's ledger (yarnapp.backends.local.leases); while other applications hold what
+        it needs, wait (ACCEPTED, saying for whom). False if stopped while waiting."""
         want = [c.group.gpus for c in self.containers]
-        if not sum(want):
-            return True
-        leases = gpus.Leases()
+        memory = sum(c.group.memory for c in self.containers)
+        ledger, capacity = leases.Leases(), machine_memory_mib()
         while not self.stopping:
             # held for the application's supervisor, which outlives a master attempt: a
-            # restarted master finds its GPUs (or its place in line) still its own
-            got, holders, ahead = leases.acquire(self.app_id, sum(want), gpus.inventory(), pid=os.getppid())
+            # restarted master finds its lease (or its place in line) still its own
+            got, holders, ahead, short = ledger.acquire(self.app_id, sum(want), gpus.inventory() if sum(want) else [],
+                                                 memory=memory, capacity=capacity, pid=os.getppid())
             if got is not None:
                 for c, mine in zip(self.containers, gpus.split(got, want)):
                     c.gpus = mine
-                log.info("GPUs leased: %s", {c.id: c.gpus for c in self.containers if c.gpus})
+                if got:
+                    log.info("GPUs leased: %s", {c.id: c.gpus for c in self.containers if c.gpus})
                 return True
-            why = f"waiting for {sum(want)} GPU(s): " + "; ".join(
+            short = short or ["gpus" if sum(want) else "memory"]      # (in line: what those ahead wait for)
+            why = "waiting for " + " and ".join(
+                [f"{sum(want)} GPU(s)"] * ("gpus" in short)
+                + [f"{memory} MiB of memory (this machine's {capacity} MiB)"] * ("memory" in short)) + ": " + "; ".join(
                 ([f"held by {', '.join(holders)}"] if holders else []) +
                 ([f"in line after {', '.join(ahead)}, which asked first"] if ahead else []) or ["too few visible"])
             if why != self.diagnostics:
@@ -380,8 +386,7 @@ class ApplicationMaster:
         for c in self.containers:
             c.memory = c.memory_state() or c.memory       # its peak, before the cgroup goes
             c.limits.remove()
-        if any(c.group.gpus for c in self.containers):       # its lease, or its place in line
-            gpus.Leases().release(self.app_id)
+        leases.Leases().release(self.app_id)        # its lease, or its place in line
         cgroups.Limits.remove_app(self.app_id)
         failed = self.store.get(keys.FAILED)
         if self.state == "FAILED":

@@ -25,6 +25,7 @@ from ... import preflight, shipping
 from ...errors import YarnappError
 from ..base import TERMINAL, Backend
 from . import cgroups, gpus, netem, supervisor
+from .leases import machine_memory_mib
 from .state import apps_dir, home, read_json, request_kill, wait_ended, write_json
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ def _new_app_id():
 # The local engine is one NodeManager: the machine's memory, and YARN's default vcores
 # (yarn.nodemanager.resource.cpu-vcores: 8) or the machine's cores where it has more. A CPU
 # quota is a cap, so containers may share the cores (1 + 0.5 + 0.5 + 1 on 2 cores); memory
-# is not shared, as on YARN.
+# is not shared, as on YARN: the applications running hold it (leases.py), the others wait.
 NODE_VCORES = 8
 
 
@@ -46,7 +47,7 @@ def check_resources(job, where="job"):
     container larger than the machine, or containers that together ask for more than it
     offers (YARN would wait for ever for the rest of the world's containers)."""
     cores = os.cpu_count() or 1
-    mem_mib = psutil.virtual_memory().total // 2**20
+    mem_mib = machine_memory_mib()
     node_vcores = max(cores, NODE_VCORES)
     want = sum(g.gpus * g.instances for g in job.groups)
     have = gpus.inventory() if want else []
