@@ -293,6 +293,7 @@ def test_a_failed_application_says_how_to_go_on_from_its_last_checkpoint(digits,
     line = proc.stderr.strip().splitlines()[-1]
     app = line.split()[1]
     assert "FAILED after 2 attempt(s)" in line and "exited with status 99" in line, line
+    assert "\nresumed from the checkpoint of step 10\n" in proc.stderr, proc.stderr     # (its restart)
     again = f"yarnapp submit {path} --resume {app}"
     assert line.endswith(f"; its last complete checkpoint is step 10: `{again}` goes on from it"), line
     from_notebook = yarnapp.Run(app).failure_message()          # a handle from its id alone, in any kernel
@@ -305,6 +306,12 @@ def test_a_failed_application_says_how_to_go_on_from_its_last_checkpoint(digits,
     run2 = yarnapp.Run(app2)
     wait_step(run2, rank=0, step=23)
     assert _resumed(run2) == [10], run2.logs()["big_0"][-2000:]
+    import io
+
+    from yarnapp.progress import Progress
+    said = io.StringIO()
+    Progress(run2, file=said).update(run2.status())         # what submit --wait says as it starts
+    assert f"resumed from the checkpoint of step 10 of {app}\n" in said.getvalue(), said.getvalue()
     # `yarnapp kill` says where it can go on from; run from another directory, the command
     # goes back to the one it was submitted from (the job's relative paths are from there)
     import subprocess

@@ -102,6 +102,9 @@ class Runner:
         self.last_ckpt_time = time.monotonic()
         self.cgroup = memory.own_cgroup()
         self.rss_peak = 0
+        # in every progress record: what this run went on from (submit --wait says it as it starts)
+        self.resumed = {"resumed_from": self.start_step, "resumed_app": self.ckpt.resumed_app or ctx.app_id} \
+            if self.start_step else {}
 
     def _hparams(self):
         s = self.spec
@@ -222,7 +225,7 @@ class Runner:
                              f"time/step/{g}": wall, f"time/data_wait_pct/{g}": 100 * w / max(wall, 1e-9)})
             scal.update(self.strategy.scalars())
             self.tb.scalars(step, scal)
-        self.ctx.report(**rec)
+        self.ctx.report(**rec, **self.resumed)
         return rec
 
     # -- the loop -------------------------------------------------------------
@@ -232,7 +235,7 @@ class Runner:
         t_start = time.perf_counter()
         window = dict.fromkeys(("steps", "loss", "correct", "samples", "compute", "comm", "wait", "wall"), 0.0)
         totals = dict.fromkeys(("samples", "wait", "wall"), 0.0)
-        ctx.report(step=step, total_steps=self.total_steps, epoch=self.epochs(step))
+        ctx.report(step=step, total_steps=self.total_steps, epoch=self.epochs(step), **self.resumed)
         t_prev = time.perf_counter()
         rec = {}
         for _, s, x, y in self.loader:
@@ -290,7 +293,7 @@ class Runner:
         ctx.report(step=step, total_steps=self.total_steps, epoch=self.epochs(step),
                    **{k: v for k, v in rec.items() if k in ("loss", "accuracy")},
                    **{f"test_{k}": v for k, v in ev.items() if k in ("loss", "accuracy")},
-                   **{k: final[k] for k in ("samples_per_s",) if k in final}, **self.resources())
+                   **{k: final[k] for k in ("samples_per_s",) if k in final}, **self.resources(), **self.resumed)
         ctx.final(**final)
         return final
 

@@ -21,7 +21,8 @@ SHOWN = ("epoch", "loss", "accuracy", "test_loss", "test_accuracy", "samples_per
 
 HIDDEN = ("rank", "time", "generation", "step", "total_steps",    # said otherwise, or not metrics
           "data_read_mb", "data_rereads", "data_blocks_peak_mib", "memory_limit_mib", "memory_peak_mib",
-          "container_rss_peak_mib", "rss_peak_mib")     # the runner's resource counters (yarnapp status)
+          "container_rss_peak_mib", "rss_peak_mib",     # the runner's resource counters (yarnapp status)
+          "resumed_from", "resumed_app")                # said once (Progress.update)
 
 
 def _shown(record):
@@ -150,6 +151,11 @@ class Progress:
         self._notices(st)
         self._rank0_output(st)
         p = (st.get("progress") or {}).get(0)
+        if p and p.get("resumed_from"):         # (the final line says it too: too late to learn it)
+            app = p.get("resumed_app")
+            self.say(f"resumed {app} {p['resumed_from']} {len(st.get('restarts') or [])}",
+                     f"resumed from the checkpoint of step {p['resumed_from']}"
+                     + (f" of {app}" if app and app != self.run.app_id else ""))
         if p and ("step" not in p or not self.tty):
             # One plain line per new progress record: not a terminal (CI, a log file), or a
             # report without a step (say training.dist's report(epoch=..., loss=...): no bar).
