@@ -145,7 +145,8 @@ def test_kill_leaves_nothing_running(cli, yarnapp_home, tmp_path):
     assert yarnapp.status(app)["state"] == "KILLED"
     again = cli("kill", app, check=0)           # (said "KILLED" again, as if it had done it)
     assert again.stdout.strip() == f"{app} had already ended KILLED; nothing to kill", again.stdout
-    out, _ = follow.communicate(timeout=60)
+    out, said = follow.communicate(timeout=60)
+    assert said.strip().splitlines()[-1] == f"{app} was killed", said         # how it ended (it said nothing)
     first = {c: open(p).readline().rstrip("\n") for c, p in LocalBackend().log_paths(app).items()}
     for c in ("a_0", "b_0"):
         assert f"{c}| {first[c]}" in out.splitlines(), (first[c], out[:500])

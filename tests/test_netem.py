@@ -265,8 +265,8 @@ def test_without_the_capabilities_submit_says_so_plainly(yarnapp_home):
 def test_netem_command_errors_in_one_line(cli, yarnapp_home, tmp_path):
     proc = cli("netem", "app_20260101_000000_abc123", "--node", "1", "--cut")
     assert proc.returncode == 1
-    assert proc.stderr.strip() == ("Error: no application 'app_20260101_000000_abc123' on the local engine; "
-                                   "`yarnapp list` shows them")
+    assert proc.stderr.strip() == (f"Error: no application 'app_20260101_000000_abc123' on the local engine in "
+                                   f"{yarnapp_home} (YARNAPP_HOME); `yarnapp list` shows its applications")
     if netem.unavailable_reason():
         proc = cli("submit", HELLO, "--nodes", "2")
         assert proc.returncode == 1 and "network.nodes (given as --nodes 2): emulated nodes need root" in proc.stderr

@@ -156,7 +156,8 @@ def cmd_logs(args):
             for line in new.splitlines():
                 _p(f"{cid}| {line}")
             printed[cid] = text
-        if ended:
+        if ended:           # how it ended, as submit --wait says it (the logs alone do not)
+            _p(run.failure_message() or f"{args.app} {run.state}", file=sys.stderr)
             return 0
         time.sleep(0.5)
 

@@ -26,7 +26,7 @@ from ...errors import YarnappError
 from ..base import TERMINAL, Backend
 from . import cgroups, gpus, netem, supervisor
 from .leases import machine_memory_mib
-from .state import apps_dir, home, read_json, request_kill, wait_ended, write_json
+from .state import apps_dir, home, no_application, read_json, request_kill, wait_ended, write_json
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ class LocalBackend(Backend):
     def _dir(self, app_id):
         d = os.path.join(apps_dir(), app_id)
         if not os.path.isfile(os.path.join(d, "app.json")):
-            raise YarnappError(f"no application {app_id!r} on the local engine; `yarnapp list` shows them")
+            raise YarnappError(no_application(app_id))
         return d
 
     def job_of(self, app_id):
@@ -307,11 +307,11 @@ class LocalBackend(Backend):
     def list(self):
         out = []
         root = apps_dir()
-        for app_id in sorted(os.listdir(root) if os.path.isdir(root) else (), reverse=True):
+        for app_id in os.listdir(root) if os.path.isdir(root) else ():
             if os.path.isfile(os.path.join(root, app_id, "app.json")):
                 st = self.status(app_id)
                 out.append({k: st.get(k) for k in ("app_id", "name", "state", "submitted", "diagnostics")})
-        return out
+        return sorted(out, key=lambda a: (a["submitted"] or 0, a["app_id"]), reverse=True)     # (ids: to the second)
 
     def remove(self, app_id):
         shutil.rmtree(self._dir(app_id))

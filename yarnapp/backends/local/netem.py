@@ -359,10 +359,10 @@ class Network:
 def for_app(app_id):
     """The Network of a local application, from its job (for `yarnapp netem`)."""
     import conf
-    from .state import apps_dir, read_json
+    from .state import apps_dir, no_application, read_json
     job = read_json(os.path.join(apps_dir(), app_id, "job.json"))
     if job is None:
-        raise NetemError(f"no application {app_id!r} on the local engine; `yarnapp list` shows them")
+        raise NetemError(no_application(app_id))
     spec = conf.load_job(job)
     if not spec.network.nodes:
         raise NetemError(f"application {app_id} has no emulated nodes (its job has no network.nodes)")

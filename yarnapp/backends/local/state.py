@@ -26,6 +26,13 @@ def apps_dir():
     return os.path.join(home(), "apps")
 
 
+def no_application(app_id):
+    """The line for an application id not in this home (another user's, or another
+    YARNAPP_HOME's, is not found here)."""
+    return (f"no application {app_id!r} on the local engine in {home()} (YARNAPP_HOME); `yarnapp list` shows "
+            f"its applications")
+
+
 def write_json(path, obj):
     """Write whole or not at all (a temporary file renamed): a reader never sees half of it."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.tmp")
