@@ -160,9 +160,9 @@ def test_failed_rank_names_container_exit_status_and_log(cli, yarnapp_home, tmp_
     """The failed rank's log tail follows its line; rank 0's output, shown as it came, is not
     shown again (its traceback showed twice)."""
     bad = tmp_path / "boom.py"
-    bad.write_text("import os, sys\nfrom training.context import current\n"
-                   "ctx = current()\nif ctx.rank == int(sys.argv[1]):\n    print('boom on purpose', flush=True)\n"
-                   "    sys.exit(7)\nimport time\ntime.sleep(60)\n")
+    bad.write_text("import os, sys\nfrom training.context import current\n"      # (training: no setup grace)
+                   "ctx = current()\nctx.report(step=0)\nif ctx.rank == int(sys.argv[1]):\n"
+                   "    print('boom on purpose', flush=True)\n    sys.exit(7)\nimport time\ntime.sleep(60)\n")
     job = write_job(tmp_path / "boom.yaml", {
         "name": "boom", "max_restarts": 0,
         "groups": [{"name": "w", "instances": 2, "vcores": 0.5, "memory": "256 MiB"}],
@@ -202,7 +202,7 @@ def test_python_api_submit_and_wait(yarnapp_home):
     assert raw["groups"][1]["vcores"] == 0.5
 
 
-def test_a_status_while_another_submit_starts_its_supervisor_leaves_it_accepted(yarnapp_home, monkeypatch):
+def test_a_status_while_another_submit_starts_its_supervisor_leaves_it_accepted(yarnapp_home, monkeypatch, tmp_path):
     """Another user's `yarnapp list` between an application's app.json and its supervisor's
     record (a loaded machine's fork takes seconds) found no master and no supervisor, and
     ended it FAILED ("the application master died"), which it then left for RUNNING."""
@@ -218,7 +218,10 @@ def test_a_status_while_another_submit_starts_its_supervisor_leaves_it_accepted(
     monkeypatch.setattr(subprocess, "Popen", slow)
     backend = LocalBackend()
     out = {}
-    t = threading.Thread(target=lambda: out.update(app=backend.submit(conf.load_job(yaml.safe_load(open(HELLO))))))
+    (tmp_path / "hi.py").write_text("print('hi')\n")
+    job = conf.load_job({"name": "hi", "groups": [{"name": "w", "instances": 1, "vcores": 1, "memory": "256 MiB"}],
+                         "run": {"script": str(tmp_path / "hi.py")}})
+    t = threading.Thread(target=lambda: out.update(app=backend.submit(job)))
     t.start()
     try:
         assert started.wait(30)

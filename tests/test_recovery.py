@@ -255,7 +255,7 @@ def test_crashes_while_checkpointing_resume_from_the_newest_complete_one(referen
 
 def test_a_rank_that_always_fails_spends_the_budget_then_fails(tmp_path, cli, yarnapp_home):
     script = tmp_path / "fail.py"
-    script.write_text("import sys\nfrom training.context import current\n"
+    script.write_text("import sys\nfrom training.context import current\ncurrent().report(step=0)\n"   # (training)
                       "if current().rank == 1:\n    sys.exit(5)\nimport time\ntime.sleep(120)\n")
     job = tmp_path / "fail.yaml"
     import yaml

@@ -137,7 +137,8 @@ def test_a_container_of_several_stopped_for_memory_spends_restarts_and_is_named(
     spends no restart, and the job was retried for ever. It now sees its container holds more
     than its group's memory, and names it; killed so twice in a row, it is not retried."""
     script = tmp_path / "hog.py"
-    script.write_text("import os, time\nif os.environ['RANK'] == '1':\n    x = bytearray(900 * 2**20)\n"
+    script.write_text("import os, time\nfrom training.context import current\ncurrent().report(step=0)\n"
+                      "if os.environ['RANK'] == '1':\n    x = bytearray(900 * 2**20)\n"
                       "    for i in range(0, len(x), 4096):\n        x[i] = 1\ntime.sleep(120)\n")
     job = write(tmp_path / "hog2.yaml", hello_job(
         name="hog2", max_restarts=3, groups=[{"name": "a", "instances": 1, "vcores": 1, "memory": "1 GiB", "env": ENV},
