@@ -248,6 +248,8 @@ class Agent(PeerDiagnosis):
             seen = self.observe(gen)
             if self.formed_seen is None and keys.formed(gen) in seen:
                 self.formed_seen = time.monotonic()
+                if rank == 0 and gen >= 2:      # every agent has left generation gen - 2 (keys.spent)
+                    self.store.delete_prefixes(keys.spent(gen - 2))
             if keys.FAILED in seen:
                 return Outcome.OTHER, None
             abort = Failure.load(seen.get(keys.abort(gen)))
@@ -410,8 +412,6 @@ class Agent(PeerDiagnosis):
             if self.store.get(keys.replace(self.ident.container, self.incarnation)) is not None:
                 self.fence()
             log.info("generation %d as rank %d of %d", self.gen, self.ident.rank, self.ident.world_size)
-            if self.ident.rank == 0 and self.gen >= 2:
-                self.store.delete_prefixes(keys.spent(self.gen - 2))
             self.spawn(self.gen)
             return State.RUNNING
         if state is State.RUNNING:
@@ -480,8 +480,11 @@ def main():
         # unless YARN's NodeManager stopped it for its memory (it stops those the same way).
         over = None
         if signum == signal.SIGTERM and ident.backend == "yarn":     # (the local engine's limit: its cgroup)
-            over = memory.stopped_for_memory(agent.held.peak(), agent.job.groups[agent.group_index].memory,
-                                             agent.group_index)
+            try:
+                over = memory.stopped_for_memory(agent.held.peak(), agent.job.groups[agent.group_index].memory,
+                                                 agent.group_index, int(os.environ.get("YARNAPP_MEMORY_STEP_MB", 1024)))
+            except Exception:  # noqa: BLE001 - the abort record below matters more than its words
+                log.exception("could not tell whether this container was over its memory")
         agent.kill_child()
         if agent.store.get(keys.replace(ident.container, agent.incarnation)) is not None:
             os._exit(exitcodes.signalled(signum))    # replaced as frozen: the peers said why

@@ -85,14 +85,19 @@ class Held:
         return max((held for _, held in self.samples), default=None)
 
 
-def stopped_for_memory(held, asked_mib, group_index):
+def stopped_for_memory(held, asked_mib, group_index, step_mib=1024):
     """At a SIGTERM on YARN: the phrase naming a container stopped for its memory, or None.
     The NodeManager's memory check adds up the resident memory of the container's processes
     every few seconds and stops one above its allocation as it stops any container (a
-    preemption spends no restart: one stopped for its memory would be retried for ever). A
-    container holding more than its group's `memory` (`held` bytes) was stopped for it:
+    preemption spends no restart: one stopped for its memory was retried until skein's own
+    restarts ran out, then a second master attempt ran the application again). The allocation
+    is the group's `memory` rounded up to a multiple of `step_mib` (the scheduler's minimum
+    allocation, YARNAPP_MEMORY_STEP_MB from the client's yarn-site.xml; YARN's default 1024):
+    a container that held more (`held` bytes) was over it, whatever stopped it; one that held
+    less is taken as stopped by the resource manager, as before:
     'was stopped by YARN holding H MiB, above its memory of M MiB ...: raise groups[i].memory'."""
-    if held is None or held <= asked_mib * 2**20:
+    allocated = -(-asked_mib // step_mib) * step_mib
+    if held is None or held <= allocated * 2**20:
         return None
     return (f"was stopped by YARN holding {mib(held)} MiB, above its memory of {asked_mib} MiB "
             f"(the NodeManager's memory check): raise groups[{group_index}].memory")

@@ -172,6 +172,11 @@ class FileStore(Store):
         except FileNotFoundError:
             pass
 
+    def delete_prefixes(self, prefixes):
+        for name in os.listdir(os.path.join(self.root, "kv")):
+            if urllib.parse.unquote(name).startswith(tuple(prefixes)):
+                self.delete(urllib.parse.unquote(name))
+
     def release(self, container):
         """Delete every key the container owned (called when it exits)."""
         path = os.path.join(self.root, "owners", container)

@@ -562,3 +562,24 @@ def test_a_nodemanagers_memory_kill_is_named_from_its_words_or_skeins():
     assert yarn_memory_kill("1.6 GB of 512 MB physical memory used", None, "w_0", "w") == said
     assert yarn_memory_kill("", -104, "w_0", "w") == "w_0 exceeded its memory limit: raise the memory of group w"
     assert yarn_memory_kill("Exception from container-launch. Exit code: 1", 1, "w_0", "w") is None
+
+
+def test_a_sigterm_is_a_memory_stop_only_above_the_containers_allocation(monkeypatch, tmp_path):
+    """A preempted container holding more than its group asked, but within what YARN allocated
+    (the request rounded up to the scheduler's minimum allocation), was stopped by the resource
+    manager, not for its memory: counted as a memory kill, two preemptions would fail the job.
+    The client passes the rounding from its yarn-site.xml to the containers."""
+    from launcher.memory import stopped_for_memory
+    mib = 2**20
+    assert stopped_for_memory(700 * mib, 512, 1) is None                     # 512 MiB allocated as 1024
+    assert stopped_for_memory(1100 * mib, 512, 1) == ("was stopped by YARN holding 1100 MiB, above its memory of "
+                                                      "512 MiB (the NodeManager's memory check): raise groups[1].memory")
+    assert stopped_for_memory(700 * mib, 512, 1, step_mib=64).startswith("was stopped by YARN holding 700 MiB")
+    assert stopped_for_memory(None, 512, 1) is None
+    (tmp_path / "yarn-site.xml").write_text("<configuration><property><name>yarn.scheduler.minimum-allocation-mb"
+                                            "</name><value>256</value></property></configuration>")
+    monkeypatch.setenv("HADOOP_CONF_DIR", str(tmp_path))
+    from yarnapp.backends import yarn
+    with yarn.prepared(three_groups(packer="none"), pack=False) as (spec, _):
+        assert {s.env.get("YARNAPP_MEMORY_STEP_MB") for s in spec.services.values() if "YARNAPP_GROUP" in s.env} \
+            == {"256"}

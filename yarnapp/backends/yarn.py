@@ -126,14 +126,17 @@ def stage_files(job, staging_dir, cache=None, shipped=None, pack=True):
     return files
 
 
-def build_spec(job, files, user=None, storage=None):
+def build_spec(job, files, user=None, storage=None, memory_step=None):
     """The skein ApplicationSpec of a job (pure: no cluster, no files written).
 
     `files` maps localized names to skein.File (or source strings), as stage_files returns:
     it must hold "job.json" and the secret file; with "environment" the containers run
     its bin/python, without it the cluster's python3. `user` is the submitting user (the
     ACLs' owner; default: submitting_user()), `storage` the applications' storage URI
-    (yarn.storage, else the cluster's default; None: containers keep nothing outside).
+    (yarn.storage, else the cluster's default; None: containers keep nothing outside),
+    `memory_step` the MiB YARN rounds a container's memory up to a multiple of
+    (yarn.scheduler.minimum-allocation-mb; None: YARN's default, 1024), which the agents
+    need to tell a container stopped for its memory (launcher.memory.stopped_for_memory).
     """
     check_job(job)
     for name in ("job.json", SECRET_FILE):
@@ -149,7 +152,8 @@ def build_spec(job, files, user=None, storage=None):
             instances=g.instances,
             node_label=g.node_label or "",
             max_restarts=job.max_restarts,
-            env={**g.env, **_contract(g.name, storage)},
+            env={**g.env, **_contract(g.name, storage),
+                 **({"YARNAPP_MEMORY_STEP_MB": str(memory_step)} if memory_step else {})},
             files=dict(files),
             script=_script(python, "launcher.agent", "environment" in files))
     if job.tensorboard.service:
@@ -415,7 +419,9 @@ def prepared(job, where=None, pack=True):
     with tempfile.TemporaryDirectory(prefix="yarnapp-stage-") as staging:
         os.chmod(staging, 0o700)
         files = stage_files(shipment.job, staging, shipped=shipment.entries, pack=pack)
-        yield build_spec(shipment.job, files, user=user, storage=storage), storage
+        step = yarn_cluster.hadoop_conf(("yarn-site.xml",)).get("yarn.scheduler.minimum-allocation-mb")
+        yield build_spec(shipment.job, files, user=user, storage=storage,
+                         memory_step=int(step) if step and step.isdigit() else None), storage
 
 
 def dry_run(job, where=None):
