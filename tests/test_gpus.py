@@ -86,22 +86,55 @@ def test_gpus_are_leased_machine_wide_in_the_order_applications_asked(tmp_path, 
     try:
         a, b, c, d = (m.pid for m in masters)
         mine, theirs = leases.Leases(ledger), leases.Leases(ledger)     # two engines (homes) of one machine
-        assert mine.acquire("app_a", 1, two, pid=a) == ([0], [], [], [])
-        assert theirs.acquire("app_big", 2, two, pid=b) == (None, ["app_a"], [], ["gpus"])       # waits for 2
-        assert theirs.acquire("app_c", 1, two, pid=c) == (None, [], ["app_big"], [])  # GPU 1 free, but in line
+        assert mine.acquire("app_a", 1, two, pids=[a]) == ([0], [], [], [])
+        assert theirs.acquire("app_big", 2, two, pids=[b]) == (None, ["app_a"], [], ["gpus"])       # waits for 2
+        assert theirs.acquire("app_c", 1, two, pids=[c]) == (None, ["app_a"], ["app_big"], ["gpus"])  # GPU 1 free, in line
         mine.release("app_a")
-        assert theirs.acquire("app_c", 1, two, pid=c) == (None, [], ["app_big"], [])
-        assert theirs.acquire("app_big", 2, two, pid=b) == ([0, 1], [], [], [])
-        assert theirs.acquire("app_c", 1, two, pid=c) == (None, ["app_big"], [], ["gpus"])
+        assert theirs.acquire("app_c", 1, two, pids=[c]) == (None, [], ["app_big"], ["gpus"])
+        assert theirs.acquire("app_big", 2, two, pids=[b]) == ([0, 1], [], [], [])
+        assert theirs.acquire("app_c", 1, two, pids=[c]) == (None, ["app_big"], [], ["gpus"])
         masters[1].kill()
         masters[1].wait()                            # its master died: its GPUs are free again
-        assert theirs.acquire("app_c", 1, two, pid=c) == ([0], [], [], [])
-        assert mine.acquire("app_d", 1, two, pid=d) == ([1], [], [], [])
+        assert theirs.acquire("app_c", 1, two, pids=[c]) == ([0], [], [], [])
+        assert mine.acquire("app_d", 1, two, pids=[d]) == ([1], [], [], [])
         assert mine.held() == {"app_c": {"gpus": [0], "memory": 0}, "app_d": {"gpus": [1], "memory": 0}}
     finally:
         for m in masters:
             m.kill()
             m.wait()
+
+
+def test_memory_is_leased_in_the_order_asked_and_held_while_any_of_its_processes_lives(tmp_path):
+    """An application waiting only behind another held no place of its own: a later one passed
+    it. A lease recorded under the supervisor alone went when the supervisor was killed (its
+    master ran on), and one recorded under an orphaned master's parent (pid 1) never went."""
+    import subprocess
+    import sys
+    ledger = leases.Leases(str(tmp_path / "ledger.json"))
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(5)]
+    try:
+        a, b, d, f, m = (p.pid for p in procs)
+        assert ledger.acquire("A", memory=50, capacity=100, pids=[a]) == ([], [], [], [])
+        assert ledger.acquire("B", memory=60, capacity=100, pids=[b]) == (None, ["A"], [], ["memory"])
+        assert ledger.acquire("D", memory=30, capacity=100, pids=[d]) == (None, ["A"], ["B"], ["memory"])
+        assert ledger.acquire("F", memory=30, capacity=100, pids=[f]) == (None, ["A"], ["B", "D"], ["memory"])
+        ledger.release("A")
+        assert ledger.acquire("B", memory=60, capacity=100, pids=[b])[0] == []
+        assert ledger.acquire("F", memory=30, capacity=100, pids=[f]) == (None, ["B"], ["D"], ["memory"])   # D first
+        assert ledger.acquire("D", memory=30, capacity=100, pids=[d])[0] == []
+        procs[1].kill()                     # B's supervisor killed: its master (m) holds on
+        procs[1].wait()
+        for app in ("B", "F"):
+            ledger.release(app)
+        assert ledger.acquire("M", memory=60, capacity=100, pids=[b, 1, m])[0] == []     # (b is gone, 1 is no one)
+        assert ledger.held()["M"]["memory"] == 60
+        procs[4].kill()
+        procs[4].wait()
+        assert "M" not in ledger.held()         # its last process gone: free
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as two users")
@@ -128,7 +161,7 @@ def _three_users(ledger):
             try:
                 os.setgid(uid)
                 os.setuid(uid)
-                got = list(leases.Leases(ledger).acquire(f"app_{uid}", 1, two, pid=os.getppid()))
+                got = list(leases.Leases(ledger).acquire(f"app_{uid}", 1, two, pids=[os.getppid()]))
             except Exception as e:  # noqa: BLE001 - reported to the parent
                 got = repr(e)
             os.write(w, json.dumps(got).encode())
@@ -293,3 +326,15 @@ def test_on_real_gpus_a_loop_on_training_dist_with_a_gpu_and_cpu_ranks_clips_the
         worst = max(float((got[k] - expected[k]).abs().max()) for k in expected)
         assert worst < 1e-4, (r, worst)
     assert_nothing_left(run.app_id)
+
+
+def test_a_ledger_this_user_cannot_write_is_refused_at_submit(cli, monkeypatch):
+    """Every master failed at its lease (a FileNotFoundError in am.log), both attempts."""
+    monkeypatch.setenv("YARNAPP_LEDGER", "/proc/no-such/leases.json")
+    hello = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf", "examples", "hello.yaml")
+    proc = cli("submit", hello)
+    assert proc.returncode == 1 and proc.stderr == (
+        "Error: the local engine's ledger /proc/no-such/leases.json: No such file or directory; set YARNAPP_LEDGER "
+        "to a file this user can write\n"), proc.stderr
+    apps = os.path.join(os.environ["YARNAPP_HOME"], "apps")
+    assert not os.path.isdir(apps) or not os.listdir(apps)

@@ -81,21 +81,24 @@ def test_an_application_whose_memory_others_hold_waits_in_line_and_runs_once_the
     first = cli("submit", job("first", big), check=0).stdout.strip()
     _until(lambda: (yarnapp.status(first).get("progress") or {}).get(0))
     second = cli("submit", job("second", big), check=0).stdout.strip()
-    third = cli("submit", job("third", "256 MiB"), check=0).stdout.strip()
+    third = None
     try:
+        _until(lambda: yarnapp.status(second)["diagnostics"])      # in line before the third asks
+        third = cli("submit", job("third", "256 MiB"), check=0).stdout.strip()
         _until(lambda: yarnapp.status(third)["diagnostics"])
         st2, st3 = yarnapp.status(second), yarnapp.status(third)
         assert st2["state"] == "ACCEPTED" and re.fullmatch(
             rf"waiting for \d+ MiB of memory \(this machine's \d+ MiB\): held by {first}", st2["diagnostics"]), st2
-        assert st3["state"] == "ACCEPTED" and st3["diagnostics"].endswith(
-            f": in line after {second}, which asked first"), st3
+        assert st3["state"] == "ACCEPTED" and st3["diagnostics"].startswith("waiting for 256 MiB of memory") \
+            and st3["diagnostics"].endswith(f": held by {first}; in line after {second}, which asked first"), st3
         assert "waiting for" in cli("status", second, check=0).stdout
         cli("kill", first, check=0)
         _until(lambda: (yarnapp.status(second).get("progress") or {}).get(0))
         _until(lambda: yarnapp.status(third)["state"] == "RUNNING")        # it fits beside the second
     finally:
         for app in (first, second, third):
-            cli("kill", app)
+            if app:
+                cli("kill", app)
     for app in (first, second, third):
         assert_nothing_left(app)
 

@@ -300,17 +300,17 @@ class ApplicationMaster:
         memory = sum(c.group.memory for c in self.containers)
         ledger, capacity = leases.Leases(), machine_memory_mib()
         while not self.stopping:
-            # held for the application's supervisor, which outlives a master attempt: a
-            # restarted master finds its lease (or its place in line) still its own
+            # held while its supervisor (which outlives a master attempt: a restarted master finds
+            # its lease, or its place in line, still its own) or this master lives
             got, holders, ahead, short = ledger.acquire(self.app_id, sum(want), gpus.inventory() if sum(want) else [],
-                                                 memory=memory, capacity=capacity, pid=os.getppid())
+                                                 memory=memory, capacity=capacity,
+                                                 pids=[os.getppid(), os.getpid()])
             if got is not None:
                 for c, mine in zip(self.containers, gpus.split(got, want)):
                     c.gpus = mine
                 if got:
                     log.info("GPUs leased: %s", {c.id: c.gpus for c in self.containers if c.gpus})
                 return True
-            short = short or ["gpus" if sum(want) else "memory"]      # (in line: what those ahead wait for)
             why = "waiting for " + " and ".join(
                 [f"{sum(want)} GPU(s)"] * ("gpus" in short)
                 + [f"{memory} MiB of memory (this machine's {capacity} MiB)"] * ("memory" in short)) + ": " + "; ".join(
@@ -386,7 +386,10 @@ class ApplicationMaster:
         for c in self.containers:
             c.memory = c.memory_state() or c.memory       # its peak, before the cgroup goes
             c.limits.remove()
-        leases.Leases().release(self.app_id)        # its lease, or its place in line
+        try:
+            leases.Leases().release(self.app_id)        # its lease, or its place in line
+        except OSError as e:        # (a ledger this user cannot write: the lease goes with this process)
+            log.warning("could not release this application's lease in the machine's ledger: %s", e)
         cgroups.Limits.remove_app(self.app_id)
         failed = self.store.get(keys.FAILED)
         if self.state == "FAILED":

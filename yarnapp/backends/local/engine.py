@@ -24,7 +24,7 @@ from launcher.store import FileStore
 from ... import preflight, shipping
 from ...errors import YarnappError
 from ..base import TERMINAL, Backend
-from . import cgroups, gpus, netem, supervisor
+from . import cgroups, gpus, leases, netem, supervisor
 from .leases import machine_memory_mib
 from .state import apps_dir, home, no_application, read_json, request_kill, wait_ended, write_json
 
@@ -48,6 +48,12 @@ def check_resources(job, where="job"):
     offers (YARN would wait for ever for the rest of the world's containers)."""
     cores = os.cpu_count() or 1
     mem_mib = machine_memory_mib()
+    ledger = leases.Leases()
+    try:
+        ledger.held()       # the machine's ledger of GPUs and memory every master leases from
+    except OSError as e:
+        raise YarnappError(f"the local engine's ledger {ledger.path}: {e.strerror or e}; set YARNAPP_LEDGER to a "
+                           f"file this user can write") from None
     node_vcores = max(cores, NODE_VCORES)
     want = sum(g.gpus * g.instances for g in job.groups)
     have = gpus.inventory() if want else []
@@ -181,6 +187,10 @@ class LocalBackend(Backend):
         self._new_dir(d)
         old, proc = os.umask(0o077), None
         try:
+            # Until its supervisor is started, this process stands for it (`starting`: not to be
+            # signalled): a status meanwhile (another user's `yarnapp list`) found neither and
+            # ended the application FAILED, for a moment; written before app.json makes it listed.
+            supervisor.write_record(d, {"pid": os.getpid(), "starting": True, "attempts": []})
             os.makedirs(os.path.join(d, "containers"))
             shipping.copy_into(shipment.entries, os.path.join(d, "files"))   # copied into each container
             with open(os.path.join(d, "job.json"), "w") as f:
@@ -193,15 +203,12 @@ class LocalBackend(Backend):
             FileStore(os.path.join(d, "store"))
             env = dict(os.environ, PYTHONUNBUFFERED="1", YARNAPP_UMASK=f"{old:o}")     # the job's code runs under it
             env.pop("YARNAPP_APP_ID", None)     # the supervisor is not a process of the application
-            # Until its supervisor is started, this process stands for it: a status meanwhile (another
-            # user's `yarnapp list`) found neither and ended the application FAILED, for a moment.
-            supervisor.write_record(d, {"pid": os.getpid(), "attempts": []})
             with interrupts.deferred():     # a supervisor started is a supervisor recorded
                 with open(os.path.join(d, "supervisor.log"), "ab") as out:
                     proc = subprocess.Popen([sys.executable, "-m", "yarnapp.backends.local.supervisor", d],
                                             env=env, cwd=d, stdin=subprocess.DEVNULL, stdout=out,
                                             stderr=subprocess.STDOUT, start_new_session=True, umask=0o077)
-                if (read_json(supervisor.record_path(d)) or {}).get("pid") == os.getpid():    # not yet its own
+                if (read_json(supervisor.record_path(d)) or {}).get("starting"):       # not yet its own
                     supervisor.write_record(d, {"pid": proc.pid, "attempts": []})
         except BaseException:
             # Ctrl-C or a failure (a disk full while copying the files) part way: nothing is
@@ -282,7 +289,12 @@ class LocalBackend(Backend):
     def kill(self, app_id, timeout=15):
         st = self.status(app_id)
         d = st["app_dir"]
-        sup = (read_json(supervisor.record_path(d)) or {}).get("pid")
+        deadline = time.monotonic() + timeout       # a submit still starting its supervisor: not signalled
+        while (read_json(supervisor.record_path(d)) or {}).get("starting") and supervisor.alive(d) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        record = read_json(supervisor.record_path(d)) or {}
+        sup = None if record.get("starting") else record.get("pid")
         # The supervisor passes SIGTERM on to the master and starts no new attempt.
         target = sup if sup and supervisor.alive(d) else st.get("am_pid")
         if st["state"] not in TERMINAL and target and psutil.pid_exists(target):

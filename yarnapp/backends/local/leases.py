@@ -19,11 +19,14 @@ police users; a cluster's resources are YARN's.)
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import tempfile
 import time
 
 import psutil
+
+log = logging.getLogger(__name__)
 
 
 class Leases:
@@ -31,8 +34,8 @@ class Leases:
     memory, and which wait, in the order they asked."""
 
     def __init__(self, path=None):
-        self.path = path or os.environ.get("YARNAPP_LEDGER") or \
-            os.path.join(tempfile.gettempdir(), "yarnapp-leases", "leases.json")
+        self.path = path or os.environ.get("YARNAPP_LEDGER") or os.environ.get("YARNAPP_GPU_LEDGER") or \
+            os.path.join(tempfile.gettempdir(), "yarnapp-leases", "leases.json")      # (GPU_LEDGER: its old name)
 
     @contextlib.contextmanager
     def _locked(self):
@@ -54,10 +57,13 @@ class Leases:
                     try:
                         ledger = json.loads(f.read() or "{}")
                     except ValueError:
+                        ledger = None
+                    if not isinstance(ledger, dict):        # (a hand's edit, a writer killed mid-write)
+                        log.warning("the machine's ledger %s is not one: its leases are forgotten", self.path)
                         ledger = {}
-                    # a lease or a place in line whose master is gone is free again
+                    # a lease or a place in line whose processes are all gone is free again
                     ledger = {part: {app: v for app, v in (ledger.get(part) or {}).items()
-                                     if psutil.pid_exists(v["pid"])} for part in ("held", "waiting")}
+                                     if isinstance(v, dict) and _alive(v)} for part in ("held", "waiting")}
                     yield ledger
                     f.seek(0)
                     f.truncate()
@@ -67,28 +73,35 @@ class Leases:
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
-    def acquire(self, app_id, count=0, gpus=(), memory=0, capacity=None, pid=None):
+    def acquire(self, app_id, count=0, gpus=(), memory=0, capacity=None, pids=None):
         """Lease `count` GPUs of inventory `gpus` and `memory` MiB of the machine's `capacity`
         (None: not counted) to app_id: (its GPU indices, [], [], []), or (None, whose leases
-        stand in the way, the applications in line before it, what is short now: "gpus",
+        stand in the way, the applications in line before it, what it waits for: "gpus",
         "memory") when it must wait: too few GPUs or too little memory are free now, or
-        another waits for what it would take."""
+        another waits for what it would take. The lease (and the place in line) lasts while
+        any of `pids` lives (default this process; pid 1, an orphan's parent, is no holder)."""
+        procs = [[p, psutil.Process(p).create_time()] for p in dict.fromkeys(pids or [os.getpid()])
+                 if p > 1 and psutil.pid_exists(p)]
         with self._locked() as ledger:
             held, waiting = ledger["held"], ledger["waiting"]
             if app_id in held:
                 return held[app_id]["gpus"], [], [], []
-            me = waiting.setdefault(app_id, {"pid": pid or os.getpid(), "since": time.time()})
+            me = waiting.setdefault(app_id, {"since": time.time()})
+            me["procs"] = procs                 # (a restarted master's, its supervisor's)
             free = [g.index for g in gpus if g.index not in {i for v in held.values() for i in v["gpus"]}]
             short = ["gpus"] * (len(free) < count) + ["memory"] * (
                 capacity is not None and sum(v.get("memory", 0) for v in held.values()) + memory > capacity)
-            me["short"] = short
             ahead = sorted((w["since"], app) for app, w in waiting.items() if app != app_id and w["since"] < me["since"]
                            and ("gpus" in w.get("short", ()) and count or "memory" in w.get("short", ()) and memory))
+            # In line only, it waits for what those ahead wait for: a later one does not pass it either.
+            short = short or sorted({r for _, app in ahead for r in waiting[app].get("short", ())
+                                     if r == "gpus" and count or r == "memory" and memory})
+            me["short"] = short
             if ahead or short:
                 return None, sorted(app for app, v in held.items() if "gpus" in short and v["gpus"]
                                     or "memory" in short and v.get("memory")), [app for _, app in ahead], short
             waiting.pop(app_id)
-            held[app_id] = {"pid": pid or os.getpid(), "gpus": free[:count], "memory": memory}
+            held[app_id] = {"procs": procs, "gpus": free[:count], "memory": memory}
             return free[:count], [], [], []
 
     def release(self, app_id):
@@ -100,6 +113,19 @@ class Leases:
         """{application: {"gpus": indices, "memory": MiB}} of the leases held now."""
         with self._locked() as ledger:
             return {app: {"gpus": v["gpus"], "memory": v.get("memory", 0)} for app, v in ledger["held"].items()}
+
+
+def _alive(entry):
+    """Whether any process of a lease or a place in line lives (the same process: its pid
+    and its start time; a pid of the old ledger's entries alone)."""
+    for pid, started in entry.get("procs") or ([[entry["pid"], None]] if entry.get("pid") else []):
+        try:
+            if started is None or abs(psutil.Process(pid).create_time() - started) < 1.0:
+                if psutil.pid_exists(pid):
+                    return True
+        except psutil.Error:
+            continue
+    return False
 
 
 def machine_memory_mib():
