@@ -60,12 +60,14 @@ def cmd_submit(args):
             return 0
         out = say(f"submitted {app_id} to the {spec.backend} backend: {spec.world_size} ranks in "
                   f"{len(spec.groups)} groups ({', '.join(f'{g.instances}x{g.name}' for g in spec.groups)})", out)
+        streamed = True
         try:                        # (a reader gone already, `| true`: the lines after go to stderr)
             st = run.wait(progress=True, summary=False)   # it ends with its own lines, on stdout
         except BrokenPipeError:     # `submit --wait | head`: the reader is gone, the job is not;
             out = readers_gone() or sys.stdout     # --wait still ties it to this command,
             say(f"output closed; still waiting for {app_id} (Ctrl-C kills it)", out)
             st = run.wait(summary=False)            # which ends with the job's own end
+            streamed = False
     except KeyboardInterrupt:
         if not args.wait:
             raise                   # submitted without --wait: it runs on, as it would have
@@ -76,7 +78,7 @@ def cmd_submit(args):
     if st["state"] != "SUCCEEDED":
         f = st.get("failure") or {}
         from .progress import rank0_streamed
-        shown = (rank0_streamed(st) or {}).get("id")     # its code's output showed as it came (progress)
+        shown = (rank0_streamed(st) or {}).get("id") if streamed else None     # its output showed as it came
         if f.get("log_tail") and f.get("container") != shown:
             _p(f"--- last lines of {f.get('container')}'s log ---\n{f['log_tail']}\n---", file=sys.stderr)
         raise YarnappError(run.failure_message(resubmit=_resubmit(args)))
@@ -157,7 +159,7 @@ def cmd_logs(args):
                 _p(f"{cid}| {line}")
             printed[cid] = text
         if ended:           # how it ended, as submit --wait says it (the logs alone do not)
-            _p(run.failure_message() or f"{args.app} {run.state}", file=sys.stderr)
+            _p(run.failure_message(resubmit=_submitted_as(run.status())) or f"{args.app} {run.state}", file=sys.stderr)
             return 0
         time.sleep(0.5)
 
@@ -176,15 +178,21 @@ def cmd_kill(args):
         _p(f"{args.app} had already ended {before}; nothing to kill")
         return 0
     st = run.kill()
+    hint = run.resume_hint(_submitted_as(st)) if st["state"] == "KILLED" else ""
+    _p(f"{args.app} {st['state']}{hint}")
+    return 0
+
+
+def _submitted_as(st):
+    """The command that submits an application's job again, from here (`cd DIR && yarnapp
+    submit job.yaml`: its relative paths, data and code, are from where it was submitted)."""
     job = st.get("job_file")        # the file it was submitted from (the local engine keeps it)
-    where = st.get("submit_dir") or os.getcwd()     # its relative paths (data, code) are from there
+    where = st.get("submit_dir") or os.getcwd()
     cd = f"cd {shlex.quote(where)} && " if job and os.path.realpath(where) != os.path.realpath(os.getcwd()) else ""
     if job:
         rel = os.path.relpath(job, where)
         job = shlex.quote(job if rel.startswith("..") else rel)
-    hint = run.resume_hint(f"{cd}yarnapp submit {job or 'JOB.yaml'}") if st["state"] == "KILLED" else ""
-    _p(f"{args.app} {st['state']}{hint}")
-    return 0
+    return f"{cd}yarnapp submit {job or 'JOB.yaml'}"
 
 
 def cmd_list(args):

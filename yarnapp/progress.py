@@ -153,7 +153,7 @@ class Progress:
         p = (st.get("progress") or {}).get(0)
         if p and p.get("resumed_from"):         # (the final line says it too: too late to learn it)
             app = p.get("resumed_app")
-            self.say(f"resumed {app} {p['resumed_from']} {len(st.get('restarts') or [])}",
+            self.say(f"resumed {app} {p['resumed_from']} {p.get('generation')}",
                      f"resumed from the checkpoint of step {p['resumed_from']}"
                      + (f" of {app}" if app and app != self.run.app_id else ""))
         if p and ("step" not in p or not self.tty):
