@@ -35,7 +35,8 @@ def yarnapp_home(tmp_path, monkeypatch):
     take the CPUs of the tests after it."""
     home = tmp_path / "yarnapp-home"
     monkeypatch.setenv("YARNAPP_HOME", str(home))
-    monkeypatch.setenv("YARNAPP_LEDGER", str(tmp_path / "ledger" / "leases.json"))  # not the machine's
+    # not the machine's ledger; beside tmp_path, whose listing some tests assert
+    monkeypatch.setenv("YARNAPP_LEDGER", str(tmp_path.parent / f"{tmp_path.name}-ledger" / "leases.json"))
     yield home
     if (home / "apps").is_dir():
         from yarnapp.backends.base import TERMINAL
