@@ -15,7 +15,7 @@ import yaml
 import conf
 import yarnapp
 from yarnapp.backends.local.engine import LocalBackend
-from util import app_id_from, apps, assert_nothing_left, write_job
+from util import app_id_from, apps, assert_nothing_left, until, write_job
 
 pytestmark = pytest.mark.e2e
 
@@ -79,13 +79,13 @@ def test_an_application_whose_memory_others_hold_waits_in_line_and_runs_once_the
         return write_job(tmp_path / f"{name}.yaml", {"name": name, "run": {"script": script}, "groups": [
             {"name": "a", "instances": 1, "vcores": 0.5, "memory": memory}]})
     first = cli("submit", job("first", big), check=0).stdout.strip()
-    _until(lambda: (yarnapp.status(first).get("progress") or {}).get(0))
+    until("the first trains", lambda: (yarnapp.status(first).get("progress") or {}).get(0))
     second = cli("submit", job("second", big), check=0).stdout.strip()
     third = None
     try:
-        _until(lambda: yarnapp.status(second)["diagnostics"])      # in line before the third asks
+        until("the second waits", lambda: yarnapp.status(second)["diagnostics"])      # in line before the third asks
         third = cli("submit", job("third", "256 MiB"), check=0).stdout.strip()
-        _until(lambda: yarnapp.status(third)["diagnostics"])
+        until("the third waits", lambda: yarnapp.status(third)["diagnostics"])
         st2, st3 = yarnapp.status(second), yarnapp.status(third)
         assert st2["state"] == "ACCEPTED" and re.fullmatch(
             rf"waiting for \d+ MiB of memory \(this machine's \d+ MiB\): held by {first}", st2["diagnostics"]), st2
@@ -93,21 +93,14 @@ def test_an_application_whose_memory_others_hold_waits_in_line_and_runs_once_the
             and st3["diagnostics"].endswith(f": held by {first}; in line after {second}, which asked first"), st3
         assert "waiting for" in cli("status", second, check=0).stdout
         cli("kill", first, check=0)
-        _until(lambda: (yarnapp.status(second).get("progress") or {}).get(0))
-        _until(lambda: yarnapp.status(third)["state"] == "RUNNING")        # it fits beside the second
+        until("the second trains", lambda: (yarnapp.status(second).get("progress") or {}).get(0))
+        until("the third runs", lambda: yarnapp.status(third)["state"] == "RUNNING")        # it fits beside the second
     finally:
         for app in (first, second, third):
             if app:
                 cli("kill", app)
     for app in (first, second, third):
         assert_nothing_left(app)
-
-
-def _until(ready, timeout=60):
-    deadline = time.monotonic() + timeout
-    while not ready():
-        assert time.monotonic() < deadline, "not ready in time"
-        time.sleep(0.2)
 
 
 def test_kill_leaves_nothing_running(cli, yarnapp_home, tmp_path):

@@ -9,7 +9,6 @@ import select
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -18,7 +17,7 @@ import psutil
 import pytest
 
 import yarnapp
-from util import assert_nothing_left, write_job
+from util import assert_nothing_left, until as _until, write_job
 from yarnapp.backends.local.state import app_processes
 
 pytestmark = pytest.mark.e2e
@@ -46,16 +45,6 @@ def _get(url):
 def _scalars(base, run, tag=TAG):
     q = urllib.parse.urlencode({"run": run, "tag": tag})
     return _get(f"{base.rstrip('/')}/data/plugin/scalars/scalars?{q}") or []
-
-
-def _until(what, fn, timeout=90, interval=0.3):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"gave up after {timeout}s waiting for {what}"
-        time.sleep(interval)
 
 
 def _answers(base):

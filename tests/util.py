@@ -47,3 +47,14 @@ def tb_scalars(run_dir, tag):
     acc = EventAccumulator(str(run_dir), size_guidance={"tensors": 0})
     acc.Reload()
     return [(e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in acc.Tensors(tag)]
+
+
+def until(what, fn, timeout=90, interval=0.3):
+    """fn()'s first true value, polled; fails the test naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"gave up after {timeout}s waiting for {what}"
+        time.sleep(interval)
