@@ -8,6 +8,31 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import lanes  # noqa: E402  (tests/, on the path just above)
+
+# Modules whose fixtures hold a world of ranks (or a Hadoop cluster) for all their tests:
+# each runs on one worker, so that it starts them once.
+ONE_WORKER = ("test_collectives", "test_conv_mp", "test_hypergraph", "test_ps", "test_yarn_real")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    lanes.default_workers(config)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__ if item.module else ""
+        if module in ONE_WORKER:
+            item.add_marker(pytest.mark.xdist_group(module))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    with lanes.lane(item.config, alone=item.get_closest_marker("alone") is not None):
+        yield
+
 
 def pytest_configure(config):
     # Started in the background by a non-interactive shell (`pytest ... &`), Python finds
@@ -19,6 +44,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "yarn: runs on a real YARN: the suite's own single-node Hadoop "
                             "(tests/test_yarn_real.py), or your cluster with YARNAPP_TEST_YARN=1")
     config.addinivalue_line("markers", "slow: a multi-process job taking more than a few seconds")
+    config.addinivalue_line("markers", "alone: runs while no other test runs (its verdict rests on the machine's "
+                            "time or CPU being its own; tests/lanes.py)")
     # Tiers, by what a test module starts (python -m pytest -m unit | multiprocess | e2e):
     config.addinivalue_line("markers", "unit: no ranks and no jobs: functions, the agent's states on scripted "
                             "monitor results, specs, files (seconds in all)")

@@ -6,7 +6,7 @@ import torch
 
 import worlds
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.alone]   # CPU rates and latencies it measures
 
 # Three ranks on this 2-core machine sum with polite waits only: spinning ones, two to a
 # core, take turns by the scheduler's tick (13 s against 8 s); they spin in worlds 1 and 2.

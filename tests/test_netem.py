@@ -21,7 +21,7 @@ from launcher.store import FileStore
 from util import app_id_from, apps, assert_nothing_left, write_job
 from yarnapp.backends.local import netem
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.alone]     # limits of a few seconds, links it cuts
 
 CGROUPS = os.geteuid() == 0 and os.path.isfile("/sys/fs/cgroup/cpu/cpu.cfs_quota_us")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

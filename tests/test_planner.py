@@ -16,7 +16,7 @@ import conf
 from training import planner, probes
 from training.planner import Case, Device, Layer, Link, Profile
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.alone]   # CPU rates and latencies it measures
 
 
 def predict(name, devices, link, batch=64, shares="equal", sched=planner.Scheduling(), conv_layers=(), own=None,

@@ -424,6 +424,7 @@ def reference_weights(tmp_path_factory, digits):
     ref.close()
 
 
+@pytest.mark.alone      # the frozen limit against YARN's start of small_1
 def test_containers_killed_and_frozen_are_replaced_through_skein_bit_identically(
         cluster, shell, tmp_path, reference_weights):
     """Data, checkpoints and TensorBoard on HDFS, and three faults in one application, each
@@ -445,11 +446,15 @@ def test_containers_killed_and_frozen_are_replaced_through_skein_bit_identically
         "    os.kill(os.getpid(), signal.SIGSTOP)\n")
     st = _survives(cluster, reference_weights, "digits-faults", faults=[(30, "kill"), (60, "freeze")],
                    replaced={"small_2": "small_1", "small_3": "small_0", "small_4": "small_0"},
-                   env={"PYTHONPATH": f"{hook}:{ROOT}"}, max_restarts=3,
+                   env={"PYTHONPATH": f"{hook}:{ROOT}"}, max_restarts=4,
                    launcher={"heartbeat_timeout": "10s", "rendezvous_timeout": "20s"})
-    at_start, killed, frozen = st["restarts"]
-    assert "world not formed within 20s; missing: small_1; small_1 runs, but its agent never reported" \
-           in at_start["reason"] and "asked to replace it" in at_start["reason"], at_start
+    *at_start, killed, frozen = st["restarts"]
+    # YARN may start small_1 so late that at the first timeout it has run for less than the
+    # frozen limit (10 s): merely late, it is waited for once more, then named.
+    assert 1 <= len(at_start) <= 2 and all("world not formed within 20s; missing: small_1" in r["reason"]
+                                           for r in at_start), at_start
+    assert "small_1 runs, but its agent never reported" in at_start[-1]["reason"] \
+           and "asked to replace it" in at_start[-1]["reason"], at_start
     assert "small_0" in killed["reason"], killed
     assert frozen["container"] == "small_0" and "stopped responding" in frozen["reason"], frozen
 
@@ -457,8 +462,8 @@ def test_containers_killed_and_frozen_are_replaced_through_skein_bit_identically
 def _survives(cluster, reference_weights, name, faults, replaced, **extra):
     """Run the digits job on HDFS; at each (step, fault) of `faults`, in its own generation,
     fault rank 1's container (kill: SIGKILL its agent; freeze: SIGSTOP its agent and rank);
-    then check the end: one restart for each replacement in `replaced` ({replacement: the
-    slot it took}), status naming the ranks, the uninterrupted run's weights, nothing left.
+    then check the end: a restart for each replacement in `replaced` ({replacement: the
+    slot it took}) at least, status naming the ranks, the uninterrupted run's weights, nothing left.
     Returns the final status."""
     import torch
 
@@ -506,7 +511,8 @@ def _survives(cluster, reference_weights, name, faults, replaced, **extra):
         if backend.status(app)["state"] in ("NEW", "RUNNING"):
             backend.client.kill_application(app)
     assert st["state"] == "SUCCEEDED", (st, backend.logs(app))
-    assert [r["generation"] for r in st["restarts"]] == list(range(1, len(replaced) + 1)), st["restarts"]
+    assert [r["generation"] for r in st["restarts"]] == list(range(1, len(st["restarts"]) + 1)), st["restarts"]
+    assert len(st["restarts"]) >= len(replaced), st["restarts"]
     assert st["final"]["accuracy"] >= 0.97, st["final"]
     assert 0 < st["final"]["resumed_from"] <= faults[-1][0]
     ref, ref_final = reference_weights.result()

@@ -1,0 +1,49 @@
+"""The suite on two pytest-xdist workers, and the tests that must run alone.
+
+Most of an end-to-end test's time is waiting: for a heartbeat or rendezvous limit to pass,
+for YARN to allocate a container, for a rank under a half-vcore quota to import torch.
+Two workers overlap those waits (CI's 2 cores; the suite's budget is 20 minutes). A test
+whose verdict rests on the machine's time or CPU being its own (a limit of a few seconds it
+must reach or must not, a CPU rate it measures, every process of a kind on the machine)
+is marked `alone`: it waits for the other worker's test to end, and the other worker's next
+test waits for it (a readers-writer lock on two files; the turnstile lets a waiting `alone`
+test in before new shared ones, so it is not starved).
+
+`-n 0` (or `-p no:xdist`) runs the suite in one process, as before; `-n N` sets the workers.
+"""
+import contextlib
+import fcntl
+import os
+
+WORKERS = 2
+
+
+def default_workers(config):
+    """Two workers unless the command line says (`-n`), where pytest-xdist is installed."""
+    if not config.pluginmanager.hasplugin("xdist") or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    if config.option.numprocesses is None and not config.getoption("usepdb", False):
+        config.option.numprocesses = WORKERS
+        if config.option.dist == "no":
+            config.option.dist = "loadgroup"      # xdist_group marks keep a module's world on one worker
+
+
+@contextlib.contextmanager
+def lane(config, alone):
+    """Run the test this wraps shared with the other worker's, or `alone`. Outside xdist
+    (one process) there is nobody to wait for. The lock files lie in the run's base
+    temporary directory (a worker's is a folder of it), which pytest prunes as it does."""
+    if not os.environ.get("PYTEST_XDIST_WORKER") or not config.option.basetemp:
+        yield
+        return
+    d = os.path.dirname(os.path.abspath(config.option.basetemp))
+    with open(os.path.join(d, "lane-turnstile"), "a") as turnstile, open(os.path.join(d, "lane"), "a") as held:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
