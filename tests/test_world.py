@@ -130,6 +130,37 @@ def test_sigterm_while_a_world_starts_stops_the_ranks_already_started():
     assert not left, f"{len(left)} of the {count} ranks started still run"
 
 
+def test_an_interrupt_while_run_local_starts_its_pipe_readers_stops_the_ranks_and_is_raised(monkeypatch):
+    """`kill` just as `yarnapp plan`'s ping-pong probe started (seen once in CI): the
+    interrupt came while run_local started the threads that read its ranks' pipes, and its
+    cleanup joined one not yet started: a RuntimeError's traceback and status 1, instead of
+    "interrupted" and 143. Here the interrupt comes in the second thread's start, as the
+    signal handler raises it there."""
+    import threading
+    import time
+
+    from launcher.world import run_local
+    real, started = threading.Thread.start, []
+
+    def start(self):
+        started.append(self)
+        if len(started) == 2:
+            raise KeyboardInterrupt
+        real(self)
+    token = f"598.{os.getpid()}"
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(KeyboardInterrupt):
+        run_local(["sleep", token], 2, timeout=60)
+    monkeypatch.undo()
+    deadline = time.monotonic() + 10
+    while (left := subprocess.run(["pgrep", "-f", f"sleep {token}"], capture_output=True, text=True).stdout.split()) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for p in left:
+        os.kill(int(p), 9)
+    assert not left, f"{len(left)} ranks still run"
+
+
 def test_interrupts_deferred_hands_a_signal_to_its_handler_on_leaving_and_keeps_ignored_ones():
     import signal
 
