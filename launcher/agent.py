@@ -27,7 +27,7 @@ import uuid
 from conf import BUILTIN_RUNNER
 
 from . import beats, exitcodes, identity, keys, malloc, memory, results, retries, stacks, store as store_mod, warm
-from .diagnosis import PeerDiagnosis
+from .diagnosis import PeerDiagnosis, says_more
 from .procs import cpu_seconds, die_with_parent, stopped as process_stopped
 from .failure import (Failure, Kind, after_an_end, current_generation, ended_early, log_tail,
                       looks_collateral, native_crash, spent_restarts)
@@ -443,6 +443,8 @@ class Agent(PeerDiagnosis):
                                   log_tail=log_tail(self.log_path) if own and not found.input_error else "")
             if self.store.put_if_absent(keys.abort(gen), found.dumps()):
                 log.error("generation %d aborted: %s", gen, found.reason)
+            elif says_more(found, Failure.load(self.store.get(keys.abort(gen)))):
+                self.store.put(keys.abort(gen), found.dumps())
         cause = Failure.load(self.store.get(keys.abort(gen))) or Failure(reason="")
         if self.store.get(keys.FAILED) is None:
             why = retries.not_worth_retrying(self.store, self.members, gen, cause,
@@ -456,8 +458,10 @@ class Agent(PeerDiagnosis):
             log.error("FAILED after %d attempt(s): %s", gen + 1, cause.reason)
             return State.FAILED
         self.gen = gen + 1
-        self.store.put_if_absent(keys.restart(self.gen), dataclasses.replace(
-            cause, aborted_generation=gen, generation=self.gen).dumps())
+        restart = dataclasses.replace(cause, aborted_generation=gen, generation=self.gen).dumps()
+        if not self.store.put_if_absent(keys.restart(self.gen), restart) and \
+                says_more(cause, Failure.load(self.store.get(keys.restart(self.gen)))):
+            self.store.put(keys.restart(self.gen), restart)
         log.warning("restarting as generation %d after: %s", self.gen, cause.reason)
         return State.RENDEZVOUS
 

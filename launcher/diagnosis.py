@@ -31,6 +31,19 @@ log = logging.getLogger("launcher.agent")
 APART_GRACE_S = 5.0     # called_apart waits this long for every rank to say where it waits
 
 
+UNHEARD = "never reported"     # not_formed's note on running containers whose agents never beat
+
+
+def says_more(found, recorded):
+    """Whether `found`, this agent's cause of a world that did not form, names containers
+    that never reported (and asked for their replacement) where `recorded`, another agent's
+    that came first, does not: the agents judge at their own rendezvous limits, and one
+    whose limit came a moment later found the late container past the frozen limit and had
+    it replaced; the record, the restart's and status's, says so then."""
+    return (found is not None and recorded is not None and found.kind == recorded.kind == Kind.NOT_FORMED.value
+            and UNHEARD in (found.reason or "") and UNHEARD not in (recorded.reason or ""))
+
+
 class PeerDiagnosis:
     """Mixed into launcher.agent.Agent: uses its ident, job, members, store, peers and
     observe()."""
@@ -164,7 +177,7 @@ class PeerDiagnosis:
                 self.ask_replacement(keys.replace(engine_id, "unheard"), {"engine_id": engine_id, "group": group})
             one = len(unheard) == 1
             note = (f"; {', '.join(e for e, _ in unheard)} {'runs' if one else 'run'}, but "
-                    f"{'its agent' if one else 'their agents'} never reported (frozen or stuck as it started, "
+                    f"{'its agent' if one else 'their agents'} {UNHEARD} (frozen or stuck as it started, "
                     f"or still localizing its files: raise launcher.rendezvous_timeout for those)"
                     + ("" if last else f"; the resource manager is asked to replace {'it' if one else 'them'}"))
         return Failure(kind=Kind.NOT_FORMED.value, container=self.ident.container, rank=self.ident.rank,

@@ -126,6 +126,33 @@ def test_a_crash_restarts_in_the_next_generation_with_the_cause_recorded(tmp_pat
     assert store.get(keys.FAILED) is None
 
 
+def test_a_world_not_formed_is_recorded_by_the_agent_that_had_the_late_container_replaced(tmp_path):
+    """Each agent judges a world that did not form at its own rendezvous limit: one whose
+    limit came first found the late container running for less than the frozen limit
+    (merely late) and recorded "missing: w_1"; one a moment later found it past that limit
+    and had it replaced. The abort and the restart said only "missing: w_1" (a real-YARN
+    run), though w_1 had been replaced: the record that names it wins."""
+    plain = Failure(kind=Kind.NOT_FORMED.value, container="w_2", rank=2,
+                    reason="world not formed within 20s; missing: w_1")
+    named = dataclasses.replace(plain, container="w_0", rank=0, reason=plain.reason + (
+        "; w_1 runs, but its agent never reported (frozen or stuck as it started, or still localizing its files: "
+        "raise launcher.rendezvous_timeout for those); the resource manager is asked to replace it"))
+
+    def first(store, gen):          # the other agent came first, abort and restart alike
+        store.put(keys.abort(gen), plain.stamped(generation=gen).dumps())
+        store.put(keys.restart(gen + 1), dataclasses.replace(plain, aborted_generation=gen,
+                                                              generation=gen + 1).dumps())
+    a, store = agent(tmp_path, [(Outcome.OWN, named, first), (Outcome.SUCCEEDED, None, None)], instances=3)
+    assert a.run() == exitcodes.SUCCEEDED
+    assert load(store, keys.abort(0)).reason == named.reason
+    assert load(store, keys.restart(1)).reason == named.reason
+    # a record that names no more stays the first writer's
+    b, store = agent(tmp_path / "b", [(Outcome.OWN, plain, lambda st, g: st.put(keys.abort(g), named.dumps())),
+                                      (Outcome.SUCCEEDED, None, None)], instances=3)
+    assert b.run() == exitcodes.SUCCEEDED
+    assert load(store, keys.abort(0)).reason == named.reason == load(store, keys.restart(1)).reason
+
+
 def test_spent_restarts_fail_the_application_with_the_last_cause_and_the_ranks_status(tmp_path):
     """The failure that spent the last restart is the application's; the earlier one is the
     restart's record. (It named generation 0's, which the restart had survived: a rank
