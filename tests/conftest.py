@@ -10,22 +10,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lanes  # noqa: E402  (tests/, on the path just above)
 
-# Modules whose fixtures hold a world of ranks (or a Hadoop cluster) for all their tests:
-# each runs on one worker, so that it starts them once.
-ONE_WORKER = ("test_collectives", "test_conv_mp", "test_hypergraph", "test_ps", "test_yarn_real")
-
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
     lanes.default_workers(config)
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        module = item.module.__name__ if item.module else ""
-        if module in ONE_WORKER:
-            item.add_marker(pytest.mark.xdist_group(module))
+    lanes.order(items)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -21,7 +21,7 @@ from launcher.store import FileStore
 from util import app_id_from, apps, assert_nothing_left, write_job
 from yarnapp.backends.local import netem
 
-pytestmark = [pytest.mark.e2e, pytest.mark.alone]     # limits of a few seconds, links it cuts
+pytestmark = pytest.mark.e2e
 
 CGROUPS = os.geteuid() == 0 and os.path.isfile("/sys/fs/cgroup/cpu/cpu.cfs_quota_us")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -173,6 +173,7 @@ def _step(st, rank=0):
 
 
 @needs_netns
+@pytest.mark.alone      # a cut link found within seconds of the heartbeat limit
 def test_cut_link_is_detected_and_the_job_fails_naming_the_node(cli, yarnapp_home, tmp_path,
                                                                  nothing_of_the_network_left):
     app = cli("submit", _loop_job(tmp_path, 100_000, 0, bandwidth="1gbit"), check=0).stdout.strip()
@@ -196,6 +197,7 @@ def test_cut_link_is_detected_and_the_job_fails_naming_the_node(cli, yarnapp_hom
 
 
 @needs_netns
+@pytest.mark.alone      # a cut link found within seconds of the heartbeat limit
 def test_cut_link_restored_recovers_in_a_new_generation(cli, yarnapp_home, tmp_path, nothing_of_the_network_left):
     # One restart: the cut is found as a hang, and the next generation waits in its rendezvous
     # until the link is back (a port taken off the switch, its link up: when it went down, a

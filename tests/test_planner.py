@@ -16,7 +16,7 @@ import conf
 from training import planner, probes
 from training.planner import Case, Device, Layer, Link, Profile
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.alone]   # CPU rates and latencies it measures
+pytestmark = pytest.mark.multiprocess
 
 
 def predict(name, devices, link, batch=64, shares="equal", sched=planner.Scheduling(), conv_layers=(), own=None,
@@ -280,6 +280,7 @@ def test_measured_profile_records_conv_mp_links():
     assert conv2.head_bytes == (8 * 2 * 2 * 10 + 10) * 4                  # fc's weight and bias
 
 
+@pytest.mark.alone      # latencies it measures
 def test_measure_link_with_a_real_ping_pong():
     link = planner.measure_link(trials=2, shared=True)
     assert 0 < link.latency_s < 0.01
@@ -303,6 +304,7 @@ def test_measure_link_with_a_real_ping_pong():
     assert not planner.on_one_host(conf.load_job({**job.model_dump(), "network": {"nodes": 2}}))
 
 
+@pytest.mark.alone      # CPU it measures
 def test_measure_wait_cpu_with_real_polite_waits():
     # a polite wait costs a fixed part (its spin, the first short sleeps), a part per
     # second it lasts (a wake-up every ~0.2 ms): far less than a spinning wait's whole
@@ -363,6 +365,7 @@ def _probe_processes():
     return out
 
 
+@pytest.mark.alone      # every probe process on the machine
 def test_cli_plan_stopped_by_kill_leaves_nothing_behind(yarnapp_home):
     """`kill` (SIGTERM) in the middle of `yarnapp plan`'s measurements stops it as Ctrl-C
     does: one line, status 143 (SIGTERM's; Ctrl-C's is 130), and none of its probes, co-runners or busy processes left
