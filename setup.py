@@ -34,7 +34,7 @@ setup(
         "mtkahypar>=1.7",      # hypergraph partitioner of the hypergraph strategy
     ],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout>=2", "pytest-xdist>=3.5", "nbclient>=0.9", "nbformat>=5.9", "ipykernel>=6"],
+        "test": ["pytest>=7", "pytest-timeout>=2", "pytest-xdist>=3.8", "nbclient>=0.9", "nbformat>=5.9", "ipykernel>=6"],
     },
     entry_points={"console_scripts": ["yarnapp=yarnapp.cli:main"]},
 )

@@ -9,7 +9,9 @@ is marked `alone`: it waits for the other worker's test to end, and the other wo
 test waits for it (a readers-writer lock on two files; the turnstile lets a waiting `alone`
 test in before new shared ones, so it is not starved).
 
-`-n 0` (or `-p no:xdist`) runs the suite in one process, as before; `-n N` sets the workers.
+`-n 0` (or `-p no:xdist`) runs the suite in one process; `-n N` sets the workers. An `alone`
+test keeps the other worker's tests out, not its module's fixtures: the Hadoop cluster's
+idle daemons (tests/test_yarn_real.py) may run beside it.
 """
 import contextlib
 import fcntl
@@ -19,17 +21,19 @@ WORKERS = 2
 
 
 def default_workers(config):
-    """Two workers unless the command line says (`-n`), where pytest-xdist is installed."""
+    """Two workers unless the command line says (`-n N`), where pytest-xdist is installed;
+    none under a debugger (--pdb, --trace)."""
     if not config.pluginmanager.hasplugin("xdist") or os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    if config.option.numprocesses is None and not config.getoption("usepdb", False):
+    debugging = config.getoption("usepdb", False) or config.getoption("trace", False)
+    if config.option.numprocesses is None and not debugging:
         config.option.numprocesses = WORKERS
-        if config.option.dist == "no":
-            # A module's tests on one worker (its fixtures hold worlds of ranks, the Hadoop
-            # cluster, a reference run: started once), the heaviest modules first (see order).
-            # (xdist_group does not group under pytest 9.2, whose node ids xdist cannot suffix.)
-            config.option.dist = "loadfile"
-            config.option.loadscopereorder = False
+    if config.option.numprocesses and config.option.dist == "no":
+        # A module's tests on one worker (its fixtures hold worlds of ranks, the Hadoop
+        # cluster, a reference run: started once), the heaviest modules first (see order).
+        # (xdist_group does not group under pytest 9.2, whose node ids xdist cannot suffix.)
+        config.option.dist = "loadfile"
+        config.option.loadscopereorder = False
 
 
 # The modules that take longest (seconds on CI's 2 cores, in one process), started first so
@@ -43,7 +47,7 @@ def order(items):
     """The collected tests, the heaviest modules' first (a stable sort: within a module,
     and among the rest, the order stays)."""
     rank = {name: i for i, name in enumerate(HEAVIEST)}
-    items.sort(key=lambda item: rank.get(item.module.__name__ if item.module else "", len(HEAVIEST)))
+    items.sort(key=lambda item: rank.get(getattr(getattr(item, "module", None), "__name__", ""), len(HEAVIEST)))
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ def cli(*args, env=None):
                           capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.alone      # a free port base, then binds in it: not while a cluster starts
 def test_a_taken_port_is_one_line_naming_it(tmp_path):
     base = hadoop.free_port_base()
     with socket.socket() as s:
@@ -58,6 +59,7 @@ def test_status_and_env_of_a_stopped_cluster(tmp_path):
     assert cli("stop", "--dir", tmp_path / "h").returncode == 0
 
 
+@pytest.mark.alone      # a free port base, then binds in it: not while a cluster starts
 def test_stop_waits_for_a_process_whose_main_thread_ended_while_others_still_hold_its_port():
     # A JVM ends its main thread first: /proc/PID/stat says Z while its other threads still
     # run and hold the daemon's listening socket. stop() must wait for them, or the next
