@@ -224,7 +224,7 @@ def run_local(argv, size, env=None, timeout=600, grace=5.0):
     finally:
         stop_all(procs)
         for t in readers:
-            if t.ident is not None:     # Ctrl-C (or `kill`) may come while the readers start
+            if t.is_alive():            # Ctrl-C (or `kill`) may come while the readers start
                 t.join(5.0)
         shutil.rmtree(root, ignore_errors=True)
 

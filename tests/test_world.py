@@ -153,7 +153,7 @@ def test_an_interrupt_while_run_local_starts_its_pipe_readers_stops_the_ranks_an
         run_local(["sleep", token], 2, timeout=60)
     monkeypatch.undo()
     deadline = time.monotonic() + 10
-    while (left := subprocess.run(["pgrep", "-f", f"sleep {token}"], capture_output=True, text=True).stdout.split()) \
+    while (left := subprocess.run(["pgrep", "-f", f"sleep {token}$"], capture_output=True, text=True).stdout.split()) \
             and time.monotonic() < deadline:
         time.sleep(0.1)
     for p in left:
