@@ -27,7 +27,7 @@ import uuid
 from conf import BUILTIN_RUNNER
 
 from . import beats, exitcodes, identity, keys, malloc, memory, results, retries, stacks, store as store_mod, warm
-from .diagnosis import PeerDiagnosis, says_more
+from .diagnosis import PeerDiagnosis, record
 from .procs import cpu_seconds, die_with_parent, stopped as process_stopped
 from .failure import (Failure, Kind, after_an_end, current_generation, ended_early, log_tail,
                       looks_collateral, native_crash, spent_restarts)
@@ -427,7 +427,8 @@ class Agent(PeerDiagnosis):
 
     def after_abort(self, gen, found):
         """Generation `gen` ended (`found`: the cause this agent found, or None): record it
-        (first writer wins), then FAILED, or RENDEZVOUS in the next generation."""
+        (first writer wins, but for a record that says more: diagnosis.record), then FAILED,
+        or RENDEZVOUS in the next generation."""
         # How this rank ended, for launcher.retries (its own error record, if it left one, wins).
         self.store.put_if_absent(keys.error(gen, self.ident.rank), Failure(
             reason="ended without an error line", rank=self.ident.rank, generation=gen).stamped().dumps())
@@ -441,10 +442,8 @@ class Agent(PeerDiagnosis):
             # path only locally (on YARN it is on the node: `yarnapp logs` reads it).
             found = found.stamped(generation=gen, log=self.log_path if own and self.ident.backend == "local" else "",
                                   log_tail=log_tail(self.log_path) if own and not found.input_error else "")
-            if self.store.put_if_absent(keys.abort(gen), found.dumps()):
+            if record(self.store, keys.abort(gen), found):
                 log.error("generation %d aborted: %s", gen, found.reason)
-            elif says_more(found, Failure.load(self.store.get(keys.abort(gen)))):
-                self.store.put(keys.abort(gen), found.dumps())
         cause = Failure.load(self.store.get(keys.abort(gen))) or Failure(reason="")
         if self.store.get(keys.FAILED) is None:
             why = retries.not_worth_retrying(self.store, self.members, gen, cause,
@@ -454,14 +453,12 @@ class Agent(PeerDiagnosis):
                     cause, attempts=gen + 1, retried=False, reason=f"{cause.reason}; {why}").dumps())
         if self.store.get(keys.FAILED) is not None or spent_restarts(self.store, gen) > self.job.max_restarts:
             # The failure that spent the last restart (the earlier ones are the restarts' records).
-            self.store.put_if_absent(keys.FAILED, dataclasses.replace(cause, attempts=gen + 1).dumps())
+            record(self.store, keys.FAILED, dataclasses.replace(cause, attempts=gen + 1))
             log.error("FAILED after %d attempt(s): %s", gen + 1, cause.reason)
             return State.FAILED
         self.gen = gen + 1
-        restart = dataclasses.replace(cause, aborted_generation=gen, generation=self.gen).dumps()
-        if not self.store.put_if_absent(keys.restart(self.gen), restart) and \
-                says_more(cause, Failure.load(self.store.get(keys.restart(self.gen)))):
-            self.store.put(keys.restart(self.gen), restart)
+        record(self.store, keys.restart(self.gen), dataclasses.replace(cause, aborted_generation=gen,
+                                                                        generation=self.gen))
         log.warning("restarting as generation %d after: %s", self.gen, cause.reason)
         return State.RENDEZVOUS
 

@@ -36,12 +36,23 @@ UNHEARD = "never reported"     # not_formed's note on running containers whose a
 
 def says_more(found, recorded):
     """Whether `found`, this agent's cause of a world that did not form, names containers
-    that never reported (and asked for their replacement) where `recorded`, another agent's
-    that came first, does not: the agents judge at their own rendezvous limits, and one
-    whose limit came a moment later found the late container past the frozen limit and had
-    it replaced; the record, the restart's and status's, says so then."""
+    that never reported where `recorded`, another agent's that came first, does not: the
+    agents judge at their own rendezvous limits, and one whose limit came a moment later
+    found the late container past the frozen limit (and, restarts left, had it replaced);
+    the records (abort, restart, the application's failure) say so then, in place of the
+    first."""
     return (found is not None and recorded is not None and found.kind == recorded.kind == Kind.NOT_FORMED.value
             and UNHEARD in (found.reason or "") and UNHEARD not in (recorded.reason or ""))
+
+
+def record(store, key, failure):
+    """Put `failure` (a Failure) at `key` unless one is there already (first writer wins),
+    or in place of one that says less (says_more). True where it was first."""
+    if store.put_if_absent(key, failure.dumps()):
+        return True
+    if says_more(failure, Failure.load(store.get(key))):
+        store.put(key, failure.dumps())
+    return False
 
 
 class PeerDiagnosis:

@@ -1,7 +1,8 @@
 """One failure record: why a generation of the world ended, or why the application failed.
 
 Agents (launcher.agent) and the local engine's master (yarnapp.backends.local.am) write
-it to the store: `keys.abort(gen)` (first writer wins: the root cause of that generation),
+it to the store: `keys.abort(gen)` (first writer wins: the root cause of that generation; for a world that
+did not form, the record naming containers that never reported: launcher.diagnosis.says_more),
 `keys.restart(gen)` (the generation that follows it, with the cause), `keys.FAILED` (the
 application's end); a rank writes its own error line the same way (`keys.error(gen, rank)`:
 `error` and `phase`, read by the agents to tell a deterministic failure). Status (both

@@ -5,7 +5,8 @@ local engine). Keys are built only here so that the protocol between the client,
 the agents and the ranks can be read in one file.
 
 World generations: the world is formed once per generation `gen` (0, 1, ...). A
-failure of any rank aborts the generation (`abort(gen)`, first writer wins); the
+failure of any rank aborts the generation (`abort(gen)`, first writer wins; see
+launcher.diagnosis.says_more for the one exception); the
 agents then form generation gen+1, which resumes from the last checkpoint.
 """
 import json
@@ -38,7 +39,8 @@ REPLACE_PREFIX = "replace/"
 
 
 def abort(gen):
-    """Why generation `gen` ended abnormally (first failure wins); JSON."""
+    """Why generation `gen` ended abnormally (first failure wins, but see
+    launcher.diagnosis.says_more); JSON."""
     return f"gen/{gen:04d}/abort"
 
 
