@@ -114,20 +114,27 @@ def test_sigterm_while_a_world_starts_stops_the_ranks_already_started():
     stopped as its link probe starts) is handled once they have all started, and stops every
     one: before, the ranks already started were lost with the half-built list and waited
     for the rest of their world."""
-    import time
     token = f"599.{os.getpid()}"                # `sleep 599.PID`: these ranks, by their command line
     script = subprocess.run([sys.executable, "-c", INTERRUPTED_STARTER, token], capture_output=True, text=True,
                             timeout=120)
     assert script.returncode == 130, script.stderr
     count, *pids = map(int, script.stdout.split())
     assert count >= 3 and len(pids) == count
-    deadline = time.monotonic() + 10
-    while (left := subprocess.run(["pgrep", "-f", f"sleep {token}"], capture_output=True, text=True).stdout.split()) \
+    left = _sleepers_left(token)
+    assert not left, f"{len(left)} of the {count} ranks started still run"
+
+
+def _sleepers_left(token, wait_s=10.0):
+    """The `sleep TOKEN` ranks still running after up to wait_s seconds (killed, so that a
+    failing test leaves none)."""
+    import time
+    deadline = time.monotonic() + wait_s
+    while (left := subprocess.run(["pgrep", "-f", f"sleep {token}$"], capture_output=True, text=True).stdout.split()) \
             and time.monotonic() < deadline:
         time.sleep(0.1)
     for p in left:
         os.kill(int(p), 9)
-    assert not left, f"{len(left)} of the {count} ranks started still run"
+    return left
 
 
 def test_an_interrupt_while_run_local_starts_its_pipe_readers_stops_the_ranks_and_is_raised(monkeypatch):
@@ -137,7 +144,6 @@ def test_an_interrupt_while_run_local_starts_its_pipe_readers_stops_the_ranks_an
     "interrupted" and 143. Here the interrupt comes in the second thread's start, as the
     signal handler raises it there."""
     import threading
-    import time
 
     from launcher.world import run_local
     real, started = threading.Thread.start, []
@@ -152,12 +158,7 @@ def test_an_interrupt_while_run_local_starts_its_pipe_readers_stops_the_ranks_an
     with pytest.raises(KeyboardInterrupt):
         run_local(["sleep", token], 2, timeout=60)
     monkeypatch.undo()
-    deadline = time.monotonic() + 10
-    while (left := subprocess.run(["pgrep", "-f", f"sleep {token}$"], capture_output=True, text=True).stdout.split()) \
-            and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for p in left:
-        os.kill(int(p), 9)
+    left = _sleepers_left(token)
     assert not left, f"{len(left)} ranks still run"
 
 
