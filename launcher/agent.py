@@ -453,7 +453,7 @@ class Agent(PeerDiagnosis):
                     cause, attempts=gen + 1, retried=False, reason=f"{cause.reason}; {why}").dumps())
         if self.store.get(keys.FAILED) is not None or spent_restarts(self.store, gen) > self.job.max_restarts:
             # The failure that spent the last restart (the earlier ones are the restarts' records).
-            record(self.store, keys.FAILED, dataclasses.replace(cause, attempts=gen + 1))
+            self.store.put_if_absent(keys.FAILED, dataclasses.replace(cause, attempts=gen + 1).dumps())
             log.error("FAILED after %d attempt(s): %s", gen + 1, cause.reason)
             return State.FAILED
         self.gen = gen + 1

@@ -38,9 +38,9 @@ def says_more(found, recorded):
     """Whether `found`, this agent's cause of a world that did not form, names containers
     that never reported where `recorded`, another agent's that came first, does not: the
     agents judge at their own rendezvous limits, and one whose limit came a moment later
-    found the late container past the frozen limit (and, restarts left, had it replaced);
-    the records (abort, restart, the application's failure) say so then, in place of the
-    first."""
+    found the late container past the frozen limit and had it replaced; the abort and the
+    restart records say so then, in place of the first. (The application's failure stays
+    the first writer's: it may carry why it was not retried.)"""
     return (found is not None and recorded is not None and found.kind == recorded.kind == Kind.NOT_FORMED.value
             and UNHEARD in (found.reason or "") and UNHEARD not in (recorded.reason or ""))
 

@@ -151,14 +151,6 @@ def test_a_world_not_formed_is_recorded_by_the_agent_that_had_the_late_container
                                       (Outcome.SUCCEEDED, None, None)], instances=3)
     assert b.run() == exitcodes.SUCCEEDED
     assert load(store, keys.abort(0)).reason == named.reason == load(store, keys.restart(1)).reason
-    # nor the application's failure, where no restart is left
-
-    def failed_first(store, gen):
-        store.put(keys.abort(gen), plain.stamped(generation=gen).dumps())
-        store.put(keys.FAILED, dataclasses.replace(plain, attempts=1).dumps())
-    c, store = agent(tmp_path / "c", [(Outcome.OWN, named, failed_first)], max_restarts=0, instances=3)
-    assert c.run() != exitcodes.SUCCEEDED
-    assert load(store, keys.FAILED).reason == named.reason and load(store, keys.FAILED).attempts == 1
 
 
 def test_spent_restarts_fail_the_application_with_the_last_cause_and_the_ranks_status(tmp_path):
