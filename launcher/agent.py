@@ -483,7 +483,7 @@ def main():
         if signum == signal.SIGTERM and ident.backend == "yarn":     # (the local engine's limit: its cgroup)
             try:
                 over = memory.stopped_for_memory(agent.held.peak(), agent.job.groups[agent.group_index].memory,
-                                                 agent.group_index, int(os.environ.get("YARNAPP_MEMORY_STEP_MB", 1024)))
+                                                 agent.group_index, memory.yarn_step_mib())
             except Exception:  # noqa: BLE001 - the abort record below matters more than its words
                 log.exception("could not tell whether this container was over its memory")
         agent.kill_child()

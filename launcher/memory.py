@@ -85,7 +85,16 @@ class Held:
         return max((held for _, held in self.samples), default=None)
 
 
-def stopped_for_memory(held, asked_mib, group_index, step_mib=1024):
+STEP_ENV = "YARNAPP_MEMORY_STEP_MB"     # the client's yarn.scheduler.minimum-allocation-mb, for the agents
+STEP_MB = 1024                          # YARN's default for it
+
+
+def yarn_step_mib():
+    """The MiB YARN rounds this container's memory up to a multiple of (the client says)."""
+    return int(os.environ.get(STEP_ENV, STEP_MB))
+
+
+def stopped_for_memory(held, asked_mib, group_index, step_mib=STEP_MB):
     """At a SIGTERM on YARN: the phrase naming a container stopped for its memory, or None.
     The NodeManager's memory check adds up the resident memory of the container's processes
     every few seconds and stops one above its allocation as it stops any container (a

@@ -44,7 +44,7 @@ import warnings
 import skein
 
 import conf
-from launcher import results
+from launcher import memory, results
 from launcher.identity import checkpoint_dir, code
 
 from .. import packaging, preflight, shipping
@@ -153,7 +153,7 @@ def build_spec(job, files, user=None, storage=None, memory_step=None):
             node_label=g.node_label or "",
             max_restarts=job.max_restarts,
             env={**g.env, **_contract(g.name, storage),
-                 **({"YARNAPP_MEMORY_STEP_MB": str(memory_step)} if memory_step else {})},
+                 **({memory.STEP_ENV: str(memory_step)} if memory_step else {})},
             files=dict(files),
             script=_script(python, "launcher.agent", "environment" in files))
     if job.tensorboard.service:

@@ -120,10 +120,9 @@ def _alive(entry):
     and its start time; a pid of the old ledger's entries alone)."""
     for pid, started in entry.get("procs") or ([[entry["pid"], None]] if entry.get("pid") else []):
         try:
-            if started is None or abs(psutil.Process(pid).create_time() - started) < 1.0:
-                if psutil.pid_exists(pid):
-                    return True
-        except psutil.Error:
+            if psutil.pid_exists(pid) and (started is None or abs(psutil.Process(pid).create_time() - started) < 1.0):
+                return True
+        except psutil.Error:        # gone meanwhile
             continue
     return False
 
