@@ -147,6 +147,23 @@ def test_equal_shares_over_groups_of_unequal_vcores_are_warned_of(caplog):
     assert caplog.messages == []
 
 
+def test_half_precision_where_no_group_has_a_gpu_is_warned_of(caplog):
+    """bf16 on CPU-only groups was accepted without a word; the ranks said at info level,
+    in their logs, that they computed in fp32."""
+    def job(precision, gpus=0):
+        return conf.load_job({"name": "t", "groups": [{"name": "w", "instances": 2, "vcores": 1, "gpus": gpus}],
+                              "training": {"data": {"train": "/x"}, "precision": precision}})
+    with caplog.at_level(logging.WARNING, logger="yarnapp.preflight"):
+        preflight.check_model(job("bf16"), "job.yaml")
+    assert caplog.messages == ["job.yaml: training.precision: bf16 applies to GPU ranks, and no group asks for gpus: "
+                               "every rank computes in fp32; give a group gpus, or leave precision out"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="yarnapp.preflight"):
+        for quiet in (job("fp32"), job("bf16", gpus=1), job("fp16", gpus=1)):
+            preflight.check_model(quiet, "job.yaml")
+    assert caplog.messages == []
+
+
 def _write(path, images, labels, statistics=True):
     import pyarrow as pa
     import pyarrow.parquet as pq

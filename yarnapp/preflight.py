@@ -325,6 +325,16 @@ def _warn_equal_shares(job, pre):
                 "at start)", pre, same, what)
 
 
+def _warn_precision_without_gpus(job, pre):
+    """Warn where training.precision asks for bf16 or fp16 and no group has a GPU: it applies
+    to GPU ranks only (training.precision), so every rank would compute in fp32 unsaid."""
+    t = job.training
+    if t.precision == "fp32" or any(g.gpus for g in job.groups):
+        return
+    log.warning("%straining.precision: %s applies to GPU ranks, and no group asks for gpus: every rank computes "
+                "in fp32; give a group gpus, or leave precision out", pre, t.precision)
+
+
 def check_model(job, where=None):
     """Raise YarnappError naming training.model when it is neither a built-in model nor a
     'package.module:factory' (a misspelt name), or training.model_options when a built-in
@@ -339,6 +349,7 @@ def check_model(job, where=None):
         raise YarnappError(f"{pre}training.model: {t.model!r} is neither a built-in model "
                            f"({', '.join(BUILTIN_MODELS)}) nor a 'package.module:factory'")
     _warn_equal_shares(job, pre)
+    _warn_precision_without_gpus(job, pre)
     if not t.model_options:
         return
     from training.models import ModelError, check_options
