@@ -387,6 +387,24 @@ def test_a_wrong_cli_argument_is_one_line_naming_the_command(cli):
     assert proc.stderr.strip().startswith("Error: no application 'app_that_does_not_exist'")
 
 
+def test_ctrl_c_while_the_command_imports_says_interrupted_without_a_traceback(tmp_path):
+    """Ctrl-C in the command's first half second (its imports, before cli.main) printed
+    Python's KeyboardInterrupt traceback; later it says "interrupted" and ends 130. Here
+    the console script's name runs its first import, and the signal comes after it."""
+    import signal
+    import subprocess
+    import sys
+    script = tmp_path / "yarnapp"
+    script.write_text("import os, signal, sys, time\nimport yarnapp.cli\n"
+                      "os.kill(os.getpid(), signal.SIGINT)\ntime.sleep(30)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stderr) == (130, "interrupted\n"), proc.stderr
+    later = tmp_path / "later.py"           # another program importing yarnapp keeps Python's own Ctrl-C
+    later.write_text(script.read_text())
+    proc = subprocess.run([sys.executable, str(later)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGINT and proc.stderr.rstrip().endswith("KeyboardInterrupt"), proc.stderr
+
+
 def test_defaults_resolve_in_one_place():
     job = conf.load_job(GOOD)
     d = conf.defaults()

@@ -6,6 +6,28 @@
 """
 
 
+def _quiet_ctrl_c_while_importing():
+    """The `yarnapp` command stopped by Ctrl-C while it imports (before cli.main, which says
+    "interrupted" itself) ends as it would later: that word and status 130, no traceback.
+    cli.main puts Python's own handler back."""
+    import os
+    import signal
+    import sys
+    if os.path.basename(sys.argv[0] if sys.argv else "") != "yarnapp" \
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return                  # a notebook or a script importing yarnapp keeps its KeyboardInterrupt (and
+                                # a command started with Ctrl-C ignored, in a script's background, ignores it)
+
+    def interrupted(signum, frame):
+        print("interrupted", file=sys.stderr, flush=True)
+        raise SystemExit(130)
+    interrupted.yarnapp_importing = True
+    signal.signal(signal.SIGINT, interrupted)
+
+
+_quiet_ctrl_c_while_importing()
+
+
 def _own_packages_first():
     """yarnapp's sibling packages (conf, training, launcher) are top-level names: a user's
     conf.py or training/ in the notebook's directory, first on sys.path, would shadow them

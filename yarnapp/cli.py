@@ -448,6 +448,9 @@ def _name_leaves(parser):
 def main(argv=None):
     global _terminated
     _terminated = False             # a SIGTERM that stopped an earlier main() in this process
+    import signal
+    if getattr(signal.getsignal(signal.SIGINT), "yarnapp_importing", False):
+        signal.signal(signal.SIGINT, signal.default_int_handler)    # Ctrl-C from here on: "interrupted" below
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
