@@ -132,6 +132,7 @@ def test_calibrated_split(world):
     speeds = r["calibrated_speeds"][0]
     assert all(len(v) == n and all(x > 0 for x in v) for v in speeds.values())
     assert r["calibrated"] < TOL
+    assert r["resumed_calibration"] == [[0, True, True]] * n     # a resumed run takes the checkpoint's
 
 
 def test_manual_split_in_whole_vector_blocks(world):

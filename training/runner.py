@@ -60,15 +60,17 @@ class Runner:
         example = self.train.example(16)                                # e.g. for shares: speed
         check_output(model, spec.model, example, self.train.num_classes)
         self.strategy = strategies.get(spec.strategy.name)(ctx, spec)
-        self.strategy.setup(model, make_optimizer_factory(spec), example_input=example)
         c = ctx.job.checkpoint
         self.trains = what_it_trains(spec)      # what this job's checkpoints are of
         self.ckpt = Checkpointer(ctx.checkpoint_uri, self.comm, c.keep, ctx.generation, app_id=ctx.app_id,
                                  name=ctx.job.name, resume=c.resume, siblings=ctx.checkpoint_siblings,
                                  data=self._data(), trains=self.trains)
-        self.start_step, state = self.ckpt.latest()
+        self.start_step, state = self.ckpt.latest()     # first: a resumed run's split is the checkpoint's
         if state is not None:
             self._check_same_job(state, ctx)
+        self.strategy.setup(model, make_optimizer_factory(spec), example_input=example,
+                            resumed=state["strategy"] if state is not None else None)
+        if state is not None:
             try:
                 self.strategy.load_state_dict(state["strategy"])
             except (RuntimeError, KeyError, ValueError, TypeError) as e:   # torch's: "Error(s) in loading..."

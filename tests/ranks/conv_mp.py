@@ -351,6 +351,21 @@ out["block"] = comm.gather(s3.block, root=0)
 if rank == 0:
     out["calibrated"] = params_diff(export, ref)
 
+# 6b. A run resuming that checkpoint takes its split and speeds at setup: not calibrated again.
+import training.strategies.conv_mp.strategy as conv_mp_strategy     # noqa: E402
+calibrations, measure_speeds = [], conv_mp_strategy.measure_speeds
+conv_mp_strategy.measure_speeds = lambda *a, **k: calibrations.append(1) or measure_speeds(*a, **k)
+buf3 = io.BytesIO()
+torch.save(s3.state_dict(), buf3)
+buf3.seek(0)
+state = torch.load(buf3, weights_only=True)
+s6 = ConvModelParallelStrategy(make_ctx(), spec(split=None, recalibrate_every=2))
+s6.setup(fresh(1), sgd, resumed=state)
+s6.load_state_dict(state)
+conv_mp_strategy.measure_speeds = measure_speeds
+out["resumed_calibration"] = comm.gather([len(calibrations), s6.layer_split == s3.layer_split,
+                                          s6.speeds == s3.speeds], root=0)
+
 # 7. Layers with a vector block of kernels per rank (calibrate.kernel_block) split in whole
 # blocks where that makes the slowest rank faster: here a manual 1.3 : 1 [: 1] split.
 def wide(seed=0):

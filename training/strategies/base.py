@@ -4,14 +4,15 @@ how the model, its gradients and its batch are spread over the world).
 The runner calls, in order:
     s = Strategy(ctx, spec)              # ctx: training.context.RunContext; spec: conf Training,
                                          # whose `strategy` is this strategy's own block (s.config)
-    s.setup(model, make_optimizer, example_input)   # make_optimizer(params) -> torch.optim.Optimizer;
-                                         # example_input: a few rows of the data (or None)
+    s.setup(model, make_optimizer, example_input, resumed)   # make_optimizer(params) -> torch.optim.Optimizer;
+                                         # example_input: a few rows of the data (or None);
+                                         # resumed: this rank's state in the checkpoint loaded next
     lo, hi = s.batch_slice(global_batch) # rows of each global batch this rank must read
     stats = s.train_step(x, y)           # x, y: this rank's rows (or None where the strategy
                                          # broadcasts from rank 0); returns a StepStats
     s.scalars()                          # rank 0, every log_every steps: its own TensorBoard scalars
     loss_sum, correct, n = s.eval_step(x, y)   # summed over this rank's rows; runner reduces
-    s.state_dict() / s.load_state_dict(d)      # this rank's part, for checkpoints
+    s.state_dict() / s.load_state_dict(d)      # this rank's part, for checkpoints (loaded after setup)
     s.model_for_export()                 # the full model on rank 0, at the end
     s.close()                            # hooks, threads, communicators released
 
@@ -65,11 +66,14 @@ class Strategy(abc.ABC):
             raise StrategyError(str(e)) from None
 
     @abc.abstractmethod
-    def setup(self, model, make_optimizer, example_input=None):
+    def setup(self, model, make_optimizer, example_input=None, resumed=None):
         """Take the model (built alike on every rank from the same seed) and build the
         optimizer(s) over what this rank owns. example_input: a batch of inputs of the
         job's data, for whatever the strategy measures at setup (None: it makes its own
-        from model.input_shape, or waits for the first step's batch)."""
+        from model.input_shape, or waits for the first step's batch). resumed: this rank's
+        state_dict() in the checkpoint that load_state_dict loads next (None on every rank
+        where the run starts afresh): a strategy that measures its split at setup takes
+        the one that checkpoint's run measured instead, not measuring again."""
 
     @abc.abstractmethod
     def batch_slice(self, global_batch):

@@ -62,7 +62,7 @@ class AllReduceStrategy(Strategy):
 
     # -- setup ------------------------------------------------------------------------
 
-    def setup(self, model, make_optimizer, example_input=None):
+    def setup(self, model, make_optimizer, example_input=None, resumed=None):
         """Make every rank's model rank 0's, build the optimizer, fix the shares.
 
         example_input: a batch of inputs for shares 'speed' (default: random rows of
@@ -83,7 +83,7 @@ class AllReduceStrategy(Strategy):
             model.parameters(), self.comm, bucket_mb=ar.bucket_mb,
             ring_threshold_kb=ar.ring_threshold_kb, overlap=overlap, shared_memory=ar.shared_memory)
         self._float_buffers = [b for b in model.buffers() if b.is_floating_point()]
-        self.weights = self._share_weights(example_input)
+        self.weights = self._share_weights(example_input, resumed)
         log.info("allreduce strategy: rank %d of %d, shares %s, %d buckets, overlap=%s",
                  self.rank, self.world_size, [round(w, 3) for w in self.weights],
                  len(self.reducer.buckets), self.reducer.overlap)
@@ -96,12 +96,18 @@ class AllReduceStrategy(Strategy):
             for t in list(self.model.parameters()) + list(self.model.buffers()):
                 devices.bcast_(self.comm, t, root=0)
 
-    def _share_weights(self, example_input):
+    def _share_weights(self, example_input, resumed=None):
         given = self.given_shares()
         if given is not None:
             return given
         if self.world_size == 1:
             return [1.0]
+        if resumed is not None:         # every rank alike (Checkpointer.latest): rank 0's state has them
+            saved = self.comm.bcast(resumed.get("shares") if self.rank == 0 else None, root=0)
+            if saved and len(saved) == self.world_size:
+                log.info("shares 'speed': the checkpoint's measured shares %s (not measured again), so that "
+                         "the steps split their batches as before", [round(float(w), 3) for w in saved])
+                return [float(w) for w in saved]
         if example_input is None and getattr(self.model, "input_shape", None) is not None:
             gen = torch.Generator().manual_seed(self.rank)
             example_input = torch.randn((SPEED_PROBE_ROWS, *self.model.input_shape), generator=gen)

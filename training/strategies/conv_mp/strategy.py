@@ -157,8 +157,9 @@ class ConvModelParallelStrategy(Strategy):
 
     # -- setup -----------------------------------------------------------------------------
 
-    def setup(self, model, make_optimizer, example_input=None):
-        """Shard the chosen convs: by the manual split, else by speeds calibrated on the
+    def setup(self, model, make_optimizer, example_input=None, resumed=None):
+        """Shard the chosen convs: by the manual split, else by the split of the checkpoint
+        resumed from (its speeds too: not calibrated again), else by speeds calibrated on the
         model's input_shape, else at the first step (its batch gives the shape).
         example_input is not used: calibration makes inputs of the layers' own shapes."""
         self.model = model
@@ -175,9 +176,19 @@ class ConvModelParallelStrategy(Strategy):
                                  f"{self.world_size} ranks; give one per rank")
             convs = dict(model.named_modules())
             self._shard({n: proportional_split(convs[n].out_channels, mp.split, self.block) for n in self.names})
+        elif self._resumable_split(resumed):
+            self.speeds = resumed.get("speeds")
+            self._shard(resumed["split"])
         elif getattr(model, "input_shape", None) is not None:
             self._shard(self._calibrated_split(tuple(model.input_shape)))
         # else: sharded by the first train/eval step, once the batch shows the input shape
+
+    def _resumable_split(self, resumed):
+        """Whether every rank resumes a checkpoint of this world whose split covers the convs
+        chosen now (collective: else each calibrates, or fails in load_state_dict, alike)."""
+        mine = bool(resumed) and resumed.get("world_size") == self.world_size and \
+            isinstance(resumed.get("split"), dict) and set(resumed["split"]) == set(self.names)
+        return all(self.comm.allgather(mine))
 
     def _select_layers(self, model):
         return select_layers(model, self.config.layers, ranks=self.world_size)

@@ -85,7 +85,7 @@ class HypergraphStrategy(Strategy):
 
     # -- setup -------------------------------------------------------------------------
 
-    def setup(self, model, make_optimizer, example_input=None):
+    def setup(self, model, make_optimizer, example_input=None, resumed=None):
         """Keep the model (rank 0's weights on every rank); the partition is made by the first
         train/eval step (the batch gives the input shape) or taken from a checkpoint.
         example_input is not used: 'speed' capacities are measured on the model's own shape."""

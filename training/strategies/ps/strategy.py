@@ -82,7 +82,7 @@ class _ParameterServer(AllReduceStrategy):
 
     # -- setup ------------------------------------------------------------------------
 
-    def setup(self, model, make_optimizer, example_input=None):
+    def setup(self, model, make_optimizer, example_input=None, resumed=None):
         """Rank 0's model everywhere, parameters flattened, shares fixed, optimizer placed.
 
         example_input: a batch of inputs for shares 'speed' (see AllReduceStrategy.setup).
@@ -93,7 +93,7 @@ class _ParameterServer(AllReduceStrategy):
         self.pcomm = self.comm.Dup()
         self._flatten(model)
         self._float_buffers = [b for b in model.buffers() if b.is_floating_point()]
-        self.weights = self._share_weights(example_input)
+        self.weights = self._share_weights(example_input, resumed)
         self._make_optimizer(make_optimizer)
         log.info("%s strategy: rank %d of %d, shares %s, %d parameters (%.2f MiB)",
                  self.name, self.rank, self.world_size, [round(w, 3) for w in self.weights],
