@@ -15,7 +15,7 @@ _MEM_UNITS = {
     "t": 2**40, "tib": 2**40, "tb": 10**12,
 }
 _MEM_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
-_DUR_UNITS = {"ms": 0.001, "s": 1, "": 1, "m": 60, "min": 60, "h": 3600}
+_DUR_UNITS = {"ms": 0.001, "s": 1, "": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
 _DUR_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-z]*)\s*$")
 # Link rates are bits per second with decimal prefixes, as tc and NIC vendors write
 # them (100mbit, 1gbit, 10 Gbit/s). Bytes are refused: tc's "mbps" means megaBYTES.
@@ -41,7 +41,7 @@ def parse_memory_mib(value):
 
 
 def parse_duration_s(value):
-    """Return seconds from a number or a string like ``500ms``, ``30s``, ``2m``."""
+    """Return seconds from a number or a string like ``500ms``, ``30s``, ``2m``, ``7d``."""
     if isinstance(value, bool):
         raise ValueError("expected a duration such as 30s")
     if isinstance(value, (int, float)):

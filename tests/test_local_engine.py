@@ -65,6 +65,37 @@ def _sleeper(tmp_path, **extra):
         "run": {"script": script}, **extra})
 
 
+def test_clean_removes_finished_applications_and_refuses_a_running_one(cli, yarnapp_home, tmp_path):
+    """Every application's directory (logs, store, staged files, checkpoints kept there)
+    stayed under YARNAPP_HOME for ever: `yarnapp clean` removes finished ones, named or by
+    age, and refuses the lot where one named still runs (nothing removed)."""
+    done = write_job(tmp_path / "done.yaml", {"name": "done", "run": {"script": str(tmp_path / "done.py")},
+                                              "groups": [{"name": "a", "instances": 1, "vcores": 0.5}]})
+    (tmp_path / "done.py").write_text("print('done')\n")
+    first, second = (cli("submit", done, "--wait", check=0).stdout.split()[1] for _ in range(2))
+    running = cli("submit", _sleeper(tmp_path), check=0).stdout.strip()
+    try:
+        until("the sleeper runs", lambda: yarnapp.status(running)["state"] == "RUNNING")
+        refused = cli("clean", first, running, check=1)
+        assert refused.stderr == f"Error: {running} is RUNNING: stop it first with `yarnapp kill {running}`; " \
+                                 "nothing was removed\n", refused.stderr
+        assert sorted(apps(yarnapp_home)) == sorted([first, second, running])
+        assert cli("clean", "--older-than", "1h", check=0).stderr.startswith("nothing to remove")
+        dry = cli("clean", "--older-than", "0", "--dry-run", check=0).stdout.splitlines()
+        assert [line.split()[:4] for line in dry[:2]] == [["would", "remove", a, "done"] for a in (second, first)]
+        assert dry[2].startswith("would remove 2 applications, ") and len(dry) == 3, dry
+        assert sorted(apps(yarnapp_home)) == sorted([first, second, running])
+        out = cli("clean", first, check=0).stdout
+        assert re.fullmatch(rf"removed {first}  done +SUCCEEDED +\d+\.\d MiB\n", out), out
+        assert cli("status", first, check=1).stderr.startswith(f"Error: no application {first!r}")
+        assert cli("clean", "--older-than", "0", check=0).stdout.startswith(f"removed {second}  done")
+        assert apps(yarnapp_home) == [running] and yarnapp.status(running)["state"] == "RUNNING"
+    finally:
+        cli("kill", running)
+    assert cli("clean", running, check=0).stdout.split()[:4] == ["removed", running, "sleeper", "KILLED"]
+    assert apps(yarnapp_home) == [] and os.listdir(yarnapp_home / "apps") == []
+
+
 def test_an_application_whose_memory_others_hold_waits_in_line_and_runs_once_they_end(cli, yarnapp_home,
                                                                                        tmp_path):
     """Three applications asking for 60% of the machine's memory each (a cap per container,

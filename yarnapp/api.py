@@ -392,3 +392,40 @@ def list_apps(backend="local"):
 @_one_line
 def kill(app_id):
     return Run(app_id).kill()
+
+
+@_one_line
+def clean(apps=(), older_than=None, dry_run=False):
+    """Remove finished applications of the local engine (their directories under
+    YARNAPP_HOME: logs, store, staged files, and the checkpoints and TensorBoard runs kept
+    there; a job's own checkpoint.uri and tensorboard.logdir are left alone): those named,
+    or every one that ended more than `older_than` ago (a duration: '7d', '12h'; 0: every
+    finished one). All named are checked before any is removed: one still running refuses
+    the lot. Returns [(app_id, name, state, bytes)], removed (or, dry_run, that would be).
+    YARN keeps and deletes its applications' logs itself (its log-aggregation retention)."""
+    local = backends.get("local")
+    if bool(apps) == (older_than is not None):
+        raise YarnappError("yarnapp clean: give the applications to remove, or older_than (e.g. 7d; 0: every "
+                           "finished one)")
+    if apps:
+        for app_id in dict.fromkeys(apps):
+            try:
+                local.check_finished(app_id)
+            except YarnappError as e:
+                raise YarnappError(f"{e}; nothing was removed") from None
+        chosen = list(dict.fromkeys(apps))
+    else:
+        try:
+            age = 0.0 if str(older_than).strip() in ("0", "0s", "0d") else conf.units.parse_duration_s(older_than)
+        except ValueError:
+            raise YarnappError(f"older_than {older_than!r}: expected a duration such as 12h or 7d (0: every "
+                               "finished application)") from None
+        now = time.time()
+        chosen = [a["app_id"] for a in local.list()
+                  if (ended := local.ended(a["app_id"])) is not None and now - ended >= age]
+    out = []
+    for app_id in chosen:
+        st = local.status(app_id)
+        size = local.remove(app_id) if not dry_run else local.size(app_id)
+        out.append((app_id, st["name"], st["state"], size))
+    return out

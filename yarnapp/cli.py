@@ -18,7 +18,7 @@ import conf
 from . import __version__, api
 from .backends.base import TERMINAL
 from .console import p as _p, readers_gone, say, stdout_gone
-from .cli_tools import cmd_data_import, cmd_hadoop, cmd_netem
+from .cli_tools import cmd_clean, cmd_data_import, cmd_hadoop, cmd_netem
 from .errors import YarnappError
 
 
@@ -364,6 +364,19 @@ def build_parser():
     s.add_argument("--backend", default="local", choices=["local", "yarn"],
                    help="whose applications: the local engine's (default) or the YARN cluster's")
     s.set_defaults(fn=cmd_list)
+
+    s = sub.add_parser("clean", help="remove finished applications of the local engine (logs, files, and the "
+                       "checkpoints and TensorBoard runs kept in them)",
+                       description="Remove finished applications' directories under YARNAPP_HOME: their logs, "
+                       "store, staged files, and the checkpoints and TensorBoard runs kept there. A job's own "
+                       "checkpoint.uri and tensorboard.logdir are left alone. YARN keeps and deletes its "
+                       "applications' logs itself.")
+    s.add_argument("apps", nargs="*", metavar="APP", help="applications to remove (`yarnapp list` shows them)")
+    s.add_argument("--older-than", dest="older_than", metavar="DURATION",
+                   help="every application that ended more than this long ago, e.g. 7d or 12h (0: every "
+                        "finished one)")
+    s.add_argument("--dry-run", action="store_true", dest="dry_run", help="say what would be removed; remove nothing")
+    s.set_defaults(fn=cmd_clean)
 
     s = sub.add_parser("tensorboard", help="serve an application's TensorBoard (every run of its logdir) until Ctrl-C")
     s.add_argument("app", help="application id, or a logdir (path or URI) to serve directly")

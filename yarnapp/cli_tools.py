@@ -13,6 +13,31 @@ from .console import p as _p
 from .errors import YarnappError
 
 
+def cmd_clean(args):
+    """Remove finished applications of the local engine (yarnapp.api.clean)."""
+    from . import api
+    if bool(args.apps) == (args.older_than is not None):
+        args._parser.error("give the applications to remove, or --older-than DURATION (e.g. 7d; 0: every "
+                           "finished one)")
+    try:
+        removed = api.clean(args.apps, args.older_than, dry_run=args.dry_run)
+    except YarnappError as e:
+        raise YarnappError(str(e).replace("older_than ", "--older-than ", 1) if str(e).startswith("older_than ")
+                           else str(e)) from None
+    verb = "would remove" if args.dry_run else "removed"
+    for app_id, name, state, size in removed:
+        _p(f"{verb} {app_id}  {name:<16} {state:<10} {_mib(size)}")
+    if not removed:
+        _p(f"nothing to remove: no application ended more than {args.older_than} ago", file=sys.stderr)
+    elif len(removed) > 1:
+        _p(f"{verb} {len(removed)} applications, {_mib(sum(r[3] for r in removed))}")
+    return 0
+
+
+def _mib(size):
+    return f"{size / 2**20:.1f} MiB"
+
+
 def cmd_netem(args):
     """Fault injection on a running application's emulated nodes (local engine)."""
     from launcher import keys

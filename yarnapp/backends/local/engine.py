@@ -26,7 +26,7 @@ from ...errors import YarnappError
 from ..base import TERMINAL, Backend
 from . import cgroups, gpus, leases, netem, supervisor
 from .leases import machine_memory_mib
-from .state import apps_dir, home, no_application, read_json, request_kill, wait_ended, write_json
+from .state import apps_dir, app_processes, home, tree_bytes, no_application, read_json, request_kill, wait_ended, write_json
 
 log = logging.getLogger(__name__)
 
@@ -325,5 +325,31 @@ class LocalBackend(Backend):
                 out.append({k: st.get(k) for k in ("app_id", "name", "state", "submitted", "diagnostics")})
         return sorted(out, key=lambda a: (a["submitted"] or 0, a["app_id"]), reverse=True)     # (ids: to the second)
 
+    def ended(self, app_id):
+        """When a finished application ended (its state's last write), or None while it runs:
+        its state not final, or any of its processes (supervisor, master, containers) alive."""
+        st = self.status(app_id)
+        if st["state"] not in TERMINAL or supervisor.alive(st["app_dir"]) or app_processes(app_id):
+            return None
+        return os.path.getmtime(os.path.join(st["app_dir"], "state.json"))
+
+    def check_finished(self, app_id):
+        """Raise YarnappError unless the application ended and nothing of it runs."""
+        if self.ended(app_id) is None:
+            state = self.status(app_id)["state"]
+            still = " but something of it still runs" if state in TERMINAL else ""
+            raise YarnappError(f"{app_id} is {state}{still}: stop it first with `yarnapp kill {app_id}`")
+
+    def size(self, app_id):
+        """The bytes of the application's directory."""
+        return tree_bytes(self._dir(app_id))
+
     def remove(self, app_id):
-        shutil.rmtree(self._dir(app_id))
+        """Delete a finished application's directory (its logs, store, staged files, and the
+        checkpoints and TensorBoard runs kept there; a checkpoint.uri or tensorboard.logdir of
+        the job's own is not touched). Returns the bytes freed; refused while it runs."""
+        d = self._dir(app_id)
+        self.check_finished(app_id)
+        size = self.size(app_id)
+        shutil.rmtree(d)
+        return size

@@ -100,3 +100,15 @@ def wait_ended(pid, timeout, interval=0.05):
         except psutil.Error:
             return
         time.sleep(interval)
+
+
+def tree_bytes(path):
+    """The bytes of the files under `path` (links not followed; a file gone meanwhile: 0)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except OSError:
+                pass
+    return total
