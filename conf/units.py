@@ -40,8 +40,9 @@ def parse_memory_mib(value):
     return max(1, int(-(-nbytes // 2**20)))
 
 
-def parse_duration_s(value):
-    """Return seconds from a number or a string like ``500ms``, ``30s``, ``2m``, ``7d``."""
+def parse_duration_s(value, zero=False):
+    """Return seconds from a number or a string like ``500ms``, ``30s``, ``2m``, ``7d``
+    (more than 0, or 0 too where `zero`)."""
     if isinstance(value, bool):
         raise ValueError("expected a duration such as 30s")
     if isinstance(value, (int, float)):
@@ -51,7 +52,7 @@ def parse_duration_s(value):
         if not m or m.group(2) not in _DUR_UNITS:
             raise ValueError(f"cannot parse {value!r} as a duration; write e.g. 500ms, 30s or 2m")
         seconds = float(m.group(1)) * _DUR_UNITS[m.group(2)]
-    if not math.isfinite(seconds) or seconds <= 0:
+    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not zero):
         raise ValueError(f"must be a finite duration more than 0 (got {value!r})")
     return seconds
 

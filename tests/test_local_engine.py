@@ -65,35 +65,67 @@ def _sleeper(tmp_path, **extra):
         "run": {"script": script}, **extra})
 
 
-def test_clean_removes_finished_applications_and_refuses_a_running_one(cli, yarnapp_home, tmp_path):
+def test_clean_removes_finished_applications_and_keeps_what_runs_or_is_resumed_from(cli, yarnapp_home, tmp_path,
+                                                                                     digits):
     """Every application's directory (logs, store, staged files, checkpoints kept there)
     stayed under YARNAPP_HOME for ever: `yarnapp clean` removes finished ones, named or by
-    age, and refuses the lot where one named still runs (nothing removed)."""
-    done = write_job(tmp_path / "done.yaml", {"name": "done", "run": {"script": str(tmp_path / "done.py")},
-                                              "groups": [{"name": "a", "instances": 1, "vcores": 0.5}]})
-    (tmp_path / "done.py").write_text("print('done')\n")
-    first, second = (cli("submit", done, "--wait", check=0).stdout.split()[1] for _ in range(2))
-    running = cli("submit", _sleeper(tmp_path), check=0).stdout.strip()
+    age. It refuses the lot where one named still runs, or is one whose checkpoints a live
+    application resumes from (by age, that one is kept, said in a warning)."""
+    def job(name, steps, resume="never"):
+        return write_job(tmp_path / f"{name}.yaml", {
+            "name": name, "groups": [{"name": "a", "instances": 1, "vcores": 1}],
+            "training": {"model": "digits_cnn", "data": {"train": f"{digits}/train"}, "batch_size": 32,
+                         "epochs": 1000, "max_steps": steps}, "checkpoint": {"every_steps": 5, "resume": resume}})
+    first, second = (cli("submit", job(n, 10), "--wait", check=0).stdout.split()[1] for n in ("first", "second"))
+    running = cli("submit", job("running", 10**6, resume=first), check=0).stdout.strip()
     try:
-        until("the sleeper runs", lambda: yarnapp.status(running)["state"] == "RUNNING")
-        refused = cli("clean", first, running, check=1)
+        until("it trains", lambda: (yarnapp.status(running).get("progress") or {}).get(0))
+        refused = cli("clean", second, running, check=1)
         assert refused.stderr == f"Error: {running} is RUNNING: stop it first with `yarnapp kill {running}`; " \
                                  "nothing was removed\n", refused.stderr
-        assert sorted(apps(yarnapp_home)) == sorted([first, second, running])
+        refused = cli("clean", second, first, check=1)
+        assert refused.stderr == f"Error: {first}: application {running} resumes from its checkpoints: wait for " \
+                                 f"it to end, or stop it with `yarnapp kill {running}`; nothing was removed\n"
+        assert apps(yarnapp_home) == sorted([first, second, running])
         assert cli("clean", "--older-than", "1h", check=0).stderr.startswith("nothing to remove")
-        dry = cli("clean", "--older-than", "0", "--dry-run", check=0).stdout.splitlines()
-        assert [line.split()[:4] for line in dry[:2]] == [["would", "remove", a, "done"] for a in (second, first)]
-        assert dry[2].startswith("would remove 2 applications, ") and len(dry) == 3, dry
-        assert sorted(apps(yarnapp_home)) == sorted([first, second, running])
-        out = cli("clean", first, check=0).stdout
-        assert re.fullmatch(rf"removed {first}  done +SUCCEEDED +\d+\.\d MiB\n", out), out
-        assert cli("status", first, check=1).stderr.startswith(f"Error: no application {first!r}")
-        assert cli("clean", "--older-than", "0", check=0).stdout.startswith(f"removed {second}  done")
-        assert apps(yarnapp_home) == [running] and yarnapp.status(running)["state"] == "RUNNING"
+        dry = cli("clean", "--older-than", "0", "--dry-run", check=0)
+        assert [line.split()[:4] for line in dry.stdout.splitlines()] == [["would", "remove", second, "second"]]
+        assert f"kept {first}: application {running} resumes from its checkpoints" in dry.stderr, dry.stderr
+        assert apps(yarnapp_home) == sorted([first, second, running])
+        out = cli("clean", second, check=0).stdout
+        assert re.fullmatch(rf"removed {second}  second +SUCCEEDED +\d+\.\d MiB\n", out), out
+        assert cli("status", second, check=1).stderr.startswith(f"Error: no application {second!r}")
+        assert yarnapp.status(running)["state"] == "RUNNING"
     finally:
         cli("kill", running)
-    assert cli("clean", running, check=0).stdout.split()[:4] == ["removed", running, "sleeper", "KILLED"]
-    assert apps(yarnapp_home) == [] and os.listdir(yarnapp_home / "apps") == []
+    (yarnapp_home / "apps" / f".removing-{second}").mkdir()      # what a remove interrupted leaves: swept
+    out = cli("clean", "--older-than", "0", check=0).stdout.splitlines()
+    assert [line.split()[:3] for line in out[:2]] == [["removed", running, "running"], ["removed", first, "first"]]
+    assert out[2].startswith("removed 2 applications, ") and len(out) == 3, out
+    assert os.listdir(yarnapp_home / "apps") == []
+
+
+def test_a_supervisor_pid_another_process_took_since_is_not_the_supervisor(tmp_path):
+    """A finished application's supervisor pid, taken days later by another process, kept the
+    application "running" (clean refused it, kill had nothing to kill): the supervisor is the
+    process whose last argument is its directory (or, while it starts, the submitting client)."""
+    from yarnapp.backends.local import supervisor
+    d = str(tmp_path / "app")
+    os.mkdir(d)
+    other = subprocess.Popen(["sleep", "60"])
+    own = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", d])
+    try:
+        supervisor.write_record(d, {"pid": other.pid, "attempts": []})
+        assert not supervisor.alive(d)
+        supervisor.write_record(d, {"pid": other.pid, "starting": True, "attempts": []})
+        assert supervisor.alive(d)
+        supervisor.write_record(d, {"pid": own.pid, "attempts": []})
+        assert supervisor.alive(d)
+    finally:
+        for p in (other, own):
+            p.kill()
+            p.wait()
+    assert not supervisor.alive(d)
 
 
 def test_an_application_whose_memory_others_hold_waits_in_line_and_runs_once_they_end(cli, yarnapp_home,

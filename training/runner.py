@@ -69,7 +69,7 @@ class Runner:
         if state is not None:
             self._check_same_job(state, ctx)
         self.strategy.setup(model, make_optimizer_factory(spec), example_input=example,
-                            resumed=state["strategy"] if state is not None else None)
+                            resumed=state.get("strategy") if state is not None else None)
         if state is not None:
             try:
                 self.strategy.load_state_dict(state["strategy"])

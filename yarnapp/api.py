@@ -398,34 +398,51 @@ def kill(app_id):
 def clean(apps=(), older_than=None, dry_run=False):
     """Remove finished applications of the local engine (their directories under
     YARNAPP_HOME: logs, store, staged files, and the checkpoints and TensorBoard runs kept
-    there; a job's own checkpoint.uri and tensorboard.logdir are left alone): those named,
-    or every one that ended more than `older_than` ago (a duration: '7d', '12h'; 0: every
-    finished one). All named are checked before any is removed: one still running refuses
-    the lot. Returns [(app_id, name, state, bytes)], removed (or, dry_run, that would be).
-    YARN keeps and deletes its applications' logs itself (its log-aggregation retention)."""
+    there; a job's own checkpoint.uri and tensorboard.logdir are left alone): those named
+    (an id, or several), or every one that ended more than `older_than` ago (a duration:
+    '7d', '12h', seconds; 0: every finished one). All named are checked before any is
+    removed: one still running, or whose checkpoints a live application resumes from,
+    refuses the lot; by age, such a one is kept, with a warning. Returns [(app_id, name,
+    state, bytes)], removed (or, dry_run, that would be). YARN keeps and deletes its
+    applications' logs itself (its log-aggregation retention)."""
     local = backends.get("local")
+    apps = [apps] if isinstance(apps, str) else list(apps or ())
     if bool(apps) == (older_than is not None):
         raise YarnappError("yarnapp clean: give the applications to remove, or older_than (e.g. 7d; 0: every "
                            "finished one)")
+    local.sweep_removed()
+    resumed_by = local.resumed_by()
     if apps:
-        for app_id in dict.fromkeys(apps):
+        chosen = list(dict.fromkeys(apps))
+        for app_id in chosen:
             try:
-                local.check_finished(app_id)
+                local.check_finished(app_id, resumed_by)
             except YarnappError as e:
                 raise YarnappError(f"{e}; nothing was removed") from None
-        chosen = list(dict.fromkeys(apps))
     else:
         try:
-            age = 0.0 if str(older_than).strip() in ("0", "0s", "0d") else conf.units.parse_duration_s(older_than)
+            age = conf.units.parse_duration_s(older_than, zero=True)
         except ValueError:
             raise YarnappError(f"older_than {older_than!r}: expected a duration such as 12h or 7d (0: every "
                                "finished application)") from None
-        now = time.time()
-        chosen = [a["app_id"] for a in local.list()
-                  if (ended := local.ended(a["app_id"])) is not None and now - ended >= age]
+        chosen = []
+        for a in local.list():
+            try:
+                ended = local.ended(a["app_id"])
+                if ended is not None and time.time() - ended >= age:
+                    local.check_finished(a["app_id"], resumed_by)
+                    chosen.append(a["app_id"])
+            except YarnappError as e:        # removed meanwhile (another clean), or kept
+                if a["app_id"] in resumed_by:
+                    log.warning("kept %s", e)
     out = []
     for app_id in chosen:
-        st = local.status(app_id)
-        size = local.remove(app_id) if not dry_run else local.size(app_id)
+        try:
+            st = local.status(app_id)
+            size = local.size(app_id) if dry_run else local.remove(app_id, resumed_by)
+        except YarnappError:
+            if apps:
+                raise
+            continue                        # another clean took it meanwhile
         out.append((app_id, st["name"], st["state"], size))
     return out

@@ -28,7 +28,7 @@ def cmd_clean(args):
     for app_id, name, state, size in removed:
         _p(f"{verb} {app_id}  {name:<16} {state:<10} {_mib(size)}")
     if not removed:
-        _p(f"nothing to remove: no application ended more than {args.older_than} ago", file=sys.stderr)
+        _p(f"nothing to remove: no finished application older than {args.older_than}", file=sys.stderr)
     elif len(removed) > 1:
         _p(f"{verb} {len(removed)} applications, {_mib(sum(r[3] for r in removed))}")
     return 0

@@ -31,6 +31,9 @@ from .state import apps_dir, app_processes, home, tree_bytes, no_application, re
 log = logging.getLogger(__name__)
 
 
+REMOVING = ".removing-"      # an application's directory being deleted (LocalBackend.remove)
+
+
 def _new_app_id():
     return time.strftime("app_%Y%m%d_%H%M%S_") + secrets.token_hex(3)
 
@@ -320,36 +323,66 @@ class LocalBackend(Backend):
         out = []
         root = apps_dir()
         for app_id in os.listdir(root) if os.path.isdir(root) else ():
-            if os.path.isfile(os.path.join(root, app_id, "app.json")):
+            if not app_id.startswith(".") and os.path.isfile(os.path.join(root, app_id, "app.json")):
                 st = self.status(app_id)
                 out.append({k: st.get(k) for k in ("app_id", "name", "state", "submitted", "diagnostics")})
         return sorted(out, key=lambda a: (a["submitted"] or 0, a["app_id"]), reverse=True)     # (ids: to the second)
 
     def ended(self, app_id):
-        """When a finished application ended (its state's last write), or None while it runs:
-        its state not final, or any of its processes (supervisor, master, containers) alive."""
+        """When a finished application ended, or None while it runs: its state not final, or
+        any of its processes (supervisor, master, containers) alive."""
         st = self.status(app_id)
         if st["state"] not in TERMINAL or supervisor.alive(st["app_dir"]) or app_processes(app_id):
             return None
-        return os.path.getmtime(os.path.join(st["app_dir"], "state.json"))
+        return st.get("finished") or os.path.getmtime(os.path.join(st["app_dir"], "state.json"))
 
-    def check_finished(self, app_id):
-        """Raise YarnappError unless the application ended and nothing of it runs."""
+    def resumed_by(self):
+        """{application: the live applications that resume from the checkpoints kept in its
+        directory (their checkpoint.uri unset; checkpoint.resume as decided at submit)}."""
+        out = {}
+        for a in self.list():
+            job = self.job_of(a["app_id"]) if a["state"] not in TERMINAL else None
+            if job is not None and not job.checkpoint.uri and job.checkpoint.resume not in ("never", "latest"):
+                out.setdefault(job.checkpoint.resume, []).append(a["app_id"])
+        return out
+
+    def check_finished(self, app_id, resumed_by=None):
+        """Raise YarnappError unless the application ended, nothing of it runs, and no live
+        application resumes from the checkpoints in its directory (resumed_by: resumed_by()'s)."""
         if self.ended(app_id) is None:
             state = self.status(app_id)["state"]
-            still = " but something of it still runs" if state in TERMINAL else ""
+            still = " but something of it still runs (or is ending)" if state in TERMINAL else ""
             raise YarnappError(f"{app_id} is {state}{still}: stop it first with `yarnapp kill {app_id}`")
+        users = (self.resumed_by() if resumed_by is None else resumed_by).get(app_id)
+        if users:
+            raise YarnappError(f"{app_id}: application {users[0]} resumes from its checkpoints: wait for it to "
+                               f"end, or stop it with `yarnapp kill {users[0]}`")
 
     def size(self, app_id):
         """The bytes of the application's directory."""
         return tree_bytes(self._dir(app_id))
 
-    def remove(self, app_id):
+    def remove(self, app_id, resumed_by=None):
         """Delete a finished application's directory (its logs, store, staged files, and the
         checkpoints and TensorBoard runs kept there; a checkpoint.uri or tensorboard.logdir of
-        the job's own is not touched). Returns the bytes freed; refused while it runs."""
+        the job's own is not touched). Returns the bytes freed; refused as check_finished
+        says. Renamed out of sight first, at once (a `list` meanwhile does not read it half
+        deleted; a second clean finds it gone), then deleted (what is left, swept next time)."""
         d = self._dir(app_id)
-        self.check_finished(app_id)
+        self.check_finished(app_id, resumed_by)
         size = self.size(app_id)
-        shutil.rmtree(d)
+        gone = os.path.join(os.path.dirname(d), f"{REMOVING}{app_id}")
+        try:
+            os.rename(d, gone)
+        except FileNotFoundError:
+            raise YarnappError(no_application(app_id)) from None
+        shutil.rmtree(gone, ignore_errors=True)
         return size
+
+    @staticmethod
+    def sweep_removed():
+        """Delete what an interrupted remove left (its renamed directories)."""
+        root = apps_dir()
+        for name in os.listdir(root) if os.path.isdir(root) else ():
+            if name.startswith(REMOVING):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)

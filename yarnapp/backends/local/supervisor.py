@@ -58,13 +58,19 @@ def write_record(app_dir, record):
 
 
 def alive(app_dir):
-    """Whether the application's supervisor runs (it outlives a dead AM while it restarts one)."""
-    pid = (read_json(record_path(app_dir)) or {}).get("pid")
+    """Whether the application's supervisor runs (it outlives a dead AM while it restarts one):
+    its pid, and (once started) its directory its last argument; a pid taken since by another
+    process, days after it ended, is not it."""
+    record = read_json(record_path(app_dir)) or {}
+    pid = record.get("pid")
     if not pid or not psutil.pid_exists(pid):
         return False
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
+        p = psutil.Process(pid)
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return bool(record.get("starting")) or os.path.realpath(p.cmdline()[-1]) == os.path.realpath(app_dir)
+    except (psutil.Error, IndexError):
         return False
 
 
