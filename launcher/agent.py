@@ -36,9 +36,10 @@ log = logging.getLogger("launcher.agent")
 
 SETUP_GRACE_S = 8.0      # after a peer failed in setup, how long a rank in setup may take to fail
                          # the same way on its own (ranks start seconds apart on a busy host)
-BUSY_HINT = ("; if it was busy there (an evaluation or a save on one rank), call ctx.heartbeat() "
-             "(training.dist.context().heartbeat()) in that work, or raise launcher.heartbeat_timeout")
-IDLE_CPU = 0.05             # of a core: a silent rank of an unmodified script using less is idle (Agent.busy)
+BUSY_HINT = (", idle (no CPU used): if it waits there on something slow (a read, a lock), call ctx.heartbeat() "
+             "(training.dist.context().heartbeat()) in that wait, or raise launcher.heartbeat_timeout")
+IDLE_CPU = 0.05             # of a core: a silent rank of the job's own code using less is idle (Agent.busy)
+STACK_EVERY_S = 2.0         # ... and one using more, whether it spins in a wait for its peers, asked this often
 EARLY_END_FRACTION = 0.25   # a rank still in a collective this part of launcher.heartbeat_timeout (15 s of
                             # the default 60 s) after a peer's code finished waits for it (code on
                             # torch.distributed fails sooner: the ended rank's sockets close after
@@ -94,11 +95,13 @@ class Agent(PeerDiagnosis):
         self.ident = ident
         self.store = store
         self.job = ident.job
+        self.own_code = ident.job.run.function != BUILTIN_RUNNER      # not the built-in runner's loop
         self.incarnation = uuid.uuid4().hex[:12]
         self.child = None
         self.warm = None                 # launcher.warm: where this container's ranks are forked from
         self.heartbeat = os.path.abspath(f".heartbeat.{ident.container}")
         self._phase, self._seen, self._cpu, self._busy = "setup", False, collections.deque(), False   # (busy)
+        self._stack_at, self._in_wait = -math.inf, False       # (busy: when its stack was last asked, and where)
         self.log_path = os.environ.get("YARNAPP_LOG") or _yarn_log(ident.group)
         self.members = ident.job.ranks()
         self.cgroup = memory.own_cgroup()          # to tell a memory kill from any SIGKILL
@@ -183,23 +186,32 @@ class Agent(PeerDiagnosis):
         return words[0], age
 
     def busy(self, now, limit):
-        """Whether the rank, silent in "seen" progress (an unmodified script's optimizer steps),
-        used at least IDLE_CPU of a core over the last `limit` seconds (launcher.idle_timeout;
-        sampled at most once a second from half that silence on): a rank evaluating longer
-        than the limit is busy, not hung; a rank waiting in a collective, or hung in a sleep or
-        a lock, is idle. Not yet known (samples less than a second apart): busy. Said in this
-        agent's beat (`rank_busy`), so that peers waiting for it are not judged hung either."""
+        """Whether the rank of the job's own code, silent (in its progress: an unmodified
+        script's optimizer steps, or what training.dist says), used at least IDLE_CPU of a core
+        over the last `limit` seconds (launcher.idle_timeout or heartbeat_timeout; sampled at
+        most once a second from half that silence on): a rank evaluating longer than the limit
+        (on rank 0 alone, as Horovod scripts do) is busy, not hung; a rank waiting in a polite
+        collective, or hung in a sleep or a lock, is idle, and so is one whose stack (asked at
+        most every STACK_EVERY_S) is in a wait for its peers: with a core of its own, it spins
+        in MPI's. Not yet known (samples less than a second apart): busy. Said in this agent's
+        beat (`rank_busy`), so that peers waiting for it are not judged hung either."""
         if not self._cpu or now - self._cpu[-1][0] >= 1.0:      # (psutil reads /proc)
             cpu = cpu_seconds(self.child.pid)
             if cpu is None:
                 self._busy = False
                 return False
             self._cpu.append((now, cpu))
-        while now - self._cpu[0][0] > limit:
+        while now - self._cpu[0][0] > max(limit, 2.0):   # (at least two samples a second apart)
             self._cpu.popleft()
         (t0, c0), (t1, c1) = self._cpu[0], self._cpu[-1]
-        self._busy = t1 - t0 < 1.0 or (c1 - c0) >= IDLE_CPU * (t1 - t0)
-        return self._busy
+        busy = t1 - t0 < 1.0 or (c1 - c0) >= IDLE_CPU * (t1 - t0)
+        if busy and t1 - t0 >= 1.0 and not self._seen:      # (an unmodified script's waits, gloo's, are idle)
+            if now - self._stack_at >= STACK_EVERY_S:
+                at = stacks.where(stacks.dump(self.child.pid, self.heartbeat + stacks.SUFFIX))
+                self._stack_at, self._in_wait = now, bool(at and at.waiting)
+            busy = not self._in_wait
+        self._busy = busy
+        return busy
 
     def monitor(self, gen):
         """Watch one generation until it ends: (Outcome, the Failure this agent found or None)."""
@@ -293,18 +305,20 @@ class Agent(PeerDiagnosis):
                     which, limit = "idle", lj.idle_timeout
                 if phase == "finished":     # waits for its peers: theirs the judgement, this one a backstop
                     limit = max(lj.heartbeat_timeout, lj.rendezvous_timeout)
-                if judged_idle and silent > limit / 2:
+                # the job's own code at work past its limit (one rank evaluating, saving) is not hung
+                judged_busy = phase == "train" and not stopped and (judged_idle or self.own_code)
+                if judged_busy and silent > limit / 2:
                     self.busy(now, limit)           # sampled from half the limit on: the window it judges
                 elif self._cpu or self._busy:       # stepping again (or stopped, or past training)
-                    self._busy = False
+                    self._busy, self._stack_at = False, -math.inf
                     self._cpu.clear()
                 # When one rank stops, the others soon block in a collective waiting for it
                 # and go silent too: a rank that is merely waiting gives the stopped one's
                 # agent a grace period to name the real culprit first.
                 if silent > limit + (0 if stopped else min(2.0, limit / 2)) + waited:
-                    if judged_idle and (self.busy(now, limit) or self.peers.busy()):
-                        # an unmodified script's rank at work, or idle waiting for a peer's that is
-                        # (an evaluation on rank 0 alone): not hung
+                    if judged_busy and (self.busy(now, limit) or self.peers.busy()):
+                        # the job's own code at work, or idle waiting for a peer's that is (an
+                        # evaluation on rank 0 alone): not hung
                         time.sleep(lj.poll_interval)
                         continue
                     # ... or a peer whose whole container stopped, whose agent cannot say so.
@@ -339,8 +353,7 @@ class Agent(PeerDiagnosis):
                                + (f"; its main thread is at {at.describe()}"
                                   f"{', waiting for its peers' if at.waiting else ''}" if at else "")
                                + (" and idle (no optimizer step, no CPU used since)" if self._seen else
-                                  BUSY_HINT if at and not at.waiting and phase == "train"
-                                  and self.job.run.function != BUILTIN_RUNNER else "")
+                                  BUSY_HINT if at and not at.waiting and phase == "train" and self.own_code else "")
                                + self.network_note())
             lost = self.lost_member(gen, seen)
             if lost:
@@ -351,7 +364,7 @@ class Agent(PeerDiagnosis):
     def phase_words(self, phase):
         """"in train", "in setup"; own code's setup is its time before its first progress
         report (training.dist.report, ctx.report), which is its own code running."""
-        if phase == "setup" and self.job.run.function != BUILTIN_RUNNER:
+        if phase == "setup" and self.own_code:
             return "before its first progress report"
         return f"in {phase}"
 

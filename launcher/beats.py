@@ -102,8 +102,8 @@ class Watch:
         return out
 
     def busy(self):
-        """The peers whose agents say their rank, an unmodified script's silent between optimizer
-        steps, is at work (`rank_busy` in its beat: launcher.agent's busy): an evaluation on one
+        """The peers whose agents say their rank, of the job's own code and silent in its
+        progress, is at work (`rank_busy` in its beat: launcher.agent's busy): an evaluation on one
         rank, which its peers wait for, idle, in their next collective."""
         return [c for c in self.peers if c in self.seen and json.loads(self.seen[c][0]).get("rank_busy")]
 

@@ -125,6 +125,59 @@ def test_a_loop_on_the_public_api_with_vcores_shares_equals_one_process(tmp_path
     assert_nothing_left(run.app_id)
 
 
+def test_a_horovod_script_ported_by_its_import_line_trains_as_one_process(tmp_path, yarnapp_home):
+    """A Horovod user changed `import horovod.torch as hvd` to `import training.dist as hvd`
+    and met AttributeErrors one submit at a time (hvd.Average, hvd.Compression, then, after
+    the whole training, hvd.allgather) and TypeErrors (op=, compression=). Horovod's names
+    are there now, and those not offered say in one line what to do instead."""
+    sys.path.insert(0, JOBS)
+    try:
+        import horovod_port
+        expected = horovod_port.reference(3)
+    finally:
+        sys.path.remove(JOBS)
+    out = tmp_path / "out"
+    out.mkdir()
+    job = {"name": "hvd-port", "groups": [dict(g, env={"OUT": str(out)}) for g in GROUPS], "max_restarts": 0,
+           "run": {"script": os.path.join(JOBS, "horovod_port.py")}}
+    run = yarnapp.submit(job)
+    st = run.wait(timeout=300)
+    assert st["state"] == "SUCCEEDED", run.logs()
+    weights, said = _ranks(out)
+    assert _equal(weights[0], weights[1]) and _equal(weights[0], weights[2])      # the replicas, bit for bit
+    assert max(float((weights[0][k] - expected[k]).abs().max()) for k in expected) < 1e-5
+    assert [s["initialized"] for s in said] == [True] * 3 and [s["cross_rank"] for s in said] == [0] * 3
+    assert {(tuple(s["sum"]), tuple(s["average"]), tuple(s["scaled"])) for s in said} == {((3.0,), (1.0,), (3.0,))}
+    assert all(s["gathered"] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0], [2.0, 2.0], [2.0, 2.0], [2.0, 2.0]]
+               and s["broadcast"] == [1.0] for s in said), said[0]
+    assert said[0]["join"] == ("AttributeError: training.dist has no join (Horovod's): every rank must run the same "
+                               "steps; ShareSampler gives each rank the same number of batches (docs/own-code.md)")
+    assert said[0]["adasum"].startswith("ValueError: allreduce: op='Adasum' is not offered"), said[0]
+    assert said[0]["fp16"].startswith("ValueError: DistributedOptimizer: compression='fp16' is not offered"), said[0]
+    assert_nothing_left(run.app_id)
+
+
+def test_a_horovod_name_not_offered_is_refused_at_submit_naming_its_line(cli, tmp_path, yarnapp_home):
+    """`hvd.join()` after the training failed the rank there, the training lost: the client
+    reads the script (and a run.function's module) before anything starts."""
+    src = ("import torch\nimport training.dist as hvd\n\nhvd.init()\nfor step in range(3):\n"
+           "    hvd.allreduce(torch.ones(1))\nhvd.join()\n")
+    job = _script_job(tmp_path, "port", src)
+    proc = cli("submit", job, "--wait")
+    assert proc.returncode == 1 and proc.stderr == (
+        f"Error: {job}: run.script: {tmp_path / 'code' / 'port.py'}:7: hvd.join: training.dist has no join "
+        "(Horovod's): every rank must run the same steps; ShareSampler gives each rank the same number of "
+        "batches (docs/own-code.md)\n"), proc.stderr
+    (tmp_path / "code" / "mod.py").write_text("from training.dist import SyncBatchNorm\n\n\ndef main(ctx):\n"
+                                              "    pass\n")
+    job = write_job(tmp_path / "fn.yaml", {"name": "fn", "groups": GROUPS,
+                                           "run": {"function": "mod:main", "files": [str(tmp_path / "code" / "mod.py")]}})
+    proc = cli("submit", job)
+    assert proc.returncode == 1 and "run.function: " in proc.stderr and "mod.py:1: SyncBatchNorm: training.dist " \
+        "has no SyncBatchNorm (Horovod's)" in proc.stderr, proc.stderr
+    assert apps(yarnapp_home) == []
+
+
 def test_distributed_optimizer_mistakes_are_one_line_each():
     """Horovod users' slips, in a world of one: a generator for the optimizer, wrapping the
     same optimizer or model twice (before, one silently trained worse, the other failed
@@ -705,6 +758,34 @@ def test_a_functions_reports_are_tensorboard_scalars_and_its_return_value_its_re
     assert {e.value for e in tb.Scalars("report/rank_seen")} == {0.0}          # rank 0's
     assert [e.step for e in tb.Scalars("final/acc")] == [5]
     assert_nothing_left(run.app_id)
+
+
+def test_a_training_dist_loop_evaluating_on_rank_0_alone_is_not_hung_and_a_rank_asleep_is(cli, tmp_path):
+    """Horovod's `if hvd.rank() == 0: validate()`: rank 0 evaluated past
+    launcher.heartbeat_timeout while the others waited in their next step's sum, and the job
+    failed "rank 0 hung" (retried, to fail again). A rank of the job's own code at work (CPU)
+    is not hung, nor are its peers waiting for it; one asleep still is, named at its line.
+    The 1-vcore rank spins in its waits: a rank in a call of training.dist is not at work."""
+    script = ("import time, torch\nimport training.dist as yd\nctx = yd.init()\ntorch.manual_seed(0)\n"
+              "model = torch.nn.Linear(64, 2)\nyd.broadcast_parameters(model.state_dict(), root_rank=0)\n"
+              "opt = yd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)\n"
+              "for step in range(100000):\n"
+              "    if step == 10 and ctx.rank == 0:\n"
+              "        t, a = time.monotonic(), torch.rand(200, 200)\n"
+              "        while time.monotonic() - t < 9:         # an evaluation on rank 0 alone\n"
+              "            a = (a @ a).tanh()\n"
+              "    if step == 30 and ctx.rank == 1:\n"
+              "        time.sleep(3600)\n"
+              "    opt.zero_grad()\n    model(torch.ones(8, 64)).sum().backward()\n    opt.step()\n"
+              "    yd.report(step=step)\n    time.sleep(0.05)\n")
+    job = _script_job(tmp_path, "hvd", script, launcher={"heartbeat_timeout": "3s"})
+    proc = cli("submit", job, "--wait", timeout=240)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    err = proc.stderr.strip().splitlines()[-1]
+    assert re.search(r"FAILED after 1 attempt\(s\): rank 1 \(small_0\) hung: no progress for \d+\.\ds in train "
+                     r"\(limit 3s: launcher\.heartbeat_timeout\); its main thread is at \S*/hvd\.py:14 in <module>, "
+                     r"idle \(no CPU used\): if it waits there on something slow", err), err
+    assert_nothing_left(app_id_from(err))
 
 
 def test_a_hung_rank_of_an_unmodified_ddp_script_is_named_and_a_long_evaluation_is_not(cli, tmp_path):

@@ -40,13 +40,17 @@ import numpy as np
 import torch
 
 from . import collectives, stalls
+from . import dist_horovod as _hvd
 from .context import current
 
 log = logging.getLogger(__name__)
 
 __all__ = ["init", "rank", "size", "local_rank", "local_size", "context", "share_weights", "split_rows",
            "ShareSampler", "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
-           "broadcast_object", "allreduce", "allreduce_", "allgather_object", "barrier", "report"]
+           "broadcast_object", "allreduce", "allreduce_", "allgather_object", "barrier", "report",
+           # Horovod's names (training.dist_horovod)
+           "Average", "Sum", "Compression", "allgather", "broadcast", "broadcast_", "is_initialized", "shutdown",
+           "cross_rank", "Adasum"]
 
 _ctx = None
 _optimizers = 0     # DistributedOptimizers made in this rank (names their sums: training.stalls)
@@ -219,7 +223,9 @@ def _params(model, named_parameters, optimizer):
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=None, bucket_mb=4.0,
-                         ring_threshold_kb=256.0, shared_memory=True, ctx=None, backward_passes_per_step=1):
+                         ring_threshold_kb=256.0, shared_memory=True, ctx=None, backward_passes_per_step=1,
+                         op=None, compression=None, gradient_predivide_factor=1.0, sparse_as_dense=False,
+                         groups=None, num_groups=0):
     """Make `optimizer` step on the gradient summed over the world; returns it.
 
     Every rank's gradients are weighted by `weight` (default 1/size, Horovod's average;
@@ -233,6 +239,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=No
     frozen or unfrozen between steps (fine-tuning), on every rank alike. The optimizer stays
     what it was (schedulers, state_dict and isinstance keep working): hooks do the work.
     Collective: every rank calls it, once per optimizer and model.
+
+    Horovod's arguments: op=Average (the default) or Sum (weight 1: the plain sum);
+    compression=Compression.none; gradient_predivide_factor, sparse_as_dense, groups and
+    num_groups are taken and change nothing (the sum is dense, bucketed, divided once).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}; "
@@ -242,6 +252,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, model=None, weight=No
         raise TypeError(f"DistributedOptimizer(backward_passes_per_step={backward_passes_per_step}): Horovod's "
                         f"accumulation over backward passes is not offered; add up the micro-batches' losses and "
                         f"call backward() once per step (docs/own-code.md)")
+    average = _hvd.average_of(op, True, "DistributedOptimizer")
+    _hvd.check_compression(compression, "DistributedOptimizer")
+    if not average and weight is None:
+        weight = 1.0
     if getattr(optimizer, "yarnapp_reducer", None) is not None:
         raise RuntimeError("DistributedOptimizer: this optimizer is distributed already (DistributedOptimizer "
                            "was called on it before); call it once per optimizer")
@@ -465,11 +479,13 @@ def broadcast_optimizer_state(optimizer, root_rank=0, ctx=None):
         optimizer.load_state_dict(state)
 
 
-def allreduce_(tensor, average=True, ctx=None, name=None):
-    """Sum (or average) a tensor over the world, in place, in a fixed order. Collective.
-    An integer tensor (a count of correct predictions) is summed exactly; its average
-    has no place in it: allreduce(t) returns one. (`name`: Horovod's, unused.)"""
+def allreduce_(tensor, average=None, ctx=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+    """Sum (or average: the default) a tensor over the world, in place, in a fixed order.
+    Collective. An integer tensor (a count of correct predictions) is summed exactly; its
+    average has no place in it: allreduce(t) returns one. Horovod's op (Average, Sum) and
+    pre/postscale factors are taken. (`name`: Horovod's, unused.)"""
     ctx = ctx or context()
+    average = _hvd.average_of(op, True if average is None else average, "allreduce")
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"allreduce_: expected a tensor to reduce in place, got {type(tensor).__name__}; "
                         f"allreduce(x) takes a number and returns a tensor")
@@ -479,27 +495,34 @@ def allreduce_(tensor, average=True, ctx=None, name=None):
     wire = tensor.dtype if tensor.dtype in (torch.float32, torch.float64) else \
         torch.float32 if tensor.is_floating_point() else torch.float64      # integers: exact below 2**53
     host = tensor.detach()
-    if host.device.type != "cpu" or not host.is_contiguous() or host.dtype != wire:
-        host = host.to("cpu", wire).contiguous()
+    if host.device.type != "cpu" or not host.is_contiguous() or host.dtype != wire or prescale_factor != 1.0:
+        host = host.to("cpu", wire, copy=True).contiguous()
+    if prescale_factor != 1.0:
+        host.mul_(prescale_factor)
     with stalls.collective(ctx, "allreduce") as comm:
         collectives.allreduce_(host, comm)
     if average:
         host.div_(ctx.world_size)
+    if postscale_factor != 1.0:
+        host.mul_(postscale_factor)
     if host.data_ptr() != tensor.data_ptr():
         with torch.no_grad():
             tensor.copy_(host)
     return tensor
 
 
-def allreduce(tensor, average=True, ctx=None, name=None):
-    """A new tensor: the sum (or average) of `tensor` (or a number) over the world; the
-    average of integers is a float64 tensor. Collective. (`name`: Horovod's, unused.)"""
+def allreduce(tensor, average=None, ctx=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+    """A new tensor: the sum (or average: the default) of `tensor` (or a number) over the
+    world; the average of integers is a float64 tensor. Collective. Horovod's op and
+    pre/postscale factors as allreduce_'s. (`name`: Horovod's, unused.)"""
+    average = _hvd.average_of(op, True if average is None else average, "allreduce")
     if not isinstance(tensor, torch.Tensor):
         if not isinstance(tensor, (int, float, np.number, np.ndarray)):
             raise TypeError(f"allreduce: expected a tensor or a number, got {type(tensor).__name__}")
         tensor = torch.as_tensor(tensor)
     t = tensor.detach().clone()
-    return allreduce_(t.to(torch.float64) if average and not t.is_floating_point() else t, average, ctx)
+    return allreduce_(t.to(torch.float64) if average and not t.is_floating_point() else t, average, ctx,
+                      prescale_factor=prescale_factor, postscale_factor=postscale_factor)
 
 
 def allgather_object(obj, ctx=None, name=None):
@@ -511,3 +534,13 @@ def allgather_object(obj, ctx=None, name=None):
 def barrier(ctx=None):
     with stalls.collective(ctx or context(), "barrier") as comm:
         collectives.wait(comm.Ibarrier())
+
+
+# Horovod's names (a port changes its import line only; see training.dist_horovod)
+from .dist_horovod import (Adasum, Average, Compression, Sum, allgather, broadcast, broadcast_,  # noqa: E402,F401
+                           cross_rank, is_initialized, shutdown)
+
+
+def __getattr__(name):
+    """Horovod's names not offered: one line saying what to do instead."""
+    raise _hvd.missing(name) or AttributeError(f"module 'training.dist' has no attribute {name!r}")

@@ -8,13 +8,16 @@ mistakes the containers would otherwise find one by one after the application st
   of yarnapp's own top-level packages, which every rank imports first;
 - `unshipped_imports`: a script whose run.files leave out a module beside it that it
   imports (mynet.py beside train.py), and a function whose body imports a module the
-  containers cannot (a notebook's helpers.py).
+  containers cannot (a notebook's helpers.py);
+- `not_offered`: a Horovod port's use of a name of Horovod's that training.dist does not
+  offer (`hvd.join()`, reached only after the training).
 
 Each raises YarnappError of one line naming the field; where the source cannot tell (a
 compiled module, a module-level __getattr__, a star import), nothing is refused.
 """
 import ast
 import difflib
+import functools
 import os
 
 import conf
@@ -113,6 +116,8 @@ def attribute(field, target, origin, locations):
     names = _defined(tree) if tree is not None else None
     if names is not None and attr in names and field == "run.function":
         _called_with_the_context(field, target, tree, attr)
+    if tree is not None and field == "run.function":
+        not_offered(origin, field, tree)
     if names is None or attr in names:
         return
     close = difflib.get_close_matches(attr, sorted(n for n in names if not n.startswith("_")), n=1)
@@ -283,3 +288,42 @@ def function_imports(function, shipment):
             raise YarnappError(f"function: {qual} imports {name!r} inside its body, and the containers cannot import "
                                f"it ({file}); import it at the top of your notebook or script instead (what the "
                                f"function uses of it then travels with it), or add {file} to run.files")
+
+
+@functools.lru_cache(maxsize=1)
+def _horovod_not_offered():
+    """training.dist_horovod.NOT_OFFERED, read from its source (the client imports no torch)."""
+    tree = _parse(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "training",
+                               "dist_horovod.py"))
+    for node in tree.body if tree is not None else ():
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["NOT_OFFERED"]:
+            return ast.literal_eval(node.value)
+    return {}
+
+
+def not_offered(path, field, tree=None):
+    """Refuse code that uses one of Horovod's names training.dist does not offer, through
+    `import training.dist as hvd` (or `from training import dist`, `from training.dist
+    import join`): the rank fails at that line, maybe after the whole training (a port's
+    closing `hvd.join()`). One line naming the line and what to do instead."""
+    tree = tree if tree is not None else _parse(path)
+    table = _horovod_not_offered()
+    if tree is None or not table:
+        return
+    aliases, used = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {a.asname for a in node.names if a.name == "training.dist" and a.asname}
+        elif isinstance(node, ast.ImportFrom) and node.module == "training":
+            aliases |= {a.asname or a.name for a in node.names if a.name == "dist"}
+        elif isinstance(node, ast.ImportFrom) and node.module == "training.dist":
+            used += [(node.lineno, a.name, a.name) for a in node.names if a.name in table]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases \
+                and node.attr in table:
+            used.append((node.lineno, f"{node.value.id}.{node.attr}", node.attr))
+    if used:
+        line, what, name = min(used)
+        raise YarnappError(f"{field}: {path}:{line}: {what}: training.dist has no {name} (Horovod's): {table[name]} "
+                           f"(docs/own-code.md)")
+

@@ -157,8 +157,9 @@ class Progress:
                      f"resumed from the checkpoint of step {p['resumed_from']}"
                      + (f" of {app}" if app and app != self.run.app_id else ""))
         if p and ("step" not in p or not self.tty):
-            # One plain line per new progress record: not a terminal (CI, a log file), or a
-            # report without a step (say training.dist's report(epoch=..., loss=...): no bar).
+            # One plain line per new progress record seen (the latest at each look, five a second:
+            # a fast run's may skip some): not a terminal (CI, a log file), or a report
+            # without a step (say training.dist's report(epoch=..., loss=...): no bar).
             head = f"step {p['step']}/{p.get('total_steps', '?')}" if "step" in p else "rank 0:"
             shown = _shown(p)
             if (shown or "step" in p) and p.get("time") != self.last:

@@ -1,0 +1,116 @@
+"""Horovod's names in training.dist, so that a Horovod script ports by its import line
+(`import training.dist as hvd`): the reduce ops (`hvd.Average`, `hvd.Sum`), compression
+(`hvd.Compression.none`), a tensor's allgather and broadcast, `is_initialized`,
+`shutdown`, `cross_rank`. What training.dist does not offer is said in one line naming
+what to do instead (`missing`, the module's __getattr__), not a bare AttributeError after
+the training ran; the client reads the same table before submitting (yarnapp.codecheck).
+"""
+import torch
+
+from . import stalls
+
+Average = "Average"        # Horovod's reduce ops
+Sum = "Sum"
+Adasum = "Adasum"
+
+
+class Compression:
+    """Horovod's gradient compression. Gradients go over the wire in fp32 here (the sum is
+    exact to the bit from run to run): `none` only."""
+    none = "none"
+    fp16 = "fp16"
+
+
+# Horovod's names training.dist does not offer, and what a port does instead (a literal:
+# yarnapp.codecheck reads it from this file's source at submit).
+NOT_OFFERED = {
+    "join": "every rank must run the same steps; ShareSampler gives each rank the same number of batches",
+    "SyncBatchNorm": "BatchNorm keeps per-rank statistics as in Horovod by default; for synchronized ones call "
+                     "ctx.init_process_group() and use torch.nn.SyncBatchNorm",
+    "allreduce_async": "call allreduce (the gradients' sums already overlap backward in DistributedOptimizer)",
+    "allreduce_async_": "call allreduce_ (the gradients' sums already overlap backward in DistributedOptimizer)",
+    "grouped_allreduce": "call allreduce on each tensor, or on torch.cat of them",
+    "synchronize": "there are no handles to wait for: every call here returns complete",
+    "poll": "there are no handles to poll: every call here returns complete",
+    "alltoall": "use allgather_object and keep your part",
+    "reducescatter": "use allreduce and keep your slice",
+    "cross_size": "the hosts are len({h for h in allgather_object(socket.gethostname())})",
+    "elastic": "a failed rank is restarted and training resumes from the last complete checkpoint",
+    "start_timeline": "every run logs to TensorBoard (tensorboard.logdir, `yarnapp tensorboard APP`)",
+    "stop_timeline": "every run logs to TensorBoard (tensorboard.logdir, `yarnapp tensorboard APP`)",
+    "nccl_built": "the collectives here run over MPI (GPU tensors are staged through host memory)",
+    "gloo_built": "the collectives here run over MPI",
+    "mpi_threads_supported": "the collectives here run over MPI, called from the rank's main thread",
+}
+
+
+def missing(name):
+    """The AttributeError for Horovod's `name` where training.dist lacks it (or None)."""
+    if name in NOT_OFFERED:
+        return AttributeError(f"training.dist has no {name} (Horovod's): {NOT_OFFERED[name]} (docs/own-code.md)")
+    return None
+
+
+def average_of(op, average, where):
+    """`average` as Horovod's `op` gives it (None: `average` stands)."""
+    if op is None or op == Average:
+        return True if op == Average else average
+    if op == Sum:
+        return False
+    raise ValueError(f"{where}: op={op!r} is not offered (Horovod's Adasum, Min, Max...); give training.dist.Average "
+                     "or training.dist.Sum")
+
+
+def check_compression(compression, where):
+    if compression not in (None, Compression.none):
+        raise ValueError(f"{where}: compression={compression!r} is not offered: gradients are summed in fp32, exactly "
+                         "and in a fixed order; give training.dist.Compression.none or leave it out")
+
+
+def allgather(tensor, name=None, ctx=None):
+    """Horovod's: every rank's `tensor` concatenated along its first dimension, in rank
+    order (their first dimensions may differ). Collective. (`name`: Horovod's, unused.)"""
+    from .dist import context
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"allgather: expected a tensor, got {type(tensor).__name__}; allgather_object takes "
+                        "any object")
+    with stalls.collective(ctx or context(), "allgather") as comm:
+        parts = comm.allgather(tensor.detach().cpu())
+    return torch.cat([p.reshape(1) if p.dim() == 0 else p for p in parts]).to(tensor.device)
+
+
+def broadcast_(tensor, root_rank=0, name=None, ctx=None):
+    """Horovod's: overwrite `tensor`, in place, with root_rank's. Collective."""
+    from .dist import _root, context
+    from .devices import bcast_
+    ctx = ctx or context()
+    root_rank = _root(root_rank, ctx)
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"broadcast_: expected a tensor, got {type(tensor).__name__}; broadcast_object takes any "
+                        "object")
+    with stalls.collective(ctx, f"broadcast(root_rank={root_rank})") as comm:
+        if tensor.numel():
+            with torch.no_grad():
+                bcast_(comm, tensor, root=root_rank)
+    return tensor
+
+
+def broadcast(tensor, root_rank=0, name=None, ctx=None):
+    """Horovod's: a new tensor holding root_rank's `tensor`. Collective."""
+    return broadcast_(tensor.detach().clone(), root_rank, name, ctx)
+
+
+def is_initialized():
+    """Whether init() ran in this process (any call of the API runs it)."""
+    from . import dist
+    return dist._ctx is not None
+
+
+def shutdown():
+    """Horovod's: nothing to do; the launcher ends the world when the rank's code ends."""
+
+
+def cross_rank():
+    """Horovod's: the index of this rank's host (torchrun's group rank)."""
+    from .dist import context
+    return context().group_rank
