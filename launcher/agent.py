@@ -39,7 +39,9 @@ SETUP_GRACE_S = 8.0      # after a peer failed in setup, how long a rank in setu
 BUSY_HINT = (", idle (no CPU used): if it waits there on something slow (a read, a lock), call ctx.heartbeat() "
              "(training.dist.context().heartbeat()) in that wait, or raise launcher.heartbeat_timeout")
 IDLE_CPU = 0.05             # of a core: a silent rank of the job's own code using less is idle (Agent.busy)
-STACK_EVERY_S = 2.0         # ... and one using more, whether it spins in a wait for its peers, asked this often
+BUSY_LIMIT = 10             # ... and one using more, at work: hung after this many heartbeat_timeouts of it
+BUSY_WORDS = (", at work (CPU) all that time, more than {n} times launcher.heartbeat_timeout without progress: report "
+              "progress in long work (training.dist.report, ctx.heartbeat()), or raise launcher.heartbeat_timeout")
 EARLY_END_FRACTION = 0.25   # a rank still in a collective this part of launcher.heartbeat_timeout (15 s of
                             # the default 60 s) after a peer's code finished waits for it (code on
                             # torch.distributed fails sooner: the ended rank's sockets close after
@@ -101,7 +103,6 @@ class Agent(PeerDiagnosis):
         self.warm = None                 # launcher.warm: where this container's ranks are forked from
         self.heartbeat = os.path.abspath(f".heartbeat.{ident.container}")
         self._phase, self._seen, self._cpu, self._busy = "setup", False, collections.deque(), False   # (busy)
-        self._stack_at, self._in_wait = -math.inf, False       # (busy: when its stack was last asked, and where)
         self.log_path = os.environ.get("YARNAPP_LOG") or _yarn_log(ident.group)
         self.members = ident.job.ranks()
         self.cgroup = memory.own_cgroup()          # to tell a memory kill from any SIGKILL
@@ -185,16 +186,17 @@ class Agent(PeerDiagnosis):
         self._seen = words[-1] == "seen"        # only its optimizer's steps were seen (RunContext.heartbeat)
         return words[0], age
 
-    def busy(self, now, limit):
+    def busy(self, now, limit, waiting=False):
         """Whether the rank of the job's own code, silent (in its progress: an unmodified
         script's optimizer steps, or what training.dist says), used at least IDLE_CPU of a core
         over the last `limit` seconds (launcher.idle_timeout or heartbeat_timeout; sampled at
         most once a second from half that silence on): a rank evaluating longer than the limit
         (on rank 0 alone, as Horovod scripts do) is busy, not hung; a rank waiting in a polite
-        collective, or hung in a sleep or a lock, is idle, and so is one whose stack (asked at
-        most every STACK_EVERY_S) is in a wait for its peers: with a core of its own, it spins
-        in MPI's. Not yet known (samples less than a second apart): busy. Said in this agent's
-        beat (`rank_busy`), so that peers waiting for it are not judged hung either."""
+        collective, or hung in a sleep or a lock, is idle, and so is one `waiting`: in a call
+        of training.dist for more than training.stalls.WAIT_S (with a core of its own it spins
+        in MPI's wait; its call, published by training.stalls, says so). Not yet known
+        (samples less than a second apart): busy. Said in this agent's beat (`rank_busy`), so
+        that peers waiting for it are not judged hung either."""
         if not self._cpu or now - self._cpu[-1][0] >= 1.0:      # (psutil reads /proc)
             cpu = cpu_seconds(self.child.pid)
             if cpu is None:
@@ -204,14 +206,8 @@ class Agent(PeerDiagnosis):
         while now - self._cpu[0][0] > max(limit, 2.0):   # (at least two samples a second apart)
             self._cpu.popleft()
         (t0, c0), (t1, c1) = self._cpu[0], self._cpu[-1]
-        busy = t1 - t0 < 1.0 or (c1 - c0) >= IDLE_CPU * (t1 - t0)
-        if busy and t1 - t0 >= 1.0 and not self._seen:      # (an unmodified script's waits, gloo's, are idle)
-            if now - self._stack_at >= STACK_EVERY_S:
-                at = stacks.where(stacks.dump(self.child.pid, self.heartbeat + stacks.SUFFIX))
-                self._stack_at, self._in_wait = now, bool(at and at.waiting)
-            busy = not self._in_wait
-        self._busy = busy
-        return busy
+        self._busy = not waiting and (t1 - t0 < 1.0 or (c1 - c0) >= IDLE_CPU * (t1 - t0))
+        return self._busy
 
     def monitor(self, gen):
         """Watch one generation until it ends: (Outcome, the Failure this agent found or None)."""
@@ -307,18 +303,20 @@ class Agent(PeerDiagnosis):
                     limit = max(lj.heartbeat_timeout, lj.rendezvous_timeout)
                 # the job's own code at work past its limit (one rank evaluating, saving) is not hung
                 judged_busy = phase == "train" and not stopped and (judged_idle or self.own_code)
+                waiting = self.own_code and bool(json.loads(seen.get(keys.stall(gen, rank)) or "{}").get("name"))
                 if judged_busy and silent > limit / 2:
-                    self.busy(now, limit)           # sampled from half the limit on: the window it judges
+                    self.busy(now, limit, waiting)           # sampled from half the limit on: the window it judges
                 elif self._cpu or self._busy:       # stepping again (or stopped, or past training)
-                    self._busy, self._stack_at = False, -math.inf
+                    self._busy = False
                     self._cpu.clear()
                 # When one rank stops, the others soon block in a collective waiting for it
                 # and go silent too: a rank that is merely waiting gives the stopped one's
                 # agent a grace period to name the real culprit first.
                 if silent > limit + (0 if stopped else min(2.0, limit / 2)) + waited:
-                    if judged_busy and (self.busy(now, limit) or self.peers.busy()):
-                        # the job's own code at work, or idle waiting for a peer's that is (an
-                        # evaluation on rank 0 alone): not hung
+                    # the job's own code at work, or idle waiting for a peer's that is (an evaluation
+                    # on rank 0 alone): not hung; training.dist's, for BUSY_LIMIT heartbeat_timeouts
+                    capped = self.own_code and not judged_idle and silent > BUSY_LIMIT * limit
+                    if judged_busy and not capped and (self.busy(now, limit, waiting) or self.peers.busy()):
                         time.sleep(lj.poll_interval)
                         continue
                     # ... or a peer whose whole container stopped, whose agent cannot say so.
@@ -353,7 +351,8 @@ class Agent(PeerDiagnosis):
                                + (f"; its main thread is at {at.describe()}"
                                   f"{', waiting for its peers' if at.waiting else ''}" if at else "")
                                + (" and idle (no optimizer step, no CPU used since)" if self._seen else
-                                  BUSY_HINT if at and not at.waiting and phase == "train" and self.own_code else "")
+                                  (BUSY_WORDS.format(n=BUSY_LIMIT) if capped and self._busy else BUSY_HINT)
+                                  if at and not at.waiting and phase == "train" and self.own_code else "")
                                + self.network_note())
             lost = self.lost_member(gen, seen)
             if lost:

@@ -13,7 +13,8 @@ agent reports that line and decides from it whether a restart could help.
 
 User code that reports no steps (a torchrun-style script) is kept from being taken for
 hung by a liveness thread; once the code reports progress itself (ctx.heartbeat,
-ctx.report, training.dist), silence is a hang again (launcher.heartbeat_timeout).
+ctx.report, training.dist), idle silence is a hang again (launcher.heartbeat_timeout; a
+rank at work, using CPU, for up to launcher.agent.BUSY_LIMIT times that).
 """
 import argparse
 import importlib

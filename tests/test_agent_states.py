@@ -372,7 +372,7 @@ def test_a_rank_stopped_before_its_first_report_is_hung_after_heartbeat_timeout(
                      r"report \(limit 0.3s: launcher.heartbeat_timeout\)", hung.reason), hung.reason
 
 
-@pytest.mark.parametrize("waiting", [False, True, "mpi4py"])
+@pytest.mark.parametrize("waiting", [False, True, "mpi4py", "spin"])
 def test_a_hung_rank_is_named_with_where_its_main_thread_is(tmp_path, waiting):
     """Before, a silent rank's reason said only "no progress". Its agent now asks the rank
     for its stack (launcher.stacks, SIGUSR1): the reason names the main thread's frame. A
@@ -380,8 +380,9 @@ def test_a_hung_rank_is_named_with_where_its_main_thread_is(tmp_path, waiting):
     mpi4py/) is given as long again first, so that the rank it waits on (here: asleep in the
     user's code) is the one named: before, every silent rank named itself at once. So is one
     in a call of mpi4py's (`ctx.comm.Barrier()`: C code, no frame of mpi4py's), by its line
-    (before, the waiting rank was blamed for the one it waited on). (One spinning in the
-    user's code is at work, not hung: test_own_code's evaluation on rank 0 alone.)"""
+    (before, the waiting rank was blamed for the one it waited on). One spinning in the
+    user's code is at work (an evaluation on rank 0 alone: test_own_code), hung only after
+    BUSY_LIMIT times the limit, said so."""
     where = tmp_path / "code" / ("training/collectives" if waiting is True else "user")
     where.mkdir(parents=True)
     (where / "loop.py").write_text(
@@ -391,18 +392,21 @@ def test_a_hung_rank_is_named_with_where_its_main_thread_is(tmp_path, waiting):
         "class Comm:\n    Barrier = staticmethod(time.sleep)\n\n\n"
         "def barrier_here(comm=Comm()):\n    while True:\n        comm.Barrier(0.01)\n\n\n"
         "def sleep_here():\n    while True:\n        time.sleep(0.01)\n\n\n"
-        f"{ {True: 'wait_here', 'mpi4py': 'barrier_here', False: 'sleep_here'}[waiting]}()\n")
+        "def spin_here():\n    while True:\n        pass\n\n\n"
+        f"{ {True: 'wait_here', 'mpi4py': 'barrier_here', False: 'sleep_here', 'spin': 'spin_here'}[waiting]}()\n")
     cmd = [sys.executable, str(where / "loop.py"), str(tmp_path / "heartbeat") + stacks.SUFFIX]
     a, store = agent(tmp_path, [cmd, ["true"]], cls=ProcessAgent, before=formed_and_training,
                      launcher={"heartbeat_timeout": "300ms"})
     assert a.run() == exitcodes.SUCCEEDED
     hung = load(store, keys.abort(0))
-    fn = {True: "wait_here", "mpi4py": "barrier_here", False: "sleep_here"}[waiting]
+    fn = {True: "wait_here", "mpi4py": "barrier_here", False: "sleep_here", "spin": "spin_here"}[waiting]
     assert re.search(rf"; its main thread is at {re.escape(str(where / 'loop.py'))}:\d+ in {fn}", hung.reason), \
         hung.reason
-    assert (", waiting for its peers" in hung.reason) == bool(waiting), hung.reason
+    assert (", waiting for its peers" in hung.reason) == (waiting in (True, "mpi4py")), hung.reason
     silent = float(hung.reason.split("no progress for ")[1].split("s")[0])
     assert silent >= 0.3 + 0.15 + (0.3 if waiting else 0), hung.reason      # limit, grace (and as long again)
+    assert (", at work (CPU) all that time, more than 10 times launcher.heartbeat_timeout" in hung.reason) == \
+        (waiting == "spin") and (silent >= 3.0) == (waiting == "spin"), hung.reason
     assert a.children[0].poll() == -signal.SIGKILL
 
 

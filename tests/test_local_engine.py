@@ -107,24 +107,25 @@ def test_clean_removes_finished_applications_and_keeps_what_runs_or_is_resumed_f
 
 def test_a_supervisor_pid_another_process_took_since_is_not_the_supervisor(tmp_path):
     """A finished application's supervisor pid, taken days later by another process, kept the
-    application "running" (clean refused it, kill had nothing to kill): the supervisor is the
-    process whose last argument is its directory (or, while it starts, the submitting client)."""
+    application "running" (clean refused it, kill had nothing to kill): the record keeps the
+    supervisor's start time, and a process of that pid started at another time is not it."""
+    import psutil
     from yarnapp.backends.local import supervisor
     d = str(tmp_path / "app")
     os.mkdir(d)
-    other = subprocess.Popen(["sleep", "60"])
-    own = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", d])
+    first = subprocess.Popen(["sleep", "60"])
+    later = subprocess.Popen(["sleep", "60"])
     try:
-        supervisor.write_record(d, {"pid": other.pid, "attempts": []})
+        supervisor.write_record(d, {"pid": first.pid, "attempts": []})
+        assert supervisor.alive(d)
+        with open(supervisor.record_path(d), "w") as f:     # the pid now another's, started later
+            json.dump({"pid": later.pid, "started": psutil.Process(first.pid).create_time() - 5, "attempts": []}, f)
         assert not supervisor.alive(d)
-        supervisor.write_record(d, {"pid": other.pid, "starting": True, "attempts": []})
-        assert supervisor.alive(d)
-        supervisor.write_record(d, {"pid": own.pid, "attempts": []})
-        assert supervisor.alive(d)
     finally:
-        for p in (other, own):
+        for p in (first, later):
             p.kill()
             p.wait()
+    supervisor.write_record(d, {"pid": first.pid, "attempts": []})
     assert not supervisor.alive(d)
 
 

@@ -35,6 +35,7 @@ sets up as torchrun does; the collectives here do not go through it.
 import contextlib
 import logging
 import math
+import os
 
 import numpy as np
 import torch
@@ -50,7 +51,8 @@ __all__ = ["init", "rank", "size", "local_rank", "local_size", "context", "share
            "broadcast_object", "allreduce", "allreduce_", "allgather_object", "barrier", "report",
            # Horovod's names (training.dist_horovod)
            "Average", "Sum", "Compression", "allgather", "broadcast", "broadcast_", "is_initialized", "shutdown",
-           "cross_rank", "Adasum"]
+           "cross_rank", "cross_size", "Adasum", "nccl_built", "gloo_built", "mpi_built", "mpi_enabled",
+           "mpi_threads_supported"]
 
 _ctx = None
 _optimizers = 0     # DistributedOptimizers made in this rank (names their sums: training.stalls)
@@ -60,12 +62,33 @@ def init(ctx=None):
     """Start using the API in this rank (idempotent); returns the RunContext.
 
     A throttled rank (fewer vcores than compute threads, e.g. 0.5) waits politely in
-    every collective; torch uses the rank's threads (its vcores, rounded up)."""
+    every collective; torch uses the rank's threads (its vcores, rounded up). Outside a
+    yarnapp container (`python train.py`, a smoke test, as Horovod's script runs without
+    horovodrun) the world is this process alone (`_world_of_one`)."""
     global _ctx
-    _ctx = ctx or current()
+    _ctx = ctx or (_world_of_one() if _outside_a_container() else current())
     collectives.set_polite(_ctx.me.throttled)
     torch.set_num_threads(_ctx.me.threads)
     return _ctx
+
+
+def _outside_a_container():
+    return not any(os.environ.get(v) for v in ("YARNAPP_RANK", "YARNAPP_APP_ID", "SKEIN_APPLICATION_ID"))
+
+
+def _world_of_one():
+    """A world of one rank, this process on this machine's cores (and GPUs): every
+    collective gives what one rank gives. Said once."""
+    import psutil
+    from mpi4py import MPI
+
+    from .context import RankInfo, RunContext
+    me = RankInfo(rank=0, group="local", instance=0, container="local_0", vcores=float(os.cpu_count() or 1),
+                  memory_mib=psutil.virtual_memory().total // 2**20, gpus=torch.cuda.device_count())
+    log.warning("training.dist: not in a yarnapp container: a world of this process alone (`yarnapp submit` "
+                "runs it on the job's containers)")
+    return RunContext(comm=MPI.COMM_SELF, rank=0, world_size=1, ranks=[me], job=None, app_id="local",
+                      generation=0, workdir=os.getcwd(), checkpoint_uri="", logdir="")
 
 
 def context():
@@ -479,13 +502,15 @@ def broadcast_optimizer_state(optimizer, root_rank=0, ctx=None):
         optimizer.load_state_dict(state)
 
 
-def allreduce_(tensor, average=None, ctx=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+def allreduce_(tensor, average=None, ctx=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+               compression=None):
     """Sum (or average: the default) a tensor over the world, in place, in a fixed order.
     Collective. An integer tensor (a count of correct predictions) is summed exactly; its
     average has no place in it: allreduce(t) returns one. Horovod's op (Average, Sum) and
     pre/postscale factors are taken. (`name`: Horovod's, unused.)"""
     ctx = ctx or context()
     average = _hvd.average_of(op, True if average is None else average, "allreduce")
+    _hvd.check_compression(compression, "allreduce")
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"allreduce_: expected a tensor to reduce in place, got {type(tensor).__name__}; "
                         f"allreduce(x) takes a number and returns a tensor")
@@ -511,11 +536,13 @@ def allreduce_(tensor, average=None, ctx=None, name=None, op=None, prescale_fact
     return tensor
 
 
-def allreduce(tensor, average=None, ctx=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+def allreduce(tensor, average=None, ctx=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+              compression=None):
     """A new tensor: the sum (or average: the default) of `tensor` (or a number) over the
     world; the average of integers is a float64 tensor. Collective. Horovod's op and
     pre/postscale factors as allreduce_'s. (`name`: Horovod's, unused.)"""
     average = _hvd.average_of(op, True if average is None else average, "allreduce")
+    _hvd.check_compression(compression, "allreduce")
     if not isinstance(tensor, torch.Tensor):
         if not isinstance(tensor, (int, float, np.number, np.ndarray)):
             raise TypeError(f"allreduce: expected a tensor or a number, got {type(tensor).__name__}")
@@ -538,7 +565,8 @@ def barrier(ctx=None):
 
 # Horovod's names (a port changes its import line only; see training.dist_horovod)
 from .dist_horovod import (Adasum, Average, Compression, Sum, allgather, broadcast, broadcast_,  # noqa: E402,F401
-                           cross_rank, is_initialized, shutdown)
+                           cross_rank, cross_size, gloo_built, is_initialized, mpi_built, mpi_enabled,
+                           mpi_threads_supported, nccl_built, shutdown)
 
 
 def __getattr__(name):

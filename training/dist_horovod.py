@@ -1,10 +1,13 @@
 """Horovod's names in training.dist, so that a Horovod script ports by its import line
 (`import training.dist as hvd`): the reduce ops (`hvd.Average`, `hvd.Sum`), compression
 (`hvd.Compression.none`), a tensor's allgather and broadcast, `is_initialized`,
-`shutdown`, `cross_rank`. What training.dist does not offer is said in one line naming
-what to do instead (`missing`, the module's __getattr__), not a bare AttributeError after
-the training ran; the client reads the same table before submitting (yarnapp.codecheck).
+`shutdown`, `cross_rank`, `cross_size`, the build queries. What training.dist does not
+offer is said in one line naming what to do instead (`missing`, the module's __getattr__),
+not a bare AttributeError after the training ran; the client reads the same table before
+submitting and warns of a use (yarnapp.codecheck).
 """
+import os
+
 import torch
 
 from . import stalls
@@ -34,13 +37,18 @@ NOT_OFFERED = {
     "poll": "there are no handles to poll: every call here returns complete",
     "alltoall": "use allgather_object and keep your part",
     "reducescatter": "use allreduce and keep your slice",
-    "cross_size": "the hosts are len({h for h in allgather_object(socket.gethostname())})",
     "elastic": "a failed rank is restarted and training resumes from the last complete checkpoint",
     "start_timeline": "every run logs to TensorBoard (tensorboard.logdir, `yarnapp tensorboard APP`)",
     "stop_timeline": "every run logs to TensorBoard (tensorboard.logdir, `yarnapp tensorboard APP`)",
-    "nccl_built": "the collectives here run over MPI (GPU tensors are staged through host memory)",
-    "gloo_built": "the collectives here run over MPI",
-    "mpi_threads_supported": "the collectives here run over MPI, called from the rank's main thread",
+    "Min": "allgather_object the values and take min() (the ops here: Average, Sum)",
+    "Max": "allgather_object the values and take max() (the ops here: Average, Sum)",
+    "Product": "allgather_object the values and multiply them (the ops here: Average, Sum)",
+    "allgather_async": "call allgather: every call here returns complete",
+    "broadcast_async": "call broadcast: every call here returns complete",
+    "broadcast_async_": "call broadcast_: every call here returns complete",
+    "ProcessSet": "every collective here spans the whole world",
+    "add_process_set": "every collective here spans the whole world",
+    "global_process_set": "every collective here spans the whole world",
 }
 
 
@@ -67,13 +75,23 @@ def check_compression(compression, where):
                          "and in a fixed order; give training.dist.Compression.none or leave it out")
 
 
+def _not_differentiable(tensor, what):
+    """Horovod's gather and broadcast pass gradients back; these do not: say so rather than
+    train without them (a contrastive loss over gathered embeddings)."""
+    if tensor.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(f"{what}: the tensor requires grad, and no gradient flows back through {what} here "
+                           f"(Horovod's does); give it tensor.detach(), or gather under torch.no_grad()")
+
+
 def allgather(tensor, name=None, ctx=None):
     """Horovod's: every rank's `tensor` concatenated along its first dimension, in rank
-    order (their first dimensions may differ). Collective. (`name`: Horovod's, unused.)"""
+    order (their first dimensions may differ). Collective. (`name`: Horovod's, unused.)
+    Not differentiable (Horovod's is): a tensor that requires grad is refused."""
     from .dist import context
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"allgather: expected a tensor, got {type(tensor).__name__}; allgather_object takes "
                         "any object")
+    _not_differentiable(tensor, "allgather")
     with stalls.collective(ctx or context(), "allgather") as comm:
         parts = comm.allgather(tensor.detach().cpu())
     return torch.cat([p.reshape(1) if p.dim() == 0 else p for p in parts]).to(tensor.device)
@@ -88,16 +106,22 @@ def broadcast_(tensor, root_rank=0, name=None, ctx=None):
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"broadcast_: expected a tensor, got {type(tensor).__name__}; broadcast_object takes any "
                         "object")
+    wire = tensor.float() if tensor.dtype == torch.bfloat16 else tensor     # (no MPI type for bf16)
     with stalls.collective(ctx, f"broadcast(root_rank={root_rank})") as comm:
         if tensor.numel():
             with torch.no_grad():
-                bcast_(comm, tensor, root=root_rank)
+                bcast_(comm, wire, root=root_rank)
+                if wire is not tensor:
+                    tensor.copy_(wire)
     return tensor
 
 
 def broadcast(tensor, root_rank=0, name=None, ctx=None):
-    """Horovod's: a new tensor holding root_rank's `tensor`. Collective."""
-    return broadcast_(tensor.detach().clone(), root_rank, name, ctx)
+    """Horovod's: a new tensor holding root_rank's `tensor`. Collective. Not
+    differentiable (Horovod's is): a tensor that requires grad is refused."""
+    if isinstance(tensor, torch.Tensor):
+        _not_differentiable(tensor, "broadcast")
+    return broadcast_(tensor.detach().clone() if isinstance(tensor, torch.Tensor) else tensor, root_rank, name, ctx)
 
 
 def is_initialized():
@@ -114,3 +138,33 @@ def cross_rank():
     """Horovod's: the index of this rank's host (torchrun's group rank)."""
     from .dist import context
     return context().group_rank
+
+
+def cross_size():
+    """Horovod's: the number of hosts the world spans (torchrun's GROUP_WORLD_SIZE)."""
+    from .dist import context
+    context()
+    return int(os.environ.get("GROUP_WORLD_SIZE") or 1)
+
+
+def nccl_built():
+    """Horovod's build query: the collectives here run over MPI (GPU tensors staged through
+    host memory), not NCCL."""
+    return False
+
+
+def gloo_built():
+    return False
+
+
+def mpi_built():
+    return True
+
+
+def mpi_enabled():
+    return True
+
+
+def mpi_threads_supported():
+    from mpi4py import MPI
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE

@@ -9,8 +9,9 @@ mistakes the containers would otherwise find one by one after the application st
 - `unshipped_imports`: a script whose run.files leave out a module beside it that it
   imports (mynet.py beside train.py), and a function whose body imports a module the
   containers cannot (a notebook's helpers.py);
-- `not_offered`: a Horovod port's use of a name of Horovod's that training.dist does not
-  offer (`hvd.join()`, reached only after the training).
+- `not_offered` (a warning: the use may be guarded, `hasattr(hvd, "join")`): a Horovod
+  port's use of a name of Horovod's that training.dist does not offer (`hvd.join()`,
+  reached only after the training).
 
 Each raises YarnappError of one line naming the field; where the source cannot tell (a
 compiled module, a module-level __getattr__, a star import), nothing is refused.
@@ -18,6 +19,7 @@ compiled module, a module-level __getattr__, a star import), nothing is refused.
 import ast
 import difflib
 import functools
+import logging
 import os
 
 import conf
@@ -25,6 +27,8 @@ import conf
 from .errors import YarnappError
 
 MAX_SOURCE = 2**20                 # larger files are not read
+
+log = logging.getLogger(__name__)
 
 
 def _parse(path):
@@ -302,10 +306,11 @@ def _horovod_not_offered():
 
 
 def not_offered(path, field, tree=None):
-    """Refuse code that uses one of Horovod's names training.dist does not offer, through
+    """Warn of code that uses one of Horovod's names training.dist does not offer, through
     `import training.dist as hvd` (or `from training import dist`, `from training.dist
     import join`): the rank fails at that line, maybe after the whole training (a port's
-    closing `hvd.join()`). One line naming the line and what to do instead."""
+    closing `hvd.join()`). One line naming the line and what to do instead; a warning, not
+    a refusal: the use may never run (`if hasattr(hvd, "join")`, a branch not taken)."""
     tree = tree if tree is not None else _parse(path)
     table = _horovod_not_offered()
     if tree is None or not table:
@@ -314,9 +319,9 @@ def not_offered(path, field, tree=None):
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             aliases |= {a.asname for a in node.names if a.name == "training.dist" and a.asname}
-        elif isinstance(node, ast.ImportFrom) and node.module == "training":
+        elif isinstance(node, ast.ImportFrom) and node.module == "training" and not node.level:
             aliases |= {a.asname or a.name for a in node.names if a.name == "dist"}
-        elif isinstance(node, ast.ImportFrom) and node.module == "training.dist":
+        elif isinstance(node, ast.ImportFrom) and node.module == "training.dist" and not node.level:
             used += [(node.lineno, a.name, a.name) for a in node.names if a.name in table]
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases \
@@ -324,6 +329,6 @@ def not_offered(path, field, tree=None):
             used.append((node.lineno, f"{node.value.id}.{node.attr}", node.attr))
     if used:
         line, what, name = min(used)
-        raise YarnappError(f"{field}: {path}:{line}: {what}: training.dist has no {name} (Horovod's): {table[name]} "
-                           f"(docs/own-code.md)")
+        log.warning("%s: %s:%d: %s: training.dist has no %s (Horovod's): %s (docs/own-code.md); the rank fails "
+                    "there if it runs it", field, path, line, what, name, table[name])
 

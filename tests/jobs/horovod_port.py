@@ -72,12 +72,15 @@ def main():
         F.cross_entropy(model(x), y).backward()
         opt.step()
     r = float(hvd.rank())
-    out = {"initialized": hvd.is_initialized(), "cross_rank": hvd.cross_rank(),
-           "sum": hvd.allreduce(torch.tensor([r]), op=hvd.Sum).tolist(),
+    out = {"initialized": hvd.is_initialized(), "cross_rank": hvd.cross_rank(), "cross_size": hvd.cross_size(),
+           "nccl": hvd.nccl_built(),
+           "sum": hvd.allreduce(torch.tensor([r]), op=hvd.Sum, compression=hvd.Compression.none).tolist(),
            "average": hvd.allreduce(torch.tensor([r]), name="avg").tolist(),
            "scaled": hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5).tolist(),
            "gathered": hvd.allgather(torch.full((hvd.rank() + 1, 2), r)).tolist(),
            "broadcast": hvd.broadcast(torch.tensor([r]), root_rank=1).tolist(),
+           "bf16": hvd.broadcast(torch.tensor([r], dtype=torch.bfloat16), root_rank=2).float().tolist(),
+           "grad": said(lambda: hvd.allgather(torch.ones(2, requires_grad=True))),
            "join": said(lambda: getattr(hvd, "join")()),   # (hvd.join() as written: refused at submit)
            "adasum": said(lambda: hvd.allreduce(torch.ones(1), op=hvd.Adasum)),
            "fp16": said(lambda: hvd.DistributedOptimizer(torch.optim.SGD(net(0).parameters(), lr=0.1),

@@ -50,7 +50,12 @@ def record_path(app_dir):
 
 
 def write_record(app_dir, record):
-    """The supervisor's record, replaced whole (a reader never sees it half-written)."""
+    """The supervisor's record, replaced whole (a reader never sees it half-written), with
+    its process's start time (`alive`: a pid taken since by another process is not it)."""
+    try:
+        record = dict(record, started=psutil.Process(record["pid"]).create_time())
+    except psutil.Error:
+        pass
     tmp = record_path(app_dir) + f".{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         json.dump(record, f)
@@ -59,8 +64,8 @@ def write_record(app_dir, record):
 
 def alive(app_dir):
     """Whether the application's supervisor runs (it outlives a dead AM while it restarts one):
-    its pid, and (once started) its directory its last argument; a pid taken since by another
-    process, days after it ended, is not it."""
+    its pid, started when its record says (a pid taken since by another process, days after
+    it ended, is not it)."""
     record = read_json(record_path(app_dir)) or {}
     pid = record.get("pid")
     if not pid or not psutil.pid_exists(pid):
@@ -69,8 +74,8 @@ def alive(app_dir):
         p = psutil.Process(pid)
         if p.status() == psutil.STATUS_ZOMBIE:
             return False
-        return bool(record.get("starting")) or os.path.realpath(p.cmdline()[-1]) == os.path.realpath(app_dir)
-    except (psutil.Error, IndexError):
+        return record.get("started") is None or abs(p.create_time() - record["started"]) < 0.01
+    except psutil.Error:
         return False
 
 
