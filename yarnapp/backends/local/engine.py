@@ -26,7 +26,8 @@ from ...errors import YarnappError
 from ..base import TERMINAL, Backend
 from . import cgroups, gpus, leases, netem, supervisor
 from .leases import machine_memory_mib
-from .state import apps_dir, app_processes, home, tree_bytes, no_application, read_json, request_kill, wait_ended, write_json
+from .state import (app_processes, apps_dir, home, no_application, read_json, request_kill, tree_bytes, wait_ended,
+                    write_json)
 
 log = logging.getLogger(__name__)
 
