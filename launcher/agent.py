@@ -103,6 +103,8 @@ class Agent(PeerDiagnosis):
         self.warm = None                 # launcher.warm: where this container's ranks are forked from
         self.heartbeat = os.path.abspath(f".heartbeat.{ident.container}")
         self._phase, self._seen, self._cpu, self._busy = "setup", False, collections.deque(), False   # (busy)
+        self._stack_at, self._in_wait = -math.inf, False       # (in_a_wait: when its stack was asked, and where)
+        self._cpu_busy = False
         self.log_path = os.environ.get("YARNAPP_LOG") or _yarn_log(ident.group)
         self.members = ident.job.ranks()
         self.cgroup = memory.own_cgroup()          # to tell a memory kill from any SIGKILL
@@ -206,8 +208,19 @@ class Agent(PeerDiagnosis):
         while now - self._cpu[0][0] > max(limit, 2.0):   # (at least two samples a second apart)
             self._cpu.popleft()
         (t0, c0), (t1, c1) = self._cpu[0], self._cpu[-1]
-        self._busy = not waiting and (t1 - t0 < 1.0 or (c1 - c0) >= IDLE_CPU * (t1 - t0))
+        self._cpu_busy = t1 - t0 < 1.0 or (c1 - c0) >= IDLE_CPU * (t1 - t0)
+        self._busy = not waiting and not self._in_wait and self._cpu_busy
         return self._busy
+
+    def in_a_wait(self, now, limit):
+        """Whether the rank, silent past its limit and using CPU, spins in a wait for its peers
+        (MPI's busy-poll in a blocking call: `ctx.comm.Allreduce`, a 1-vcore rank in a call of
+        training.dist), from its stack: asked when judged, at most every half limit (a rank at
+        work is sent SIGUSR1 that often, past its limit only). Not at work, then (busy)."""
+        if now - self._stack_at >= max(1.0, limit / 2):
+            at = stacks.where(stacks.dump(self.child.pid, self.heartbeat + stacks.SUFFIX))
+            self._stack_at, self._in_wait = now, bool(at and at.waiting)
+        return self._in_wait
 
     def monitor(self, gen):
         """Watch one generation until it ends: (Outcome, the Failure this agent found or None)."""
@@ -307,7 +320,7 @@ class Agent(PeerDiagnosis):
                 if judged_busy and silent > limit / 2:
                     self.busy(now, limit, waiting)           # sampled from half the limit on: the window it judges
                 elif self._cpu or self._busy:       # stepping again (or stopped, or past training)
-                    self._busy = False
+                    self._busy, self._stack_at, self._in_wait = False, -math.inf, False
                     self._cpu.clear()
                 # When one rank stops, the others soon block in a collective waiting for it
                 # and go silent too: a rank that is merely waiting gives the stopped one's
@@ -316,7 +329,10 @@ class Agent(PeerDiagnosis):
                     # the job's own code at work, or idle waiting for a peer's that is (an evaluation
                     # on rank 0 alone): not hung; training.dist's, for BUSY_LIMIT heartbeat_timeouts
                     capped = self.own_code and not judged_idle and silent > BUSY_LIMIT * limit
-                    if judged_busy and not capped and (self.busy(now, limit, waiting) or self.peers.busy()):
+                    at_work = judged_busy and not capped and self.busy(now, limit, waiting)
+                    if at_work and not judged_idle and self.in_a_wait(now, limit):
+                        at_work = self._busy = False
+                    if judged_busy and not capped and (at_work or self.peers.busy()):
                         time.sleep(lj.poll_interval)
                         continue
                     # ... or a peer whose whole container stopped, whose agent cannot say so.
@@ -339,6 +355,9 @@ class Agent(PeerDiagnosis):
                                                             idle=judged_idle)
                     if at and at.waiting and not waited:    # the rank it waits for is named first
                         waited = min(limit, stacks.WAITING_GRACE_S)
+                        continue
+                    if at and not at.waiting and judged_busy and not judged_idle and not capped and self._cpu_busy:
+                        self._stack_at, self._in_wait = now, False      # at work after all (a wait sampled)
                         continue
                     gone = self.finished_peers(gen, seen) if at and at.waiting else []
                     if gone:        # it waits in a collective for ranks whose code has ended
