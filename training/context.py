@@ -76,6 +76,18 @@ class RunContext:
         return cls(comm=comm, rank=comm.Get_rank(), world_size=comm.Get_size(), ranks=rank_infos(job), job=job,
                    app_id=app_id, generation=0, workdir=workdir, checkpoint_uri="", logdir="")
 
+    @classmethod
+    def alone(cls):
+        """A world of one rank outside a container (`python train.py`): this process on this
+        machine's cores and GPUs, no checkpoints or logs."""
+        import psutil
+        import torch
+        from mpi4py import MPI
+        me = RankInfo(rank=0, group="local", instance=0, container="local_0", vcores=float(os.cpu_count() or 1),
+                      memory_mib=psutil.virtual_memory().total // 2**20, gpus=torch.cuda.device_count())
+        return cls(comm=MPI.COMM_SELF, rank=0, world_size=1, ranks=[me], job=None, app_id="local", generation=0,
+                   workdir=os.getcwd(), checkpoint_uri="", logdir="")
+
     @property
     def run_logdir(self):
         """This application's TensorBoard run, `<logdir>/<app id>`: where a SummaryWriter of
@@ -180,6 +192,11 @@ _current: Optional[RunContext] = None
 
 class NoContext(RuntimeError):
     """current() outside a yarnapp rank, or before its context is set."""
+
+
+def in_a_container():
+    """Whether this process is a yarnapp rank (or its container's): the launcher's environment."""
+    return any(os.environ.get(v) for v in ("YARNAPP_RANK", "YARNAPP_APP_ID", "SKEIN_APPLICATION_ID"))
 
 
 def current():

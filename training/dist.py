@@ -35,14 +35,13 @@ sets up as torchrun does; the collectives here do not go through it.
 import contextlib
 import logging
 import math
-import os
 
 import numpy as np
 import torch
 
 from . import collectives, stalls
 from . import dist_horovod as _hvd
-from .context import current
+from .context import RunContext, current, in_a_container
 
 log = logging.getLogger(__name__)
 
@@ -64,31 +63,16 @@ def init(ctx=None):
     A throttled rank (fewer vcores than compute threads, e.g. 0.5) waits politely in
     every collective; torch uses the rank's threads (its vcores, rounded up). Outside a
     yarnapp container (`python train.py`, a smoke test, as Horovod's script runs without
-    horovodrun) the world is this process alone (`_world_of_one`)."""
+    horovodrun) the world is this process alone (RunContext.alone), said once."""
     global _ctx
-    _ctx = ctx or (_world_of_one() if _outside_a_container() else current())
+    if ctx is None and not in_a_container():
+        log.warning("training.dist: not in a yarnapp container: a world of this process alone (`yarnapp submit` "
+                    "runs it on the job's containers)")
+        ctx = RunContext.alone()
+    _ctx = ctx or current()
     collectives.set_polite(_ctx.me.throttled)
     torch.set_num_threads(_ctx.me.threads)
     return _ctx
-
-
-def _outside_a_container():
-    return not any(os.environ.get(v) for v in ("YARNAPP_RANK", "YARNAPP_APP_ID", "SKEIN_APPLICATION_ID"))
-
-
-def _world_of_one():
-    """A world of one rank, this process on this machine's cores (and GPUs): every
-    collective gives what one rank gives. Said once."""
-    import psutil
-    from mpi4py import MPI
-
-    from .context import RankInfo, RunContext
-    me = RankInfo(rank=0, group="local", instance=0, container="local_0", vcores=float(os.cpu_count() or 1),
-                  memory_mib=psutil.virtual_memory().total // 2**20, gpus=torch.cuda.device_count())
-    log.warning("training.dist: not in a yarnapp container: a world of this process alone (`yarnapp submit` "
-                "runs it on the job's containers)")
-    return RunContext(comm=MPI.COMM_SELF, rank=0, world_size=1, ranks=[me], job=None, app_id="local",
-                      generation=0, workdir=os.getcwd(), checkpoint_uri="", logdir="")
 
 
 def context():
