@@ -411,14 +411,16 @@ def clean(apps=(), older_than=None, dry_run=False):
         raise YarnappError("yarnapp clean: give the applications to remove, or older_than (e.g. 7d; 0: every "
                            "finished one)")
     local.sweep_removed()
-    resumed_by = local.resumed_by()
+    listed = local.list()
+    resumed_by = local.resumed_by(listed)
     if apps:
-        chosen = list(dict.fromkeys(apps))
-        for app_id in chosen:
+        chosen = []
+        for app_id in dict.fromkeys(apps):
             try:
                 local.check_finished(app_id, resumed_by)
             except YarnappError as e:
                 raise YarnappError(f"{e}; nothing was removed") from None
+            chosen.append(local.status(app_id))
     else:
         try:
             age = conf.units.parse_duration_s(older_than, zero=True)
@@ -426,23 +428,22 @@ def clean(apps=(), older_than=None, dry_run=False):
             raise YarnappError(f"older_than {older_than!r}: expected a duration such as 12h or 7d (0: every "
                                "finished application)") from None
         chosen = []
-        for a in local.list():
+        for a in listed:
             try:
                 ended = local.ended(a["app_id"])
                 if ended is not None and time.time() - ended >= age:
-                    local.check_finished(a["app_id"], resumed_by)
-                    chosen.append(a["app_id"])
+                    local.check_not_resumed(a["app_id"], resumed_by)
+                    chosen.append(a)
             except YarnappError as e:        # removed meanwhile (another clean), or kept
                 if a["app_id"] in resumed_by:
                     log.warning("kept %s", e)
     out = []
-    for app_id in chosen:
+    for a in chosen:
         try:
-            st = local.status(app_id)
-            size = local.size(app_id) if dry_run else local.remove(app_id, resumed_by)
+            size = local.size(a["app_id"]) if dry_run else local.remove(a["app_id"], resumed_by)
         except YarnappError:
             if apps:
                 raise
             continue                        # another clean took it meanwhile
-        out.append((app_id, st["name"], st["state"], size))
+        out.append((a["app_id"], a["name"], a["state"], size))
     return out

@@ -337,11 +337,12 @@ class LocalBackend(Backend):
             return None
         return st.get("finished") or os.path.getmtime(os.path.join(st["app_dir"], "state.json"))
 
-    def resumed_by(self):
+    def resumed_by(self, listed=None):
         """{application: the live applications that resume from the checkpoints kept in its
-        directory (their checkpoint.uri unset; checkpoint.resume as decided at submit)}."""
+        directory (their checkpoint.uri unset; checkpoint.resume as decided at submit)};
+        listed: list()'s records, where the caller has them."""
         out = {}
-        for a in self.list():
+        for a in self.list() if listed is None else listed:
             job = self.job_of(a["app_id"]) if a["state"] not in TERMINAL else None
             if job is not None and not job.checkpoint.uri and job.checkpoint.resume not in ("never", "latest"):
                 out.setdefault(job.checkpoint.resume, []).append(a["app_id"])
@@ -354,6 +355,11 @@ class LocalBackend(Backend):
             state = self.status(app_id)["state"]
             still = " but something of it still runs (or is ending)" if state in TERMINAL else ""
             raise YarnappError(f"{app_id} is {state}{still}: stop it first with `yarnapp kill {app_id}`")
+        self.check_not_resumed(app_id, resumed_by)
+
+    def check_not_resumed(self, app_id, resumed_by=None):
+        """Raise YarnappError where a live application resumes from the checkpoints in the
+        directory of `app_id` (resumed_by: resumed_by()'s)."""
         users = (self.resumed_by() if resumed_by is None else resumed_by).get(app_id)
         if users:
             raise YarnappError(f"{app_id}: application {users[0]} resumes from its checkpoints: wait for it to "
