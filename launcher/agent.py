@@ -11,7 +11,6 @@ Why a generation ended is one `launcher.failure.Failure`; when the cause is a pe
 frozen, missing, or the one this rank died of), `launcher.diagnosis` finds it. The
 container's exit status is decided in `launcher.exitcodes`.
 """
-import collections
 import dataclasses
 import enum
 import json
@@ -28,7 +27,8 @@ from conf import BUILTIN_RUNNER
 
 from . import beats, exitcodes, identity, keys, malloc, memory, results, retries, stacks, store as store_mod, warm
 from .diagnosis import PeerDiagnosis, record
-from .procs import cpu_seconds, die_with_parent, stopped as process_stopped
+from .activity import Activity
+from .procs import die_with_parent, stopped as process_stopped
 from .failure import (Failure, Kind, after_an_end, current_generation, ended_early, log_tail,
                       looks_collateral, native_crash, spent_restarts)
 
@@ -38,8 +38,8 @@ SETUP_GRACE_S = 8.0      # after a peer failed in setup, how long a rank in setu
                          # the same way on its own (ranks start seconds apart on a busy host)
 BUSY_HINT = (", idle (no CPU used): if it waits there on something slow (a read, a lock), call ctx.heartbeat() "
              "(training.dist.context().heartbeat()) in that wait, or raise launcher.heartbeat_timeout")
-IDLE_CPU = 0.05             # of a core: a silent rank of the job's own code using less is idle (Agent.busy)
-BUSY_LIMIT = 10             # ... and one using more, at work: hung after this many heartbeat_timeouts of it
+BUSY_LIMIT = 10             # a silent rank of own code at work (launcher.activity): hung after this many
+                            # heartbeat_timeouts of it
 BUSY_WORDS = (", at work (CPU) all that time, more than {n} times launcher.heartbeat_timeout without progress: report "
               "progress in long work (training.dist.report, ctx.heartbeat()), or raise launcher.heartbeat_timeout")
 EARLY_END_FRACTION = 0.25   # a rank still in a collective this part of launcher.heartbeat_timeout (15 s of
@@ -102,9 +102,8 @@ class Agent(PeerDiagnosis):
         self.child = None
         self.warm = None                 # launcher.warm: where this container's ranks are forked from
         self.heartbeat = os.path.abspath(f".heartbeat.{ident.container}")
-        self._phase, self._seen, self._cpu, self._busy = "setup", False, collections.deque(), False   # (busy)
-        self._stack_at, self._in_wait = -math.inf, False       # (in_a_wait: when its stack was asked, and where)
-        self._cpu_busy = False
+        self._phase, self._seen = "setup", False
+        self.activity = Activity()       # whether its silent rank is at work (launcher.activity)
         self.log_path = os.environ.get("YARNAPP_LOG") or _yarn_log(ident.group)
         self.members = ident.job.ranks()
         self.cgroup = memory.own_cgroup()          # to tell a memory kill from any SIGKILL
@@ -139,7 +138,8 @@ class Agent(PeerDiagnosis):
         else:
             self.child = subprocess.Popen(argv, env=env, preexec_fn=die_with_parent)
         self.spawned = time.monotonic()
-        self._phase, self._seen, self._cpu, self._busy = "setup", False, collections.deque(), False
+        self._phase, self._seen = "setup", False
+        self.activity.reset()
 
     def kill_child(self):
         if self.child and self.child.poll() is None:
@@ -170,7 +170,7 @@ class Agent(PeerDiagnosis):
             if self.child is None or self.child.returncode is not None or self._phase != "train":
                 return {}
             return {"rank_quiet": round(max(0.0, time.time() - os.path.getmtime(self.heartbeat)), 2),
-                    **({"rank_busy": True} if self._busy else {})}
+                    **({"rank_busy": True} if self.activity.busy else {})}
         except (OSError, AttributeError):
             return {}
 
@@ -187,40 +187,6 @@ class Agent(PeerDiagnosis):
         self._phase = words[0]
         self._seen = words[-1] == "seen"        # only its optimizer's steps were seen (RunContext.heartbeat)
         return words[0], age
-
-    def busy(self, now, limit, waiting=False):
-        """Whether the rank of the job's own code, silent (in its progress: an unmodified
-        script's optimizer steps, or what training.dist says), used at least IDLE_CPU of a core
-        over the last `limit` seconds (launcher.idle_timeout or heartbeat_timeout; sampled at
-        most once a second from half that silence on): a rank evaluating longer than the limit
-        (on rank 0 alone, as Horovod scripts do) is busy, not hung; a rank waiting in a polite
-        collective, or hung in a sleep or a lock, is idle, and so is one `waiting`: in a call
-        of training.dist for more than training.stalls.WAIT_S (with a core of its own it spins
-        in MPI's wait; its call, published by training.stalls, says so). Not yet known
-        (samples less than a second apart): busy. Said in this agent's beat (`rank_busy`), so
-        that peers waiting for it are not judged hung either."""
-        if not self._cpu or now - self._cpu[-1][0] >= 1.0:      # (psutil reads /proc)
-            cpu = cpu_seconds(self.child.pid)
-            if cpu is None:
-                self._busy = False
-                return False
-            self._cpu.append((now, cpu))
-        while now - self._cpu[0][0] > max(limit, 2.0):   # (at least two samples a second apart)
-            self._cpu.popleft()
-        (t0, c0), (t1, c1) = self._cpu[0], self._cpu[-1]
-        self._cpu_busy = t1 - t0 < 1.0 or (c1 - c0) >= IDLE_CPU * (t1 - t0)
-        self._busy = not waiting and not self._in_wait and self._cpu_busy
-        return self._busy
-
-    def in_a_wait(self, now, limit):
-        """Whether the rank, silent past its limit and using CPU, spins in a wait for its peers
-        (MPI's busy-poll in a blocking call: `ctx.comm.Allreduce`, a 1-vcore rank in a call of
-        training.dist), from its stack: asked when judged, at most every half limit (a rank at
-        work is sent SIGUSR1 that often, past its limit only). Not at work, then (busy)."""
-        if now - self._stack_at >= max(1.0, limit / 2):
-            at = stacks.where(stacks.dump(self.child.pid, self.heartbeat + stacks.SUFFIX))
-            self._stack_at, self._in_wait = now, bool(at and at.waiting)
-        return self._in_wait
 
     def monitor(self, gen):
         """Watch one generation until it ends: (Outcome, the Failure this agent found or None)."""
@@ -317,11 +283,10 @@ class Agent(PeerDiagnosis):
                 # the job's own code at work past its limit (one rank evaluating, saving) is not hung
                 judged_busy = phase == "train" and not stopped and (judged_idle or self.own_code)
                 waiting = self.own_code and bool(json.loads(seen.get(keys.stall(gen, rank)) or "{}").get("name"))
-                if judged_busy and silent > limit / 2:
-                    self.busy(now, limit, waiting)           # sampled from half the limit on: the window it judges
-                elif self._cpu or self._busy:       # stepping again (or stopped, or past training)
-                    self._busy, self._stack_at, self._in_wait = False, -math.inf, False
-                    self._cpu.clear()
+                if judged_busy and silent > limit / 2:     # sampled from half the limit on: the window it judges
+                    self.activity.sample(self.child.pid, now, limit, waiting)
+                elif self.activity.known:           # stepping again (or stopped, or past training)
+                    self.activity.reset()
                 # When one rank stops, the others soon block in a collective waiting for it
                 # and go silent too: a rank that is merely waiting gives the stopped one's
                 # agent a grace period to name the real culprit first.
@@ -329,9 +294,10 @@ class Agent(PeerDiagnosis):
                     # the job's own code at work, or idle waiting for a peer's that is (an evaluation
                     # on rank 0 alone): not hung; training.dist's, for BUSY_LIMIT heartbeat_timeouts
                     capped = self.own_code and not judged_idle and silent > BUSY_LIMIT * limit
-                    at_work = judged_busy and not capped and self.busy(now, limit, waiting)
-                    if at_work and not judged_idle and self.in_a_wait(now, limit):
-                        at_work = self._busy = False
+                    at_work = judged_busy and not capped and self.activity.sample(self.child.pid, now, limit, waiting)
+                    if at_work and not judged_idle and self.activity.in_a_wait(
+                            self.child.pid, self.heartbeat + stacks.SUFFIX, now, limit):
+                        at_work = False
                     if judged_busy and not capped and (at_work or self.peers.busy()):
                         time.sleep(lj.poll_interval)
                         continue
@@ -356,8 +322,9 @@ class Agent(PeerDiagnosis):
                     if at and at.waiting and not waited:    # the rank it waits for is named first
                         waited = min(limit, stacks.WAITING_GRACE_S)
                         continue
-                    if at and not at.waiting and judged_busy and not judged_idle and not capped and self._cpu_busy:
-                        self._stack_at, self._in_wait = now, False      # at work after all (a wait sampled)
+                    if at and not at.waiting and judged_busy and not judged_idle and not capped \
+                            and self.activity.cpu_busy:
+                        self.activity.at_work_after_all(now)
                         continue
                     gone = self.finished_peers(gen, seen) if at and at.waiting else []
                     if gone:        # it waits in a collective for ranks whose code has ended
@@ -370,7 +337,7 @@ class Agent(PeerDiagnosis):
                                + (f"; its main thread is at {at.describe()}"
                                   f"{', waiting for its peers' if at.waiting else ''}" if at else "")
                                + (" and idle (no optimizer step, no CPU used since)" if self._seen else
-                                  (BUSY_WORDS.format(n=BUSY_LIMIT) if capped and self._busy else BUSY_HINT)
+                                  (BUSY_WORDS.format(n=BUSY_LIMIT) if capped and self.activity.busy else BUSY_HINT)
                                   if at and not at.waiting and phase == "train" and self.own_code else "")
                                + self.network_note())
             lost = self.lost_member(gen, seen)

@@ -103,7 +103,7 @@ class Watch:
 
     def busy(self):
         """The peers whose agents say their rank, of the job's own code and silent in its
-        progress, is at work (`rank_busy` in its beat: launcher.agent's busy): an evaluation on one
+        progress, is at work (`rank_busy` in its beat: launcher.activity): an evaluation on one
         rank, which its peers wait for, idle, in their next collective."""
         return [c for c in self.peers if c in self.seen and json.loads(self.seen[c][0]).get("rank_busy")]
 
