@@ -102,6 +102,7 @@ def test_digits_example_reaches_97_percent_and_logs_live(tmp_path, cli, yarnapp_
     assert_nothing_left(app)
 
 
+@pytest.mark.alone      # the split follows CPU rates measured at start: not beside another test
 def test_digits_with_conv_model_parallel_on_three_ranks(tmp_path, digits, yarnapp_home):
     """The seed method end to end: kernels split by measured speed over 1 + 0.5 + 0.5 vcores."""
     job = _job(tmp_path, digits, "convmp", THREE, steps=None)
