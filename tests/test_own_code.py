@@ -129,7 +129,9 @@ def test_a_horovod_script_ported_by_its_import_line_trains_as_one_process(tmp_pa
     """A Horovod user changed `import horovod.torch as hvd` to `import training.dist as hvd`
     and met AttributeErrors one submit at a time (hvd.Average, hvd.Compression, then, after
     the whole training, hvd.allgather) and TypeErrors (op=, compression=). Horovod's names
-    are there now, and those not offered say in one line what to do instead."""
+    are there now, and those not offered say in one line what to do instead. Gradients
+    flow back through allgather, allreduce and broadcast as through Horovod's (a loss over
+    every rank's outputs trains as one process does; they were refused, then detached)."""
     sys.path.insert(0, JOBS)
     try:
         import horovod_port
@@ -150,7 +152,10 @@ def test_a_horovod_script_ported_by_its_import_line_trains_as_one_process(tmp_pa
     assert {(tuple(s["sum"]), tuple(s["average"]), tuple(s["scaled"])) for s in said} == {((3.0,), (1.0,), (3.0,))}
     assert all(s["gathered"] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0], [2.0, 2.0], [2.0, 2.0], [2.0, 2.0]]
                and s["broadcast"] == [1.0] and s["bf16"] == [2.0] for s in said), said[0]
-    assert said[0]["grad"].startswith("RuntimeError: allgather: the tensor requires grad, and no gradient flows"), said
+    # backward through allgather: its gradients summed over the world (1 + 2 + 3), this rank's rows;
+    # through broadcast: the sum for the root (rank 1), nothing for the others
+    assert [s["gather_grad"] for s in said] == [[[6.0, 6.0]] * (r + 1) for r in range(3)], said
+    assert [s["broadcast_grad"] for s in said] == [[0.0], [6.0], [0.0]], said
     assert said[0]["join"] == ("AttributeError: training.dist has no join (Horovod's): every rank must run the same "
                                "steps; ShareSampler gives each rank the same number of batches (docs/own-code.md)")
     assert said[0]["adasum"].startswith("ValueError: allreduce: op='Adasum' is not offered"), said[0]

@@ -524,13 +524,16 @@ def allreduce(tensor, average=None, ctx=None, name=None, op=None, prescale_facto
               compression=None):
     """A new tensor: the sum (or average: the default) of `tensor` (or a number) over the
     world; the average of integers is a float64 tensor. Collective. Horovod's op and
-    pre/postscale factors as allreduce_'s. (`name`: Horovod's, unused.)"""
+    pre/postscale factors as allreduce_'s. Differentiable, as Horovod's: backward reduces
+    the gradients as the tensor was, so every rank must call it. (`name`: Horovod's, unused.)"""
     average = _hvd.average_of(op, True if average is None else average, "allreduce")
     _hvd.check_compression(compression, "allreduce")
     if not isinstance(tensor, torch.Tensor):
         if not isinstance(tensor, (int, float, np.number, np.ndarray)):
             raise TypeError(f"allreduce: expected a tensor or a number, got {type(tensor).__name__}")
         tensor = torch.as_tensor(tensor)
+    if _hvd.differentiable(tensor):     # Horovod's gradient: the gradients reduced alike
+        return _hvd.Allreduce.apply(tensor, average, ctx or context(), prescale_factor, postscale_factor)
     t = tensor.detach().clone()
     return allreduce_(t.to(torch.float64) if average and not t.is_floating_point() else t, average, ctx,
                       prescale_factor=prescale_factor, postscale_factor=postscale_factor)

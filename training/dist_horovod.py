@@ -75,26 +75,80 @@ def check_compression(compression, where):
                          "and in a fixed order; give training.dist.Compression.none or leave it out")
 
 
-def _not_differentiable(tensor, what):
-    """Horovod's gather and broadcast pass gradients back; these do not: say so rather than
-    train without them (a contrastive loss over gathered embeddings)."""
-    if tensor.requires_grad and torch.is_grad_enabled():
-        raise RuntimeError(f"{what}: the tensor requires grad, and no gradient flows back through {what} here "
-                           f"(Horovod's does); give it tensor.detach(), or gather under torch.no_grad()")
+class _Allgather(torch.autograd.Function):
+    """Horovod's gradient: the gradients of the gathered tensor summed over the world, this
+    rank's rows of them (every rank's loss that used its rows)."""
+
+    @staticmethod
+    def forward(fn, tensor, run):
+        fn.run, fn.shape = run, tensor.shape
+        out, fn.start, fn.rows = _gather(tensor, run)
+        return out
+
+    @staticmethod
+    def backward(fn, grad):
+        from .dist import allreduce
+        return allreduce(grad, op=Sum, ctx=fn.run).narrow(0, fn.start, fn.rows).reshape(fn.shape), None
+
+
+class _Broadcast(torch.autograd.Function):
+    """Horovod's gradient: the root's tensor takes the gradients summed over the world, the
+    others' none."""
+
+    @staticmethod
+    def forward(fn, tensor, root_rank, run):
+        fn.run, fn.root = run, root_rank
+        return broadcast_(tensor.detach().clone(), root_rank, ctx=run)
+
+    @staticmethod
+    def backward(fn, grad):
+        from .dist import allreduce
+        total = allreduce(grad, op=Sum, ctx=fn.run)
+        return (total if fn.run.rank == fn.root else torch.zeros_like(total)), None, None
+
+
+class Allreduce(torch.autograd.Function):
+    """Horovod's gradient: the gradients reduced as the tensor was (op and factors alike)."""
+
+    @staticmethod
+    def forward(fn, tensor, average, run, prescale_factor, postscale_factor):
+        from .dist import allreduce
+        fn.args = average, run, prescale_factor, postscale_factor
+        return allreduce(tensor.detach(), average, run, prescale_factor=prescale_factor,
+                         postscale_factor=postscale_factor)
+
+    @staticmethod
+    def backward(fn, grad):
+        from .dist import allreduce
+        average, run, pre, post = fn.args
+        return allreduce(grad, average, run, prescale_factor=pre, postscale_factor=post), None, None, None, None
+
+
+def differentiable(tensor):
+    return isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled()
 
 
 def allgather(tensor, name=None, ctx=None):
     """Horovod's: every rank's `tensor` concatenated along its first dimension, in rank
-    order (their first dimensions may differ). Collective. (`name`: Horovod's, unused.)
-    Not differentiable (Horovod's is): a tensor that requires grad is refused."""
+    order (their first dimensions may differ). Collective. Differentiable, as Horovod's
+    (a contrastive loss over every rank's embeddings): backward sums the gathered
+    tensor's gradients over the world, and each rank takes its own rows, so every rank
+    must call backward. (`name`: Horovod's, unused.)"""
     from .dist import context
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"allgather: expected a tensor, got {type(tensor).__name__}; allgather_object takes "
                         "any object")
-    _not_differentiable(tensor, "allgather")
-    with stalls.collective(ctx or context(), "allgather") as comm:
+    run = ctx or context()
+    return _Allgather.apply(tensor, run) if differentiable(tensor) else _gather(tensor, run)[0]
+
+
+def _gather(tensor, run):
+    """(every rank's tensor concatenated, the first of this rank's rows in it, their number)."""
+    with stalls.collective(run, "allgather") as comm:
         parts = comm.allgather(tensor.detach().cpu())
-    return torch.cat([p.reshape(1) if p.dim() == 0 else p for p in parts]).to(tensor.device)
+    rows = [p.shape[0] if p.dim() else 1 for p in parts]
+    out = torch.cat([p.reshape(1) if p.dim() == 0 else p for p in parts]).to(tensor.device)
+    return out, sum(rows[:run.rank]), rows[run.rank]
 
 
 def broadcast_(tensor, root_rank=0, name=None, ctx=None):
@@ -117,10 +171,12 @@ def broadcast_(tensor, root_rank=0, name=None, ctx=None):
 
 
 def broadcast(tensor, root_rank=0, name=None, ctx=None):
-    """Horovod's: a new tensor holding root_rank's `tensor`. Collective. Not
-    differentiable (Horovod's is): a tensor that requires grad is refused."""
-    if isinstance(tensor, torch.Tensor):
-        _not_differentiable(tensor, "broadcast")
+    """Horovod's: a new tensor holding root_rank's `tensor`. Collective. Differentiable, as
+    Horovod's: backward gives root_rank's tensor the gradients summed over the world (every
+    rank must call backward), the others' zero."""
+    from .dist import context
+    if differentiable(tensor):
+        return _Broadcast.apply(tensor, root_rank, ctx or context())
     return broadcast_(tensor.detach().clone() if isinstance(tensor, torch.Tensor) else tensor, root_rank, name, ctx)
 
 

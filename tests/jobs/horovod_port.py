@@ -1,8 +1,9 @@
 """A Horovod PyTorch script as Horovod's users write it, ported by its import line alone
 (`import horovod.torch as hvd` became `import training.dist as hvd`): each rank's own
 initial weights made rank 0's by broadcast, torch's DistributedSampler, the learning rate
-scaled by hvd.size(), DistributedOptimizer with Horovod's op and compression, metrics
-averaged with hvd.allreduce, tensors gathered and broadcast. The test runs it as
+scaled by hvd.size(), DistributedOptimizer with Horovod's op and compression, a loss
+over every rank's outputs (hvd.allgather, hvd.allreduce: gradients flow back through
+them), metrics averaged with hvd.allreduce, tensors gathered and broadcast. The test runs it as
 run.script and compares its weights with `reference` (one process on the same batches).
 
 OUT (environment): where every rank writes its weights (rank<r>.pt) and what the calls
@@ -17,7 +18,7 @@ import torch.utils.data
 
 import training.dist as hvd          # was: import horovod.torch as hvd
 
-BATCH, LR = 8, 0.01
+BATCH, LR, AUX = 8, 0.01, 0.1
 
 
 def dataset():
@@ -32,9 +33,16 @@ def net(seed):
                                torch.nn.Linear(4 * 64, 2))
 
 
+def aux(mine, everyone, centre):
+    """A contrastive and a centring term: this rank's outputs against every rank's, and
+    against their mean over the world."""
+    return (mine @ everyone.T).logsumexp(1).mean() + ((mine - centre) ** 2).mean()
+
+
 def reference(size):
-    """One process: every step the mean of the ranks' mean losses on their DistributedSampler
-    batches (Horovod's average of their gradients), from rank 0's initial weights."""
+    """One process: every step the mean of the ranks' losses on their DistributedSampler
+    batches (Horovod's average of their gradients), each with its aux term over every
+    rank's outputs, from rank 0's initial weights."""
     ds = dataset()
     model = net(100)
     opt = torch.optim.SGD(model.parameters(), lr=LR * size, momentum=0.9)
@@ -42,7 +50,10 @@ def reference(size):
         ds, num_replicas=size, rank=r, shuffle=False)) for r in range(size)]
     for batches in zip(*loaders):
         opt.zero_grad()
-        (sum(F.cross_entropy(model(x), y) for x, y in batches) / size).backward()
+        outs = [model(x) for x, _ in batches]
+        everyone, centre = torch.cat(outs), torch.stack([o.mean(0) for o in outs]).mean(0)
+        (sum(F.cross_entropy(o, y) + AUX * aux(o, everyone, centre) for o, (_, y) in zip(outs, batches))
+         / size).backward()
         opt.step()
     return model.state_dict()
 
@@ -69,9 +80,14 @@ def main():
                                    compression=hvd.Compression.none, gradient_predivide_factor=1.0)
     for x, y in loader:
         opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
+        out = model(x)
+        (F.cross_entropy(out, y) + AUX * aux(out, hvd.allgather(out), hvd.allreduce(out.mean(0)))).backward()
         opt.step()
     r = float(hvd.rank())
+    x = torch.full((hvd.rank() + 1, 2), r, requires_grad=True)
+    (hvd.allgather(x) * (r + 1)).sum().backward()
+    b = torch.tensor([r], requires_grad=True)
+    (hvd.broadcast(b, root_rank=1) * (r + 1)).sum().backward()
     out = {"initialized": hvd.is_initialized(), "cross_rank": hvd.cross_rank(), "cross_size": hvd.cross_size(),
            "nccl": hvd.nccl_built(),
            "sum": hvd.allreduce(torch.tensor([r]), op=hvd.Sum, compression=hvd.Compression.none).tolist(),
@@ -80,7 +96,7 @@ def main():
            "gathered": hvd.allgather(torch.full((hvd.rank() + 1, 2), r)).tolist(),
            "broadcast": hvd.broadcast(torch.tensor([r]), root_rank=1).tolist(),
            "bf16": hvd.broadcast(torch.tensor([r], dtype=torch.bfloat16), root_rank=2).float().tolist(),
-           "grad": said(lambda: hvd.allgather(torch.ones(2, requires_grad=True))),
+           "gather_grad": x.grad.tolist(), "broadcast_grad": b.grad.tolist(),
            "join": said(lambda: getattr(hvd, "join")()),   # (hvd.join() as written: refused at submit)
            "adasum": said(lambda: hvd.allreduce(torch.ones(1), op=hvd.Adasum)),
            "fp16": said(lambda: hvd.DistributedOptimizer(torch.optim.SGD(net(0).parameters(), lr=0.1),
