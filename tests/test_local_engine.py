@@ -204,7 +204,7 @@ def test_kill_leaves_nothing_running(cli, yarnapp_home, tmp_path):
     assert "KILLED" in proc.stdout
     assert yarnapp.status(app)["state"] == "KILLED"
     again = cli("kill", app, check=0)           # (said "KILLED" again, as if it had done it)
-    assert again.stdout.strip() == f"{app} had already ended KILLED; nothing to kill", again.stdout
+    assert again.stdout.strip() == f"{app} had already ended KILLED; nothing of it runs", again.stdout
     out, said = follow.communicate(timeout=60)
     assert said.strip().splitlines()[-1] == f"{app} was killed", said         # how it ended (it said nothing)
     first = {c: open(p).readline().rstrip("\n") for c, p in LocalBackend().log_paths(app).items()}
@@ -394,6 +394,63 @@ def test_a_supervisor_signalled_from_elsewhere_is_not_said_to_be_killed_by_the_u
     st = run.wait(timeout=60)
     assert st["state"] == "KILLED" and st["diagnostics"] == (
         f"killed: its supervisor (pid {pid}) was sent SIGTERM from outside yarnapp (not by `yarnapp kill`)"), st
+    assert_nothing_left(run.app_id)
+
+
+def test_kill_ends_an_application_whose_supervisor_is_stopped(cli, yarnapp_home, tmp_path):
+    """A supervisor stopped (SIGSTOP, a frozen process) takes no SIGTERM: `yarnapp kill`
+    waited 15 s, said RUNNING, exited 0, and the application stayed RUNNING, its memory
+    leased, clean refusing it. One stopped as its application ended: kill said "nothing to
+    kill", clean "stop it first with yarnapp kill"."""
+    import signal
+
+    from yarnapp.backends.local import supervisor
+
+    def started_then_stop_its_supervisor(job):
+        app = cli("submit", job, check=0).stdout.strip()
+        run = yarnapp.Run(app)
+        until("its rank 0's first report", lambda: (run.status().get("progress") or {}).get(0))
+        os.kill(json.load(open(supervisor.record_path(run.status()["app_dir"])))["pid"], signal.SIGSTOP)
+        return app, run
+
+    app, run = started_then_stop_its_supervisor(_sleeper(tmp_path))
+    t0 = time.monotonic()
+    proc = cli("kill", app, check=0)
+    assert proc.stdout.startswith(f"{app} KILLED") and time.monotonic() - t0 < 14, proc.stdout
+    assert run.status()["state"] == "KILLED"
+    assert_nothing_left(app)
+    script = tmp_path / "short.py"
+    script.write_text("import time\nfrom training.context import current\n\ncurrent().report(step=1)\ntime.sleep(2)\n")
+    app, run = started_then_stop_its_supervisor(write_job(tmp_path / "short.yaml", {
+        "name": "short", "groups": [{"name": "a", "instances": 1, "vcores": 0.5, "memory": "256 MiB"}],
+        "run": {"script": str(script)}}))
+    until("its end", lambda: run.status()["state"] == "SUCCEEDED")
+    assert "but something of it still runs" in cli("clean", app, check=1).stderr
+    proc = cli("kill", app, check=0)
+    assert proc.stdout.strip() == f"{app} had already ended SUCCEEDED; nothing of it runs", proc.stdout
+    assert run.status()["state"] == "SUCCEEDED" and not supervisor.alive(run.status()["app_dir"])
+    cli("clean", app, check=0)
+    assert_nothing_left(app)
+
+
+def test_submit_leaves_the_callers_umask_alone(yarnapp_home, tmp_path, monkeypatch):
+    """submit set the process's umask to 077 while it wrote the application's files: every
+    thread's (os.umask is the process's), and two submits from two threads of a notebook
+    left it 077 for good. Its files are owner-only by their own modes now."""
+    from yarnapp.backends.local import supervisor
+    calls = []
+    real = os.umask
+    monkeypatch.setattr(os, "umask", lambda mask: calls.append(mask) or real(mask))
+    old = real(0o022)
+    try:
+        run = yarnapp.submit(_sleeper(tmp_path))
+        assert real(0o022) == 0o022 and calls == [], calls
+    finally:
+        real(old)
+    d = run.status()["app_dir"]
+    for name in ("app.json", "job.json", os.path.basename(supervisor.record_path(d))):
+        assert stat.S_IMODE(os.stat(os.path.join(d, name)).st_mode) == 0o600, name
+    run.kill()
     assert_nothing_left(run.app_id)
 
 

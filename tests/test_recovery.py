@@ -357,7 +357,17 @@ def test_a_master_killed_with_its_supervisor_fails_the_application_and_leaves_no
     from yarnapp.backends.local import supervisor
     job = dict(digits_job(tmp_path, digits, "double", steps=400), am_attempts=2)
     run = yarnapp.submit(job)
-    wait_step(run, rank=0, step=5)
+    wait_step(run, rank=0, step=12)         # past its checkpoint of step 10
+    # Resuming it while it trains is refused (the ranks failed on a checkpoint it had rotated
+    # away since, "remove the broken step directories"), by its id or as the job's latest
+    before = sorted(os.listdir(yarnapp_home / "apps"))
+    for resume, chosen in ((run.app_id, f"application {run.app_id}"),
+                           ("latest", f"the latest application of this job, {run.app_id},")):
+        with pytest.raises(yarnapp.YarnappError, match=re.escape(
+                f"job: checkpoint.resume: {chosen} is RUNNING: its checkpoints change while it trains; wait for "
+                f"it to end, or stop it first with `yarnapp kill {run.app_id}`")):
+            yarnapp.submit(dict(job, checkpoint=dict(job["checkpoint"], resume=resume)))
+    assert sorted(os.listdir(yarnapp_home / "apps")) == before
     st = run.status()
     os.kill(json.load(open(supervisor.record_path(st["app_dir"])))["pid"], signal.SIGKILL)
     os.kill(st["am_pid"], signal.SIGKILL)

@@ -175,10 +175,10 @@ def follow_increment(printed, text):
 def cmd_kill(args):
     run = api.Run(args.app)
     before = run.status()["state"]
-    if before in TERMINAL:          # (said as if this kill had ended it)
-        _p(f"{args.app} had already ended {before}; nothing to kill")
+    st = run.kill()     # (an application that ended: what of it may still run, its supervisor stopped)
+    if before in TERMINAL:          # (not said as if this kill had ended it)
+        _p(f"{args.app} had already ended {before}; nothing of it runs")
         return 0
-    st = run.kill()
     hint = run.resume_hint(_submitted_as(st)) if st["state"] == "KILLED" else ""
     _p(f"{args.app} {st['state']}{hint}")
     return 0

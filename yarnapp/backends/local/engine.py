@@ -26,8 +26,8 @@ from ...errors import YarnappError
 from ..base import TERMINAL, Backend
 from . import cgroups, gpus, leases, netem, supervisor
 from .leases import machine_memory_mib
-from .state import (app_processes, apps_dir, home, no_application, read_json, request_kill, tree_bytes, wait_ended,
-                    write_json)
+from .state import (app_processes, apps_dir, home, no_application, private, read_json, request_kill, tree_bytes,
+                    umask, wait_ended, write_json)
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def check_resources(job, where="job"):
                                f"{cores} cores; ask for at most {cores}")
         if g.memory > mem_mib:
             raise YarnappError(f"{where}: groups[{i}].memory: {g.memory} MiB requested but this machine has "
-                               f"{mem_mib} MiB; ask for less")
+                               f"{mem_mib} MiB; ask for at most {mem_mib} MiB")
         if g.gpus and want > len(have):
             raise YarnappError(f"{where}: groups[{i}].gpus: the job asks for {want} GPU(s) in all "
                                f"({', '.join(f'{x.instances} x {x.gpus}' for x in job.groups if x.gpus)}) but this "
@@ -118,7 +118,21 @@ def check_resume(job, found, where="job"):
         line = str(e)
     if line:
         raise YarnappError(f"{where}: {line}")
+    _check_ended(earlier[1], app == "latest", where)
     return earlier[1] or "never"
+
+
+def _check_ended(app, latest, where):
+    """An application resumed from must have ended: while it trains, it writes new
+    checkpoints and removes its oldest (checkpoint.keep), and the ranks that read them
+    failed on a file gone, saying the checkpoint was broken."""
+    if not app or not os.path.isfile(os.path.join(apps_dir(), app, "app.json")):
+        return          # (another machine's, through a checkpoint.uri)
+    state = LocalBackend().status(app)["state"]
+    if state not in TERMINAL:
+        chosen = f"the latest application of this job, {app}," if latest else f"application {app}"
+        raise YarnappError(f"{where}: checkpoint.resume: {chosen} is {state}: its checkpoints change while it "
+                           f"trains; wait for it to end, or stop it first with `yarnapp kill {app}`")
 
 
 def checked(job, where="job"):
@@ -136,6 +150,25 @@ def checked(job, where="job"):
     shipment = shipping.plan(job, where)
     preflight.check_strategy(job, found, shipment, where)
     return shipment
+
+
+def _stop(pid, timeout):
+    """SIGTERM `pid` and wait up to `timeout` for it to end; SIGCONT with it (a process
+    stopped by SIGSTOP takes no signal but SIGKILL: the application stayed RUNNING, its
+    memory leased, after a kill), and SIGKILL where it does not end."""
+    for sig in (signal.SIGTERM, signal.SIGCONT):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:          # it ended meanwhile
+            return
+    wait_ended(pid, timeout)
+    if psutil.pid_exists(pid):
+        log.warning("pid %d did not end within %gs of SIGTERM: killed", pid, timeout)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        wait_ended(pid, 5)
 
 
 def _stop_just_started(app_id, proc):
@@ -184,12 +217,14 @@ class LocalBackend(Backend):
         job = shipment.job
         app_id = _new_app_id()
         d = os.path.join(apps_dir(), app_id)
-        # Owner-only: app.json holds the application's secret, the store its coordination;
-        # everything the application writes later is created under umask 077 (see below),
-        # but for the job's own code, which runs under the submitter's (launcher.rank.run_code):
-        # what it writes outside is as `python train.py` would write it.
+        # Owner-only: the directory, and app.json (the application's secret), the store (its
+        # coordination), job.json by their modes; everything the application writes later is
+        # created under umask 077 (its supervisor's), but for the job's own code, which runs
+        # under the submitter's (launcher.rank.run_code): what it writes outside is as
+        # `python train.py` would write it. (This process's umask is left alone: os.umask is
+        # every thread's, and a notebook's two submits at once left it 077.)
         self._new_dir(d)
-        old, proc = os.umask(0o077), None
+        submitter_umask, proc = umask(), None
         try:
             # Until its supervisor is started, this process stands for it (`starting`: not to be
             # signalled): a status meanwhile (another user's `yarnapp list`) found neither and
@@ -197,7 +232,7 @@ class LocalBackend(Backend):
             supervisor.write_record(d, {"pid": os.getpid(), "starting": True, "attempts": []})
             os.makedirs(os.path.join(d, "containers"))
             shipping.copy_into(shipment.entries, os.path.join(d, "files"))   # copied into each container
-            with open(os.path.join(d, "job.json"), "w") as f:
+            with private(os.path.join(d, "job.json")) as f:
                 f.write(job.model_dump_json(indent=1))
             submitted = time.time()
             write_json(os.path.join(d, "app.json"), {"app_id": app_id, "secret": secrets.token_hex(16),
@@ -205,7 +240,7 @@ class LocalBackend(Backend):
                                                       "job_file": os.path.abspath(where) if os.path.isfile(where)
                                                       else None, "submit_dir": os.getcwd()})
             FileStore(os.path.join(d, "store"))
-            env = dict(os.environ, PYTHONUNBUFFERED="1", YARNAPP_UMASK=f"{old:o}")     # the job's code runs under it
+            env = dict(os.environ, PYTHONUNBUFFERED="1", YARNAPP_UMASK=f"{submitter_umask:o}")     # the job's code runs under it
             env.pop("YARNAPP_APP_ID", None)     # the supervisor is not a process of the application
             with interrupts.deferred():     # a supervisor started is a supervisor recorded
                 with open(os.path.join(d, "supervisor.log"), "ab") as out:
@@ -221,8 +256,6 @@ class LocalBackend(Backend):
                 _stop_just_started(app_id, proc)
             shutil.rmtree(d, ignore_errors=True)
             raise
-        finally:
-            os.umask(old)
         log.info("submitted %s", app_id)
         return app_id
 
@@ -250,7 +283,7 @@ class LocalBackend(Backend):
         st["final"] = json.loads(final) if final else None
         st["restarts"] = [Failure.record(v) for _, v in sorted(store.get_prefix(keys.RESTARTS).items())]
         st["notices"] = notices(store.get_prefix(keys.NOTICES))
-        tb = store.get(keys.TENSORBOARD)
+        tb = store.get(keys.TENSORBOARD) if st["state"] not in TERMINAL else None   # (its service ended with it)
         st["tensorboard"] = tb.decode() if tb else None
         st["app_dir"] = d
         return st
@@ -299,15 +332,14 @@ class LocalBackend(Backend):
             time.sleep(0.05)
         record = read_json(supervisor.record_path(d)) or {}
         sup = None if record.get("starting") else record.get("pid")
-        # The supervisor passes SIGTERM on to the master and starts no new attempt.
-        target = sup if sup and supervisor.alive(d) else st.get("am_pid")
-        if st["state"] not in TERMINAL and target and psutil.pid_exists(target):
+        # The supervisor passes SIGTERM on to the master and starts no new attempt. One of an
+        # application that ended, still alive, is stopped too (kill said "nothing to kill",
+        # clean "stop it first with yarnapp kill"); a master's pid, once ended, may be another's.
+        alive = bool(sup) and supervisor.alive(d)
+        target = sup if alive else st.get("am_pid") if st["state"] not in TERMINAL else None
+        if target and psutil.pid_exists(target):
             request_kill(d)
-            try:
-                os.kill(target, signal.SIGTERM)
-            except ProcessLookupError:          # it ended between the two calls
-                pass
-            wait_ended(target, timeout)
+            _stop(target, timeout)
         # Backstop: nothing of the application may survive a kill (its processes, cgroups,
         # emulated nodes, as its master would have left them), waited for, so that a
         # supervisor killed here counts as gone below (else the application stayed ACCEPTED).

@@ -34,11 +34,32 @@ def no_application(app_id):
 
 
 def write_json(path, obj):
-    """Write whole or not at all (a temporary file renamed): a reader never sees half of it."""
+    """Write whole or not at all (a temporary file renamed): a reader never sees half of it.
+    Owner-only, whatever the umask (an application's records: app.json holds its secret)."""
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
+    with private(tmp) as f:
         json.dump(obj, f, indent=1)
     os.replace(tmp, path)
+
+
+def private(path):
+    """`path` opened for writing text, created owner-only (0600) whatever the umask."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w")
+
+
+def umask():
+    """This process's umask, read without setting it: os.umask sets it for every thread
+    (two submits from two threads of a notebook left it 077)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    old = os.umask(0o022)       # (no /proc: set and restored at once)
+    os.umask(old)
+    return old
 
 
 def write_state(app_dir, state):

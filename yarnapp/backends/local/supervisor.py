@@ -38,7 +38,7 @@ from launcher.procs import stopped as process_stopped
 
 from ..base import TERMINAL
 from . import cgroups, netem
-from .state import app_processes, kill_words, read_json, write_json, write_state
+from .state import app_processes, kill_words, private, read_json, write_json, write_state
 
 log = logging.getLogger("yarnapp.supervisor")
 
@@ -57,7 +57,7 @@ def write_record(app_dir, record):
     except psutil.Error:
         pass
     tmp = record_path(app_dir) + f".{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
+    with private(tmp) as f:
         json.dump(record, f)
     os.replace(tmp, record_path(app_dir))
 
