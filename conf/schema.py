@@ -33,7 +33,22 @@ def _env(value):
     if flags:
         raise ValueError(f"{', '.join(map(str, flags))}: a boolean; give the text the program reads, quoted "
                          f"(\"1\", \"true\")")
+    for k, v in value.items():      # (the master's start of the container failed on them: "FAILED: unknown")
+        if isinstance(k, str) and (not k or "=" in k or "\0" in k):
+            raise ValueError(f"{k!r} is not an environment variable's name (empty, or with '=' or a NUL byte)")
+        if isinstance(v, str) and "\0" in v:
+            raise ValueError(f"{k}: its value holds a NUL byte, which an environment cannot")
     return {k: str(v) if isinstance(v, (int, float)) else v for k, v in value.items()}
+
+
+def _not_empty(value):
+    """A path or URI given as '': it meant the submit directory (os.path.join(base, ''))."""
+    if value is not None and not value.strip():
+        raise ValueError("empty: give a path or URI, or leave the field out")
+    return value
+
+
+Path = Annotated[Optional[str], AfterValidator(_not_empty)]
 
 
 Seconds = Annotated[float, BeforeValidator(parse_duration_s)]
@@ -94,10 +109,10 @@ class Run(Model):
     a function shipped pickled (what `yarnapp.submit(job, function=f)` writes); and the
     user's files shipped into every container (yarnapp.shipping)."""
     function: Annotated[Optional[str], AfterValidator(_module_function)]
-    script: Optional[str]
-    pickle: Optional[str]
+    script: Path
+    pickle: Path
     args: Annotated[List[str], BeforeValidator(_args)]
-    files: Optional[List[str]]
+    files: Optional[List[Annotated[str, AfterValidator(_not_empty)]]]
     editable: bool
 
     @model_validator(mode="after")
@@ -310,7 +325,7 @@ class Training(Model):
     lr: Annotated[float, Field(gt=0)]
     momentum: Annotated[float, Field(ge=0, lt=1)]
     weight_decay: Annotated[float, Field(ge=0)]
-    seed: int
+    seed: Annotated[int, Field(ge=-2 ** 63, le=2 ** 64 - 1)]      # torch.manual_seed's range
     shares: Annotated[Union[Literal["speed", "equal", "vcores"], List[Annotated[float, Field(gt=0)]]],
                       BeforeValidator(_shares)]
     precision: Literal["fp32", "bf16", "fp16"]
@@ -325,7 +340,7 @@ def _resume(value):
 
 
 class Checkpoint(Model):
-    uri: Optional[str]
+    uri: Path
     resume: Annotated[str, AfterValidator(_resume)]
     every_steps: Optional[Annotated[int, Field(ge=1)]]
     every_seconds: Optional[Seconds]
@@ -333,7 +348,7 @@ class Checkpoint(Model):
 
 
 class TensorBoard(Model):
-    logdir: Optional[str]
+    logdir: Path
     service: bool
     sync_every: Seconds
 
@@ -341,7 +356,7 @@ class TensorBoard(Model):
 class Environment(Model):
     """The Python environment shipped to YARN containers (local engine: this one)."""
     packer: Literal["venv-pack", "conda-pack", "none"]
-    archive: Optional[str]
+    archive: Path
 
 
 class YarnAcls(Model):
@@ -356,7 +371,10 @@ class YarnAcls(Model):
 class Yarn(Model):
     """YARN-only settings (the local engine ignores them)."""
     acls: YarnAcls
-    storage: Optional[str]
+    storage: Path
+
+
+MAX_POLL_S = 10.0     # launcher.poll_interval's most: agents look this often (every end and restart waits a look)
 
 
 class Launcher(Model):
@@ -364,6 +382,19 @@ class Launcher(Model):
     heartbeat_timeout: Seconds
     idle_timeout: Seconds
     poll_interval: Seconds
+
+    @model_validator(mode="after")
+    def _polls_within_the_limits(self):
+        """A limit no longer than a look between two can never be kept (heartbeat_timeout:
+        1ms failed every rank hung; poll_interval: 1h trained, then never ended)."""
+        if self.poll_interval > MAX_POLL_S:
+            raise ValueError(f"poll_interval: {self.poll_interval:g}s; agents look this often, and every end and "
+                             f"restart waits for a look: give at most {MAX_POLL_S:g}s (the default: 200ms)")
+        for name in ("heartbeat_timeout", "rendezvous_timeout", "idle_timeout"):
+            if getattr(self, name) <= self.poll_interval:
+                raise ValueError(f"{name}: {getattr(self, name):g}s is not longer than poll_interval "
+                                 f"({self.poll_interval:g}s), how often the agents look; give several of them")
+        return self
 
 
 class Network(Model):

@@ -160,6 +160,20 @@ CASES = [
     # each container fits, all of them do not (before: 200 x 1 vcore started ~400 processes)
     ("vcores-in-all", _with("groups.0.instances", max(os.cpu_count() or 1, 8) + 1), "groups",
      f"containers ask for {max(os.cpu_count() or 1, 8) + 1} vcores in all"),
+    # from a bad-input audit: each started the application, which failed (a traceback, "FAILED: unknown")
+    ("seed-too-big", _with("run.function", "training.runner:main") | {"training": {"data": {"train": "x"},
+                                                                                  "seed": 10 ** 23}},
+     "training.seed", "less than or equal to 18446744073709551615"),
+    ("env-name-with-equals", _with("groups.0.env", {"A=B": "x"}), "groups[0].env",
+     "'A=B' is not an environment variable's name"),
+    ("env-value-nul", _with("groups.0.env", {"A": "x\0y"}), "groups[0].env", "A: its value holds a NUL byte"),
+    # a limit no longer than a look can never be kept; a look an hour apart never ended the job
+    ("heartbeat-1ms", _with("launcher", {"heartbeat_timeout": "1ms"}), "launcher",
+     "heartbeat_timeout: 0.001s is not longer than poll_interval (0.2s)"),
+    ("poll-an-hour", _with("launcher", {"poll_interval": "1h"}), "launcher", "give at most 10s"),
+    # '' was the submit directory: checkpoints written there, the whole directory shipped
+    ("checkpoint-uri-empty", _with("checkpoint", {"uri": ""}), "checkpoint.uri", "empty: give a path or URI"),
+    ("files-empty", _with("run.files", [""]), "run.files[0]", "empty: give a path or URI"),
     ("memory-in-all", {**GOOD, "groups": [{"name": "w", "instances": 2, "vcores": 0.5,
                                            "memory": f"{psutil.virtual_memory().total * 6 // 10 // 2**20} MiB"}]},
      "groups", "of memory in all"),
@@ -300,7 +314,10 @@ def test_images_that_would_come_out_in_other_sizes_are_refused_before_anything_s
               "Run.model().predict), with or without a test set"),
              ({"train": train, "test": small}, "training.data.test: its images come out [1, 6, 6] for the model, "
               "the training set's [1, 8, 8]; give a test set of the same size, or resize it in "
-              "training.data.test_transforms")]
+              "training.data.test_transforms"),
+             # three channels' mean/std for one-channel images (the ranks said it, once started)
+             ({"train": train, "mean": [0.5, 0.5, 0.5], "std": [1, 1, 1]}, f"training.data.mean/std: 3 values each, "
+              f"for images of 1 channel(s) ({train}); give one per channel")]
     for data, words in cases:
         job = tmp_path / "job.yaml"
         job.write_text(yaml.safe_dump(dict(_with("run.function", "training.runner:main"), training={"data": data})))

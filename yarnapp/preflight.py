@@ -100,6 +100,9 @@ def check_data(job, where=None, on_cluster=False):
     if not data.transform:      # the user's own transform runs in the containers only
         shape = _check_sizes(data, shapes, pre)
         _check_built(job, shape, pre)
+        if shape and data.mean is not None and len(data.mean) != shape[0]:     # (else the ranks said it)
+            raise YarnappError(f"{pre}training.data.mean/std: {len(data.mean)} values each, for images of "
+                               f"{shape[0]} channel(s) ({data.train}); give one per channel")
     return Found(shape, train.num_classes if train else None, train.rows if train else None)
 
 

@@ -76,7 +76,7 @@ def hypergraph_partition(hg, capacities, epsilon=EPSILON, seed=0, starts=(), pre
     w = _int_weights(hg)
     limits = max_block_weights(int(w.sum()), caps, epsilon)
     ctx.set_individual_target_block_weights(limits)
-    mtk.set_seed(int(seed))
+    mtk.set_seed(int(seed) % 2 ** 31)      # (its seed is a C int; the job's may be any 64-bit one)
     net_w = np.maximum(1, np.rint(hg.net_bytes)).astype(np.int64)
     graph = init.create_hypergraph(ctx, hg.num_vertices, len(hg.nets), [p.tolist() for p in hg.nets],
                                    w.tolist(), net_w.tolist())
