@@ -342,6 +342,9 @@ def run_import(kind, uri, options=None, spell=str):
     for key in required:
         if key not in kwargs:
             raise DataError(f"{kind}: option {key!r} is required")
+    if "quality" in kwargs and kwargs.get("encoding") != "jpeg":     # (it wrote raw pixels, the quality unused)
+        raise DataError(f"{kind}: option {spell('quality')} is JPEG's; give {spell('encoding')} jpeg with it, or "
+                        f"leave it out")
     try:
         if kind == "arrays":
             x, y = _load_npz(kwargs.pop("path"))

@@ -127,7 +127,10 @@ def _check_labels(labels, num_classes, n, what):
         raise DataError(f"{what}: {n} images but {len(labels)} labels")
     if n == 0:
         raise DataError(f"{what}: no images to write")
-    if labels.min() < 0 or labels.max() >= num_classes:
+    if labels.min() < 0:
+        raise DataError(f"{what}: labels are class indices from 0, got {labels.min()}..{labels.max()}; shift them "
+                        f"to start at 0")
+    if labels.max() >= num_classes:
         raise DataError(f"{what}: labels must lie in [0, {num_classes}), got {labels.min()}..{labels.max()}")
 
 
