@@ -441,6 +441,7 @@ def test_cli_plan_errors_are_one_line(cli, tmp_path):
     assert proc.stderr.startswith("Error: ") and "cannot parse 'fast' as a rate" in proc.stderr
     for flags, says in ((["--latency", "1 parsec"], "--latency: cannot parse"),
                         (["--machines", "a,b"], "--machines: expected positive integers"),
+                        (["--machines", "4,1000"], "--machines: at most 512 machines are simulated, got 1000"),
                         (["--classes", "0"], "--classes: must be at least 1, got 0"),
                         (["--json", "/nonexistent-yarnapp/x.json"], "directory /nonexistent-yarnapp does not exist"),
                         # found after the measuring before, or not at all (the plot went beside the directory)

@@ -400,7 +400,7 @@ def build_parser():
     s.add_argument("--bandwidth", help="link rate(s), e.g. 1gbit or 1gbit,10gbit (simulated clusters use all)")
     s.add_argument("--latency", help="one-way latency of a --bandwidth link and of the simulated clusters, e.g. "
                    "0.05ms (default: the job's link's: network.latency or 0.05ms with a bandwidth, else measured)")
-    s.add_argument("--machines", default="1,2,4,8,16", help="simulated cluster sizes (default 1,2,4,8,16)")
+    s.add_argument("--machines", default="1,2,4,8,16", help="simulated cluster sizes, at most 512 (default 1,2,4,8,16)")
     s.add_argument("--gpu-speed", type=float, dest="gpu_speed",
                    help="also simulate one GPU this many times faster than rank 0's container, plus CPUs")
     s.add_argument("--quick", action="store_true", help="time each layer briefly (fast, noisier)")

@@ -26,6 +26,9 @@ class PlanOptions:
     strategy_steps: int = 20          # measure_strategy_cpu's steps per strategy
 
 
+MAX_MACHINES = 512
+
+
 def parse_options(measure=False, bandwidth=None, latency=None, machines=None, gpu_speed=None,
                   quick=False, input_shape=None, classes=None):
     """PlanOptions from command-line strings: bandwidth '1gbit[,10gbit]', latency '0.05ms',
@@ -47,6 +50,8 @@ def parse_options(measure=False, bandwidth=None, latency=None, machines=None, gp
         mach = ()
     if any(m < 1 for m in mach) or not mach:
         raise PlanError(f"--machines: expected positive integers such as 1,2,4,8,16, got {machines!r}")
+    if max(mach) > MAX_MACHINES:        # (1000 throttled ranks: minutes in quota_sim, which grows as their square)
+        raise PlanError(f"--machines: at most {MAX_MACHINES} machines are simulated, got {max(mach)}")
     try:
         shape = tuple(int(s) for s in str(input_shape).lower().split("x")) if input_shape else None
     except ValueError:
