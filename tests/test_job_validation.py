@@ -456,7 +456,7 @@ def test_every_example_is_a_valid_job():
     (["synthetic-cifar", "--shards", "0"], "option --shards=0 is not a valid value"),
     (["digits", "--n-train", "5"], "digits: unknown option --n-train; options are --overwrite, --shards"),
     (["synthetic-cifar", "--encoding", "jpeg", "--quality", "500"], "give a JPEG quality from 1 to 100"),
-    (["synthetic-cifar", "--quality", "50"], "option --quality is JPEG's; give --encoding jpeg with it"),  # (raw written)
+    (["synthetic-cifar", "--quality", "50"], "option --quality is JPEG's; give --encoding jpeg with it"),
     (["image-folder"], "data import image-folder: give --path"),
     (["arrays"], "data import arrays: give --path"),
 ])

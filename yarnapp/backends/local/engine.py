@@ -240,7 +240,7 @@ class LocalBackend(Backend):
                                                       "job_file": os.path.abspath(where) if os.path.isfile(where)
                                                       else None, "submit_dir": os.getcwd()})
             FileStore(os.path.join(d, "store"))
-            env = dict(os.environ, PYTHONUNBUFFERED="1", YARNAPP_UMASK=f"{submitter_umask:o}")     # the job's code runs under it
+            env = dict(os.environ, PYTHONUNBUFFERED="1", YARNAPP_UMASK=f"{submitter_umask:o}")   # the job's code's
             env.pop("YARNAPP_APP_ID", None)     # the supervisor is not a process of the application
             with interrupts.deferred():     # a supervisor started is a supervisor recorded
                 with open(os.path.join(d, "supervisor.log"), "ab") as out:
