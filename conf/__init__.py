@@ -270,9 +270,11 @@ def read_raw(source):
     return where, raw
 
 
-def load_job(source, overrides=None, where=None):
+def load_job(source, overrides=None, where=None, stored=False):
     """Return a validated JobSpec from a path, a dict or a JobSpec (`where`: what errors
-    call a dict, say the file it was read from; by default its path, or "job").
+    call a dict, say the file it was read from; by default its path, or "job"). stored:
+    an application's own job.json, read back (its logs, status, restarts): the checks
+    only a submit makes (schema.submitting) are not made again.
 
     Raises JobError with one line `FILE: FIELD: what is wrong`.
     """
@@ -282,7 +284,7 @@ def load_job(source, overrides=None, where=None):
     where = where or name
     resolved = resolve(raw, overrides)
     try:
-        return JobSpec.model_validate(resolved)
+        return JobSpec.model_validate(resolved, context={"stored": stored})
     except ValidationError as e:
         errs = e.errors()
         first = errs[0]

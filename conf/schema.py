@@ -9,7 +9,7 @@ import re
 import typing
 from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo,
                       model_validator)
 
 from .units import parse_duration_s, parse_memory_mib, parse_rate_bps
@@ -24,7 +24,14 @@ def _args(value):
     return value
 
 
-def _env(value):
+def submitting(info: ValidationInfo):
+    """Whether a job is being submitted, not read back from an application's job.json
+    (conf.load_job(stored=True)): checks added since an application was submitted must
+    not stop its logs, status, clean or restarts."""
+    return not (info.context or {}).get("stored")
+
+
+def _env(value, info: ValidationInfo):
     """A group's env: YAML's numbers (`OMP_NUM_THREADS: 1`) as the strings an environment
     has; a boolean is refused, naming every one (true is "True", "true" or "1" to programs)."""
     if not isinstance(value, dict):
@@ -33,7 +40,7 @@ def _env(value):
     if flags:
         raise ValueError(f"{', '.join(map(str, flags))}: a boolean; give the text the program reads, quoted "
                          f"(\"1\", \"true\")")
-    for k, v in value.items():      # (the master's start of the container failed on them: "FAILED: unknown")
+    for k, v in value.items() if submitting(info) else ():  # (the master's Popen failed on them: "FAILED: unknown")
         if isinstance(k, str) and (not k or "=" in k or "\0" in k):
             raise ValueError(f"{k!r} is not an environment variable's name (empty, or with '=' or a NUL byte)")
         if isinstance(v, str) and "\0" in v:
@@ -41,9 +48,9 @@ def _env(value):
     return {k: str(v) if isinstance(v, (int, float)) else v for k, v in value.items()}
 
 
-def _not_empty(value):
+def _not_empty(value, info: ValidationInfo):
     """A path or URI given as '': it meant the submit directory (os.path.join(base, ''))."""
-    if value is not None and not value.strip():
+    if value is not None and not value.strip() and submitting(info):
         raise ValueError("empty: give a path or URI, or leave the field out")
     return value
 
@@ -312,6 +319,12 @@ BUILTIN_MODELS = ("digits_cnn", "seed_cnn", "resnet", "mlp")   # training.models
                                                                 # client checks training.model against them)
 
 
+def _seed(value, info: ValidationInfo):
+    if submitting(info) and not -2 ** 63 <= value < 2 ** 64:      # (the ranks' torch.manual_seed: a traceback)
+        raise ValueError(f"{value} is out of torch's range for a seed, -2**63 to 2**64-1")
+    return value
+
+
 class Training(Model):
     """The built-in runner's configuration (run.function = training.runner:main)."""
     strategy: StrategyConfig
@@ -325,7 +338,7 @@ class Training(Model):
     lr: Annotated[float, Field(gt=0)]
     momentum: Annotated[float, Field(ge=0, lt=1)]
     weight_decay: Annotated[float, Field(ge=0)]
-    seed: Annotated[int, Field(ge=-2 ** 63, le=2 ** 64 - 1)]      # torch.manual_seed's range
+    seed: Annotated[int, AfterValidator(_seed)]
     shares: Annotated[Union[Literal["speed", "equal", "vcores"], List[Annotated[float, Field(gt=0)]]],
                       BeforeValidator(_shares)]
     precision: Literal["fp32", "bf16", "fp16"]
@@ -384,9 +397,11 @@ class Launcher(Model):
     poll_interval: Seconds
 
     @model_validator(mode="after")
-    def _polls_within_the_limits(self):
+    def _polls_within_the_limits(self, info: ValidationInfo):
         """A limit no longer than a look between two can never be kept (heartbeat_timeout:
         1ms failed every rank hung; poll_interval: 1h trained, then never ended)."""
+        if not submitting(info):
+            return self
         if self.poll_interval > MAX_POLL_S:
             raise ValueError(f"poll_interval: {self.poll_interval:g}s; agents look this often, and every end and "
                              f"restart waits for a look: give at most {MAX_POLL_S:g}s (the default: 200ms)")

@@ -137,7 +137,7 @@ def from_env(environ=None):
     env = os.environ if environ is None else environ
     container = env.get("YARNAPP_CONTAINER_ID") or env["SKEIN_CONTAINER_ID"]
     with open(env["YARNAPP_JOB"]) as f:
-        job = conf.load_job(json.load(f))
+        job = conf.load_job(json.load(f), stored=True)
     group, _, instance = container.rpartition("_")
     # -1: a replacement container with a new instance number (skein numbers a
     # restarted instance after the service's count); the agent adopts a free slot.

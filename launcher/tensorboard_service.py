@@ -46,7 +46,7 @@ def main():
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s tensorboard-service %(name)s: %(message)s")
     with open(os.environ["YARNAPP_JOB"]) as f:
-        job = conf.load_job(json.load(f))
+        job = conf.load_job(json.load(f), stored=True)
     backend = os.environ.get("YARNAPP_BACKEND", "local")
     from .identity import app_dir_from_env
     app_id = os.environ.get("YARNAPP_APP_ID") or os.environ.get("SKEIN_APPLICATION_ID", "unknown")

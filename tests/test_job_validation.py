@@ -163,7 +163,7 @@ CASES = [
     # from a bad-input audit: each started the application, which failed (a traceback, "FAILED: unknown")
     ("seed-too-big", _with("run.function", "training.runner:main") | {"training": {"data": {"train": "x"},
                                                                                   "seed": 10 ** 23}},
-     "training.seed", "less than or equal to 18446744073709551615"),
+     "training.seed", "out of torch's range for a seed, -2**63 to 2**64-1"),
     ("env-name-with-equals", _with("groups.0.env", {"A=B": "x"}), "groups[0].env",
      "'A=B' is not an environment variable's name"),
     ("env-value-nul", _with("groups.0.env", {"A": "x\0y"}), "groups[0].env", "A: its value holds a NUL byte"),
@@ -441,6 +441,17 @@ def test_every_example_validates():
     assert "hello.yaml" in names
     for n in names:
         conf.load_job(os.path.join(conf.EXAMPLES_DIR, n))
+
+
+def test_an_applications_stored_job_is_read_back_without_checks_added_since():
+    """The checks a submit makes since this version (launcher limits, env names, seed range)
+    stopped the logs, status, clean and restarts of an application submitted before it,
+    whose job.json the engine reads back (a review found `yarnapp logs` failing on one)."""
+    raw = dict(GOOD, launcher={"poll_interval": "30s"}, groups=[dict(GOOD["groups"][0], env={"A=B": "x"})])
+    with pytest.raises(conf.JobError, match=r"is not an environment variable.s name .* \(and 1 more\)"):
+        conf.load_job(raw)
+    job = conf.load_job(raw, stored=True)
+    assert job.launcher.poll_interval == 30 and job.groups[0].env == {"A=B": "x"}
 
 
 def test_every_example_is_a_valid_job():

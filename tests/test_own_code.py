@@ -156,6 +156,8 @@ def test_a_horovod_script_ported_by_its_import_line_trains_as_one_process(tmp_pa
     # through broadcast: the sum for the root (rank 1), nothing for the others
     assert [s["gather_grad"] for s in said] == [[[6.0, 6.0]] * (r + 1) for r in range(3)], said
     assert [s["broadcast_grad"] for s in said] == [[0.0], [6.0], [0.0]], said
+    # through allreduce: the gradients reduced as the tensor was (Sum x 2 x 0.25; Average)
+    assert [s["allreduce_grads"] for s in said] == [[3.0, 2.0]] * 3, said
     assert said[0]["join"] == ("AttributeError: training.dist has no join (Horovod's): every rank must run the same "
                                "steps; ShareSampler gives each rank the same number of batches (docs/own-code.md)")
     assert said[0]["adasum"].startswith("ValueError: allreduce: op='Adasum' is not offered"), said[0]

@@ -394,6 +394,12 @@ def allreduce_(tensor, average=None, ctx=None, name=None, op=None, prescale_fact
     if average and not tensor.is_floating_point():
         raise TypeError(f"allreduce_: the average of a {tensor.dtype} tensor cannot be kept in it; give "
                         f"average=False (its sum), or allreduce(t), which returns a float64 tensor")
+    return reduce_into(tensor, average, ctx, prescale_factor, postscale_factor)
+
+
+def reduce_into(tensor, average, ctx, prescale_factor=1.0, postscale_factor=1.0, what="allreduce"):
+    """allreduce_'s work on a checked tensor; `what`: the call's name for training.stalls
+    (a backward's own, for one that waits there: training.dist_horovod)."""
     wire = tensor.dtype if tensor.dtype in (torch.float32, torch.float64) else \
         torch.float32 if tensor.is_floating_point() else torch.float64      # integers: exact below 2**53
     host = tensor.detach()
@@ -401,7 +407,7 @@ def allreduce_(tensor, average=None, ctx=None, name=None, op=None, prescale_fact
         host = host.to("cpu", wire, copy=True).contiguous()
     if prescale_factor != 1.0:
         host.mul_(prescale_factor)
-    with stalls.collective(ctx, "allreduce") as comm:
+    with stalls.collective(ctx, what) as comm:
         collectives.allreduce_(host, comm)
     if average:
         host.div_(ctx.world_size)

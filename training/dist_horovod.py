@@ -76,8 +76,9 @@ def check_compression(compression, where):
 
 
 class _Allgather(torch.autograd.Function):
-    """Horovod's gradient: the gradients of the gathered tensor summed over the world, this
-    rank's rows of them (every rank's loss that used its rows)."""
+    """The gradients of the gathered tensor summed over the world, this rank's rows of them
+    (every rank's loss that used its rows): the gradient one process computes. (Horovod
+    summed them until 0.22; it averages them since.)"""
 
     @staticmethod
     def forward(fn, tensor, run):
@@ -87,13 +88,12 @@ class _Allgather(torch.autograd.Function):
 
     @staticmethod
     def backward(fn, grad):
-        from .dist import allreduce
-        return allreduce(grad, op=Sum, ctx=fn.run).narrow(0, fn.start, fn.rows).reshape(fn.shape), None
+        return _summed(grad, fn.run, "allgather's backward").narrow(0, fn.start, fn.rows).reshape(fn.shape), None
 
 
 class _Broadcast(torch.autograd.Function):
-    """Horovod's gradient: the root's tensor takes the gradients summed over the world, the
-    others' none."""
+    """The root's tensor takes the gradients summed over the world, the others' none (as
+    _Allgather, a sum where Horovod since 0.22 averages)."""
 
     @staticmethod
     def forward(fn, tensor, root_rank, run):
@@ -102,8 +102,7 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(fn, grad):
-        from .dist import allreduce
-        total = allreduce(grad, op=Sum, ctx=fn.run)
+        total = _summed(grad, fn.run, "broadcast's backward")
         return (total if fn.run.rank == fn.root else torch.zeros_like(total)), None, None
 
 
@@ -119,9 +118,16 @@ class Allreduce(torch.autograd.Function):
 
     @staticmethod
     def backward(fn, grad):
-        from .dist import allreduce
         average, run, pre, post = fn.args
-        return allreduce(grad, average, run, prescale_factor=pre, postscale_factor=post), None, None, None, None
+        return _summed(grad, run, "allreduce's backward", average, pre, post), None, None, None, None
+
+
+def _summed(grad, run, what, average=False, prescale_factor=1.0, postscale_factor=1.0):
+    """A backward's gradients summed (or averaged) over the world: a new tensor, the call
+    named `what` (training.stalls: a rank that waits there, its peers elsewhere, is told
+    apart from one in the user's own allreduce)."""
+    from .dist import reduce_into
+    return reduce_into(grad.detach().clone(), average, run, prescale_factor, postscale_factor, what)
 
 
 def differentiable(tensor):
@@ -130,10 +136,10 @@ def differentiable(tensor):
 
 def allgather(tensor, name=None, ctx=None):
     """Horovod's: every rank's `tensor` concatenated along its first dimension, in rank
-    order (their first dimensions may differ). Collective. Differentiable, as Horovod's
-    (a contrastive loss over every rank's embeddings): backward sums the gathered
-    tensor's gradients over the world, and each rank takes its own rows, so every rank
-    must call backward. (`name`: Horovod's, unused.)"""
+    order (their first dimensions may differ). Collective. Differentiable (a contrastive
+    loss over every rank's embeddings): backward sums the gathered tensor's gradients over
+    the world, and each rank takes its own rows, so every rank must call backward.
+    (`name`: Horovod's, unused.)"""
     from .dist import context
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"allgather: expected a tensor, got {type(tensor).__name__}; allgather_object takes "
@@ -171,9 +177,9 @@ def broadcast_(tensor, root_rank=0, name=None, ctx=None):
 
 
 def broadcast(tensor, root_rank=0, name=None, ctx=None):
-    """Horovod's: a new tensor holding root_rank's `tensor`. Collective. Differentiable, as
-    Horovod's: backward gives root_rank's tensor the gradients summed over the world (every
-    rank must call backward), the others' zero."""
+    """Horovod's: a new tensor holding root_rank's `tensor`. Collective. Differentiable:
+    backward gives root_rank's tensor the gradients summed over the world (every rank must
+    call backward), the others' zero."""
     from .dist import context
     if differentiable(tensor):
         return _Broadcast.apply(tensor, root_rank, ctx or context())

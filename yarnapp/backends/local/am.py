@@ -127,7 +127,7 @@ class ApplicationMaster:
         import conf
         self.dir = app_dir
         with open(os.path.join(app_dir, "job.json")) as f:
-            self.job = conf.load_job(json.load(f))
+            self.job = conf.load_job(json.load(f), stored=True)
         with open(os.path.join(app_dir, "app.json")) as f:
             meta = json.load(f)
         self.app_id = meta["app_id"]

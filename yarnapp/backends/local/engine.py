@@ -162,13 +162,21 @@ def _stop(pid, timeout):
         except ProcessLookupError:          # it ended meanwhile
             return
     wait_ended(pid, timeout)
-    if psutil.pid_exists(pid):
+    if _running(pid):
         log.warning("pid %d did not end within %gs of SIGTERM: killed", pid, timeout)
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             return
         wait_ended(pid, 5)
+
+
+def _running(pid):
+    """Alive and not a zombie (a supervisor this process started, ended, is one until reaped)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _stop_just_started(app_id, proc):
@@ -206,7 +214,7 @@ class LocalBackend(Backend):
 
     def job_of(self, app_id):
         job = read_json(os.path.join(self._dir(app_id), "job.json"))
-        return conf.load_job(job) if job else None
+        return conf.load_job(job, stored=True) if job else None
 
     def checkpoints_of(self, app_id, job):
         """checkpoint.uri unset: in the application's own directory."""
@@ -293,7 +301,7 @@ class LocalBackend(Backend):
         may not have its directory yet, and logs as empty), and any other that has one."""
         root = os.path.join(d, "containers")
         job = read_json(os.path.join(d, "job.json"))
-        named = [r["container"] for r in conf.load_job(job).ranks()] if job else []
+        named = [r["container"] for r in conf.load_job(job, stored=True).ranks()] if job else []
         return root, sorted(set(named) | set(os.listdir(root) if os.path.isdir(root) else ()))
 
     def logs(self, app_id, container=None):

@@ -363,7 +363,7 @@ def for_app(app_id):
     job = read_json(os.path.join(apps_dir(), app_id, "job.json"))
     if job is None:
         raise NetemError(no_application(app_id))
-    spec = conf.load_job(job)
+    spec = conf.load_job(job, stored=True)
     if not spec.network.nodes:
         raise NetemError(f"application {app_id} has no emulated nodes (its job has no network.nodes)")
     net = Network.for_job(app_id, spec)

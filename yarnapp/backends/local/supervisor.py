@@ -107,7 +107,7 @@ class Supervisor:
         import conf
         self.dir = app_dir
         with open(os.path.join(app_dir, "job.json")) as f:
-            self.job = conf.load_job(json.load(f))
+            self.job = conf.load_job(json.load(f), stored=True)
         self.app_id = read_json(os.path.join(app_dir, "app.json"))["app_id"]
         self.am = None
         self.stopping = False
