@@ -302,6 +302,13 @@ def test_tensorboard_through_the_proxy_acls_kill_and_a_canary_secret(cluster, sh
         assert "AccessControlException" in mallory.stdout + mallory.stderr or \
             "not allowed" in mallory.stdout + mallory.stderr, mallory
         assert backend.status(app)["state"] == "RUNNING"
+        # a job resuming from it while it runs is refused before anything is uploaded
+        resumer = conf.load_job({"name": "tb", "backend": "yarn", "environment": {"packer": "none"},
+                                 "groups": [{"name": "w", "instances": 1, "vcores": 1, "memory": "1 GiB"}],
+                                 "training": {"data": {"train": "hdfs:///nowhere"}}, "checkpoint": {"resume": app}})
+        with pytest.raises(YarnappError, match=re.escape(
+                f"job: checkpoint.resume: application {app} is RUNNING: its checkpoints change while it trains")):
+            backend.submit(resumer)
 
         killed = cluster.cli("kill", app)
         assert killed.returncode == 0 and killed.stdout.strip() == f"{app} KILLED", killed

@@ -50,7 +50,7 @@ from launcher.identity import checkpoint_dir, code
 from .. import packaging, preflight, shipping
 from ..errors import BackendUnavailable, YarnappError
 from . import capacity, yarn_cluster
-from .base import Backend
+from .base import TERMINAL, Backend
 from .yarn_reports import (MARKER, TENSORBOARD_PAGE, app_record, app_state, container_record, kv_fields,
                            name_memory_kills, named_logs, proxied, with_formed_s, with_ranks)
 
@@ -283,6 +283,7 @@ class YarnBackend(Backend):
 
     def submit(self, job, where=None):
         capacity.check_fits(self.client.get_nodes, job, where, TENSORBOARD_RESOURCES)
+        self._check_resumed_ended(job, where)
         with prepared(job, where) as (spec, storage):
             warn_small(job, where)
             try:
@@ -292,6 +293,19 @@ class YarnBackend(Backend):
         log.info("submitted %s as %s to queue %s; its storage: %s/%s", job.name, app_id, job.queue, storage,
                  app_id)
         return app_id
+
+    def _check_resumed_ended(self, job, where):
+        """checkpoint.resume naming an application still running, refused before anything is
+        uploaded (as the local engine refuses it: while it trains it writes new checkpoints
+        and removes its oldest, and the ranks read a checkpoint going away)."""
+        app = job.checkpoint.resume
+        if not app.startswith("application_"):
+            return
+        state = app_state(self._call(self.client.application_report, app))
+        if state not in TERMINAL:
+            raise YarnappError(f"{where or 'job'}: checkpoint.resume: application {app} is {state}: its checkpoints "
+                               f"change while it trains; wait for it to end, or stop it first with "
+                               f"`yarnapp kill {app}`")
 
     def status(self, app_id):
         report = self._call(self.client.application_report, app_id)
