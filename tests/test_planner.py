@@ -539,6 +539,14 @@ def test_the_table_says_when_the_jobs_own_strategy_is_within_the_planners_error(
     assert "within" not in far[0]
     assert "within" not in line("digits-example")[0]           # 6.3% apart: past the tie
     assert line("one-rank-mlp") == []                          # the job's own is the recommendation
+    # one container recommended: the job's own against that ("keep the job's", said beside the
+    # fastest spread strategy, read as overruling the recommendation)
+    plan = cases["digits-example"]["plan"]
+    slow = plan | {"volumes": {}, "recommended": plan["recommended"] | {"one_container": True, "speedup": 0.62},
+                   "strategies": plan["strategies"] | {"allreduce": plan["strategies"]["allreduce"] | {"speedup": 0.61}}}
+    out = present.format_table(slow).splitlines()
+    assert [ln for ln in out if ln.startswith("the job's")] == [
+        "the job's allreduce on its 3 containers: 34.81 ms/step, speedup 0.61: slower than one container"], out
 
 
 def test_one_rank_keeps_the_jobs_own_strategy():

@@ -96,13 +96,14 @@ def format_table(plan):
     r = plan["recommended"]
     best = (f"{r['strategy']} ({registry.entry(r['strategy']).title}; {r['why']}): {r['step_s'] * 1e3:.2f} ms/step, "
             f"speedup {r['speedup']:.2f}")
-    if r.get("one_container", len(plan["devices"]) > 1 and r["speedup"] < 1):    # (a plan of before the key)
+    one = r.get("one_container", len(plan["devices"]) > 1 and r["speedup"] < 1)    # (a plan of before the key)
+    if one:
         # one recommendation, not the fastest strategy and then "run it on one"
         lines += ["", "recommended: one container like rank 0's: every strategy is predicted slower than it, so "
                       "spreading this model costs more than it saves", f"(the fastest spread: {best})"]
     else:
         lines += ["", f"recommended: {best}"]
-    lines += _against_the_jobs_own(plan) + [""]
+    lines += _against_the_jobs_own(plan, one) + [""]
     if plan["scaling"]:
         names = [s for s in _modelled() if s in plan["scaling"][0]["strategies"]]
         lines.append(f"{'cluster':8s} {'bandwidth':>11s} {'machines':>8s} " +
@@ -132,11 +133,16 @@ def format_table(plan):
 TIE = 0.05
 
 
-def _against_the_jobs_own(plan):
+def _against_the_jobs_own(plan, one_container=False):
     """A line when the job's own strategy is not the recommended one: how far behind it is
-    predicted, and whether that is within the planner's error (then keep the job's)."""
+    predicted, and whether that is within the planner's error (then keep the job's). Where
+    one container is recommended, against that: "keep the job's" beside the fastest spread
+    strategy read as overruling the recommendation."""
     mine, r = plan.get("job_strategy"), plan["recommended"]
     p = plan["strategies"].get(mine) if mine else None
+    if p and one_container:
+        return [f"the job's {mine} on its {len(plan['devices'])} containers: {p['step_s'] * 1e3:.2f} ms/step, "
+                f"speedup {p['speedup']:.2f}: slower than one container"]
     if not p or mine == r["strategy"]:
         return []
     slower = p["step_s"] / r["step_s"] - 1
