@@ -19,17 +19,24 @@ ROOT = "/sys/fs/cgroup/memory"
 
 
 def own_cgroup(proc_cgroup="/proc/self/cgroup"):
-    """The directory of this process's memory cgroup (v1), or None."""
+    """The directory of this process's memory cgroup (v1) where it is the container's, one
+    with a memory limit; else None. A cgroup without one is the host's or a session's (YARN
+    without cgroups enforcement): its peaks were every process's there (a 1 GiB container
+    said it peaked at 2679 MiB), and its OOM kills anybody's."""
     try:
         with open(proc_cgroup) as f:
             for line in f:
                 _, controllers, path = line.rstrip("\n").split(":", 2)
                 if "memory" in controllers.split(","):
                     d = os.path.join(ROOT, path.lstrip("/"))
-                    return d if os.path.isfile(os.path.join(d, "memory.limit_in_bytes")) else None
-    except OSError:
+                    with open(os.path.join(d, "memory.limit_in_bytes")) as limit:
+                        return d if int(limit.read()) < UNLIMITED else None
+    except (OSError, ValueError):
         return None
     return None
+
+
+UNLIMITED = 1 << 60     # memory.limit_in_bytes of a cgroup without a limit: 2^63 rounded to pages
 
 
 def state(cgroup):

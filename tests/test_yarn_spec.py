@@ -564,6 +564,26 @@ def test_a_nodemanagers_memory_kill_is_named_from_its_words_or_skeins():
     assert yarn_memory_kill("Exception from container-launch. Exit code: 1", 1, "w_0", "w") is None
 
 
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.isdir("/sys/fs/cgroup/memory"),
+                    reason="needs root and cgroup v1's memory controller")
+def test_only_a_memory_cgroup_with_a_limit_is_taken_for_the_containers(tmp_path):
+    """On YARN without cgroups enforcement a rank's memory cgroup is the host's or a
+    session's: its peaks were every process's there (status said a 1 GiB container peaked at
+    2679 MiB), and its OOM kills anybody's. A cgroup without a limit is not the container's."""
+    from launcher import memory
+    d = os.path.join(memory.ROOT, f"yarnapp-test-{os.getpid()}")
+    os.mkdir(d)
+    try:
+        proc = tmp_path / "cgroup"
+        proc.write_text(f"12:cpu,cpuacct:/elsewhere\n4:memory:/{os.path.basename(d)}\n")
+        assert memory.own_cgroup(str(proc)) is None
+        with open(os.path.join(d, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(512 * 2**20))
+        assert memory.own_cgroup(str(proc)) == d
+    finally:
+        os.rmdir(d)
+
+
 def test_a_sigterm_is_a_memory_stop_only_above_the_containers_allocation(monkeypatch, tmp_path):
     """A preempted container holding more than its group asked, but within what YARN allocated
     (the request rounded up to the scheduler's minimum allocation), was stopped by the resource
