@@ -283,6 +283,10 @@ def test_tensorboard_through_the_proxy_acls_kill_and_a_canary_secret(cluster, sh
             assert page.status == 200
         live = backend.logs(app)                                     # from the NodeManager, while it runs
         assert {"w_0", "w_1", "tensorboard_0"} <= set(live) and "yarnapp container w_0" in live["w_0"]
+        # the log alone, not the NodeManager's page around it (`logs --follow` printed it all again, as
+        # its header and footer changed with the log's length)
+        assert live["w_0"].startswith("yarnapp container w_0") and "LogContents:" not in live["w_0"] \
+            and "End of LogType:" not in live["w_0"], live["w_0"][:300]
         with pytest.raises(YarnappError, match=r"has no container 'w_9'; it has .*w_0"):
             backend.logs(app, "w_9")
         from yarnapp.tensorboard import logdir_of                   # `yarnapp tensorboard APP`

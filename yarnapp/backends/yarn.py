@@ -373,7 +373,8 @@ class YarnBackend(Backend):
                 for c in app.get_containers(states=list(skein.model.ContainerState)):
                     text = yarn_cluster.live_log(c, report.user)
                     out[c.id] = text if text is not None else (
-                        f"(still running: YARN serves this log at http://{c.yarn_container_logs})\n")
+                        f"(still running: YARN serves this log at http://{c.yarn_container_logs})\n"
+                        if c.yarn_container_logs else "(not started yet: no log)\n")
             except skein.exceptions.ConnectionError:
                 pass
         else:
