@@ -75,11 +75,13 @@ def _module_function(value):
     return value
 
 
-def _ipv4_subnet(value):
+def _ipv4_subnet(value, info: ValidationInfo):
     try:
         net = ipaddress.IPv4Network(value)
     except ValueError:
         raise ValueError(f"{value!r} is not an IPv4 subnet such as 10.77.0.0/24") from None
+    if not submitting(info):       # (a refusal added since the application was submitted)
+        return str(net)
     if net.num_addresses < 4:
         raise ValueError(f"{value!r} is too small for emulated nodes; use at most a /30")
     kind = ("loopback" if net.is_loopback else "multicast" if net.is_multicast else "link-local" if net.is_link_local

@@ -447,11 +447,13 @@ def test_an_applications_stored_job_is_read_back_without_checks_added_since():
     """The checks a submit makes since this version (launcher limits, env names, seed range)
     stopped the logs, status, clean and restarts of an application submitted before it,
     whose job.json the engine reads back (a review found `yarnapp logs` failing on one)."""
-    raw = dict(GOOD, launcher={"poll_interval": "30s"}, groups=[dict(GOOD["groups"][0], env={"A=B": "x"})])
-    with pytest.raises(conf.JobError, match=r"is not an environment variable.s name .* \(and 1 more\)"):
+    raw = dict(GOOD, launcher={"poll_interval": "30s"}, groups=[dict(GOOD["groups"][0], env={"A=B": "x"})],
+               network={"subnet": "127.0.0.0/24"})
+    with pytest.raises(conf.JobError, match=r"is not an environment variable.s name .* \(and 2 more\)"):
         conf.load_job(raw)
     job = conf.load_job(raw, stored=True)
     assert job.launcher.poll_interval == 30 and job.groups[0].env == {"A=B": "x"}
+    assert job.network.subnet == "127.0.0.0/24"
 
 
 def test_every_example_is_a_valid_job():

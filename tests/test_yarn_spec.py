@@ -549,6 +549,21 @@ def test_a_proxied_page_is_signed_in_where_the_clusters_web_uis_refuse_anonymous
     assert signed_in("ann", {}) == ""
 
 
+def test_a_running_containers_log_is_the_log_alone_not_the_nodemanagers_page():
+    """`logs --follow` prints what is new after what it printed: the page's header and footer
+    (LogLength grows) made it print all of it again at every look. With rolling log
+    aggregation the page goes on, after the footer, with the copy aggregated so far."""
+    from yarnapp.backends.yarn_cluster import log_contents
+    page = (b"Container: container_1_0001_01_000002 on host_1\nLogAggregationType: LOCAL\n====\n"
+            b"LogType:w.log\nLogLastModifiedTime:Sun Nov 29\nLogLength:14\nLogContents:\nstep 1\nstep 2\n"
+            b"End of LogType:w.log.This log file belongs to a running container (c) and so may not be complete.\n"
+            b"****\n\nContainer: container_1_0001_01_000002 on host_1\nLogAggregationType: AGGREGATED\n"
+            b"LogType:w.log\nLogLength:7\nLogContents:\nstep 1\nEnd of LogType:w.log\n")
+    assert log_contents(page) == b"step 1\nstep 2\n"
+    assert log_contents(page.replace(b"LogLength:14\n", b"")) == b"step 1\nstep 2\n"     # by its footer
+    assert log_contents(b"(a page of another kind)") == b"(a page of another kind)"
+
+
 def test_a_nodemanagers_memory_kill_is_named_from_its_words_or_skeins():
     """The NodeManager's diagnostics of a container's exit, its exit status alone, and skein's
     master's log line ("FAILED: w_0 - 1.6 GB of 512 MB physical memory used"), each named as

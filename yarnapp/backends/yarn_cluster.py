@@ -129,22 +129,27 @@ def live_log(container, user, timeout=10):
            f"{container.service_name}.log?user.name={urllib.parse.quote(user)}")
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
-            return log_contents(r.read().decode(errors="replace"))
+            return log_contents(r.read()).decode(errors="replace")
     except (OSError, urllib.error.URLError, ValueError) as e:
         log.debug("live log of %s unreachable: %s", container.id, e)
         return None
 
 
 def log_contents(page):
-    """The log itself out of a NodeManager's page of it: a header (Container:, LogType:,
-    LogLastModifiedTime:, LogLength:, LogContents:) and a footer (End of LogType:...) that
-    change as the log grows; `logs --follow`, which prints what is new after what it
-    printed, printed the whole page again at every look."""
-    start = page.find("LogContents:\n")
+    """The log itself (bytes) out of a NodeManager's page of it: a header (Container:,
+    LogType:, LogLastModifiedTime:, LogLength:, LogContents:) and a footer (End of
+    LogType:...) that change as the log grows; `logs --follow`, which prints what is new
+    after what it printed, printed the whole page again at every look. LogLength bytes
+    follow the header (with rolling log aggregation a copy aggregated so far comes after
+    the footer: left out)."""
+    start = page.find(b"LogContents:\n")
     if start < 0:
         return page
-    body = page[start + len("LogContents:\n"):]
-    end = body.rfind("End of LogType:")
+    header, body = page[:start], page[start + len(b"LogContents:\n"):]
+    length = re.search(rb"^LogLength:\s*(\d+)\s*$", header, re.MULTILINE)
+    if length:
+        return body[:int(length.group(1))]
+    end = body.find(b"End of LogType:")
     return body[:end] if end >= 0 else body
 
 
