@@ -282,8 +282,8 @@ class Agent(PeerDiagnosis):
                     limit = max(lj.heartbeat_timeout, lj.rendezvous_timeout)
                 # the job's own code at work past its limit (one rank evaluating, saving) is not hung
                 judged_busy = phase == "train" and not stopped and (judged_idle or self.own_code)
-                waiting = self.own_code and bool(json.loads(seen.get(keys.stall(gen, rank)) or "{}").get("name"))
                 if judged_busy and silent > limit / 2:     # sampled from half the limit on: the window it judges
+                    waiting = self.own_code and bool(json.loads(seen.get(keys.stall(gen, rank)) or "{}").get("name"))
                     self.activity.sample(self.child.pid, now, limit, waiting)
                 elif self.activity.known:           # stepping again (or stopped, or past training)
                     self.activity.reset()
@@ -294,7 +294,7 @@ class Agent(PeerDiagnosis):
                     # the job's own code at work, or idle waiting for a peer's that is (an evaluation
                     # on rank 0 alone): not hung; training.dist's, for BUSY_LIMIT heartbeat_timeouts
                     capped = self.own_code and not judged_idle and silent > BUSY_LIMIT * limit
-                    at_work = judged_busy and not capped and self.activity.sample(self.child.pid, now, limit, waiting)
+                    at_work = judged_busy and not capped and self.activity.busy     # (sampled above, this look)
                     if at_work and not judged_idle and self.activity.in_a_wait(
                             self.child.pid, self.heartbeat + stacks.SUFFIX, now, limit):
                         at_work = False

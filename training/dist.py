@@ -434,8 +434,8 @@ def allreduce(tensor, average=None, ctx=None, name=None, op=None, prescale_facto
     if _hvd.differentiable(tensor):     # Horovod's gradient: the gradients reduced alike
         return _hvd.Allreduce.apply(tensor, average, ctx or context(), prescale_factor, postscale_factor)
     t = tensor.detach().clone()
-    return allreduce_(t.to(torch.float64) if average and not t.is_floating_point() else t, average, ctx,
-                      prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+    return reduce_into(t.to(torch.float64) if average and not t.is_floating_point() else t, average,
+                       ctx or context(), prescale_factor, postscale_factor)
 
 
 def allgather_object(obj, ctx=None, name=None):

@@ -111,10 +111,8 @@ class Allreduce(torch.autograd.Function):
 
     @staticmethod
     def forward(fn, tensor, average, run, prescale_factor, postscale_factor):
-        from .dist import allreduce
         fn.args = average, run, prescale_factor, postscale_factor
-        return allreduce(tensor.detach(), average, run, prescale_factor=prescale_factor,
-                         postscale_factor=postscale_factor)
+        return _summed(tensor, run, "allreduce", average, prescale_factor, postscale_factor)
 
     @staticmethod
     def backward(fn, grad):
@@ -122,12 +120,12 @@ class Allreduce(torch.autograd.Function):
         return _summed(grad, run, "allreduce's backward", average, pre, post), None, None, None, None
 
 
-def _summed(grad, run, what, average=False, prescale_factor=1.0, postscale_factor=1.0):
-    """A backward's gradients summed (or averaged) over the world: a new tensor, the call
-    named `what` (training.stalls: a rank that waits there, its peers elsewhere, is told
-    apart from one in the user's own allreduce)."""
+def _summed(tensor, run, what, average=False, prescale_factor=1.0, postscale_factor=1.0):
+    """`tensor` summed (or averaged) over the world, a new tensor; the call named `what`
+    (training.stalls: a rank waiting in a backward's, its peers elsewhere, is told apart
+    from one in the user's own allreduce)."""
     from .dist import reduce_into
-    return reduce_into(grad.detach().clone(), average, run, prescale_factor, postscale_factor, what)
+    return reduce_into(tensor.detach().clone(), average, run, prescale_factor, postscale_factor, what)
 
 
 def differentiable(tensor):

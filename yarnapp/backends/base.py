@@ -1,6 +1,8 @@
 """The cluster-backend seam: one interface, implementations registered by name."""
 import abc
 
+from ..errors import YarnappError
+
 
 class Backend(abc.ABC):
     """Starts, observes and stops applications. Returned records are plain dicts:
@@ -50,3 +52,14 @@ class Backend(abc.ABC):
 
 
 TERMINAL = ("SUCCEEDED", "FAILED", "KILLED")
+
+
+def check_resumed_ended(app, state, where, latest=False):
+    """checkpoint.resume naming an application still running (`state`), refused before
+    anything starts: while it trains it writes new checkpoints and removes its oldest
+    (checkpoint.keep), and the ranks that read them failed on a file gone, saying the
+    checkpoint was broken."""
+    if state not in TERMINAL:
+        chosen = f"the latest application of this job, {app}," if latest else f"application {app}"
+        raise YarnappError(f"{where}: checkpoint.resume: {chosen} is {state}: its checkpoints change while it "
+                           f"trains; wait for it to end, or stop it first with `yarnapp kill {app}`")

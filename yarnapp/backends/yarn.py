@@ -50,7 +50,7 @@ from launcher.identity import checkpoint_dir, code
 from .. import packaging, preflight, shipping
 from ..errors import BackendUnavailable, YarnappError
 from . import capacity, yarn_cluster
-from .base import TERMINAL, Backend
+from .base import Backend, check_resumed_ended
 from .yarn_reports import (MARKER, TENSORBOARD_PAGE, app_record, app_state, container_record, kv_fields,
                            name_memory_kills, named_logs, proxied, with_formed_s, with_ranks)
 
@@ -296,16 +296,10 @@ class YarnBackend(Backend):
 
     def _check_resumed_ended(self, job, where):
         """checkpoint.resume naming an application still running, refused before anything is
-        uploaded (as the local engine refuses it: while it trains it writes new checkpoints
-        and removes its oldest, and the ranks read a checkpoint going away)."""
+        uploaded (base.check_resumed_ended)."""
         app = job.checkpoint.resume
-        if not app.startswith("application_"):
-            return
-        state = app_state(self._call(self.client.application_report, app))
-        if state not in TERMINAL:
-            raise YarnappError(f"{where or 'job'}: checkpoint.resume: application {app} is {state}: its checkpoints "
-                               f"change while it trains; wait for it to end, or stop it first with "
-                               f"`yarnapp kill {app}`")
+        if app.startswith("application_"):
+            check_resumed_ended(app, app_state(self._call(self.client.application_report, app)), where or "job")
 
     def status(self, app_id):
         report = self._call(self.client.application_report, app_id)

@@ -23,7 +23,7 @@ from launcher.store import FileStore
 
 from ... import preflight, shipping
 from ...errors import YarnappError
-from ..base import TERMINAL, Backend
+from ..base import TERMINAL, Backend, check_resumed_ended
 from . import cgroups, gpus, leases, netem, supervisor
 from .leases import machine_memory_mib
 from .state import (app_processes, apps_dir, home, no_application, private, read_json, request_kill, tree_bytes,
@@ -123,16 +123,9 @@ def check_resume(job, found, where="job"):
 
 
 def _check_ended(app, latest, where):
-    """An application resumed from must have ended: while it trains, it writes new
-    checkpoints and removes its oldest (checkpoint.keep), and the ranks that read them
-    failed on a file gone, saying the checkpoint was broken."""
-    if not app or not os.path.isfile(os.path.join(apps_dir(), app, "app.json")):
-        return          # (another machine's, through a checkpoint.uri)
-    state = LocalBackend().status(app)["state"]
-    if state not in TERMINAL:
-        chosen = f"the latest application of this job, {app}," if latest else f"application {app}"
-        raise YarnappError(f"{where}: checkpoint.resume: {chosen} is {state}: its checkpoints change while it "
-                           f"trains; wait for it to end, or stop it first with `yarnapp kill {app}`")
+    """An application resumed from must have ended (base.check_resumed_ended)."""
+    if app and os.path.isfile(os.path.join(apps_dir(), app, "app.json")):     # (else another machine's)
+        check_resumed_ended(app, LocalBackend().status(app)["state"], where, latest)
 
 
 def checked(job, where="job"):
@@ -161,22 +154,13 @@ def _stop(pid, timeout):
             os.kill(pid, sig)
         except ProcessLookupError:          # it ended meanwhile
             return
-    wait_ended(pid, timeout)
-    if _running(pid):
+    if not wait_ended(pid, timeout):
         log.warning("pid %d did not end within %gs of SIGTERM: killed", pid, timeout)
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             return
         wait_ended(pid, 5)
-
-
-def _running(pid):
-    """Alive and not a zombie (a supervisor this process started, ended, is one until reaped)."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def _stop_just_started(app_id, proc):

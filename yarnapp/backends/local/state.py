@@ -112,15 +112,18 @@ def app_processes(app_id, exclude=None):
 
 def wait_ended(pid, timeout, interval=0.05):
     """Wait up to `timeout` seconds for process `pid` to end: gone, or a zombie its parent
-    has not reaped yet."""
+    has not reaped yet. Returns whether it did."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and psutil.pid_exists(pid):
+    while psutil.pid_exists(pid):
         try:
             if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return
+                return True
         except psutil.Error:
-            return
+            return True
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(interval)
+    return True
 
 
 def tree_bytes(path):
