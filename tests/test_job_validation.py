@@ -123,6 +123,12 @@ CASES = [
                                   training={"model": "no_nets_of_yarnapp_tests:build",
                                             "data": {"dataset": "training.hello:main"}}), "training.model",
      "no module named 'no_nets_of_yarnapp_tests'"),
+    # a factory the options cannot call (before: every rank failed on it)
+    ("model-factory-options", dict(_with("run.function", "training.runner:main"),
+                                   training={"model": "torch.nn:Linear", "model_options": {"in_features": 64},
+                                             "data": {"dataset": "training.hello:main"}}), "training.model",
+     "cannot call Linear with ['in_features']: missing a required argument: 'out_features'; fix "
+     "training.model_options"),
     ("dataset-module-missing", dict(_with("run.function", "training.runner:main"),
                                     training={"data": {"dataset": "no_sets_of_yarnapp_tests.sub:make"}}),
      "training.data.dataset", "no module named 'no_sets_of_yarnapp_tests'"),

@@ -56,8 +56,11 @@ def takes_kwargs(fn):
         return False
 
 
-def call(fn, options, field, offered=None):
-    """fn(**options, **the offered values it asks for); one-line UserCodeError on a bad call."""
+def arguments(fn, options, field, offered=None):
+    """The keyword arguments `call` passes `fn`: the job's `options`, and each `offered`
+    value `fn` asks for by name; a one-line UserCodeError where `fn` cannot take them
+    (checked against its signature, not called: submit asks this of a factory before any
+    container starts)."""
     kwargs = dict(options or {})
     for name, value in (offered or {}).items():
         if name not in kwargs and (accepts(fn, name) or (name == "num_classes" and takes_kwargs(fn))):
@@ -69,4 +72,9 @@ def call(fn, options, field, offered=None):
                             f"{e}; fix {field}_options") from None
     except ValueError:
         pass                      # no signature (a builtin): let the call itself decide
-    return fn(**kwargs)
+    return kwargs
+
+
+def call(fn, options, field, offered=None):
+    """fn(**options, **the offered values it asks for); one-line UserCodeError on a bad call."""
+    return fn(**arguments(fn, options, field, offered))

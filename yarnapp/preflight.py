@@ -281,6 +281,7 @@ def check_strategy(job, found, shipment, where=None):
     for conv_model_parallel, for real (it runs one row) for the hypergraph strategy. A
     model that cannot be built here is left to the containers."""
     t = job.training
+    _check_factory_call(job, shipment, where)
     if found is None or found[0] is None or t.strategy.name not in STRUCTURAL:
         return
     shape, classes = tuple(found[0]), found[1] or 10
@@ -309,6 +310,31 @@ def check_strategy(job, found, shipment, where=None):
         raise YarnappError(f"{pre}{field}{e}") from None
     except Exception as e:  # noqa: BLE001 - what cannot be built or run here: the containers' to report
         log.debug("%s not checked for the %s strategy here: %s", t.model, t.strategy.name, e)
+
+
+def _check_factory_call(job, shipment, where):
+    """Refuse a model factory of the user's (training.model 'package.module:factory') that
+    cannot take training.model_options with the input_shape / num_classes it is offered
+    (`torch.nn:Linear` with no options: every rank failed on it). Checked against its
+    signature, imported as the containers import it, not called; one that does not import
+    here is left to the containers (their environment may have what this one lacks)."""
+    t = job.training
+    if t is None or job.run.function != BUILTIN_RUNNER or ":" not in t.model:
+        return
+    from training import userfn
+
+    from .shipping import importable
+    try:
+        with importable(shipment):
+            factory = userfn.load(t.model, "training.model")
+    except Exception as e:  # noqa: BLE001 - an import of the user's failing here: the containers' to report
+        log.debug("%s not imported here: %s", t.model, e)
+        return
+    try:
+        userfn.arguments(factory, t.model_options, "training.model",
+                         offered={"input_shape": None, "num_classes": None})
+    except userfn.UserCodeError as e:
+        raise YarnappError(f"{where}: {e}" if where else str(e)) from None
 
 
 def _warn_equal_shares(job, pre):
