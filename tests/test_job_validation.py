@@ -408,6 +408,10 @@ def test_a_wrong_cli_argument_is_one_line_naming_the_command(cli):
     proc = cli("status", "app_that_does_not_exist")
     assert proc.returncode == 1
     assert proc.stderr.strip().startswith("Error: no application 'app_that_does_not_exist'")
+    # a value argparse took for an option ("expected one argument") reaches the option's own check
+    proc = cli("clean", "--older-than", "-1d")
+    assert proc.returncode == 1 and proc.stderr == "Error: --older-than '-1d': expected a duration such as 12h or " \
+                                                   "7d (0: every finished application)\n", proc.stderr
 
 
 def test_ctrl_c_while_the_command_imports_says_interrupted_without_a_traceback(tmp_path):

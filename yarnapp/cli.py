@@ -458,6 +458,19 @@ def _name_leaves(parser):
                 _name_leaves(sub)
 
 
+def _joined_negatives(argv):
+    """`--older-than -1d` as `--older-than=-1d`: argparse takes a value like '-1d' (not a
+    plain negative number) for an option and says only "expected one argument"; joined, it
+    reaches the option's own check, which says what it expects."""
+    out = []
+    for arg in argv:
+        if out and re.match(r"-\d", arg) and out[-1].startswith("--") and out[-1] != "--" and "=" not in out[-1]:
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv=None):
     global _terminated
     _terminated = False             # a SIGTERM that stopped an earlier main() in this process
@@ -466,7 +479,7 @@ def main(argv=None):
         signal.signal(signal.SIGINT, signal.default_int_handler)    # Ctrl-C from here on: "interrupted" below
     parser = build_parser()
     try:
-        args, extra = parser.parse_known_args(argv)
+        args, extra = parser.parse_known_args(_joined_negatives(sys.argv[1:] if argv is None else list(argv)))
         if extra:
             getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as e:
