@@ -22,7 +22,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    with lanes.lane(item.config, alone=item.get_closest_marker("alone") is not None):
+    with lanes.lane(item.config, alone=item.get_closest_marker("alone") is not None,
+                    next_alone=nextitem is not None and nextitem.get_closest_marker("alone") is not None):
         yield
 
 

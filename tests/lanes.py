@@ -50,22 +50,37 @@ def order(items):
     items.sort(key=lambda item: rank.get(getattr(getattr(item, "module", None), "__name__", ""), len(HEAVIEST)))
 
 
+_kept = None     # the lane still held exclusively for the next test, itself alone (see lane)
+
+
 @contextlib.contextmanager
-def lane(config, alone):
+def lane(config, alone, next_alone=False):
     """Run the test this wraps shared with the other worker's, or `alone`. Outside xdist
     (one process) there is nobody to wait for. The lock files lie in the run's base
-    temporary directory (a worker's is a folder of it), which pytest prunes as it does."""
+    temporary directory (a worker's is a folder of it), which pytest prunes as it does.
+    Alone tests in a row (`next_alone`: a module's, whose fixture measured alone serves them
+    all) keep the lane between them: released, it would let the other worker start a
+    test that the next alone one then waits out, idle."""
+    global _kept
     if not os.environ.get("PYTEST_XDIST_WORKER") or not config.option.basetemp:
         yield
         return
-    d = os.path.dirname(os.path.abspath(config.option.basetemp))
-    with open(os.path.join(d, "lane-turnstile"), "a") as turnstile, open(os.path.join(d, "lane"), "a") as held:
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(held, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        finally:
-            fcntl.flock(turnstile, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
+    if _kept is not None:
+        held, _kept = _kept, None                   # exclusive already: taken by the alone test before
+    else:
+        d = os.path.dirname(os.path.abspath(config.option.basetemp))
+        held = open(os.path.join(d, "lane"), "a")
+        with open(os.path.join(d, "lane-turnstile"), "a") as turnstile:
+            fcntl.flock(turnstile, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(held, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+            finally:
+                fcntl.flock(turnstile, fcntl.LOCK_UN)
+    try:
+        yield
+    finally:
+        if alone and next_alone:
+            _kept = held
+        else:
             fcntl.flock(held, fcntl.LOCK_UN)
+            held.close()

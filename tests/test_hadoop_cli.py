@@ -35,30 +35,6 @@ def test_a_taken_port_is_one_line_naming_it(tmp_path):
     assert not os.path.exists(tmp_path / "h" / "run")            # nothing was started
 
 
-def test_no_maven_is_one_line(tmp_path):
-    java = os.path.dirname(os.path.realpath(hadoop.shutil.which("java") or "/usr/bin/java"))
-    out = cli("start", "--dir", tmp_path / "h", "-q",
-              env={"YARNAPP_HOME": str(tmp_path / "home"), "PATH": f"{os.path.dirname(sys.executable)}:{java}"})
-    assert out.returncode == 1
-    assert out.stderr.strip().splitlines() == [
-        f"Error: no Maven (`mvn`) on PATH: it fetches Hadoop {hadoop.version()}'s jars from Maven Central once; "
-        f"install Maven (e.g. apt-get install maven)"]
-
-
-def test_status_and_env_of_a_stopped_cluster(tmp_path):
-    st = cli("status", "--dir", tmp_path / "h")
-    assert st.returncode == 3 and "running: nothing" in st.stdout
-    out = cli("env", "--dir", tmp_path / "h", "--port-base", 29000)
-    env = out.stdout.splitlines()
-    assert f"export HADOOP_CONF_DIR={tmp_path / 'h' / 'etc' / 'hadoop'}" in env
-    # never started: said on stderr (a shell profile that evals the exports still can)
-    assert out.returncode == 0 and out.stderr.strip() == (
-        f"note: no local Hadoop in {tmp_path / 'h'} yet; `yarnapp hadoop start --dir {tmp_path / 'h'}` "
-        f"makes and starts it")
-    assert any(line.startswith(f"export PATH={tmp_path / 'h' / 'bin'}:") for line in env)
-    assert cli("stop", "--dir", tmp_path / "h").returncode == 0
-
-
 @pytest.mark.alone      # a free port base, then binds in it: not while a cluster starts
 def test_stop_waits_for_a_process_whose_main_thread_ended_while_others_still_hold_its_port():
     # A JVM ends its main thread first: /proc/PID/stat says Z while its other threads still
@@ -86,3 +62,27 @@ def test_stop_waits_for_a_process_whose_main_thread_ended_while_others_still_hol
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_no_maven_is_one_line(tmp_path):
+    java = os.path.dirname(os.path.realpath(hadoop.shutil.which("java") or "/usr/bin/java"))
+    out = cli("start", "--dir", tmp_path / "h", "-q",
+              env={"YARNAPP_HOME": str(tmp_path / "home"), "PATH": f"{os.path.dirname(sys.executable)}:{java}"})
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [
+        f"Error: no Maven (`mvn`) on PATH: it fetches Hadoop {hadoop.version()}'s jars from Maven Central once; "
+        f"install Maven (e.g. apt-get install maven)"]
+
+
+def test_status_and_env_of_a_stopped_cluster(tmp_path):
+    st = cli("status", "--dir", tmp_path / "h")
+    assert st.returncode == 3 and "running: nothing" in st.stdout
+    out = cli("env", "--dir", tmp_path / "h", "--port-base", 29000)
+    env = out.stdout.splitlines()
+    assert f"export HADOOP_CONF_DIR={tmp_path / 'h' / 'etc' / 'hadoop'}" in env
+    # never started: said on stderr (a shell profile that evals the exports still can)
+    assert out.returncode == 0 and out.stderr.strip() == (
+        f"note: no local Hadoop in {tmp_path / 'h'} yet; `yarnapp hadoop start --dir {tmp_path / 'h'}` "
+        f"makes and starts it")
+    assert any(line.startswith(f"export PATH={tmp_path / 'h' / 'bin'}:") for line in env)
+    assert cli("stop", "--dir", tmp_path / "h").returncode == 0

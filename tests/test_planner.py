@@ -315,6 +315,35 @@ def test_measure_wait_cpu_with_real_polite_waits():
     assert 0 < b < 1e-8
 
 
+@pytest.mark.alone      # every probe process on the machine
+def test_cli_plan_stopped_by_kill_leaves_nothing_behind(yarnapp_home):
+    """`kill` (SIGTERM) in the middle of `yarnapp plan`'s measurements stops it as Ctrl-C
+    does: one line, status 143 (SIGTERM's; Ctrl-C's is 130), and none of its probes, co-runners or busy processes left
+    (they run in sessions of their own, so nothing else would stop them)."""
+    assert not _probe_processes(), "probe processes of an earlier test still run"
+    plan = subprocess.Popen([sys.executable, "-m", "yarnapp.cli", "plan", "conf/examples/digits.yaml"],
+                            cwd=probes.ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _probe_processes() and plan.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert plan.poll() is None, "the plan ended before any probe started"
+        plan.terminate()
+        out, err = plan.communicate(timeout=60)
+    finally:
+        if plan.poll() is None:
+            plan.kill()
+    assert plan.returncode == 143, err
+    assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
+    deadline = time.monotonic() + 10
+    while _probe_processes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = _probe_processes()
+    for proc in left:
+        proc.kill()
+    assert not left, [p.info["cmdline"] for p in left]
+
+
 def test_measure_strategy_cpu_runs_every_strategy_on_two_ranks():
     # what each strategy spends per step beyond the model, its shares, the optimizer and
     # the waits (hooks, copies, the conv-MP protocol's Python, MPI calls): some, far below
@@ -363,35 +392,6 @@ def _probe_processes():
                 any("training.probes" in part for part in proc.info["cmdline"] or ()):
             out.append(proc)
     return out
-
-
-@pytest.mark.alone      # every probe process on the machine
-def test_cli_plan_stopped_by_kill_leaves_nothing_behind(yarnapp_home):
-    """`kill` (SIGTERM) in the middle of `yarnapp plan`'s measurements stops it as Ctrl-C
-    does: one line, status 143 (SIGTERM's; Ctrl-C's is 130), and none of its probes, co-runners or busy processes left
-    (they run in sessions of their own, so nothing else would stop them)."""
-    assert not _probe_processes(), "probe processes of an earlier test still run"
-    plan = subprocess.Popen([sys.executable, "-m", "yarnapp.cli", "plan", "conf/examples/digits.yaml"],
-                            cwd=probes.ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not _probe_processes() and plan.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert plan.poll() is None, "the plan ended before any probe started"
-        plan.terminate()
-        out, err = plan.communicate(timeout=60)
-    finally:
-        if plan.poll() is None:
-            plan.kill()
-    assert plan.returncode == 143, err
-    assert err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
-    deadline = time.monotonic() + 10
-    while _probe_processes() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = _probe_processes()
-    for proc in left:
-        proc.kill()
-    assert not left, [p.info["cmdline"] for p in left]
 
 
 def test_cli_plan_prints_a_table_and_writes_png_and_json(cli, tmp_path):
