@@ -64,6 +64,21 @@ def test_stop_waits_for_a_process_whose_main_thread_ended_while_others_still_hol
         proc.wait()
 
 
+def test_impossible_ports_and_resources_are_one_line_and_start_nothing(tmp_path):
+    """A port base of -5 started the daemons on ports 15-83 (and was saved for every later
+    start), 70000 ended in bind()'s OverflowError, --memory abc in a traceback, --vcores 0
+    was taken."""
+    for args, line in [(["--port-base", -5], "--port-base -5: its ports run from base+20 to base+88; give a base "
+                                             "from 1024 to 65447"),
+                       (["--port-base", 70000], "--port-base 70000: its ports run from base+20"),
+                       (["--memory", "abc"], "--memory: cannot parse 'abc' as memory; write e.g. 512 MiB"),
+                       (["--vcores", 0], "--vcores 0: the NodeManager needs more than 0")]:
+        out = cli("start", "--dir", tmp_path / "h", "-q", *args)
+        assert out.returncode == 1 and out.stderr.startswith(f"Error: {line}") and out.stderr.count("\n") == 1, \
+            (args, out.stderr)
+        assert not os.path.exists(tmp_path / "h"), args
+
+
 def test_no_maven_is_one_line(tmp_path):
     java = os.path.dirname(os.path.realpath(hadoop.shutil.which("java") or "/usr/bin/java"))
     out = cli("start", "--dir", tmp_path / "h", "-q",

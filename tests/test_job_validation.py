@@ -490,6 +490,16 @@ def test_bad_data_import_arguments_are_one_line_and_write_nothing(args, words, t
     assert os.listdir(tmp_path) == []
 
 
+def test_a_dataset_path_under_a_file_says_so(tmp_path, cli):
+    """It said to check that the directory is writable."""
+    (tmp_path / "afile").write_text("x")
+    proc = cli("data", "import", "digits", tmp_path / "afile" / "ds", timeout=120)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"Error: cannot write {tmp_path}/afile/ds/train: ") and proc.stderr.endswith(
+        "; a part of its path is a file, not a directory: give another path\n"), proc.stderr
+    assert os.listdir(tmp_path) == ["afile"]
+
+
 def test_flags_merge_into_their_section_and_a_bad_value_names_the_file(tmp_path, cli, yarnapp_home):
     """--resume and --nodes set one field of their section (the rest stays the file's);
     a bad value is one line naming the job's file, the field and the flag that gave it

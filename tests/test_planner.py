@@ -442,7 +442,11 @@ def test_cli_plan_errors_are_one_line(cli, tmp_path):
     for flags, says in ((["--latency", "1 parsec"], "--latency: cannot parse"),
                         (["--machines", "a,b"], "--machines: expected positive integers"),
                         (["--machines", "4,1000"], "--machines: at most 512 machines are simulated, got 1000"),
+                        (["--machines", "1,,2"], "--machines: expected positive integers"),
                         (["--classes", "0"], "--classes: must be at least 1, got 0"),
+                        # nan and inf ended in tracebacks after the measuring
+                        (["--gpu-speed", "nan"], "--gpu-speed: must be a finite number > 0, got nan"),
+                        (["--gpu-speed", "inf"], "--gpu-speed: must be a finite number > 0, got inf"),
                         (["--json", "/nonexistent-yarnapp/x.json"], "directory /nonexistent-yarnapp does not exist"),
                         # found after the measuring before, or not at all (the plot went beside the directory)
                         (["--json", str(tmp_path)], "is a directory; give a file name"),

@@ -94,6 +94,14 @@ def test_outputs_that_cannot_be_written_are_refused_before_anything_starts(tmp_p
         preflight.check_outputs(_outputs(str(tmp_path / "a-file" / "c")), "job.yaml")
     with pytest.raises(YarnappError, match=r"^job.yaml: tensorboard.logdir: /proc/nope/tb: cannot write under /proc"):
         preflight.check_outputs(_outputs(logdir="/proc/nope/tb"), "job.yaml")
+    # names the filesystem cannot hold: rank 0 failed on them (ENAMETOOLONG), half made, and restarted
+    with pytest.raises(YarnappError, match=r"^job.yaml: tensorboard.logdir: .*: the name y{20}\.\.\. is 300 bytes, "
+                                           r"and a file name here may have 255; shorten it$"):
+        preflight.check_outputs(_outputs(logdir=str(tmp_path / "new" / ("y" * 300))), "job.yaml")
+    with pytest.raises(YarnappError, match=r"^job.yaml: checkpoint.uri: .*: the path is 50\d\d bytes, and a path here "
+                                           r"may have 4095; shorten it$"):
+        preflight.check_outputs(_outputs(str(tmp_path / "/".join(["z" * 200] * 25))), "job.yaml")
+    assert sorted(os.listdir(tmp_path)) == ["a-file"]
     port = _closed_port()
     far = f"webhdfs://127.0.0.1:{port}/ckpt"
     with pytest.raises(YarnappError, match=rf"^job.yaml: checkpoint.uri: cannot reach {far}"):

@@ -217,6 +217,22 @@ def test_a_logdir_tensorboard_cannot_open_or_reach_is_one_line_and_starts_nothin
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
+def test_a_relative_logdir_is_served_and_a_file_or_a_taken_port_is_one_line(cli, tmp_path, monkeypatch):
+    """`yarnapp tensorboard tblog` (a directory here) was looked up as an application id; a
+    file was served as a logdir "that does not exist (yet)"; a taken --port ended in
+    TensorBoard's own three messages."""
+    from yarnapp import tensorboard
+    (tmp_path / "tblog").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with tensorboard.for_app("tblog") as tb:
+        assert tb.served_dir == str(tmp_path / "tblog") and _answers(tb.url)
+        with pytest.raises(yarnapp.YarnappError, match=rf"^port {tb.port} on 127.0.0.1 is in use by another process: "
+                                                       r"give another port \(--port\), or 0 for a free one$"):
+            tensorboard.TensorBoard(str(tmp_path / "tblog"), port=tb.port)
+    proc = cli("tensorboard", "/etc/passwd", check=1)
+    assert proc.stderr == "Error: /etc/passwd is a file; give a logdir (a directory or URI) or an application id\n"
+
+
 def test_a_notebooks_tensorboard_url_goes_through_jupyter_server_proxy_where_it_is_installed(tmp_path, monkeypatch):
     """The URL only (the proxy itself is not started here). A remote notebook (JupyterHub, Hopsworks) could not reach 127.0.0.1:<port>: with
     jupyter-server-proxy in the environment the inline view goes through the notebook

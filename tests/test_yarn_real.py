@@ -190,6 +190,13 @@ def test_fractional_vcores_are_refused_with_one_line_and_nothing_submitted(clust
     assert cluster.hadoop.start()["started"] == []                # idempotent: already running
     up = cluster.cli("hadoop", "status", "--dir", cluster.hadoop.root)
     assert up.returncode == 0 and "HDFS ready, YARN ready" in up.stdout, up
+    # asked for other ports or resources, the running cluster says so (it waited on the other
+    # ports until its start timeout, or took the others silently)
+    other = cluster.cli("hadoop", "start", "-q", "--dir", cluster.hadoop.root, "--vcores", 8,
+                        "--port-base", cluster.hadoop.port_base + 100, timeout=60)
+    assert other.returncode == 1 and other.stderr == (
+        f"Error: the local Hadoop in {cluster.hadoop.root} runs with port_base {cluster.hadoop.port_base}, vcores 16; "
+        f"`yarnapp hadoop stop` first to start it with others\n"), other.stderr
     before = cluster.cli("list", "--backend", "yarn").stdout
     proc = cluster.cli("submit", HELLO_LOCAL, "--backend", "yarn")
     assert proc.returncode == 1

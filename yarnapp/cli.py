@@ -229,6 +229,8 @@ def cmd_tensorboard(args):
     from . import tensorboard
     _interrupt_on_sigterm()
     if "/" in args.app and "://" not in args.app and not os.path.isdir(args.app):
+        if os.path.exists(args.app):
+            raise YarnappError(f"{args.app} is a file; give a logdir (a directory or URI) or an application id")
         _p(f"note: {args.app} does not exist (yet); TensorBoard shows its runs once they are written there",
            file=sys.stderr)
     tb = tensorboard.for_app(args.app, port=args.port)
@@ -417,10 +419,10 @@ def build_parser():
     s.add_argument("--dir", help="the cluster's directory (default $YARNAPP_HOME/hadoop, else ~/.yarnapp/hadoop)")
     s.add_argument("--port-base", type=int, dest="port_base",
                    help="fixed ports are base+20, 70, 30-33, 88 (default 28000, or the cluster's own)")
-    s.add_argument("--vcores", type=int, default=16, help="vcores the NodeManager advertises (default 16)")
-    s.add_argument("--memory", help="memory the NodeManager advertises (default 16 GiB)")
+    s.add_argument("--vcores", type=int, help="vcores the NodeManager advertises (default 16, or the cluster's own)")
+    s.add_argument("--memory", help="memory the NodeManager advertises (default 16 GiB, or the cluster's own)")
     s.add_argument("--json", action="store_true", help="status as JSON")
-    s.add_argument("--quiet", "-q", action="store_true")
+    s.add_argument("--quiet", "-q", action="store_true", help="start: no line before the jars are fetched")
     s.set_defaults(fn=cmd_hadoop)
 
     d = sub.add_parser("data", help="datasets").add_subparsers(dest="data_cmd", required=True, metavar="ACTION")

@@ -87,8 +87,13 @@ def cmd_data_import(args):
 def cmd_hadoop(args):
     """A local single-node Hadoop (HDFS + YARN) for trying the YARN backend (yarnapp.hadoop)."""
     from . import hadoop
-    cluster = hadoop.LocalHadoop(args.dir, port_base=args.port_base, vcores=args.vcores,
-                                 memory_mb=conf.parse_memory_mib(args.memory) if args.memory else 16384)
+    memory = None
+    if args.memory is not None:
+        try:
+            memory = conf.parse_memory_mib(args.memory)
+        except ValueError as e:
+            raise YarnappError(f"--memory: {e}") from None
+    cluster = hadoop.LocalHadoop(args.dir, port_base=args.port_base, vcores=args.vcores, memory_mb=memory)
     if args.action == "start":
         if not args.quiet:
             _p(f"starting Hadoop {hadoop.version()} in {cluster.root} (the first start fetches its jars "

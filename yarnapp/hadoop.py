@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 TEMPLATES = os.path.join(os.path.dirname(conf.__file__), "hadoop")
 POM = os.path.join(TEMPLATES, "pom.xml")
 DEFAULT_PORT_BASE = 28000
+MIN_PORT_BASE, MAX_PORT_BASE = 1024, 65535 - 88       # unprivileged ports, the last at base+88
 PORTS = {"nn_port": 20, "nn_http_port": 70, "rm_scheduler_port": 30, "rm_tracker_port": 31,
          "rm_port": 32, "rm_admin_port": 33, "rm_web_port": 88}
 PORT_NAMES = {"nn_port": "NameNode RPC", "nn_http_port": "NameNode HTTP (WebHDFS)",
@@ -175,12 +176,23 @@ def _pid_alive(pid, marker):
 class LocalHadoop:
     """One single-node cluster in `root`. `start()` and `stop()` are idempotent."""
 
-    def __init__(self, root=None, port_base=None, vcores=16, memory_mb=16384, owner=None):
+    def __init__(self, root=None, port_base=None, vcores=None, memory_mb=None, owner=None):
+        """`port_base`, `vcores`, `memory_mb`: None takes the cluster's own (its cluster.json),
+        else the defaults (28000, 16, 16 GiB). A running cluster keeps its own: asked for
+        others, start() refuses."""
         self.root = os.path.abspath(root or default_root())
         saved = self._saved()
+        if port_base is not None and not MIN_PORT_BASE <= port_base <= MAX_PORT_BASE:
+            raise HadoopError(f"--port-base {port_base}: its ports run from base+20 to base+88; give a base from "
+                              f"{MIN_PORT_BASE} to {MAX_PORT_BASE}")
+        for name, value in (("--vcores", vcores), ("--memory", memory_mb)):
+            if value is not None and value <= 0:
+                raise HadoopError(f"{name} {value}: the NodeManager needs more than 0")
+        self.asked = {k: v for k, v in (("port_base", port_base), ("vcores", vcores), ("memory_mb", memory_mb))
+                      if v is not None}
         self.port_base = port_base or saved.get("port_base") or DEFAULT_PORT_BASE
-        self.vcores = vcores
-        self.memory_mb = memory_mb
+        self.vcores = vcores or saved.get("vcores") or 16
+        self.memory_mb = memory_mb or saved.get("memory_mb") or 16384
         self.owner = owner or saved.get("owner") or os.environ.get("HADOOP_USER_NAME") or getpass.getuser()
         self.ports = {k: self.port_base + off for k, off in PORTS.items()}
         self.conf_dir = os.path.join(self.root, "etc", "hadoop")
@@ -282,6 +294,11 @@ esac
         t0 = time.monotonic()
         running = self.running()
         if all(running.values()):
+            saved = self._saved()
+            other = [f"{k} {saved[k]}" for k, v in self.asked.items() if saved.get(k) is not None and saved[k] != v]
+            if other:
+                raise HadoopError(f"the local Hadoop in {self.root} runs with {', '.join(other)}; `yarnapp hadoop "
+                                  f"stop` first to start it with others")
             self.wait_ready(timeout)
             return {"fetch_s": 0.0, "start_s": time.monotonic() - t0, "started": []}
         if any(running.values()):

@@ -446,6 +446,13 @@ def check_outputs(job, where=None, on_cluster=False):
             raise YarnappError(f"{pre}{field}: {e}") from None
 
 
+def _limit(path, name, default):
+    try:
+        return os.pathconf(path, name)
+    except (OSError, ValueError):
+        return default
+
+
 def _writable(path):
     """OSError naming `path` when a directory cannot be made there: its nearest existing
     ancestor must be a directory this process can create in (tried, then removed)."""
@@ -454,6 +461,16 @@ def _writable(path):
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
         raise OSError(f"{path}: {probe} is not a directory; give a directory you can write to")
+    # the parts still to be made: a name the filesystem cannot hold (ENAMETOOLONG in rank 0,
+    # after the containers started, and half the directories made)
+    name_max, path_max = _limit(probe, "PC_NAME_MAX", 255), _limit(probe, "PC_PATH_MAX", 4096)
+    for part in os.path.relpath(path, probe).split(os.sep):
+        if len(os.fsencode(part)) > name_max:
+            raise OSError(f"{path}: the name {part[:20]}... is {len(os.fsencode(part))} bytes, and a file name "
+                          f"here may have {name_max}; shorten it")
+    if len(os.fsencode(path)) >= path_max:
+        raise OSError(f"{path[:40]}...: the path is {len(os.fsencode(path))} bytes, and a path here may have "
+                      f"{path_max - 1}; shorten it")
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".yarnapp-probe-", dir=probe))
     except OSError as e:

@@ -160,6 +160,9 @@ class TensorBoard:
         bound = None
         while True:
             if self.proc.poll() is not None:
+                if port and "already in use" in self._read_log():
+                    raise YarnappError(f"port {port} on {host} is in use by another process: give another port "
+                                       f"(--port), or 0 for a free one")
                 raise YarnappError(f"TensorBoard exited with status {self.proc.returncode} before answering: "
                                    f"{self._log_tail()}")
             if bound is None:
@@ -292,10 +295,14 @@ def _is_dir(uri):
     return fs.get_file_info(path).type == pafs.FileType.Directory
 
 
+APP_ID = re.compile(r"(app|application)_\d|latest$")     # the local engine's and YARN's ids
+
+
 def for_app(app_or_logdir, port=0, backend=None):
     """TensorBoard for an application id (its logdir, every run of the experiment), or for a
-    logdir given directly (a path or URI: anything with '/' in it)."""
-    if "/" in app_or_logdir:
+    logdir given directly (a path or URI: anything with '/' in it, or a directory here that
+    is not named like an application)."""
+    if "/" in app_or_logdir or (os.path.isdir(app_or_logdir) and not APP_ID.match(app_or_logdir)):
         logdir, sync_every = app_or_logdir, _default_sync_s()
     else:
         logdir, sync_every = logdir_of(app_or_logdir, backend)

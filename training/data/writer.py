@@ -209,8 +209,10 @@ def _write(uri, n, shards, overwrite, meta, rows_per_group, table_of):
     except BaseException as e:          # an I/O error, or Ctrl-C in a long import: no hidden copy left
         _remove(fs, tmp)
         if isinstance(e, (pa.ArrowException, OSError)):
-            raise DataError(f"cannot write {uri}: {one_line(e)}; check that its directory is "
-                            f"writable") from None
+            hint = "a part of its path is a file, not a directory: give another path" \
+                if isinstance(e, NotADirectoryError) or "Not a directory" in str(e) else \
+                "check that its directory is writable"
+            raise DataError(f"cannot write {uri}: {one_line(e)}; {hint}") from None
         raise
     finally:
         if replaced:                    # however this ends (a Ctrl-C held over the moves included)

@@ -1,6 +1,7 @@
 """How to plan: PlanOptions, parsing them from `yarnapp plan`'s command line, and what a
 job needs to be planned at all (checked before anything is measured or imported)."""
 import dataclasses
+import math
 
 from training.perf.model import PlanError
 
@@ -45,7 +46,7 @@ def parse_options(measure=False, bandwidth=None, latency=None, machines=None, gp
     bws = tuple(each("--bandwidth", parse_rate_bps, b) for b in items(bandwidth)) if bandwidth else ()
     lat = each("--latency", parse_duration_s, latency) if latency else None
     try:
-        mach = tuple(int(m) for m in items(machines)) if machines else PlanOptions.machines
+        mach = tuple(int(m) for m in str(machines).split(",")) if machines else PlanOptions.machines
     except ValueError:
         mach = ()
     if any(m < 1 for m in mach) or not mach:
@@ -60,8 +61,8 @@ def parse_options(measure=False, bandwidth=None, latency=None, machines=None, gp
         raise PlanError(f"--input-shape: expected CxHxW such as 3x32x32, got {input_shape!r}")
     if classes is not None and classes < 1:
         raise PlanError(f"--classes: must be at least 1, got {classes}")
-    if gpu_speed is not None and gpu_speed <= 0:
-        raise PlanError(f"--gpu-speed: must be > 0, got {gpu_speed}")
+    if gpu_speed is not None and not (math.isfinite(gpu_speed) and gpu_speed > 0):
+        raise PlanError(f"--gpu-speed: must be a finite number > 0, got {gpu_speed}")
     return PlanOptions(measure_link=bool(measure), bandwidths_bps=bws, latency_s=lat, machines=mach,
                        gpu_speed=gpu_speed, min_time=QUICK_MIN_TIME if quick else PlanOptions.min_time,
                        strategy_steps=QUICK_STRATEGY_STEPS if quick else PlanOptions.strategy_steps,
