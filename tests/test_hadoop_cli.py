@@ -90,8 +90,9 @@ def test_no_maven_is_one_line(tmp_path):
 
 
 def test_status_and_env_of_a_stopped_cluster(tmp_path):
-    st = cli("status", "--dir", tmp_path / "h")
-    assert st.returncode == 3 and "running: nothing" in st.stdout
+    st = cli("status", "--dir", tmp_path / "h")       # (it gave a version and ports of a cluster never made)
+    assert st.returncode == 3 and st.stdout == f"no local Hadoop in {tmp_path / 'h'} yet; `yarnapp hadoop start " \
+                                                f"--dir {tmp_path / 'h'}` makes and starts it\n", st.stdout
     out = cli("env", "--dir", tmp_path / "h", "--port-base", 29000)
     env = out.stdout.splitlines()
     assert f"export HADOOP_CONF_DIR={tmp_path / 'h' / 'etc' / 'hadoop'}" in env

@@ -413,7 +413,9 @@ def build_parser():
     s.add_argument("--json", help="write the whole plan as JSON")
     s.set_defaults(fn=cmd_plan)
 
-    s = sub.add_parser("hadoop", help="a local single-node Hadoop (HDFS + YARN) to try --backend yarn on")
+    s = sub.add_parser("hadoop", help="a local single-node Hadoop (HDFS + YARN) to try --backend yarn on",
+                       description="A local single-node Hadoop (HDFS + YARN) to try --backend yarn on. `status` "
+                                   "exits 0 where every daemon runs, else 3.")
     s.add_argument("action", choices=["start", "stop", "status", "env"],
                    help="env prints the exports a shell needs (eval \"$(yarnapp hadoop env)\")")
     s.add_argument("--dir", help="the cluster's directory (default $YARNAPP_HOME/hadoop, else ~/.yarnapp/hadoop)")

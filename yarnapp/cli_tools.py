@@ -110,6 +110,9 @@ def cmd_hadoop(args):
         st = cluster.status()
         if args.json:
             _p(json.dumps(st, indent=1))
+        elif not os.path.isdir(cluster.conf_dir):
+            _p(f"no local Hadoop in {cluster.root} yet; `yarnapp hadoop start"
+               f"{' --dir ' + shlex.quote(args.dir) if args.dir else ''}` makes and starts it")
         else:
             up = [n for n, pid in st["daemons"].items() if pid]
             _p(f"{st['root']}: Hadoop {st['version']}; running: {', '.join(up) or 'nothing'}; "
