@@ -479,6 +479,41 @@ def test_resume_finds_other_applications_when_checkpoint_uri_is_unset(digits, tm
         assert_nothing_left(r.app_id)
 
 
+def _flip_a_tensor_byte(path):
+    """Invert a byte in the middle of the largest tensor record of a torch.save file."""
+    import struct
+    import zipfile
+    with zipfile.ZipFile(path) as z:
+        rec = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    with open(path, "r+b") as f:
+        f.seek(rec.header_offset + 26)
+        name, extra = struct.unpack("<HH", f.read(4))
+        at = rec.header_offset + 30 + name + extra + rec.file_size // 2
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_a_file_whose_bytes_changed_after_it_was_written_is_not_loaded(tmp_path):
+    """torch.load takes it (its tensors other than saved); its CRC-32s do not, from a local
+    file or from bytes read (a remote file's fallback)."""
+    import io
+
+    import pyarrow.fs as pafs
+
+    from training import fsutil
+    path = tmp_path / "rank-00000.pt"
+    torch.save({"w": torch.arange(4096, dtype=torch.float32)}, path)
+    assert torch.equal(fsutil.torch_load_file(pafs.LocalFileSystem(), str(path))["w"], torch.arange(4096.0))
+    _flip_a_tensor_byte(path)
+    assert not torch.equal(torch.load(path)["w"], torch.arange(4096.0))      # loads, other than saved
+    for load in (lambda: fsutil.torch_load_file(pafs.LocalFileSystem(), str(path)),
+                 lambda: fsutil.check_crcs(io.BytesIO(path.read_bytes()))):
+        with pytest.raises(fsutil.ChecksumError, match=r"^its record \S+/data/0 does not match its CRC-32"):
+            load()
+
+
 def test_a_checkpoint_with_an_unreadable_file_is_passed_over_for_the_one_before(digits, tmp_path, yarnapp_home, cli):
     """Rank 1's file of the newest checkpoint truncated: every restart failed on it
     (PytorchStreamReader ... a traceback naming no file) and the intact checkpoint before it
@@ -515,11 +550,16 @@ def test_a_checkpoint_with_an_unreadable_file_is_passed_over_for_the_one_before(
     assert len(said) == 1 and said[0]["ranks"] == [0] and "rank-00001.pt: RuntimeError: " in said[0]["text"], st2
     assert said[0]["text"].endswith("; trying the one before it") and len(said[0]["text"]) < 400, said
     assert f"  warning (rank 0): {said[0]['text']}\n" in cli("status", run2.app_id, check=0).stdout
-    (root / "step-00000010" / "rank-00000.pt").unlink()
+    # Bytes of a tensor changed in place (a disk's fault): the file loads, and a resume took its
+    # other weights without a word. Its records' CRC-32s say so.
+    _flip_a_tensor_byte(root / "step-00000010" / "rank-00000.pt")
     run3 = yarnapp.submit(again)
     st3 = run3.wait(timeout=300)
     assert st3["state"] == "FAILED" and st3["failure"]["attempts"] == 1, st3
     assert f"no complete checkpoint of application {run1.app_id} can be read (step 20: " in st3["failure"]["reason"]
     assert "rank-00001.pt" in st3["failure"]["reason"] and "not retried" in st3["failure"]["reason"]
+    said = [n["text"] for n in st3["notices"] if n["text"].startswith("the checkpoint of step 10 cannot be read (")]
+    assert len(said) == 1 and "rank-00000.pt: ChecksumError: its record " in said[0] and \
+        "does not match its CRC-32 (its bytes changed after it was written)" in said[0], st3["notices"]
     for r in (run1, run2, run3):
         assert_nothing_left(r.app_id)

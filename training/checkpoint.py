@@ -135,7 +135,8 @@ class Checkpointer:
         Collective; rank 0 also records this application under the URI.
 
         The newest complete checkpoint every rank can read: one whose file of some rank is
-        missing or does not load (a disk's fault, a hand's truncate) is passed over, with a
+        missing, does not load (a hand's truncate) or whose bytes changed since it was written
+        (a disk's fault: its CRC-32s, fsutil.check_crcs) is passed over, with a
         warning naming the file, for the one before it; when none can be read, every rank
         raises the same CheckpointError naming the newest's bad file (so no restart is
         spent on it: it would fail the same way)."""

@@ -126,6 +126,11 @@ def load(root):
                "no final model (the run did not end its training: its checkpoints are step-* beside)")
         raise CheckpointError(f"{root}/final: {why}") from None
     module = build_model(info["model"], tuple(info["input_shape"]), info["num_classes"], info["model_options"])
-    module.load_state_dict(fsutil.torch_load_file(fs, f"{path}/final/model.pt"))
+    try:
+        weights = fsutil.torch_load_file(fs, f"{path}/final/model.pt")
+    except fsutil.ChecksumError as e:
+        raise CheckpointError(f"{root}/final/model.pt: {e}; train it again, or resume from its last checkpoint") \
+            from None
+    module.load_state_dict(weights)
     module.eval()
     return TrainedModel(module.to(torch.device("cpu")), info, root)
