@@ -112,7 +112,8 @@ def test_rank_0_sigkilled_then_the_master_killed_resume_bit_identically(referenc
     assert st["state"] == "SUCCEEDED", (st.get("diagnostics"), run.logs())
     assert [r["generation"] for r in st["restarts"]] == [1, 2], st["restarts"]
     assert "rank 0 (big_0) killed by signal 9" in st["restarts"][0]["reason"], st["restarts"]
-    assert "the application master died (attempt 1)" in st["restarts"][1]["reason"], st["restarts"]
+    assert "the application master (attempt 1) killed by signal 9 (SIGKILL); attempt 2 restarts every container" \
+        in st["restarts"][1]["reason"], st["restarts"]
     assert [a["attempt"] for a in st["am_attempts"]] == [1, 2] and st["am_attempts"][0]["exit_code"] == -9
     # the second master's starts say so (its containers' counts start again: "attempt 1" twice)
     banners = re.findall(r"==== small_0 attempt .*? started", run.logs()["small_0"])

@@ -27,7 +27,8 @@ from launcher.store import FileStore
 
 from . import cgroups, gpus, leases, netem
 from .leases import machine_memory_mib
-from .state import app_processes, kill_words, write_state
+from .state import app_processes, kill_words, read_json, write_state
+from .supervisor import record_path
 
 log = logging.getLogger("yarnapp.am")
 
@@ -235,7 +236,11 @@ class ApplicationMaster:
         for c in self.containers:
             self.store.release(c.id)
         gen = current_generation(self.store)
-        why = f"the application master died (attempt {self.attempt - 1}); attempt {self.attempt} restarts every container"
+        how = next((a.get("how") for a in (read_json(record_path(self.dir)) or {}).get("attempts", [])
+                    if a.get("attempt") == self.attempt - 1), None)     # the supervisor's words: killed, stopped
+        why = (f"the application master (attempt {self.attempt - 1}) {how}" if how else
+               f"the application master died (attempt {self.attempt - 1})") + \
+            f"; attempt {self.attempt} restarts every container"
         cause = Failure(kind=Kind.EXTERNAL.value, container="master", external=True, reason=why).stamped(generation=gen)
         if self.store.put_if_absent(keys.abort(gen), cause.dumps()):
             self.store.put_if_absent(keys.restart(gen + 1), dataclasses.replace(

@@ -170,7 +170,7 @@ class Supervisor:
             if self.stopping:           # stopped while the master was starting: on_signal found no one
                 self.am.send_signal(signal.SIGTERM)
             rc, how = self.wait_am()
-            self.attempts[-1].update(exit_code=rc, ended=time.time())
+            self.attempts[-1].update(exit_code=rc, ended=time.time(), how=how)     # (the next master says it)
             self.save()
             st = read_json(os.path.join(self.dir, "state.json")) or {}
             if st.get("state") in TERMINAL:
