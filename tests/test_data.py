@@ -293,6 +293,14 @@ def test_image_folder_import_keeps_the_files_as_they_are(tmp_path, caplog):
     with pytest.raises(DataError) as e:
         read_arrays(str(tmp_path / "ds2"))
     _one_line_naming(e, "different sizes", "resize")
+    # ... and where each batch holds images of one size (each rank's rows of one file: a model
+    # built for the first image's size trained on others, or failed in torch)
+    with pytest.raises(DataError) as e:
+        with ParquetSource(str(tmp_path / "ds2")).batches(1, 0, 1, seed=0, epochs=1, drop_last=False,
+                                                          train=False) as it:
+            for _ in it:
+                pass
+    _one_line_naming(e, "the dataset's first", "for which the model is built", "resize")
     spec = _spec(test_transforms=[{"resize": {"size": [4, 5]}}])
     x2, _ = read_arrays(str(tmp_path / "ds2"), spec)
     assert x2.shape == (7, 3, 4, 5)

@@ -242,14 +242,24 @@ class ParquetSource:
     def _pixels(self, images, rows, epoch, seed, train):
         """uint8 (n, H, W, C) of decoded rows after the batch ops (worker side)."""
         hwc = decode(images, self.layout.shape, self.channels, lambda i: self.layout.where(int(rows[i])))
-        return transforms.apply(self.train_ops if train else self.test_ops, hwc, seed, epoch, rows)
+        hwc = transforms.apply(self.train_ops if train else self.test_ops, hwc, seed, epoch, rows)
+        expected = getattr(self, "_sizes", {}).get(train)      # (H, W) the first image came out (_shape)
+        if expected and len(hwc) and hwc.shape[1:3] != expected:
+            # (within a batch stack() finds them; a batch of one file's rows, each rank's of
+            # another, went through a model built for the first's: trained on, or a torch error)
+            raise DataError(f"{self.layout.where(int(rows[0]))}: its image comes out {hwc.shape[1]}x{hwc.shape[2]}, "
+                            f"the dataset's first {expected[0]}x{expected[1]}, for which the model is built; bring "
+                            f"them to one size in training.data.augment and training.data.test_transforms alike, "
+                            f"e.g. {{resize: {{size: [{expected[0]}, {expected[1]}]}}}}")
+        return hwc
 
     def _shape(self):
         images, _ = self._first_rows(1)
         rows = np.zeros(1, np.int64)
-        shapes = {}
+        shapes, self._sizes = {}, {}
         for train in (True, False):
             hwc = self._pixels(images, rows, 0, 0, train)
+            self._sizes[train] = hwc.shape[1:3]
             if self.hooks[train]:
                 hwc = self.hooks[train](hwc, 0, 0, rows, train)
             shapes[train] = (hwc.shape[3], hwc.shape[1], hwc.shape[2])
