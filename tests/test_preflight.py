@@ -297,6 +297,14 @@ def test_null_labels_and_test_labels_past_the_training_classes_are_refused_befor
     assert [r.getMessage() for r in caplog.records] == [
         "training.data.train: its labels start at 1 (the footers' statistics): class 0 gets an output and no "
         "image; labels are class indices from 0 (subtract 1 if they count from 1)"]
+    # labels 0, 100000, ... (ids, not indices): a classifier of 300001 outputs, killed for memory in the ranks
+    sparse = _write(tmp_path / "sparse", images, [100000 * (i % 4) for i in range(64)])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="yarnapp.preflight"):
+        preflight.check_data(_job(sparse), "job.yaml")
+    assert [r.getMessage() for r in caplog.records] == [
+        "training.data.train: its labels run up to 300000 (the footers' statistics): the model gets 300001 outputs, "
+        "more than the 64 rows; labels are class indices 0 to K-1: map them to those"]
 
 
 def test_row_groups_read_in_parts_many_times_over_are_warned_of(tmp_path, caplog, monkeypatch):

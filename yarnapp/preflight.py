@@ -78,6 +78,12 @@ def check_data(job, where=None, on_cluster=False):
                 log.warning("training.data.train: its labels start at %d (the footers' statistics): %s and no "
                             "image; labels are class indices from 0 (subtract %d if they count from %d)",
                             low, unseen, low, low)
+            classes = found[split].num_classes
+            if split == "train" and not found[split].named and classes and classes > max(found[split].rows, 1000):
+                # (labels 0, 100000, ... 900000: a classifier of 900001 outputs, killed for memory)
+                log.warning("training.data.train: its labels run up to %d (the footers' statistics): the model gets "
+                            "%d outputs, more than the %d rows; labels are class indices 0 to K-1: map them to those",
+                            classes - 1, classes, found[split].rows)
         except Unreachable as e:
             if not on_cluster or refused_on_loopback(uri):
                 raise YarnappError(f"{pre}training.data.{split}: {e}") from None
