@@ -297,7 +297,11 @@ def test_ranks_that_freeze_apart_fail_in_one_line_instead_of_summing_other_tenso
                     "ranks 1 (small_0), 2 (small_1) in optimizer #1's sum of gradients (backward, or step()) (call 2 of "
                     "training.dist, "
                     "at user_loop.py:", "every attempt would make the same calls, so it was not retried"]),
-    ("none", ["at the first step the ranks' parameters differ"])])
+    ("none", ["at the first step the ranks' parameters differ"]),
+    # (stale values taken, and SUCCEEDED: the root of a small broadcast does not wait)
+    ("rank0_object", ["'s call 7 of training.dist, broadcast_object(root_rank=0), received rank 0's call 5, "
+                      "broadcast_object(root_rank=0) at user_loop.py:", "the ranks made different collectives of "
+                      "training.dist", "every attempt would make the same calls, so it was not retried"])])
 def test_replicas_left_apart_by_a_broadcast_on_rank_0_alone_or_none_fail_once(tmp_path, yarnapp_home, broadcast, says):
     """Horovod slips: `if rank == 0: broadcast_parameters(...)` before the optimizer is
     wrapped (its broadcasts met the others' next collectives: the application hung), or

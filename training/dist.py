@@ -34,6 +34,7 @@ sets up as torchrun does; the collectives here do not go through it.
 """
 import contextlib
 import logging
+import threading
 
 import numpy as np
 import torch
@@ -357,6 +358,7 @@ def broadcast_parameters(params, root_rank=0, ctx=None):
     ctx = ctx or context()
     root_rank = _root(root_rank, ctx)
     with stalls.collective(ctx, f"broadcast_parameters(root_rank={root_rank})") as comm:
+        stalls.check_root_call(ctx, root_rank, *comm.bcast(_call(ctx, root_rank), root=root_rank))
         for t in _tensors(params):
             if isinstance(t, torch.Tensor) and t.numel():
                 bcast_(comm, t, root=root_rank)
@@ -367,7 +369,16 @@ def broadcast_object(obj, root_rank=0, ctx=None, name=None):
     ctx = ctx or context()
     root_rank = _root(root_rank, ctx)
     with stalls.collective(ctx, f"broadcast_object(root_rank={root_rank})") as comm:
-        return comm.bcast(obj, root=root_rank)
+        theirs, at, obj = comm.bcast((*_call(ctx, root_rank), obj), root=root_rank)
+        stalls.check_root_call(ctx, root_rank, theirs, at)
+        return obj
+
+
+def _call(ctx, root_rank):
+    """The root's (call, its line) sent with a broadcast (stalls.check_root_call)."""
+    if ctx.rank != root_rank or stalls.current() is None:
+        return None, None
+    return stalls.current(), stalls.user_line(threading.get_ident())
 
 
 def broadcast_optimizer_state(optimizer, root_rank=0, ctx=None):

@@ -121,6 +121,30 @@ def collective(ctx, name):
         yield comm
 
 
+def current():
+    """(number, name) of this rank's call in progress, or None where calls are not counted
+    (outside a container, a world of one)."""
+    now = _calls.now if _calls is not None else None
+    return now[:2] if now else None
+
+
+def check_root_call(ctx, root, theirs, at):
+    """After a broadcast: raise YarnappError where the root's call (`theirs`, its number and
+    name, made `at` its line) is not this rank's. A broadcast's root does not wait for the
+    others: a rank-0-only broadcast of a few bytes returned at once, its message waited,
+    and the next broadcast of the other ranks took it: stale values, and the application
+    SUCCEEDED (no rank ever waited, so none was published)."""
+    mine = current()
+    if mine is None or theirs is None or tuple(theirs) == mine:
+        return
+    from conf.errors import YarnappError
+    from launcher.failure import CALLED_APART
+    raise YarnappError(f"rank {ctx.rank}'s call {mine[0]} of training.dist, {mine[1]}, received rank {root}'s call "
+                       f"{theirs[0]}, {theirs[1]}{f' at {at}' if at else ''}: the ranks made {CALLED_APART}; every "
+                       f"rank calls them, in the same order; a broadcast too (not under `if rank == 0`: root_rank "
+                       f"says whose values every rank gets)")
+
+
 def user_line(thread):
     """"file:line in function" of the innermost frame of the user's own code in `thread`'s
     stack now (not yarnapp's, a library's or Python's), or ""."""

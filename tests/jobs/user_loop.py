@@ -10,7 +10,8 @@ skip_synchronize() on even ones), FINETUNE (1: the first conv frozen when the op
 is wrapped and unfrozen at step 5, the second frozen from step 12 on: `finetune`;
 apart: rank 1 alone freezes the first conv at step 3), BROADCAST (every, the default;
 rank0, rank0_late, none: the ranks start from weights of their own, and rank 0 alone
-broadcasts them, before or after the optimizer is wrapped, or none does).
+broadcasts them, before or after the optimizer is wrapped, or none does; rank0_object: rank 0
+alone broadcasts an object after step 2, every rank after step 4).
 """
 import os
 
@@ -58,10 +59,10 @@ def main(ctx):
     dev = yd.device()                   # cuda:0 in a container with a GPU, else the CPU
     net = model().to(dev)
     broadcast = os.environ.get("BROADCAST", "every")
-    if broadcast != "every":        # each rank its own weights, broadcast on rank 0 alone or on none
+    if broadcast in ("rank0", "rank0_late", "none"):    # each rank its own weights, broadcast on rank 0 alone or none
         with torch.no_grad():
             net[0].weight.add_(yd.rank())
-    if broadcast == "every" or (broadcast == "rank0" and yd.rank() == 0):
+    if broadcast in ("every", "rank0_object") or (broadcast == "rank0" and yd.rank() == 0):
         yd.broadcast_parameters(net.state_dict(), root_rank=0)
     tune = os.environ.get("FINETUNE") == "1"
     if tune:
@@ -93,6 +94,10 @@ def main(ctx):
             else:
                 opt.step()
             step += 1
+            if broadcast == "rank0_object" and (step == 2 and yd.rank() == 0 or step == 4):
+                # a rank-0-only broadcast of a few bytes returns at once; the others' next takes it
+                got = yd.broadcast_object({"best": step}, root_rank=0)
+                assert got == {"best": step}, f"rank {yd.rank()} received {got} at step {step}"
             yd.report(step=step, loss=float(loss), rows=len(y))
             if step == steps:
                 torch.save({k: v.cpu() for k, v in net.state_dict().items()},
