@@ -5,6 +5,7 @@ the agent reports it.
 """
 import functools
 import os
+import re
 import traceback
 
 from conf.schema import PACKAGES
@@ -67,14 +68,25 @@ def error_line(exc):
     """The one line of an exception from the job's code: `Type: message`, the message's lines
     joined, and where the job's code raised it (`(train.py:12 in step)`: an `assert x == 4`
     said only "AssertionError: ", a message of several lines kept only its first)."""
-    message = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+    text, place = str(exc), None
+    wrapped = WRAPPED.match(text)
+    if wrapped:     # torch's ExceptionWrapper (a DataLoader worker's): the cause and its place, last
+        head, tb = wrapped.group(1), wrapped.group(2).strip().splitlines()
+        text = f"{head.rstrip('.')}: {tb[-1].strip()}" if tb else head
+        frames = [(f, int(n), fn) for f, n, fn in TB_FRAME.findall(wrapped.group(2)) if _users(f)]
+        place = _place(traceback.FrameSummary(*frames[-1], lookup_line=False)) if frames else None
+    message = " ".join(part.strip() for part in text.splitlines() if part.strip())
     if len(message) > ERROR_CHARS:          # a state_dict's "Error(s) in loading" runs to pages
         message = message[:ERROR_CHARS - 3] + "..."
     line = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
     own = [f for f in traceback.extract_tb(exc.__traceback__) if _users(f.filename)]
-    if not own:
+    if place is None and not own:
         return line
-    return f"{line} ({_place(own[-1])})"
+    return f"{line} ({place or _place(own[-1])})"
+
+
+WRAPPED = re.compile(r"(Caught \w+ in .*?)\s*\nOriginal Traceback \(most recent call last\):\n(.*)", re.S)
+TB_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)', re.M)
 
 
 @functools.cache

@@ -766,6 +766,23 @@ def test_a_users_error_line_says_where_their_code_raised_it_and_keeps_every_line
         assert error_line(e.value).startswith("KeyError: 'missing' (test_agent_states.py:")
     finally:
         sys.path.remove(str(tmp_path))
+    # a DataLoader worker's error, which torch wraps with the worker's traceback in its text:
+    # the line kept torch's first 300 characters, the cause past them, and named the for loop
+    (tmp_path / "user_ds_mod.py").write_text(
+        "import torch\n\n\nclass DS(torch.utils.data.Dataset):\n    def __len__(self):\n        return 40\n\n"
+        "    def __getitem__(self, i):\n        if i == 37:\n            raise ValueError('corrupt sample 37')\n"
+        "        return torch.zeros(2)\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import torch
+        import user_ds_mod
+        with pytest.raises(ValueError) as e:
+            for _ in torch.utils.data.DataLoader(user_ds_mod.DS(), batch_size=10, num_workers=1):
+                pass
+        assert error_line(e.value) == "ValueError: Caught ValueError in DataLoader worker process 0: ValueError: " \
+                                      "corrupt sample 37 (user_ds_mod.py:10 in __getitem__)"
+    finally:
+        sys.path.remove(str(tmp_path))
 
 
 def test_ranks_in_calls_of_the_same_number_and_different_names_are_named_and_a_silent_one_after_a_grace():
