@@ -184,6 +184,17 @@ def test_a_horovod_name_not_offered_is_said_at_submit_naming_its_line(cli, tmp_p
     proc = cli("submit", job, "--dry-run")
     assert proc.returncode == 0 and proc.stderr.count("WARNING") == 1 and "run.function: " in proc.stderr \
         and "mod.py:1: SyncBatchNorm: training.dist has no SyncBatchNorm (Horovod's)" in proc.stderr, proc.stderr
+    # values it has but refuses where passed, and a keyword at its default only: each use
+    # (only the first name was said; these, not at all)
+    src = ("import torch\nimport training.dist as hvd\n\nopt = hvd.DistributedOptimizer(torch.optim.SGD([], lr=1),\n"
+           "    backward_passes_per_step=2, op=hvd.Adasum, compression=hvd.Compression.fp16)\n"
+           "hvd.DistributedOptimizer(torch.optim.SGD([], lr=1), backward_passes_per_step=1)\nhvd.join()\nhvd.join()\n")
+    proc = cli("submit", _script_job(tmp_path, "port", src), "--dry-run")
+    said = [line.split(": ", 3)[2:] for line in proc.stderr.splitlines()]
+    assert proc.returncode == 0 and [s[0] for s in said] == [
+        f"{tmp_path / 'code' / 'port.py'}:{n}" for n in (7, 8, 5, 5, 5)], proc.stderr
+    assert [s[1].split(":")[0] for s in said[2:]] == [
+        "hvd.Adasum", "hvd.Compression.fp16", "hvd.DistributedOptimizer(backward_passes_per_step=...)"], proc.stderr
     assert apps(yarnapp_home) == []
 
 

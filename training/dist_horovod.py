@@ -24,6 +24,14 @@ class Compression:
     fp16 = "fp16"
 
 
+# Horovod's values training.dist has but refuses where they are passed, and a keyword of
+# DistributedOptimizer it takes with its default only (a literal, as NOT_OFFERED below).
+NOT_OFFERED_USES = {
+    "Adasum": "give op=Average or op=Sum",
+    "Compression.fp16": "gradients go over the wire in fp32 here: Compression.none",
+    "backward_passes_per_step": "add up the micro-batches' losses and call backward() once per step",
+}
+
 # Horovod's names training.dist does not offer, and what a port does instead (a literal:
 # yarnapp.codecheck reads it from this file's source at submit).
 NOT_OFFERED = {

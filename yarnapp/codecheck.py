@@ -295,12 +295,12 @@ def function_imports(function, shipment):
 
 
 @functools.lru_cache(maxsize=1)
-def _horovod_not_offered():
-    """training.dist_horovod.NOT_OFFERED, read from its source (the client imports no torch)."""
+def _horovod_not_offered(name="NOT_OFFERED"):
+    """training.dist_horovod's `name` table, read from its source (the client imports no torch)."""
     tree = _parse(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "training",
                                "dist_horovod.py"))
     for node in tree.body if tree is not None else ():
-        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["NOT_OFFERED"]:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [name]:
             return ast.literal_eval(node.value)
     return {}
 
@@ -323,12 +323,31 @@ def not_offered(path, field, tree=None):
             aliases |= {a.asname or a.name for a in node.names if a.name == "dist"}
         elif isinstance(node, ast.ImportFrom) and node.module == "training.dist" and not node.level:
             used += [(node.lineno, a.name, a.name) for a in node.names if a.name in table]
+    uses = _horovod_not_offered("NOT_OFFERED_USES")
+    refused = []            # values it has and refuses where passed; a keyword taken at its default only
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases \
-                and node.attr in table:
-            used.append((node.lineno, f"{node.value.id}.{node.attr}", node.attr))
-    if used:
-        line, what, name = min(used)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            if node.attr in table:
+                used.append((node.lineno, f"{node.value.id}.{node.attr}", node.attr))
+            elif node.attr in uses:
+                refused.append((node.lineno, f"{node.value.id}.{node.attr}", node.attr))
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and \
+                isinstance(node.value.value, ast.Name) and node.value.value.id in aliases and \
+                f"{node.value.attr}.{node.attr}" in uses:
+            refused.append((node.lineno, f"{node.value.value.id}.{node.value.attr}.{node.attr}",
+                            f"{node.value.attr}.{node.attr}"))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                isinstance(node.func.value, ast.Name) and node.func.value.id in aliases:
+            refused += [(k.value.lineno, f"{node.func.value.id}.{node.func.attr}({k.arg}=...)", k.arg)
+                        for k in node.keywords if k.arg in uses and
+                        not (isinstance(k.value, ast.Constant) and k.value.value == 1)]
+    for line, what, name in sorted(set(used))[:MAX_WARNED]:
         log.warning("%s: %s:%d: %s: training.dist has no %s (Horovod's): %s (docs/own-code.md); the rank fails "
                     "there if it runs it", field, path, line, what, name, table[name])
+    for line, what, name in sorted(set(refused))[:MAX_WARNED]:
+        log.warning("%s: %s:%d: %s: training.dist does not offer Horovod's %s: %s (docs/own-code.md); the rank "
+                    "fails there if it runs it", field, path, line, what, name, uses[name])
+
+
+MAX_WARNED = 5      # warnings of one kind for a script (a port may use a name on many lines)
 
