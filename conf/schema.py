@@ -319,6 +319,8 @@ def _shares(value):
 
 BUILTIN_MODELS = ("digits_cnn", "seed_cnn", "resnet", "mlp")   # training.models.MODELS' names (the
                                                                 # client checks training.model against them)
+BUILTIN_MIN_HW = {"digits_cnn": 2, "seed_cnn": 4}               # the least image height and width each takes
+                                                                # (its pooling), else 1: checked without torch
 
 
 def _seed(value, info: ValidationInfo):

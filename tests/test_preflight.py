@@ -422,3 +422,19 @@ def test_a_dataset_of_very_many_rows_is_warned_of_for_its_epoch_orders(tmp_path,
         "job.yaml: training.data.train: its 64 rows are many for group 'w': each of its ranks keeps the order of "
         "its rows for 2 epochs, about 12 MiB beside the data it holds (training.data.memory), of its "
         "container's 1024 MiB; raise groups[0].memory if it is killed for memory"]
+
+
+def test_images_too_small_for_a_built_in_model_are_refused_before_anything_starts(tmp_path):
+    """1x1 images for digits_cnn (it pools twice) started the containers, and every rank
+    failed at setup: the least size is known without torch (conf.schema.BUILTIN_MIN_HW)."""
+    import pyarrow as pa
+    tiny = _write(tmp_path / "tiny", pa.array([bytes([i]) for i in range(64)], pa.binary(1)), [i % 2 for i in range(64)])
+    job = conf.load_job({"name": "t", "groups": [{"name": "w", "instances": 1, "vcores": 1}],
+                         "training": {"model": "digits_cnn", "data": {"train": tiny, "shape": [1, 1, 1]}}})
+    with pytest.raises(YarnappError) as e:
+        preflight.check_data(job, "job.yaml")
+    assert str(e.value) == ("job.yaml: training.model: digits_cnn takes images of at least 2x2, and "
+                            "training.data.train's come out 1x1; make them larger in training.data.augment and "
+                            "test_transforms alike (resize), or give another model")
+    preflight.check_data(job.model_copy(update={"training": job.training.model_copy(update={"model": "mlp"})}),
+                         "job.yaml")                                        # the MLP takes them

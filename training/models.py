@@ -20,6 +20,7 @@ import logging
 from torch import nn
 
 from conf.errors import YarnappError
+from conf.schema import BUILTIN_MIN_HW
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,8 @@ def _positive_int(model, key, value):
     return value
 
 
-def _shape(model, input_shape, min_hw=1):
+def _shape(model, input_shape):
+    min_hw = BUILTIN_MIN_HW.get(model, 1)
     try:
         c, h, w = (int(s) for s in input_shape)
     except (TypeError, ValueError):
@@ -63,7 +65,7 @@ class DigitsCNN(nn.Module):
 
     def __init__(self, input_shape, num_classes, conv1=32, conv2=64, hidden=128):
         super().__init__()
-        c, h, w = _shape("digits_cnn", input_shape, min_hw=2)
+        c, h, w = _shape("digits_cnn", input_shape)
         conv1 = _positive_int("digits_cnn", "conv1", conv1)
         conv2 = _positive_int("digits_cnn", "conv2", conv2)
         hidden = _positive_int("digits_cnn", "hidden", hidden)
@@ -106,7 +108,7 @@ class SeedCNN(nn.Module):
 
     def __init__(self, input_shape, num_classes, conv1=500, conv2=1500, kernel=5):
         super().__init__()
-        c, h, w = _shape("seed_cnn", input_shape, min_hw=4)
+        c, h, w = _shape("seed_cnn", input_shape)
         conv1 = _positive_int("seed_cnn", "conv1", conv1)
         conv2 = _positive_int("seed_cnn", "conv2", conv2)
         kernel = _positive_int("seed_cnn", "kernel", kernel)

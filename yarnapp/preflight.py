@@ -26,7 +26,7 @@ import tempfile
 import urllib.parse
 
 from conf import BUILTIN_RUNNER
-from conf.schema import BUILTIN_MODELS
+from conf.schema import BUILTIN_MIN_HW, BUILTIN_MODELS
 
 from .errors import YarnappError
 
@@ -261,7 +261,14 @@ def _check_built(job, shape, pre):
     option of the wrong type or value is one line here instead of a failure in every
     container."""
     t = job.training
-    if shape is None or t.model not in BUILTIN_MODELS or not t.model_options:
+    if shape is None or t.model not in BUILTIN_MODELS:
+        return
+    least = BUILTIN_MIN_HW.get(t.model, 1)
+    if min(shape[1:]) < least:      # (every rank failed on it at setup; found without torch)
+        raise YarnappError(f"{pre}training.model: {t.model} takes images of at least {least}x{least}, and "
+                           f"training.data.train's come out {shape[1]}x{shape[2]}; make them larger in "
+                           f"training.data.augment and test_transforms alike (resize), or give another model")
+    if not t.model_options:
         return
     import torch
 
