@@ -225,6 +225,10 @@ def test_a_corrupt_or_wrong_dataset_is_refused_before_anything_starts(tmp_path, 
               f"{bad / 'part-zz.parquet'}: not a readable Parquet file"),
              ({"train": os.path.join(digits, "train"), "columns": {"image": "pixels"}}, "training.data.train",
               "no image column 'pixels'"),
+             # a shape other than its metadata's: the pixels were read in that geometry, and trained on
+             ({"train": os.path.join(digits, "train"), "shape": [1, 4, 16]}, "training.data.train",
+              "training.data.shape [1, 4, 16] is not the shape its metadata gives, [1, 8, 8]; leave "
+              "training.data.shape out"),
              ({"train": str(shifted)}, "training.data.train",
               f"{victim}: its labels run from 100 to 109 (its footer's statistics), outside the 10 classes the "
               f"dataset's metadata gives (0 to 9)")]

@@ -222,6 +222,11 @@ def _kind(schema, columns, name, shape, meta, given=None):
         raise DataError(f"{name}: label column {columns.label!r}{whose} is {label_type}, expected integers "
                         f"(class indices 0..K-1); {how}")
     if pa.types.is_fixed_size_binary(t):
+        if shape and meta.get("shape") and tuple(shape) != tuple(meta["shape"]):
+            # (the pixels read in another geometry, and trained on without a word)
+            raise DataError(f"{name}: training.data.shape {list(shape)} is not the shape its metadata gives, "
+                            f"{list(meta['shape'])}; leave training.data.shape out (it is for files without "
+                            f"yarnapp's metadata)")
         shape = tuple(shape) if shape else tuple(meta["shape"]) if meta.get("shape") else None
         if shape is None:
             raise DataError(f"{name}: column {columns.image!r} holds raw pixels ({t}) but no shape is known; "
