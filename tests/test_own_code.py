@@ -198,6 +198,25 @@ def test_a_horovod_name_not_offered_is_said_at_submit_naming_its_line(cli, tmp_p
     assert apps(yarnapp_home) == []
 
 
+def test_a_snapshot_saved_and_loaded_by_a_relative_path_is_warned_of_at_submit(cli, tmp_path, yarnapp_home):
+    """The PyTorch fault-tolerance tutorial's snapshot.pt, relative: each container's own work
+    directory holds it, so after a restart rank 0 resumed at epoch 2 and rank 1 at 0, and the
+    failure named a rank that "had ended" (an audit's). A path under a directory is not said."""
+    src = ("import os, torch\n\n\ndef main(snapshot_path='snapshot.pt'):\n    if os.path.exists(snapshot_path):\n"
+           "        torch.load(snapshot_path)\n    torch.save({}, snapshot_path)\n\n\nmain()\n")
+    proc = cli("submit", _script_job(tmp_path, "tutorial", src), "--dry-run")
+    assert proc.returncode == 0 and proc.stderr == (
+        f"WARNING yarnapp.codecheck: run.script: {tmp_path / 'code' / 'tutorial.py'}:4: 'snapshot.pt' is a relative "
+        "path: each container runs in its own work directory, so a restarted rank would not find another rank's "
+        "snapshot there; keep it under $YARNAPP_CHECKPOINT_URI, e.g. os.path.join(os.environ[\"YARNAPP_CHECKPOINT_URI"
+        "\"], 'snapshot.pt') (docs/own-code.md)\n"), proc.stderr
+    src = src.replace("snapshot_path='snapshot.pt'", "snapshot_path=os.path.join(os.environ['YARNAPP_CHECKPOINT_URI'], "
+                                                     "'snapshot.pt')")
+    proc = cli("submit", _script_job(tmp_path, "tutorial", src), "--dry-run")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert apps(yarnapp_home) == []
+
+
 def test_outside_a_container_training_dist_is_a_world_of_one():
     """`python train.py`, a Horovod user's smoke test (Horovod runs as size 1 without
     horovodrun), failed with NoContext: outside a container the world is the process alone."""

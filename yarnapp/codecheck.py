@@ -351,3 +351,41 @@ def not_offered(path, field, tree=None):
 
 MAX_WARNED = 5      # warnings of one kind for a script (a port may use a name on many lines)
 
+
+SNAPSHOT_SUFFIXES = (".pt", ".pth", ".ckpt", ".tar")
+
+
+def relative_snapshot(path, field, tree=None):
+    """Warn of a script that torch.saves and torch.loads a snapshot by a relative path (the
+    PyTorch fault-tolerance tutorial's "snapshot.pt"): each container runs in a work
+    directory of its own, so a restarted rank does not find another rank's snapshot and the
+    ranks resume from different epochs (their DDP steps pair across epochs, then one ends
+    early). A script that saves and loads, and names a relative file of a checkpoint's
+    suffix: the snapshot's path, by the tutorial's pattern."""
+    tree = tree if tree is not None else _parse(path)
+    if tree is None:
+        return
+    calls = {node.func.attr for node in ast.walk(tree) if isinstance(node, ast.Call)
+             and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+             and node.func.value.id == "torch" and node.func.attr in ("save", "load")}
+    if calls != {"save", "load"}:
+        return
+    joined = set()      # a name put under a directory: os.path.join(base, "x.pt"), Path(base) / "x.pt"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("join",
+                                                                                                    "joinpath"):
+            joined |= {id(a) for a in node.args[1 if node.func.attr == "join" else 0:]}
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Div, ast.Add, ast.Mod)):
+            joined.add(id(node.right))
+        elif isinstance(node, ast.JoinedStr):
+            joined |= {id(v) for v in node.values}
+    names = sorted((node.lineno, node.value) for node in ast.walk(tree) if isinstance(node, ast.Constant)
+                   and id(node) not in joined and isinstance(node.value, str) and node.value.endswith(SNAPSHOT_SUFFIXES)
+                   and not os.path.isabs(node.value) and "$" not in node.value and "://" not in node.value)
+    if names:
+        line, name = names[0]
+        log.warning("%s: %s:%d: %r is a relative path: each container runs in its own work directory, so a "
+                    "restarted rank would not find another rank's snapshot there; keep it under "
+                    "$YARNAPP_CHECKPOINT_URI, e.g. os.path.join(os.environ[\"YARNAPP_CHECKPOINT_URI\"], %r) "
+                    "(docs/own-code.md)", field, path, line, name, name)
+
