@@ -376,9 +376,8 @@ def broadcast_object(obj, root_rank=0, ctx=None, name=None):
 
 def _call(ctx, root_rank):
     """The root's (call, its line) sent with a broadcast (stalls.check_root_call)."""
-    if ctx.rank != root_rank or stalls.current() is None:
-        return None, None
-    return stalls.current(), stalls.user_line(threading.get_ident())
+    call = stalls.current() if ctx.rank == root_rank else None
+    return (call, stalls.user_line(threading.get_ident())) if call else (None, None)
 
 
 def broadcast_optimizer_state(optimizer, root_rank=0, ctx=None):

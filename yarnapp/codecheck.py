@@ -352,6 +352,15 @@ def not_offered(path, field, tree=None):
 MAX_WARNED = 5      # warnings of one kind for a script (a port may use a name on many lines)
 
 
+def warnings(script, field="run.script"):
+    """What a run.script's source is warned of, read once: Horovod names and values
+    training.dist does not offer (not_offered), a snapshot by a relative path."""
+    tree = _parse(script)
+    if tree is not None:
+        not_offered(script, field, tree)
+        relative_snapshot(script, field, tree)
+
+
 SNAPSHOT_SUFFIXES = (".pt", ".pth", ".ckpt", ".tar")
 
 

@@ -192,8 +192,7 @@ def _plan(job, where=None):
     _check_importable(job, entries, where)
     if run.script and not _other_interpreter(job):
         codecheck.syntax(run.script)        # (another interpreter may read other syntax)
-        codecheck.not_offered(run.script, "run.script")
-        codecheck.relative_snapshot(run.script, "run.script")
+        codecheck.warnings(run.script)
     codecheck.own_names(run, entries, "run.files" if run.files else "run.script")
     codecheck.unshipped_imports(Shipment(job=job, entries=entries), "run.files")
     # files null with a script: its directory was shipped for it and the job submitted from
