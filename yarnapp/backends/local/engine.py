@@ -265,6 +265,9 @@ class LocalBackend(Backend):
             log_file = next((os.path.join(d, f) for f in ("am.log", "supervisor.log")
                              if os.path.isfile(os.path.join(d, f))), os.path.join(d, "am.log"))
             st = supervisor.end(d, st, "FAILED", f"the application master died; see {log_file}", log=log_file)
+            # (a cgroup still holding a container's process, ending with its master, is not removed,
+            # and nobody looks again: those ending are waited for)
+            psutil.wait_procs(app_processes(app_id), timeout=10)
             cgroups.Limits.remove_app(app_id)
         st["am_attempts"] = (read_json(supervisor.record_path(d)) or {}).get("attempts", [])
         st["job_file"] = meta.get("job_file")     # the job.yaml it was submitted from, if any
