@@ -59,6 +59,8 @@ class Failure:
     attempts: Optional[int] = None           # on FAILED: how many generations ran
     retried: Optional[bool] = None           # on FAILED: False when not retried (deterministic)
     aborted_generation: Optional[int] = None  # on a restart record: the generation that ended
+    blames: Optional[int] = None             # on a rank's error line that every rank raised alike (a
+                                             # checkpoint part one rank could not write): the rank at fault
 
     def stamped(self, **fields):
         """A copy with `fields` set, and the time now if it had none."""

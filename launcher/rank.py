@@ -270,20 +270,23 @@ class Liveness(threading.Thread):
                 pass
 
 
-def record_error(store, gen, rank, line, phase, input_error=None, repeats=None, certain=None):
+def record_error(store, gen, rank, line, phase, input_error=None, repeats=None, certain=None, blames=None):
     """Write this rank's one-line error for the agents (first write wins); input_error: the
-    line is the whole story (see launcher.failure.Failure)."""
+    line is the whole story; blames: the rank at fault, where every rank raised it alike (see
+    launcher.failure.Failure)."""
     try:
         line = line[:500]
         store.put_if_absent(keys.error(gen, rank), Failure(reason=line, error=line, phase=phase, rank=rank,
                                                            generation=gen, input_error=input_error,
-                                                           repeats=repeats, certain=certain).stamped().dumps())
+                                                           repeats=repeats, certain=certain,
+                                                           blames=blames).stamped().dumps())
     except Exception:  # noqa: BLE001 - reporting must never hide the failure itself
         log.exception("could not record the error in the store")
 
 
-def fail(store, gen, rank, line, phase, code=exitcodes.RANK_FAILED, input_error=None, repeats=None, certain=None):
-    record_error(store, gen, rank, line, phase, input_error, repeats, certain)
+def fail(store, gen, rank, line, phase, code=exitcodes.RANK_FAILED, input_error=None, repeats=None, certain=None,
+         blames=None):
+    record_error(store, gen, rank, line, phase, input_error, repeats, certain, blames)
     log.error("%s", line)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -428,7 +431,7 @@ def main(argv=None):
             fail(store, gen, ident.rank, line, ctx.phase, e.code if isinstance(e.code, int) else exitcodes.RANK_FAILED)
     except YarnappError as e:       # bad input (data, model...): its one line is the whole story
         fail(store, gen, ident.rank, str(e), ctx.phase, input_error=True, repeats=getattr(e, "repeats", None) or None,
-             certain=getattr(e, "certain", None) or None)
+             certain=getattr(e, "certain", None) or None, blames=getattr(e, "blames", None))
     except BaseException as e:  # noqa: BLE001 - the user's error: its line, then its traceback
         print_user_traceback(e)
         fail(store, gen, ident.rank, error_line(e), ctx.phase)

@@ -293,6 +293,7 @@ class Checkpointer:
                                 f"{f' (rank {first[0]})' if what == 'write' else ''}: {detail}; "
                                 f"free space or fix its permissions (the checkpoint before it is intact)")
             e.repeats = any(w in detail.lower() for w in STORAGE_FULL)
+            e.blames = first[0] if what == "write" else 0      # every rank raises it: the agents name this one
             raise e
 
     def save_model(self, model, card=None):
@@ -308,11 +309,14 @@ class Checkpointer:
 class CheckpointError(YarnappError, OSError):
     """A checkpoint that cannot be written. str() names the URI and the first error.
     repeats: its storage is full, read-only or not ours, which a restart meets again
-    (launcher.retries: not retried a second time)."""
+    (launcher.retries: not retried a second time); blames: the rank that could not write
+    (launcher.agent names it, not whichever rank ended first)."""
     repeats = False
+    blames = None
 
 
-STORAGE_FULL = ("no space left", "quota exceeded", "read-only file system", "permission denied")
+STORAGE_FULL = ("no space left", "quota exceeded", "read-only file system", "permission denied",
+                "operation not permitted")
 
 
 SAME_RANKS = ("ps_sharded", "conv_model_parallel", "hypergraph")  # resume only on as many ranks as wrote them
