@@ -294,7 +294,7 @@ def load_job(source, overrides=None, where=None, stored=False):
         if first["loc"][:1] == ("training",) and run.get("function") != BUILTIN_RUNNER:
             raise JobError(f"{where}: training: only the built-in runner (run.function: {BUILTIN_RUNNER}) reads "
                            f"this section, and your own code runs; remove it (it said {path}: {msg})") from None
-        if msg.startswith(("groups", "training", "checkpoint", "give ")) and ":" in msg and first["loc"] == ():
+        if msg.startswith(("groups", "training", "checkpoint", "run.", "give ")) and ":" in msg and first["loc"] == ():
             path, msg = msg.split(": ", 1)
         elif msg.startswith("[") and "]" in msg.split(": ", 1)[0]:     # a list entry: field[i].key
             where_in, msg = msg.split(": ", 1)

@@ -223,8 +223,8 @@ class DataColumns(Model):
 class Data(Model):
     """The training and test sets: Parquet datasets at any pyarrow filesystem URI, or a
     user's map-style dataset (docs/data.md)."""
-    train: Optional[str]
-    test: Optional[str]
+    train: Path
+    test: Path
     dataset: Annotated[Optional[str], AfterValidator(_module_function)]
     dataset_options: Dict[str, Any]
     columns: DataColumns
@@ -442,7 +442,9 @@ class JobSpec(Model):
     network: Network
 
     @model_validator(mode="after")
-    def _cross_checks(self):
+    def _cross_checks(self, info: ValidationInfo):
+        if submitting(info):
+            self._submit_checks()
         seen = set()
         for i, g in enumerate(self.groups):
             if g.name in seen:
@@ -475,6 +477,20 @@ class JobSpec(Model):
                 raise ValueError(f"training.strategy.{field}: {len(weights)} weights given for "
                                  f"{self.world_size} ranks; give one per rank")
         return self
+
+    def _submit_checks(self):
+        """What a submit refuses, and an application's job.json read back does not (see submitting)."""
+        if self.run.args and not self.run.script:       # (ignored without a word)
+            raise ValueError(f"run.args: only run.script reads them (as sys.argv[1:]); "
+                             f"{'the built-in runner' if self.run.function == BUILTIN_RUNNER else 'a function'} "
+                             f"is called with its context, and its settings are the job's: drop run.args")
+        held = self.training.data.memory if self.training else None
+        least = min(self.groups, key=lambda g: g.memory, default=None)
+        if held and least is not None and held >= least.memory:     # (a bare number of bytes, read as MiB)
+            raise ValueError(f"training.data.memory: {held} MiB, not less than the {least.memory} MiB of group "
+                             f"{least.name!r}'s containers, whose ranks hold that much of the data besides the model "
+                             f"(a bare number is MiB); give less, e.g. {max(1, least.memory // 4)} MiB, or drop "
+                             f"it for a quarter of each container's memory")
 
     @property
     def world_size(self):

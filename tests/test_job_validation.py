@@ -180,6 +180,15 @@ CASES = [
     # '' was the submit directory: checkpoints written there, the whole directory shipped
     ("checkpoint-uri-empty", _with("checkpoint", {"uri": ""}), "checkpoint.uri", "empty: give a path or URI"),
     ("files-empty", _with("run.files", [""]), "run.files[0]", "empty: give a path or URI"),
+    # from a job-reference audit: each was accepted and ignored, or read as 256 TiB, without a word
+    ("args-of-a-function", _with("run.args", ["--x"]), "run.args", "only run.script reads them"),
+    ("data-memory-in-bytes", {**GOOD, "run": {"function": "training.runner:main"},
+                              "training": {"data": {"train": "x", "memory": 268435456}}}, "training.data.memory",
+     "268435456 MiB, not less than the 256 MiB of group 'w''s containers"),
+    ("train-empty", {**GOOD, "run": {"function": "training.runner:main"}, "training": {"data": {"train": ""}}},
+     "training.data.train", "empty: give a path or URI"),
+    ("test-empty", {**GOOD, "run": {"function": "training.runner:main"},
+                    "training": {"data": {"train": "x", "test": ""}}}, "training.data.test", "empty: give a path or URI"),
     ("memory-in-all", {**GOOD, "groups": [{"name": "w", "instances": 2, "vcores": 0.5,
                                            "memory": f"{psutil.virtual_memory().total * 6 // 10 // 2**20} MiB"}]},
      "groups", "of memory in all"),

@@ -438,3 +438,17 @@ def test_images_too_small_for_a_built_in_model_are_refused_before_anything_start
                             "test_transforms alike (resize), or give another model")
     preflight.check_data(job.model_copy(update={"training": job.training.model_copy(update={"model": "mlp"})}),
                          "job.yaml")                                        # the MLP takes them
+
+
+def test_a_class_name_column_no_split_has_is_refused_where_the_metadata_names_the_classes(digits):
+    """digits' metadata names its classes, so read_footers drops a class-name column the
+    files lack (a training set with it, beside a test set imported by yarnapp): a misspelt
+    name was ignored without a word, and the run SUCCEEDED with the metadata's names."""
+    def job(column):
+        return conf.load_job({"name": "t", "groups": [{"name": "w", "instances": 1, "vcores": 1}],
+                              "training": {"data": {"train": f"{digits}/train", "test": f"{digits}/test",
+                                                    "columns": {"class_name": column}}}})
+    with pytest.raises(YarnappError, match=r"^job.yaml: training.data.columns.class_name: no column 'nosuch' in "
+                                           r"training.data.train \(.*\) or test, whose metadata names the classes"):
+        preflight.check_data(job("nosuch"), "job.yaml")
+    preflight.check_data(job(None), "job.yaml")

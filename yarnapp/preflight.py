@@ -102,6 +102,11 @@ def check_data(job, where=None, on_cluster=False):
                 _warn_big_row_groups(uri, blocks, pre)
                 if found[split].one_class_files:
                     _warn_one_class_blocks(job, found[split], pre)
+    if data.columns.class_name and "train" in found and not any(f.class_column for f in found.values()):
+        # (read_footers drops it where the metadata names the classes: a misspelt name was ignored)
+        raise YarnappError(f"{pre}training.data.columns.class_name: no column {data.columns.class_name!r} in "
+                           f"training.data.train ({data.train}){' or test' if 'test' in found else ''}, whose "
+                           f"metadata names the classes; fix the column's name, or drop the field")
     train, shape = found.get("train"), None
     if not data.transform:      # the user's own transform runs in the containers only
         shape = _check_sizes(data, shapes, pre)

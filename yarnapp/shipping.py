@@ -139,7 +139,8 @@ def _plan(job, where=None):
     def add(name, path, field):
         path = os.path.abspath(path)
         if not os.path.exists(path):
-            raise YarnappError(f"{field}: {path} does not exist; list only files and directories that do")
+            fix = "list only files and directories that do" if field == "run.files" else "give the file's path"
+            raise YarnappError(f"{field}: {path} does not exist; {fix}")
         if name in entries and entries[name] != path:
             raise YarnappError(f"{field}: {path} and {entries[name]} would both land as {name!r} in the "
                                f"container; rename one, or ship their common parent directory")

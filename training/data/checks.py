@@ -30,6 +30,7 @@ class Checked:
     lowest: Optional[int] = None    # its smallest label, where the statistics say
     named: bool = False             # its metadata (ours or Hugging Face's) gives the number of classes
     one_class_files: bool = False   # its labels or class names come from directories: a file holds one class
+    class_column: bool = False      # it has the class-name column asked for (training.data.columns.class_name)
 
 
 def check(uri, columns=None, shape=None, named=False):
@@ -80,7 +81,8 @@ def check(uri, columns=None, shape=None, named=False):
                    blocks=blocks, classes=named or by_directory or None,
                    num_classes=n or (len(named) if named else None) or (top + 1 if top is not None else None),
                    lowest=low, named=bool(n or named),
-                   one_class_files=any(c in part for part in f.partitions for c in (columns.label, columns.class_name)))
+                   one_class_files=any(c in part for part in f.partitions for c in (columns.label, columns.class_name)),
+                   class_column=bool(columns.class_name))     # (read_footers drops one the files lack)
 
 
 def _classes_from_directories(f):
