@@ -390,7 +390,7 @@ def main(argv=None):
     info = comm.gather({"rank": ident.rank, "container": ident.container, "host": socket.gethostname(),
                         "pid": os.getpid(), **(net or {})}, root=0)
     env = torch_env.contract(comm, store, gen, ident.rank, ident.world_size, ident.backend, ident.app_id,
-                             job.max_restarts)
+                             job.max_restarts, own_gpus=job.ranks()[ident.rank]["gpus"] > 0)
     os.environ.update(env)
     if ident.rank == 0:
         store.put(keys.formed(gen), json.dumps({"time": time.time(), "seconds": took, "members": info}))

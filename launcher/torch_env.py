@@ -6,7 +6,10 @@ and torchrun-style scripts read, before the user's code starts:
 
     RANK, WORLD_SIZE                  the rank in the world and its size (group order)
     LOCAL_RANK, LOCAL_WORLD_SIZE      among this application's containers on the same
-                                      host (its emulated node on the local engine)
+                                      host (its emulated node on the local engine); a
+                                      container with GPUs is a host of its own (0 and 1),
+                                      as a Kubernetes pod is: it sees only its own GPUs, so
+                                      `torch.cuda.set_device(LOCAL_RANK)` picks its first
     GROUP_RANK                        the index of that host, hosts ordered by their
                                       lowest rank (torchrun: the node rank)
     GROUP_WORLD_SIZE                  the number of hosts (torchrun: the nodes)
@@ -61,10 +64,12 @@ def local_layout(hosts, rank):
     return same.index(rank), len(same), order.index(mine)
 
 
-def contract(comm, store, gen, rank, size, backend, app_id, max_restarts):
+def contract(comm, store, gen, rank, size, backend, app_id, max_restarts, own_gpus=False):
     """Collective over the world `comm`: the torch.distributed variables of this rank
-    (a dict of strings). Rank 0 picks MASTER_PORT and publishes it in the store."""
-    hosts = comm.allgather(host_key())
+    (a dict of strings). Rank 0 picks MASTER_PORT and publishes it in the store.
+    own_gpus: this rank's container holds GPUs (a host of its own: LOCAL_RANK 0)."""
+    # (set_device(LOCAL_RANK) of the second GPU container on a host: "invalid device ordinal")
+    hosts = comm.allgather(f"{host_key()}#rank{rank}" if own_gpus else host_key())
     master = None
     if rank == 0:
         addr = master_address(backend)

@@ -15,6 +15,7 @@ import pytest
 import yarnapp
 from util import assert_nothing_left
 from yarnapp.backends.local import gpus, leases
+from yarnapp.errors import YarnappError
 
 pytestmark = pytest.mark.e2e
 
@@ -45,6 +46,10 @@ def test_the_inventory_reads_nvidia_smi_and_honours_cuda_visible_devices(two_fak
     monkeypatch.setenv("YARNAPP_GPUS", "0,1,2,3")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3")
     assert [g.index for g in gpus.inventory()] == [1, 3]
+    for bad in ("all", "0,0", "0,a"):       # a traceback; one GPU given to two containers
+        monkeypatch.setenv("YARNAPP_GPUS", bad)
+        with pytest.raises(YarnappError, match=rf"^YARNAPP_GPUS={bad!r}: not a list of distinct GPU indices"):
+            gpus.inventory()
 
 
 def test_no_nvidia_smi_means_no_gpus(monkeypatch, tmp_path):
@@ -62,12 +67,19 @@ def _submit(name, groups, seconds=0):
 
 
 def test_every_container_sees_only_its_own_gpus(two_fake_gpus, yarnapp_home):
+    """... and, seeing only its own, is a host of its own for torch's contract (LOCAL_RANK 0,
+    as a Kubernetes pod): the tutorial's set_device(LOCAL_RANK) was "invalid device ordinal"
+    in the second GPU container of a host; the CPU containers share theirs."""
     run = _submit("gpu", [{"name": "gpu", "instances": 2, "gpus": 1, "vcores": 0.5, "memory": "512 MiB"},
-                          {"name": "cpu", "instances": 1, "vcores": 0.5, "memory": "512 MiB"}])
+                          {"name": "cpu", "instances": 2, "vcores": 0.5, "memory": "512 MiB"}])
     st = run.wait(timeout=120)
     assert st["state"] == "SUCCEEDED", run.logs()
-    assert st["final"]["visible"] == ["0", "1", ""]             # rank order: gpu_0, gpu_1, cpu_0
-    assert {c["id"]: c["gpu_devices"] for c in st["containers"]} == {"gpu_0": [0], "gpu_1": [1], "cpu_0": []}
+    assert st["final"]["visible"] == ["0", "1", "", ""]         # rank order: gpu_0, gpu_1, cpu_0, cpu_1
+    assert {c["id"]: c["gpu_devices"] for c in st["containers"]} == {"gpu_0": [0], "gpu_1": [1], "cpu_0": [],
+                                                                     "cpu_1": []}
+    # (LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE)
+    assert st["final"]["local"] == [["0", "1", "0", "3"], ["0", "1", "1", "3"], ["0", "2", "2", "3"],
+                                    ["1", "2", "2", "3"]], st["final"]["local"]
     assert leases.Leases().held() == {}                            # released at the end
     assert_nothing_left(run.app_id)
 
@@ -288,7 +300,7 @@ def test_on_real_gpus_an_unmodified_nccl_ddp_script_trains_on_its_containers_gpu
     st = run.wait(timeout=300)
     assert st["state"] == "SUCCEEDED", run.logs()
     info = [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
-    assert [i["device"] for i in info] == [f"cuda:{i['local_rank']}" for i in info]
+    assert [i["device"] for i in info] == ["cuda:0"] * n         # set_device(LOCAL_RANK): each its own first
     assert [i["env"]["CUDA_VISIBLE_DEVICES"] for i in info] == [str(g.index) for g in REAL_GPUS]
     weights = [torch.load(out / f"rank{r}.pt") for r in range(n)]
     assert all(torch.equal(weights[0][k], w[k]) for w in weights for k in w)
