@@ -105,6 +105,18 @@ class Failure:
 _COLLATERAL = re.compile(r"MPI|gloo|NCCL|[Cc]onnection (closed|reset|refused)|[Bb]roken pipe|peer")
 
 
+# What a rank's error line says when its container has no CUDA device for its code: a GPU
+# script on a container without GPUs, or past the ones it has (every attempt meets it).
+_NO_DEVICE = re.compile(r"Found no NVIDIA driver|Torch not compiled with CUDA|No CUDA GPUs are available|"
+                        r"invalid device ordinal|ProcessGroupNCCL is only supported with GPUs|"
+                        r"CUDA driver version is insufficient")
+
+
+def lacks_a_device(line):
+    """Whether a rank's error line says its container has no CUDA device for its code."""
+    return bool(line) and bool(_NO_DEVICE.search(line))
+
+
 def looks_collateral(line):
     """Whether a rank's error line reads like a lost peer's consequence, not its own fault."""
     return bool(_COLLATERAL.search(line))

@@ -19,6 +19,9 @@ asks after every abort). These are not, since a restart would fail as this one d
   training.partition.PartitionError), in any phase: the
   hypergraph strategy partitions at its first step, and a model it cannot place was tried
   as often as the job allowed;
+- a rank's container has no CUDA device for its code (no driver, no GPU, an ordinal past its
+  GPUs: launcher.failure.lacks_a_device), in any phase: a GPU script's `.cuda()` after a
+  first step on the CPU, or on some ranks only, was tried as often as the job allowed;
 - ranks waited in different collectives of training.dist (launcher.diagnosis.called_apart:
   their code calls them in another order, which every attempt runs again);
 - a rank's code ended (exit 0) in the generation that failed: its agent, and on YARN its
@@ -28,7 +31,7 @@ asks after every abort). These are not, since a restart would fail as this one d
 import time
 
 from . import keys
-from .failure import CALLED_APART, EXITED_EARLY, WAITED_FOR_FINISHED, Failure, Kind, ended_in
+from .failure import CALLED_APART, EXITED_EARLY, WAITED_FOR_FINISHED, Failure, Kind, ended_in, lacks_a_device
 
 NOT_RETRIED = ("every rank failed the same way before training started, so it was not retried "
                "(a restart would fail the same way)")
@@ -37,6 +40,8 @@ NOT_RETRIED_AGAIN = NOT_RETRIED.replace("before training started", "as the resta
 OOM_AGAIN = "killed for memory in two attempts in a row, so it was not retried again (a restart would be too)"
 INPUT_AGAIN = "the same error in two attempts in a row, so it was not retried again (a restart would fail the same way)"
 CERTAIN = "a mistake in the job's model or strategy settings, which every attempt meets, so it was not retried"
+NO_DEVICE = ("its container has no such CUDA device (groups[].gpus gives a container GPUs, each seeing its own "
+             "from cuda:0), which every attempt meets, so it was not retried")
 FEWER_STEPS = "every attempt would run the same steps, so it was not retried"
 SAME_CALLS = "every attempt would make the same calls, so it was not retried"
 ENDED = ("{who} " + EXITED_EARLY + " in this attempt, and {whose} container with {it}, so it was not retried (a "
@@ -52,6 +57,8 @@ def not_worth_retrying(store, members, gen, cause, poll_s, wait_s):
         return NOT_RETRIED if gen == 0 else NOT_RETRIED_AGAIN
     if cause.certain:
         return CERTAIN
+    if lacks_a_device(cause.error):
+        return NO_DEVICE
     if WAITED_FOR_FINISHED in (cause.reason or ""):
         return FEWER_STEPS
     if CALLED_APART in (cause.reason or ""):

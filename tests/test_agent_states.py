@@ -19,7 +19,7 @@ from launcher import beats, exitcodes, keys, memory, stacks
 from launcher.agent import SETUP_GRACE_S, TRANSITIONS, Agent, Outcome, State
 from launcher.failure import Failure, Kind, log_tail
 from launcher.identity import Identity
-from launcher.retries import CERTAIN, INPUT_AGAIN, NOT_RETRIED, NOT_RETRIED_AGAIN, OOM_AGAIN
+from launcher.retries import CERTAIN, INPUT_AGAIN, NO_DEVICE, NOT_RETRIED, NOT_RETRIED_AGAIN, OOM_AGAIN
 from launcher.store import FileStore, SkeinStore
 
 pytestmark = pytest.mark.unit
@@ -244,6 +244,18 @@ def test_a_mistake_in_the_jobs_model_or_strategy_is_not_retried_even_in_training
     assert a.run() == 1 and a.spawned_gens == [0]
     failed = load(store, keys.FAILED)
     assert failed.retried is False and failed.attempts == 1 and failed.reason.endswith(CERTAIN), failed.reason
+
+
+@pytest.mark.parametrize("error", ["RuntimeError: Found no NVIDIA driver on your system. Please check that you "
+                                   "have an NVIDIA GPU and installed a driver",
+                                   "torch.AcceleratorError: CUDA error: invalid device ordinal"])
+def test_a_rank_without_the_cuda_device_its_code_asks_for_is_not_retried_even_in_training(tmp_path, error):
+    """A GPU script's .cuda() after a first step on the CPU, or on one rank of several, was
+    tried max_restarts + 1 times: no restart gives a container a GPU it lacks."""
+    a, store = agent(tmp_path, [(Outcome.OWN, crash(code=1, error=error), None)], max_restarts=3)
+    assert a.run() == 1 and a.spawned_gens == [0]
+    failed = load(store, keys.FAILED)
+    assert failed.retried is False and failed.reason.endswith(NO_DEVICE), failed.reason
 
 
 def test_a_failure_in_training_is_retried_even_when_it_repeats(tmp_path):

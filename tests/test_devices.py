@@ -23,9 +23,17 @@ def info(gpus):
     return RankInfo(rank=0, group="g", instance=0, container="g_0", vcores=1.0, memory_mib=1024, gpus=gpus)
 
 
-def test_a_rank_computes_on_its_gpu_only_when_it_has_one_and_cuda_is_there():
-    assert devices.rank_device(info(0)) == torch.device("cpu")
-    assert devices.rank_device(info(1)) == (torch.device("cuda", 0) if CUDA else torch.device("cpu"))
+def test_a_rank_computes_on_its_gpu_only_when_it_has_one_and_cuda_is_there(caplog, monkeypatch):
+    monkeypatch.setattr(devices, "_warned", [])
+    with caplog.at_level(logging.WARNING, logger="training.devices"):
+        assert devices.rank_device(info(0)) == torch.device("cpu")
+        assert not caplog.text
+        assert devices.rank_device(info(1)) == (torch.device("cuda", 0) if CUDA else torch.device("cpu"))
+        devices.rank_device(info(1))
+    # a container given a GPU that CUDA cannot use trained on the CPU without a word: said, once
+    said = [r.message for r in caplog.records]
+    assert said == ([] if CUDA else [said[0]]) and (CUDA or "holds 1 GPU(s)" in said[0] and "computes on the CPU"
+                                                    in said[0]), said
 
 
 def test_a_rank_that_costs_more_than_it_saves_is_named():

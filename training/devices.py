@@ -8,13 +8,28 @@ it sends through host buffers (pinned, so that copies can overlap compute) and c
 the result back; on a CPU rank staging is a no-op. Sums stay in the fixed order of the
 host collectives, in fp32, whatever the mix of devices.
 """
+import logging
+import os
+
 import torch
+
+log = logging.getLogger(__name__)
+_warned = []
 
 
 def rank_device(rank_info):
-    """torch.device for a rank described by training.context.RankInfo (gpus, vcores...)."""
-    if getattr(rank_info, "gpus", 0) and torch.cuda.is_available():
+    """torch.device for a rank described by training.context.RankInfo (gpus, vcores...).
+    A container given GPUs where CUDA finds none computes on the CPU, and says so once
+    (a broken driver or a CPU build of torch: it trained many times slower without a word)."""
+    gpus = getattr(rank_info, "gpus", 0)
+    if gpus and torch.cuda.is_available():
         return torch.device("cuda", 0)
+    if gpus and not _warned:
+        _warned.append(True)
+        log.warning("this container holds %d GPU(s) (CUDA_VISIBLE_DEVICES=%s) but torch finds no CUDA device (%s): it "
+                    "computes on the CPU", gpus, os.environ.get("CUDA_VISIBLE_DEVICES"),
+                    "a build of torch without CUDA" if torch.version.cuda is None else
+                    f"CUDA {torch.version.cuda}: no driver, or no device it can use")
     return torch.device("cpu")
 
 
