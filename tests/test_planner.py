@@ -625,3 +625,18 @@ def test_planner_processes_stop_when_the_planner_is_killed(planner_script):
     for p in left:          # a failing run leaves nothing behind either
         os.kill(p, 9)
     assert not left, f"processes {left} still run after the planner was killed"
+
+
+def test_a_gpu_beside_cpus_is_judged_only_where_its_speed_is_known():
+    """Without CUDA or --gpu-speed the GPU group is planned as its CPU threads: that speed
+    was called "the GPU alone", and the advice to drop the CPU ranks rested on it."""
+    from training.planner import present
+
+    def plan(gpu_name):
+        return {"devices": [{"name": gpu_name}, {"name": "cpu (1 vcores, 1 thread)"}], "model": {"batch": 64},
+                "single_s": 0.1, "speed_shares": {"allreduce": {"step_s": 0.08, "split": [40, 24]}}}
+    assumed = present._gpu_beside_cpus(plan("gpu (gpu ~ cpu x20, assumed)"))
+    assert assumed[1].startswith("gpu + cpus: the GPU alone 640.0 samples/s") and "they help" in assumed[1]
+    unknown = present._gpu_beside_cpus(plan("gpu (gpu not measured: no CUDA here, planned as its 1 CPU thread; "
+                                            "--gpu-speed N assumes a GPU N x that)"))
+    assert unknown[1].startswith("gpu + cpus: not judged, for the GPU was not measured") and "samples/s" not in unknown[1]

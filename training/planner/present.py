@@ -160,6 +160,9 @@ def _gpu_beside_cpus(plan):
     gpu = [n for n in names if "(cuda)" in n or "(gpu " in n]
     if not gpu or len(gpu) == len(names) or names[0] not in gpu:
         return []
+    if any("gpu not measured" in n for n in gpu):      # (one CPU thread's speed was called the GPU's)
+        return ["", "gpu + cpus: not judged, for the GPU was not measured (no CUDA here): plan on a machine with "
+                    "CUDA, or give --gpu-speed N (the GPU as N x rank 0's CPU threads)"]
     batch, alone = plan["model"]["batch"], plan["single_s"]
     best = min(((n, p) for n, p in plan["speed_shares"].items() if p), key=lambda x: x[1]["step_s"], default=None)
     if best is None:

@@ -50,8 +50,7 @@ def inventory(environ=None):
     env = os.environ if environ is None else environ
     given = env.get("YARNAPP_GPUS")
     if given is not None:
-        gpus = [Gpu(int(i), f"GPU-{int(i)}", "given by YARNAPP_GPUS", 0)
-                for i in given.split(",") if i.strip()]
+        gpus = [Gpu(i, f"GPU-{i}", "given by YARNAPP_GPUS", 0) for i in given_indices(given)]
     else:
         gpus = _from_nvidia_smi()
     visible = env.get("CUDA_VISIBLE_DEVICES")
@@ -59,6 +58,23 @@ def inventory(environ=None):
         allowed = [v.strip() for v in visible.split(",") if v.strip()]
         gpus = [g for g in gpus if str(g.index) in allowed or g.uuid in allowed]
     return gpus
+
+
+def source(environ=None):
+    """Where inventory() found its GPUs, as messages say it."""
+    env = os.environ if environ is None else environ
+    return "YARNAPP_GPUS" if env.get("YARNAPP_GPUS") is not None else "nvidia-smi"
+
+
+def given_indices(text):
+    """YARNAPP_GPUS's indices; YarnappError for what is not a list of distinct indices (`all`,
+    NVIDIA_VISIBLE_DEVICES's habit, was a traceback; `0,0` gave one GPU to two containers)."""
+    from ...errors import YarnappError
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not all(p.isdigit() for p in parts) or len(set(map(int, parts))) != len(parts):
+        raise YarnappError(f"YARNAPP_GPUS={text!r}: not a list of distinct GPU indices such as 0,1; give the indices "
+                           f"this machine's engine may hand out, or unset it to ask nvidia-smi")
+    return [int(p) for p in parts]
 
 
 def split(indices, requests):
