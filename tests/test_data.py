@@ -317,6 +317,38 @@ def test_image_folder_import_keeps_the_files_as_they_are(tmp_path, caplog):
     _one_line_naming(e, "size", "as they are")
 
 
+def test_image_folder_import_takes_nested_folders_decodes_each_image_and_composes_class_names(tmp_path):
+    """From an audit with real folders: images one level down in a class were dropped (and
+    the class called empty), a JPEG cut inside its scans passed Pillow's verify() and failed
+    in training as "row 1", and a Mac's decomposed folder name was a class of its own."""
+    import unicodedata
+    from PIL import Image
+    rng = np.random.default_rng(2)
+
+    def jpeg(path, size=(64, 64)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).save(path, quality=90)
+    nfc, nfd = unicodedata.normalize("NFC", "ñandú"), unicodedata.normalize("NFD", "ñandú")
+    jpeg(tmp_path / "train" / "cat" / "0.jpg")
+    jpeg(tmp_path / "train" / "cat" / "2023" / "1.jpg")            # nested, as ImageFolder takes them
+    jpeg(tmp_path / "train" / "cat" / "2023" / "deeper" / "2.jpg")
+    jpeg(tmp_path / "train" / nfc / "0.jpg")
+    summary = data.run_import("image-folder", str(tmp_path / "ds"), {"folder": str(tmp_path / "train")})
+    assert summary["datasets"][0]["rows"] == 4
+    assert ParquetSource(str(tmp_path / "ds")).classes == ["cat", nfc]
+    jpeg(tmp_path / "test" / nfd / "0.jpg")                          # unzipped from a Mac's archive
+    data.run_import("image-folder", str(tmp_path / "ds_test"), {"folder": str(tmp_path / "test"),
+                                                                 "classes": f"cat,{nfc}"})
+    assert ParquetSource(str(tmp_path / "ds_test")).classes == ["cat", nfc]
+    cut = tmp_path / "train" / "cat" / "2023" / "2.jpg"
+    blob = (tmp_path / "train" / "cat" / "2023" / "deeper" / "2.jpg").read_bytes()
+    cut.write_bytes(blob[:len(blob) * 8 // 10])                      # verify() passed it
+    with pytest.raises(DataError) as e:
+        data.import_image_folder(str(tmp_path / "ds2"), str(tmp_path / "train"))
+    _one_line_naming(e, f"{cut}: not a readable image", "truncated")
+    assert not (tmp_path / "ds2").exists()
+
+
 def _spec(**data_fields):
     import conf
     job = {"name": "t", "groups": [{"name": "g", "instances": 1, "vcores": 1, "memory": "1 GiB"}],

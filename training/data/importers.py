@@ -9,6 +9,7 @@ import io
 import logging
 import os
 import re
+import unicodedata
 
 import numpy as np
 
@@ -170,8 +171,10 @@ IMAGE_FOLDER_SEED = 20240501
 
 
 def import_image_folder(uri, folder, shards=2, overwrite=False, classes=None):
-    """The image files under `folder`/<class name>/* as one dataset at `uri`, kept as
-    they are (JPEG stays JPEG: no decoding, no resizing; Pillow only checks each file).
+    """The image files under `folder`/<class name>/ (its subfolders too, as torchvision's
+    ImageFolder) as one dataset at `uri`, kept as they are (JPEG stays JPEG: no resizing;
+    Pillow decodes each once to check it). Class names are the subfolders' in Unicode's
+    composed form (NFC).
 
     Classes are the sorted subfolder names, or `classes` (names in label order, e.g. a
     training set's, for a test folder that lacks some of them: every subfolder must be
@@ -187,32 +190,38 @@ def import_image_folder(uri, folder, shards=2, overwrite=False, classes=None):
         raise DataError(f"{folder}: no such folder; give a folder with one subfolder of images per class")
     check_absent(uri, overwrite)
     extensions = {e.lower() for e in Image.registered_extensions()}
-    found = sorted(d for d in os.listdir(folder) if os.path.isdir(os.path.join(folder, d)) and not d.startswith("."))
+    # class names in Unicode's composed form (NFC): a Mac's folder names are decomposed (NFD),
+    # and 'ñandú' of one folder was another class than 'ñandú' of the other, printed alike
+    found = {unicodedata.normalize("NFC", d): d for d in sorted(os.listdir(folder))
+             if os.path.isdir(os.path.join(folder, d)) and not d.startswith(".")}
     if classes is not None:
-        classes = _to_names(classes)
+        classes = [unicodedata.normalize("NFC", c) for c in _to_names(classes)]
         extra = [d for d in found if d not in classes]
         if extra:
-            raise DataError(f"{folder}/{extra[0]}: a subfolder that is not among the classes given "
+            raise DataError(f"{folder}/{found[extra[0]]}: a subfolder that is not among the classes given "
                             f"({', '.join(classes)}); add it to them or move it out")
     else:
-        classes = found
+        classes = sorted(found)
     blobs, labels, grey, skipped = [], [], True, []
     for label, cls in enumerate(classes):
         if cls not in found:
             continue                # a class this folder has no images of (a test set's)
-        for name in sorted(os.listdir(os.path.join(folder, cls))):
-            path = os.path.join(folder, cls, name)
+        for path in _files_under(os.path.join(folder, found[cls])):     # subfolders too, as ImageFolder
+            name = os.path.basename(path)
             if name.startswith(".") or os.path.splitext(name)[1].lower() not in extensions:
-                if not name.startswith(".") and os.path.isfile(path):
+                if not name.startswith("."):
                     skipped.append(path)
                 continue
-            with open(path, "rb") as f:
-                blob = f.read()
+            try:
+                with open(path, "rb") as f:
+                    blob = f.read()
+            except OSError as e:        # a broken link, a file this user cannot read
+                raise DataError(f"{path}: cannot read it ({e.strerror or one_line(e)}); remove or replace it") from None
             try:
                 with Image.open(io.BytesIO(blob)) as im:
                     mode = im.mode
-                    im.verify()
-            except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+                    im.load()       # decoded whole: verify() passed a JPEG cut inside its scans
+            except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
                 why = re.sub(r" <_io\.BytesIO object at 0x[0-9a-f]+>", "", one_line(e))    # PIL names its buffer
                 raise DataError(f"{path}: not a readable image ({why}); remove or replace it") from None
             grey = grey and mode in ("1", "L", "LA", "I", "I;16", "F")
@@ -235,6 +244,14 @@ def import_image_folder(uri, folder, shards=2, overwrite=False, classes=None):
     m["channels"] = 1 if grey else 3
     return {"kind": "image-folder", "datasets": [
         write_encoded(uri, [blobs[i] for i in order], np.asarray(labels)[order], m, shards, overwrite)]}
+
+
+def _files_under(top):
+    """The files under `top`, its subfolders' too (hidden ones left out), in a fixed order."""
+    for root, dirs, files in os.walk(top, followlinks=True):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(files):
+            yield os.path.join(root, name)
 
 
 def _to_int(v):

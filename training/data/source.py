@@ -159,8 +159,10 @@ class ParquetSource:
             raise DataError(f"{uri}: its images have {self.channels} channel(s), the training set's "
                             f"({reference.uri}) {reference.channels}; give a test set of the same kind of images")
         log.info("%s: %d channel(s)%s", uri, self.channels, "" if self.layout.kind == RAW or shape or reference
-                 else f" (from its first {CHANNEL_PROBE} images: 3 where any is colour; training.data.shape "
-                      f"[C, H, W] sets C)")
+                 else " (from its metadata, as imported; training.data.shape [C, H, W] sets C)"
+                 if self.layout.meta.get("channels") else
+                 f" (from its first {CHANNEL_PROBE} images: 3 where any is colour; training.data.shape [C, H, W] "
+                 f"sets C)")
         self.train_ops, train_hooks = transforms.build(g("augment", []), "training.data.augment")
         self.test_ops, test_hooks = transforms.build(g("test_transforms", []), "training.data.test_transforms")
         user = _user_hook(g("transform"))
