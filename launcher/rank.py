@@ -321,8 +321,17 @@ def meet_at_the_end(store, gen, rank, world_size, wait):
     code never read the MPI world (ctx.comm) does not wait at all (`wait` 0): it is in
     none of its peers' MPI calls, and leaving closes its torch.distributed sockets at once,
     as torchrun's end of a process does. Returns how the wait ended (wait_for_peers)."""
-    store.put(keys.finished(gen, rank), "1")
+    store.put(keys.finished(gen, rank), LEFT)
     return wait_for_peers(store, gen, world_size, wait)
+
+
+LEFT = "left"       # keys.finished's value of a rank that leaves without the MPI world's Barrier
+
+
+def a_peer_left(store, gen):
+    """Whether a rank of generation `gen` left without the Barrier (meet_at_the_end): the
+    ranks on the MPI world then leave without it too, where it would wait for that one."""
+    return any(v in (LEFT, LEFT.encode()) for v in store.get_prefix(keys.finished(gen)).values())
 
 
 DONE, ABORTED, WAITED = "done", "aborted", "waited"
@@ -438,7 +447,10 @@ def main(argv=None):
     if ctx.tensorboard is not None:
         ctx.tensorboard.close()
     ctx.heartbeat("finished")       # waiting for its peers now: not hung itself if they never come (agent)
-    if close_user_process_group():
+    # Code that never read the MPI world (ctx.comm) has no Barrier to keep: it leaves, and its
+    # torch.distributed sockets close with it, as under torchrun (a DDP script that destroyed its
+    # group itself kept the sockets its model holds open, and a peer one step behind waited 120 s)
+    if close_user_process_group() or not ctx.comm_used:
         # code that never read ctx.comm made no MPI call: nothing of its peers' waits on it
         if meet_at_the_end(store, gen, ident.rank, ident.world_size,
                            FINISH_WAIT_FRACTION * ident.job.launcher.heartbeat_timeout if ctx.comm_used
@@ -457,7 +469,7 @@ def main(argv=None):
             peers = DONE
         if peers == ABORTED:
             leave_aborted(store, gen)
-        else:
+        elif not a_peer_left(store, gen):
             comm.Barrier()
     logging.shutdown()
     sys.stdout.flush()

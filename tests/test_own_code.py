@@ -533,7 +533,7 @@ def test_a_segfault_names_the_line_that_made_it(tmp_path):
     assert native_crash(str(log), log.stat().st_size) == ""       # nothing of its own said: nothing made up
 
 
-@pytest.mark.parametrize("ddp", [False, True])
+@pytest.mark.parametrize("ddp", [False, True, "destroyed"])
 def test_a_torchrun_script_whose_rank_returns_early_fails_its_peers_instead_of_hanging(cli, tmp_path, ddp):
     """Rank 1 of an unmodified gloo script leaves with sys.exit(0) at step 3 while the
     others go on to all_reduce with it. Under torchrun its process would end and its peers
@@ -542,7 +542,9 @@ def test_a_torchrun_script_whose_rank_returns_early_fails_its_peers_instead_of_h
     nothing ever looked hung). Now the launcher closes the group the code left open, and
     when something still holds it (a DistributedDataParallel model: its sockets close only
     with the process), the rank's process ends at once instead of waiting for its peers.
-    Restarts left are not spent: the ended rank's container has ended too."""
+    Restarts left are not spent: the ended rank's container has ended too. "destroyed": the
+    tutorial's own destroy_process_group() before it leaves (no group left open, so the rank
+    waited for its peers with the DDP model's sockets open, and they for it: 120 s)."""
     model = "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 2))\n" if ddp else ""
     step = ("    loss = model(torch.ones(4, 8)).sum()\n    loss.backward()\n" if ddp else
             "    t = torch.ones(1)\n    dist.all_reduce(t)\n")
@@ -550,7 +552,9 @@ def test_a_torchrun_script_whose_rank_returns_early_fails_its_peers_instead_of_h
                       "import os, sys, time\nimport torch, torch.distributed as dist\n"
                       "dist.init_process_group('gloo')\nrank = int(os.environ['RANK'])\n" + model +
                       "for i in range(200):\n"
-                      "    if rank == 1 and i == 3:\n        sys.exit(0)\n"
+                      "    if rank == 1 and i == 3:\n"
+                      + ("        dist.destroy_process_group()\n" if ddp == "destroyed" else "") +
+                      "        sys.exit(0)\n"
                       + step + "    time.sleep(0.05)\n"
                       "dist.destroy_process_group()\n", max_restarts=2)
     proc = cli("submit", job, "--wait", timeout=240)
