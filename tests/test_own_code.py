@@ -488,6 +488,7 @@ def test_a_script_exiting_non_zero_silently_is_described_by_its_status_not_our_l
     assert (named["exit_code"], named["exit"]) == (1, None), named      # was 3, "ended because ... elsewhere"
     lines = cli("status", app_id_from(err), check=0).stdout.splitlines()
     at = next(i for i, line in enumerate(lines) if line.strip().startswith(named["id"] + " "))
+    assert " exit=1 (its rank's 3) " in lines[at], lines[at]       # (3 is the healthy containers' own status)
     assert lines[at + 1].strip() == "the application failed here: " + st["failure"]["reason"], lines
     assert_nothing_left(app_id_from(err))
 

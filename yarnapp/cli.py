@@ -122,7 +122,11 @@ def cmd_status(args):
         res = (f"  {c['vcores']:g} vcores {c['memory_mib']} MiB{peak}  [{c['resources']}]" if "vcores" in c
                else "") + (f"  {c['node']}" if c.get("node") else "") + \
             (f" ({c['addr']})" if c.get("addr") else "")     # YARN's host, or an emulated node and its address
-        _p(f"  {c['id']:<14} rank {c.get('rank')!s:<4} {c['state']:<10} exit={'-' if c['exit_code'] is None else c['exit_code']} "
+        code = "-" if c["exit_code"] is None else str(c["exit_code"])
+        own = failure.get("exit_code") if c["id"] == failure.get("container") else None
+        if isinstance(own, int) and own > 0 and own != c["exit_code"]:     # a rank's sys.exit(3): its container's 1
+            code += f" (its rank's {own})"
+        _p(f"  {c['id']:<14} rank {c.get('rank')!s:<4} {c['state']:<10} exit={code} "
            f"attempts={c['attempts']}{' slot=' + c['slot'] if c.get('slot') else ''}{res}".rstrip())
         if c.get("exit"):
             _p(f"    {c['exit']}")
