@@ -191,6 +191,40 @@ def test_models_that_are_not_chains_are_refused():
         P.partition_report(P.LeNetCIFAR(), (3, 32, 32), [1, 0], 64)
 
 
+class _Used(nn.Module):
+    """A small conv chain whose forward may call `shared` twice, or take a defaulted argument."""
+
+    def __init__(self, twice=False, tie=False):
+        super().__init__()
+        self.c0, self.shared, self.fc = nn.Conv2d(1, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1), nn.Linear(64, 3)
+        self.fc2 = nn.Linear(64, 64)
+        if tie:
+            self.fc2.weight = nn.Parameter(torch.zeros(64, 64))
+            self.fc3 = nn.Linear(64, 64)
+            self.fc3.weight = self.fc2.weight
+        self.twice = twice
+
+    def forward(self, x, return_features=False):
+        h = F.relu(self.shared(F.relu(self.c0(x))))
+        if self.twice:
+            h = F.relu(self.shared(h))
+        h = torch.flatten(h, 1)
+        return h if return_features else self.fc(h)
+
+
+def test_a_layer_used_twice_is_refused_and_a_defaulted_forward_argument_is_not_an_input():
+    """From an audit of researchers' own models: a conv called twice was placed once under its
+    name and trained to other numbers than one process, without a word; `forward(self, x,
+    return_features=False)` was "takes 2 inputs" (the runner passes the images alone)."""
+    chain = P.layer_chain(_Used(), (1, 4, 4))
+    assert [layer.name for layer in chain.layers] == ["c0", "shared", "fc", "loss"]
+    with pytest.raises(P.PartitionError, match=r"^layer 'shared' is called 2 times in the model's forward; the "
+                                               r"hypergraph strategy places each layer once"):
+        P.layer_chain(_Used(twice=True), (1, 4, 4))
+    with pytest.raises(P.PartitionError, match=r"^layers 'fc2' and 'fc3' share a parameter \(fc3.weight\)"):
+        P.layer_chain(_Used(tie=True), (1, 4, 4))
+
+
 def test_a_reshape_by_the_batchs_size_is_a_chain_and_other_size_arithmetic_is_refused():
     """`x.view(x.size(0), -1)` (and x.size()[0], x.shape[0]: the tutorials' flatten) was
     refused as "not a chain of layers": the size node is a second user of the tensor."""

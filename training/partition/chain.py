@@ -210,6 +210,29 @@ def _classify(node, modules, sizes=None):
         "allreduce or conv_model_parallel strategy for this model")
 
 
+def _defaults(model):
+    """forward's arguments after the first that have defaults: {name: default}."""
+    import inspect
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return {}
+    return {p.name: p.default for p in params if p.default is not inspect.Parameter.empty
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def _check_each_layer_once(model):
+    """PartitionError where two layers share a parameter (weight tying): each is placed apart."""
+    seen = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        layer = name.rpartition(".")[0] or name
+        if id(p) in seen and seen[id(p)] != layer:
+            raise PartitionError(f"layers {seen[id(p)]!r} and {layer!r} share a parameter ({name}); the hypergraph "
+                                 f"strategy places each layer apart: untie them, or train with allreduce or "
+                                 f"conv_model_parallel")
+        seen.setdefault(id(p), layer)
+
+
 def layer_chain(model, input_shape, num_classes=None):
     """The model's LayerChain for inputs of `input_shape` (C, H, W): traced by torch.fx,
     shapes from one batch-1 forward on the CPU (torch.fx ShapeProp).
@@ -218,17 +241,33 @@ def layer_chain(model, input_shape, num_classes=None):
     concatenations and shape arithmetic raise PartitionError naming the node.
     """
     from torch.fx.passes.shape_prop import ShapeProp
-    try:
-        gm = torch.fx.symbolic_trace(model)
+    _check_each_layer_once(model)
+    defaults = _defaults(model)
+    try:        # the runner passes the images alone: forward's other arguments keep their defaults
+        gm = torch.fx.symbolic_trace(model, concrete_args=defaults or None)
     except Exception as e:  # noqa: BLE001 - tracing errors come in many types
         raise PartitionError(f"torch.fx cannot trace the model ({type(e).__name__}: {e}); the "
                              "hypergraph strategy needs a traceable chain of layers") from None
+    if defaults:        # fx keeps each as a placeholder whose value it asserts: no input of the chain
+        for n in reversed(list(gm.graph.nodes)):
+            if not n.users and n.op != "output" and (n.op == "placeholder" and n.prev.op == "placeholder"
+                                                     or n.target in (torch._assert, operator.eq)):
+                gm.graph.erase_node(n)
     modules = dict(gm.named_modules())
     nodes = [n for n in gm.graph.nodes]
     placeholders = [n for n in nodes if n.op == "placeholder"]
     if len(placeholders) != 1:
-        raise PartitionError(f"the model's forward takes {len(placeholders)} inputs; the hypergraph "
-                             "strategy needs exactly one")
+        raise PartitionError(f"the model's forward takes {len(placeholders)} inputs without a default; the "
+                             "hypergraph strategy (and the built-in runner) gives it one, the images")
+    calls = {}
+    for n in nodes:
+        if n.op == "call_module" and any(True for _ in modules[n.target].parameters()):
+            calls[n.target] = calls.get(n.target, 0) + 1
+    twice = next((name for name, k in calls.items() if k > 1), None)
+    if twice:       # (placed once under its name, each use partitioned apart: wrong gradients, no word)
+        raise PartitionError(f"layer {twice!r} is called {calls[twice]} times in the model's forward; the hypergraph "
+                             f"strategy places each layer once: give each use its own module, or train with "
+                             f"allreduce or conv_model_parallel")
     param = next(model.parameters(), None)
     dtype = param.dtype if param is not None else torch.float32
     with torch.no_grad():
