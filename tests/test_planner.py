@@ -640,3 +640,21 @@ def test_a_gpu_beside_cpus_is_judged_only_where_its_speed_is_known():
     unknown = present._gpu_beside_cpus(plan("gpu (gpu not measured: no CUDA here, planned as its 1 CPU thread; "
                                             "--gpu-speed N assumes a GPU N x that)"))
     assert unknown[1].startswith("gpu + cpus: not judged, for the GPU was not measured") and "samples/s" not in unknown[1]
+
+
+def test_plan_refuses_a_model_whose_forward_is_not_logits_in_one_line(tmp_path, monkeypatch):
+    """A model returning (logits, aux) was a 33-line traceback from the probe's first
+    forward; it is the runner's own one-line ModelError, before anything is measured."""
+    from training.models import ModelError
+    from training.planner.job import measure_job
+    (tmp_path / "auxnet.py").write_text(
+        "import torch\nfrom torch import nn\n\nclass Aux(nn.Module):\n"
+        "    def __init__(self, num_classes=10):\n        super().__init__()\n"
+        "        self.fc, self.aux = nn.Linear(64, num_classes), nn.Linear(64, num_classes)\n\n"
+        "    def forward(self, x):\n        h = torch.flatten(x, 1)\n        return self.fc(h), self.aux(h)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    job = conf.load_job({"name": "t", "groups": [{"name": "w", "instances": 2, "vcores": 0.5}],
+                         "training": {"model": "auxnet:Aux", "data": {"train": "unused", "shape": [1, 8, 8]}}})
+    with pytest.raises(ModelError, match=r"^model 'auxnet:Aux': its forward returns a tuple; the built-in runner "
+                                         r"needs one tensor of logits"):
+        measure_job(job, planner.PlanOptions(input_shape=(1, 8, 8), num_classes=10))

@@ -22,7 +22,7 @@ import torch
 import conf
 from training import probes
 from training import strategies as registry
-from training.models import build_model
+from training.models import build_model, check_output
 from training.perf.model import Case, Layer, Link, Profile, Scheduling, link_from_rate, share_weights
 from training.strategies.conv_mp.cost import conv_fraction, conv_layers_of, conv_split
 from training.strategies.shares import split_rows
@@ -221,6 +221,8 @@ def measure_job(job, options=PlanOptions()):
     cuda = torch.cuda.is_available()
     torch.manual_seed(spec.seed)
     model = build_model(spec.model, shape, classes, spec.model_options)
+    # logits of (batch, classes), as the runner checks (a model returning a tuple was a traceback here)
+    check_output(model, spec.model, torch.zeros((2, *shape)), classes)
     make_opt = _make_optimizer_for(spec)
     profiles = {}
 
