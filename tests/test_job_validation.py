@@ -606,6 +606,20 @@ def test_the_python_api_names_what_it_was_given(tmp_path, yarnapp_home):
     assert not os.path.isdir(os.path.join(yarnapp_home, "apps")) or os.listdir(os.path.join(yarnapp_home, "apps")) == []
 
 
+def test_a_function_submitted_over_a_job_file_with_a_scripts_args_drops_them_with_a_word(tmp_path, yarnapp_home,
+                                                                                         caplog):
+    """run.args beside a function is refused in a job.yaml; yarnapp.submit(job, function=f)
+    over a job file made for a script kept its args and was refused for them."""
+    import logging
+    import yarnapp
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({**GOOD, "run": {"script": "train.py", "args": ["--epochs", "2"]}}))
+    with caplog.at_level(logging.WARNING, logger="yarnapp.api"):
+        st = yarnapp.submit(str(path), function=lambda ctx: None, wait=True, progress=False).status()
+    assert st["state"] == "SUCCEEDED", st
+    assert f"{path}: run.args: not used: the function given takes no command line" in caplog.text
+
+
 def test_resuming_an_application_without_checkpoints_is_one_line(digits, tmp_path, cli, yarnapp_home):
     job = {"name": "t", "groups": [{"name": "w", "instances": 1, "vcores": 1, "memory": "1 GiB"}],
            "training": {"data": {"train": f"{digits}/train"}, "model": "digits_cnn"},

@@ -88,7 +88,9 @@ def submit(job, backend=None, wait=False, progress=True, function=None, **overri
             log.warning("%s: training: not used: every rank runs the function given (function=%s), not the "
                         "built-in runner the section configures; drop it", where,
                         getattr(function, "__qualname__", None) or type(function).__name__)
-        raw["run"] = {**user_run, "function": None, "script": None, "pickle": path}
+        if user_run.get("args"):        # its script's command line (refused beside a function in a job.yaml)
+            log.warning("%s: run.args: not used: the function given takes no command line; drop them", where)
+        raw["run"] = {**user_run, "function": None, "script": None, "pickle": path, "args": []}
         spec = load(raw, where, backend=backend, **overrides)
         with open(path, "wb") as f:         # planned before it is written: what the job ships besides
             f.write(b"\x80")                # (a pickle's first byte, which the plan checks)
