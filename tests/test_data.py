@@ -340,6 +340,9 @@ def test_image_folder_import_takes_nested_folders_decodes_each_image_and_compose
     data.run_import("image-folder", str(tmp_path / "ds_test"), {"folder": str(tmp_path / "test"),
                                                                  "classes": f"cat,{nfc}"})
     assert ParquetSource(str(tmp_path / "ds_test")).classes == ["cat", nfc]
+    jpeg(tmp_path / "test" / nfc / "1.jpg")                          # both forms in one folder: one class
+    summary = data.run_import("image-folder", str(tmp_path / "ds_both"), {"folder": str(tmp_path / "test")})
+    assert summary["datasets"][0]["rows"] == 2 and ParquetSource(str(tmp_path / "ds_both")).classes == [nfc]
     cut = tmp_path / "train" / "cat" / "2023" / "2.jpg"
     blob = (tmp_path / "train" / "cat" / "2023" / "deeper" / "2.jpg").read_bytes()
     cut.write_bytes(blob[:len(blob) * 8 // 10])                      # verify() passed it

@@ -192,13 +192,15 @@ def import_image_folder(uri, folder, shards=2, overwrite=False, classes=None):
     extensions = {e.lower() for e in Image.registered_extensions()}
     # class names in Unicode's composed form (NFC): a Mac's folder names are decomposed (NFD),
     # and 'ñandú' of one folder was another class than 'ñandú' of the other, printed alike
-    found = {unicodedata.normalize("NFC", d): d for d in sorted(os.listdir(folder))
-             if os.path.isdir(os.path.join(folder, d)) and not d.startswith(".")}
+    found = {}          # class name -> its folders (two where a name is there in both forms: one class)
+    for d in sorted(os.listdir(folder)):
+        if os.path.isdir(os.path.join(folder, d)) and not d.startswith("."):
+            found.setdefault(unicodedata.normalize("NFC", d), []).append(d)
     if classes is not None:
         classes = [unicodedata.normalize("NFC", c) for c in _to_names(classes)]
         extra = [d for d in found if d not in classes]
         if extra:
-            raise DataError(f"{folder}/{found[extra[0]]}: a subfolder that is not among the classes given "
+            raise DataError(f"{folder}/{found[extra[0]][0]}: a subfolder that is not among the classes given "
                             f"({', '.join(classes)}); add it to them or move it out")
     else:
         classes = sorted(found)
@@ -206,7 +208,7 @@ def import_image_folder(uri, folder, shards=2, overwrite=False, classes=None):
     for label, cls in enumerate(classes):
         if cls not in found:
             continue                # a class this folder has no images of (a test set's)
-        for path in _files_under(os.path.join(folder, found[cls])):     # subfolders too, as ImageFolder
+        for path in (p for d in found[cls] for p in _files_under(os.path.join(folder, d))):   # subfolders too
             name = os.path.basename(path)
             if name.startswith(".") or os.path.splitext(name)[1].lower() not in extensions:
                 if not name.startswith("."):
