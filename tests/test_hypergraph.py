@@ -204,20 +204,25 @@ class _Used(nn.Module):
             self.fc3.weight = self.fc2.weight
         self.twice = twice
 
-    def forward(self, x, return_features=False):
+    def forward(self, x, return_features=False, scale=None):
         h = F.relu(self.shared(F.relu(self.c0(x))))
         if self.twice:
             h = F.relu(self.shared(h))
         h = torch.flatten(h, 1)
+        if scale is not None:
+            h = h * scale
         return h if return_features else self.fc(h)
 
 
 def test_a_layer_used_twice_is_refused_and_a_defaulted_forward_argument_is_not_an_input():
     """From an audit of researchers' own models: a conv called twice was placed once under its
     name and trained to other numbers than one process, without a word; `forward(self, x,
-    return_features=False)` was "takes 2 inputs" (the runner passes the images alone)."""
+    return_features=False, scale=None)` was "takes 3 inputs" (the runner passes the images alone)."""
     chain = P.layer_chain(_Used(), (1, 4, 4))
     assert [layer.name for layer in chain.layers] == ["c0", "shared", "fc", "loss"]
+    aliased = _Used()
+    aliased.head = aliased.fc                       # one module under two names: one layer
+    assert [layer.name for layer in P.layer_chain(aliased, (1, 4, 4)).layers] == ["c0", "shared", "fc", "loss"]
     with pytest.raises(P.PartitionError, match=r"^layer 'shared' is called 2 times in the model's forward; the "
                                                r"hypergraph strategy places each layer once"):
         P.layer_chain(_Used(twice=True), (1, 4, 4))

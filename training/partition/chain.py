@@ -2,6 +2,7 @@
 ops (see training.partition for what a unit, an owner-side and a consumer-side op are)."""
 import dataclasses
 import operator
+import re
 
 import numpy as np
 import torch
@@ -222,15 +223,16 @@ def _defaults(model):
 
 
 def _check_each_layer_once(model):
-    """PartitionError where two layers share a parameter (weight tying): each is placed apart."""
-    seen = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        layer = name.rpartition(".")[0] or name
-        if id(p) in seen and seen[id(p)] != layer:
-            raise PartitionError(f"layers {seen[id(p)]!r} and {layer!r} share a parameter ({name}); the hypergraph "
-                                 f"strategy places each layer apart: untie them, or train with allreduce or "
-                                 f"conv_model_parallel")
-        seen.setdefault(id(p), layer)
+    """PartitionError where two layers share a parameter (weight tying): each is placed apart.
+    One module under two names (`self.head = self.fc`) is one layer."""
+    owner = {}          # id(parameter) -> (its module, the module's name)
+    for layer, m in model.named_modules():          # (each module once, under its first name)
+        for name, p in m.named_parameters(recurse=False):
+            first = owner.setdefault(id(p), (m, layer))
+            if first[0] is not m:
+                raise PartitionError(f"layers {first[1]!r} and {layer!r} share a parameter ({layer}.{name}); the "
+                                     f"hypergraph strategy places each layer apart: untie them, or train with "
+                                     f"allreduce or conv_model_parallel")
 
 
 def layer_chain(model, input_shape, num_classes=None):
@@ -249,9 +251,10 @@ def layer_chain(model, input_shape, num_classes=None):
         raise PartitionError(f"torch.fx cannot trace the model ({type(e).__name__}: {e}); the "
                              "hypergraph strategy needs a traceable chain of layers") from None
     if defaults:        # fx keeps each as a placeholder whose value it asserts: no input of the chain
+        checks = (torch._assert, operator.eq, getattr(torch.fx._symbolic_trace, "_assert_is_none", None))
         for n in reversed(list(gm.graph.nodes)):
-            if not n.users and n.op != "output" and (n.op == "placeholder" and n.prev.op == "placeholder"
-                                                     or n.target in (torch._assert, operator.eq)):
+            named = n.op == "placeholder" and re.sub(r"_\d+$", "", n.target) in defaults
+            if not n.users and (named or n.op == "call_function" and n.target in checks):
                 gm.graph.erase_node(n)
     modules = dict(gm.named_modules())
     nodes = [n for n in gm.graph.nodes]
