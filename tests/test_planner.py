@@ -658,3 +658,8 @@ def test_plan_refuses_a_model_whose_forward_is_not_logits_in_one_line(tmp_path, 
     with pytest.raises(ModelError, match=r"^model 'auxnet:Aux': its forward returns a tuple; the built-in runner "
                                          r"needs one tensor of logits"):
         measure_job(job, planner.PlanOptions(input_shape=(1, 8, 8), num_classes=10))
+    # a width other than the classes assumed (no data read, no --num-classes) is not refused
+    from training.models import check_output
+    check_output(nn.Linear(4, 100), "wide", torch.zeros(2, 4), None)
+    with pytest.raises(ModelError, match="gives outputs of shape"):
+        check_output(nn.Linear(4, 100), "wide", torch.zeros(2, 4), 10)

@@ -296,7 +296,7 @@ def build_model(name, input_shape, num_classes, options=None):
 def check_output(model, name, example, num_classes):
     """Raise ModelError (one line) unless `model` maps a batch like `example` (B x C x H x W,
     the training data's first rows) to logits of shape (B, num_classes), as the built-in
-    runner's loss needs. Before this, a user's model with 13 outputs for 10 classes trained
+    runner's loss needs (num_classes None: one tensor, of any width). Before this, a user's model with 13 outputs for 10 classes trained
     and reported success, and one with 7 failed in cross_entropy with a torch traceback
     after a restart. The pass runs in eval mode without gradients on a fork of the RNG, so
     nothing it touches (batch-norm statistics, the random stream) differs afterwards."""
@@ -321,7 +321,7 @@ def check_output(model, name, example, num_classes):
     if not isinstance(out, torch.Tensor):
         raise ModelError(f"model {name!r}: its forward returns a {type(out).__name__}; the built-in runner "
                          f"needs one tensor of logits, shape (batch, {num_classes})")
-    if tuple(out.shape) != (x.shape[0], num_classes):
+    if num_classes is not None and tuple(out.shape) != (x.shape[0], num_classes):
         raise ModelError(f"model {name!r}: a batch of {x.shape[0]} images {'x'.join(map(str, x.shape[1:]))} "
                          f"gives outputs of shape {tuple(out.shape)}, but the data has {num_classes} classes: "
                          f"the model must give ({x.shape[0]}, {num_classes}); build its last layer with the "

@@ -221,8 +221,10 @@ def measure_job(job, options=PlanOptions()):
     cuda = torch.cuda.is_available()
     torch.manual_seed(spec.seed)
     model = build_model(spec.model, shape, classes, spec.model_options)
-    # logits of (batch, classes), as the runner checks (a model returning a tuple was a traceback here)
-    check_output(model, spec.model, torch.zeros((2, *shape)), classes)
+    # logits of (batch, classes), as the runner checks (a model returning a tuple was a traceback here);
+    # their number only where the data or --num-classes gave the classes
+    known = options.num_classes or not (shape_from == "given" or shape_from.startswith("assumed"))
+    check_output(model, spec.model, torch.zeros((2, *shape)), classes if known else None)
     make_opt = _make_optimizer_for(spec)
     profiles = {}
 
