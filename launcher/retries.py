@@ -40,8 +40,9 @@ NOT_RETRIED_AGAIN = NOT_RETRIED.replace("before training started", "as the resta
 OOM_AGAIN = "killed for memory in two attempts in a row, so it was not retried again (a restart would be too)"
 INPUT_AGAIN = "the same error in two attempts in a row, so it was not retried again (a restart would fail the same way)"
 CERTAIN = "a mistake in the job's model or strategy settings, which every attempt meets, so it was not retried"
-NO_DEVICE = ("its container has no such CUDA device (groups[].gpus gives a container GPUs, each seeing its own "
-             "from cuda:0), which every attempt meets, so it was not retried")
+NO_DEVICE = ("its container cannot use the CUDA device its code asks for (none given: groups[].gpus gives a "
+             "container GPUs, each seeing its own from cuda:0; or a torch or driver without CUDA for them), which "
+             "every attempt meets, so it was not retried")
 FEWER_STEPS = "every attempt would run the same steps, so it was not retried"
 SAME_CALLS = "every attempt would make the same calls, so it was not retried"
 ENDED = ("{who} " + EXITED_EARLY + " in this attempt, and {whose} container with {it}, so it was not retried (a "

@@ -11,7 +11,8 @@ and torchrun-style scripts read, before the user's code starts:
                                       as a Kubernetes pod is: it sees only its own GPUs, so
                                       `torch.cuda.set_device(LOCAL_RANK)` picks its first
     GROUP_RANK                        the index of that host, hosts ordered by their
-                                      lowest rank (torchrun: the node rank)
+                                      lowest rank (torchrun: the node rank; a container
+                                      with GPUs counts as a host)
     GROUP_WORLD_SIZE                  the number of hosts (torchrun: the nodes)
     ROLE_RANK, ROLE_WORLD_SIZE        = RANK, WORLD_SIZE (one role: workers)
     MASTER_ADDR, MASTER_PORT          where rank 0's TCPStore will listen: rank 0 binds a

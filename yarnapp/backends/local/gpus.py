@@ -63,7 +63,9 @@ def inventory(environ=None):
 def source(environ=None):
     """Where inventory() found its GPUs, as messages say it."""
     env = os.environ if environ is None else environ
-    return "YARNAPP_GPUS" if env.get("YARNAPP_GPUS") is not None else "nvidia-smi"
+    found = "YARNAPP_GPUS" if env.get("YARNAPP_GPUS") is not None else "nvidia-smi"
+    return found + (f", within CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r}"
+                    if env.get("CUDA_VISIBLE_DEVICES") is not None else "")
 
 
 def given_indices(text):
