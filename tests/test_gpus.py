@@ -350,3 +350,27 @@ def test_a_ledger_this_user_cannot_write_is_refused_at_submit(cli, monkeypatch):
         "to a file this user can write\n"), proc.stderr
     apps = os.path.join(os.environ["YARNAPP_HOME"], "apps")
     assert not os.path.isdir(apps) or not os.listdir(apps)
+
+
+@pytest.mark.parametrize("link", ["symbolic", "hard"])
+def test_a_ledger_planted_as_a_link_to_another_file_is_refused_and_that_file_left_alone(cli, monkeypatch, tmp_path,
+                                                                                         link):
+    """Any user may make the shared ledger's folder first: a leases.json linked to a file of
+    root's made the engine rewrite it, and chmod it 0666 (a security audit)."""
+    victim = tmp_path / "victim"
+    victim.write_text("root's own\n")
+    victim.chmod(0o600)
+    ledger = tmp_path / "shared" / "leases.json"
+    ledger.parent.mkdir()
+    (os.symlink if link == "symbolic" else os.link)(victim, ledger)
+    monkeypatch.setenv("YARNAPP_LEDGER", str(ledger))
+    hello = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf", "examples", "hello.yaml")
+    proc = cli("submit", hello)
+    what = "a symbolic link, not a file of its own (remove it)" if link == "symbolic" else \
+        "not a file of its own (a link: 2 names; remove it)"
+    assert proc.returncode == 1 and proc.stderr == (
+        f"Error: the local engine's ledger {ledger}: {what}; set YARNAPP_LEDGER to a file this user can write\n"), \
+        proc.stderr
+    assert victim.read_text() == "root's own\n" and stat.S_IMODE(victim.stat().st_mode) == 0o600
+    apps = os.path.join(os.environ["YARNAPP_HOME"], "apps")
+    assert not os.path.isdir(apps) or not os.listdir(apps)

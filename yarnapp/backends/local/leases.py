@@ -29,6 +29,33 @@ import psutil
 log = logging.getLogger(__name__)
 
 
+def _open_own(path):
+    """The ledger's file at `path` for reading and writing, made if missing (readable and
+    writable by every user, the umask left alone: only its creator may chmod it). Never
+    through a link: a symlink or a hard link planted in the shared folder (any user may make
+    it first) made the engine rewrite, and chmod 0666, a file of whoever ran it, root's too.
+    OSError (EPERM) for one that is not a plain file of one name."""
+    import stat
+    import errno
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OSError(errno.EPERM, "a symbolic link, not a file of its own (remove it)") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            raise OSError(1, f"not a file of its own (a link: {st.st_nlink} names; remove it)")
+        if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != 0o666:
+            with contextlib.suppress(OSError):
+                os.fchmod(fd, 0o666)
+        return os.fdopen(fd, "r+")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 class Leases:
     """The machine's ledger: which application's master holds which GPU indices and how much
     memory, and which wait, in the order they asked."""
@@ -46,13 +73,10 @@ class Leases:
             os.makedirs(folder, exist_ok=True)
             with contextlib.suppress(OSError):      # every user's engine writes it (as /tmp is)
                 os.chmod(folder, 0o1777)
-        with open(self.path + ".lock", "a") as lock:
+        with _open_own(self.path + ".lock") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
-                with open(self.path, "a+") as f:
-                    for made in (lock.name, self.path):     # only its creator may; the umask left alone
-                        with contextlib.suppress(OSError):
-                            os.chmod(made, 0o666)
+                with _open_own(self.path) as f:
                     f.seek(0)
                     try:
                         ledger = json.loads(f.read() or "{}")
