@@ -528,3 +528,38 @@ def test_a_read_only_yarnapp_home_is_one_line_naming_it(tmp_path):
     assert re.fullmatch(rf"Error: YARNAPP_HOME \({home}\): cannot create {home}/apps/app_\w+: Read-only file system; "
                         r"set YARNAPP_HOME to a directory you can write to\n", proc.stderr), proc.stderr
     assert os.listdir(home) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to start a process as another user")
+def test_another_users_process_naming_an_application_is_not_of_it():
+    """A process of another user's that set YARNAPP_APP_ID to one of ours kept root's `clean`
+    from removing the application ("something of it still runs"), and root's `kill` killed
+    it (a security audit): an application's processes are its owner's."""
+    from yarnapp.backends.local.state import app_processes
+    env = dict(os.environ, YARNAPP_APP_ID="app_20990101_000000_abcdef")
+    theirs = subprocess.Popen(["sleep", "30"], env=env, preexec_fn=lambda: os.setuid(65534))
+    ours = subprocess.Popen(["sleep", "30"], env=env)
+    try:
+        until("our process to be found", lambda: ours.pid in [p.pid for p in app_processes(env["YARNAPP_APP_ID"])],
+              timeout=10)
+        assert theirs.pid not in [p.pid for p in app_processes(env["YARNAPP_APP_ID"])]
+    finally:
+        for p in (theirs, ours):
+            p.kill()
+            p.wait()
+
+
+def test_an_application_id_that_is_a_path_is_no_application(cli, tmp_path, yarnapp_home):
+    """kill /tmp/x removed empty directories there (its cgroup clean-up), status ../../x wrote
+    a store there, and clean ../../x removed the application its state.json named (a
+    security audit): an id is one name under the home's apps/."""
+    outside = tmp_path / "outside" / "x"
+    (outside / "emptydir").mkdir(parents=True)
+    (outside / "app.json").write_text("{}")
+    rel = os.path.relpath(outside, os.path.join(yarnapp_home, "apps"))
+    for command, app in (("kill", str(outside)), ("status", rel), ("clean", rel), ("logs", rel)):
+        proc = cli(command, app, check=1)
+        [line] = proc.stderr.strip().splitlines()
+        assert line.startswith(f"Error: no application {app!r} on the local engine in {yarnapp_home} (YARNAPP_HOME); "
+                               f"`yarnapp list` shows its applications"), (command, line)
+    assert sorted(os.listdir(outside)) == ["app.json", "emptydir"]

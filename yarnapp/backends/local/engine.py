@@ -191,8 +191,10 @@ class LocalBackend(Backend):
                                f"to a directory you can write to") from None
 
     def _dir(self, app_id):
+        # one name under apps/ (a path, ../../x or /tmp/x, made status write there, kill remove
+        # empty directories there, and clean remove another application: a security audit)
         d = os.path.join(apps_dir(), app_id)
-        if not os.path.isfile(os.path.join(d, "app.json")):
+        if not app_id or "/" in app_id or app_id.startswith(".") or not os.path.isfile(os.path.join(d, "app.json")):
             raise YarnappError(no_application(app_id))
         return d
 

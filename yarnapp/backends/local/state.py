@@ -94,11 +94,13 @@ def kill_words(app_dir, signum, who):
 
 
 def app_processes(app_id, exclude=None):
-    """Every live process that belongs to the application (found by its environment)."""
+    """Every live process that belongs to the application (found by its environment), of
+    this user's: another user's process that set YARNAPP_APP_ID to an id of ours kept root's
+    `clean` from removing the application, and root's `kill` killed it (a security audit)."""
     marker = f"YARNAPP_APP_ID={app_id}".encode()
-    out = []
-    for p in psutil.process_iter(["pid"]):
-        if p.pid == exclude:
+    out, me = [], os.getuid()
+    for p in psutil.process_iter(["pid", "uids"]):
+        if p.pid == exclude or p.info["uids"] is None or p.info["uids"].real != me:
             continue
         try:
             with open(f"/proc/{p.pid}/environ", "rb") as f:
