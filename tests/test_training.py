@@ -66,6 +66,30 @@ def test_same_seed_is_bit_identical_and_one_rank_matches_three(tmp_path, digits,
     assert all(torch.allclose(wa[k], w1[k], atol=1e-5) for k in wa)
 
 
+def test_a_users_model_drawing_from_numpy_and_random_is_the_same_run_with_the_same_seed(tmp_path, digits,
+                                                                                         yarnapp_home):
+    """training.seed seeded torch only: a model of the user's whose init drew from numpy's or
+    Python's generators (each process's own, from the OS) trained to other weights each run."""
+    pkg = tmp_path / "drawnet"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        "import random\nimport numpy as np\nimport torch\nfrom torch import nn\n\n"
+        "def make(num_classes, input_shape):\n"
+        "    net = nn.Sequential(nn.Flatten(), nn.Linear(int(np.prod(input_shape)), num_classes))\n"
+        "    with torch.no_grad():\n"
+        "        net[1].bias.copy_(torch.from_numpy(np.random.rand(num_classes)) + random.random())\n"
+        "    return net\n")
+    jobs = []
+    for name in ("draw-a", "draw-b"):
+        job = _job(tmp_path, digits, name, [{"name": "solo", "instances": 1, "vcores": 1, "memory": "1 GiB"}], steps=2)
+        job["training"]["model"] = "drawnet:make"
+        job["run"] = {"files": [str(pkg)]}
+        run_to_end(job)
+        jobs.append(job)
+    wa, wb = (final_weights(j) for j in jobs)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
 def test_digits_example_reaches_97_percent_and_logs_live(tmp_path, cli, yarnapp_home):
     """conf/examples/digits.yaml as a user runs it; TensorBoard reads the loss while it runs."""
     from yarnapp.tensorboard import TensorBoard

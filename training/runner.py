@@ -6,6 +6,7 @@ its gradients are spread over the world. On start it resumes from the newest
 complete checkpoint, so a restarted world continues exactly where it left off.
 """
 import logging
+import random
 import time
 
 import numpy as np
@@ -56,6 +57,8 @@ class Runner:
         self.train = open_dataset(spec.data, "train", ctx)
         self.test = open_dataset(spec.data, "test", ctx, reference=self.train)
         torch.manual_seed(spec.seed)
+        random.seed(spec.seed)          # a model of the user's drawing from these: the same run again
+        np.random.seed(spec.seed % 2**32)
         model = build_model(spec.model, self.train.shape, self.train.num_classes, spec.model_options)
         example = self.train.example(16)                                # e.g. for shares: speed
         check_output(model, spec.model, example, self.train.num_classes)
