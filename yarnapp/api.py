@@ -2,6 +2,9 @@
 import functools
 import logging
 import os
+import signal
+import sys
+import threading
 import time
 import types
 import warnings
@@ -55,7 +58,7 @@ def submit(job, backend=None, wait=False, progress=True, function=None, **overri
 
     backend: 'local' or 'yarn' (default: the job's `backend`, else the defaults file's).
     wait: block until it ends (showing progress), raising JobFailed if it fails; interrupted
-        (Ctrl-C), it kills the application, as `yarnapp submit --wait` does. A notebook's
+        (Ctrl-C, or SIGTERM in a script), it kills the application, as `yarnapp submit --wait` does. A notebook's
         kernel restarted or shut down while it waits leaves the application running (as a
         closed terminal does): list_apps() finds it, kill(app_id) stops it.
     function: a callable(ctx) to run on every rank instead of the job's `run` (say, one
@@ -188,17 +191,42 @@ def _used(function, local):
 
 def _started(run, wait, progress):
     if wait:
+        terminated = []
+        restore = _sigterm_interrupts(terminated)
         try:
             st = run.wait(progress=progress, summary=False)    # a failure is raised, not said twice
         except KeyboardInterrupt:   # as `yarnapp submit --wait`: the caller never got the Run to stop it
             run.kill()
+            if terminated:          # then ends as SIGTERM's default would, the application stopped first
+                restore()
+                print(f"terminated: killed {run.app_id}", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGTERM)
             raise KeyboardInterrupt(f"interrupted: killed {run.app_id}") from None
+        finally:
+            restore()
         if st["state"] != "SUCCEEDED":
             raise JobFailed(run.failure_message())
         if progress:                # (its warnings were said while it waited)
             from .progress import Progress
             Progress(run).end(st, notices=False)
     return run
+
+
+def _sigterm_interrupts(terminated):
+    """While a script waits in submit(wait=True), SIGTERM (`timeout`, a cancelled CI job) stops
+    it as Ctrl-C does, so that the application is killed with it (it ran on, every process of
+    it). Not where the script set its own handler, off the main thread, or in a notebook's
+    kernel (restarted or shut down, it leaves the application running, as documented).
+    Returns what restores the handler."""
+    if threading.current_thread() is not threading.main_thread() or "ipykernel" in sys.modules or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return lambda: None
+
+    def interrupt(signum, frame):
+        terminated.append(signum)
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, interrupt)
+    return lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def dry_run(spec, where="job"):
