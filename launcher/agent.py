@@ -11,6 +11,7 @@ Why a generation ended is one `launcher.failure.Failure`; when the cause is a pe
 frozen, missing, or the one this rank died of), `launcher.diagnosis` finds it. The
 container's exit status is decided in `launcher.exitcodes`.
 """
+import contextlib
 import dataclasses
 import enum
 import json
@@ -34,6 +35,7 @@ from .failure import (Failure, Kind, after_an_end, current_generation, ended_ear
 
 log = logging.getLogger("launcher.agent")
 
+TERM_GRACE_S = 2.0       # a rank stopped with SIGTERM may end on its own this long (the local master waits 3 s)
 SETUP_GRACE_S = 8.0      # after a peer failed in setup, how long a rank in setup may take to fail
                          # the same way on its own (ranks start seconds apart on a busy host)
 BUSY_HINT = (", idle (no CPU used): if it waits there on something slow (a read, a lock), call ctx.heartbeat() "
@@ -145,6 +147,17 @@ class Agent(PeerDiagnosis):
         if self.child and self.child.poll() is None:
             self.child.kill()
             self.child.wait()
+
+    def stop_child(self, grace):
+        """SIGTERM, then SIGKILL after `grace` seconds: the user's code may end on its own first
+        (a handler that saves, `finally` blocks), as under torchrun or a NodeManager's stop."""
+        if self.child and self.child.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.child.terminate()
+            deadline = time.monotonic() + grace
+            while self.child.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+        self.kill_child()
 
     # -- watching -----------------------------------------------------------
     def observe(self, gen):
@@ -487,7 +500,7 @@ def main():
                                                  agent.group_index, memory.yarn_step_mib())
             except Exception:  # noqa: BLE001 - the abort record below matters more than its words
                 log.exception("could not tell whether this container was over its memory")
-        agent.kill_child()
+        agent.stop_child(TERM_GRACE_S)
         if agent.store.get(keys.replace(ident.container, agent.incarnation)) is not None:
             os._exit(exitcodes.signalled(signum))    # replaced as frozen: the peers said why
         try:

@@ -21,6 +21,7 @@ like the `subprocess.Popen` it replaces. A warm process killed with its rank (sa
 is started again for the next generation; one that failed before forking (its own error)
 has that rank, and every later one, started afresh as before."""
 import ast
+import contextlib
 import gc
 import importlib
 import importlib.machinery
@@ -110,6 +111,12 @@ class WarmRank:
         if self._popen is not None:
             self.returncode = self._popen.wait()
         return self.returncode
+
+    def terminate(self):
+        """SIGTERM to the rank once it runs (still importing: nothing to stop yet)."""
+        if self.poll() is None and (self._popen is not None or self._pid is not None):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._popen.pid if self._popen is not None else self._pid, signal.SIGTERM)
 
     def kill(self):
         if self.poll() is not None:
@@ -234,6 +241,7 @@ def serve(cmd_fd, out_fd):
         parent = os.getpid()
         pid = os.fork()
         if pid == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)     # (ignored by the warm process, below)
             commands.close()
             os.close(out_fd)
             die_with_parent()
@@ -259,6 +267,9 @@ def serve(cmd_fd, out_fd):
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
+        # A container stopped with SIGTERM: its rank may end on its own (a handler of the user's);
+        # this process, dying first, took it along at once (its parent-death signal is SIGKILL)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         os.write(out_fd, f"pid {pid}\n".encode())
         _, status = os.waitpid(pid, 0)
         code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)

@@ -104,9 +104,9 @@ class Container:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
                 pass
-        for pid in self.limits.pids():
+        for pid in self.limits.pids():      # (those out of its process group too)
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, sig)
             except ProcessLookupError:
                 pass
 
