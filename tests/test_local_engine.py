@@ -207,6 +207,7 @@ def test_kill_leaves_nothing_running(cli, yarnapp_home, tmp_path):
     assert again.stdout.strip() == f"{app} had already ended KILLED; nothing of it runs", again.stdout
     out, said = follow.communicate(timeout=60)
     assert said.strip().splitlines()[-1] == f"{app} was killed", said         # how it ended (it said nothing)
+    assert follow.returncode == 1           # as submit --wait's (it was 0: CI could not tell)
     first = {c: open(p).readline().rstrip("\n") for c, p in LocalBackend().log_paths(app).items()}
     for c in ("a_0", "b_0"):
         assert f"{c}| {first[c]}" in out.splitlines(), (first[c], out[:500])

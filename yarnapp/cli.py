@@ -163,9 +163,10 @@ def cmd_logs(args):
             for line in new.splitlines():
                 _p(f"{cid}| {line}")
             printed[cid] = text
-        if ended:           # how it ended, as submit --wait says it (the logs alone do not)
-            _p(run.failure_message(resubmit=_submitted_as(run.status())) or f"{args.app} {run.state}", file=sys.stderr)
-            return 0
+        if ended:           # how it ended, as submit --wait says it (the logs alone do not), and its status
+            state = run.state
+            _p(run.failure_message(resubmit=_submitted_as(run.status())) or f"{args.app} {state}", file=sys.stderr)
+            return 0 if state == "SUCCEEDED" else 1
         time.sleep(0.5)
 
 
@@ -359,7 +360,8 @@ def build_parser():
     s.add_argument("app", help="application id (`yarnapp list` shows them)")
     s.add_argument("--container", help="one container, e.g. big_0 (`yarnapp status` lists them), or master: "
                    "the application master's log")
-    s.add_argument("--follow", "-f", action="store_true", help="keep printing until the application ends")
+    s.add_argument("--follow", "-f", action="store_true", help="keep printing until the application ends; the "
+                   "exit status is then 0 if it SUCCEEDED, else 1 (as submit --wait's)")
     s.set_defaults(fn=cmd_logs)
 
     s = sub.add_parser("kill", help="stop an application; nothing of it keeps running")
