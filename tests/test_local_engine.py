@@ -570,3 +570,21 @@ def test_an_application_id_that_is_a_path_is_no_application(cli, tmp_path, yarna
         assert line.startswith(f"Error: no application {app!r} on the local engine in {yarnapp_home} (YARNAPP_HOME); "
                                f"`yarnapp list` shows its applications"), (command, line)
     assert sorted(os.listdir(outside)) == ["app.json", "emptydir"]
+
+
+def test_list_orders_an_application_whose_end_lacks_its_submit_time_by_that_time(cli, yarnapp_home):
+    """The supervisor's end of an application killed mid-start wrote no submit time: `list`
+    put it after applications submitted minutes before it (a signals audit)."""
+    hello = os.path.join(ROOT, "conf", "examples", "hello.yaml")
+    cli("submit", hello, "--wait", check=0)
+    time.sleep(1.1)                                  # (ids and times to the second)
+    cli("submit", hello, "--wait", check=0)
+    first, newest = apps(yarnapp_home)
+    path = os.path.join(yarnapp_home, "apps", newest, "state.json")
+    with open(path) as f:
+        st = json.load(f)
+    st.pop("submitted", None)
+    with open(path, "w") as f:
+        json.dump(st, f)
+    assert [a["app_id"] for a in yarnapp.list_apps()][:2] == [newest, first]
+    assert yarnapp.status(newest)["submitted"]

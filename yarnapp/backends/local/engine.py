@@ -259,6 +259,8 @@ class LocalBackend(Backend):
         st = read_json(os.path.join(d, "state.json")) or {
             "app_id": app_id, "name": meta["name"], "state": "ACCEPTED", "containers": [],
             "submitted": meta["submitted"], "diagnostics": ""}
+        if not st.get("submitted"):     # (an end the supervisor wrote mid-start: listed last, not by its time)
+            st["submitted"] = meta.get("submitted")
         if st["state"] not in TERMINAL and not supervisor.alive(d) and \
                 not (st.get("am_pid") and psutil.pid_exists(st["am_pid"])):
             # Neither the master nor the supervisor that restarts it runs (both were killed). The

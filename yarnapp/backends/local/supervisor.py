@@ -177,7 +177,8 @@ class Supervisor:
                 return 0
             what = f"the application master (attempt {attempt}, pid {self.am.pid}) {how}"
             killed = clean_up(self.app_id, keep={os.getpid()})
-            log.error("%s without ending the application; cleaned up (%d processes killed)", what, len(killed))
+            (log.info if self.stopping else log.error)(     # (a kill mid-start is no error of its own)
+                "%s without ending the application; cleaned up (%d processes killed)", what, len(killed))
             if self.stopping or attempt >= self.job.am_attempts:
                 self.finish(st, "KILLED" if self.stopping else "FAILED",
                             self.stopped_by if self.stopping else
