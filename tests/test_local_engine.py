@@ -326,9 +326,12 @@ def test_ctrl_c_while_submit_copies_the_files_leaves_no_application(yarnapp_home
     assert apps(yarnapp_home) == []
 
 
-def test_kill_of_submit_wait_stops_the_application_as_ctrl_c_does(yarnapp_home, tmp_path):
+@pytest.mark.parametrize("how", ["sigterm", "ctrl_c_twice"])
+def test_kill_of_submit_wait_stops_the_application_as_ctrl_c_does(yarnapp_home, tmp_path, how):
     """`timeout 1h yarnapp submit job.yaml --wait` or a `kill` of it: SIGTERM stops the
-    application as Ctrl-C does (before, the command died and its application ran on)."""
+    application as Ctrl-C does (before, the command died and its application ran on). Ctrl-C
+    twice quickly: the second cut the kill's line short, "interrupted" alone."""
+    import signal
     submit = subprocess.Popen([sys.executable, "-m", "yarnapp.cli", "submit", _sleeper(tmp_path), "--wait"],
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=dict(os.environ))
@@ -338,9 +341,14 @@ def test_kill_of_submit_wait_stops_the_application_as_ctrl_c_does(yarnapp_home, 
         while not (run.status().get("progress") or {}).get(1):
             assert time.monotonic() < deadline and submit.poll() is None, run.logs()
             time.sleep(0.2)
-        submit.terminate()
+        if how == "sigterm":
+            submit.terminate()
+        else:
+            submit.send_signal(signal.SIGINT)
+            time.sleep(0.02)
+            submit.send_signal(signal.SIGINT)
         out, err = submit.communicate(timeout=60)
-        assert submit.returncode == 143, (out, err)         # SIGTERM's status, as a shell gives (Ctrl-C: 130)
+        assert submit.returncode == (143 if how == "sigterm" else 130), (out, err)   # as a shell gives
         assert f"interrupted: killed {app}" in out and "Traceback" not in err, (out, err)
         assert run.status()["state"] == "KILLED"
     finally:

@@ -72,6 +72,9 @@ def cmd_submit(args):
     except KeyboardInterrupt:
         if not args.wait:
             raise                   # submitted without --wait: it runs on, as it would have
+        import signal               # a second Ctrl-C cut the kill's line short ("interrupted" alone)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
         run.kill()
         say(f"interrupted: killed {run.app_id}{run.resume_hint(_resubmit(args))}", out)
         return _interrupted_status()
