@@ -250,3 +250,25 @@ def test_a_notebooks_tensorboard_url_goes_through_jupyter_server_proxy_where_it_
     assert notebook_url(tb) == "/proxy/43373/"
     monkeypatch.setenv("JUPYTERHUB_SERVICE_PREFIX", "/user/alice/")
     assert notebook_url(tb) == "/user/alice/proxy/43373/"
+
+
+def test_cli_tensorboard_stopped_by_sigterm_ends_as_a_shell_gives_and_leaves_nothing(tmp_path):
+    """`timeout 1h yarnapp tensorboard DIR`: Ctrl-C ends it with 0 (how it is stopped), SIGTERM
+    with 143, as every other command's (it was 0: a CI step could not tell it was killed)."""
+    logdir = tmp_path / "runs"
+    logdir.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "yarnapp.cli", "tensorboard", str(logdir)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 90)
+        assert ready, "`yarnapp tensorboard` printed no URL within 90s"
+        url = proc.stdout.readline().strip()
+        children = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        proc.terminate()
+        rc = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 143, proc.stderr.read()
+    assert _until("TensorBoard's processes to end", lambda: _gone(children), timeout=10)
+    assert not _answers(url)

@@ -246,8 +246,8 @@ def cmd_tensorboard(args):
         _p(tb.url)
         _p(f"TensorBoard on {tb.logdir}; Ctrl-C stops it", file=sys.stderr)
         rc = tb.wait()
-    except KeyboardInterrupt:
-        return 0
+    except KeyboardInterrupt:       # Ctrl-C: what stops it (0); `kill`/`timeout`: as a shell gives (143)
+        return 143 if _terminated else 0
     finally:
         tb.stop()
     raise YarnappError(f"TensorBoard exited with status {rc}")
