@@ -452,3 +452,21 @@ def test_a_class_name_column_no_split_has_is_refused_where_the_metadata_names_th
                                            r"training.data.train \(.*\) or test, whose metadata names the classes"):
         preflight.check_data(job("nosuch"), "job.yaml")
     preflight.check_data(job(None), "job.yaml")
+
+
+def test_a_container_leaving_its_rank_little_beside_its_data_memory_is_warned_of(digits, caplog):
+    """The kernel killed 448-640 MiB containers of the built-in runner at the default data
+    memory (a quarter of the container), nothing said before: a data-at-scale audit."""
+    def job(memory, held=None):
+        return conf.load_job({"name": "t", "groups": [{"name": "w", "instances": 1, "vcores": 1, "memory": memory}],
+                              "training": {"data": {"train": f"{digits}/train",
+                                                    **({"memory": held} if held else {})}}})
+    with caplog.at_level(logging.WARNING, logger="yarnapp.preflight"):
+        preflight.check_data(job("512 MiB"), "job.yaml")
+    assert ("job.yaml: groups[0].memory: 512 MiB leaves 384 MiB beside the 128 MiB of data its ranks hold "
+            "(training.data.memory: a quarter of it)") in caplog.text, caplog.text
+    for fits in (job("1 GiB"), job("512 MiB", "32 MiB")):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="yarnapp.preflight"):
+            preflight.check_data(fits, "job.yaml")
+        assert "beside the" not in caplog.text, caplog.text

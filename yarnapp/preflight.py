@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 Found = collections.namedtuple("Found", "shape classes rows")     # check_data's: None where not known here
 SLACK = 1.25        # a step's blocks are refused only this far over the rank's data budget, where its
                     # reader warns (a 1024 MiB container ran 1.5x over it, at its memory limit)
+RANK_BASE_MIB = 450     # a built-in runner's container besides its data: torch, the model, a batch (390 MiB
+                        # for digits; 460-510 MiB with CIFAR-shaped batches of 256: under ~650 MiB were killed)
 ORDER_FRACTION = 0.125  # warn where a rank's epoch orders (Order.plan_bytes) take more of its container
 
 
@@ -99,6 +101,7 @@ def check_data(job, where=None, on_cluster=False):
                                    f"training.data.train ({uri}); lower it")
             if split == "train":
                 _check_window(job, blocks, pre)
+                _warn_little_beside_data(job, pre)
                 _warn_big_row_groups(uri, blocks, pre)
                 if found[split].one_class_files:
                     _warn_one_class_blocks(job, found[split], pre)
@@ -115,6 +118,22 @@ def check_data(job, where=None, on_cluster=False):
             raise YarnappError(f"{pre}training.data.mean/std: {len(data.mean)} values each, for images of "
                                f"{shape[0]} channel(s) ({data.train}); give one per channel")
     return Found(shape, train.num_classes if train else None, train.rows if train else None)
+
+
+def _warn_little_beside_data(job, pre):
+    """Warn where a container leaves its rank less than RANK_BASE_MIB beside the data it holds
+    (training.data.memory, by default a quarter of it): the kernel killed 448-640 MiB containers
+    at the default, and one whose window submit's own advice had fitted to that data memory."""
+    from training.data.source import data_budget
+    for i, g in enumerate(job.groups):
+        held = data_budget(job.training.data.memory, g.memory) >> 20
+        if g.memory - held < RANK_BASE_MIB:
+            log.warning("%sgroups[%d].memory: %d MiB leaves %d MiB beside the %d MiB of data its ranks hold "
+                        "(training.data.memory%s), and a rank of the built-in runner takes about %d MiB besides "
+                        "(torch, the model, a batch; more for big ones): it may be killed for memory; give %d MiB or more, or lower "
+                        "training.data.memory", pre, i, g.memory, g.memory - held, held,
+                        "" if job.training.data.memory else ": a quarter of it", RANK_BASE_MIB,
+                        held + RANK_BASE_MIB + 64)
 
 
 def _check_window(job, blocks, pre):
