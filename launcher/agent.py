@@ -149,13 +149,18 @@ class Agent(PeerDiagnosis):
             self.child.wait()
 
     def stop_child(self, grace):
-        """SIGTERM, then SIGKILL after `grace` seconds: the user's code may end on its own first
-        (a handler that saves, `finally` blocks), as under torchrun or a NodeManager's stop."""
-        if self.child and self.child.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.child.terminate()
+        """SIGTERM (unless its process group got it with this agent: once), then SIGKILL after
+        `grace` seconds: the user's code may end on its own first (a handler that saves,
+        `finally` blocks), as under torchrun or a NodeManager's stop. A rank still importing in
+        the warm process has no code of the user's running yet: killed at once."""
+        child = self.child
+        pid = child.pid if isinstance(child, subprocess.Popen) else getattr(child, "started_pid", None)
+        if child and pid and child.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                if os.getpgid(pid) != os.getpgrp():
+                    os.kill(pid, signal.SIGTERM)
             deadline = time.monotonic() + grace
-            while self.child.poll() is None and time.monotonic() < deadline:
+            while child.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.02)
         self.kill_child()
 
@@ -493,6 +498,10 @@ def main():
         # The resource manager stops a container with SIGTERM (preemption, decommission,
         # `yarnapp kill`): say so, so that this generation's end does not spend the budget;
         # unless YARN's NodeManager stopped it for its memory (it stops those the same way).
+        # Said first: YARN's NodeManager SIGKILLs 250 ms later; then the rank's own end.
+        if stopping:        # (a second signal: the stop is under way, its handler not run again)
+            return
+        stopping.append(signum)
         over = None
         if signum == signal.SIGTERM and ident.backend == "yarn":     # (the local engine's limit: its cgroup)
             try:
@@ -500,19 +509,19 @@ def main():
                                                  agent.group_index, memory.yarn_step_mib())
             except Exception:  # noqa: BLE001 - the abort record below matters more than its words
                 log.exception("could not tell whether this container was over its memory")
-        agent.stop_child(TERM_GRACE_S)
-        if agent.store.get(keys.replace(ident.container, agent.incarnation)) is not None:
-            os._exit(exitcodes.signalled(signum))    # replaced as frozen: the peers said why
         try:
-            gen = current_generation(agent.store)
-            agent.store.put_if_absent(keys.abort(gen), (Failure(
-                kind=Kind.OOM.value, container=ident.container, rank=ident.rank, phase=agent._phase,
-                reason=f"rank {ident.rank} ({ident.container}) {over}") if over else Failure(
-                kind=Kind.EXTERNAL.value, container=ident.container, rank=ident.rank, external=True,
-                reason=f"container {ident.container} was stopped by the resource manager (SIGTERM)")
-            ).stamped(generation=gen).dumps())
+            if agent.store.get(keys.replace(ident.container, agent.incarnation)) is None:   # (replaced as
+                gen = current_generation(agent.store)                                  # frozen: peers said why)
+                agent.store.put_if_absent(keys.abort(gen), (Failure(
+                    kind=Kind.OOM.value, container=ident.container, rank=ident.rank, phase=agent._phase,
+                    reason=f"rank {ident.rank} ({ident.container}) {over}") if over else Failure(
+                    kind=Kind.EXTERNAL.value, container=ident.container, rank=ident.rank, external=True,
+                    reason=f"container {ident.container} was stopped by the resource manager (SIGTERM)")
+                ).stamped(generation=gen).dumps())
         finally:
+            agent.stop_child(TERM_GRACE_S)
             os._exit(exitcodes.signalled(signum))
+    stopping = []
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
     code = agent.run()

@@ -21,7 +21,6 @@ like the `subprocess.Popen` it replaces. A warm process killed with its rank (sa
 is started again for the next generation; one that failed before forking (its own error)
 has that rank, and every later one, started afresh as before."""
 import ast
-import contextlib
 import gc
 import importlib
 import importlib.machinery
@@ -112,11 +111,10 @@ class WarmRank:
             self.returncode = self._popen.wait()
         return self.returncode
 
-    def terminate(self):
-        """SIGTERM to the rank once it runs (still importing: nothing to stop yet)."""
-        if self.poll() is None and (self._popen is not None or self._pid is not None):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self._popen.pid if self._popen is not None else self._pid, signal.SIGTERM)
+    @property
+    def started_pid(self):
+        """The rank's pid once it runs, never waiting (None while the warm process imports)."""
+        return self._popen.pid if self._popen is not None else self._pid
 
     def kill(self):
         if self.poll() is not None:

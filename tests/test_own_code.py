@@ -899,15 +899,17 @@ def test_a_hung_rank_of_an_unmodified_ddp_script_is_named_and_a_long_evaluation_
 def test_a_killed_applications_code_gets_sigterm_and_time_to_end_on_its_own(cli, tmp_path):
     """`yarnapp kill` SIGKILLed every process of a container at once (the master's SIGTERM was
     followed by SIGKILL to its cgroup, and the agent SIGKILLed its rank): a script's SIGTERM
-    handler (a save on preemption, as on a cluster) never ran, and status said signal 9."""
+    handler (a save on preemption, as on a cluster) never ran, and status said signal 9. It
+    runs once: a review found it run three times, each inside the one before."""
     out = tmp_path / "out"
     out.mkdir()
     job = _script_job(tmp_path, "term",
                       "import os, signal, sys, time\n"
                       f"OUT = {str(out)!r}\n"
                       "def on_term(signum, frame):\n"
+                      "    with open(os.path.join(OUT, 'saved%s' % os.environ['RANK']), 'a') as f:\n"
+                      "        f.write('once\\n')\n"
                       "    time.sleep(0.5)\n"
-                      "    open(os.path.join(OUT, 'saved%s' % os.environ['RANK']), 'w').close()\n"
                       "    sys.exit(0)\n"
                       "signal.signal(signal.SIGTERM, on_term)\n"
                       "open(os.path.join(OUT, 'ready%s' % os.environ['RANK']), 'w').close()\n"
@@ -916,6 +918,8 @@ def test_a_killed_applications_code_gets_sigterm_and_time_to_end_on_its_own(cli,
     until("every rank to be ready", lambda: len(list(out.glob("ready*"))) == 3, timeout=60)
     cli("kill", app, check=0)
     assert sorted(p.name for p in out.glob("saved*")) == ["saved0", "saved1", "saved2"]
+    # once each (the master's group signal, then its cgroup's, then the agent's: it ran three times)
+    assert [p.read_text() for p in sorted(out.glob("saved*"))] == ["once\n"] * 3
     st = yarnapp.status(app)
     assert st["state"] == "KILLED" and all(c["exit_code"] != -9 for c in st["containers"]), st["containers"]
     assert_nothing_left(app)

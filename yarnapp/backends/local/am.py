@@ -104,9 +104,11 @@ class Container:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
                 pass
-        for pid in self.limits.pids():      # (those out of its process group too)
-            try:
-                os.kill(pid, sig)
+        group = self.proc.pid if self.proc else None
+        for pid in self.limits.pids():      # those out of its process group too (once: a second SIGTERM
+            try:                            # ran a rank's handler again, inside the first)
+                if sig == signal.SIGKILL or os.getpgid(pid) != group:
+                    os.kill(pid, sig)
             except ProcessLookupError:
                 pass
 
