@@ -470,7 +470,7 @@ def _first_progress(home):
     return (yarnapp.Run(apps(home)[0]).status().get("progress") or {}).get(1)
 
 
-@pytest.mark.parametrize("how", ["submit_wait", "run_wait", "submit_wait_sigterm"])
+@pytest.mark.parametrize("how", ["submit_wait", "run_wait", "submit_wait_sigterm", "submit_wait_sigterm_twice"])
 def test_ctrl_c_in_the_python_api(how, yarnapp_home, tmp_path):
     """yarnapp.submit(job, wait=True) interrupted kills the application, as `submit --wait`
     does (before, it ran on and the caller never got its Run); Run.wait() interrupted only
@@ -480,6 +480,7 @@ def test_ctrl_c_in_the_python_api(how, yarnapp_home, tmp_path):
     import signal
     code = {"submit_wait": "yarnapp.submit(sys.argv[1], wait=True, progress=False)",
             "submit_wait_sigterm": "yarnapp.submit(sys.argv[1], wait=True, progress=False)",
+            "submit_wait_sigterm_twice": "yarnapp.submit(sys.argv[1], wait=True, progress=False)",
             "run_wait": "run = yarnapp.submit(sys.argv[1])\n    run.wait()"}[how]
     script = tmp_path / "nb.py"
     script.write_text("import sys\nimport yarnapp\ntry:\n    " + code + "\nexcept KeyboardInterrupt as e:\n"
@@ -492,13 +493,16 @@ def test_ctrl_c_in_the_python_api(how, yarnapp_home, tmp_path):
             assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else ""
             time.sleep(0.2)
         app = apps(yarnapp_home)[0]
-        proc.send_signal(signal.SIGTERM if how.endswith("sigterm") else signal.SIGINT)
+        proc.send_signal(signal.SIGINT if how in ("submit_wait", "run_wait") else signal.SIGTERM)
+        if how.endswith("twice"):           # (the second cut the kill short: 130 and a traceback)
+            time.sleep(0.02)
+            proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
     run = yarnapp.Run(app)
-    if how == "submit_wait_sigterm":
+    if how.startswith("submit_wait_sigterm"):
         assert proc.returncode == -signal.SIGTERM and err.strip().endswith(f"terminated: killed {app}"), (out, err)
         assert run.status()["state"] == "KILLED"
     elif how == "submit_wait":

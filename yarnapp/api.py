@@ -196,7 +196,7 @@ def _started(run, wait, progress):
         try:
             st = run.wait(progress=progress, summary=False)    # a failure is raised, not said twice
         except KeyboardInterrupt:   # as `yarnapp submit --wait`: the caller never got the Run to stop it
-            run.kill()
+            shielded(run.kill)
             if terminated:          # then ends as SIGTERM's default would, the application stopped first
                 restore()
                 print(f"terminated: killed {run.app_id}", file=sys.stderr, flush=True)
@@ -210,6 +210,28 @@ def _started(run, wait, progress):
             from .progress import Progress
             Progress(run).end(st, notices=False)
     return run
+
+
+def shielded(fn):
+    """fn() with Ctrl-C and SIGTERM held off once: a second Ctrl-C cut a kill short, and its
+    line with it; a third still interrupts (a kill stuck on a cluster out of reach can be
+    left). The handlers are restored after. Off the main thread, fn() as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        return fn()
+    seen = []
+
+    def hold(signum, frame):
+        seen.append(signum)
+        if len(seen) > 1:
+            raise KeyboardInterrupt
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in before:
+        signal.signal(sig, hold)
+    try:
+        return fn()
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def _sigterm_interrupts(terminated):

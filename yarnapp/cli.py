@@ -72,10 +72,7 @@ def cmd_submit(args):
     except KeyboardInterrupt:
         if not args.wait:
             raise                   # submitted without --wait: it runs on, as it would have
-        import signal               # a second Ctrl-C cut the kill's line short ("interrupted" alone)
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
-        run.kill()
+        api.shielded(run.kill)      # a second Ctrl-C cut the kill's line short ("interrupted" alone)
         say(f"interrupted: killed {run.app_id}{run.resume_hint(_resubmit(args))}", out)
         return _interrupted_status()
     took = time.time() - t0
