@@ -374,3 +374,13 @@ def test_a_ledger_planted_as_a_link_to_another_file_is_refused_and_that_file_lef
     assert victim.read_text() == "root's own\n" and stat.S_IMODE(victim.stat().st_mode) == 0o600
     apps = os.path.join(os.environ["YARNAPP_HOME"], "apps")
     assert not os.path.isdir(apps) or not os.listdir(apps)
+
+
+def test_another_name_of_the_ledger_itself_does_not_stop_the_engines(cli, monkeypatch, tmp_path):
+    """The ledger is 0666 (every user's engine writes it), so anyone may hard-link it: a link
+    of the ledger itself refused every user's submit (a review)."""
+    ledger = tmp_path / "shared" / "leases.json"
+    monkeypatch.setenv("YARNAPP_LEDGER", str(ledger))
+    leases.Leases().held()                              # made by the first engine
+    os.link(ledger, tmp_path / "elsewhere")
+    assert leases.Leases().held() == {}

@@ -45,10 +45,12 @@ def _open_own(path):
         raise
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        # another name of a file not everyone may write (a user's own, root's) is not the ledger;
+        # one of the ledger itself (0666: anyone may link it) is, or every engine was refused
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 and not st.st_mode & stat.S_IWOTH:
             raise OSError(1, f"not a file of its own (a link: {st.st_nlink} names; remove it)")
-        if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != 0o666:
-            with contextlib.suppress(OSError):
+        if st.st_nlink == 1 and stat.S_IMODE(st.st_mode) != 0o666:
+            with contextlib.suppress(OSError):      # (its creator's, or anyone's where squashed to nobody)
                 os.fchmod(fd, 0o666)
         return os.fdopen(fd, "r+")
     except BaseException:
