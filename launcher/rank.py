@@ -310,8 +310,8 @@ def close_user_process_group():
         return True
     # ... or the code closed it itself (the DDP tutorial's destroy_process_group()): a model may
     # still hold its sockets, and a peer one step behind waited on them for 120 s
-    c10d = sys.modules.get("torch.distributed.distributed_c10d")
-    return getattr(c10d, "_default_pg_init_method", None) is not None
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")      # (_backend: init with a store= too)
+    return any(getattr(c10d, name, None) is not None for name in ("_default_pg_init_method", "_backend"))
 
 
 def meet_at_the_end(store, gen, rank, world_size, wait):

@@ -745,6 +745,24 @@ def test_a_rank_whose_code_ended_early_stops_waiting_for_its_peers_once_their_ge
                                     "at e.py:5 for rank 1 (w_1), whose code had finished: it ran fewer steps"))
 
 
+@pytest.mark.parametrize("how", ["env", "store"])
+def test_code_that_destroyed_its_own_process_group_counts_as_code_on_torch_distributed(tmp_path, how):
+    """The DDP tutorial's destroy_process_group() before the end: its rank still leaves without
+    waiting for its peers (a DDP model holds the group's sockets); with init_process_group(
+    store=...) too, which leaves torch's init method unset (a review)."""
+    init = ("dist.init_process_group('gloo')" if how == "env" else
+            "dist.init_process_group('gloo', store=dist.TCPStore('127.0.0.1', 0, 1, True), rank=0, world_size=1)")
+    code = ("import os, socket, torch.distributed as dist\nfrom launcher.rank import close_user_process_group\n"
+            "s = socket.socket(); s.bind(('127.0.0.1', 0)); os.environ['MASTER_PORT'] = str(s.getsockname()[1])\n"
+            "s.close()\n"
+            "print(close_user_process_group())\n" + init + "\ndist.destroy_process_group()\n"
+            "print(close_user_process_group())\n")
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1",
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False", "True"], (out.stdout, out.stderr)
+
+
 def test_the_run_context_knows_whether_code_read_the_mpi_world():
     """launcher.rank lets a rank leave without waiting for its peers when its code never
     read ctx.comm (it is in none of their MPI calls): reading it, even once, counts."""

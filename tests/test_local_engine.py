@@ -600,3 +600,5 @@ def test_list_orders_an_application_whose_end_lacks_its_submit_time_by_that_time
         json.dump(st, f)
     assert [a["app_id"] for a in yarnapp.list_apps()][:2] == [newest, first]
     assert yarnapp.status(newest)["submitted"]
+    # a shell's completion of apps/ adds a slash: the same application (refused with paths, d5c60c0)
+    assert cli("status", newest + "/", check=0).stdout.startswith(newest)

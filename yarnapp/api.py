@@ -275,6 +275,8 @@ class Run:
     """Handle of a submitted application: status(), wait(), logs(), kill()."""
 
     def __init__(self, app_id, backend=None, spec=None):
+        if isinstance(app_id, str) and app_id.endswith("/") and app_id.strip("/"):
+            app_id = app_id.rstrip("/")     # (a shell's completion of apps/app_.../)
         self.app_id = app_id
         self.backend = backend or backend_for(app_id)
         self.spec = spec
