@@ -462,11 +462,11 @@ def test_a_container_leaving_its_rank_little_beside_its_data_memory_is_warned_of
                               "training": {"data": {"train": f"{digits}/train",
                                                     **({"memory": held} if held else {})}}})
     with caplog.at_level(logging.WARNING, logger="yarnapp.preflight"):
-        preflight.check_data(job("512 MiB"), "job.yaml")
+        preflight.warn_little_beside_data(job("512 MiB"), "job.yaml")
     assert ("job.yaml: groups[0].memory: 512 MiB leaves 384 MiB beside the 128 MiB of data its ranks hold "
             "(training.data.memory: a quarter of it)") in caplog.text, caplog.text
     for fits in (job("1 GiB"), job("512 MiB", "32 MiB")):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="yarnapp.preflight"):
-            preflight.check_data(fits, "job.yaml")
+            preflight.warn_little_beside_data(fits, "job.yaml")
         assert "beside the" not in caplog.text, caplog.text

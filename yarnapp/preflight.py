@@ -101,7 +101,6 @@ def check_data(job, where=None, on_cluster=False):
                                    f"training.data.train ({uri}); lower it")
             if split == "train":
                 _check_window(job, blocks, pre)
-                _warn_little_beside_data(job, pre)
                 _warn_big_row_groups(uri, blocks, pre)
                 if found[split].one_class_files:
                     _warn_one_class_blocks(job, found[split], pre)
@@ -120,11 +119,16 @@ def check_data(job, where=None, on_cluster=False):
     return Found(shape, train.num_classes if train else None, train.rows if train else None)
 
 
-def _warn_little_beside_data(job, pre):
-    """Warn where a container leaves its rank less than RANK_BASE_MIB beside the data it holds
-    (training.data.memory, by default a quarter of it): the kernel killed 448-640 MiB containers
-    at the default, and one whose window submit's own advice had fitted to that data memory."""
+def warn_little_beside_data(job, where=None):
+    """Warn where a container leaves a built-in runner's rank less than RANK_BASE_MIB beside the
+    Parquet data it holds (training.data.memory, by default a quarter of it): the kernel killed
+    448-640 MiB containers at the default, and one whose window submit's own advice had fitted
+    to that data memory. Called once every check passed (before a refusal's line it was a
+    second line)."""
     from training.data.source import data_budget
+    if job.run.function != BUILTIN_RUNNER or not job.training or not job.training.data.train:
+        return
+    pre = f"{where}: " if where else ""
     for i, g in enumerate(job.groups):
         held = data_budget(job.training.data.memory, g.memory) >> 20
         if g.memory - held < RANK_BASE_MIB:

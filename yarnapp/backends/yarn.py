@@ -425,6 +425,7 @@ def prepared(job, where=None, pack=True):
     preflight.check_outputs(job, where, on_cluster=True)
     shipment = shipping.plan(job, where)
     preflight.check_strategy(job, found, shipment, where)
+    preflight.warn_little_beside_data(job, where)
     with tempfile.TemporaryDirectory(prefix="yarnapp-stage-") as staging:
         os.chmod(staging, 0o700)
         files = stage_files(shipment.job, staging, shipped=shipment.entries, pack=pack)

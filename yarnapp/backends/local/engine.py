@@ -142,6 +142,7 @@ def checked(job, where="job"):
         job = job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"resume": resume})})
     shipment = shipping.plan(job, where)
     preflight.check_strategy(job, found, shipment, where)
+    preflight.warn_little_beside_data(job, where)       # (after every refusal: one line each)
     return shipment
 
 
