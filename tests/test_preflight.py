@@ -465,6 +465,8 @@ def test_a_container_leaving_its_rank_little_beside_its_data_memory_is_warned_of
         preflight.warn_little_beside_data(job("512 MiB"), "job.yaml")
     assert ("job.yaml: groups[0].memory: 512 MiB leaves 384 MiB beside the 128 MiB of data its ranks hold "
             "(training.data.memory: a quarter of it)") in caplog.text, caplog.text
+    from training.data.source import MEMORY_FRACTION
+    assert preflight.DATA_FRACTION == MEMORY_FRACTION          # (the client's copy, without pyarrow)
     for fits in (job("1 GiB"), job("512 MiB", "32 MiB")):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="yarnapp.preflight"):

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 Found = collections.namedtuple("Found", "shape classes rows")     # check_data's: None where not known here
 SLACK = 1.25        # a step's blocks are refused only this far over the rank's data budget, where its
                     # reader warns (a 1024 MiB container ran 1.5x over it, at its memory limit)
+DATA_FRACTION = 0.25    # training.data.source.MEMORY_FRACTION (a test keeps them equal)
 RANK_BASE_MIB = 450     # a built-in runner's container besides its data: torch, the model, a batch (390 MiB
                         # for digits; 460-510 MiB with CIFAR-shaped batches of 256: under ~650 MiB were killed)
 ORDER_FRACTION = 0.125  # warn where a rank's epoch orders (Order.plan_bytes) take more of its container
@@ -125,12 +126,11 @@ def warn_little_beside_data(job, where=None):
     448-640 MiB containers at the default, and one whose window submit's own advice had fitted
     to that data memory. Called once every check passed (before a refusal's line it was a
     second line)."""
-    from training.data.source import data_budget
     if job.run.function != BUILTIN_RUNNER or not job.training or not job.training.data.train:
         return
     pre = f"{where}: " if where else ""
-    for i, g in enumerate(job.groups):
-        held = data_budget(job.training.data.memory, g.memory) >> 20
+    for i, g in enumerate(job.groups):      # (training.data.source.data_budget's, without pyarrow here:
+        held = job.training.data.memory or int(g.memory * DATA_FRACTION)    # a client may lack it)
         if g.memory - held < RANK_BASE_MIB:
             log.warning("%sgroups[%d].memory: %d MiB leaves %d MiB beside the %d MiB of data its ranks hold "
                         "(training.data.memory%s), and a rank of the built-in runner takes about %d MiB besides "
