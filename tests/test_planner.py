@@ -639,7 +639,8 @@ def test_a_gpu_beside_cpus_is_judged_only_where_its_speed_is_known():
     assert assumed[1].startswith("gpu + cpus: the GPU alone 640.0 samples/s") and "they help" in assumed[1]
     unknown = present._gpu_beside_cpus(plan("gpu (gpu not measured: no CUDA here, planned as its 1 CPU thread; "
                                             "--gpu-speed N assumes a GPU N x that)"))
-    assert unknown[1].startswith("gpu + cpus: not judged, for the GPU was not measured") and "samples/s" not in unknown[1]
+    assert unknown[1].startswith("gpu + cpus: not judged, for the GPU was not measured")
+    assert "samples/s" not in unknown[1]
 
 
 def test_plan_refuses_a_model_whose_forward_is_not_logits_in_one_line(tmp_path, monkeypatch):

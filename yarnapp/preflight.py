@@ -134,8 +134,8 @@ def warn_little_beside_data(job, where=None):
         if g.memory - held < RANK_BASE_MIB:
             log.warning("%sgroups[%d].memory: %d MiB leaves %d MiB beside the %d MiB of data its ranks hold "
                         "(training.data.memory%s), and a rank of the built-in runner takes about %d MiB besides "
-                        "(torch, the model, a batch; more for big ones): it may be killed for memory; give %d MiB or more, or lower "
-                        "training.data.memory", pre, i, g.memory, g.memory - held, held,
+                        "(torch, the model, a batch; more for big ones): it may be killed for memory; give %d MiB "
+                        "or more, or lower training.data.memory", pre, i, g.memory, g.memory - held, held,
                         "" if job.training.data.memory else ": a quarter of it", RANK_BASE_MIB,
                         held + RANK_BASE_MIB + 64)
 

@@ -71,7 +71,8 @@ def check_resources(job, where="job"):
         if g.gpus and want > len(have):
             raise YarnappError(f"{where}: groups[{i}].gpus: the job asks for {want} GPU(s) in all "
                                f"({', '.join(f'{x.instances} x {x.gpus}' for x in job.groups if x.gpus)}) but this "
-                               f"machine has {len(have)} ({gpus.source()}{'' if have else ' finds none'}); ask for at most "
+                               f"machine has {len(have)} ({gpus.source()}{'' if have else ' finds none'}); "
+                               f"ask for at most "
                                f"{len(have)}, set gpus: 0, or submit to a cluster with --backend yarn")
     instances = sum(g.instances for g in job.groups)
     vcores = round(sum(g.vcores * g.instances for g in job.groups), 6)      # 7 x 1.1 + 0.3 is 8
