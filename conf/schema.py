@@ -321,6 +321,8 @@ BUILTIN_MODELS = ("digits_cnn", "seed_cnn", "resnet", "mlp")   # training.models
                                                                 # client checks training.model against them)
 BUILTIN_MIN_HW = {"digits_cnn": 2, "seed_cnn": 4}               # the least image height and width each takes
                                                                 # (its pooling), else 1: checked without torch
+DATA_MEMORY_FRACTION = 0.25    # training.data.memory: null = this much of the container's memory (here: the
+                               # client reads it without pyarrow)
 
 
 def _seed(value, info: ValidationInfo):

@@ -225,11 +225,10 @@ class Agent(PeerDiagnosis):
                 # seconds), and a dead rank's agent within its poll. A lost connection waits
                 # a poll longer still, so that a rank that died first, without a word (its
                 # agent waits too), is named, not the ranks it took with it.
-                said = self.rank_error(gen, rank) or Failure(reason="")
+                record = self.rank_error(gen, rank) or Failure(reason="")
+                said = record.error
                 # (a line every rank raised alike, at another rank's fault: that rank's agent names it)
-                collateral = bool(said.error) and (looks_collateral(said.error)
-                                                   or said.blames not in (None, rank))
-                said = said.error
+                collateral = bool(said) and (looks_collateral(said) or record.blames not in (None, rank))
                 grace = 1.0
                 if (collateral or not said) and keys.formed(gen) in self.observe(gen):
                     grace = self.store.death_notice_s + lj.poll_interval + (lj.poll_interval + 0.5) * collateral

@@ -298,8 +298,9 @@ def check_output(model, name, example, num_classes):
     the training data's first rows) to logits of shape (B, num_classes), as the built-in
     runner's loss needs (num_classes None: one tensor, of any width). Before this, a user's
     model with 13 outputs for 10 classes trained and reported success, and one with 7 failed
-    in cross_entropy with a torch traceback after a restart. The pass runs in eval mode without gradients on a fork of the RNG, so
-    nothing it touches (batch-norm statistics, the random stream) differs afterwards."""
+    in cross_entropy with a torch traceback after a restart. The pass runs in eval mode
+    without gradients on a fork of the RNG, so nothing it touches (batch-norm statistics,
+    the random stream) differs afterwards."""
     import torch
     x = example[:2]
     modes = [(m, m.training) for m in model.modules()]

@@ -26,7 +26,7 @@ import tempfile
 import urllib.parse
 
 from conf import BUILTIN_RUNNER
-from conf.schema import BUILTIN_MIN_HW, BUILTIN_MODELS
+from conf.schema import BUILTIN_MIN_HW, BUILTIN_MODELS, DATA_MEMORY_FRACTION
 
 from .errors import YarnappError
 
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 Found = collections.namedtuple("Found", "shape classes rows")     # check_data's: None where not known here
 SLACK = 1.25        # a step's blocks are refused only this far over the rank's data budget, where its
                     # reader warns (a 1024 MiB container ran 1.5x over it, at its memory limit)
-DATA_FRACTION = 0.25    # training.data.source.MEMORY_FRACTION (a test keeps them equal)
+DATA_FRACTION = DATA_MEMORY_FRACTION    # training.data.source.MEMORY_FRACTION's, without pyarrow
 RANK_BASE_MIB = 450     # a built-in runner's container besides its data: torch, the model, a batch (390 MiB
                         # for digits; 460-510 MiB with CIFAR-shaped batches of 256: under ~650 MiB were killed)
 ORDER_FRACTION = 0.125  # warn where a rank's epoch orders (Order.plan_bytes) take more of its container

@@ -27,6 +27,8 @@ import time
 
 import numpy as np
 
+from conf.schema import DATA_MEMORY_FRACTION
+
 from . import stats as stats_mod
 from . import transforms
 from .common import BadData, DataError
@@ -38,7 +40,7 @@ from .reader import BlockReader, Cancelled, _Files, read_block
 
 log = logging.getLogger(__name__)
 
-MEMORY_FRACTION = 0.25         # training.data.memory: null = this much of the container's memory
+MEMORY_FRACTION = DATA_MEMORY_FRACTION     # training.data.memory: null = this much of the container's memory
 OFFLINE_MEMORY = 512 << 20     # ... or this much outside a container
 CHANNEL_PROBE = 64             # encoded images: colour where any of this many first ones is
 

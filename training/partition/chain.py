@@ -1,5 +1,6 @@
 """The layer chain: a model traced (torch.fx) into unit layers joined by parameter-free
 ops (see training.partition for what a unit, an owner-side and a consumer-side op are)."""
+import collections
 import dataclasses
 import operator
 import re
@@ -262,10 +263,8 @@ def layer_chain(model, input_shape, num_classes=None):
     if len(placeholders) != 1:
         raise PartitionError(f"the model's forward takes {len(placeholders)} inputs without a default; the "
                              "hypergraph strategy (and the built-in runner) gives it one, the images")
-    calls = {}
-    for n in nodes:
-        if n.op == "call_module" and any(True for _ in modules[n.target].parameters()):
-            calls[n.target] = calls.get(n.target, 0) + 1
+    calls = collections.Counter(n.target for n in nodes if n.op == "call_module"
+                                and next(modules[n.target].parameters(), None) is not None)
     twice = next((name for name, k in calls.items() if k > 1), None)
     if twice:       # (placed once under its name, each use partitioned apart: wrong gradients, no word)
         raise PartitionError(f"layer {twice!r} is called {calls[twice]} times in the model's forward; the hypergraph "

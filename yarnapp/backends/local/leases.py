@@ -17,10 +17,12 @@ memory only). (Every local user may write the ledger: it keeps engines apart, it
 police users; a cluster's resources are YARN's.)
 """
 import contextlib
+import errno
 import fcntl
 import json
 import logging
 import os
+import stat
 import tempfile
 import time
 
@@ -35,8 +37,6 @@ def _open_own(path):
     through a link: a symlink or a hard link planted in the shared folder (any user may make
     it first) made the engine rewrite, and chmod 0666, a file of whoever ran it, root's too.
     OSError (EPERM) for one that is not a plain file of one name."""
-    import stat
-    import errno
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     except OSError as e:
