@@ -45,7 +45,9 @@ THREE = [{"name": "big", "instances": 1, "vcores": 1, "memory": "1 GiB"},
 def test_same_seed_is_bit_identical_and_one_rank_matches_three(tmp_path, digits, yarnapp_home):
     a = _job(tmp_path, digits, "three-a", THREE, shares=[3, 1, 2])
     b = _job(tmp_path, digits, "three-b", THREE, shares=[3, 1, 2])
-    b["checkpoint"]["every_seconds"] = 0.3      # by rank 0's clock, agreed every step: mid-run, same weights
+    # by rank 0's clock, agreed every step: mid-run, same weights. 5 ms, not 0.3 s: on a quick
+    # machine the 20 steps took under 0.3 s and no timed checkpoint fell mid-run
+    b["checkpoint"]["every_seconds"] = 0.005
     one = _job(tmp_path, digits, "one", [{"name": "solo", "instances": 1, "vcores": 1, "memory": "1 GiB"}])
     runs = [yarnapp.submit(j) for j in (a, b)]           # two at once: timing differs, results must not
     for r in runs:
