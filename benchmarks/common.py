@@ -5,6 +5,7 @@ import json
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import time
 
@@ -87,8 +88,20 @@ def cpu_model():
 
 def machine_meta():
     return {"host": platform.node(), "cpu": cpu_model(), "cpus": os.cpu_count(),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "load_avg": os.getloadavg(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "load_avg": os.getloadavg(), "commit": commit(),
             "mpich_cvars": {k: v for k, v in os.environ.items() if k.startswith("MPIR_CVAR_")}}
+
+
+def commit():
+    """The repository's commit, "+" where its files differ from it (a result matched to its code)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (head + ("+" if dirty else "")) or None
 
 
 def add_out(parser, name):
