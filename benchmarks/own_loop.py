@@ -4,15 +4,18 @@
 
 Every contender runs as an application of the local engine on 1 x 1 vcore + 2 x 0.5
 vcore containers (cgroup CPU quotas, singletons joined through the store: the product's
-path), in interleaved rounds; the table gives medians over rounds.
+path), in interleaved rounds; the table gives medians over rounds, and ratios the
+median of each round's.
 
 loop     a user's training loop (benchmarks/own_loop_train.py: ResNet-20, CIFAR-shaped
          rows in memory, global batch 96, SGD), shipped as run.script:
            ours-vcores  on training.dist, shares by vcores (48/24/24 rows)
+           ours-equal   on training.dist, equal shares (32/32/32 rows): ours against DDP
+                        alone, without the shares' gain
            ddp-equal    torch DistributedDataParallel over gloo with DistributedSampler
                         (32/32/32 rows: equal shares are all torch offers), env://
                         rendezvous from the launcher's variables, as torchrun runs it
-         samples/s over the steps after a warm-up; ratio ours / ddp.
+         samples/s over the steps after a warm-up; ratios ours / ddp.
 example  conf/examples/cifar_resnet.yaml (the built-in runner) for --steps steps:
            one-1vcore   a single container of 1 vcore
            equal        the three containers, shares: equal
@@ -56,12 +59,13 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def loop_run(api, work, quick):
-    out = os.path.join(work, f"{api}.json")
+def loop_run(name, work, quick):
+    api, shares = name.split("-")
+    out = os.path.join(work, f"{name}.json")
     args = ["--api", api, "--out", out, "--steps", "12" if quick else "30"]
     if api == "ours":
-        args += ["--shares", "vcores"]
-    common.submit({"name": f"loop-{api}", "groups": GROUPS, "max_restarts": 0,
+        args += ["--shares", shares]
+    common.submit({"name": f"loop-{name}", "groups": GROUPS, "max_restarts": 0,
             "run": {"script": os.path.join(HERE, "own_loop_train.py"), "args": args,
                     "files": [os.path.join(HERE, "own_loop_train.py")]}})
     with open(out) as f:
@@ -104,7 +108,7 @@ def main(argv=None):
         for r in range(rounds):
             contenders = []
             if "loop" in parts:
-                contenders += [("loop", "ours-vcores"), ("loop", "ddp-equal")]
+                contenders += [("loop", "ours-vcores"), ("loop", "ours-equal"), ("loop", "ddp-equal")]
             if "example" in parts:
                 contenders += [("example", k) for k in ("one-1vcore", "equal", "vcores")]
             if "conv-mp" in parts:
@@ -117,7 +121,7 @@ def main(argv=None):
                 contenders.reverse()
             for part, name in contenders:
                 if part == "loop":
-                    v = loop_run(name.split("-")[0], home, args.quick)
+                    v = loop_run(name, home, args.quick)
                 else:
                     v = example_run(name, os.path.join(home, "cifar"), steps)
                 samples.setdefault((part, name), []).append(v)
@@ -125,14 +129,18 @@ def main(argv=None):
     finally:
         shutil.rmtree(home, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in samples.items()}
+
+    def per_round(a, b):            # the median of each round's ratio a / b (drift hits both alike)
+        return statistics.median(x / y for x, y in zip(samples[a], samples[b]))
     rows = []
     print(f"\n{'part':<8} {'contender':<12} {'samples/s':>10}  ratio")
     for (part, name), m in med.items():
         base = {"loop": ("loop", "ddp-equal"), "example": ("example", "one-1vcore"),
                 "seed": ("seed", "seed-1vcore")}[part]
-        ratio = {"vs": base[1], "ratio": m / med[base]} if base in med and base != (part, name) else {}
+        ratio = {"vs": base[1], "ratio": per_round((part, name), base)} if base in med and base != (part, name) \
+            else {}
         if part == "example" and name == "vcores" and ("example", "equal") in med:
-            ratio["vs_equal"] = m / med[("example", "equal")]
+            ratio["vs_equal"] = per_round((part, name), ("example", "equal"))
         rows.append({"part": part, "contender": name, "samples_per_s": m, "runs": samples[(part, name)], **ratio})
         extra = f"{ratio['ratio']:.2f}x {ratio['vs']}" if ratio else ""
         if "vs_equal" in ratio:
