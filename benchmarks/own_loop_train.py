@@ -5,6 +5,9 @@
     --api ddp    plain torch: init_process_group("gloo") from the env:// variables the
                  launcher sets, DistributedSampler (equal shares: all torch offers),
                  DistributedDataParallel
+    --api plain  one process, no torch.distributed at all (a shuffled DataLoader): what a
+                 rank alone is measured against (a rank of ours alone sums nothing, while
+                 DDP runs its all-reduce over one rank)
 
 Both train the example's model (training.models "resnet", ResNet-20) on the same
 CIFAR-shaped rows held in memory, global batch --batch, SGD with momentum; rank 0
@@ -21,7 +24,7 @@ import torch.nn.functional as F
 
 def parse_args():
     p = argparse.ArgumentParser()
-    p.add_argument("--api", choices=("ours", "ddp"), required=True)
+    p.add_argument("--api", choices=("ours", "ddp", "plain"), required=True)
     p.add_argument("--shares", default="vcores")
     p.add_argument("--batch", type=int, default=96)
     p.add_argument("--warmup", type=int, default=5)
@@ -82,6 +85,19 @@ def main():
             for e in range(1000):
                 sampler.set_epoch(e)
                 yield loader
+    elif args.api == "plain":
+        rank = 0
+        gpu = torch.cuda.is_available() and os.environ.get("CUDA_VISIBLE_DEVICES", "") != ""
+        device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+        g = torch.Generator().manual_seed(0)
+        loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch, shuffle=True, generator=g,
+                                             drop_last=True)
+        net = model().to(device)
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+
+        def epochs():
+            while True:
+                yield loader
     else:
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -104,7 +120,7 @@ def main():
         with open(args.out, "w") as f:
             json.dump({"samples_per_s": rate, "steps": args.steps, "batch": args.batch, "api": args.api,
                        "shares": args.shares if args.api == "ours" else "equal",
-                       "threads": torch.get_num_threads(), "world": int(os.environ["WORLD_SIZE"]),
+                       "threads": torch.get_num_threads(), "world": int(os.environ.get("WORLD_SIZE", 1)),
                        "device": device.type}, f)
 
 
