@@ -9,10 +9,14 @@ it was tuned on and on held-out ones.
 Configurations (`CONFIGS`): the planner was tuned on two, seed_cnn conv 32/96 at batch 32
 on 3x32x32, shares 'vcores', kernels split by the same weights, with a group of 1 vcore
 and (n−1) ranks of 0.5 vcore for n = 2 and 3 ("tuned-2", "tuned-3": 4 strategies each, the
-8 tuned cases). The held-out ones change one thing each, and were never used to tune it:
-another model (ResNet, "resnet"), another batch ("batch64"), other vcore mixes (two
-1-vcore ranks "vcores-1-1"; two 0.5-vcore ranks, the master throttled too,
-"vcores-05-05"; 1 + 1 + 0.5 vcores on 3 ranks, "vcores-1-1-05").
+8 tuned cases). The held-out ones change one thing each, and were not fitted on: another
+model (ResNet, "resnet"), another batch ("batch64"), other vcore mixes (two 1-vcore ranks
+"vcores-1-1"; two 0.5-vcore ranks, the master throttled too, "vcores-05-05"; 1 + 1 + 0.5
+vcores on 3 ranks, "vcores-1-1-05"); they have been run after planner changes since
+2026-11-24, so they are no longer unseen. The "fresh" ones (another width and batch,
+"fresh-seed-64"; a 3-stage ResNet on 3 ranks, "fresh-resnet-3"; the digits CNN on 8x8,
+"fresh-digits") were added on 2026-11-30 and had not been run before their first
+recorded run (`--configs fresh`).
 
 For every configuration the planner (training.planner, the code behind `yarnapp plan`)
 measures the link with its ping-pong of two joined ranks, what a polite wait costs and
@@ -66,6 +70,13 @@ CONFIGS = {   # name: (group, what the run uses); "tuned" ones are those the pla
     "vcores-1-1": ("held-out", dict(SEED, vcores=[1.0, 1.0])),
     "vcores-05-05": ("held-out", dict(SEED, vcores=[0.5, 0.5])),
     "vcores-1-1-05": ("held-out", dict(SEED, vcores=[1.0, 1.0, 0.5])),
+    # added 2026-11-30 and never run before their first recorded run (the five above have been
+    # run after planner changes since 2026-11-24: seen, if never fitted on)
+    "fresh-seed-64": ("fresh", dict(SEED, options={"conv1": 64, "conv2": 192}, batch=16, vcores=[1.0, 0.5])),
+    "fresh-resnet-3": ("fresh", {"model": "resnet", "options": {"width": 16, "blocks": 1, "stages": 3},
+                                 "batch": 16, "input_shape": [3, 32, 32], "vcores": [1.0, 0.5, 0.5]}),
+    "fresh-digits": ("fresh", {"model": "digits_cnn", "options": {}, "batch": 48, "input_shape": [1, 8, 8],
+                               "vcores": [1.0, 0.5]}),
 }
 
 
@@ -241,7 +252,7 @@ def parse_args(argv):
     p.add_argument("--quick", action="store_true", help="shorter runs and measurements")
     p.add_argument("--seconds", type=float, help="timed seconds per run (default 4, --quick 1.5)")
     p.add_argument("--configs", default="all",
-                   help=f"all | tuned | held-out | names from {', '.join(CONFIGS)} (comma-separated)")
+                   help=f"all | tuned | held-out | fresh | names from {', '.join(CONFIGS)} (comma-separated)")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--steps", type=int, help="timed steps per run (default: by --seconds)")
     p.add_argument("--warmup", type=int)
@@ -262,7 +273,7 @@ def parse_args(argv):
 def chosen(configs):
     if configs == "all":
         return list(CONFIGS)
-    if configs in ("tuned", "held-out"):
+    if configs in ("tuned", "held-out", "fresh"):
         return [k for k, (group, _) in CONFIGS.items() if group == configs]
     names = [c for c in configs.split(",") if c]
     unknown = [c for c in names if c not in CONFIGS]
@@ -383,11 +394,12 @@ def main(argv=None):
                      "strategy": key[1], "predicted_s": p, "measured_s": m, "error": (p - m) / m,
                      "repeats": len(mine), "runs": mine})
     meta["load_avg_after"] = os.getloadavg()
-    meta["summary"] = {g: summary([r for r in rows if r["group"] == g]) for g in ("tuned", "held-out")}
+    meta["summary"] = {g: summary([r for r in rows if r["group"] == g]) for g in ("tuned", "held-out", "fresh")}
     print(f"~{seconds:g} s of timed steps per run, median of {a.repeat} run{'s' if a.repeat > 1 else ''} per "
           "case; shares and kernel split by vcores")
     for group, title in (("tuned", "tuned on (seed_cnn 32/96, batch 32; 1 + 0.5 [+ 0.5] vcores)"),
-                         ("held-out", "held out (never used to tune the planner)")):
+                         ("held-out", "held out (not fitted on; run after planner changes since 11-24)"),
+                         ("fresh", "fresh (added 2026-11-30, not run before their first recorded run)")):
         mine = [r for r in rows if r["group"] == group]
         if mine:
             print_table(title, mine)
