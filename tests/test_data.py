@@ -933,3 +933,31 @@ def test_a_bad_image_met_while_measuring_mean_and_std_is_named_by_its_row_in_the
     with pytest.raises(DataError) as e:
         ParquetSource(str(tmp_path / "ds"))._resolve_stats()
     _one_line_naming(e, f"{tmp_path / 'ds'}/b.parquet (row 2): not a decodable image")
+
+
+def test_a_resume_mid_epoch_into_another_order_of_its_rows_is_refused_at_an_epochs_end_taken():
+    """The order of an epoch follows training.seed, shuffle_window and the row groups; a
+    checkpoint recorded only the batch size and rows, so a resume with a smaller window (as the
+    out-of-memory line advises), another seed or the same rows rewritten in other row groups was
+    taken, and the rest of its epoch repeated 259-999 rows and skipped as many (an audit)."""
+    from training.checkpoint import other_data
+    from training.data.order import Order
+    rows, nbytes = [1000, 1000, 66], [1 << 20, 1 << 20, 66 << 10]
+    same = Order(rows, nbytes, 1 << 20).fingerprint(64)
+    assert Order(rows, nbytes, 1 << 20).fingerprint(64) == same
+    assert Order(rows, nbytes, 2 << 20).fingerprint(64) != same                 # another window
+    assert Order([500, 1500, 66], nbytes, 1 << 20).fingerprint(64) != same       # other row groups
+    saved = {"batch_size": 64, "train_rows": 2066, "seed": 5, "order": same}     # 32 steps an epoch
+    assert other_data(40, "app_a", saved, dict(saved)) is None
+    line = other_data(40, "app_a", saved, dict(saved, seed=6))
+    assert line == ("checkpoint.resume: the checkpoint of step 40 (application app_a) is 8 steps into epoch 2 "
+                    "(of 32 steps), and this job orders that epoch's rows otherwise (training.seed 6 (it was "
+                    "written with 5)): the rest of the epoch would repeat some rows and skip others; resume with "
+                    "what it was written with (a checkpoint at an epoch's end takes the change), or start afresh "
+                    "(checkpoint.resume: never)"), line
+    line = other_data(40, "app_a", saved, dict(saved, order=Order(rows, nbytes, 2 << 20).fingerprint(64)))
+    assert "(training.data.shuffle_window, or the training set's row groups, changed)" in line, line
+    assert other_data(64, "app_a", saved, dict(saved, seed=6, order="x")) is None    # an epoch's end: a new order
+    old = {"batch_size": 64, "train_rows": 2066}                                     # recorded before the order
+    assert other_data(40, "app_a", old, dict(saved, seed=6)) is None
+    assert "other places in the data" in other_data(40, "app_a", saved, dict(saved, batch_size=32))

@@ -436,10 +436,10 @@ def test_resume_finds_other_applications_when_checkpoint_uri_is_unset(digits, tm
     step 0 and an application id failed. Resumed into a job of another model (mlp), the
     checkpoint is refused in one line, not retried: before, a torch 'Error(s) in loading
     state_dict for MLP' cut off at its first line, after a traceback, and a restart spent."""
-    def job(steps, resume="never", model="digits_cnn", batch=48):
+    def job(steps, resume="never", model="digits_cnn", batch=48, **training):
         j = digits_job(tmp_path, digits, "default-uri", steps=steps, instances=(1, 0))
         j["checkpoint"] = {"every_steps": 10, "resume": resume}
-        j["training"].update(model=model, batch_size=batch)
+        j["training"].update(model=model, batch_size=batch, **training)
         return j
     run1, _ = run_to_end(job(20))
     run2, st2 = run_to_end(job(30, resume="latest"))
@@ -457,6 +457,19 @@ def test_resume_finds_other_applications_when_checkpoint_uri_is_unset(digits, tm
             rf"^job: checkpoint.resume: the checkpoint of step 20 \(application {run1.app_id}\) was written with "
             rf"training.model 'digits_cnn' \(this job: 'mlp'\); its states load only into the job that wrote them")):
         yarnapp.submit(job(30, resume=run1.app_id, model="mlp"))
+    # Step 20 is mid-epoch (29 steps an epoch): another seed or shuffle window orders the rest
+    # of its rows otherwise (the client digests the order as the ranks record it: run2's
+    # unchanged resume was taken)
+    with pytest.raises(yarnapp.YarnappError, match=(
+            rf"^job: checkpoint.resume: the checkpoint of step 20 \(application {run1.app_id}\) is 20 steps into "
+            rf"epoch 1 \(of 29 steps\), and this job orders that epoch's rows otherwise \(training.seed 4 \(it "
+            rf"was written with 3\)\): the rest of the epoch would repeat some rows and skip others")):
+        yarnapp.submit(job(30, resume=run1.app_id, seed=4))
+    shuffled = job(30, resume=run1.app_id)
+    shuffled["training"]["data"]["shuffle_window"] = "1 MiB"
+    with pytest.raises(yarnapp.YarnappError, match=r"\(training.data.shuffle_window, or the training set's row "
+                                                   r"groups, changed\)"):
+        yarnapp.submit(shuffled)
     assert sorted(os.listdir(yarnapp_home / "apps")) == before
     # an application recorded by an earlier yarnapp (no data, no model): the ranks refuse, not retried
     card = yarnapp_home / "apps" / run1.app_id / "checkpoints" / run1.app_id / "application.json"

@@ -216,8 +216,8 @@ class Checkpointer:
         except (OSError, ValueError, pa.ArrowException):
             meta = {}                   # written before it was recorded: the ranks check their states
         saved = meta.get("data")
-        if saved and data.get("train_rows") is None:
-            data = dict(data, train_rows=saved.get("train_rows"))     # a dataset of the user's: rows unknown
+        if saved:                       # not known here (a dataset of the user's: its rows): as saved
+            data = {**data, **{k: saved.get(k) for k, v in data.items() if v is None}}
         self.trains = self.trains or trains
         return (self._written_by_fewer(root, app, steps, size)
                 or other_model(steps[-1], app, meta.get("trains"), trains) or other_data(steps[-1], app, saved, data))
@@ -350,16 +350,32 @@ def other_model(step, app, saved, now):
 
 def other_data(step, app, saved, now):
     """The line refusing to resume a checkpoint written for another batch size or training
-    set (`saved`, `now`: {"batch_size", "train_rows"}), or None: its step would stand for
-    another place in the data (step 240 of 1438 rows is epoch 10.9; of 719 rows, 21.8), and
-    the run would silently train on other epochs than it left."""
-    if not saved or saved == now:
+    set (`saved`, `now`: {"batch_size", "train_rows", "seed", "order"}; the last two
+    recorded since 2026-11-30), or None: its step would stand for another place in the data
+    (step 240 of 1438 rows is epoch 10.9; of 719 rows, 21.8), and the run would silently
+    train on other epochs than it left. Mid-epoch, another order of the epoch's rows (another
+    training.seed, shuffle_window or row groups: Order.fingerprint) is refused too: the rest
+    of the epoch would repeat some rows and skip others (an audit: 259 twice, 293 never,
+    after a resume with a smaller window). At an epoch's end the new order starts whole."""
+    if not saved:
         return None
-    return (f"checkpoint.resume: the checkpoint of step {step} (application {app}) was written with "
-            f"training.batch_size {saved['batch_size']} and {saved['train_rows']} rows of training.data.train; "
-            f"this job has {now['batch_size']} and {now['train_rows']}, so its steps would be other places in "
-            f"the data; resume with the batch size and data it was written with, or start afresh "
-            f"(checkpoint.resume: never)")
+    if (saved["batch_size"], saved["train_rows"]) != (now["batch_size"], now["train_rows"]):
+        return (f"checkpoint.resume: the checkpoint of step {step} (application {app}) was written with "
+                f"training.batch_size {saved['batch_size']} and {saved['train_rows']} rows of training.data.train; "
+                f"this job has {now['batch_size']} and {now['train_rows']}, so its steps would be other places in "
+                f"the data; resume with the batch size and data it was written with, or start afresh "
+                f"(checkpoint.resume: never)")
+    changed = [k for k in ("seed", "order") if None not in (saved.get(k), now.get(k)) and saved[k] != now[k]]
+    spe = (saved["train_rows"] or 0) // saved["batch_size"]         # (training drops a last partial batch)
+    if not changed or not spe or step % spe == 0:
+        return None
+    epoch, into = divmod(step, spe)
+    why = ([f"training.seed {now['seed']} (it was written with {saved['seed']})"] if "seed" in changed else []) + \
+        (["training.data.shuffle_window, or the training set's row groups, changed"] if "order" in changed else [])
+    return (f"checkpoint.resume: the checkpoint of step {step} (application {app}) is {into} steps into epoch "
+            f"{epoch + 1} (of {spe} steps), and this job orders that epoch's rows otherwise ({'; '.join(why)}): "
+            f"the rest of the epoch would repeat some rows and skip others; resume with what it was written "
+            f"with (a checkpoint at an epoch's end takes the change), or start afresh (checkpoint.resume: never)")
 
 
 def _attempt(fn):

@@ -145,7 +145,8 @@ class Runner:
         return due
 
     def _data(self):
-        return {"batch_size": self.spec.batch_size, "train_rows": len(self.train)}
+        return {"batch_size": self.spec.batch_size, "train_rows": len(self.train), "seed": self.spec.seed,
+                "order": self.train.order.fingerprint(self.spec.batch_size)}
 
     def _job_hyperparameters(self):
         """The job's lr, momentum and weight decay over those of the checkpoint's optimizer

@@ -32,7 +32,7 @@ from .errors import YarnappError
 
 log = logging.getLogger(__name__)
 
-Found = collections.namedtuple("Found", "shape classes rows")     # check_data's: None where not known here
+Found = collections.namedtuple("Found", "shape classes rows order")     # check_data's: None where not known here
 SLACK = 1.25        # a step's blocks are refused only this far over the rank's data budget, where its
                     # reader warns (a 1024 MiB container ran 1.5x over it, at its memory limit)
 DATA_FRACTION = DATA_MEMORY_FRACTION    # training.data.source.MEMORY_FRACTION's, without pyarrow
@@ -47,7 +47,7 @@ def check_data(job, where=None, on_cluster=False):
     that this client reaches is checked), or when its images would come out of the
     augmentation and the test transforms in sizes the model cannot take together.
     Returns a Found (the model's input [C, H, W] and the number of classes, each None where
-    not known here; the training set's rows) where the data was checked, else None."""
+    not known here; the training set's rows and order) where the data was checked, else None."""
     data = job.training.data if job.training is not None else None
     if data is None or data.dataset or job.run.function != BUILTIN_RUNNER:
         return                  # own code reads what it likes; a user's dataset is theirs to open
@@ -117,7 +117,12 @@ def check_data(job, where=None, on_cluster=False):
         if shape and data.mean is not None and len(data.mean) != shape[0]:     # (else the ranks said it)
             raise YarnappError(f"{pre}training.data.mean/std: {len(data.mean)} values each, for images of "
                                f"{shape[0]} channel(s) ({data.train}); give one per channel")
-    return Found(shape, train.num_classes if train else None, train.rows if train else None)
+    order = None                # the training set's epoch order (Order.fingerprint), as its ranks will record it
+    if train:
+        from training.data.order import Order
+        order = Order([b.rows for b in train.blocks], [b.nbytes for b in train.blocks],
+                      (data.shuffle_window or 0) << 20).fingerprint(job.training.batch_size)
+    return Found(shape, train.num_classes if train else None, train.rows if train else None, order)
 
 
 def warn_little_beside_data(job, where=None):

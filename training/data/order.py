@@ -31,6 +31,7 @@ mixed sample if the data was written in a meaningful order (sorted by class, say
 yarnapp's importers write shuffled rows; see docs/data.md.
 """
 import dataclasses
+import hashlib
 import itertools
 
 import numpy as np
@@ -148,6 +149,16 @@ class Order:
         self.n = int(self.starts[-1])
         self.window_bytes = int(window_bytes or 0)
         self.map_style = bool(map_style)
+
+    def fingerprint(self, global_batch):
+        """What places a row in an epoch besides the seed, digested: the blocks' rows in file
+        order and the window's rows at this batch. Another shuffle_window, or the same rows
+        rewritten in other row groups, is another order: a checkpoint's step mid-epoch stands
+        for other rows (training.checkpoint.other_data)."""
+        h = hashlib.sha1(b"map" if self.map_style else b"blocks")
+        h.update(self.block_rows.astype("<i8").tobytes())
+        h.update(str(self.window_rows(global_batch)).encode())
+        return h.hexdigest()[:12]
 
     def window_rows(self, global_batch):
         """Rows per window: whole batches, about window_bytes of blocks, at least one batch

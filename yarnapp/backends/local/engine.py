@@ -113,7 +113,8 @@ def check_resume(job, found, where="job"):
     try:
         earlier = look.earlier()
         line = look.refusal(earlier, sum(g.instances for g in job.groups),
-                            {"batch_size": job.training.batch_size, "train_rows": found and found.rows},
+                            {"batch_size": job.training.batch_size, "train_rows": found and found.rows,
+                             "seed": job.training.seed, "order": found and found.order},
                             what_it_trains(job.training))
     except CheckpointError as e:
         line = str(e)
