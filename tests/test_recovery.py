@@ -468,7 +468,8 @@ def test_resume_finds_other_applications_when_checkpoint_uri_is_unset(digits, tm
     shuffled = job(30, resume=run1.app_id)
     shuffled["training"]["data"]["shuffle_window"] = "1 MiB"
     with pytest.raises(yarnapp.YarnappError, match=r"\(training.data.shuffle_window, or the training set's row "
-                                                   r"groups, changed\)"):
+                                                   r"groups, changed; training.data.memory and groups\[\].memory "
+                                                   r"keep the order\)"):
         yarnapp.submit(shuffled)
     assert sorted(os.listdir(yarnapp_home / "apps")) == before
     # an application recorded by an earlier yarnapp (no data, no model): the ranks refuse, not retried

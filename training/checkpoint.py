@@ -371,7 +371,8 @@ def other_data(step, app, saved, now):
         return None
     epoch, into = divmod(step, spe)
     why = ([f"training.seed {now['seed']} (it was written with {saved['seed']})"] if "seed" in changed else []) + \
-        (["training.data.shuffle_window, or the training set's row groups, changed"] if "order" in changed else [])
+        (["training.data.shuffle_window, or the training set's row groups, changed; training.data.memory and "
+          "groups[].memory keep the order"] if "order" in changed else [])
     return (f"checkpoint.resume: the checkpoint of step {step} (application {app}) is {into} steps into epoch "
             f"{epoch + 1} (of {spe} steps), and this job orders that epoch's rows otherwise ({'; '.join(why)}): "
             f"the rest of the epoch would repeat some rows and skip others; resume with what it was written "
