@@ -148,16 +148,17 @@ class Agent(PeerDiagnosis):
             self.child.kill()
             self.child.wait()
 
-    def stop_child(self, grace):
-        """SIGTERM (unless its process group got it with this agent: once), then SIGKILL after
-        `grace` seconds: the user's code may end on its own first (a handler that saves,
-        `finally` blocks), as under torchrun or a NodeManager's stop. A rank still importing in
-        the warm process has no code of the user's running yet: killed at once."""
+    def stop_child(self, grace, group_signalled=False):
+        """SIGTERM (unless `group_signalled`: its process group got it with this agent, once),
+        then SIGKILL after `grace` seconds: the user's code may end on its own first (a handler
+        that saves, `finally` blocks), as under torchrun or a NodeManager's stop. A rank still
+        importing in the warm process has no code of the user's running yet, and a stopped
+        (frozen) one cannot run any: killed at once."""
         child = self.child
         pid = child.pid if isinstance(child, subprocess.Popen) else getattr(child, "started_pid", None)
-        if child and pid and child.poll() is None:
+        if child and pid and child.poll() is None and not process_stopped(pid):
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                if os.getpgid(pid) != os.getpgrp():
+                if not (group_signalled and os.getpgid(pid) == os.getpgrp()):
                     os.kill(pid, signal.SIGTERM)
             deadline = time.monotonic() + grace
             while child.poll() is None and time.monotonic() < deadline:
@@ -437,7 +438,11 @@ class Agent(PeerDiagnosis):
             if outcome is Outcome.SUCCEEDED:
                 self.store.put(keys.done(self.ident.container), json.dumps({"generation": self.gen}))
                 return State.SUCCEEDED
-            self.kill_child()
+            # A peer failed: this rank's code gets SIGTERM and a moment to end on its own, as
+            # torchrun gives its workers (it was SIGKILLed: a handler saving state on SIGTERM, and
+            # `finally` blocks, never ran on the survivors). A rank found hung is killed at once.
+            hung = self.found and self.found.kind == Kind.HUNG.value and self.found.rank == self.ident.rank
+            self.kill_child() if hung else self.stop_child(TERM_GRACE_S)
             return State.RESTARTING
         if state is State.RESTARTING:
             return self.after_abort(self.gen, self.found)
@@ -518,7 +523,7 @@ def main():
                     reason=f"container {ident.container} was stopped by the resource manager (SIGTERM)")
                 ).stamped(generation=gen).dumps())
         finally:
-            agent.stop_child(TERM_GRACE_S)
+            agent.stop_child(TERM_GRACE_S, group_signalled=True)
             os._exit(exitcodes.signalled(signum))
     stopping = []
     signal.signal(signal.SIGTERM, on_term)

@@ -923,3 +923,29 @@ def test_a_killed_applications_code_gets_sigterm_and_time_to_end_on_its_own(cli,
     st = yarnapp.status(app)
     assert st["state"] == "KILLED" and all(c["exit_code"] != -9 for c in st["containers"]), st["containers"]
     assert_nothing_left(app)
+
+
+def test_when_a_rank_fails_the_others_code_gets_sigterm_and_time_to_end_on_its_own(cli, tmp_path):
+    """A peer's failure SIGKILLed the surviving ranks: their SIGTERM handlers (a save, as torchrun
+    lets them run) and `finally` blocks never ran (a torch.distributed audit)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    job = _script_job(tmp_path, "peerfail",
+                      "import os, signal, sys, time\n"
+                      f"OUT = {str(out)!r}\n"
+                      "def on_term(signum, frame):\n"
+                      "    with open(os.path.join(OUT, 'saved%s' % os.environ['RANK']), 'a') as f:\n"
+                      "        f.write('once\\n')\n"
+                      "    sys.exit(0)\n"
+                      "signal.signal(signal.SIGTERM, on_term)\n"
+                      "open(os.path.join(OUT, 'ready%s' % os.environ['RANK']), 'w').close()\n"
+                      "if os.environ['RANK'] == '1':\n"
+                      "    while len(os.listdir(OUT)) < 3:\n"
+                      "        time.sleep(0.05)\n"
+                      "    raise RuntimeError('rank 1 gives up')\n"
+                      "time.sleep(120)\n")
+    proc = cli("submit", job, "--wait", check=1, timeout=240)
+    assert "RuntimeError: rank 1 gives up" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert sorted(p.name for p in out.glob("saved*")) == ["saved0", "saved2"]
+    assert [p.read_text() for p in sorted(out.glob("saved*"))] == ["once\n"] * 2
+    assert_nothing_left(app_id_from(proc.stdout + proc.stderr))
