@@ -99,10 +99,22 @@ def test_clean_removes_finished_applications_and_keeps_what_runs_or_is_resumed_f
     finally:
         cli("kill", running)
     (yarnapp_home / "apps" / f".removing-{second}").mkdir()      # what a remove interrupted leaves: swept
+    # what a submit SIGKILLed (or SIGHUPed) while it copied the job's files leaves: its record
+    # names the submitting process, gone; no app.json, so nothing listed or removed it
+    from yarnapp.backends.local import supervisor
+    killed, live = (yarnapp_home / "apps" / "app_20261130_000000_abcdef",
+                    yarnapp_home / "apps" / "app_20261130_000001_abcdef")
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    for d, pid in ((killed, gone.pid), (live, os.getpid())):      # (live: a submit still copying)
+        (d / "files").mkdir(parents=True)
+        (d / "files" / "weights.bin").write_bytes(b"w" * 100_000)
+        supervisor.write_record(str(d), {"pid": pid, "starting": True, "attempts": []})
+        os.utime(d, (time.time() - 120, time.time() - 120))
     out = cli("clean", "--older-than", "0", check=0).stdout.splitlines()
     assert [line.split()[:3] for line in out[:2]] == [["removed", running, "running"], ["removed", first, "first"]]
     assert out[2].startswith("removed 2 applications, ") and len(out) == 3, out
-    assert os.listdir(yarnapp_home / "apps") == []
+    assert os.listdir(yarnapp_home / "apps") == [live.name]
 
 
 def test_a_supervisor_pid_another_process_took_since_is_not_the_supervisor(tmp_path):
@@ -208,13 +220,59 @@ def test_kill_leaves_nothing_running(cli, yarnapp_home, tmp_path):
     out, said = follow.communicate(timeout=60)
     assert said.strip().splitlines()[-1] == f"{app} was killed", said         # how it ended (it said nothing)
     assert follow.returncode == 1           # as submit --wait's (it was 0: CI could not tell)
-    first = {c: open(p).readline().rstrip("\n") for c, p in LocalBackend().log_paths(app).items()}
+    first = {c: open(p).readline().rstrip("\n") for c, p in LocalBackend().log_files(app).items()}
     for c in ("a_0", "b_0"):
         assert f"{c}| {first[c]}" in out.splitlines(), (first[c], out[:500])
     assert_nothing_left(app)
     # status/list/logs keep working from another process after the end
     assert app in cli("list", check=0).stdout
     assert "attempt 1 started" in cli("logs", app, "--container", "a_0", check=0).stdout
+
+
+def test_logs_tail_and_stream_a_log_larger_than_what_the_command_holds(cli, yarnapp_home, tmp_path):
+    """A chatty rank's log grows without bound: `yarnapp logs` read it whole into memory (a
+    200 MB log took 475 MB to print) and had no --tail; --follow read it all again every
+    half second, and printed a line cut mid-write as two."""
+    script = tmp_path / "chatty.py"
+    script.write_text("for i in range(3000):\n    print(f'line {i}')\nprint('no newline', end='')\n")
+    job = write_job(tmp_path / "chatty.yaml", {"name": "chatty", "groups": [{"name": "a", "instances": 1,
+                    "vcores": 1, "memory": "1 GiB"}], "run": {"script": str(script)}})
+    app = app_id_from(cli("submit", job, "--wait", check=0).stdout)
+    (log,) = LocalBackend().log_files(app).values()
+    tail = cli("logs", app, "--tail", "3", check=0).stdout
+    assert tail.splitlines() == ["==> a_0 <==", *open(log).read().splitlines()[-3:]], tail
+    assert "no newline" in tail.splitlines()[-1] and tail.endswith("\n")
+    assert cli("logs", app, "-n", "0", check=0).stdout == "==> a_0 <==\n"
+    assert yarnapp.Run(app).logs(tail=2) == {"a_0": "".join(open(log).readlines()[-2:])}
+    followed = cli("logs", app, "--follow", "--tail", "2", check=0).stdout.splitlines()
+    assert followed == [f"a_0| {line}" for line in open(log).read().splitlines()[-2:]], followed
+    assert "--tail -1: give a number of lines" in cli("logs", app, "--tail", "-1", check=1).stderr
+    # 60 MB more: printed in pieces, the command's memory as for the small log
+    small = _max_rss_of([sys.executable, "-m", "yarnapp.cli", "logs", app])
+    with open(log, "a") as f:
+        for _ in range(60):
+            f.write(("x" * 99 + "\n") * 10_000)
+    big = _max_rss_of([sys.executable, "-m", "yarnapp.cli", "logs", app])
+    assert big < small + (20 << 20), (small >> 20, big >> 20)     # it held the log: 60 MB and more
+    assert cli("logs", app, "--tail", "1", check=0).stdout.splitlines()[-1] == "x" * 99
+    assert_nothing_left(app)
+    # submit --wait read 64 KiB of rank 0's output a look, and fell ever further behind: far
+    # behind, it goes on from the end, saying what it left out
+    script.write_text("import sys\nfor i in range(160_000):\n    print('y' * 99)\nprint('END')\n")   # 16 MB
+    proc = cli("submit", job, "--wait", check=0)
+    assert "MB of its output left out here, to keep up: `yarnapp logs app_" in proc.stdout + proc.stderr
+    assert "a_0| END" in (proc.stdout + proc.stderr).splitlines(), proc.stderr[-500:]
+    assert len(proc.stdout + proc.stderr) < 6_000_000       # at most SKIP_BEHIND, then its end
+
+
+def _max_rss_of(argv):
+    """The peak resident bytes of a command run to its end, its output discarded."""
+    code = ("import resource, subprocess, sys\n"
+            "subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, check=True)\n"
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n")
+    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=ROOT,
+                         timeout=120, check=True)
+    return int(out.stdout) << 10
 
 
 def test_failed_rank_names_container_exit_status_and_log(cli, yarnapp_home, tmp_path):

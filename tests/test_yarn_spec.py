@@ -439,7 +439,7 @@ def test_hello_on_a_real_cluster():
 
 
 def test_logs_follow_prints_a_real_log_from_its_first_byte_after_a_placeholder():
-    from yarnapp.cli import follow_increment
+    from yarnapp.logview import follow_increment
     placeholder = "(still running: YARN serves this log at http://node:8042/...)\n"
     real = "yarnapp container w_0 (YARN c_1)\nfirst line\n"
     assert follow_increment("", placeholder) == placeholder

@@ -11,7 +11,7 @@ import warnings
 
 import conf
 
-from . import backends, codecheck, shipping
+from . import backends, codecheck, logview, shipping
 from .backends.base import TERMINAL
 from .errors import JobFailed, WaitTimeout, YarnappError
 
@@ -299,10 +299,26 @@ class Run:
         return self.status().get("final")
 
     @_one_line
-    def logs(self, container=None):
+    def logs(self, container=None, tail=None):
         """Each container's log ({container id: its text}; `container`: that one's only), where
-        what the code prints goes, beside the launcher's lines."""
-        return self.backend.logs(self.app_id, container)
+        what the code prints goes, beside the launcher's lines; `tail`: its last lines only
+        (read from the end of a local log, not the whole of it)."""
+        files = self.log_files(container) if tail is not None else None
+        if files is None:
+            return {c: logview.tail_text(t, tail) for c, t in self.backend.logs(self.app_id, container).items()}
+        out = {}
+        for c, path in files.items():
+            try:
+                out[c] = logview.read_from(path, logview.tail_offset(path, tail))
+            except FileNotFoundError:
+                out[c] = ""
+        return out
+
+    @_one_line
+    def log_files(self, container=None):
+        """{container id: the path of its log} where the logs are files here (the local
+        engine), else None."""
+        return self.backend.log_files(self.app_id, container)
 
     @_one_line
     def kill(self):

@@ -19,6 +19,7 @@ from . import __version__, api
 from .backends.base import TERMINAL
 from .console import p as _p, readers_gone, say, stdout_gone
 from .cli_tools import cmd_clean, cmd_data_import, cmd_hadoop, cmd_netem
+from .logview import cmd_logs
 from .errors import YarnappError
 
 
@@ -146,35 +147,6 @@ def cmd_status(args):
     if st.get("final"):
         _p("  final: " + metrics(st["final"]))
     return 0
-
-
-def cmd_logs(args):
-    run = api.Run(args.app)
-    if not args.follow:
-        for cid, text in run.logs(args.container).items():
-            _p(f"==> {cid} <==")
-            _p(text, end="" if text.endswith("\n") else "\n")
-        return 0
-    printed = {}
-    while True:
-        ended = run.state in ("SUCCEEDED", "FAILED", "KILLED")   # before the read: no last line is lost
-        for cid, text in run.logs(args.container).items():
-            new = follow_increment(printed.get(cid, ""), text)
-            for line in new.splitlines():
-                _p(f"{cid}| {line}")
-            printed[cid] = text
-        if ended:           # how it ended, as submit --wait says it (the logs alone do not), and its status
-            state = run.state
-            _p(run.failure_message(resubmit=_submitted_as(run.status())) or f"{args.app} {state}", file=sys.stderr)
-            return 0 if state == "SUCCEEDED" else 1
-        time.sleep(0.5)
-
-
-def follow_increment(printed, text):
-    """What of `text` is new after `printed` was shown: the rest when it continues it; all of
-    it when it replaced it (a placeholder replaced by the real log, which used to lose as
-    many characters as the placeholder had)."""
-    return text[len(printed):] if text.startswith(printed) else text
 
 
 def cmd_kill(args):
@@ -362,6 +334,8 @@ def build_parser():
                    "the application master's log")
     s.add_argument("--follow", "-f", action="store_true", help="keep printing until the application ends; the "
                    "exit status is then 0 if it SUCCEEDED, else 1 (as submit --wait's)")
+    s.add_argument("--tail", "-n", type=int, metavar="N", help="only the last N lines of each log (with --follow: "
+                   "then what comes)")
     s.set_defaults(fn=cmd_logs)
 
     s = sub.add_parser("kill", help="stop an application; nothing of it keeps running")

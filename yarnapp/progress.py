@@ -68,6 +68,8 @@ _RECORD = (r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (agent \S+ [A-Z]+: |rank\d+ \S
 _OURS = re.compile(rf"^(==== \S+ attempt \d+ started .* ====$|{_RECORD})")
 _GLUED = re.compile(_RECORD)        # ours, after a line the code left without its newline
 OUTPUT_CHUNK = 1 << 16      # bytes of rank 0's log read per update (a code printing faster is caught up later)
+SKIP_BEHIND = 4 << 20       # ... unless this far behind: then skipped to its last chunk, saying so (a rank
+                            # printing 1 MB/s left the terminal 40 s behind after a minute, and falling)
 
 
 def rank0_streamed(st):
@@ -109,6 +111,7 @@ class Progress:
         if not self.output or c is None:
             return
         path, ended = c["log"], st["state"] in TERMINAL
+        self._skip_ahead(c, path)
         while True:                 # a chunk a look; at the end, all of it, its last line too
             at = self.read.get(path, 0)
             try:
@@ -131,6 +134,24 @@ class Progress:
                     self._write(f"{c['id']}| {line}")
             if not ended or len(data) < OUTPUT_CHUNK:
                 return
+
+    def _skip_ahead(self, c, path):
+        """Where rank 0's output is more than SKIP_BEHIND ahead of what was shown, go on from
+        its last chunk's first whole line, saying how much was left out and where it is."""
+        at = self.read.get(path, 0)
+        try:
+            with open(path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                if size - at <= SKIP_BEHIND:
+                    return
+                f.seek(size - OUTPUT_CHUNK)
+                nl = f.read(OUTPUT_CHUNK).find(b"\n")
+        except OSError:
+            return
+        to = size - OUTPUT_CHUNK + nl + 1
+        self.read[path] = to
+        self._write(f"{c['id']}| [{(to - at) / 1e6:.1f} MB of its output left out here, to keep up: "
+                    f"`yarnapp logs {self.run.app_id}` has all of it]")
 
     def update(self, st):
         n = len(st.get("containers") or [])

@@ -31,6 +31,11 @@ class Backend(abc.ABC):
     def logs(self, app_id, container=None):
         """{container_id: log text} (one container when given)."""
 
+    def log_files(self, app_id, container=None):
+        """{container_id: the path of its log here} (one container when given), or None where
+        this backend serves logs as text only (YARN's NodeManagers and aggregated logs)."""
+        return None
+
     @abc.abstractmethod
     def kill(self, app_id):
         ...

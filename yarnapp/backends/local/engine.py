@@ -3,6 +3,7 @@ master (am.py); status/logs/kill work from any shell through the app directory."
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -21,7 +22,7 @@ from training import fsutil
 from launcher.failure import Failure
 from launcher.store import FileStore
 
-from ... import preflight, shipping
+from ... import logview, preflight, shipping
 from ...errors import YarnappError
 from ..base import TERMINAL, Backend, check_resumed_ended
 from . import cgroups, gpus, leases, netem, supervisor
@@ -178,6 +179,22 @@ def _stop_just_started(app_id, proc):
     supervisor.clean_up(app_id)
 
 
+def _abandoned(d, min_age_s=60):
+    """Whether `d` is an application's directory whose submit ended before it was whole: no
+    app.json, and the submitting process its record names is gone (no record: an hour old)."""
+    if not re.fullmatch(r"app_\d{8}_\d{6}_[0-9a-f]{6}", os.path.basename(d)) or not os.path.isdir(d) or \
+            os.path.lexists(os.path.join(d, "app.json")):
+        return False
+    try:
+        age = time.time() - os.lstat(d).st_mtime
+    except OSError:
+        return False
+    record = read_json(supervisor.record_path(d)) or {}
+    if not record.get("starting"):
+        return age >= 3600 and not os.path.lexists(supervisor.record_path(d))
+    return age >= min_age_s and not supervisor.alive(d)     # (its pid: the submitting process's)
+
+
 class LocalBackend(Backend):
     name = "local"
 
@@ -299,30 +316,26 @@ class LocalBackend(Backend):
         return root, sorted(set(named) | set(os.listdir(root) if os.path.isdir(root) else ()))
 
     def logs(self, app_id, container=None):
-        d = self._dir(app_id)
-        root, names = self._containers(d)
-        if container == "master":       # the application master's own log (a failure may name it)
+        out = {}
+        for n, path in self.log_files(app_id, container).items():
             try:
-                with open(os.path.join(d, "am.log"), errors="replace") as f:
-                    return {"master": f.read()}
+                out[n] = logview.read_from(path)
             except FileNotFoundError:
-                return {"master": ""}
+                out[n] = ""
+        return out
+
+    def log_files(self, app_id, container=None):
+        """{container id: the path of its log} (`container`: that one's; master: the
+        application master's own log, which a failure may name)."""
+        d = self._dir(app_id)
+        if container == "master":
+            return {"master": os.path.join(d, "am.log")}
+        root, names = self._containers(d)
         if container is not None:
             if container not in names:
                 raise YarnappError(f"application {app_id} has no container {container!r}; "
                                    f"it has {', '.join(names)} (and master, the application master's log)")
             names = [container]
-        out = {}
-        for n in names:
-            try:
-                with open(os.path.join(root, n, "container.log"), errors="replace") as f:
-                    out[n] = f.read()
-            except FileNotFoundError:
-                out[n] = ""
-        return out
-
-    def log_paths(self, app_id):
-        root, names = self._containers(self._dir(app_id))
         return {n: os.path.join(root, n, "container.log") for n in names}
 
     def kill(self, app_id, timeout=15):
@@ -422,8 +435,10 @@ class LocalBackend(Backend):
 
     @staticmethod
     def sweep_removed():
-        """Delete what an interrupted remove left (its renamed directories)."""
+        """Delete what an interrupted remove left (its renamed directories), and what a submit
+        killed part way left (SIGKILL, or SIGHUP from a dropped session, while it copied the
+        job's files: a directory without app.json, which nothing listed or removed)."""
         root = apps_dir()
         for name in os.listdir(root) if os.path.isdir(root) else ():
-            if name.startswith(REMOVING):
+            if name.startswith(REMOVING) or _abandoned(os.path.join(root, name)):
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)

@@ -129,12 +129,14 @@ def wait_ended(pid, timeout, interval=0.05):
 
 
 def tree_bytes(path):
-    """The bytes of the files under `path` (links not followed; a file gone meanwhile: 0)."""
+    """The disk the files and directories under `path` take (links not followed; a file
+    gone meanwhile: 0): their blocks, not their sizes (2,000 small applications were said
+    to free 17 MiB, and freed 320 MB)."""
     total = 0
-    for root, _, files in os.walk(path):
-        for f in files:
+    for root, dirs, files in os.walk(path):
+        for f in files + dirs:
             try:
-                total += os.lstat(os.path.join(root, f)).st_size
+                total += os.lstat(os.path.join(root, f)).st_blocks * 512
             except OSError:
                 pass
     return total
