@@ -4,6 +4,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -109,12 +110,28 @@ def test_clean_removes_finished_applications_and_keeps_what_runs_or_is_resumed_f
     for d, pid in ((killed, gone.pid), (live, os.getpid())):      # (live: a submit still copying)
         (d / "files").mkdir(parents=True)
         (d / "files" / "weights.bin").write_bytes(b"w" * 100_000)
-        supervisor.write_record(str(d), {"pid": pid, "starting": True, "attempts": []})
+        supervisor.write_record(str(d), {"pid": pid, "starting": True, "attempts": [], "host": socket.gethostname()})
         os.utime(d, (time.time() - 120, time.time() - 120))
     out = cli("clean", "--older-than", "0", check=0).stdout.splitlines()
     assert [line.split()[:3] for line in out[:2]] == [["removed", running, "running"], ["removed", first, "first"]]
     assert out[2].startswith("removed 2 applications, ") and len(out) == 3, out
     assert os.listdir(yarnapp_home / "apps") == [live.name]
+
+
+def test_clean_names_what_an_application_left_outside_the_home(cli, yarnapp_home, tmp_path, digits):
+    """A job's own checkpoint.uri and tensorboard.logdir are left by clean, which said
+    "removed ... 0.0 MiB" while 9 MB stayed there, growing unseen (a long-use audit)."""
+    job = write_job(tmp_path / "outside.yaml", {
+        "name": "outside", "groups": [{"name": "a", "instances": 1, "vcores": 1}],
+        "training": {"model": "digits_cnn", "data": {"train": f"{digits}/train"}, "batch_size": 32,
+                     "max_steps": 2}, "checkpoint": {"uri": str(tmp_path / "ckpt")},
+        "tensorboard": {"logdir": str(tmp_path / "tb")}})
+    app = app_id_from(cli("submit", job, "--wait", check=0).stdout)
+    proc = cli("clean", app, check=0)
+    assert proc.stdout.startswith(f"removed {app}"), proc.stdout
+    for field, d in (("checkpoint.uri", tmp_path / "ckpt"), ("tensorboard.logdir", tmp_path / "tb")):
+        assert f"left {d / app} of {app}: the job's own {field} (remove it yourself" in proc.stderr, proc.stderr
+        assert (d / app).is_dir()
 
 
 def test_a_supervisor_pid_another_process_took_since_is_not_the_supervisor(tmp_path):
@@ -260,9 +277,10 @@ def test_logs_tail_and_stream_a_log_larger_than_what_the_command_holds(cli, yarn
     # behind, it goes on from the end, saying what it left out
     script.write_text("import sys\nfor i in range(160_000):\n    print('y' * 99)\nprint('END')\n")   # 16 MB
     proc = cli("submit", job, "--wait", check=0)
-    assert "MB of its output left out here, to keep up: `yarnapp logs app_" in proc.stdout + proc.stderr
-    assert "a_0| END" in (proc.stdout + proc.stderr).splitlines(), proc.stderr[-500:]
-    assert len(proc.stdout + proc.stderr) < 6_000_000       # at most SKIP_BEHIND, then its end
+    said = (proc.stdout + proc.stderr).splitlines()
+    assert any("MB of its output left out here, to keep up: `yarnapp logs app_" in line for line in said)
+    assert "a_0| END" in said, proc.stderr[-500:]
+    assert said.count("a_0| " + "y" * 99) < 120_000         # of 160,000: some left out (as slow as CI is)
 
 
 def _max_rss_of(argv):

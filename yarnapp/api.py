@@ -473,47 +473,9 @@ def clean(apps=(), older_than=None, dry_run=False):
     '7d', '12h', seconds; 0: every finished one). All named are checked before any is
     removed: one still running, or whose checkpoints a live application resumes from,
     refuses the lot; by age, such a one is kept, with a warning. Returns [(app_id, name,
-    state, bytes)], removed (or, dry_run, that would be). YARN keeps and deletes its
-    applications' logs itself (its log-aggregation retention)."""
-    local = backends.get("local")
-    apps = [apps] if isinstance(apps, str) else list(apps or ())
-    if bool(apps) == (older_than is not None):
-        raise YarnappError("yarnapp clean: give the applications to remove, or older_than (e.g. 7d; 0: every "
-                           "finished one)")
-    local.sweep_removed()
-    listed = local.list()
-    resumed_by = local.resumed_by(listed)
-    if apps:
-        chosen = []
-        for app_id in dict.fromkeys(apps):
-            try:
-                local.check_finished(app_id, resumed_by)
-            except YarnappError as e:
-                raise YarnappError(f"{e}; nothing was removed") from None
-            chosen.append(local.status(app_id))
-    else:
-        try:
-            age = conf.units.parse_duration_s(older_than, zero=True)
-        except ValueError:
-            raise YarnappError(f"older_than {older_than!r}: expected a duration such as 12h or 7d (0: every "
-                               "finished application)") from None
-        chosen = []
-        for a in listed:
-            try:
-                ended = local.ended(a["app_id"])
-                if ended is not None and time.time() - ended >= age:
-                    local.check_not_resumed(a["app_id"], resumed_by)
-                    chosen.append(a)
-            except YarnappError as e:        # removed meanwhile (another clean), or kept
-                if a["app_id"] in resumed_by:
-                    log.warning("kept %s", e)
-    out = []
-    for a in chosen:
-        try:
-            size = local.size(a["app_id"]) if dry_run else local.remove(a["app_id"], resumed_by)
-        except YarnappError:
-            if apps:
-                raise
-            continue                        # another clean took it meanwhile
-        out.append((a["app_id"], a["name"], a["state"], size))
-    return out
+    state, bytes)], removed (or, dry_run, that would be), bytes the disk freed; what one
+    wrote under the job's own checkpoint.uri or tensorboard.logdir on this machine is left,
+    with a warning naming it. A directory a submit killed part way left (no app.json) goes
+    too. YARN keeps and deletes its applications' logs itself (its log-aggregation retention)."""
+    from . import cleaning
+    return cleaning.clean(apps, older_than, dry_run)

@@ -5,6 +5,7 @@ import logging
 import os
 import re
 import secrets
+import socket
 import shutil
 import signal
 import subprocess
@@ -192,6 +193,8 @@ def _abandoned(d, min_age_s=60):
     record = read_json(supervisor.record_path(d)) or {}
     if not record.get("starting"):
         return age >= 3600 and not os.path.lexists(supervisor.record_path(d))
+    if record.get("host") != socket.gethostname():      # a submit on another machine sharing the home
+        return False
     return age >= min_age_s and not supervisor.alive(d)     # (its pid: the submitting process's)
 
 
@@ -243,7 +246,8 @@ class LocalBackend(Backend):
             # Until its supervisor is started, this process stands for it (`starting`: not to be
             # signalled): a status meanwhile (another user's `yarnapp list`) found neither and
             # ended the application FAILED, for a moment; written before app.json makes it listed.
-            supervisor.write_record(d, {"pid": os.getpid(), "starting": True, "attempts": []})
+            supervisor.write_record(d, {"pid": os.getpid(), "starting": True, "attempts": [],
+                                        "host": socket.gethostname()})      # (whose pid it is: _abandoned)
             os.makedirs(os.path.join(d, "containers"))
             shipping.copy_into(shipment.entries, os.path.join(d, "files"))   # copied into each container
             with private(os.path.join(d, "job.json")) as f:
