@@ -21,37 +21,43 @@ def tail_offset(path, lines):
         end = f.seek(0, os.SEEK_END)
         if lines <= 0:
             return end
-        pos, seen = end, 0
         f.seek(max(0, end - 1))
-        if end and f.read(1) == b"\n":
-            seen = -1                       # the file's last newline ends the last line, not one before it
+        seen = -1 if end and f.read(1) == b"\n" else 0     # the last newline ends the last line
+        pos = end
         while pos > 0:
             step = min(BLOCK, pos)
             pos -= step
             f.seek(pos)
             block = f.read(step)
-            for i in range(len(block) - 1, -1, -1):
-                if block[i] == 10:
-                    seen += 1
-                    if seen == lines:
-                        return pos + i + 1
+            i = len(block)
+            while (i := block.rfind(b"\n", 0, i)) >= 0:
+                seen += 1
+                if seen == lines:
+                    return pos + i + 1
         return 0
 
 
 def tail_text(text, lines):
-    """The last `lines` lines of a text (a log a backend serves as text, not as a file)."""
+    """The last `lines` lines of a text (a log a backend serves as text, not as a file),
+    lines ended by newlines only, as tail_offset counts them."""
     if lines is None:
         return text
-    if lines <= 0:
+    if lines <= 0 or not text:
         return ""
-    return "".join(text.splitlines(keepends=True)[-lines:])
+    parts = text.split("\n")
+    if parts[-1] == "":
+        parts.pop()
+        return "\n".join(parts[-lines:]) + "\n"
+    return "\n".join(parts[-lines:])
 
 
 def read_from(path, offset=0, limit=None):
-    """The file's text from `offset` (to `limit` bytes at most), replacing what does not decode."""
+    """The file's text from `offset` (to `limit` bytes at most), as a text file reads
+    (what does not decode replaced; \\r\\n and a lone \\r read as newlines)."""
     with open(path, "rb") as f:
         f.seek(offset)
-        return f.read(limit if limit is not None else -1).decode(errors="replace")
+        text = f.read(limit if limit is not None else -1).decode(errors="replace")
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def copy(path, out=None, offset=0):
@@ -73,42 +79,52 @@ def copy(path, out=None, offset=0):
 
 class Follower:
     """New whole lines of growing files, from where each was left (`start`: {name: offset};
-    a file not in it, a container started later, from its beginning). A file that shrank
-    was replaced: read again from its start."""
+    a file not in it, a container started later, from its beginning). A file that shrank,
+    or another file now at its path, is read again from its start. A line redrawn in place
+    (a progress bar's \\r) is its last drawing, as a terminal shows it."""
+
+    LONGEST = CHUNK         # a line longer than this (no newline: binary, \r-drawn bars) is cut
 
     def __init__(self, start=None):
         self.offsets = dict(start or {})
         self.partial = {}
+        self.inodes = {}
 
     def lines(self, files):
-        """[(name, line)] of the lines completed since the last call."""
-        out = []
+        """(name, line) of the lines completed since the last call, a chunk at a time."""
         for name, path in files.items():
             try:
-                size = os.path.getsize(path)
-            except OSError:
+                f = open(path, "rb")
+            except OSError:             # not there yet, or gone (its application cleaned)
                 continue
-            off = self.offsets.get(name, 0)
-            if size < off:
-                off, self.partial[name] = 0, b""
-            with open(path, "rb") as f:
+            with f:
+                st = os.fstat(f.fileno())
+                off = self.offsets.get(name, 0)
+                if st.st_size < off or self.inodes.setdefault(name, st.st_ino) != st.st_ino:
+                    off, self.partial[name], self.inodes[name] = 0, b"", st.st_ino
                 f.seek(off)
-                while off < size:
-                    chunk = f.read(min(CHUNK, size - off))
+                while off < st.st_size:
+                    chunk = f.read(min(CHUNK, st.st_size - off))
                     if not chunk:
                         break
                     off += len(chunk)
                     *whole, rest = (self.partial.get(name, b"") + chunk).split(b"\n")
+                    if len(rest) > self.LONGEST:
+                        whole, rest = whole + [rest], b""
                     self.partial[name] = rest
-                    out += [(name, line.decode(errors="replace")) for line in whole]
-            self.offsets[name] = off
-        return out
+                    self.offsets[name] = off
+                    for line in whole:
+                        yield name, _drawn(line)
 
     def rest(self):
-        """[(name, line)] of the last lines that never got their newline."""
-        out = [(name, rest.decode(errors="replace")) for name, rest in self.partial.items() if rest]
+        """(name, line) of the last lines that never got their newline."""
+        out = [(name, _drawn(rest)) for name, rest in self.partial.items() if rest]
         self.partial = {}
         return out
+
+
+def _drawn(line):
+    return line.rstrip(b"\r").rsplit(b"\r", 1)[-1].decode(errors="replace")
 
 
 def cmd_logs(args):

@@ -148,7 +148,7 @@ class Progress:
                 nl = f.read(OUTPUT_CHUNK).find(b"\n")
         except OSError:
             return
-        to = size - OUTPUT_CHUNK + nl + 1
+        to = size - OUTPUT_CHUNK + nl + 1 if nl >= 0 else size      # (no whole line there: from what comes)
         self.read[path] = to
         self._write(f"{c['id']}| [{(to - at) / 1e6:.1f} MB of its output left out here, to keep up: "
                     f"`yarnapp logs {self.run.app_id}` has all of it]")
