@@ -947,6 +947,8 @@ def test_a_resume_mid_epoch_into_another_order_of_its_rows_is_refused_at_an_epoc
     assert Order(rows, nbytes, 1 << 20).fingerprint(64) == same
     assert Order(rows, nbytes, 2 << 20).fingerprint(64) != same                 # another window
     assert Order([500, 1500, 66], nbytes, 1 << 20).fingerprint(64) != same       # other row groups
+    mine = Order(rows, nbytes, 1 << 20, content=[70_000, 69_000, 4_000]).fingerprint(64)
+    assert Order(rows, nbytes, 1 << 20, content=[69_500, 69_500, 4_000]).fingerprint(64) != mine   # rows shuffled
     saved = {"batch_size": 64, "train_rows": 2066, "seed": 5, "order": same}     # 32 steps an epoch
     assert other_data(40, "app_a", saved, dict(saved)) is None
     line = other_data(40, "app_a", saved, dict(saved, seed=6))

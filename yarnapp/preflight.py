@@ -121,7 +121,8 @@ def check_data(job, where=None, on_cluster=False):
     if train:
         from training.data.order import Order
         order = Order([b.rows for b in train.blocks], [b.nbytes for b in train.blocks],
-                      (data.shuffle_window or 0) << 20).fingerprint(job.training.batch_size)
+                      (data.shuffle_window or 0) << 20,
+                      content=[b.read_bytes for b in train.blocks]).fingerprint(job.training.batch_size)
     return Found(shape, train.num_classes if train else None, train.rows if train else None, order)
 
 

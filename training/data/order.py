@@ -142,21 +142,25 @@ class Order:
     permutation of all rows (`map_permutation`), slices not put in block order.
     """
 
-    def __init__(self, block_rows, block_bytes=None, window_bytes=None, map_style=False):
+    def __init__(self, block_rows, block_bytes=None, window_bytes=None, map_style=False, content=None):
         self.block_rows = np.asarray(block_rows, dtype=np.int64)
         self.block_bytes = np.asarray(block_bytes if block_bytes is not None else block_rows, dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(self.block_rows)])
         self.n = int(self.starts[-1])
         self.window_bytes = int(window_bytes or 0)
         self.map_style = bool(map_style)
+        self.content = np.asarray(content if content is not None else [], dtype="<i8")     # for fingerprint
 
     def fingerprint(self, global_batch):
         """What places a row in an epoch besides the seed, digested: the blocks' rows in file
-        order and the window's rows at this batch. Another shuffle_window, or the same rows
-        rewritten in other row groups, is another order: a checkpoint's step mid-epoch stands
-        for other rows (training.checkpoint.other_data)."""
+        order, what their footers tell of their content (`content`: each block's compressed
+        bytes; the same rows rewritten shuffled compress otherwise) and the window's rows at
+        this batch. Another shuffle_window, or the rows rewritten in other row groups, is
+        another order: a checkpoint's step mid-epoch stands for other rows
+        (training.checkpoint.other_data)."""
         h = hashlib.sha1(b"map" if self.map_style else b"blocks")
         h.update(self.block_rows.astype("<i8").tobytes())
+        h.update(self.content.tobytes())
         h.update(str(self.window_rows(global_batch)).encode())
         return h.hexdigest()[:12]
 

@@ -172,7 +172,7 @@ class ParquetSource:
                       False: _Hooks(test_hooks, user, "training.data.transform")}
         self.window = (int(g("shuffle_window", 0) or 0) << 20)
         self.order = Order([b.rows for b in self.layout.blocks], [b.nbytes for b in self.layout.blocks],
-                           self.window)
+                           self.window, content=[b.read_bytes for b in self.layout.blocks])
         self.budget = _budget(spec, ctx)
         self.workers = _workers(spec, ctx)
         self.prefetch = int(g("prefetch", 4))
