@@ -191,6 +191,7 @@ def part_loader(args, home, rounds):
     norm = {}                                             # torch normalises as ours does
     for name, uri, size, crop, _ in cases:
         src = _source(uri, size, crop, args.workers)
+        src._resolve_stats()                              # (else on its first batch)
         norm[name] = (src.mean.tolist(), src.std.tolist())
     for r in range(rounds):
         for name, uri, size, crop, batch in (cases if r % 2 == 0 else cases[::-1]):

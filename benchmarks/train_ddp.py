@@ -11,8 +11,13 @@ same in-memory random batches (global batch --batch, split equally):
     ours-<overlap>  training.strategies.allreduce.AllReduceStrategy (defaults.yaml
                     bucket_mb / ring_threshold_kb), one per overlap mode asked for;
     ddp             torch.nn.parallel.DistributedDataParallel over a gloo process
-                    group (file:// store) in the same processes, its default 25 MB
-                    buckets, SGD with the same lr and momentum.
+                    group (file:// store) in the same processes, --ddp-bucket-mb buckets
+                    (its default 25), gradient_as_bucket_view, SGD with the same lr and
+                    momentum.
+
+On one host ours sums through shared memory from 16 KiB up, a path DDP/gloo does not
+have: its ratios are one host's. `--no-shm` times ours on the path ranks on different
+hosts take (MPI point to point), as a multi-host job would.
 
 Default models: resnet (ResNet-20, 0.27M parameters, compute-heavy) and mlp (two
 4096-unit layers, 29M parameters = 116 MB of gradients, communication-heavy), both on
@@ -44,6 +49,11 @@ def parse_args(argv):
     p.add_argument("--batch", type=int, default=64, help="global batch (rows)")
     p.add_argument("--steps", type=int, default=None, help="steps per round")
     p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--no-shm", action="store_true",
+                   help="ours without its shared-memory sum (training.strategy.shared_memory: false): the "
+                        "path ranks on different hosts take; DDP/gloo has no such path")
+    p.add_argument("--ddp-bucket-mb", type=float, default=25.0,
+                   help="DDP's bucket_cap_mb (its default 25; ours uses defaults.yaml's bucket_mb)")
     common.add_out(p, "train_ddp")
     return p.parse_args(argv)
 
@@ -57,12 +67,14 @@ def make_model(name):
     return build_model(name, INPUT_SHAPE, NUM_CLASSES, {})
 
 
-def make_context(comm):
+def make_context(comm, shared_memory=True):
     """The RunContext and training section of a job of 1-vcore ranks with defaults.yaml's
     allreduce settings (RunContext.offline over conf.offline_job)."""
     import conf
     from training.context import RunContext
     job = conf.offline_job([1.0] * comm.Get_size(), name="bench", strategy="allreduce")
+    strategy = job.training.strategy.model_copy(update={"shared_memory": shared_memory})
+    job = job.model_copy(update={"training": job.training.model_copy(update={"strategy": strategy})})
     return RunContext.offline(comm, job, "bench"), job.training
 
 
@@ -84,10 +96,11 @@ class Ours:
 
 
 class DDP:
-    def __init__(self, name, ctx, spec):
+    def __init__(self, name, ctx, spec, bucket_mb=25.0):
         import torch
         from torch.nn.parallel import DistributedDataParallel
-        self.model = DistributedDataParallel(make_model(name))
+        # its best settings here: gradients as views of its buckets (no copy into them)
+        self.model = DistributedDataParallel(make_model(name), bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=spec.lr, momentum=spec.momentum)
         self.comm_s = float("nan")
 
@@ -113,7 +126,7 @@ def bench(args, comm):
     rank, n = comm.Get_rank(), comm.Get_size()
     path = comm.bcast(tempfile.mktemp(prefix="gloo-store-") if rank == 0 else None, root=0)
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=n)
-    ctx, spec = make_context(comm)
+    ctx, spec = make_context(comm, shared_memory=not args.no_shm)
     steps = args.steps or (3 if args.quick else 8)
     rounds = args.rounds or (3 if args.quick else 5)
     per_rank = args.batch // n
@@ -123,7 +136,7 @@ def bench(args, comm):
     rows = []
     for name in args.models.split(","):
         contenders = {f"ours-{o}": Ours(name, ctx, spec, o) for o in args.overlap.split(",")}
-        contenders["ddp"] = DDP(name, ctx, spec)
+        contenders["ddp"] = DDP(name, ctx, spec, args.ddp_bucket_mb)
         params = sum(p.numel() for p in make_model(name).parameters())
         names = list(contenders)
         for c in contenders.values():            # warm up: first-touch, allocator, connections
@@ -160,7 +173,8 @@ def bench(args, comm):
     dist.destroy_process_group()
     return rows, {"ranks": n, "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                   "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
-                  "bucket_mb": spec.strategy.bucket_mb,
+                  "bucket_mb": spec.strategy.bucket_mb, "shared_memory": spec.strategy.shared_memory,
+                  "ddp_bucket_mb": args.ddp_bucket_mb, "ddp_gradient_as_bucket_view": True,
                   "ring_threshold_kb": spec.strategy.ring_threshold_kb}
 
 
