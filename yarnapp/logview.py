@@ -1,7 +1,8 @@
 """`yarnapp logs`: container logs read as a user reads them, whole, their last lines, or
-followed, from the files in pieces (logs a backend serves as text, YARN's, from the text). A chatty rank's log grows without bound (1 MB/s is
-86 GB a day): the whole file was read into memory (a 200 MB log took 475 MB to print),
-and `--follow` read it all again every half second."""
+followed, from the files in pieces (logs a backend serves as text, YARN's, from the
+text). A chatty rank's log grows without bound (1 MB/s is 86 GB a day): the whole file
+was read into memory (a 200 MB log took 475 MB to print), and `--follow` read it all
+again every half second."""
 import contextlib
 import os
 import sys

@@ -5,9 +5,9 @@ import logging
 import os
 import re
 import secrets
-import socket
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
