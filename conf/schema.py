@@ -113,6 +113,16 @@ class Group(Model):
     env: Annotated[Dict[str, str], BeforeValidator(_env)]
 
 
+def _local_file(value, info: ValidationInfo):
+    """run.files are copied from this machine: a URI was joined to the submit directory (and
+    its // collapsed), then said not to exist."""
+    value = _not_empty(value, info)
+    if value and re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", value) and not value.startswith("file://"):
+        raise ValueError(f"{value} is a URI; run.files ships files and directories of this machine only: read it "
+                         f"from its URI in your code (pyarrow.fs, fsspec), or copy it here first")
+    return value
+
+
 class Run(Model):
     """What each rank runs: a `module:function` called with the RunContext, a script, or
     a function shipped pickled (what `yarnapp.submit(job, function=f)` writes); and the
@@ -121,7 +131,7 @@ class Run(Model):
     script: Path
     pickle: Path
     args: Annotated[List[str], BeforeValidator(_args)]
-    files: Optional[List[Annotated[str, AfterValidator(_not_empty)]]]
+    files: Optional[List[Annotated[str, AfterValidator(_local_file)]]]
     editable: bool
 
     @model_validator(mode="after")

@@ -180,6 +180,9 @@ CASES = [
     # '' was the submit directory: checkpoints written there, the whole directory shipped
     ("checkpoint-uri-empty", _with("checkpoint", {"uri": ""}), "checkpoint.uri", "empty: give a path or URI"),
     ("files-empty", _with("run.files", [""]), "run.files[0]", "empty: give a path or URI"),
+    # a URI was joined to the submit directory ("/tmp/x/hdfs:/user/a/v.txt does not exist")
+    ("files-uri", _with("run.files", ["hdfs:///user/a/vocab.txt"]), "run.files[0]",
+     "hdfs:///user/a/vocab.txt is a URI; run.files ships files and directories of this machine only"),
     # from a job-reference audit: each was accepted and ignored, or read as 256 TiB, without a word
     ("args-of-a-function", _with("run.args", ["--x"]), "run.args", "only run.script reads them"),
     ("data-memory-in-bytes", {**GOOD, "run": {"function": "training.runner:main"},

@@ -196,6 +196,14 @@ def test_a_horovod_name_not_offered_is_said_at_submit_naming_its_line(cli, tmp_p
     assert [s[1].split(":")[0] for s in said[2:]] == [
         "hvd.Adasum", "hvd.Compression.fp16", "hvd.DistributedOptimizer(backward_passes_per_step=...)"], proc.stderr
     assert apps(yarnapp_home) == []
+    # Horovod itself, unported: its init() here makes each rank a world of one (a migration audit:
+    # it passed --dry-run, then the ranks failed on ModuleNotFoundError, no word of the port)
+    proc = cli("submit", _script_job(tmp_path, "unported", "import os\nimport horovod.torch as hvd\nhvd.init()\n"),
+               "--dry-run")
+    assert proc.returncode == 0 and proc.stderr == (
+        f"WARNING yarnapp.codecheck: run.script: {tmp_path / 'code' / 'unported.py'}:2: imports Horovod, whose init() "
+        "here (no horovodrun) makes each rank a world of one; yarnapp's Horovod-style API takes the same calls: "
+        "`import training.dist as hvd` (docs/own-code.md)\n"), proc.stderr
 
 
 def test_a_snapshot_saved_and_loaded_by_a_relative_path_is_warned_of_at_submit(cli, tmp_path, yarnapp_home):

@@ -7,7 +7,7 @@ import socket
 import pytest
 
 import conf
-from yarnapp import preflight
+from yarnapp import advice, preflight
 from yarnapp.errors import YarnappError
 
 pytestmark = pytest.mark.unit
@@ -462,13 +462,30 @@ def test_a_container_leaving_its_rank_little_beside_its_data_memory_is_warned_of
                               "training": {"data": {"train": f"{digits}/train",
                                                     **({"memory": held} if held else {})}}})
     with caplog.at_level(logging.WARNING, logger="yarnapp.preflight"):
-        preflight.warn_little_beside_data(job("512 MiB"), "job.yaml")
+        advice.warn_little_beside_data(job("512 MiB"), "job.yaml")
     assert ("job.yaml: groups[0].memory: 512 MiB leaves 384 MiB beside the 128 MiB of data its ranks hold "
             "(training.data.memory: a quarter of it)") in caplog.text, caplog.text
     from training.data.source import MEMORY_FRACTION
-    assert preflight.DATA_FRACTION == MEMORY_FRACTION          # (the client's copy, without pyarrow)
+    assert advice.DATA_FRACTION == MEMORY_FRACTION          # (the client's copy, without pyarrow)
     for fits in (job("1 GiB"), job("512 MiB", "32 MiB")):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="yarnapp.preflight"):
-            preflight.warn_little_beside_data(fits, "job.yaml")
+            advice.warn_little_beside_data(fits, "job.yaml")
         assert "beside the" not in caplog.text, caplog.text
+
+
+def test_gpus_a_built_in_runners_container_holds_and_leaves_idle_are_warned_of(caplog):
+    """`gpus: 2` in one container dry-ran on both backends without a word, and its rank
+    computed on cuda:0 alone (a migration audit: TonY users ask for a node's GPUs at once)."""
+    def job(gpus, **run):
+        return conf.load_job({"name": "t", "groups": [{"name": "g", "instances": 1, "gpus": gpus}],
+                              **({"run": run} if run else {"training": {"data": {"train": "/d/train"}}})})
+    with caplog.at_level(logging.WARNING, logger="yarnapp.preflight"):
+        advice.warn_idle_gpus(job(2), "job.yaml")
+    assert ("job.yaml: groups[0].gpus: 2: the built-in runner's rank computes on one GPU of its container, and the "
+            "other 1 stay idle; give the group 2 times the instances with gpus: 1 each") in caplog.text, caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="yarnapp.preflight"):
+        advice.warn_idle_gpus(job(1), "job.yaml")
+        advice.warn_idle_gpus(job(4, script=__file__), "job.yaml")     # own code may use them all
+    assert caplog.text == ""

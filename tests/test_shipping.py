@@ -546,8 +546,20 @@ def test_a_relative_script_beside_the_job_file_is_named(tmp_path, monkeypatch):
     job = conf.absolutize(conf.load_job("ddp/job.yaml"), os.getcwd())
     with pytest.raises(YarnappError, match=rf"^ddp/job.yaml: run.script: {tmp_path}/train.py does not exist; there "
                                            rf"is {tmp_path}/ddp/train.py, but paths in a job file are relative to "
-                                           rf"the directory you submit from: submit from {tmp_path}/ddp"):
+                                           rf"the directory you submit from: submit from {tmp_path}/ddp \(the job "
+                                           rf"file's directory\)"):
         shipping.plan(job, "ddp/job.yaml")
+    # a script in a directory of its own beside the job file: from the job file's directory,
+    # not the script's (that said "submit from <dir>/other", from where it failed again)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "rel.py").write_text("print(1)\n")
+    (tmp_path / "rel.yaml").write_text("name: t\ngroups: [{name: w, instances: 1}]\nrun: {script: other/rel.py}\n")
+    monkeypatch.chdir(tmp_path / "other")
+    job = conf.absolutize(conf.load_job("../rel.yaml"), os.getcwd())
+    with pytest.raises(YarnappError, match=rf"there is {tmp_path}/other/rel.py, but paths in a job file are "
+                                           rf"relative to the directory you submit from: submit from {tmp_path} "
+                                           rf"\(the job file's directory\)"):
+        shipping.plan(job, "../rel.yaml")
 
 
 def test_the_apis_own_errors_leave_a_notebook_their_line_not_yarnapps_frames(yarnapp_home, tmp_path):

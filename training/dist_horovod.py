@@ -45,9 +45,12 @@ NOT_OFFERED = {
     "poll": "there are no handles to poll: every call here returns complete",
     "alltoall": "use allgather_object and keep your part",
     "reducescatter": "use allreduce and keep your slice",
-    "elastic": "a failed rank is restarted and training resumes from the last complete checkpoint",
-    "start_timeline": "every run logs to TensorBoard (tensorboard.logdir, `yarnapp tensorboard APP`)",
-    "stop_timeline": "every run logs to TensorBoard (tensorboard.logdir, `yarnapp tensorboard APP`)",
+    "elastic": "a failed rank is restarted with its world (max_restarts), your script from its start: resume "
+               "from your own snapshot under $YARNAPP_CHECKPOINT_URI (docs/own-code.md)",
+    "start_timeline": "what your code reports (training.dist.report) goes to TensorBoard (tensorboard.logdir, "
+                      "`yarnapp tensorboard APP`); no timeline of the sums themselves",
+    "stop_timeline": "what your code reports (training.dist.report) goes to TensorBoard (tensorboard.logdir, "
+                     "`yarnapp tensorboard APP`); no timeline of the sums themselves",
     "Min": "allgather_object the values and take min() (the ops here: Average, Sum)",
     "Max": "allgather_object the values and take max() (the ops here: Average, Sum)",
     "Product": "allgather_object the values and multiply them (the ops here: Average, Sum)",

@@ -352,11 +352,26 @@ def not_offered(path, field, tree=None):
 MAX_WARNED = 5      # warnings of one kind for a script (a port may use a name on many lines)
 
 
+def horovod_itself(path, field, tree):
+    """Warn of a script that imports Horovod itself: each rank here starts alone, and
+    Horovod's init() without horovodrun makes every rank a world of one (N models trained
+    apart, or a ModuleNotFoundError where it is not installed), where its port is one line."""
+    for node in ast.walk(tree):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+        if any(n == "horovod" or n.startswith("horovod.") for n in names):
+            log.warning("%s: %s:%d: imports Horovod, whose init() here (no horovodrun) makes each rank a world of "
+                        "one; yarnapp's Horovod-style API takes the same calls: `import training.dist as hvd` "
+                        "(docs/own-code.md)", field, path, node.lineno)
+            return
+
+
 def warnings(script, field="run.script"):
     """What a run.script's source is warned of, read once: Horovod names and values
     training.dist does not offer (not_offered), a snapshot by a relative path."""
     tree = _parse(script)
     if tree is not None:
+        horovod_itself(script, field, tree)
         not_offered(script, field, tree)
         relative_snapshot(script, field, tree)
 

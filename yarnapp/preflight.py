@@ -26,7 +26,7 @@ import tempfile
 import urllib.parse
 
 from conf import BUILTIN_RUNNER
-from conf.schema import BUILTIN_MIN_HW, BUILTIN_MODELS, DATA_MEMORY_FRACTION
+from conf.schema import BUILTIN_MIN_HW, BUILTIN_MODELS
 
 from .errors import YarnappError
 
@@ -35,9 +35,6 @@ log = logging.getLogger(__name__)
 Found = collections.namedtuple("Found", "shape classes rows order")     # check_data's: None where not known here
 SLACK = 1.25        # a step's blocks are refused only this far over the rank's data budget, where its
                     # reader warns (a 1024 MiB container ran 1.5x over it, at its memory limit)
-DATA_FRACTION = DATA_MEMORY_FRACTION    # training.data.source.MEMORY_FRACTION's, without pyarrow
-RANK_BASE_MIB = 450     # a built-in runner's container besides its data: torch, the model, a batch (390 MiB
-                        # for digits; 460-510 MiB with CIFAR-shaped batches of 256: under ~650 MiB were killed)
 ORDER_FRACTION = 0.125  # warn where a rank's epoch orders (Order.plan_bytes) take more of its container
 
 
@@ -124,26 +121,6 @@ def check_data(job, where=None, on_cluster=False):
                       (data.shuffle_window or 0) << 20,
                       content=[b.read_bytes for b in train.blocks]).fingerprint(job.training.batch_size)
     return Found(shape, train.num_classes if train else None, train.rows if train else None, order)
-
-
-def warn_little_beside_data(job, where=None):
-    """Warn where a container leaves a built-in runner's rank less than RANK_BASE_MIB beside the
-    Parquet data it holds (training.data.memory, by default a quarter of it): the kernel killed
-    448-640 MiB containers at the default, and one whose window submit's own advice had fitted
-    to that data memory. Called once every check passed (before a refusal's line it was a
-    second line)."""
-    if job.run.function != BUILTIN_RUNNER or not job.training or not job.training.data.train:
-        return
-    pre = f"{where}: " if where else ""
-    for i, g in enumerate(job.groups):      # (training.data.source.data_budget's, without pyarrow here:
-        held = job.training.data.memory or int(g.memory * DATA_FRACTION)    # a client may lack it)
-        if g.memory - held < RANK_BASE_MIB:
-            log.warning("%sgroups[%d].memory: %d MiB leaves %d MiB beside the %d MiB of data its ranks hold "
-                        "(training.data.memory%s), and a rank of the built-in runner takes about %d MiB besides "
-                        "(torch, the model, a batch; more for big ones): it may be killed for memory; give %d MiB "
-                        "or more, or lower training.data.memory", pre, i, g.memory, g.memory - held, held,
-                        "" if job.training.data.memory else ": a quarter of it", RANK_BASE_MIB,
-                        held + RANK_BASE_MIB + 64)
 
 
 def _check_window(job, blocks, pre):

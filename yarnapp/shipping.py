@@ -148,10 +148,10 @@ def _plan(job, where=None):
 
     if run.script and not os.path.isfile(run.script):
         what = "is a directory" if os.path.isdir(run.script) else "does not exist"
-        near = os.path.join(os.path.dirname(os.path.abspath(where)), os.path.relpath(run.script)) \
-            if where and os.path.isfile(where) else None
+        home = os.path.dirname(os.path.abspath(where)) if where and os.path.isfile(where) else None
+        near = os.path.join(home, os.path.relpath(run.script)) if home else None
         hint = (f"; there is {near}, but paths in a job file are relative to the directory you submit from: "
-                f"submit from {os.path.dirname(near)}, or give the path from here"
+                f"submit from {home} (the job file's directory), or give the path from here"
                 if near and os.path.isfile(near) else "; name the Python file the job runs")
         raise YarnappError(f"run.script: {run.script} {what}{hint}")
     files = run.files

@@ -47,7 +47,7 @@ import conf
 from launcher import memory, results
 from launcher.identity import checkpoint_dir, code
 
-from .. import packaging, preflight, shipping
+from .. import advice, packaging, preflight, shipping
 from ..errors import BackendUnavailable, YarnappError
 from . import capacity, yarn_cluster
 from .base import Backend, check_resumed_ended
@@ -425,7 +425,8 @@ def prepared(job, where=None, pack=True):
     preflight.check_outputs(job, where, on_cluster=True)
     shipment = shipping.plan(job, where)
     preflight.check_strategy(job, found, shipment, where)
-    preflight.warn_little_beside_data(job, where)
+    advice.warn_little_beside_data(job, where)
+    advice.warn_idle_gpus(job, where)
     with tempfile.TemporaryDirectory(prefix="yarnapp-stage-") as staging:
         os.chmod(staging, 0o700)
         files = stage_files(shipment.job, staging, shipped=shipment.entries, pack=pack)

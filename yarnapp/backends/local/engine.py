@@ -23,7 +23,7 @@ from training import fsutil
 from launcher.failure import Failure
 from launcher.store import FileStore
 
-from ... import logview, preflight, shipping
+from ... import advice, logview, preflight, shipping
 from ...errors import YarnappError
 from ..base import TERMINAL, Backend, check_resumed_ended
 from . import cgroups, gpus, leases, netem, supervisor
@@ -146,7 +146,8 @@ def checked(job, where="job"):
         job = job.model_copy(update={"checkpoint": job.checkpoint.model_copy(update={"resume": resume})})
     shipment = shipping.plan(job, where)
     preflight.check_strategy(job, found, shipment, where)
-    preflight.warn_little_beside_data(job, where)       # (after every refusal: one line each)
+    advice.warn_little_beside_data(job, where)       # (after every refusal: one line each)
+    advice.warn_idle_gpus(job, where)
     return shipment
 
 
