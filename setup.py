@@ -28,6 +28,7 @@ setup(
         "simplejpeg>=1.6",     # decodes JPEG several times faster than Pillow for small images
         "tqdm>=4.60",
         "psutil>=5.9",
+        "requests>=2.25",      # fsspec's WebHDFS (webhdfs:// data and checkpoints) needs it; torch brings fsspec
         "cloudpickle>=2.2",    # ships a function from a notebook (yarnapp.submit(job, function=f))
         "setuptools>=61",      # find_packages: the top-level packages of editable installs to ship
         "matplotlib>=3.7",

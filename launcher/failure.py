@@ -117,6 +117,21 @@ def lacks_a_device(line):
     return bool(line) and bool(_NO_DEVICE.search(line))
 
 
+# A filesystem out of reach for now (a NameNode or DataNode restarting, HDFS in safe mode,
+# a server's 503): a restart a little later may find it back (launcher.retries, the agent's
+# backoff). An audit's 10-20 s NameNode outage spent every restart within 3 s.
+_UNREACHABLE = re.compile(r"connection refused|failed to establish a new connection|safe ?mode|cannot reach |"
+                          r"read timed out|503 server error|service unavailable|no route to host|"
+                          r"retriableexception|standbyexception", re.IGNORECASE)
+_STORAGE = re.compile(r"://|HTTPConnectionPool|name ?node|datanode|hdfs", re.IGNORECASE)     # (not a peer's socket)
+
+
+def storage_unreachable(line):
+    """Whether a rank's error line says a filesystem could not be reached (for now, maybe),
+    not a peer's socket (gloo's "Connection refused" of a rank that left)."""
+    return bool(line) and bool(_UNREACHABLE.search(line)) and bool(_STORAGE.search(line))
+
+
 def looks_collateral(line):
     """Whether a rank's error line reads like a lost peer's consequence, not its own fault."""
     return bool(_COLLATERAL.search(line))

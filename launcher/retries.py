@@ -10,9 +10,12 @@ asks after every abort). These are not, since a restart would fail as this one d
   fails, an image that does not decode, found at the same step of every attempt), or could
   not write a checkpoint for its storage (full, read-only, no permission:
   training.checkpoint.CheckpointError's `repeats`), with the same line in this generation
-  and the one before. Other errors in training, an
-  unreachable filesystem's among them, are retried as often as the job allows: the same
-  line twice may still be a passing cause (a DataNode restarting, a peer that left);
+  and the one before. Other errors in training are retried as often as the job allows: the
+  same line twice may still be a passing cause (a peer that left). A filesystem out of reach
+  (launcher.failure.storage_unreachable: a NameNode or DataNode restarting, safe mode) is
+  retried as often as the job allows in every phase, even where every rank met it as a
+  restart began, and the agents wait a little longer before each such restart
+  (launcher.agent.STORAGE_BACKOFF_S): a 10-20 s NameNode outage spent every restart in 3 s;
 - a rank found a mistake in the job's model or strategy settings (a model the strategy
   cannot run, a layer it cannot split: an error class marked `certain`,
   training.strategies.base.StrategyError, training.models.ModelError,
@@ -31,7 +34,8 @@ asks after every abort). These are not, since a restart would fail as this one d
 import time
 
 from . import keys
-from .failure import CALLED_APART, EXITED_EARLY, WAITED_FOR_FINISHED, Failure, Kind, ended_in, lacks_a_device
+from .failure import (CALLED_APART, EXITED_EARLY, WAITED_FOR_FINISHED, Failure, Kind, ended_in, lacks_a_device,
+                      storage_unreachable)
 
 NOT_RETRIED = ("every rank failed the same way before training started, so it was not retried "
                "(a restart would fail the same way)")
@@ -54,7 +58,8 @@ def not_worth_retrying(store, members, gen, cause, poll_s, wait_s):
     """What to add to `cause`'s reason when generation `gen` ended in a way a restart would
     repeat, or None. members: the job's ranks; poll_s, wait_s: how often and how long to
     wait for every rank's agent to record how its rank ended (see same_setup_failure)."""
-    if same_setup_failure(store, members, gen, cause, poll_s, wait_s):
+    passing = storage_unreachable(cause.error or cause.reason)      # back in a moment, maybe: retried
+    if not passing and same_setup_failure(store, members, gen, cause, poll_s, wait_s):
         return NOT_RETRIED if gen == 0 else NOT_RETRIED_AGAIN
     if cause.certain:
         return CERTAIN
@@ -66,7 +71,7 @@ def not_worth_retrying(store, members, gen, cause, poll_s, wait_s):
         return SAME_CALLS
     if oom_again(store, gen, cause):
         return OOM_AGAIN
-    if input_error_again(store, gen, cause):
+    if not passing and input_error_again(store, gen, cause):
         return INPUT_AGAIN
     done = ended_in(store, members, gen, 2 * poll_s)
     if done:

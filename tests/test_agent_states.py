@@ -216,6 +216,28 @@ def test_a_setup_failure_found_repeatable_on_the_second_attempt_says_not_retried
     assert failed.attempts == 2 and failed.reason.endswith(NOT_RETRIED_AGAIN), failed.reason
 
 
+def test_a_filesystem_out_of_reach_is_retried_after_a_growing_wait(tmp_path, monkeypatch):
+    """A 10-20 s NameNode outage spent every restart within 3 s: every rank met "cannot reach"
+    as the restart began, so it was "not retried again" (an HDFS audit). Now retried as often
+    as the job allows, the agents waiting longer before each restart."""
+    import launcher.agent
+    monkeypatch.setattr(launcher.agent, "STORAGE_BACKOFF_S", 0.3, raising=False)
+    line = ("DataError: cannot reach webhdfs://nn:9870/data/train: HTTPConnectionPool(host='nn', port=9870): Max "
+            "retries exceeded (Failed to establish a new connection: [Errno 111] Connection refused)")
+    setup = crash(code=1, phase="setup", error=line)
+
+    def recorded(store, gen):
+        store.put_if_absent(keys.error(gen, 0), Failure(reason=line, error=line, phase="setup").dumps())
+    a, store = agent(tmp_path, [(Outcome.OWN, setup, recorded), (Outcome.OWN, setup, recorded),
+                                (Outcome.SUCCEEDED, None, None)], max_restarts=3)
+    started = time.monotonic()
+    assert a.run() == exitcodes.SUCCEEDED and a.spawned_gens == [0, 1, 2]
+    assert time.monotonic() - started >= 0.3 + 0.6          # 1, then 2 times the backoff
+    a, store = agent(tmp_path / "b", [(Outcome.OWN, setup, recorded)] * 3, max_restarts=1)
+    assert a.run() == 1 and a.spawned_gens == [0, 1]        # the job's restarts still bound it
+    assert load(store, keys.FAILED).attempts == 2
+
+
 def test_a_setup_failure_beside_a_rank_that_succeeded_is_judged_at_once(tmp_path):
     """A peer's rank returned early and succeeded, so it records no failure: the failure is
     not every rank's, and the agent says so at once instead of waiting out the grace

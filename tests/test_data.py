@@ -964,3 +964,47 @@ def test_a_resume_mid_epoch_into_another_order_of_its_rows_is_refused_at_an_epoc
     old = {"batch_size": 64, "train_rows": 2066}                                     # recorded before the order
     assert other_data(40, "app_a", old, dict(saved, seed=6)) is None
     assert "other places in the data" in other_data(40, "app_a", saved, dict(saved, batch_size=32))
+
+
+def test_hdfs_out_of_reach_or_full_is_said_as_hdfs_says_it(monkeypatch):
+    """An HDFS audit: a frozen NameNode hung `submit` and `data import` for ever (WebHDFS
+    requests had no timeout); safe mode escaped the checkpoint's handling as a RuntimeError
+    traceback; a quota exceeded read "403 Client Error: Forbidden", HDFS's reason lost, and
+    was retried as a passing cause."""
+    import socket
+    import time
+
+    import requests
+
+    from launcher.failure import storage_unreachable
+    from training import fsutil
+    from training.checkpoint import STORAGE_FULL, _attempt
+    from training.data.common import Unreachable, info
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(5)                                   # accepts, never answers: a frozen NameNode
+    monkeypatch.setattr(fsutil, "WEBHDFS_TIMEOUT", (1.0, 1.0))
+    uri = f"webhdfs://127.0.0.1:{silent.getsockname()[1]}/data"
+    fs, path = fsutil.resolve(uri)
+    started = time.monotonic()
+    with pytest.raises(Unreachable, match=rf"^cannot reach {uri}: .*Read timed out"):
+        info(fs, path, uri)
+    assert time.monotonic() - started < 10
+    silent.close()
+
+    def safe_mode():
+        raise RuntimeError("Cannot create directory /user/a/ckpt/app_1. Name node is in safe mode.\nMore")
+    line = _attempt(safe_mode)
+    assert line == "Cannot create directory /user/a/ckpt/app_1. Name node is in safe mode. More"
+    assert storage_unreachable(line)
+
+    def quota():
+        response = requests.Response()
+        response.status_code, response.url = 403, "http://dn:9864/webhdfs/v1/ckpt/rank-00000.pt?op=APPEND"
+        response._content = json.dumps({"RemoteException": {
+            "exception": "DSQuotaExceededException", "message": "The DiskSpace quota of /ckpt is exceeded: "
+            "quota = 1048576 B = 1 MB but diskspace consumed = 402653184 B = 384 MB"}}).encode()
+        response.raise_for_status()
+    line = _attempt(quota)
+    assert line.startswith("DSQuotaExceededException: The DiskSpace quota of /ckpt is exceeded"), line
+    assert any(w in line.lower() for w in STORAGE_FULL) and not storage_unreachable(line)

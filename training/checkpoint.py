@@ -254,8 +254,8 @@ class Checkpointer:
         if exists:
             return False
         tmp = self._dir(step, tmp=True)
-        error = _attempt(lambda: fsutil.write_bytes(self.fs, f"{tmp}/rank-{self.rank:05d}.pt",
-                                                    fsutil.torch_bytes(state)))
+        data = fsutil.torch_bytes(state)           # (torch's own errors are not the storage's)
+        error = _attempt(lambda: fsutil.write_bytes(self.fs, f"{tmp}/rank-{self.rank:05d}.pt", data))
         _maybe_fault("crash_in_checkpoint", step, self.rank, self.generation)
         self._raise_first(step, "write", self.comm.allgather(error))
         if self.rank == 0:
@@ -315,7 +315,7 @@ class CheckpointError(YarnappError, OSError):
     blames = None
 
 
-STORAGE_FULL = ("no space left", "quota exceeded", "read-only file system", "permission denied",
+STORAGE_FULL = ("no space left", "quota exceeded", "quotaexceeded", "read-only file system", "permission denied",
                 "operation not permitted")
 
 
@@ -379,14 +379,30 @@ def other_data(step, app, saved, now):
             f"with (a checkpoint at an epoch's end takes the change), or start afresh (checkpoint.resume: never)")
 
 
+# What a filesystem raises: pyarrow's and the OS's errors, and fsspec's WebHDFS HDFS errors
+# (RuntimeError: "Name node is in safe mode" escaped as a traceback; ValueError).
+STORAGE_ERRORS = (OSError, pa.ArrowException, RuntimeError, ValueError)
+
+
 def _attempt(fn):
-    """None if fn() succeeds, else its error as one line (storage errors span pages)."""
+    """None if fn() (a filesystem's calls only) succeeds, else its error as one line (storage
+    errors span pages)."""
     try:
         fn()
         return None
-    except (OSError, pa.ArrowException) as e:
-        lines = str(e).strip().splitlines()
+    except STORAGE_ERRORS as e:
+        lines = _storage_message(e).strip().splitlines()
         return " ".join(lines[:2]) if lines else type(e).__name__
+
+
+def _storage_message(e):
+    """The error's text, HDFS's own where a WebHDFS response carries it (a DataNode's 403 was
+    "403 Client Error: Forbidden for url: ...", its DSQuotaExceededException lost)."""
+    try:
+        remote = e.response.json()["RemoteException"]
+        return f"{remote['exception']}: {remote['message']}"
+    except Exception:  # noqa: BLE001 - no such response: the error as it is
+        return str(e)
 
 
 def _maybe_fault(kind, step, rank, generation):

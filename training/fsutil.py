@@ -58,6 +58,11 @@ def hdfs_user():
     return os.environ.get("HADOOP_USER_NAME") or getpass.getuser()
 
 
+# WebHDFS requests' (connect, read) timeouts in seconds: fsspec gives none, and a frozen NameNode
+# hung `yarnapp submit` and `data import` silently for ever (a read waits this long for a byte).
+WEBHDFS_TIMEOUT = (10.0, 60.0)
+
+
 @functools.lru_cache(maxsize=None)
 def _webhdfs(host, port, user):
     from fsspec.implementations.webhdfs import WebHDFS
@@ -74,6 +79,8 @@ def _webhdfs(host, port, user):
                 raise
 
     fs = _HDFSRename(host, port=port, user=user)
+    request = fs.session.request        # (its get/put/post call it too)
+    fs.session.request = lambda *a, **k: request(*a, **{"timeout": WEBHDFS_TIMEOUT, **k})
     return pafs.PyFileSystem(pafs.FSSpecHandler(fs))
 
 

@@ -92,6 +92,22 @@ class _Files:
             self._close(self._open.popitem()[1])
 
 
+# what requests and urllib3 raise for a server out of reach (fsspec's WebHDFS): not ConnectionError
+_UNREACHED = {"ConnectionError", "NewConnectionError", "MaxRetryError", "ConnectTimeout", "ReadTimeout",
+              "ProtocolError", "RemoteDisconnected"}
+
+
+def _root_cause(e):
+    """The first exception of `e`'s chain that is not a wrapper's bare path (fsspec's OSError
+    of a file's path hides a connection refused beneath), else `e`."""
+    seen = e
+    while seen is not None:
+        if isinstance(seen, ConnectionError) or type(seen).__name__ in _UNREACHED:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return e
+
+
 def read_block(layout, files, b):
     """BlockData of block b (a Block of the layout); DataError naming the file."""
     name = layout.name(b.file)
@@ -112,6 +128,11 @@ def read_block(layout, files, b):
                     break
             table = pa.Table.from_batches(batches).slice(0, b.rows)
     except (pa.ArrowException, OSError) as e:
+        cause = _root_cause(e)
+        if isinstance(cause, ConnectionError) or type(cause).__name__ in _UNREACHED:
+            # (a NameNode restarting read as corrupt data, the fix given: re-import a healthy dataset)
+            raise DataError(f"{name}: cannot reach its filesystem ({type(cause).__name__}: {one_line(cause)}); "
+                            f"it may be restarting") from None
         content = isinstance(e, pa.ArrowInvalid) or any(w in str(e).lower() for w in ("checksum", "corrupt", "thrift"))
         raise (BadData if content else DataError)(      # a connection's error may pass; a bad page does not
             f"{name}: corrupt or unreadable Parquet data ({one_line(e)}); re-import the dataset "
