@@ -270,12 +270,16 @@ class Liveness(threading.Thread):
                 pass
 
 
+ERROR_LINE_CHARS = 600      # of a rank's error line in the store (status, restarts, the failure)
+
+
 def record_error(store, gen, rank, line, phase, input_error=None, repeats=None, certain=None, blames=None):
     """Write this rank's one-line error for the agents (first write wins); input_error: the
     line is the whole story; blames: the rank at fault, where every rank raised it alike (see
     launcher.failure.Failure)."""
     try:
-        line = line[:500]
+        if len(line) > ERROR_LINE_CHARS:    # its start (what) and its end (what to do): a cut mid-word lost the advice
+            line = f"{line[:ERROR_LINE_CHARS - 203]} [...] {line[-196:]}"
         store.put_if_absent(keys.error(gen, rank), Failure(reason=line, error=line, phase=phase, rank=rank,
                                                            generation=gen, input_error=input_error,
                                                            repeats=repeats, certain=certain,

@@ -886,3 +886,19 @@ def test_a_sys_exit_is_said_where_it_was_called_beside_the_last_line_on_stderr(t
     assert exit_line(exited.value, "") == "sys.exit(3) at train.py:5 in main"
     assert exit_line(SystemExit("lr too high"), "hello") == "lr too high"      # sys.exit("...") says it itself
     assert exit_line(SystemExit(4), "") == "exited with status 4"
+
+
+def test_a_long_error_line_keeps_its_start_and_its_advice(tmp_path):
+    """A rank's line was cut at 500 characters mid-word: an HDFS error's "[Errno" was its end,
+    the cause ("111] Connection refused") and what to do lost (an HDFS audit)."""
+    from launcher.rank import ERROR_LINE_CHARS, record_error
+    store = FileStore(str(tmp_path / "store"))
+    line = ("checkpoint.uri webhdfs://nn:9870/ckpt: cannot write the checkpoint of step 340 (rank 0): "
+            + "HTTPConnectionPool(host='nn', port=9870): Max retries exceeded " * 12
+            + "[Errno 111] Connection refused; free space or fix its permissions (the checkpoint before it is intact)")
+    record_error(store, 0, 0, line, "train")
+    said = Failure.load(store.get(keys.error(0, 0))).error
+    assert len(said) <= ERROR_LINE_CHARS and said.startswith(line[:200]), said
+    assert said.endswith("[Errno 111] Connection refused; free space or fix its permissions (the checkpoint before "
+                         "it is intact)") and " [...] " in said, said
+

@@ -5,6 +5,7 @@ import os
 import random
 import re
 import signal
+import socket
 import time
 
 import pytest
@@ -300,6 +301,20 @@ def test_a_failed_application_says_how_to_go_on_from_its_last_checkpoint(digits,
     assert line.endswith(f"; its last complete checkpoint is step 10: `{again}` goes on from it"), line
     from_notebook = yarnapp.Run(app).failure_message()          # a handle from its id alone, in any kernel
     assert from_notebook.endswith(f"step 10: submit(..., checkpoint={{'resume': '{app}'}}) goes on from it")
+    # its checkpoints on a filesystem out of reach as it is asked (HDFS down as it failed: the
+    # hint was missing when it mattered most, an HDFS audit): where they are, and the command
+    stored = yarnapp_home / "apps" / app / "job.json"
+    kept = stored.read_text()
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()                                                # nothing listens there now
+    stored.write_text(json.dumps({**json.loads(kept), "checkpoint": {**json.loads(kept)["checkpoint"],
+                                                                      "uri": f"webhdfs://127.0.0.1:{port}/ckpt"}}))
+    assert yarnapp.Run(app).failure_message().endswith(
+        f"; its checkpoints (webhdfs://127.0.0.1:{port}/ckpt/{app}) cannot be read now: once they can, "
+        f"submit(..., checkpoint={{'resume': '{app}'}}) goes on from the last complete one")
+    stored.write_text(kept)
     for group in job["groups"]:
         group["env"] = {}
     job["training"]["max_steps"] = 1000

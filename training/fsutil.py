@@ -104,8 +104,15 @@ def read_bytes(fs, path):
 
 
 def listdir(fs, path):
+    """The names in a directory ([] where it does not exist); an error where its filesystem
+    cannot be reached. (pyarrow's fsspec handler answers a listing of a WebHDFS out of reach
+    with [], as for a directory not there: a restart while the NameNode was down found no
+    checkpoint, and could have trained from step 0.)"""
     sel = pafs.FileSelector(path, allow_not_found=True)
-    return sorted(info.base_name for info in fs.get_file_info(sel))
+    names = sorted(info.base_name for info in fs.get_file_info(sel))
+    if not names:
+        fs.get_file_info(path)      # raises where unreachable; NotFound otherwise
+    return names
 
 
 def exists(fs, path):

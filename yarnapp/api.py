@@ -418,18 +418,23 @@ class Run:
         """The step of this application's newest complete checkpoint; None where it has none,
         or where this handle cannot tell (made from a YARN application id alone: its job is
         not kept)."""
+        return self._last_checkpoint()[0]
+
+    def _last_checkpoint(self):
+        """(step or None, where its checkpoints are that could not be read now, or None)."""
         from launcher.identity import complete_steps
         from training import fsutil
+        root = None
         try:
             _, root = self._checkpoints()
             if root is None:
-                return None
+                return None, None
             fs, path = fsutil.resolve(root)
             steps = complete_steps(fsutil.listdir(fs, path))
         except Exception as e:          # unreachable storage, a job kept that no longer loads: the
             log.debug("no checkpoints of %s readable: %s", self.app_id, e)   # failure's line stands
-            return None
-        return steps[-1] if steps else None
+            return None, root if root and not fsutil.is_local(root) else None
+        return (steps[-1] if steps else None), None
 
     def resume_hint(self, resubmit=None):
         """'; its last complete checkpoint is step N: ... goes on from it', or '' (see failure_message).
@@ -441,11 +446,14 @@ class Run:
             final = None
         if final and final.get("steps") is not None:
             return f"; its training had ended (step {final['steps']}): its model and final metrics are kept"
-        step = self.last_checkpoint()       # None on any error: a hint never hides the line it ends
-        if step is None:
-            return ""
+        step, unread = self._last_checkpoint()      # None on any error: a hint never hides the line it ends
         how = (f"`{resubmit} --resume {self.app_id}`" if resubmit else
                f"submit(..., checkpoint={{'resume': '{self.app_id}'}})")
+        if unread:                  # (HDFS down as it failed: the hint was lost when it mattered most)
+            return f"; its checkpoints ({unread}) cannot be read now: once they can, {how} goes on from the last " \
+                   f"complete one"
+        if step is None:
+            return ""
         return f"; its last complete checkpoint is step {step}: {how} goes on from it"
 
 
