@@ -117,9 +117,10 @@ def _local_file(value, info: ValidationInfo):
     """run.files are copied from this machine: a URI was joined to the submit directory (and
     its // collapsed), then said not to exist."""
     value = _not_empty(value, info)
-    if value and re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", value) and not value.startswith("file://"):
-        raise ValueError(f"{value} is a URI; run.files ships files and directories of this machine only: read it "
-                         f"from its URI in your code (pyarrow.fs, fsspec), or copy it here first")
+    if value and re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", value) and submitting(info):
+        raise ValueError(f"{value} is a URI; run.files ships files and directories of this machine only, by their "
+                         f"paths: read a remote one from its URI in your code (pyarrow.fs, fsspec), or copy it here "
+                         f"first")
     return value
 
 

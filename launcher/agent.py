@@ -449,6 +449,16 @@ class Agent(PeerDiagnosis):
             return self.after_abort(self.gen, self.found)
         raise RuntimeError(f"no transition from {state.name}")
 
+    def _storage_aborts_in_a_row(self):
+        """How many generations up to the last ended with a filesystem out of reach, in a row."""
+        k = 0
+        for g in range(self.gen - 1, -1, -1):
+            f = Failure.load(self.store.get(keys.abort(g)))
+            if f is None or not storage_unreachable(f.error or f.reason):
+                break
+            k += 1
+        return max(1, k)
+
     def after_abort(self, gen, found):
         """Generation `gen` ended (`found`: the cause this agent found, or None): record it
         (first writer wins, but for a record that says more: diagnosis.record), then FAILED,
@@ -485,7 +495,7 @@ class Agent(PeerDiagnosis):
                                                                         generation=self.gen))
         log.warning("restarting as generation %d after: %s", self.gen, cause.reason)
         if storage_unreachable(cause.error or cause.reason):    # (a NameNode restarting: give it time)
-            wait = min(30.0, STORAGE_BACKOFF_S * self.gen)
+            wait = min(30.0, STORAGE_BACKOFF_S * self._storage_aborts_in_a_row())
             log.warning("a filesystem was out of reach: waiting %.0f s before the restart", wait)
             time.sleep(wait)
         return State.RENDEZVOUS

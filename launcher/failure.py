@@ -120,16 +120,22 @@ def lacks_a_device(line):
 # A filesystem out of reach for now (a NameNode or DataNode restarting, HDFS in safe mode,
 # a server's 503): a restart a little later may find it back (launcher.retries, the agent's
 # backoff). An audit's 10-20 s NameNode outage spent every restart within 3 s.
-_UNREACHABLE = re.compile(r"connection refused|failed to establish a new connection|safe ?mode|cannot reach |"
-                          r"read timed out|503 server error|service unavailable|no route to host|"
-                          r"retriableexception|standbyexception", re.IGNORECASE)
-_STORAGE = re.compile(r"://|HTTPConnectionPool|name ?node|datanode|hdfs", re.IGNORECASE)     # (not a peer's socket)
+_UNREACHABLE = re.compile(r"connection refused|failed to establish a new connection|safe ?mode|read timed out|"
+                          r"503 server error|service unavailable|no route to host|retriableexception|"
+                          r"standbyexception", re.IGNORECASE)
+# ... said of HDFS or of the job's checkpoints (not a peer's socket, a tracking server's URL,
+# a host named datanode3), and not a name that will never resolve
+_STORAGE = re.compile(r"\b(?:web)?hdfs://|viewfs://|checkpoint\.uri|name ?node is", re.IGNORECASE)
+_NEVER = re.compile(r"name or service not known|nodename nor servname|permission denied|access denied",
+                    re.IGNORECASE)
 
 
 def storage_unreachable(line):
-    """Whether a rank's error line says a filesystem could not be reached (for now, maybe),
-    not a peer's socket (gloo's "Connection refused" of a rank that left)."""
-    return bool(line) and bool(_UNREACHABLE.search(line)) and bool(_STORAGE.search(line))
+    """Whether a rank's error line says HDFS or the checkpoints' filesystem could not be
+    reached (for now, maybe): not a peer's socket (gloo's "Connection refused" of a rank
+    that left), nor a host name that does not resolve, nor a permission."""
+    return bool(line) and bool(_UNREACHABLE.search(line)) and bool(_STORAGE.search(line)) and \
+        not _NEVER.search(line)
 
 
 def looks_collateral(line):

@@ -236,6 +236,16 @@ def test_a_filesystem_out_of_reach_is_retried_after_a_growing_wait(tmp_path, mon
     a, store = agent(tmp_path / "b", [(Outcome.OWN, setup, recorded)] * 3, max_restarts=1)
     assert a.run() == 1 and a.spawned_gens == [0, 1]        # the job's restarts still bound it
     assert load(store, keys.FAILED).attempts == 2
+    from launcher.failure import storage_unreachable
+    assert storage_unreachable("checkpoint.uri webhdfs://nn:9870/ck: cannot write the checkpoint of step 9 (rank 0): "
+                               "Cannot create directory /ck/app_1. Name node is in safe mode.")
+    for other in ("RuntimeError: [../gloo/transport/tcp/pair.cc:144] connect [datanode3]:41235: Connection refused",
+                  "ConnectionError: HTTPConnectionPool(host='mlflow', port=5000): Max retries exceeded (Failed to "
+                  "establish a new connection: [Errno 111] Connection refused)",
+                  "DataError: cannot reach webhdfs://nn.typo:9870/d: Failed to establish a new connection: [Errno -2] "
+                  "Name or service not known",
+                  "DataError: cannot reach hdfs://nn/d: Permission denied"):
+        assert not storage_unreachable(other), other          # not retried with waits: a peer, a typo, a right
 
 
 def test_a_setup_failure_beside_a_rank_that_succeeded_is_judged_at_once(tmp_path):

@@ -1008,3 +1008,26 @@ def test_hdfs_out_of_reach_or_full_is_said_as_hdfs_says_it(monkeypatch):
     line = _attempt(quota)
     assert line.startswith("DSQuotaExceededException: The DiskSpace quota of /ckpt is exceeded"), line
     assert any(w in line.lower() for w in STORAGE_FULL) and not storage_unreachable(line)
+
+
+def test_a_checkpoint_saved_or_resumed_with_its_filesystem_out_of_reach_is_every_ranks_one_line(tmp_path):
+    """A listing out of reach raised on rank 0 alone (a review: a ConnectionError's traceback,
+    the other ranks left in a broadcast), once listdir stopped answering [] for it."""
+    import socket
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()                                                      # nothing listens there
+    code = ("import sys\nfrom mpi4py import MPI\nfrom training.checkpoint import Checkpointer, CheckpointError\n"
+            f"c = Checkpointer('webhdfs://127.0.0.1:{port}/ckpt', MPI.COMM_SELF, app_id='app_1', name='j',\n"
+            "                 data={'batch_size': 8, 'train_rows': 100})\n"
+            "for call in (lambda: c.save(10, {'w': 1}), c.latest):\n"
+            "    try:\n        call()\n    except CheckpointError as e:\n        print(str(e))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2 and "Traceback" not in out.stderr, (out.stdout, out.stderr[-2000:])
+    assert lines[0].startswith(f"checkpoint.uri webhdfs://127.0.0.1:{port}/ckpt: cannot write the checkpoint of "
+                               f"step 10 (rank 0): "), lines
+    assert "Connection refused" in lines[0] and lines[0].endswith(
+        "check that its filesystem is up (a restart retries it) (the checkpoint before it is intact)"), lines[0]
+    assert lines[1].startswith(f"checkpoint.uri webhdfs://127.0.0.1:{port}/ckpt: cannot "), lines[1]

@@ -151,6 +151,8 @@ class Checkpointer:
                     found = self._written_by_fewer(*found) or found
             except CheckpointError as e:
                 found = str(e)
+            except STORAGE_ERRORS as e:     # its listing out of reach (a NameNode restarting): every rank says so
+                found = f"checkpoint.uri {self.uri}: cannot read its checkpoints: {_storage_message(e)}"
         found = self.comm.bcast(found, root=0)
         if isinstance(found, str):                    # every rank fails the same way
             raise CheckpointError(found)
@@ -250,7 +252,15 @@ class Checkpointer:
         complete checkpoint stays the newest and is what a restart resumes from.
         """
         t0 = time.perf_counter()
-        exists = self.comm.bcast(step in self.complete_steps() if self.rank == 0 else None, root=0)
+        exists = None
+        if self.rank == 0:
+            try:
+                exists = step in self.complete_steps()
+            except STORAGE_ERRORS as e:     # out of reach: every rank raises it (rank 0 alone crashed)
+                exists = " ".join(_storage_message(e).strip().splitlines()[:2]) or type(e).__name__
+        exists = self.comm.bcast(exists, root=0)
+        if isinstance(exists, str):
+            self._raise_first(step, "write", [exists])
         if exists:
             return False
         tmp = self._dir(step, tmp=True)
@@ -289,9 +299,11 @@ class Checkpointer:
             if self.rank == 0:          # nothing half-written is left (a restart's _tidy would, the last not)
                 _attempt(lambda: self.fs.delete_dir(self._dir(step, tmp=True)))
             detail = first[1].replace(f".tmp-{self.generation}", ".tmp")    # one line in every generation
+            advice = "free space or fix its permissions" if any(w in detail.lower() for w in STORAGE_FULL) else \
+                "check that its filesystem is up (a restart retries it)"
             e = CheckpointError(f"checkpoint.uri {self.uri}: cannot {what} the checkpoint of step {step}"
                                 f"{f' (rank {first[0]})' if what == 'write' else ''}: {detail}; "
-                                f"free space or fix its permissions (the checkpoint before it is intact)")
+                                f"{advice} (the checkpoint before it is intact)")
             e.repeats = any(w in detail.lower() for w in STORAGE_FULL)
             e.blames = first[0] if what == "write" else 0      # every rank raises it: the agents name this one
             raise e
@@ -316,7 +328,8 @@ class CheckpointError(YarnappError, OSError):
 
 
 STORAGE_FULL = ("no space left", "quota exceeded", "quotaexceeded", "read-only file system", "permission denied",
-                "operation not permitted")
+                "operation not permitted", "is exceeded: quota", "quota by storage type")   # (HDFS: "The DiskSpace
+                                                                    # quota of /x is exceeded: quota = ...")
 
 
 SAME_RANKS = ("ps_sharded", "conv_model_parallel", "hypergraph")  # resume only on as many ranks as wrote them

@@ -426,8 +426,8 @@ class Run:
         from training import fsutil
         root = None
         try:
-            _, root = self._checkpoints()
-            if root is None:
+            job, root = self._checkpoints()
+            if root is None or job.run.function != conf.BUILTIN_RUNNER:     # (own code resumes its own way)
                 return None, None
             fs, path = fsutil.resolve(root)
             steps = complete_steps(fsutil.listdir(fs, path))

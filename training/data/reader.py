@@ -100,10 +100,11 @@ _UNREACHED = {"ConnectionError", "NewConnectionError", "MaxRetryError", "Connect
 def _root_cause(e):
     """The first exception of `e`'s chain that is not a wrapper's bare path (fsspec's OSError
     of a file's path hides a connection refused beneath), else `e`."""
-    seen = e
-    while seen is not None:
+    seen, visited = e, set()
+    while seen is not None and id(seen) not in visited:
         if isinstance(seen, ConnectionError) or type(seen).__name__ in _UNREACHED:
             return seen
+        visited.add(id(seen))
         seen = seen.__cause__ or seen.__context__
     return e
 
