@@ -190,6 +190,10 @@ def test_fractional_vcores_are_refused_with_one_line_and_nothing_submitted(clust
     assert cluster.hadoop.start()["started"] == []                # idempotent: already running
     up = cluster.cli("hadoop", "status", "--dir", cluster.hadoop.root)
     assert up.returncode == 0 and "HDFS ready, YARN ready" in up.stdout, up
+    # the `hdfs` `yarnapp hadoop env` puts on PATH manages safe mode and quotas too (an HDFS
+    # audit had to write its own: it answered dfs and classpath only)
+    safe = cluster.run(["hdfs", "dfsadmin", "-safemode", "get"], timeout=120)
+    assert safe.returncode == 0 and "Safe mode is OFF" in safe.stdout, (safe.stdout, safe.stderr[-1000:])
     # asked for other ports or resources, the running cluster says so (it waited on the other
     # ports until its start timeout, or took the others silently)
     other = cluster.cli("hadoop", "start", "-q", "--dir", cluster.hadoop.root, "--vcores", 8,

@@ -275,8 +275,9 @@ esac
 """
         hdfs = head + """case "$1" in
   dfs) shift; exec "$JAVA" $OPTS -cp "$CP" org.apache.hadoop.fs.FsShell "$@" ;;
+  dfsadmin) shift; exec "$JAVA" $OPTS -cp "$CP" org.apache.hadoop.hdfs.tools.DFSAdmin "$@" ;;
   classpath) echo "$CP" ;;
-  *) echo "this hdfs answers: dfs, classpath" >&2; exit 2 ;;
+  *) echo "this hdfs answers: dfs, dfsadmin, classpath" >&2; exit 2 ;;
 esac
 """
         for name, text in (("yarn", yarn), ("hdfs", hdfs)):
