@@ -31,12 +31,11 @@ from .diagnosis import PeerDiagnosis, record
 from .activity import Activity
 from .procs import die_with_parent, stopped as process_stopped
 from .failure import (Failure, Kind, after_an_end, current_generation, ended_early, log_tail,
-                      looks_collateral, native_crash, spent_restarts, storage_unreachable)
+                      looks_collateral, native_crash, spent_restarts)
 
 log = logging.getLogger("launcher.agent")
 
 TERM_GRACE_S = 2.0       # a rank stopped with SIGTERM may end on its own this long (the local master waits 3 s)
-STORAGE_BACKOFF_S = 5.0  # before restart k after a filesystem out of reach: k times this (at most 30 s)
 SETUP_GRACE_S = 8.0      # after a peer failed in setup, how long a rank in setup may take to fail
                          # the same way on its own (ranks start seconds apart on a busy host)
 BUSY_HINT = (", idle (no CPU used): if it waits there on something slow (a read, a lock), call ctx.heartbeat() "
@@ -449,16 +448,6 @@ class Agent(PeerDiagnosis):
             return self.after_abort(self.gen, self.found)
         raise RuntimeError(f"no transition from {state.name}")
 
-    def _storage_aborts_in_a_row(self):
-        """How many generations up to the last ended with a filesystem out of reach, in a row."""
-        k = 0
-        for g in range(self.gen - 1, -1, -1):
-            f = Failure.load(self.store.get(keys.abort(g)))
-            if f is None or not storage_unreachable(f.error or f.reason):
-                break
-            k += 1
-        return max(1, k)
-
     def after_abort(self, gen, found):
         """Generation `gen` ended (`found`: the cause this agent found, or None): record it
         (first writer wins, but for a record that says more: diagnosis.record), then FAILED,
@@ -494,8 +483,8 @@ class Agent(PeerDiagnosis):
         record(self.store, keys.restart(self.gen), dataclasses.replace(cause, aborted_generation=gen,
                                                                         generation=self.gen))
         log.warning("restarting as generation %d after: %s", self.gen, cause.reason)
-        if storage_unreachable(cause.error or cause.reason):    # (a NameNode restarting: give it time)
-            wait = min(30.0, STORAGE_BACKOFF_S * self._storage_aborts_in_a_row())
+        wait = retries.storage_backoff_s(self.store, gen)      # (a NameNode restarting: give it time)
+        if wait:
             log.warning("a filesystem was out of reach: waiting %.0f s before the restart", wait)
             time.sleep(wait)
         return State.RENDEZVOUS

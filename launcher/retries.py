@@ -15,7 +15,7 @@ asks after every abort). These are not, since a restart would fail as this one d
   (launcher.failure.storage_unreachable: a NameNode or DataNode restarting, safe mode) is
   retried as often as the job allows in every phase, even where every rank met it as a
   restart began, and the agents wait a little longer before each such restart
-  (launcher.agent.STORAGE_BACKOFF_S): a 10-20 s NameNode outage spent every restart in 3 s;
+  (storage_backoff_s): a 10-20 s NameNode outage spent every restart in 3 s;
 - a rank found a mistake in the job's model or strategy settings (a model the strategy
   cannot run, a layer it cannot split: an error class marked `certain`,
   training.strategies.base.StrategyError, training.models.ModelError,
@@ -80,6 +80,23 @@ def not_worth_retrying(store, members, gen, cause, poll_s, wait_s):
         return (ENDED_NAMED if named else ENDED).format(who=", ".join(done), whose="its" if one else "their",
                                                        it="it" if one else "them")
     return None
+
+
+STORAGE_BACKOFF_S = 5.0  # before a restart after k generations in a row ended with a filesystem out of reach:
+STORAGE_BACKOFF_MAX_S = 30.0    # k times this, at most that
+
+
+def storage_backoff_s(store, gen):
+    """Seconds to wait before restarting after generation `gen` aborted: where it, and the
+    k - 1 before it in a row, ended with a filesystem out of reach, k times
+    STORAGE_BACKOFF_S (at most STORAGE_BACKOFF_MAX_S); else 0."""
+    k = 0
+    for g in range(gen, -1, -1):
+        f = Failure.load(store.get(keys.abort(g)))
+        if f is None or not storage_unreachable(f.error or f.reason):
+            break
+        k += 1
+    return min(STORAGE_BACKOFF_MAX_S, STORAGE_BACKOFF_S * k)
 
 
 def same_setup_failure(store, members, gen, cause, poll_s, wait_s):

@@ -220,8 +220,8 @@ def test_a_filesystem_out_of_reach_is_retried_after_a_growing_wait(tmp_path, mon
     """A 10-20 s NameNode outage spent every restart within 3 s: every rank met "cannot reach"
     as the restart began, so it was "not retried again" (an HDFS audit). Now retried as often
     as the job allows, the agents waiting longer before each restart."""
-    import launcher.agent
-    monkeypatch.setattr(launcher.agent, "STORAGE_BACKOFF_S", 0.3, raising=False)
+    import launcher.retries
+    monkeypatch.setattr(launcher.retries, "STORAGE_BACKOFF_S", 0.3)
     line = ("DataError: cannot reach webhdfs://nn:9870/data/train: HTTPConnectionPool(host='nn', port=9870): Max "
             "retries exceeded (Failed to establish a new connection: [Errno 111] Connection refused)")
     setup = crash(code=1, phase="setup", error=line)

@@ -152,7 +152,7 @@ class Checkpointer:
             except CheckpointError as e:
                 found = str(e)
             except STORAGE_ERRORS as e:     # its listing out of reach (a NameNode restarting): every rank says so
-                found = f"checkpoint.uri {self.uri}: cannot read its checkpoints: {_storage_message(e)}"
+                found = f"checkpoint.uri {self.uri}: cannot read its checkpoints: {_error_line(e)}"
         found = self.comm.bcast(found, root=0)
         if isinstance(found, str):                    # every rank fails the same way
             raise CheckpointError(found)
@@ -257,7 +257,7 @@ class Checkpointer:
             try:
                 exists = step in self.complete_steps()
             except STORAGE_ERRORS as e:     # out of reach: every rank raises it (rank 0 alone crashed)
-                exists = " ".join(_storage_message(e).strip().splitlines()[:2]) or type(e).__name__
+                exists = _error_line(e)
         exists = self.comm.bcast(exists, root=0)
         if isinstance(exists, str):
             self._raise_first(step, "write", [exists])
@@ -299,12 +299,13 @@ class Checkpointer:
             if self.rank == 0:          # nothing half-written is left (a restart's _tidy would, the last not)
                 _attempt(lambda: self.fs.delete_dir(self._dir(step, tmp=True)))
             detail = first[1].replace(f".tmp-{self.generation}", ".tmp")    # one line in every generation
-            advice = "free space or fix its permissions" if any(w in detail.lower() for w in STORAGE_FULL) else \
-                "check that its filesystem is up (a restart retries it)"
+            full = any(w in detail.lower() for w in STORAGE_FULL)
+            advice = "free space or fix its permissions" if full else "check that its filesystem is up (a restart " \
+                "retries it)"
             e = CheckpointError(f"checkpoint.uri {self.uri}: cannot {what} the checkpoint of step {step}"
                                 f"{f' (rank {first[0]})' if what == 'write' else ''}: {detail}; "
                                 f"{advice} (the checkpoint before it is intact)")
-            e.repeats = any(w in detail.lower() for w in STORAGE_FULL)
+            e.repeats = full
             e.blames = first[0] if what == "write" else 0      # every rank raises it: the agents name this one
             raise e
 
@@ -404,8 +405,13 @@ def _attempt(fn):
         fn()
         return None
     except STORAGE_ERRORS as e:
-        lines = _storage_message(e).strip().splitlines()
-        return " ".join(lines[:2]) if lines else type(e).__name__
+        return _error_line(e)
+
+
+def _error_line(e):
+    """A storage error as one line (its messages span pages): its first two lines."""
+    lines = _storage_message(e).strip().splitlines()
+    return " ".join(lines[:2]) if lines else type(e).__name__
 
 
 def _storage_message(e):

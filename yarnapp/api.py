@@ -306,13 +306,7 @@ class Run:
         files = self.log_files(container) if tail is not None else None
         if files is None:
             return {c: logview.tail_text(t, tail) for c, t in self.backend.logs(self.app_id, container).items()}
-        out = {}
-        for c, path in files.items():
-            try:
-                out[c] = logview.read_from(path, logview.tail_offset(path, tail))
-            except FileNotFoundError:
-                out[c] = ""
-        return out
+        return logview.read_logs(files, tail)
 
     @_one_line
     def log_files(self, container=None):

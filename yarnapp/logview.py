@@ -61,6 +61,18 @@ def read_from(path, offset=0, limit=None):
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
+def read_logs(files, tail=None):
+    """{container id: its log's text} of {container id: path} (`tail`: its last lines only,
+    found from the file's end); a log not written yet is ""."""
+    out = {}
+    for name, path in files.items():
+        try:
+            out[name] = read_from(path, tail_offset(path, tail) if tail is not None else 0)
+        except FileNotFoundError:
+            out[name] = ""
+    return out
+
+
 def copy(path, out=None, offset=0):
     """Write the file from `offset` to `out` in pieces; returns whether it ended with a newline."""
     out = out or sys.stdout

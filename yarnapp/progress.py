@@ -140,10 +140,10 @@ class Progress:
         its last chunk's first whole line, saying how much was left out and where it is."""
         at = self.read.get(path, 0)
         try:
+            size = os.path.getsize(path)        # (every update: opened only to skip)
+            if size - at <= SKIP_BEHIND:
+                return
             with open(path, "rb") as f:
-                size = f.seek(0, os.SEEK_END)
-                if size - at <= SKIP_BEHIND:
-                    return
                 f.seek(size - OUTPUT_CHUNK)
                 nl = f.read(OUTPUT_CHUNK).find(b"\n")
         except OSError:

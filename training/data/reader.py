@@ -97,16 +97,16 @@ _UNREACHED = {"ConnectionError", "NewConnectionError", "MaxRetryError", "Connect
               "ProtocolError", "RemoteDisconnected"}
 
 
-def _root_cause(e):
-    """The first exception of `e`'s chain that is not a wrapper's bare path (fsspec's OSError
-    of a file's path hides a connection refused beneath), else `e`."""
+def _unreached(e):
+    """The exception of `e`'s chain that says a server was out of reach (fsspec's OSError of
+    a file's bare path hides a connection refused beneath), or None."""
     seen, visited = e, set()
     while seen is not None and id(seen) not in visited:
         if isinstance(seen, ConnectionError) or type(seen).__name__ in _UNREACHED:
             return seen
         visited.add(id(seen))
         seen = seen.__cause__ or seen.__context__
-    return e
+    return None
 
 
 def read_block(layout, files, b):
@@ -129,8 +129,8 @@ def read_block(layout, files, b):
                     break
             table = pa.Table.from_batches(batches).slice(0, b.rows)
     except (pa.ArrowException, OSError) as e:
-        cause = _root_cause(e)
-        if isinstance(cause, ConnectionError) or type(cause).__name__ in _UNREACHED:
+        cause = _unreached(e)
+        if cause is not None:
             # (a NameNode restarting read as corrupt data, the fix given: re-import a healthy dataset)
             raise DataError(f"{name}: cannot reach its filesystem ({type(cause).__name__}: {one_line(cause)}); "
                             f"it may be restarting") from None

@@ -321,13 +321,7 @@ class LocalBackend(Backend):
         return root, sorted(set(named) | set(os.listdir(root) if os.path.isdir(root) else ()))
 
     def logs(self, app_id, container=None):
-        out = {}
-        for n, path in self.log_files(app_id, container).items():
-            try:
-                out[n] = logview.read_from(path)
-            except FileNotFoundError:
-                out[n] = ""
-        return out
+        return logview.read_logs(self.log_files(app_id, container))
 
     def log_files(self, app_id, container=None):
         """{container id: the path of its log} (`container`: that one's; master: the
