@@ -1,4 +1,4 @@
-"""Whether a silent rank of the job's own code is at work or idle (launcher.agent's
+"""Whether a silent rank of the job's own code is at work or idle (launcher.monitor's
 judgement of a hang): an evaluation on rank 0 alone is at work, not hung, and its peers
 waiting for it are not hung either (each agent says `rank_busy` in its beat); a rank
 asleep, in a lock, in a polite collective, or spinning in a wait for its peers is idle.

@@ -14,7 +14,7 @@ agent reports that line and decides from it whether a restart could help.
 User code that reports no steps (a torchrun-style script) is kept from being taken for
 hung by a liveness thread; once the code reports progress itself (ctx.heartbeat,
 ctx.report, training.dist), idle silence is a hang again (launcher.heartbeat_timeout; a
-rank at work, using CPU, for up to launcher.agent.BUSY_LIMIT times that).
+rank at work, using CPU, for up to launcher.monitor.BUSY_LIMIT times that).
 """
 import argparse
 import importlib
@@ -468,7 +468,7 @@ def main(argv=None):
         # Code on the MPI world: every rank is done with it before any leaves (the Barrier),
         # entered once every rank's code has finished (the store), so that a rank that ended
         # early is not in a Barrier its peers' collectives would match: they wait in theirs
-        # for it, and their agents name it (launcher.agent's EARLY_END_FRACTION), or fail on its end.
+        # for it, and their agents name it (launcher.monitor's EARLY_END_FRACTION), or fail on its end.
         try:
             store.put(keys.finished(gen, ident.rank), "1")     # a peer's agent finding it waited for names it
             peers = wait_for_peers(store, gen, ident.world_size)

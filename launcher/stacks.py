@@ -104,7 +104,7 @@ def where(text, idle=False):
     """The main thread's innermost frame in a faulthandler dump, or None: the thread that
     runs launcher/rank.py and was not started by `threading` (the liveness thread runs
     rank.py's code too), else the thread that took the signal. idle: the rank used no CPU
-    while silent (launcher.agent's busy), so a main thread in autograd's backward waits too:
+    while silent (launcher.monitor's busy), so a main thread in autograd's backward waits too:
     DistributedDataParallel's all-reduce runs in C++, under loss.backward()."""
     if not text:
         return None

@@ -12,7 +12,7 @@ import urllib.parse
 class Store(abc.ABC):
     # Seconds the resource manager may take to report a container that died (its owned keys
     # gone, its abort written): how long an agent whose rank died waits for a dead peer to
-    # show before it names its own rank (launcher.agent.Agent.monitor). YARN: a node
+    # show before it names its own rank (launcher.monitor.Monitor.monitor). YARN: a node
     # manager's heartbeat, then the master's allocate call.
     death_notice_s = 6.0
 

@@ -1,4 +1,4 @@
-"""An agent's store traffic per poll does not grow with the world: the real Agent.monitor
+"""An agent's store traffic per poll does not grow with the world: the real Agent.monitor (launcher.monitor)
 watching a real generation (every member joined, alive, the world formed) on a real
 FileStore, whose calls a thin wrapper counts. On YARN every call is an RPC to skein's one
 application master, so O(N) per agent per poll would be O(N^2) per poll for the job."""
