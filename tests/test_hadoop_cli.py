@@ -1,6 +1,7 @@
 """`yarnapp hadoop`'s refusals: one line each, nothing started. (Starting and stopping the
 real daemons is what tests/test_yarn_real.py's session cluster does.)"""
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -80,7 +81,7 @@ def test_impossible_ports_and_resources_are_one_line_and_start_nothing(tmp_path)
 
 
 def test_no_maven_is_one_line(tmp_path):
-    java = os.path.dirname(os.path.realpath(hadoop.shutil.which("java") or "/usr/bin/java"))
+    java = os.path.dirname(os.path.realpath(shutil.which("java") or "/usr/bin/java"))
     out = cli("start", "--dir", tmp_path / "h", "-q",
               env={"YARNAPP_HOME": str(tmp_path / "home"), "PATH": f"{os.path.dirname(sys.executable)}:{java}"})
     assert out.returncode == 1

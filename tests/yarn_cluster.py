@@ -53,12 +53,12 @@ class Cluster:
 def start(tmp_path_factory):
     """Start the session's cluster; skip (with the reason) where Java, Maven or Maven Central is
     missing. Returns (Cluster, stop function)."""
-    from yarnapp import hadoop
+    from yarnapp import hadoop, hadoop_dist
     root = tmp_path_factory.mktemp("hadoop")
     cluster = hadoop.LocalHadoop(str(root), port_base=hadoop.free_port_base(), vcores=16, memory_mb=16384)
     try:
         took = cluster.start()
-    except hadoop.HadoopUnavailable as e:
+    except hadoop_dist.HadoopUnavailable as e:
         pytest.skip(f"no local Hadoop: {e}")
     c = Cluster(cluster, took)
     t0 = time.monotonic()
