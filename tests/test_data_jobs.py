@@ -114,3 +114,37 @@ def test_a_users_dataset_factory_trains(tmp_path, yarnapp_home):
     run, st = run_to_end(job)
     assert st["final"]["steps"] == 2 * 15 and st["final"]["accuracy"] > 0.9, st["final"]
     assert_nothing_left(run.app_id)
+
+
+def test_file_uris_and_home_paths_land_where_pyarrow_puts_them(tmp_path, digits, yarnapp_home, monkeypatch, cli):
+    """A file:// URI's %-escapes are decoded everywhere, as pyarrow decodes them (the
+    checkpoints went to `ck a`, TensorBoard's events to a literal `tb%20a`, and `--resume`
+    looked under `ck%20a` and found nothing); `file:/path` (one slash) is that path, not a
+    directory `file:` under the submit directory; `~` is the home, not a directory `~`."""
+    from recovery_util import digits_job
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(digits, home / "digits")
+    job = digits_job(tmp_path, "file:" + digits, "uris", steps=4, every=2, instances=(1, 0))
+    job["training"]["data"] = {"train": "~/digits/train", "test": "file:" + digits + "/test"}
+    job["checkpoint"]["uri"] = f"file://{tmp_path}/ck%20a"
+    job["tensorboard"]["logdir"] = "~/tb"
+    run, st = run_to_end(job)
+    assert os.listdir(tmp_path / "ck a" / run.app_id), "checkpoints under the decoded path"
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(home / "tb" / run.app_id))
+    assert not os.path.exists(tmp_path / "~") and not os.path.exists(tmp_path / "file:")
+    job["tensorboard"]["logdir"] = f"file://{tmp_path}/tb%20b"
+    job["checkpoint"]["resume"] = run.app_id
+    job["training"]["max_steps"] = 6
+    run2, st2 = run_to_end(job)
+    assert st2["final"]["resumed_from"] == 4
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tb b" / run2.app_id))
+    assert not os.path.exists(tmp_path / "tb%20b")
+    # `yarnapp data import` to ~ and to file:/path
+    cli("data", "import", "digits", "~/imported", check=0)
+    cli("data", "import", "digits", f"file:{tmp_path}/imported2", check=0)
+    assert os.path.isdir(home / "imported" / "train") and os.path.isdir(tmp_path / "imported2" / "train")
+    for r in (run, run2):
+        assert_nothing_left(r.app_id)

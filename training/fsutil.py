@@ -37,8 +37,20 @@ class URIError(YarnappError, ValueError):
 NAMENODE_PORTS = {"webhdfs": 9870, "hdfs": 8020}      # a NameNode's, where a URI names none (Hadoop 3's)
 
 
+def normal(uri):
+    """`uri` as pyarrow reads it: `~` and `~user` expanded (a literal `~` directory is a
+    trap: `rm -rf ~` removes the home), `file:/path` (one slash, as pyarrow takes it) is
+    `file:///path`, not a relative path named `file:`."""
+    if uri.startswith("~"):
+        return os.path.expanduser(uri)
+    if uri.startswith("file:/") and not uri.startswith("file://"):
+        return "file://" + uri[len("file:"):]
+    return uri
+
+
 def resolve(uri):
     """(filesystem, path) for a URI or local path."""
+    uri = normal(uri)
     if "://" not in uri:
         return pafs.LocalFileSystem(), os.path.abspath(uri)
     if uri.startswith("webhdfs://"):
@@ -85,11 +97,15 @@ def _webhdfs(host, port, user):
 
 
 def is_local(uri):
+    uri = normal(uri)
     return "://" not in uri or uri.startswith("file://")
 
 
 def local_path(uri):
-    return uri[len("file://"):] if uri.startswith("file://") else uri
+    """The local path of a plain path or a file:// URI, its %-escapes decoded as pyarrow
+    decodes them (file:///tmp/a%20b is /tmp/a b)."""
+    uri = normal(uri)
+    return urllib.parse.unquote(uri[len("file://"):]) if uri.startswith("file://") else uri
 
 
 def write_bytes(fs, path, data):

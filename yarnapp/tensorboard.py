@@ -28,6 +28,8 @@ import time
 import urllib.error
 import urllib.request
 
+from training import fsutil
+
 from .errors import YarnappError
 
 log = logging.getLogger(__name__)
@@ -35,14 +37,6 @@ log = logging.getLogger(__name__)
 READY_TIMEOUT = 120.0        # seconds for TensorBoard to import, bind and answer
 RELOAD_INTERVAL = 1.0        # seconds between TensorBoard's reloads: new runs and steps show within ~1 s
 _URL_LINE = re.compile(r"TensorBoard \S+ at (http://\S+?):(\d+)/")
-
-
-def is_local(logdir):
-    return "://" not in logdir or logdir.startswith("file://")
-
-
-def _local_path(logdir):
-    return logdir[len("file://"):] if logdir.startswith("file://") else logdir
 
 
 class Mirror:
@@ -124,8 +118,8 @@ class TensorBoard:
         self.stop()
 
     def _prepare(self, logdir):
-        if is_local(logdir):
-            return os.path.abspath(_local_path(logdir))    # may not exist yet: runs appear once written
+        if fsutil.is_local(logdir):
+            return os.path.abspath(fsutil.local_path(logdir))    # may not exist yet: runs appear once written
         from training.data.common import filesystem, info, one_line
         try:                # one line with what to do (libhdfs's failure is ~90 lines of dlopen)
             fs, path = filesystem(logdir)
