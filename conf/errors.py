@@ -13,3 +13,15 @@ import conf: the client (yarnapp), the container side (launcher) and training sh
 
 class YarnappError(Exception):
     """An expected failure, reported to the user as one line."""
+
+    def _render_traceback_(self):
+        """What IPython and Jupyter show instead of a traceback: the one line (the frame that
+        raised it is the user's call of our API: IPython never hides a traceback's last frame)."""
+        return [f"{type(self).__name__}: {self}"]
+
+
+class Interrupted(KeyboardInterrupt):
+    """A KeyboardInterrupt our API raises after acting on one (it killed the application, or
+    left it running): its one line in a notebook, as YarnappError's."""
+
+    _render_traceback_ = YarnappError._render_traceback_

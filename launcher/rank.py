@@ -34,7 +34,7 @@ from conf.schema import BUILTIN_RUNNER, PACKAGES
 
 from . import exitcodes, identity, keys, network, stacks, store as store_mod, torch_env, world
 from .failure import Failure, caused_by_an_end
-from .user_errors import LastLine, error_line, exit_line, print_user_traceback
+from .user_errors import LastLine, error_line, exit_line, never_ran, print_user_traceback
 
 log = logging.getLogger("launcher.rank")
 
@@ -127,6 +127,11 @@ def run_code(job, ctx, fn):
         fn = fn.load()
     if fn is not None:
         result = fn(ctx)
+        kind = next((k for k, t in (("async def", "coroutine"), ("async generator", "async_generator"),
+                                    ("generator", "generator")) if type(result).__name__ == t), None)
+        if kind:            # (run.function named in a job file: submit did not import it)
+            result.close()
+            raise YarnappError(never_ran(getattr(fn, "__qualname__", "run.function"), kind))
         if result is not None and not ctx.finished:    # a notebook function's result, as Hopsworks keeps it
             keep_result(ctx, result)
         return result

@@ -102,3 +102,11 @@ def _users(filename):
                                                               ("stdlib", "platstdlib", "purelib", "platlib")}]
     path = os.path.realpath(filename) if os.path.isabs(filename) else filename
     return not any(path.startswith(t) for t in theirs)
+
+
+def never_ran(name, kind):
+    """The line for a function whose call runs none of its body (`kind`: "async def",
+    "generator", "async generator"): every rank "succeeded" at once."""
+    made = {"async def": "coroutine"}.get(kind, kind)
+    return (f"{kind} {name}: every rank calls {name}(ctx), which only makes a {made} nobody runs; make it a "
+            f"plain def (asyncio.run(...) inside it)")

@@ -174,3 +174,106 @@ def test_digits_notebook_trains_shows_progress_and_tensorboard_and_leaves_nothin
     while _left_behind(tmp_path) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _left_behind(tmp_path)
+
+
+class _Kernel:
+    """A real kernel (jupyter_client) running cells, its messages kept per cell."""
+
+    def __init__(self, cwd):
+        from jupyter_client import KernelManager
+        self.km = KernelManager(kernel_name=KERNEL)
+        self.km.start_kernel(cwd=str(cwd))
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=180)
+
+    def start(self, code):
+        return self.kc.execute(code)
+
+    def messages(self, msg_id, timeout=240):
+        """The cell's iopub messages, up to its kernel's idle."""
+        out, deadline = [], time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = self.kc.get_iopub_msg(timeout=deadline - time.monotonic())
+            if m["parent_header"].get("msg_id") != msg_id:
+                continue
+            if m["msg_type"] == "status" and m["content"]["execution_state"] == "idle":
+                return out
+            out.append(m)
+        raise AssertionError(f"the cell did not end in {timeout}s: {out[-5:]}")
+
+    def run(self, code, timeout=240):
+        return self.messages(self.start(code), timeout)
+
+    def stop(self):
+        self.kc.stop_channels()
+        if self.km.is_alive():
+            self.km.shutdown_kernel(now=True)
+
+
+def _wait_running(home, before, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        new = [a for a in apps(home) if a not in before]
+        if new and yarnapp.status(new[0])["state"] == "RUNNING":
+            return new[0]
+        time.sleep(0.2)
+    raise AssertionError("no application started")
+
+
+SETUP = """
+import time, yarnapp
+job = {"name": "nb", "groups": [{"name": "w", "instances": 1, "vcores": 0.5, "memory": "512 MiB"}],
+       "max_restarts": 0}
+def sleeper(ctx):
+    time.sleep(600)
+def chatty(ctx):
+    for i in range(20000):
+        print("line", i)
+"""
+
+
+def test_a_kernel_interrupted_kills_its_wait_a_kernel_shut_down_does_not(jupyter_env, yarnapp_home):
+    """Jupyter interrupts a busy kernel before it shuts it down or restarts it: that interrupt
+    killed the application submit(wait=True) waited for, where the docs say a kernel shut down
+    leaves it running. A user's interrupt kills it; a shutdown does not. A chatty function's
+    20,000 lines are a few output messages (one each: 20,000, past Jupyter's 1,000 a second),
+    and our errors show as their one line, not a traceback ending in our API's frame."""
+    work = jupyter_env / "work"
+    work.mkdir()
+    k = _Kernel(work)
+    try:
+        k.run(SETUP)
+        # printed lines: a few messages, every line in them
+        got = k.run("r = yarnapp.submit(job, function=chatty, wait=True)")
+        streams = [m["content"]["text"] for m in got if m["msg_type"] == "stream"]
+        text = "".join(streams)
+        assert "w_0| line 0\n" in text and "w_0| line 19999\n" in text, text[-500:]
+        assert len(streams) < 400, len(streams)
+        # our error: its one line
+        got = k.run("yarnapp.submit(job, function=sleeper, groups=[])")
+        [err] = [m["content"] for m in got if m["msg_type"] == "error"]
+        assert len(err["traceback"]) == 1 and err["traceback"][0].startswith("YarnappError: "), err["traceback"]
+        # the user's interrupt: the application killed
+        before = apps(yarnapp_home)
+        msg = k.start("yarnapp.submit(job, function=sleeper, wait=True)")
+        app = _wait_running(yarnapp_home, before)
+        k.km.interrupt_kernel()
+        [err] = [m["content"] for m in k.messages(msg) if m["msg_type"] == "error"]
+        assert err["traceback"] == [f"Interrupted: interrupted: killed {app}"], err["traceback"]
+        assert yarnapp.status(app)["state"] == "KILLED"
+        # the kernel shut down as it waits: the application runs on
+        before = apps(yarnapp_home)
+        k.start("yarnapp.submit(job, function=sleeper, wait=True)")
+        app = _wait_running(yarnapp_home, before)
+        k.kc.stop_channels()
+        k.km.shutdown_kernel()          # (interrupt, then a shutdown request)
+        assert not k.km.is_alive()
+        time.sleep(2)
+        assert yarnapp.status(app)["state"] == "RUNNING", yarnapp.status(app)
+        yarnapp.kill(app)
+    finally:
+        k.stop()
+    for app in apps(yarnapp_home):
+        assert_nothing_left(app)
+    assert not _left_behind(jupyter_env)

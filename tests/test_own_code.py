@@ -377,11 +377,16 @@ def test_a_model_its_strategy_cannot_run_found_in_the_ranks_is_not_retried(cli, 
         in err, err
 
 
-@pytest.mark.parametrize("kind", ["script", "function"])
+@pytest.mark.parametrize("kind", ["script", "function", "async"])
 def test_a_deterministic_startup_error_uses_one_attempt_and_prints_its_line(kind, cli, tmp_path):
+    """... and a wrapped async def (the source does not tell submit): it "succeeded" at once on
+    every rank, a coroutine never awaited."""
     code = tmp_path / "code"
     code.mkdir()
-    (code / "broken.py").write_text("import not_a_module_of_anyone\n\ndef main(ctx):\n    pass\n")
+    (code / "broken.py").write_text(
+        "import functools\n\ndef wrap(f):\n    @functools.wraps(f)\n    def w(ctx):\n        return f(ctx)\n"
+        "    return w\n\n@wrap\nasync def main(ctx):\n    pass\n" if kind == "async" else
+        "import not_a_module_of_anyone\n\ndef main(ctx):\n    pass\n")
     run = ({"script": str(code / "broken.py")} if kind == "script"
            else {"function": "broken:main", "files": [str(code / "broken.py")]})
     job = write_job(tmp_path / "broken.yaml", {"name": "broken", "groups": GROUPS, "max_restarts": 3, "run": run})
@@ -389,7 +394,10 @@ def test_a_deterministic_startup_error_uses_one_attempt_and_prints_its_line(kind
     assert proc.returncode == 1, proc.stdout + proc.stderr
     err = proc.stderr.strip().splitlines()[-1]
     assert err.startswith("Error: app_") and "FAILED after 1 attempt(s)" in err, err
-    assert "ModuleNotFoundError: No module named 'not_a_module_of_anyone'" in err, err
+    if kind == "async":
+        assert "async def main: every rank calls main(ctx), which only makes a coroutine nobody runs" in err, err
+    else:
+        assert "ModuleNotFoundError: No module named 'not_a_module_of_anyone'" in err, err
     if kind == "function":
         assert "install it, or ship it with the job (run.files)" in err, err
     assert "every rank failed the same way before training started, so it was not retried" in err, err

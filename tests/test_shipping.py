@@ -307,6 +307,15 @@ def test_a_function_that_cannot_be_shipped_is_one_line_naming_it(yarnapp_home, m
 
     def two(ctx, lr):
         pass
+    async def coro(ctx):
+        pass
+
+    def gen(ctx):
+        yield ctx
+    for f, kind, made in ((coro, "async def", "coroutine"), (gen, "generator", "generator")):
+        with pytest.raises(YarnappError, match=rf"^function: {kind} .*\.{f.__name__}: every rank calls "
+                                               rf".*{f.__name__}\(ctx\), which only makes a {made} nobody runs; "):
+            yarnapp.submit(job, function=f)
     for f in (noarg, two):
         with pytest.raises(YarnappError, match=rf"^function: .*\.{f.__name__}\(.*\) cannot be called with the "
                                                rf"RunContext alone; every rank calls it as .*{f.__name__}\(ctx\)"):
@@ -328,6 +337,7 @@ def test_a_function_its_module_does_not_define_and_a_script_that_does_not_compil
     (proj / "nets" / "small.py").write_text(
         "import torch as _t\nfrom os import path as p\ndef build(ctx):\n    pass\ndef bare():\n    pass\n"
         "def bound(ctx, cfg):\n    pass\nbound = _t.nn.Module and bound\nasync def coro(ctx):\n    pass\n"
+        "def gen(ctx):\n    if ctx:\n        yield 1\ndef build2(ctx):\n    def g():\n        yield 2\n    return list(g())\n"
         "try:\n    from fast import Net\nexcept ImportError:\n    class Net:\n        pass\n"
         "if p:\n    WIDTH, (DEPTH, _) = 3, (4, 5)\n")
     (proj / "lazy.py").write_text("def __getattr__(name):\n    return name\n")
@@ -347,6 +357,10 @@ def test_a_function_its_module_does_not_define_and_a_script_that_does_not_compil
     with pytest.raises(YarnappError, match=r"async def coro: every rank calls coro\(ctx\), which only makes a "
                                            r"coroutine nobody runs"):
         shipping.plan(_job({"function": "nets.small:coro", **files}))
+    with pytest.raises(YarnappError, match=r"^run.function: nets.small:gen: generator gen: every rank calls "
+                                           r"gen\(ctx\), which only makes a generator nobody runs; make it a plain def"):
+        shipping.plan(_job({"function": "nets.small:gen", **files}))     # (a yield in a def inside: not one)
+    shipping.plan(_job({"function": "nets.small:build2", **files}))
     with pytest.raises(YarnappError, match=r"^run.function: training.hello:mian: module training.hello \(.*hello.py\) "
                                            r"has no 'mian'; did you mean 'main'\?$"):
         shipping.plan(_job({"function": "training.hello:mian"}))

@@ -13,7 +13,7 @@ import conf
 
 from . import backends, codecheck, logview, shipping
 from .backends.base import TERMINAL
-from .errors import JobFailed, WaitTimeout, YarnappError
+from .errors import Interrupted, JobFailed, WaitTimeout, YarnappError
 
 log = logging.getLogger(__name__)
 
@@ -24,10 +24,11 @@ def backend_for(app_id):
 
 
 def _one_line(fn):
-    """A call of the API whose own errors read as their one line in a notebook: a YarnappError
-    (the user's mistake, said whole in its message) or our interrupt's KeyboardInterrupt leave
-    with their traceback cut at this call, whose frame IPython (and pytest) hide too
-    (__tracebackhide__). Any other error keeps its whole traceback: a bug of ours needs it."""
+    """A call of the API whose own errors read as their one line: a YarnappError (the user's
+    mistake, said whole in its message) or our interrupt's KeyboardInterrupt leave with their
+    traceback cut at this call, whose frame pytest hides (__tracebackhide__); IPython and
+    Jupyter show their one line alone (conf.errors: _render_traceback_). Any other error
+    keeps its whole traceback: a bug of ours needs it."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
         __tracebackhide__ = True  # noqa: F841 - read from the frame by IPython's and pytest's tracebacks
@@ -121,6 +122,9 @@ def _check_signature(function):
     """Refuse a function that cannot be called with the RunContext alone (every rank failed
     with "TypeError: f() takes 0 positional arguments but 1 was given")."""
     import inspect
+    never_runs = _never_runs(function)
+    if never_runs:
+        raise YarnappError(f"function: {never_runs}")
     try:
         sig = inspect.signature(function)
     except (TypeError, ValueError):         # a builtin without a signature: left to the ranks
@@ -132,6 +136,17 @@ def _check_signature(function):
         raise YarnappError(f"function: {name}{sig} cannot be called with the RunContext alone; every rank "
                            f"calls it as {name}(ctx): give it one parameter (def {name.split('.')[-1]}(ctx): ...)"
                            ) from None
+
+
+def _never_runs(function):
+    """What is wrong with a function whose call runs none of its body (async def, a
+    generator: every rank "succeeded" at once, a coroutine never awaited), or None."""
+    import inspect
+    from launcher.user_errors import never_ran
+    kind = next((k for k, test in (("async def", inspect.iscoroutinefunction), ("async generator",
+                                   inspect.isasyncgenfunction), ("generator", inspect.isgeneratorfunction))
+                 if test(function)), None)
+    return never_ran(getattr(function, "__qualname__", None) or type(function).__name__, kind) if kind else None
 
 
 def _pickle(cloudpickle, function, path, local=()):
@@ -196,12 +211,15 @@ def _started(run, wait, progress):
         try:
             st = run.wait(progress=progress, summary=False)    # a failure is raised, not said twice
         except KeyboardInterrupt:   # as `yarnapp submit --wait`: the caller never got the Run to stop it
+            if _kernel_shutting_down():
+                raise Interrupted(f"the kernel is shutting down; {run.app_id} runs on: "
+                                        f"yarnapp.kill({run.app_id!r}) stops it") from None
             shielded(run.kill)
             if terminated:          # then ends as SIGTERM's default would, the application stopped first
                 restore()
                 print(f"terminated: killed {run.app_id}", file=sys.stderr, flush=True)
                 os.kill(os.getpid(), signal.SIGTERM)
-            raise KeyboardInterrupt(f"interrupted: killed {run.app_id}") from None
+            raise Interrupted(f"interrupted: killed {run.app_id}") from None
         finally:
             restore()
         if st["state"] != "SUCCEEDED":
@@ -232,6 +250,28 @@ def shielded(fn):
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+KERNEL_SHUTDOWN_GRACE_S = 1.0   # Jupyter sends a shutdown request right after its interrupt
+
+
+def _kernel_shutting_down():
+    """Whether the interrupt that reached a notebook's kernel is the one Jupyter sends before
+    it shuts the kernel down or restarts it (jupyter_client interrupts a busy kernel first):
+    the kernel's shutdown request, handled on its control thread, sets the shell's
+    `exit_now` within moments. A user's interrupt is not followed by one. A second interrupt
+    meanwhile is the user's."""
+    if "ipykernel" not in sys.modules:
+        return False
+    try:
+        from IPython import get_ipython
+        shell = get_ipython()
+        deadline = time.monotonic() + KERNEL_SHUTDOWN_GRACE_S
+        while shell is not None and not getattr(shell, "exit_now", False) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return shell is not None and bool(getattr(shell, "exit_now", False))
+    except (ImportError, KeyboardInterrupt):
+        return False
 
 
 def _sigterm_interrupts(terminated):
@@ -356,7 +396,7 @@ class Run:
                                       f"(Run.kill() stops it)")
                 time.sleep(interval)
         except KeyboardInterrupt:
-            raise KeyboardInterrupt(f"stopped waiting for {self.app_id}, which runs on: "
+            raise Interrupted(f"stopped waiting for {self.app_id}, which runs on: "
                                     f"Run({self.app_id!r}).kill() stops it") from None
         finally:
             if display:

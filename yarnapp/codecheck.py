@@ -23,6 +23,7 @@ import logging
 import os
 
 import conf
+from launcher.user_errors import never_ran
 
 from .errors import YarnappError
 
@@ -129,6 +130,18 @@ def attribute(field, target, origin, locations):
     raise YarnappError(f"{field}: {target}: module {module} ({origin}) has no {attr!r}{hint}")
 
 
+def _yields(func):
+    """Whether a def's own body (not a def or lambda inside it) yields: a generator."""
+    todo = list(func.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Yield, ast.YieldFrom)):
+            return True
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            todo.extend(ast.iter_child_nodes(node))
+    return False
+
+
 def _called_with_the_context(field, target, tree, name):
     """Refuse run.function's `def name(...)` (a plain one at its module's top level) that
     cannot be called with the RunContext alone: every rank calls name(ctx) (every rank
@@ -137,9 +150,11 @@ def _called_with_the_context(field, target, tree, name):
     defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name]
     if len(defs) != 1 or defs[0].decorator_list or _bound(tree, name) != 1:
         return                      # defined twice, wrapped, rebound (functools.partial): the source does not tell
-    if isinstance(defs[0], ast.AsyncFunctionDef):
-        raise YarnappError(f"{field}: {target}: async def {name}: every rank calls {name}(ctx), which only makes "
-                           f"a coroutine nobody runs; make it a plain def (asyncio.run(...) inside it)")
+    yields = _yields(defs[0])
+    if isinstance(defs[0], ast.AsyncFunctionDef) or yields:
+        kind = ("async generator" if yields else "async def") if isinstance(defs[0], ast.AsyncFunctionDef) \
+            else "generator"
+        raise YarnappError(f"{field}: {target}: {never_ran(name, kind)}")
     a = defs[0].args
     positional = a.posonlyargs + a.args
     required = len(positional) - len(a.defaults)

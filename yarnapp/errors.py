@@ -1,6 +1,8 @@
 """The client's errors. Their root, YarnappError, is conf.errors.YarnappError: the one
 root of every package (the CLI prints `Error: <message>` and exits 1)."""
-from conf.errors import YarnappError  # noqa: F401  (re-exported: the client's root)
+from conf.errors import Interrupted, YarnappError
+
+__all__ = ["YarnappError", "Interrupted", "JobFailed", "BackendUnavailable", "WaitTimeout"]
 
 
 class JobFailed(YarnappError):

@@ -125,13 +125,15 @@ class Progress:
                 return              # a line still being written
             end = end if end >= 0 and not (ended and len(data) < OUTPUT_CHUNK) else len(data) - 1
             self.read[path] = at + end + 1
-            lines = data[:end + 1].decode(errors="replace").split("\n")
+            lines, shown = data[:end + 1].decode(errors="replace").split("\n"), []
             for line in lines[:-1] if lines[-1] == "" else lines:
                 line = line.rsplit("\r", 1)[-1]        # a bar redrawn in place: as a terminal shows it
                 glued = _GLUED.search(line, 1)
                 line = line[:glued.start()] if glued else line
                 if not _OURS.match(line) and not line.startswith(CRASH_BOILERPLATE):
-                    self._write(f"{c['id']}| {line}")
+                    shown.append(f"{c['id']}| {line}")
+            if shown:       # one write a chunk: in a notebook each write is a message (20,000 lines printed
+                self._write("\n".join(shown))      # were 20,000, past Jupyter's 1,000 a second)
             if not ended or len(data) < OUTPUT_CHUNK:
                 return
 
