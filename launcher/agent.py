@@ -280,7 +280,9 @@ def main():
                     kind=Kind.OOM.value, container=ident.container, rank=ident.rank, phase=agent._phase,
                     reason=f"rank {ident.rank} ({ident.container}) {over}") if over else Failure(
                     kind=Kind.EXTERNAL.value, container=ident.container, rank=ident.rank, external=True,
-                    reason=f"container {ident.container} was stopped by the resource manager (SIGTERM)")
+                    reason=f"container {ident.container} was stopped by the resource manager (SIGTERM)"
+                    if ident.backend == "yarn" else f"container {ident.container} was sent SIGTERM from outside "
+                    f"yarnapp")
                 ).stamped(generation=gen).dumps())
         finally:
             agent.stop_child(TERM_GRACE_S, group_signalled=True)

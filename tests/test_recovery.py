@@ -205,6 +205,24 @@ def test_a_stopped_rank_then_a_frozen_container_are_named_and_training_resumes_b
     assert_nothing_left(run.app_id)
 
 
+def test_an_agent_sent_sigterm_from_outside_is_one_restart_that_spends_none(reference, digits, tmp_path,
+                                                                            yarnapp_home):
+    """One SIGTERM to a container's agent (not yarnapp's): its agent records it and ends; the
+    master replaces it. It was two restarts, the second spending one ("container small_0
+    exited with status 143"), and the first blamed the resource manager."""
+    job = digits_job(tmp_path, digits, "sigterm", max_restarts=1)
+    run = yarnapp.submit(job)
+    wait_step(run, rank=1, step=15)
+    agent = next(c for c in run.status()["containers"] if c["id"] == "small_0")["pid"]
+    os.kill(agent, signal.SIGTERM)
+    st = run.wait(timeout=600)
+    assert st["state"] == "SUCCEEDED", (st.get("diagnostics"), run.logs())
+    assert [r["reason"] for r in st["restarts"]] == ["container small_0 was sent SIGTERM from outside yarnapp"], \
+        st["restarts"]
+    assert _equal(final_weights(job), reference["allreduce"])
+    assert_nothing_left(run.app_id)
+
+
 def test_a_container_frozen_as_it_starts_is_named_and_replaced_by_the_master(digits, tmp_path, yarnapp_home):
     """small_1 stops before its agent writes a single beat (a sitecustomize SIGSTOPs its
     first agent as the interpreter starts), so its peers have no beat to watch. The

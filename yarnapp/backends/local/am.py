@@ -172,6 +172,8 @@ class ApplicationMaster:
         if c.replacing:
             # Killed to be replaced (frozen): whoever asked already ended the generation, naming it.
             c.replacing, what = None, "was killed as frozen"
+        elif self._said_by_its_agent(c):
+            what = "was stopped from outside (SIGTERM)"     # (its agent's record ended the generation)
         else:
             # The container itself died (not its rank): tell the world, then replace it.
             gen = current_generation(self.store)
@@ -188,6 +190,17 @@ class ApplicationMaster:
             c.start()
         else:
             c.state = "FAILED"
+
+    def _said_by_its_agent(self, c):
+        """Whether the container's agent, stopped from outside (SIGTERM), recorded that as the
+        end of its generation (launcher.agent.main's on_term) before it exited: its peers have
+        gone on to the next one, where a second record would end that one too, spending a
+        restart (one SIGTERM cost two restarts)."""
+        if c.exit_code != exitcodes.signalled(signal.SIGTERM):
+            return False
+        gen = current_generation(self.store)
+        return any((f := Failure.load(self.store.get(keys.abort(g)))) is not None and f.container == c.id
+                   and f.external for g in (gen, gen - 1) if g >= 0)
 
     def replace_frozen(self, handled):
         """Act on the agents' requests (launcher.keys.replace) to replace a container whose
