@@ -170,10 +170,12 @@ class PeerDiagnosis:
         (launcher.beats.unheard), so that the next generation does not wait for it again; one
         that is merely late (allocated late) is waited for."""
         lj = self.job.launcher
-        if keys.port(gen) not in seen:          # nobody could join: rank 0 is the one missing
-            missing = [self.members[0]["container"]]
+        if keys.port(gen) not in seen:          # nobody could join: rank 0 is missing, and any never started
+            missing = [self.members[0]["container"]] + [m["container"] for m in self.members[1:]
+                                                        if keys.alive(m["container"]) not in seen]
         else:
             missing = [m["container"] for m in self.members[1:] if keys.joined(gen, m["rank"]) not in seen]
+        never = [c for c in missing if keys.alive(c) not in seen]
         nodes = network.members_from(self.store)
         missing = [f"{c} on {nodes[c]['node']} ({nodes[c]['addr']})" if c in nodes else c for c in missing]
         try:
@@ -191,6 +193,10 @@ class PeerDiagnosis:
                     f"{'its agent' if one else 'their agents'} {UNHEARD} (frozen or stuck as it started, "
                     f"or still localizing its files: raise launcher.rendezvous_timeout for those)"
                     + ("" if last else f"; the resource manager is asked to replace {'it' if one else 'them'}"))
+        if never and not unheard:
+            note += (f"; {', '.join(never)} never reported: not started by the resource manager yet (a full "
+                     f"cluster or queue keeps {'it' if len(never) == 1 else 'them'} waiting), or stuck as "
+                     f"{'it' if len(never) == 1 else 'they'} started; `yarnapp status` shows each container's state")
         return Failure(kind=Kind.NOT_FORMED.value, container=self.ident.container, rank=self.ident.rank,
                        reason=f"world not formed within {lj.rendezvous_timeout:.0f}s; missing: "
                               f"{', '.join(missing) or 'none'}" + note + self.network_note())

@@ -557,11 +557,13 @@ def test_a_rank_still_beating_is_not_hung(tmp_path):
     assert a.run() == exitcodes.SUCCEEDED and store.get(keys.abort(0)) is None
 
 
-@pytest.mark.parametrize("port, missing", [(True, "w_1, w_2"), (False, "w_0")])
+@pytest.mark.parametrize("port, missing", [(True, "w_1, w_2"), (False, "w_0, w_2")])
 def test_a_world_that_does_not_form_fails_naming_who_is_missing(port, missing, tmp_path):
-    """Ranks that did not join are missing; with rank 0's port not out, rank 0 alone (nobody
-    else could join: before, it named every other rank)."""
+    """Ranks that did not join are missing; with rank 0's port not out, rank 0 and those whose
+    agent never reported (nobody else could join: before, it named every other rank; then
+    rank 0 alone, where YARN had not allocated others either)."""
     def rank0(store, gen, agent):
+        store.put(keys.alive("w_1"), json.dumps({"incarnation": "x", "pid": 1, "time": 0}))
         if port:
             store.put(keys.port(gen), "tag#port")
     a, store = agent(tmp_path, [["sleep", "60"]], cls=ProcessAgent, max_restarts=0, instances=3, before=rank0,
@@ -569,6 +571,8 @@ def test_a_world_that_does_not_form_fails_naming_who_is_missing(port, missing, t
     assert a.run() == exitcodes.RANK_FAILED
     failed = load(store, keys.FAILED)
     assert failed.kind == Kind.NOT_FORMED.value and failed.reason.split("missing: ")[1].split(";")[0] == missing, failed.reason
+    assert "; w_2 never reported: not started by the resource manager yet (a full cluster or queue keeps" \
+        in failed.reason, failed.reason
     assert a.children[0].poll() == -signal.SIGTERM      # stopped as torchrun stops its workers, not left behind
 
 

@@ -245,6 +245,50 @@ def test_fractional_vcores_are_refused_with_one_line_and_nothing_submitted(clust
     assert private.stdout == cluster.cli("list", "--backend", "yarn").stdout
     gone = cluster.cli("status", "application_1_9999")
     assert gone.returncode == 1 and gone.stderr.startswith("Error: no application 'application_1_9999' on YARN")
+    assert gone.stderr.count("'") % 2 == 0, gone.stderr            # (a quote was cut from YARN's own words)
+
+
+def test_a_queue_too_small_for_the_job_is_refused_and_vcores_count_where_the_scheduler_counts_them(
+        cluster, shell, tmp_path):
+    """A multi-tenant audit: a job larger than its queue's maximum capacity was accepted, held
+    a container idle, and failed at the rendezvous timeout naming one missing container; and
+    the submit check counted vcores, which the capacity scheduler's default calculator does
+    not: it refused jobs YARN would run. The queue is added as an operator would: the
+    scheduler's file edited, then `yarn rmadmin -refreshQueues` (the shim answers it)."""
+    from yarnapp.backends import capacity, yarn_cluster
+    path = os.path.join(cluster.hadoop.conf_dir, "capacity-scheduler.xml")
+    text = open(path).read()
+    if "root.small.capacity" not in text:       # capacity 0: the default queue keeps the whole cluster
+        text = text.replace("<value>default</value></property>", "<value>default,small</value></property>", 1)
+        text = text.replace("</configuration>", "".join(
+            f"  <property><name>yarn.scheduler.capacity.root.small.{k}</name><value>{v}</value></property>\n"
+            for k, v in (("capacity", 0), ("maximum-capacity", 10))) + "</configuration>")
+        with open(path, "w") as f:
+            f.write(text)
+        refreshed = cluster.run(["yarn", "rmadmin", "-refreshQueues"], timeout=120)
+        assert refreshed.returncode == 0, (refreshed.stdout, refreshed.stderr[-2000:])
+    queued = cluster.run(["yarn", "queue", "-status", "small"], timeout=120)
+    assert queued.returncode == 0 and "Maximum Capacity : 10.00%" in queued.stdout, queued.stdout
+    raw = hello_job(queue="small")           # 3 x 1 GiB and skein's master: 3.5 GiB, over 10% of 16 GiB
+    path = write(tmp_path / "small.yaml", raw)
+    before = cluster.cli("list", "--backend", "yarn").stdout
+    proc = cluster.cli("submit", path)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        f"Error: {path}: queue: the job's containers, with skein's master, ask for 3584 MiB in all, more than queue "
+        f"'small' may ever hold (its maximum capacity, 10% of the cluster's 16384 MiB: 1638 MiB): the world could "
+        f"never form; ask for less, or submit to another queue"], proc.stderr
+    assert cluster.cli("list", "--backend", "yarn").stdout == before
+    # 25 vcores on a 16-vcore node, memory to spare: YARN's default calculator runs it; refused
+    # only where the scheduler is configured to count vcores
+    many = conf.load_job({**hello_job(), "groups": [{"name": "w", "instances": 3, "vcores": 8, "memory": "512 MiB"}]})
+    client = cluster.backend().client
+    assert not yarn_cluster.counts_vcores()
+    capacity.check_fits(client.get_nodes, many, "job", {"vcores": 1, "memory": 1024},
+                        child_queues=client.get_child_queues, counts_vcores=yarn_cluster.counts_vcores())
+    with pytest.raises(YarnappError, match=r"ask for 25 vcores and 2048 MiB in all, more than this cluster's 1 "
+                                           r"running node\(s\) have together \(16 vcores, 16384 MiB\)"):
+        capacity.check_fits(client.get_nodes, many, "job", {"vcores": 1, "memory": 1024},
+                            child_queues=client.get_child_queues, counts_vcores=True)
 
 
 def _get(url, timeout=10):
@@ -312,6 +356,21 @@ def test_tensorboard_through_the_proxy_acls_kill_and_a_canary_secret(cluster, sh
         assert secret_files and all(open(p).read() == CANARY for p in secret_files)
         assert all(not os.stat(p).st_mode & (stat.S_IRGRP | stat.S_IROTH) for p in secret_files)
 
+        # yarnapp as another user (its own skein driver): one line each, not a traceback (kill) or
+        # nothing at all and exit 0 (logs, status)
+        as_mallory = {"HADOOP_USER_NAME": "mallory", "SKEIN_CONFIG": str(tmp_path / "mallory-skein"),
+                      "YARNAPP_HOME": str(tmp_path / "mallory-home")}
+        for args, need in ((("kill", app), "status"), (("logs", app), "logs")):
+            line = (f"Error: {app} is {cluster.owner}'s (RUNNING): YARN shows user mallory no more than its state, "
+                    f"not its {need}; its owner may add you to the job's yarn.acls (view_users to see it, "
+                    f"modify_users to kill it too)")
+            proc = cluster.cli(*args, env=as_mallory)
+            assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1 \
+                and proc.stderr.startswith(line), proc.stderr[-3000:]
+        # ... nor read its files on HDFS (they were world-readable: the home directory is its owner's)
+        peek = cluster.run(["hdfs", "dfs", "-ls", f"/user/{cluster.owner}/.yarnapp/{app}"],
+                           env={"HADOOP_USER_NAME": "mallory"}, timeout=120)
+        assert peek.returncode != 0 and "Permission denied" in peek.stderr, (peek.stdout, peek.stderr[-1000:])
         mallory = cluster.run(["yarn", "application", "-kill", app], env={"HADOOP_USER_NAME": "mallory"})
         assert mallory.returncode != 0 and "mallory" in mallory.stdout + mallory.stderr, mallory
         assert "AccessControlException" in mallory.stdout + mallory.stderr or \

@@ -127,7 +127,7 @@ def cmd_status(args):
         own = failure.get("exit_code") if c["id"] == failure.get("container") else None
         if isinstance(own, int) and own > 0 and own != c["exit_code"]:     # a rank's sys.exit(3): its container's 1
             code += f" (its rank's {own})"
-        _p(f"  {c['id']:<14} rank {c.get('rank')!s:<4} {c['state']:<10} exit={code} "
+        _p(f"  {c['id']:<14} rank {'-' if c.get('rank') is None else c['rank']!s:<4} {c['state']:<10} exit={code} "
            f"attempts={c['attempts']}{' slot=' + c['slot'] if c.get('slot') else ''}{res}".rstrip())
         if c.get("exit"):
             _p(f"    {c['exit']}")

@@ -14,7 +14,8 @@ cluster's directory (default ``$YARNAPP_HOME/hadoop``, else ``~/.yarnapp/hadoop`
 
     etc/hadoop/     HADOOP_CONF_DIR: core-, hdfs-, yarn-site.xml, capacity-scheduler.xml
     bin/yarn        answers `yarn classpath --glob` (what skein's driver runs), and
-                    `yarn application ...` / `yarn logs ...` through Hadoop's own CLI classes
+                    `yarn application|logs|node|queue|rmadmin ...` through Hadoop's own CLI
+                    classes (`yarn rmadmin -refreshQueues` after editing the queues)
     bin/hdfs        `hdfs dfs ...` (Hadoop's FsShell)
     data/           HDFS blocks and metadata, NodeManager directories
     logs/<daemon>.log, run/<daemon>.pid, cluster.json
@@ -199,7 +200,10 @@ class LocalHadoop:
     exec "$JAVA" $OPTS -cp "$CP" org.apache.hadoop.yarn.client.cli.ApplicationCLI "$@" ;;
   logs) shift; exec "$JAVA" $OPTS -cp "$CP" org.apache.hadoop.yarn.client.cli.LogsCLI "$@" ;;
   node) shift; exec "$JAVA" $OPTS -cp "$CP" org.apache.hadoop.yarn.client.cli.NodeCLI "$@" ;;
-  *) echo "this yarn answers: classpath, application, applicationattempt, container, logs, node" >&2; exit 2 ;;
+  queue) shift; exec "$JAVA" $OPTS -cp "$CP" org.apache.hadoop.yarn.client.cli.QueueCLI "$@" ;;
+  rmadmin) shift; exec "$JAVA" $OPTS -cp "$CP" org.apache.hadoop.yarn.client.cli.RMAdminCLI "$@" ;;
+  *) echo "this yarn answers: classpath, application, applicationattempt, container, logs, node, queue, rmadmin" >&2
+     exit 2 ;;
 esac
 """
         hdfs = head + """case "$1" in
@@ -333,9 +337,10 @@ esac
             time.sleep(0.5)
 
     def _prepare_hdfs(self):
-        """/tmp (sticky, for aggregated logs) and the owner's home directory (skein stages there)."""
+        """/tmp (sticky, for aggregated logs) and the owner's home directory (skein stages there;
+        the applications' checkpoints, TensorBoard files and results are under it: its own)."""
         base = f"http://127.0.0.1:{self.ports['nn_http_port']}/webhdfs/v1"
-        for path, perm in (("/tmp", "1777"), ("/tmp/logs", "1777"), (f"/user/{self.owner}", "755")):
+        for path, perm in (("/tmp", "1777"), ("/tmp/logs", "1777"), (f"/user/{self.owner}", "700")):
             for op in (f"MKDIRS&permission={perm}", f"SETPERMISSION&permission={perm}"):
                 req = urllib.request.Request(f"{base}{path}?op={op}&user.name={self.owner}", method="PUT")
                 with urllib.request.urlopen(req, timeout=30):

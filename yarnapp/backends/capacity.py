@@ -12,12 +12,16 @@ from ..errors import YarnappError
 log = logging.getLogger(__name__)
 
 
-def check_fits(get_nodes, job, where, tensorboard):
+def check_fits(get_nodes, job, where, tensorboard, child_queues=None, counts_vcores=True):
     """Refuse in one line a container larger than every running node it may use (a labelled
     group: the nodes of its label; others: the unlabelled), a label no node has, or
     containers (with skein's master and, where the job runs it, the TensorBoard service of
-    `tensorboard` resources) more than all running nodes hold together. get_nodes: skein's
-    Client.get_nodes; nodes not read are left to YARN."""
+    `tensorboard` resources) more than all running nodes hold together, or more memory
+    than its queue may ever hold (its maximum capacity of the cluster). get_nodes: skein's
+    Client.get_nodes; child_queues: its get_child_queues; counts_vcores: whether the
+    scheduler counts vcores (the capacity scheduler's DefaultResourceCalculator counts
+    memory alone, and runs a job that asks for more vcores than the nodes have). What is not
+    read is left to YARN."""
     try:
         reports = get_nodes(states=["RUNNING"])
     except Exception as e:  # noqa: BLE001 - an older ResourceManager, ACLs: YARN's to say
@@ -46,9 +50,37 @@ def check_fits(get_nodes, job, where, tensorboard):
     need_v, need_m = int(sum(v * n for v, _, n in wanted)), sum(m * n for _, m, n in wanted)
     have_v = sum(n.total_resources.vcores for n in reports)
     have_m = sum(n.total_resources.memory for n in reports)
-    if need_v > have_v or need_m > have_m:
+    if (need_v > have_v and counts_vcores) or need_m > have_m:
         raise YarnappError(f"{pre}groups: the job's containers, with skein's master"
                            f"{' and the TensorBoard service' if job.tensorboard.service else ''}, ask for "
                            f"{need_v} vcores and {need_m} MiB in all, more than this cluster's {len(reports)} "
                            f"running node(s) have together ({have_v} vcores, {have_m} MiB): the world could "
                            f"never form; ask for fewer instances, vcores or memory")
+    share = queue_share(child_queues, job.queue) if child_queues else None
+    if share is not None and need_m > have_m * share:
+        raise YarnappError(f"{pre}queue: the job's containers, with skein's master, ask for {need_m} MiB in all, "
+                           f"more than queue {job.queue!r} may ever hold (its maximum capacity, {share:.0%} of the "
+                           f"cluster's {have_m} MiB: {int(have_m * share)} MiB): the world could never form; ask "
+                           f"for less, or submit to another queue")
+
+
+def queue_share(child_queues, name):
+    """The part of the cluster a queue may ever use (the product of its and its parents'
+    maximum capacities, from root), or None where it is not found."""
+    todo = [(q, 1.0) for q in _children(child_queues, "root")]
+    while todo:
+        q, above = todo.pop()
+        share = above * q.max_capacity / 100.0
+        if q.name == name.rsplit(".", 1)[-1]:       # (leaf names are unique: "a" or "root.x.a")
+            return share
+        todo.extend((c, share) for c in _children(child_queues, q.name))
+    return None
+
+
+def _children(child_queues, name):
+    try:
+        return child_queues(name)
+    except Exception as e:  # noqa: BLE001 - a leaf (YARN answers with an error), an ACL: not read
+        log.debug("the children of queue %s not read: %s", name, e)
+        return []
+

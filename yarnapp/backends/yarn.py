@@ -63,6 +63,7 @@ CLUSTER_PYTHON = "python3"         # packer: none
 CONTRACT_KEYS = ("YARNAPP_BACKEND", "YARNAPP_GROUP", "YARNAPP_JOB", "YARNAPP_SECRET", "YARNAPP_SECRET_FILE",
                  "YARNAPP_STORAGE")
 SECRET_FILE = ".yarnapp-secret"
+UNAVAILABLE = "N/A"     # what YARN reports in place of what a user outside the view ACL may not see
 
 
 def submitting_user():
@@ -280,9 +281,26 @@ class YarnBackend(Backend):
                                f"`yarnapp list --backend yarn` shows them") from None
         except skein.exceptions.ConnectionError as e:
             raise BackendUnavailable(f"lost the connection to skein's driver ({_first(e)})") from None
+        except skein.exceptions.DriverError as e:       # (a kill refused by its ACL was a traceback)
+            if "AccessControlException" in str(e) or "cannot perform operation" in str(e):
+                raise YarnappError(f"{app_id}: YARN refused user {submitting_user()}: {_first(e)}; its owner may "
+                                   f"add you to the job's yarn.acls.modify_users") from None
+            raise YarnappError(f"{app_id}: YARN refused: {_first(e)}") from None
+
+    def _report(self, app_id, need):
+        """The application's report, where its details are this user's to see: YARN answers a
+        user outside its view ACL with its state alone (its diagnostics "N/A"), and `logs`
+        printed nothing, `status` "N/A", both as if all were well."""
+        report = self._call(self.client.application_report, app_id)
+        if report.diagnostics == UNAVAILABLE and report.user != submitting_user():
+            raise YarnappError(f"{app_id} is {report.user}'s ({app_state(report)}): YARN shows user "
+                               f"{submitting_user()} no more than its state, not its {need}; its owner may add you to "
+                               f"the job's yarn.acls (view_users to see it, modify_users to kill it too)")
+        return report
 
     def submit(self, job, where=None):
-        capacity.check_fits(self.client.get_nodes, job, where, TENSORBOARD_RESOURCES)
+        capacity.check_fits(self.client.get_nodes, job, where, TENSORBOARD_RESOURCES,
+                            child_queues=self.client.get_child_queues, counts_vcores=yarn_cluster.counts_vcores())
         self._check_resumed_ended(job, where)
         with prepared(job, where) as (spec, storage):
             warn_small(job, where)
@@ -302,7 +320,7 @@ class YarnBackend(Backend):
             check_resumed_ended(app, app_state(self._call(self.client.application_report, app)), where or "job")
 
     def status(self, app_id):
-        report = self._call(self.client.application_report, app_id)
+        report = self._report(app_id, "status")
         record = app_record(report)
         if record["state"] == "RUNNING":
             try:
@@ -359,7 +377,7 @@ class YarnBackend(Backend):
     def logs(self, app_id, container=None):
         """{container id: text}: while the application runs, each container's live log from
         its NodeManager; once it has finished, the aggregated logs."""
-        report = self._call(self.client.application_report, app_id)
+        report = self._report(app_id, "logs")
         out = {}
         if app_state(report) in ("NEW", "RUNNING"):
             try:
@@ -445,7 +463,9 @@ def dry_run(job, where=None):
 def _first(exc):
     """One line of an exception: skein's driver errors put the cause on the line after
     "..., exception:" (e.g. "... submitted by user alice to unknown queue: nope")."""
-    text = str(exc).strip().strip("'\"")
+    raw = exc.args[0] if isinstance(exc, KeyError) and exc.args and isinstance(exc.args[0], str) else str(exc)
+    text = raw.strip()     # (a KeyError's str() quotes its message: stripping its quotes cut the id's own)
+    text = text[1:-1] if len(text) > 1 and text[0] == text[-1] and text[0] in "'\"" else text
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if len(lines) > 1 and lines[0].endswith("exception:"):
         return lines[1].split(" : ", 1)[-1]

@@ -43,6 +43,20 @@ def hadoop_conf(names=("core-site.xml", "hdfs-site.xml", "yarn-site.xml")):
     return out
 
 
+def counts_vcores():
+    """Whether the cluster's scheduler counts vcores when it places containers, as its
+    configuration here says: the capacity scheduler's DominantResourceCalculator does, its
+    default (DefaultResourceCalculator) counts memory alone; the Fair scheduler, or no
+    configuration to read: taken to count them."""
+    d = os.environ.get("HADOOP_CONF_DIR")
+    if not d or not os.path.isfile(os.path.join(d, "capacity-scheduler.xml")):
+        return True
+    if "FairScheduler" in hadoop_conf(("yarn-site.xml",)).get("yarn.resourcemanager.scheduler.class", ""):
+        return True
+    calculator = hadoop_conf(("capacity-scheduler.xml",)).get("yarn.scheduler.capacity.resource-calculator", "")
+    return "DominantResourceCalculator" in calculator
+
+
 def signed_in(user, conf=None):
     """`?user.name=USER` where the cluster's web UIs take who asks from the URL and refuse
     anonymous requests (simple HTTP authentication: the local Hadoop's): its proxied pages
