@@ -223,6 +223,29 @@ def test_an_agent_sent_sigterm_from_outside_is_one_restart_that_spends_none(refe
     assert_nothing_left(run.app_id)
 
 
+def test_an_agent_frozen_after_its_peers_ended_is_ended_by_the_master(reference, digits, tmp_path, yarnapp_home):
+    """A container's agent SIGSTOPped near the end (its rank trains on and finishes): its peers
+    end SUCCEEDED, and nobody watched its beat any more, so the application stayed RUNNING
+    until someone sent SIGCONT. The master ends it past the frozen limit: its rank's code
+    finished with the others', so the application SUCCEEDED, bit-identical, nothing left (a
+    half-written store file of the stopped agent's neither)."""
+    job = digits_job(tmp_path, digits, "frozen-late", heartbeat="4s")
+    run = yarnapp.submit(job)
+    wait_step(run, rank=1, step=37)
+    agent = next(c for c in run.status()["containers"] if c["id"] == "small_0")["pid"]
+    os.kill(agent, signal.SIGSTOP)
+    t0 = time.monotonic()
+    st = run.wait(timeout=120)
+    assert st["state"] == "SUCCEEDED", (st.get("diagnostics"), st["containers"], run.logs())
+    assert time.monotonic() - t0 < 10 + 8, time.monotonic() - t0         # the frozen limit (beats.FROZEN_MIN_S)
+    small0 = next(c for c in st["containers"] if c["id"] == "small_0")
+    assert "its agent was silent for" in small0["exits"][-1]["note"], small0
+    assert st["restarts"] == [], st["restarts"]
+    assert _equal(final_weights(job), reference["allreduce"])
+    assert not [f for f in os.listdir(os.path.join(st["app_dir"], "store")) if f.startswith(".tmp.")]
+    assert_nothing_left(run.app_id)
+
+
 def test_a_container_frozen_as_it_starts_is_named_and_replaced_by_the_master(digits, tmp_path, yarnapp_home):
     """small_1 stops before its agent writes a single beat (a sitecustomize SIGSTOPs its
     first agent as the interpreter starts), so its peers have no beat to watch. The

@@ -8,6 +8,7 @@ SIGTERM (`yarnapp kill`) or at the end leaves no process of the application behi
 
     python -m yarnapp.backends.local.am APP_DIR
 """
+import contextlib
 import dataclasses
 import json
 import logging
@@ -146,6 +147,7 @@ class ApplicationMaster:
         self.extra = {}
         self.network = None          # netem.Network of the emulated nodes, when the job has some
         self.tensorboard = None      # the tensorboard.service process, when the job asks for one
+        self.beats_seen = {}         # container -> (its last beat, when the master saw it change)
 
     def save(self):
         write_state(self.dir, {
@@ -243,6 +245,41 @@ class ApplicationMaster:
                 c.replacing = {"by": "master"}
                 c.kill()
 
+    def frozen_after_the_end(self):
+        """A container whose agent went silent after a peer's ended SUCCEEDED: its peers, gone,
+        no longer watch its beat, and the application stayed RUNNING until someone resumed
+        it. Past the frozen limit it is killed: SUCCEEDED where its rank's code finished in
+        the generation its peers finished (the world agreed the end), else FAILED, named."""
+        done = next((c for c in self.containers if c.state == "SUCCEEDED"), None)
+        if done is None:
+            return
+        now, limit = time.monotonic(), beats.limit_for(self.job.launcher.heartbeat_timeout)
+        for c in self.containers:
+            if c.state != "RUNNING" or c.replacing:
+                continue
+            beat, last = self.store.get(keys.beat(c.id)), self.beats_seen.get(c.id)
+            if last is None or last[0] != beat:
+                self.beats_seen[c.id] = (beat, now)
+                continue
+            if now - last[1] <= limit:
+                continue
+            gen = json.loads(self.store.get(keys.done(done.id)) or "{}").get("generation")
+            finished = gen is not None and self.store.get(keys.finished(gen, c.member["rank"])) is not None
+            silent = f"its agent was silent for {now - last[1]:.0f}s (limit {limit:g}s: launcher.heartbeat_timeout)"
+            c.state = "SUCCEEDED" if finished else "FAILED"
+            c.kill()
+            c.exit_code = c.proc.wait()
+            self.store.release(c.id)
+            c.exits.append({"attempt": c.attempts, "exit_code": c.exit_code, "time": time.time(),
+                            "note": f"killed: {silent} after {done.id} ended"})
+            if finished:
+                log.warning("%s: %s after its rank's code finished; killed, and taken as ended", c.id, silent)
+            else:
+                self.store.put_if_absent(keys.FAILED, Failure(
+                    kind=Kind.LOST.value, container=c.id, rank=c.member["rank"], observed_by="master",
+                    reason=f"lost {c.id}: {silent}, after {done.id} ended and before its rank's code finished"
+                ).stamped(generation=gen).dumps())
+
     def take_over(self):
         """Attempt n > 1: the previous master died, and its containers with it. Their owned
         keys go (as YARN releases a dead container's), and the world's generation they were
@@ -283,6 +320,7 @@ class ApplicationMaster:
             changed = False
             self.replace_frozen(handled)
             self.never_beaten()
+            self.frozen_after_the_end()
             if self.tensorboard and self.tensorboard.poll() is not None:     # (killed: its URL went on in status)
                 log.warning("the TensorBoard service exited with status %s", self.tensorboard.returncode)
                 tensorboard_service.stop_local(self.tensorboard, self.store)
@@ -406,6 +444,10 @@ class ApplicationMaster:
         for c in self.containers:
             c.memory = c.memory_state() or c.memory       # its peak, before the cgroup goes
             c.limits.remove()
+        for name in os.listdir(self.store.root):          # a write a killed process left half done
+            if name.startswith(".tmp."):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(self.store.root, name))
         try:
             leases.Leases().release(self.app_id)        # its lease, or its place in line
         except OSError as e:        # (a ledger this user cannot write: the lease goes with this process)
