@@ -12,7 +12,15 @@ import conf: the client (yarnapp), the container side (launcher) and training sh
 
 
 class YarnappError(Exception):
-    """An expected failure, reported to the user as one line."""
+    """An expected failure, reported to the user as one line. `app_id`: the application it
+    is about, where there is one (JobFailed, WaitTimeout: a sweep's driver collects them
+    without parsing the line)."""
+
+    app_id = None
+
+    def __init__(self, *args, app_id=None):
+        Exception.__init__(self, *args)
+        self.app_id = app_id
 
     def _render_traceback_(self):
         """What IPython and Jupyter show instead of a traceback: the one line (the frame that
@@ -21,7 +29,12 @@ class YarnappError(Exception):
 
 
 class Interrupted(KeyboardInterrupt):
-    """A KeyboardInterrupt our API raises after acting on one (it killed the application, or
-    left it running): its one line in a notebook, as YarnappError's."""
+    """A KeyboardInterrupt our API raises after acting on one (it killed the application
+    `app_id`, or left it running): its one line in a notebook, as YarnappError's."""
 
+    def __init__(self, *args, app_id=None):
+        KeyboardInterrupt.__init__(self, *args)
+        self.app_id = app_id
+
+    app_id = None
     _render_traceback_ = YarnappError._render_traceback_

@@ -591,6 +591,59 @@ def test_ctrl_c_in_the_python_api(how, yarnapp_home, tmp_path):
     assert_nothing_left(app)
 
 
+def test_a_sweep_from_threads_sigterm_kills_every_application_it_waits_for(yarnapp_home, tmp_path, digits):
+    """A sweep audit, with submit(wait=True) in a thread pool as sweeps are written: its
+    lines tell whose they are (two waits' step lines were interleaved, anonymous); numpy's
+    scalars are taken as overrides (np.int64 from ParameterGrid was refused); a failure
+    carries its application's id (e.app_id: parsed out of the line before); and SIGTERM
+    (`timeout`, a cancelled task) kills the applications the threads wait for (they ran on,
+    nothing watching them), then ends the script as SIGTERM does."""
+    import signal
+    job = write_job(tmp_path / "d.yaml", {
+        "name": "sweep", "max_restarts": 0, "groups": [{"name": "w", "instances": 1, "vcores": 0.5, "memory": "1 GiB"}],
+        "training": {"model": "digits_cnn", "data": {"train": f"{digits}/train", "test": f"{digits}/test"},
+                     "max_steps": 4, "log_every": 1, "batch_size": 32}})
+    script = tmp_path / "sweep.py"
+    script.write_text(
+        "import concurrent.futures as cf, sys\nimport numpy as np\nimport yarnapp\n"
+        "def one(bs):\n    return yarnapp.submit(sys.argv[1], wait=True, training={'batch_size': bs}).final['steps']\n"
+        "with cf.ThreadPoolExecutor(2) as ex:\n    print('finals', list(ex.map(one, [np.int64(16), np.int64(32)])))\n"
+        "try:\n    yarnapp.submit(sys.argv[1], wait=True, progress=False, training={'model': 'mlp', 'batch_size': -1})\n"
+        "except yarnapp.YarnappError as e:\n    print('refused', e.app_id)\n"
+        "try:\n    yarnapp.submit(sys.argv[1], wait=True, progress=False, run={'script': sys.argv[3]}, training=None)\n"
+        "except yarnapp.JobFailed as e:\n    print('failed', e.app_id)\n"
+        "print('sleeping', flush=True)\n"
+        "with cf.ThreadPoolExecutor(2) as ex:\n    list(ex.map(lambda _: yarnapp.submit(sys.argv[2], wait=True), [0, 1]))\n")
+    (tmp_path / "fails.py").write_text("raise SystemExit(3)\n")
+    proc = subprocess.Popen([sys.executable, str(script), job, _sleeper(tmp_path), str(tmp_path / "fails.py")],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ))
+    try:
+        deadline = time.monotonic() + 240
+        def running_sleepers():
+            try:            # (an application's directory is there a moment before its app.json)
+                return [a for a in apps(yarnapp_home) if yarnapp.Run(a).status().get("name") == "sleeper"
+                        and yarnapp.Run(a).state == "RUNNING"]
+            except yarnapp.YarnappError:
+                return []
+        while len(running_sleepers()) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate() if proc.poll() else ""
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGTERM, (out, err)
+    first, second, failed, *sleepers = apps(yarnapp_home)
+    assert "finals [4, 4]" in out and "refused None" in out and f"failed {failed}" in out, (out, err)
+    steps = [line for line in err.splitlines() if re.search(r"step \d/4 ", line)]
+    assert steps and {line.split(": step ")[0] for line in steps} == {first, second}, err
+    for app in sleepers:
+        assert yarnapp.Run(app).status()["state"] == "KILLED" and f"terminated: killed {app}" in err, err
+        assert_nothing_left(app)
+
+
 def test_logs_of_a_container_right_after_submit_are_empty_not_an_error(yarnapp_home, tmp_path):
     """`yarnapp logs APP --container b_0 --follow` the moment submit returned said "has no
     container 'b_0'; it has " (its directory did not exist yet)."""

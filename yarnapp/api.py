@@ -2,18 +2,18 @@
 import functools
 import logging
 import os
-import signal
 import sys
-import threading
 import time
 import types
 import warnings
 
 import conf
 
-from . import backends, codecheck, logview, shipping
+from . import backends, codecheck, interrupts, logview, shipping
 from .backends.base import TERMINAL
 from .errors import Interrupted, JobFailed, WaitTimeout, YarnappError
+
+interrupts.install()     # SIGTERM kills what submit(wait=True) waits for, from any thread
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +42,29 @@ def _one_line(fn):
 def load(job, where=None, **overrides):
     """A validated JobSpec from a path, dict or JobSpec (a user's: checked for what users
     get wrong, conf.check_bare_memory); raises YarnappError (one line)."""
+    overrides = _plain(overrides)
     try:
         conf.check_bare_memory(where or "job", overrides)
         if isinstance(job, conf.JobSpec):
             return conf.load_job(job, overrides, where=where)
-        name, raw = conf.read_raw(job)      # read once: checked, then validated
+        name, raw = conf.read_raw(_plain(job))      # read once: checked, then validated
         conf.check_bare_memory(where or name, raw)
         return conf.load_job(raw, overrides, where=where or name)
     except conf.JobError as e:
         raise YarnappError(str(e)) from None
+
+
+def _plain(value):
+    """`value` with numpy's scalars as Python's (a sweep's np.int64(16) from ParameterGrid was
+    refused: "training.batch_size: Input should be a valid integer"), in dicts and lists."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    if type(value).__module__ == "numpy" and callable(getattr(value, "item", None)) and \
+            getattr(value, "shape", None) == ():
+        return value.item()
+    return value
 
 
 @_one_line
@@ -58,8 +72,9 @@ def submit(job, backend=None, wait=False, progress=True, function=None, **overri
     """Start a job; return its Run. `job` is a job.yaml path, a dict or a conf.JobSpec.
 
     backend: 'local' or 'yarn' (default: the job's `backend`, else the defaults file's).
-    wait: block until it ends (showing progress), raising JobFailed if it fails; interrupted
-        (Ctrl-C, or SIGTERM in a script), it kills the application, as `yarnapp submit --wait` does. A notebook's
+    wait: block until it ends (showing progress), raising JobFailed if it fails (its app_id:
+        the application's); interrupted (Ctrl-C, or SIGTERM in a script, waiting in any
+        thread: a sweep's pool), it kills the application, as `yarnapp submit --wait` does. A notebook's
         kernel restarted or shut down while it waits leaves the application running (as a
         closed terminal does): list_apps() finds it, kill(app_id) stops it.
     function: a callable(ctx) to run on every rank instead of the job's `run` (say, one
@@ -207,88 +222,30 @@ def _used(function, local):
 def _started(run, wait, progress):
     if wait:
         terminated = []
-        restore = _sigterm_interrupts(terminated)
+        restore = interrupts.sigterm_interrupts(terminated)
         try:
-            st = run.wait(progress=progress, summary=False)    # a failure is raised, not said twice
+            with interrupts.waited(run):    # (SIGTERM kills it, waited for off the main thread too)
+                st = run.wait(progress=progress, summary=False)    # a failure is raised, not said twice
         except KeyboardInterrupt:   # as `yarnapp submit --wait`: the caller never got the Run to stop it
-            if _kernel_shutting_down():
+            if interrupts.kernel_shutting_down():
                 raise Interrupted(f"the kernel is shutting down; {run.app_id} runs on: "
-                                        f"yarnapp.kill({run.app_id!r}) stops it") from None
-            shielded(run.kill)
+                                  f"yarnapp.kill({run.app_id!r}) stops it", app_id=run.app_id) from None
+            interrupts.shielded(run.kill)
             if terminated:          # then ends as SIGTERM's default would, the application stopped first
                 restore()
                 print(f"terminated: killed {run.app_id}", file=sys.stderr, flush=True)
-                os.kill(os.getpid(), signal.SIGTERM)
-            raise Interrupted(f"interrupted: killed {run.app_id}") from None
+                interrupts.terminate()
+            raise Interrupted(f"interrupted: killed {run.app_id}", app_id=run.app_id) from None
         finally:
             restore()
         if st["state"] != "SUCCEEDED":
-            raise JobFailed(run.failure_message())
+            raise JobFailed(run.failure_message(), app_id=run.app_id)
         if progress:                # (its warnings were said while it waited)
             from .progress import Progress
-            Progress(run).end(st, notices=False)
+            shown = Progress(run)
+            shown.end(st, notices=False)
+            shown.close()
     return run
-
-
-def shielded(fn):
-    """fn() with Ctrl-C and SIGTERM held off once: a second Ctrl-C cut a kill short, and its
-    line with it; a third still interrupts (a kill stuck on a cluster out of reach can be
-    left). The handlers are restored after. Off the main thread, fn() as it is."""
-    if threading.current_thread() is not threading.main_thread():
-        return fn()
-    seen = []
-
-    def hold(signum, frame):
-        seen.append(signum)
-        if len(seen) > 1:
-            raise KeyboardInterrupt
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    for sig in before:
-        signal.signal(sig, hold)
-    try:
-        return fn()
-    finally:
-        for sig, handler in before.items():
-            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-
-
-KERNEL_SHUTDOWN_GRACE_S = 1.0   # Jupyter sends a shutdown request right after its interrupt
-
-
-def _kernel_shutting_down():
-    """Whether the interrupt that reached a notebook's kernel is the one Jupyter sends before
-    it shuts the kernel down or restarts it (jupyter_client interrupts a busy kernel first):
-    the kernel's shutdown request, handled on its control thread, sets the shell's
-    `exit_now` within moments. A user's interrupt is not followed by one. A second interrupt
-    meanwhile is the user's."""
-    if "ipykernel" not in sys.modules:
-        return False
-    try:
-        from IPython import get_ipython
-        shell = get_ipython()
-        deadline = time.monotonic() + KERNEL_SHUTDOWN_GRACE_S
-        while shell is not None and not getattr(shell, "exit_now", False) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return shell is not None and bool(getattr(shell, "exit_now", False))
-    except (ImportError, KeyboardInterrupt):
-        return False
-
-
-def _sigterm_interrupts(terminated):
-    """While a script waits in submit(wait=True), SIGTERM (`timeout`, a cancelled CI job) stops
-    it as Ctrl-C does, so that the application is killed with it (it ran on, every process of
-    it). Not where the script set its own handler, off the main thread, or in a notebook's
-    kernel (restarted or shut down, it leaves the application running, as documented).
-    Returns what restores the handler."""
-    if threading.current_thread() is not threading.main_thread() or "ipykernel" in sys.modules or \
-            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        return lambda: None
-
-    def interrupt(signum, frame):
-        terminated.append(signum)
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, interrupt)
-    return lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def dry_run(spec, where="job"):
@@ -393,11 +350,11 @@ class Run:
                     return st
                 if deadline and time.monotonic() > deadline:
                     raise WaitTimeout(f"{self.app_id} still {st['state']} after {timeout:g}s; it runs on "
-                                      f"(Run.kill() stops it)")
+                                      f"(Run.kill() stops it)", app_id=self.app_id)
                 time.sleep(interval)
         except KeyboardInterrupt:
             raise Interrupted(f"stopped waiting for {self.app_id}, which runs on: "
-                                    f"Run({self.app_id!r}).kill() stops it") from None
+                              f"Run({self.app_id!r}).kill() stops it", app_id=self.app_id) from None
         finally:
             if display:
                 display.close()

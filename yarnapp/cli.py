@@ -15,7 +15,7 @@ import time
 
 import conf
 
-from . import __version__, api
+from . import __version__, api, interrupts
 from .backends.base import TERMINAL
 from .console import p as _p, readers_gone, say, stdout_gone
 from .cli_tools import cmd_clean, cmd_data_import, cmd_hadoop, cmd_netem
@@ -73,7 +73,7 @@ def cmd_submit(args):
     except KeyboardInterrupt:
         if not args.wait:
             raise                   # submitted without --wait: it runs on, as it would have
-        api.shielded(run.kill)      # a second Ctrl-C cut the kill's line short ("interrupted" alone)
+        interrupts.shielded(run.kill)      # a second Ctrl-C cut the kill's line short ("interrupted" alone)
         say(f"interrupted: killed {run.app_id}{run.resume_hint(_resubmit(args))}", out)
         return _interrupted_status()
     took = time.time() - t0

@@ -3,6 +3,7 @@ code prints."""
 import os
 import re
 import sys
+import weakref
 
 import conf
 from launcher.failure import CRASH_BOILERPLATE
@@ -80,8 +81,11 @@ def rank0_streamed(st):
 
 
 class Progress:
+    live = weakref.WeakSet()    # the Progress displays open in this process (a sweep's threads each wait on one)
+
     def __init__(self, run, file=None, output=True):
         self.run = run
+        Progress.live.add(self)
         # In a notebook stderr renders red: messages and the bar go to stdout there.
         self.file = file or (sys.stdout if _in_notebook() else sys.stderr)
         self.bar = None
@@ -96,7 +100,16 @@ class Progress:
             self.said.add(key)
             self._write(text)
 
+    def _tag(self, text):
+        """`text` as it is, or, while other waits show theirs in this process, each line
+        after its application's id (which line was whose)."""
+        if len(Progress.live) < 2:
+            return text
+        return "\n".join(line if line.startswith(self.run.app_id) else f"{self.run.app_id}: {line}"
+                         for line in text.split("\n"))
+
     def _write(self, text):
+        text = self._tag(text)
         if self.bar is not None:   # (tqdm's bool() raises for a bar without a total: own code's)
             self.bar.write(text, file=self.file)
         else:
@@ -188,7 +201,8 @@ class Progress:
             if (shown or "step" in p) and p.get("time") != self.last:
                 self.last = p.get("time")
                 fields = "".join(f" {k}={_fmt(p[k])}" for k in shown)
-                print(f"{head}{fields} restarts={len(st.get('restarts') or [])}", file=self.file, flush=True)
+                print(self._tag(f"{head}{fields} restarts={len(st.get('restarts') or [])}"), file=self.file,
+                      flush=True)
             return
         if p and "step" in p:
             if self.bar is None:
@@ -216,6 +230,7 @@ class Progress:
             self.say("end", self.run.failure_message())
 
     def close(self):
+        Progress.live.discard(self)
         if self.bar is not None:
             self.bar.close()
             self.bar = None
