@@ -116,6 +116,9 @@ def cmd_status(args):
     if len(masters) > 1:        # a container's attempts= count its starts under this master
         _p(f"  application master attempt {masters[-1]['attempt']} (pid {masters[-1]['pid']}): every container "
            f"started again under it")
+    if st.get("supervisor_lost") and st["state"] not in TERMINAL:
+        _p("  warning: its supervisor was killed from outside: should its application master die, no other "
+           "attempt starts")
     for c in st.get("containers", []):
         peak = f" (peak {c['memory_peak_mib']} MiB)" if c.get("memory_peak_mib") else ""
         if c.get("gpu_devices"):        # which (their indices), not how many

@@ -280,6 +280,16 @@ class ApplicationMaster:
                     reason=f"lost {c.id}: {silent}, after {done.id} ended and before its rank's code finished"
                 ).stamped(generation=gen).dumps())
 
+    def supervisor_lost(self, parent):
+        """Say once, in the master's log and status, that its supervisor is gone (killed from
+        outside): should this master die, no attempt follows, and nothing else would say why."""
+        if "supervisor_lost" in self.extra or os.getppid() == parent:
+            return
+        self.extra["supervisor_lost"] = time.time()
+        log.warning("its supervisor (pid %d) is gone: should this application master die, no other attempt "
+                    "starts", parent)
+        self.save()
+
     def take_over(self):
         """Attempt n > 1: the previous master died, and its containers with it. Their owned
         keys go (as YARN releases a dead container's), and the world's generation they were
@@ -315,12 +325,14 @@ class ApplicationMaster:
         self.state, self.diagnostics = "RUNNING", ""
         self.save()
         failed_since = None
+        parent = os.getppid()        # the supervisor (it starts the next attempt should this one die)
         handled = set()              # replacement requests acted on
         while True:
             changed = False
             self.replace_frozen(handled)
             self.never_beaten()
             self.frozen_after_the_end()
+            self.supervisor_lost(parent)
             if self.tensorboard and self.tensorboard.poll() is not None:     # (killed: its URL went on in status)
                 log.warning("the TensorBoard service exited with status %s", self.tensorboard.returncode)
                 tensorboard_service.stop_local(self.tensorboard, self.store)

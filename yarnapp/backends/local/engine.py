@@ -293,7 +293,11 @@ class LocalBackend(Backend):
             # and the end for us to write (its containers ended with it, not RUNNING).
             log_file = next((os.path.join(d, f) for f in ("am.log", "supervisor.log")
                              if os.path.isfile(os.path.join(d, f))), os.path.join(d, "am.log"))
-            st = supervisor.end(d, st, "FAILED", f"the application master died; see {log_file}", log=log_file)
+            rec = read_json(supervisor.record_path(d)) or {}
+            tried, allowed = len(rec.get("attempts") or []), rec.get("am_attempts") or 1
+            also = (f", and so had its supervisor, which would have started attempt {tried + 1} (am_attempts: "
+                    f"{allowed}): both were killed from outside" if tried < allowed else "")
+            st = supervisor.end(d, st, "FAILED", f"the application master died{also}; see {log_file}", log=log_file)
             # (a cgroup still holding a container's process, ending with its master, is not removed,
             # and nobody looks again: those ending are waited for)
             psutil.wait_procs(app_processes(app_id), timeout=10)
