@@ -2,6 +2,7 @@
 memory limit (the cgroup's OOM killer), named as such with the limit to raise; a
 checkpoint directory that turns read-only or fills up (a real tmpfs) mid-run."""
 import os
+import time
 import subprocess
 import sys
 
@@ -252,3 +253,35 @@ def test_a_checkpoint_of_another_strategy_or_split_layers_is_named_by_its_field(
                            "training.strategy.layers ['conv2'] (this job: None); its states load only"), line
     line = other_model(7, "app_a", conv, trains(name="hypergraph"))
     assert "training.strategy 'conv_model_parallel' (this job: 'hypergraph')" in line and "\n" not in line
+
+
+@pytest.mark.skipif(not CGROUPS, reason="CPU quotas need root and cgroup v1")
+def test_a_container_throttled_from_outside_is_named_as_slowed_down(tmp_path, digits):
+    """A drift audit: a container's CPU quota cut to 0.01 CPU mid-run made every step ~70x
+    slower, and nothing said which rank (only TensorBoard's per-group times showed it), while
+    status went on calling its quota "enforced: 0.5 CPU"."""
+    job = digits_job(tmp_path, digits, "throttled", steps=400, instances=(1, 1))
+    job["training"]["log_every"] = 5
+    run = yarnapp.submit(job)
+    try:
+        wait_step(run, rank=0, step=30)
+        cg = f"/sys/fs/cgroup/cpu/yarnapp/{run.app_id}/small_0/cpu.cfs_quota_us"
+        with open(cg, "w") as f:
+            f.write("1000")
+        deadline = time.monotonic() + 180
+        while True:
+            st = run.status()
+            said = [n["text"] for n in st.get("notices") or [] if "slowed down" in n["text"]]
+            if said:
+                break
+            assert time.monotonic() < deadline and st["state"] == "RUNNING", st
+            time.sleep(1)
+        assert said[0].startswith("rank 1 (small_0) slowed down: its compute takes "), said
+        assert "its container gets less CPU than when training began" in said[0], said
+        small = next(c for c in st["containers"] if c["id"] == "small_0")
+        assert small["resources"].endswith("; cpu quota now 0.01 CPU: changed from outside yarnapp"), small
+        big = next(c for c in st["containers"] if c["id"] == "big_0")
+        assert "changed" not in big["resources"], big
+    finally:
+        run.kill()
+    assert_nothing_left(run.app_id)

@@ -110,6 +110,7 @@ class Runner:
         # in every progress record: what this run went on from (submit --wait says it as it starts)
         self.resumed = {"resumed_from": self.start_step, "resumed_app": self.ckpt.resumed_app or ctx.app_id} \
             if self.start_step else {}
+        self.slowdown = Slowdown(ctx.ranks)
 
     def _hparams(self):
         s = self.spec
@@ -231,6 +232,7 @@ class Runner:
                              f"time/step/{g}": wall, f"time/data_wait_pct/{g}": 100 * w / max(wall, 1e-9)})
             scal.update(self.strategy.scalars())
             self.tb.scalars(step, scal)
+            self.slowdown.look(every)
         self.ctx.report(**rec, **self.resumed)
         return rec
 
@@ -306,3 +308,36 @@ class Runner:
 
 def main(ctx):
     return Runner(ctx).run()
+
+
+class Slowdown:
+    """Rank 0 names, once, a rank that slowed down while training: its compute per step grew
+    SLOWED_X times over its own in the first window after the warm-up, and the step with it.
+    A container throttled to a hundredth of its CPU (a quota written from outside, a host
+    taken by others) made every step 50-100 times slower, and nothing said which (the
+    shares, and conv-MP's split at its least, leave it its part)."""
+    SLOWED_X = 4.0
+
+    def __init__(self, ranks):
+        self.ranks, self.windows, self.first, self.said = ranks, 0, None, set()
+
+    def look(self, every):
+        """every: each rank's [compute, comm, data wait, wall] seconds a step in this window."""
+        wall, compute = max(e[3] for e in every), [e[0] for e in every]
+        self.windows += 1
+        if self.first is None:
+            if self.windows >= 2:       # (the first window holds the warm-up)
+                self.first = wall, compute
+            return
+        if wall < self.SLOWED_X * self.first[0]:
+            return
+        grew = [c / max(b, 1e-6) for c, b in zip(compute, self.first[1])]
+        r = max(range(len(grew)), key=grew.__getitem__)
+        if grew[r] < self.SLOWED_X or r in self.said:
+            return
+        self.said.add(r)
+        log.warning("rank %d (%s) slowed down: its compute takes %.0f ms a step, %.0fx its first steps' (%.1f ms), "
+                    "and every step %.0fx longer (%.0f ms): its container gets less CPU than when training began "
+                    "(a throttled or busy host?), and every rank waits for it each step", r, self.ranks[r].container,
+                    1e3 * compute[r], grew[r], 1e3 * self.first[1][r], wall / self.first[0], 1e3 * wall)
+

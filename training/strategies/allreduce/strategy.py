@@ -32,6 +32,7 @@ from training.strategies.base import StepStats, Strategy
 from training.strategies.shares import SPEED_PROBE_ROWS, costly_ranks, measured_weights, split_rows
 
 log = logging.getLogger(__name__)
+RING_TIMINGS = 5      # all-reduces of the gradient timed for the costly-rank line (their median)
 
 
 def _mpi_max():
@@ -124,16 +125,27 @@ class AllReduceStrategy(Strategy):
 
     def _warn_costly(self, fits, weights):
         """Rank 0 says, one line per rank, when a rank slows the step down: its share is
-        worth less than the all-reduce it adds (timed here once, on the gradient's size)."""
+        worth less than the all-reduce it adds (timed here on the gradient's size: the median
+        of RING_TIMINGS; one timing's spike named both ranks of a two-rank job). Where every
+        rank would be named, one line says the split as a whole is slower than one rank."""
         n_params = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         buf = np.zeros(n_params, dtype=np.float32)
         collectives.allreduce_(buf, self.comm)                         # warm
-        t = time.perf_counter()
-        collectives.allreduce_(buf, self.comm)
-        ring_s = self.comm.allreduce(time.perf_counter() - t, op=_mpi_max())
+        took = []
+        for _ in range(RING_TIMINGS):
+            t = time.perf_counter()
+            collectives.allreduce_(buf, self.comm)
+            took.append(time.perf_counter() - t)
+        ring_s = self.comm.allreduce(float(np.median(took)), op=_mpi_max())
         if self.rank != 0:
             return
-        for r, share, with_s, without_s in costly_ranks(fits, self.spec.batch_size, ring_s, weights):
+        costly = costly_ranks(fits, self.spec.batch_size, ring_s, weights)
+        if costly and len(costly) == self.world_size:
+            log.warning("data parallelism over these %d ranks is predicted slower than one rank alone: a step "
+                        "%.1f ms split, where its all-reduce takes %.1f ms of it; use fewer, faster containers, "
+                        "or larger batches", self.world_size, 1e3 * costly[0][2], 1e3 * ring_s)
+            return
+        for r, share, with_s, without_s in costly:
             info = self.ctx.ranks[r]
             where = f"{info.gpus} GPU" if info.gpus else f"cpu, {info.vcores:g} vcores"
             log.warning("rank %d (%s, %s) gets %.0f%% of each batch but costs more than it saves: a step is "

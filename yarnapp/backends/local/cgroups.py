@@ -50,6 +50,30 @@ class Limits:
             self.remove()
             self.why = f"not enforced: cannot configure cgroups ({e.strerror})"
 
+    @staticmethod
+    def changed(app_id, container, vcores, memory_mib):
+        """What of a running container's limits differs from what it asked for (someone wrote
+        its cgroup since: status said "enforced: cpu quota 0.5 CPU" of a container throttled
+        to 0.01), as words, or ""."""
+        name = os.path.join("yarnapp", app_id, container)
+        try:
+            with open(os.path.join(ROOT, "cpu", name, "cpu.cfs_quota_us")) as f:
+                quota = int(f.read())
+            with open(os.path.join(ROOT, "cpu", name, "cpu.cfs_period_us")) as f:
+                period = int(f.read())
+            with open(os.path.join(ROOT, "memory", name, "memory.limit_in_bytes")) as f:
+                limit = int(f.read()) >> 20
+        except (OSError, ValueError):
+            return ""
+        now = quota / period if quota > 0 else None
+        asked = max(1000, int(round(vcores * PERIOD_US))) / PERIOD_US
+        out = []
+        if now is None or abs(now - asked) > 1e-6:
+            out.append(f"cpu quota now {'none' if now is None else f'{now:g} CPU'}")
+        if limit != memory_mib:
+            out.append(f"memory limit now {limit} MiB")
+        return f"{', '.join(out)}: changed from outside yarnapp" if out else ""
+
     def join(self, pid=0):
         """Move pid (0: the calling process) into the container's cgroups."""
         for path in self.paths.values():

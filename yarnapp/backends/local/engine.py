@@ -313,6 +313,11 @@ class LocalBackend(Backend):
         st["notices"] = notices(store.get_prefix(keys.NOTICES))
         tb = store.get(keys.TENSORBOARD) if st["state"] not in TERMINAL else None   # (its service ended with it)
         st["tensorboard"] = tb.decode() if tb else None
+        if st["state"] == "RUNNING":       # its limits as the kernel has them now
+            for c in st.get("containers") or []:
+                if c.get("state") == "RUNNING" and str(c.get("resources", "")).startswith("enforced"):
+                    now = cgroups.Limits.changed(app_id, c["id"], c["vcores"], c["memory_mib"])
+                    c["resources"] += f"; {now}" if now else ""
         st["app_dir"] = d
         return st
 
