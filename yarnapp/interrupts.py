@@ -21,6 +21,7 @@ import time
 
 _WAITED = {}            # id(run) -> Run: the applications submit(wait=True) waits for, in any thread
 _LOCK = threading.Lock()
+_INSTALLED_IN = [None]  # the pid that installed _on_sigterm
 
 
 @contextlib.contextmanager
@@ -38,8 +39,8 @@ def waited(run):
 def _on_sigterm(signum, frame):
     """SIGTERM's default action, once the applications submit(wait=True) waits for in other
     threads are killed (they ran on, nothing watching them, after `timeout` ended a sweep)."""
-    with _LOCK:
-        runs = list(_WAITED.values())
+    with _LOCK:     # (a forked child, a Pool's worker that Pool.terminate() stops, kills nothing of its parent's)
+        runs = list(_WAITED.values()) if os.getpid() == _INSTALLED_IN[0] else []
     for run in runs:
         try:
             run.kill()
@@ -61,6 +62,7 @@ def install():
     if threading.current_thread() is threading.main_thread() and "ipykernel" not in sys.modules \
             and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _on_sigterm)
+        _INSTALLED_IN[0] = os.getpid()
 
 
 def shielded(fn):
