@@ -7,6 +7,7 @@ import typing
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from . import paths
 from .errors import YarnappError
 from .schema import (BUILTIN_RUNNER, PACKAGES, TENSORBOARD_SERVICE, JobSpec, StrategyConfig, container_id,  # noqa: F401
                      strategy_fields, strategy_names)
@@ -187,13 +188,12 @@ def _message(err):
 def absolutize(job, base):
     """Make the job's local relative paths absolute against `base` (the submit directory),
     since containers run in directories of their own. URIs with a scheme are kept."""
-    from training import fsutil       # (pyarrow's: only where a job is made absolute)
     d = job.model_dump(mode="python")
 
     def fix(v):
         if v is None:
             return v
-        v = fsutil.normal(v)        # ~ expanded; file:/path is file:///path
+        v = paths.normal(v)         # ~ expanded; file:/path is file:///path
         return v if "://" in v or os.path.isabs(v) else os.path.normpath(os.path.join(base, v))
     for k in ("script", "pickle"):
         d["run"][k] = fix(d["run"][k])

@@ -10,7 +10,8 @@ import traceback
 
 from conf.schema import PACKAGES
 
-RANK_FILES = (os.path.join(os.path.dirname(__file__), "rank.py"), __file__)     # frames above the job's
+RANK_FILES = (*(os.path.join(os.path.dirname(__file__), f) for f in ("rank.py", "user_code.py")),   # frames above
+              __file__)                                                                                # the job's
 
 
 class LastLine:

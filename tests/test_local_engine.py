@@ -612,8 +612,9 @@ def test_a_sweep_from_threads_sigterm_kills_every_application_it_waits_for(yarna
         "except yarnapp.YarnappError as e:\n    print('refused', e.app_id)\n"
         "try:\n    yarnapp.submit(sys.argv[1], wait=True, progress=False, run={'script': sys.argv[3]}, training=None)\n"
         "except yarnapp.JobFailed as e:\n    print('failed', e.app_id)\n"
+        "print('lr', yarnapp.load(sys.argv[1], training={'lr': np.float32(0.1)}).training.lr)\n"
         "print('sleeping', flush=True)\n"
-        "with cf.ThreadPoolExecutor(2) as ex:\n    list(ex.map(lambda _: yarnapp.submit(sys.argv[2], wait=True), [0, 1]))\n")
+        "with cf.ThreadPoolExecutor(2) as ex:\n    list(ex.map(lambda _: yarnapp.submit(sys.argv[2], wait=True), range(6)))\n")
     (tmp_path / "fails.py").write_text("raise SystemExit(3)\n")
     proc = subprocess.Popen([sys.executable, str(script), job, _sleeper(tmp_path), str(tmp_path / "fails.py")],
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -637,11 +638,38 @@ def test_a_sweep_from_threads_sigterm_kills_every_application_it_waits_for(yarna
     assert proc.returncode == -signal.SIGTERM, (out, err)
     first, second, failed, *sleepers = apps(yarnapp_home)
     assert "finals [4, 4]" in out and "refused None" in out and f"failed {failed}" in out, (out, err)
+    assert "lr 0.1\n" in out, out          # (np.float32(0.1) was 0.10000000149011612)
+    # the pool hands its threads the next jobs as the first are killed: none of them starts, or
+    # each one that did is killed too (a review: the third ran on)
+    assert 2 <= len(sleepers) <= 4, sleepers
     steps = [line for line in err.splitlines() if re.search(r"step \d/4 ", line)]
     assert steps and {line.split(": step ")[0] for line in steps} == {first, second}, err
     for app in sleepers:
         assert yarnapp.Run(app).status()["state"] == "KILLED" and f"terminated: killed {app}" in err, err
         assert_nothing_left(app)
+
+
+def test_a_sigterm_handler_that_calls_the_one_before_it_still_decides_the_end(tmp_path):
+    """yarnapp puts its SIGTERM handler in place of the default at import (it kills what a
+    sweep's threads wait for). A handler installed later that calls the one before it (a
+    training library's graceful stop) decides itself whether the process ends: ours ended
+    it at once."""
+    import signal
+    script = tmp_path / "graceful.py"
+    script.write_text(
+        "import signal, sys, time\nimport yarnapp\nprev = signal.getsignal(signal.SIGTERM)\nstop = []\n"
+        "def graceful(signum, frame):\n    stop.append(signum)\n    if callable(prev):\n        prev(signum, frame)\n"
+        "signal.signal(signal.SIGTERM, graceful)\nprint('ready', flush=True)\n"
+        "while not stop:\n    time.sleep(0.01)\nprint('stopped gracefully', flush=True)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and out == "stopped gracefully\n", (proc.returncode, out, err)
+    plain = subprocess.run([sys.executable, "-c", "import os, signal, yarnapp; os.kill(os.getpid(), signal.SIGTERM); "
+                            "print('alive')"], capture_output=True, text=True, timeout=60)
+    assert plain.returncode == -signal.SIGTERM and plain.stdout == "", plain     # as SIGTERM's default
 
 
 def test_logs_of_a_container_right_after_submit_are_empty_not_an_error(yarnapp_home, tmp_path):

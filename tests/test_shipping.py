@@ -255,9 +255,9 @@ def test_a_pickled_function_ships_as_function_pkl_and_a_file_that_is_no_pickle_i
 
 def test_a_script_runs_in_a_private_copy_of_a_directory_yarn_shares_read_only(tmp_path):
     """YARN localizes a shipped directory once per node, read-only, linked into every
-    container: the script runs in a writable copy of its own (launcher.rank.private_copy);
+    container: the script runs in a writable copy of its own (launcher.user_code.private_copy);
     a directory the container owns (the local engine's copy) is used as it is."""
-    from launcher.rank import private_copy
+    from launcher.user_code import private_copy
     cache = _project(tmp_path / "filecache" / "proj")
     for path in (cache / "train.py", cache / "helper.py", cache):
         os.chmod(path, 0o500)

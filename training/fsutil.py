@@ -25,6 +25,7 @@ import urllib.parse
 import pyarrow.fs as pafs
 
 from conf.errors import YarnappError
+from conf.paths import normal
 
 
 GCS_RETRY_S = 20    # how long a gs:// URI's requests are retried, unless its query sets retry_limit_seconds
@@ -35,17 +36,6 @@ class URIError(YarnappError, ValueError):
 
 
 NAMENODE_PORTS = {"webhdfs": 9870, "hdfs": 8020}      # a NameNode's, where a URI names none (Hadoop 3's)
-
-
-def normal(uri):
-    """`uri` as pyarrow reads it: `~` and `~user` expanded (a literal `~` directory is a
-    trap: `rm -rf ~` removes the home), `file:/path` (one slash, as pyarrow takes it) is
-    `file:///path`, not a relative path named `file:`."""
-    if uri.startswith("~"):
-        return os.path.expanduser(uri)
-    if uri.startswith("file:/") and not uri.startswith("file://"):
-        return "file://" + uri[len("file:"):]
-    return uri
 
 
 def resolve(uri):

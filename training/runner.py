@@ -312,7 +312,8 @@ def main(ctx):
 
 class Slowdown:
     """Rank 0 names, once, a rank that slowed down while training: its compute per step grew
-    SLOWED_X times over its own in the first window after the warm-up, and the step with it.
+    SLOWED_X times over its own in the first window after the warm-up, and the step with it,
+    in two windows in a row (a pause in one is noise).
     A container throttled to a hundredth of its CPU (a quota written from outside, a host
     taken by others) made every step 50-100 times slower, and nothing said which (the
     shares, and conv-MP's split at its least, leave it its part)."""
@@ -320,6 +321,7 @@ class Slowdown:
 
     def __init__(self, ranks):
         self.ranks, self.windows, self.first, self.said = ranks, 0, None, set()
+        self.slow = None        # the rank slow in the last window (two in a row are named: one is noise)
 
     def look(self, every):
         """every: each rank's [compute, comm, data wait, wall] seconds a step in this window."""
@@ -329,11 +331,11 @@ class Slowdown:
             if self.windows >= 2:       # (the first window holds the warm-up)
                 self.first = wall, compute
             return
-        if wall < self.SLOWED_X * self.first[0]:
-            return
         grew = [c / max(b, 1e-6) for c, b in zip(compute, self.first[1])]
         r = max(range(len(grew)), key=grew.__getitem__)
-        if grew[r] < self.SLOWED_X or r in self.said:
+        slow, self.slow = self.slow, (r if wall >= self.SLOWED_X * self.first[0] and grew[r] >= self.SLOWED_X
+                                      else None)
+        if self.slow is None or slow != self.slow or r in self.said:
             return
         self.said.add(r)
         log.warning("rank %d (%s) slowed down: its compute takes %.0f ms a step, %.0fx its first steps' (%.1f ms), "

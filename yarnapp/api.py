@@ -59,10 +59,14 @@ def _plain(value):
     refused: "training.batch_size: Input should be a valid integer"), in dicts and lists."""
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_plain(v) for v in value)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)      # (a namedtuple: a plain tuple, as YAML gives)
     if type(value).__module__ == "numpy" and callable(getattr(value, "item", None)) and \
             getattr(value, "shape", None) == ():
+        if getattr(value, "dtype", None) is not None and value.dtype.kind == "f" and value.dtype.itemsize < 8:
+            return float(str(value))     # np.float32(0.1) is 0.1, as written (not 0.10000000149011612)
         return value.item()
     return value
 
@@ -82,6 +86,13 @@ def submit(job, backend=None, wait=False, progress=True, function=None, **overri
     overrides: top-level job fields, e.g. max_restarts=1; a section given as a dict merges
     into the job's, e.g. checkpoint={"resume": "latest"}.
     """
+    if not wait:
+        return _submit(job, backend, wait, progress, function, overrides)
+    with interrupts.submitting():       # (none starts while SIGTERM kills those waited for)
+        return _submit(job, backend, wait, progress, function, overrides)
+
+
+def _submit(job, backend, wait, progress, function, overrides):
     where = str(job) if isinstance(job, (str, os.PathLike)) else "job"
     if callable(backend):           # submit(JOB, train): the function taken for the backend
         name = getattr(backend, "__name__", None) or type(backend).__name__
@@ -231,9 +242,10 @@ def _started(run, wait, progress):
                 raise Interrupted(f"the kernel is shutting down; {run.app_id} runs on: "
                                   f"yarnapp.kill({run.app_id!r}) stops it", app_id=run.app_id) from None
             interrupts.shielded(run.kill)
-            if terminated:          # then ends as SIGTERM's default would, the application stopped first
+            if terminated:          # then ends as SIGTERM's default would, the applications stopped first
                 restore()
                 print(f"terminated: killed {run.app_id}", file=sys.stderr, flush=True)
+                interrupts.kill_waited(but=run)         # (other threads' too)
                 interrupts.terminate()
             raise Interrupted(f"interrupted: killed {run.app_id}", app_id=run.app_id) from None
         finally:

@@ -20,34 +20,86 @@ import threading
 import time
 
 _WAITED = {}            # id(run) -> Run: the applications submit(wait=True) waits for, in any thread
+_BUSY = set()           # the threads inside submit(wait=True): starting an application, or waiting for it
 _LOCK = threading.Lock()
-_INSTALLED_IN = [None]  # the pid that installed _on_sigterm
+_STATE = {"pid": None, "terminating": False}     # the pid _on_sigterm was installed in; SIGTERM under way
+STOP_S = 30.0           # how long SIGTERM waits for the threads' applications to be killed
+
+
+@contextlib.contextmanager
+def submitting():
+    """Around a submit(wait=True), from the start of its application to the end of its wait:
+    once SIGTERM is being handled, none starts (a sweep's pool handed its thread the next
+    job while the handler killed the others)."""
+    me = threading.get_ident()
+    with _LOCK:
+        if _STATE["terminating"]:
+            raise KeyboardInterrupt("terminated: no application started")
+        _BUSY.add(me)
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _BUSY.discard(me)
 
 
 @contextlib.contextmanager
 def waited(run):
     """While the block runs, SIGTERM kills `run`'s application (see install)."""
     with _LOCK:
+        late = _STATE["terminating"]
         _WAITED[id(run)] = run
     try:
+        if late:                    # started as SIGTERM came: its handler may have passed it by
+            run.kill()
         yield
     finally:
         with _LOCK:
             _WAITED.pop(id(run), None)
 
 
+def kill_waited(but=None):
+    """Kill every application submit(wait=True) waits for in this process (but `but`, the
+    caller's own), starting none meanwhile, until every other thread's wait has ended (at
+    most STOP_S). Said on stderr, written directly: a signal handler's print() may raise
+    where the interrupted code was printing."""
+    with _LOCK:
+        _STATE["terminating"] = True
+    me, killed, deadline = threading.get_ident(), set(), time.monotonic() + STOP_S
+    while time.monotonic() < deadline:
+        with _LOCK:
+            runs = [r for r in _WAITED.values() if r is not but and id(r) not in killed]
+            others = _BUSY - {me}
+        if not runs and not others:
+            return
+        for run in runs:
+            killed.add(id(run))
+            try:
+                run.kill()
+                _say(f"terminated: killed {run.app_id}")
+            except Exception as e:  # noqa: BLE001 - the others, and the process's end, come first
+                _say(f"terminated: could not kill {run.app_id}: {e}")
+        time.sleep(0.05)
+
+
+def _say(line):
+    with contextlib.suppress(OSError):
+        os.write(2, (line + "\n").encode())
+
+
 def _on_sigterm(signum, frame):
     """SIGTERM's default action, once the applications submit(wait=True) waits for in other
-    threads are killed (they ran on, nothing watching them, after `timeout` ended a sweep)."""
-    with _LOCK:     # (a forked child, a Pool's worker that Pool.terminate() stops, kills nothing of its parent's)
-        runs = list(_WAITED.values()) if os.getpid() == _INSTALLED_IN[0] else []
-    for run in runs:
-        try:
-            run.kill()
-            print(f"terminated: killed {run.app_id}", file=sys.stderr, flush=True)
-        except Exception as e:  # noqa: BLE001 - the others, and the process's end, come first
-            print(f"terminated: could not kill {run.app_id}: {e}", file=sys.stderr, flush=True)
-    terminate()
+    threads are killed (they ran on, nothing watching them, after `timeout` ended a sweep).
+    Called by another handler that took SIGTERM over and calls the one before it (a
+    training library's graceful stop), it kills what is waited for and returns: ending the
+    process is that handler's to decide. A forked child (a Pool's worker that
+    Pool.terminate() stops) kills nothing of its parent's."""
+    try:
+        if os.getpid() == _STATE["pid"]:
+            kill_waited()
+    finally:
+        if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+            terminate()
 
 
 def terminate():
@@ -62,7 +114,7 @@ def install():
     if threading.current_thread() is threading.main_thread() and "ipykernel" not in sys.modules \
             and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _on_sigterm)
-        _INSTALLED_IN[0] = os.getpid()
+        _STATE["pid"] = os.getpid()
 
 
 def shielded(fn):

@@ -197,7 +197,7 @@ def _plan(job, where=None):
     codecheck.own_names(run, entries, "run.files" if run.files else "run.script")
     codecheck.unshipped_imports(Shipment(job=job, entries=entries), "run.files")
     # files null with a script: its directory was shipped for it and the job submitted from
-    # that directory, so it runs in the copy (launcher.rank.run_code), as `python script.py`
+    # that directory, so it runs in the copy (launcher.user_code.run_code), as `python script.py`
     # run there; otherwise in the working directory, where each entry lands by its name (as
     # `python dir/script.py` from the directory above it).
     in_its_dir = bool(run.files is None and run.script and

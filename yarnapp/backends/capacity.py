@@ -56,12 +56,20 @@ def check_fits(get_nodes, job, where, tensorboard, child_queues=None, counts_vco
                            f"{need_v} vcores and {need_m} MiB in all, more than this cluster's {len(reports)} "
                            f"running node(s) have together ({have_v} vcores, {have_m} MiB): the world could "
                            f"never form; ask for fewer instances, vcores or memory")
+    # The queue's maximum capacity, of the default partition (a node label's capacities are
+    # set apart: its groups are left to YARN): the unlabelled groups, the master and the
+    # TensorBoard service against the unlabelled nodes.
     share = queue_share(child_queues, job.queue) if child_queues else None
-    if share is not None and need_m > have_m * share:
-        raise YarnappError(f"{pre}queue: the job's containers, with skein's master, ask for {need_m} MiB in all, "
-                           f"more than queue {job.queue!r} may ever hold (its maximum capacity, {share:.0%} of the "
-                           f"cluster's {have_m} MiB: {int(have_m * share)} MiB): the world could never form; ask "
-                           f"for less, or submit to another queue")
+    plain = [(g.memory, g.instances) for g in job.groups if not g.node_label] + \
+        [(m, n) for _, m, n in wanted[len(job.groups):]]
+    plain_m = sum(m * n for m, n in plain)
+    nodes_m = sum(n.total_resources.memory for n in reports if not n.labels)
+    if share is not None and nodes_m and plain_m > nodes_m * share:
+        raise YarnappError(f"{pre}queue: the job's containers, with skein's master"
+                           f"{' and the TensorBoard service' if job.tensorboard.service else ''}, ask for {plain_m} "
+                           f"MiB in all, more than queue {job.queue!r} may ever hold (its maximum capacity, "
+                           f"{share:.0%} of the cluster's {nodes_m} MiB: {int(nodes_m * share)} MiB): the world "
+                           f"could never form; ask for less, or submit to another queue")
 
 
 def queue_share(child_queues, name):

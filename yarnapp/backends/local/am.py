@@ -21,8 +21,8 @@ import time
 
 import psutil
 
-from launcher import beats, exitcodes, keys, memory, tensorboard_service
-from launcher.failure import Failure, Kind, current_generation, log_tail, spends_the_last_restart
+from launcher import exitcodes, keys, memory, tensorboard_service
+from launcher.failure import Failure, Kind, current_generation, log_tail
 from launcher.procs import die_with_parent
 from launcher.store import FileStore
 
@@ -30,6 +30,7 @@ from . import cgroups, gpus, leases, netem
 from .leases import machine_memory_mib
 from .state import app_processes, kill_words, read_json, write_state
 from .supervisor import record_path
+from .watchdog import Watchdog
 
 log = logging.getLogger("yarnapp.am")
 
@@ -125,7 +126,7 @@ class Container:
                 **(self.app.network.member(self.node) if self.node is not None else {})}
 
 
-class ApplicationMaster:
+class ApplicationMaster(Watchdog):
     def __init__(self, app_dir, attempt=1):
         self.attempt = attempt       # > 1: a previous attempt died (the supervisor restarted us)
         import conf
@@ -148,6 +149,7 @@ class ApplicationMaster:
         self.network = None          # netem.Network of the emulated nodes, when the job has some
         self.tensorboard = None      # the tensorboard.service process, when the job asks for one
         self.beats_seen = {}         # container -> (its last beat, when the master saw it change)
+        self.looked = None           # when frozen_after_the_end last looked (monotonic)
 
     def save(self):
         write_state(self.dir, {
@@ -203,92 +205,6 @@ class ApplicationMaster:
         gen = current_generation(self.store)
         return any((f := Failure.load(self.store.get(keys.abort(g)))) is not None and f.container == c.id
                    and f.external for g in (gen, gen - 1) if g >= 0)
-
-    def replace_frozen(self, handled):
-        """Act on the agents' requests (launcher.keys.replace) to replace a container whose
-        agent went silent: kill it, when that incarnation still holds it; the loop then sees
-        it exit and starts it anew (container_exited)."""
-        for key, raw in self.store.get_prefix(keys.REPLACE_PREFIX).items():
-            if key in handled:
-                continue
-            handled.add(key)
-            _, container, incarnation = key.split("/")
-            c = next((c for c in self.containers if c.id == container and c.state == "RUNNING"), None)
-            alive = self.store.get(keys.alive(container))
-            if c is None or alive is None or json.loads(alive).get("incarnation") != incarnation:
-                continue             # it exited or was replaced meanwhile
-            c.replacing = json.loads(raw)
-            log.warning("killing %s to replace it: its agent was silent for %ss (seen by %s)",
-                        c.id, c.replacing.get("silent_s"), c.replacing.get("by"))
-            c.kill()
-
-    def never_beaten(self):
-        """A container whose agent has not beaten within the frozen limit of its start (it
-        froze, or hangs, as it started): its peers cannot watch a beat that never came, but
-        the master, which started it, can. The generation ends naming it, and it is replaced
-        while restarts remain (the agents' count, launcher.failure.spent_restarts)."""
-        limit = beats.limit_for(self.job.launcher.heartbeat_timeout)
-        for c in self.containers:
-            if c.state != "RUNNING" or c.beaten or c.replacing:
-                continue
-            if self.store.get(keys.beat(c.id)) is not None:
-                c.beaten = True
-            elif time.monotonic() - c.started > limit:
-                gen = current_generation(self.store)
-                last = spends_the_last_restart(self.store, gen, self.job.max_restarts)
-                self.store.put_if_absent(keys.abort(gen), Failure(
-                    kind=Kind.LOST.value, container=c.id, rank=c.member["rank"], observed_by="master",
-                    reason=f"lost {c.id}: its agent never reported (no beat within {limit:g}s of its start, "
-                           f"limit: launcher.heartbeat_timeout; frozen or stuck as it started)"
-                           + ("" if last else "; it is replaced")).stamped(generation=gen).dumps())
-                log.warning("killing %s to replace it: no beat within %gs of its start", c.id, limit)
-                c.replacing = {"by": "master"}
-                c.kill()
-
-    def frozen_after_the_end(self):
-        """A container whose agent went silent after a peer's ended SUCCEEDED: its peers, gone,
-        no longer watch its beat, and the application stayed RUNNING until someone resumed
-        it. Past the frozen limit it is killed: SUCCEEDED where its rank's code finished in
-        the generation its peers finished (the world agreed the end), else FAILED, named."""
-        done = next((c for c in self.containers if c.state == "SUCCEEDED"), None)
-        if done is None:
-            return
-        now, limit = time.monotonic(), beats.limit_for(self.job.launcher.heartbeat_timeout)
-        for c in self.containers:
-            if c.state != "RUNNING" or c.replacing:
-                continue
-            beat, last = self.store.get(keys.beat(c.id)), self.beats_seen.get(c.id)
-            if last is None or last[0] != beat:
-                self.beats_seen[c.id] = (beat, now)
-                continue
-            if now - last[1] <= limit:
-                continue
-            gen = json.loads(self.store.get(keys.done(done.id)) or "{}").get("generation")
-            finished = gen is not None and self.store.get(keys.finished(gen, c.member["rank"])) is not None
-            silent = f"its agent was silent for {now - last[1]:.0f}s (limit {limit:g}s: launcher.heartbeat_timeout)"
-            c.state = "SUCCEEDED" if finished else "FAILED"
-            c.kill()
-            c.exit_code = c.proc.wait()
-            self.store.release(c.id)
-            c.exits.append({"attempt": c.attempts, "exit_code": c.exit_code, "time": time.time(),
-                            "note": f"killed: {silent} after {done.id} ended"})
-            if finished:
-                log.warning("%s: %s after its rank's code finished; killed, and taken as ended", c.id, silent)
-            else:
-                self.store.put_if_absent(keys.FAILED, Failure(
-                    kind=Kind.LOST.value, container=c.id, rank=c.member["rank"], observed_by="master",
-                    reason=f"lost {c.id}: {silent}, after {done.id} ended and before its rank's code finished"
-                ).stamped(generation=gen).dumps())
-
-    def supervisor_lost(self, parent):
-        """Say once, in the master's log and status, that its supervisor is gone (killed from
-        outside): should this master die, no attempt follows, and nothing else would say why."""
-        if "supervisor_lost" in self.extra or os.getppid() == parent:
-            return
-        self.extra["supervisor_lost"] = time.time()
-        log.warning("its supervisor (pid %d) is gone: should this application master die, no other attempt "
-                    "starts", parent)
-        self.save()
 
     def take_over(self):
         """Attempt n > 1: the previous master died, and its containers with it. Their owned

@@ -238,7 +238,7 @@ class LocalBackend(Backend):
         # Owner-only: the directory, and app.json (the application's secret), the store (its
         # coordination), job.json by their modes; everything the application writes later is
         # created under umask 077 (its supervisor's), but for the job's own code, which runs
-        # under the submitter's (launcher.rank.run_code): what it writes outside is as
+        # under the submitter's (launcher.user_code.run_code): what it writes outside is as
         # `python train.py` would write it. (This process's umask is left alone: os.umask is
         # every thread's, and a notebook's two submits at once left it 077.)
         self._new_dir(d)
