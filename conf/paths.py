@@ -1,6 +1,7 @@
 """Paths and URIs in a job as pyarrow reads them, without pyarrow (conf imports no more than
 what validating a job needs: a client environment may have no pyarrow)."""
 import os
+import urllib.parse
 
 
 def normal(uri):
@@ -12,3 +13,15 @@ def normal(uri):
     if uri.startswith("file:/") and not uri.startswith("file://"):
         return "file://" + uri[len("file:"):]
     return uri
+
+
+def is_local(uri):
+    uri = normal(uri)
+    return "://" not in uri or uri.startswith("file://")
+
+
+def local_path(uri):
+    """The local path of a plain path or a file:// URI, its %-escapes decoded as pyarrow
+    decodes them (file:///tmp/a%20b is /tmp/a b)."""
+    uri = normal(uri)
+    return urllib.parse.unquote(uri[len("file://"):]) if uri.startswith("file://") else uri

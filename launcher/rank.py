@@ -25,6 +25,7 @@ import threading
 import time
 import traceback
 
+from conf import paths
 from conf.errors import YarnappError
 from conf.schema import BUILTIN_RUNNER, PACKAGES
 
@@ -265,14 +266,13 @@ def main(argv=None):
         store.put(keys.formed(gen), json.dumps({"time": time.time(), "seconds": took, "members": info}))
     log.info("world generation %d formed: rank %d of %d in %.2fs", gen, ident.rank, ident.world_size, took)
 
-    from training import fsutil
     from training.context import RunContext, rank_infos
     own = job.run.function != BUILTIN_RUNNER
     if own:     # where own code keeps what every rank and restart must see (a relative path is one container's)
         os.environ["YARNAPP_CHECKPOINT_URI"] = uri = ident.checkpoint_uri
-        if fsutil.is_local(uri):
+        if paths.is_local(uri):
             try:
-                os.makedirs(fsutil.local_path(uri), exist_ok=True)       # torch.save needs it
+                os.makedirs(paths.local_path(uri), exist_ok=True)       # torch.save needs it
             except OSError as e:        # the code's own write says where and why, in its one line
                 log.warning("could not create %s: %s", uri, e)
     ctx = RunContext(comm=comm, rank=ident.rank, world_size=ident.world_size, ranks=rank_infos(job),

@@ -25,9 +25,10 @@ import urllib.parse
 import pyarrow.fs as pafs
 
 from conf.errors import YarnappError
-from conf.paths import normal
+from conf import paths
 
 
+normal, is_local, local_path = paths.normal, paths.is_local, paths.local_path   # (conf.paths: no pyarrow)
 GCS_RETRY_S = 20    # how long a gs:// URI's requests are retried, unless its query sets retry_limit_seconds
 
 
@@ -84,18 +85,6 @@ def _webhdfs(host, port, user):
     request = fs.session.request        # (its get/put/post call it too)
     fs.session.request = lambda *a, **k: request(*a, **{"timeout": WEBHDFS_TIMEOUT, **k})
     return pafs.PyFileSystem(pafs.FSSpecHandler(fs))
-
-
-def is_local(uri):
-    uri = normal(uri)
-    return "://" not in uri or uri.startswith("file://")
-
-
-def local_path(uri):
-    """The local path of a plain path or a file:// URI, its %-escapes decoded as pyarrow
-    decodes them (file:///tmp/a%20b is /tmp/a b)."""
-    uri = normal(uri)
-    return urllib.parse.unquote(uri[len("file://"):]) if uri.startswith("file://") else uri
 
 
 def write_bytes(fs, path, data):

@@ -425,10 +425,11 @@ class Run:
 
     def _last_checkpoint(self):
         """(step or None, where its checkpoints are that could not be read now, or None)."""
+        from conf.paths import is_local
         from launcher.identity import complete_steps
-        from training import fsutil
         root = None
         try:
+            from training import fsutil         # (pyarrow: a client environment may lack it)
             job, root = self._checkpoints()
             if root is None or job.run.function != conf.BUILTIN_RUNNER:     # (own code resumes its own way)
                 return None, None
@@ -436,7 +437,7 @@ class Run:
             steps = complete_steps(fsutil.listdir(fs, path))
         except Exception as e:          # unreachable storage, a job kept that no longer loads: the
             log.debug("no checkpoints of %s readable: %s", self.app_id, e)   # failure's line stands
-            return None, root if root and not fsutil.is_local(root) else None
+            return None, root if root and not is_local(root) else None
         return (steps[-1] if steps else None), None
 
     def resume_hint(self, resubmit=None):
