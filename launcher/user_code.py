@@ -94,6 +94,8 @@ def _never_ran_kind(fn, result):
     None: a coroutine returned is one never awaited; a generator only where `fn` (through its
     wrappers) is a generator function (a plain def may return a generator as its result)."""
     inner = inspect.unwrap(fn) if callable(fn) else fn
+    if not inspect.isfunction(inner) and not inspect.ismethod(inner):    # an object's __call__, a partial
+        inner = getattr(inner, "func", None) or getattr(type(inner), "__call__", inner)
     if inspect.iscoroutine(result):
         return "async def"
     if inspect.isasyncgen(result) and inspect.isasyncgenfunction(inner):

@@ -321,7 +321,7 @@ class Slowdown:
 
     def __init__(self, ranks):
         self.ranks, self.windows, self.first, self.said = ranks, 0, None, set()
-        self.slow = None        # the rank slow in the last window (two in a row are named: one is noise)
+        self.slow = set()       # the ranks slow in the last window (two in a row are named: one is noise)
 
     def look(self, every):
         """every: each rank's [compute, comm, data wait, wall] seconds a step in this window."""
@@ -332,11 +332,12 @@ class Slowdown:
                 self.first = wall, compute
             return
         grew = [c / max(b, 1e-6) for c, b in zip(compute, self.first[1])]
-        r = max(range(len(grew)), key=grew.__getitem__)
-        slow, self.slow = self.slow, (r if wall >= self.SLOWED_X * self.first[0] and grew[r] >= self.SLOWED_X
-                                      else None)
-        if self.slow is None or slow != self.slow or r in self.said:
+        slow = {r for r, g in enumerate(grew) if g >= self.SLOWED_X} if wall >= self.SLOWED_X * self.first[0] \
+            else set()
+        twice, self.slow = (slow & self.slow) - self.said, slow
+        if not twice:
             return
+        r = max(twice, key=grew.__getitem__)
         self.said.add(r)
         log.warning("rank %d (%s) slowed down: its compute takes %.0f ms a step, %.0fx its first steps' (%.1f ms), "
                     "and every step %.0fx longer (%.0f ms): its container gets less CPU than when training began "

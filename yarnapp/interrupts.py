@@ -21,9 +21,26 @@ import time
 
 _WAITED = {}            # id(run) -> Run: the applications submit(wait=True) waits for, in any thread
 _BUSY = set()           # the threads inside submit(wait=True): starting an application, or waiting for it
-_LOCK = threading.Lock()
-_STATE = {"pid": None, "terminating": False}     # the pid _on_sigterm was installed in; SIGTERM under way
+_LOCK = threading.RLock()   # (re-entrant: the handler runs on the main thread, which may hold it)
+_STATE = {"pid": None, "terminating": False, "pending": False}
+# pid: where _on_sigterm was installed; terminating: SIGTERM under way (no application starts);
+# pending: the process ends once the main thread's own submit(wait=True), interrupted as it
+# started its application, has killed it
 STOP_S = 30.0           # how long SIGTERM waits for the threads' applications to be killed
+
+
+def _forked():
+    """In a forked child (a Pool's worker): none of the parent's waits, threads or lock; a
+    handler still installed is the child's own."""
+    global _LOCK
+    _LOCK = threading.RLock()
+    _WAITED.clear()
+    _BUSY.clear()
+    _STATE.update(terminating=False, pending=False,
+                  pid=os.getpid() if signal.getsignal(signal.SIGTERM) is _on_sigterm else None)
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 @contextlib.contextmanager
@@ -41,6 +58,9 @@ def submitting():
     finally:
         with _LOCK:
             _BUSY.discard(me)
+            pending = _STATE["pending"] and threading.current_thread() is threading.main_thread()
+        if pending:
+            terminate()
 
 
 @contextlib.contextmanager
@@ -52,6 +72,7 @@ def waited(run):
     try:
         if late:                    # started as SIGTERM came: its handler may have passed it by
             run.kill()
+            _say(f"terminated: killed {run.app_id}")
         yield
     finally:
         with _LOCK:
@@ -90,16 +111,22 @@ def _say(line):
 def _on_sigterm(signum, frame):
     """SIGTERM's default action, once the applications submit(wait=True) waits for in other
     threads are killed (they ran on, nothing watching them, after `timeout` ended a sweep).
+    Where it interrupted the main thread's own submit(wait=True) as it started its
+    application, the process ends once that one is killed too (its wait comes next).
     Called by another handler that took SIGTERM over and calls the one before it (a
     training library's graceful stop), it kills what is waited for and returns: ending the
-    process is that handler's to decide. A forked child (a Pool's worker that
-    Pool.terminate() stops) kills nothing of its parent's."""
-    try:
-        if os.getpid() == _STATE["pid"]:
-            kill_waited()
-    finally:
-        if signal.getsignal(signal.SIGTERM) is _on_sigterm:
-            terminate()
+    process is that handler's to decide, and later submits start again."""
+    chained = signal.getsignal(signal.SIGTERM) is not _on_sigterm
+    if os.getpid() == _STATE["pid"]:
+        kill_waited()
+    with _LOCK:
+        mine = threading.get_ident() in _BUSY
+        if chained:
+            _STATE["terminating"] = False
+        elif mine:
+            _STATE["pending"] = True
+    if not chained and not mine:
+        terminate()
 
 
 def terminate():

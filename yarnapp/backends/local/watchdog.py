@@ -100,6 +100,7 @@ class Watchdog:
                     kind=Kind.LOST.value, container=c.id, rank=c.member["rank"], observed_by="master",
                     reason=f"lost {c.id}: {silent}, after {done.id} ended and before its rank's code finished"
                 ).stamped(generation=gen).dumps())
+        self.looked = time.monotonic()      # (a kill's wait is no pause of the master's)
 
     def supervisor_lost(self, parent):
         """Say once, in the master's log and status, that its supervisor is gone (killed from
