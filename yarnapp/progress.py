@@ -86,6 +86,7 @@ class Progress:
     def __init__(self, run, file=None, output=True):
         self.run = run
         Progress.live.add(self)
+        self.tagged = False
         # In a notebook stderr renders red: messages and the bar go to stdout there.
         self.file = file or (sys.stdout if _in_notebook() else sys.stderr)
         self.bar = None
@@ -101,9 +102,10 @@ class Progress:
             self._write(text)
 
     def _tag(self, text):
-        """`text` as it is, or, while other waits show theirs in this process, each line
-        after its application's id (which line was whose)."""
-        if len(Progress.live) < 2:
+        """`text` as it is, or, once other waits showed theirs in this process, each line
+        after its application's id (which line was whose; to its end, once begun)."""
+        self.tagged = self.tagged or len(Progress.live) > 1
+        if not self.tagged:
             return text
         return "\n".join(line if line.startswith(self.run.app_id) else f"{self.run.app_id}: {line}"
                          for line in text.split("\n"))
