@@ -13,7 +13,7 @@ import sys
 
 from conf.errors import YarnappError
 
-from .user_errors import never_ran
+from .user_errors import function_kind, never_ran
 
 log = logging.getLogger("launcher.rank")
 
@@ -98,11 +98,8 @@ def _never_ran_kind(fn, result):
         inner = getattr(inner, "func", None) or getattr(type(inner), "__call__", inner)
     if inspect.iscoroutine(result):
         return "async def"
-    if inspect.isasyncgen(result) and inspect.isasyncgenfunction(inner):
-        return "async generator"
-    if inspect.isgenerator(result) and inspect.isgeneratorfunction(inner):
-        return "generator"
-    return None
+    kind = function_kind(inner)
+    return kind if kind != "async def" and (inspect.isgenerator(result) or inspect.isasyncgen(result)) else None
 
 
 def script_path(job, workdir):

@@ -105,6 +105,15 @@ def _users(filename):
     return not any(path.startswith(t) for t in theirs)
 
 
+def function_kind(fn):
+    """"async def", "async generator" or "generator" for a function whose call runs none of
+    its body, else None."""
+    import inspect
+    return next((k for k, test in (("async def", inspect.iscoroutinefunction),
+                                   ("async generator", inspect.isasyncgenfunction),
+                                   ("generator", inspect.isgeneratorfunction)) if test(fn)), None)
+
+
 def never_ran(name, kind):
     """The line for a function whose call runs none of its body (`kind`: "async def",
     "generator", "async generator"): every rank "succeeded" at once."""

@@ -167,11 +167,8 @@ def _check_signature(function):
 def _never_runs(function):
     """What is wrong with a function whose call runs none of its body (async def, a
     generator: every rank "succeeded" at once, a coroutine never awaited), or None."""
-    import inspect
-    from launcher.user_errors import never_ran
-    kind = next((k for k, test in (("async def", inspect.iscoroutinefunction), ("async generator",
-                                   inspect.isasyncgenfunction), ("generator", inspect.isgeneratorfunction))
-                 if test(function)), None)
+    from launcher.user_errors import function_kind, never_ran
+    kind = function_kind(function)          # (not unwrapped: a wrapper may run its coroutine itself)
     return never_ran(getattr(function, "__qualname__", None) or type(function).__name__, kind) if kind else None
 
 

@@ -71,8 +71,7 @@ def waited(run):
         _WAITED[id(run)] = run
     try:
         if late:                    # started as SIGTERM came: its handler may have passed it by
-            run.kill()
-            _say(f"terminated: killed {run.app_id}")
+            _kill(run)
         yield
     finally:
         with _LOCK:
@@ -95,12 +94,17 @@ def kill_waited(but=None):
             return
         for run in runs:
             killed.add(id(run))
-            try:
-                run.kill()
-                _say(f"terminated: killed {run.app_id}")
-            except Exception as e:  # noqa: BLE001 - the others, and the process's end, come first
-                _say(f"terminated: could not kill {run.app_id}: {e}")
+            _kill(run)
         time.sleep(0.05)
+
+
+def _kill(run):
+    """Kill `run`'s application as SIGTERM stops this process, saying so."""
+    try:
+        run.kill()
+        _say(f"terminated: killed {run.app_id}")
+    except Exception as e:  # noqa: BLE001 - the others, and the process's end, come first
+        _say(f"terminated: could not kill {run.app_id}: {e}")
 
 
 def _say(line):

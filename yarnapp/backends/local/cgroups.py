@@ -41,8 +41,7 @@ class Limits:
                 _write(parent, "cpu.shares", 1024 * (os.cpu_count() or 1))
             _write(self.paths["cpu"], "cpu.shares", max(2, int(1024 * vcores)))
             _write(self.paths["cpu"], "cpu.cfs_period_us", PERIOD_US)
-            quota = max(1000, int(round(vcores * PERIOD_US)))      # CFS refuses less than 1 ms
-            _write(self.paths["cpu"], "cpu.cfs_quota_us", quota)
+            _write(self.paths["cpu"], "cpu.cfs_quota_us", quota_us(vcores))
             _write(self.paths["memory"], "memory.limit_in_bytes", memory_mib * 2**20)
             self.enforced = True
             self.why = f"enforced: cpu quota {vcores:g} CPU, memory limit {memory_mib} MiB (cgroup v1)"
@@ -66,7 +65,7 @@ class Limits:
         except (OSError, ValueError):
             return ""
         now = quota / period if quota > 0 else None
-        asked = max(1000, int(round(vcores * PERIOD_US))) / PERIOD_US
+        asked = quota_us(vcores) / PERIOD_US
         out = []
         if now is None or abs(now - asked) > 1e-6:
             out.append(f"cpu quota now {'none' if now is None else f'{now:g} CPU'}")
@@ -116,6 +115,11 @@ class Limits:
                 except OSError:
                     left.append(path)
         return left
+
+
+def quota_us(vcores):
+    """The CFS quota of `vcores` per PERIOD_US (CFS refuses less than 1 ms)."""
+    return max(1000, int(round(vcores * PERIOD_US)))
 
 
 def _write(path, name, value):

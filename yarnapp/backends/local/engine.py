@@ -286,6 +286,7 @@ class LocalBackend(Backend):
             "submitted": meta["submitted"], "diagnostics": ""}
         if not st.get("submitted"):     # (an end the supervisor wrote mid-start: listed last, not by its time)
             st["submitted"] = meta.get("submitted")
+        masters = read_json(supervisor.record_path(d)) or {}     # the master attempts its supervisor started
         if st["state"] not in TERMINAL and not supervisor.alive(d) and \
                 not (st.get("am_pid") and psutil.pid_exists(st["am_pid"])):
             # Neither the master nor the supervisor that restarts it runs (both were killed). The
@@ -293,8 +294,7 @@ class LocalBackend(Backend):
             # and the end for us to write (its containers ended with it, not RUNNING).
             log_file = next((os.path.join(d, f) for f in ("am.log", "supervisor.log")
                              if os.path.isfile(os.path.join(d, f))), os.path.join(d, "am.log"))
-            rec = read_json(supervisor.record_path(d)) or {}
-            tried, allowed = len(rec.get("attempts") or []), rec.get("am_attempts") or 1
+            tried, allowed = len(masters.get("attempts") or []), masters.get("am_attempts") or 1
             also = (f", and so had its supervisor, which would have started attempt {tried + 1} (am_attempts: "
                     f"{allowed}): both were killed from outside" if tried < allowed else "")
             st = supervisor.end(d, st, "FAILED", f"the application master died{also}; see {log_file}", log=log_file)
@@ -302,7 +302,7 @@ class LocalBackend(Backend):
             # and nobody looks again: those ending are waited for)
             psutil.wait_procs(app_processes(app_id), timeout=10)
             cgroups.Limits.remove_app(app_id)
-        st["am_attempts"] = (read_json(supervisor.record_path(d)) or {}).get("attempts", [])
+        st["am_attempts"] = masters.get("attempts", [])
         st["job_file"] = meta.get("job_file")     # the job.yaml it was submitted from, if any
         st["submit_dir"] = meta.get("submit_dir")  # where: its relative paths are from there
         store = FileStore(os.path.join(d, "store"))
