@@ -1,5 +1,7 @@
 """Bad job.yaml files: one clear line naming the file and field, non-zero exit, nothing started."""
+import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -534,6 +536,41 @@ def test_flags_merge_into_their_section_and_a_bad_value_names_the_file(tmp_path,
         assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
         assert proc.stderr.startswith(f"Error: {path}: {field} (given as {flag} {value}): "), proc.stderr
     assert apps(yarnapp_home) == []
+
+
+def test_job_fields_set_as_key_value_on_the_command_line_reach_the_run_or_name_what_gave_them(
+        tmp_path, cli, yarnapp_home):
+    """`yarnapp submit job.yaml KEY=VALUE ...` (Hydra's and TonY's `--conf` way; before, only a
+    few flags could change a job without editing its file): each sets one field, a group by
+    name or index, values read as YAML; a bad one is one line naming what gave it, with
+    nothing started. A real run shows the fields reached the containers."""
+    hello = os.path.join(conf.EXAMPLES_DIR, "hello.yaml")
+    dry = cli("submit", hello, "groups.small.instances=1", "--dry-run", "groups.0.memory=768 MiB",
+              "max_restarts=2", "launcher={heartbeat_timeout: 30s}", "network.nodes=0", check=0)
+    job = yaml.safe_load(dry.stdout)
+    assert [(g["name"], g["instances"], g["memory"]) for g in job["groups"]] == [("big", 1, 768), ("small", 1, 512)]
+    assert job["max_restarts"] == 2 and job["launcher"]["heartbeat_timeout"] == 30, job
+    for args, line in (
+            (["groups.tiny.vcores=1"], "groups.tiny.vcores=1: groups has no entry named 'tiny' (its names: big, small)"),
+            (["groups.2.vcores=1"], "groups.2.vcores=1: groups has 2 entries: index 2 is out of range"),
+            (["max_restarts"], "max_restarts: a job field set on the command line is KEY=VALUE with a dotted KEY, "
+                               "e.g. training.epochs=3"),
+            (["run.args=[a"], "run.args=[a: the value is not valid YAML (expected ',' or ']', but got '<stream "
+                              "end>'); quote it"),
+            (["name.first=x"], f"name.first=x: {hello}: name is a str ('hello'), with no field 'first'"),
+            (["groups.small.vcores=many"], f"{hello}: groups[1].vcores (given as groups.small.vcores=many): "),
+            (["groups.0.memory=2"], f"{hello}: groups[0].memory (given as groups.0.memory=2): 2 is read as 2 MiB"),
+            (["max_restartz=1"], f"{hello}: max_restartz (given as max_restartz=1): unknown field; did you mean "
+                                 f"'max_restarts'?")):
+        proc = cli("submit", hello, *args, "--wait", timeout=60)
+        assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stderr.startswith(f"Error: {line}"), proc.stderr
+    assert apps(yarnapp_home) == []
+    run = cli("submit", hello, "groups.small.instances=1", "--wait", "groups.big.vcores=0.5", timeout=240, check=0)
+    assert re.search(r"^final: .*world_size=2", run.stdout, re.M), run.stdout
+    st = json.loads(cli("status", apps(yarnapp_home)[0], "--json", check=0).stdout)
+    ran = json.load(open(os.path.join(st["app_dir"], "job.json")))       # the job the engine ran
+    assert [(g["name"], g["instances"], g["vcores"]) for g in ran["groups"]] == [("big", 1, 0.5), ("small", 1, 0.5)]
 
 
 def test_what_a_new_user_got_wrong_is_one_line_that_says_what_to_do(tmp_path, cli, yarnapp_home):

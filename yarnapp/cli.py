@@ -14,6 +14,7 @@ import sys
 import time
 
 import conf
+import conf.overrides
 
 from . import __version__, api, interrupts
 from .backends.base import TERMINAL
@@ -24,23 +25,46 @@ from .errors import YarnappError
 
 
 def _flagged(args, e):
-    """A flag's bad value: the error names its field and that the flag gave it (checked when
-    the job is read, or later: --nodes more than the containers, when the nodes are made)."""
-    for field, flag, value in (("checkpoint.resume", "--resume", args.resume), ("network.nodes", "--nodes",
-                               args.nodes), ("max_restarts", "--max-restarts", args.max_restarts)):
-        head = f"{args.job}: {field}: "
-        if value is not None and str(e).startswith(head):
-            return YarnappError(f"{args.job}: {field} (given as {flag} {value}): {str(e)[len(head):]}")
+    """A flag's or a KEY=VALUE's bad value: the error names its field and what gave it
+    (checked when the job is read, or later: --nodes more than the containers, when the
+    nodes are made)."""
+    flags = [(field, f"{flag} {value}") for field, flag, value in (
+        ("checkpoint.resume", "--resume", getattr(args, "resume", None)),
+        ("network.nodes", "--nodes", getattr(args, "nodes", None)),
+        ("max_restarts", "--max-restarts", getattr(args, "max_restarts", None))) if value is not None]
+    head = f"{args.job}: "
+    field, _, what = str(e)[len(head):].partition(": ")
+    if not str(e).startswith(head) or not what:
+        return e
+
+    def within(a, b):       # `a` is the field `b`, or a field of it (or an entry of its list)
+        return a == b or a.startswith((b + ".", b + "["))
+    for path, given in flags + sorted(getattr(args, "given", {}).items(), key=lambda kv: -len(kv[0])):
+        if within(field, path) or within(path, field):
+            return YarnappError(f"{head}{field} (given as {given}): {what}")
     return e
 
 
-def cmd_submit(args):
+def _load(args, **flags):
+    """The job of `args.job` with the command line's KEY=VALUE fields set (conf.overrides)
+    and `flags` over it; errors name the file, and what on the command line gave the field."""
+    args.given = {}
     try:
-        spec = api.load(args.job, backend=args.backend, max_restarts=args.max_restarts,   # errors name the file
-                        checkpoint=None if args.resume is None else {"resume": args.resume},
-                        network=None if args.nodes is None else {"nodes": args.nodes})
+        job = args.job
+        if args.overrides:
+            where, raw = conf.read_raw(args.job)
+            job, args.given = conf.overrides.apply(raw, args.overrides, where)
+        return api.load(job, where=args.job, **flags)
+    except conf.JobError as e:
+        raise YarnappError(str(e)) from None
     except YarnappError as e:
         raise _flagged(args, e) from None
+
+
+def cmd_submit(args):
+    spec = _load(args, backend=args.backend, max_restarts=args.max_restarts,
+                 checkpoint=None if args.resume is None else {"resume": args.resume},
+                 network=None if args.nodes is None else {"nodes": args.nodes})
     if args.dry_run:
         if args.wait:
             raise YarnappError("--wait: a --dry-run starts nothing to wait for; give one of them")
@@ -96,7 +120,7 @@ def cmd_submit(args):
 def _resubmit(args):
     """The command that submitted this job, to submit it again (a failure's line adds
     `--resume APP_ID`)."""
-    again = ["yarnapp", "submit", args.job]
+    again = ["yarnapp", "submit", args.job, *args.overrides]
     for flag, value in (("--backend", args.backend), ("--max-restarts", args.max_restarts), ("--nodes", args.nodes)):
         if value is not None:
             again += [flag, str(value)]
@@ -227,7 +251,7 @@ def cmd_tensorboard(args):
 
 def cmd_plan(args):
     """Predicted step time and speedup of every strategy for a job (training.planner)."""
-    spec = api.load(args.job)
+    spec = _load(args)
     from training import planner   # its measuring modules import torch on first use, not these checks
     # PlanError, ModelError, DataError are YarnappErrors: main() prints them as one line.
     try:
@@ -315,6 +339,8 @@ def build_parser():
 
     s = sub.add_parser("submit", help="start an application from a job.yaml")
     s.add_argument("job", help="path of the job.yaml")
+    s.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="set a field of the job, read as YAML reads "
+                   "it: training.epochs=3 training.lr=0.01 groups.big.instances=2 (a group by name or index)")
     s.add_argument("--backend", choices=["local", "yarn"], help="overrides the job's backend")
     s.add_argument("--max-restarts", type=int, help="overrides the job's max_restarts")
     s.add_argument("--wait", action="store_true", help="show progress until it ends; non-zero exit if it fails; Ctrl-C or SIGTERM kills the application")
@@ -379,6 +405,8 @@ def build_parser():
 
     s = sub.add_parser("plan", help="predict each strategy's step time and speedup for a job; recommend one")
     s.add_argument("job", help="path of the job.yaml")
+    s.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="set a field of the job, read as YAML reads "
+                   "it: training.epochs=3 training.lr=0.01 groups.big.instances=2 (a group by name or index)")
     s.add_argument("--measure", action="store_true", help="measure the job's link with an MPI ping-pong (2 "
                    "processes) even where --bandwidth or network.bandwidth is given (without either, it is "
                    "measured anyway)")
@@ -467,6 +495,9 @@ def main(argv=None):
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(_joined_negatives(sys.argv[1:] if argv is None else list(argv)))
+        if hasattr(args, "overrides"):      # KEY=VALUE after an option (`job.yaml --wait a=1`) comes as extra
+            args.overrides += [x for x in extra if "=" in x and not x.startswith("-")]
+            extra = [x for x in extra if x not in args.overrides]
         if extra:
             getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as e:
