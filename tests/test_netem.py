@@ -4,6 +4,7 @@ The tests that build networks need root and iproute2 (`ip netns`); elsewhere the
 skipped with the reason. After each of them no namespace, veth or qdisc of the
 application is left (asserted), nor any process or cgroup.
 """
+import contextlib
 import json
 import os
 import shutil
@@ -229,6 +230,37 @@ def test_a_killed_ams_network_is_removed_by_the_supervisor(cli, yarnapp_home, tm
     assert st["state"] == "FAILED" and "application master (attempt 1" in st["diagnostics"], st
     assert mine() == []
     assert yarnapp.status(app)["state"] == "FAILED"
+
+
+@needs_netns
+def test_a_cut_outlives_a_masters_restart_and_a_master_killed_with_its_supervisor_leaves_no_network(
+        cli, yarnapp_home, tmp_path, nothing_of_the_network_left):
+    """An audit of emulated hosts: the second master attempt rebuilt the network whole, so a
+    node cut with `yarnapp netem --cut` came back unsaid while its record stayed, and later
+    failures named a healthy node cut off. And with the master and its supervisor both
+    SIGKILLed, status ended the application FAILED but its namespaces stayed until a kill."""
+    from yarnapp.backends.local import supervisor
+    app = cli("submit", _loop_job(tmp_path, 100_000, 2, am_attempts=2), check=0).stdout.strip()
+    run = yarnapp.Run(app)
+    st = _wait_for(lambda st: _step(st) >= 3, run, 90, "the world trains")
+    cli("netem", app, "--node", "1", "--cut", check=0)
+    first = st["am_pid"]
+    os.kill(first, signal.SIGKILL)
+    st = _wait_for(lambda st: len(st["am_attempts"]) == 2 and st["am_pid"] != first, run, 60, "attempt 2 runs")
+    net, deadline = netem.for_app(app), time.monotonic() + 30
+    while True:         # attempt 2 builds its network
+        with contextlib.suppress(netem.NetemError):
+            if net.link_up(0) and net.link_up(2):
+                break
+        assert time.monotonic() < deadline, run.status()
+        time.sleep(0.2)
+    assert not net.link_up(1)
+    os.kill(json.load(open(supervisor.record_path(st["app_dir"])))["pid"], signal.SIGKILL)
+    os.kill(st["am_pid"], signal.SIGKILL)
+    st = run.wait(timeout=60)           # status finds both gone: the end, and the network removed
+    assert st["state"] == "FAILED" and st["diagnostics"].startswith("the application master died"), st
+    p = netem.prefix(app)
+    assert [ns for ns in netem.namespaces() if ns.startswith(p + "-")] == []
 
 
 @needs_netns

@@ -319,6 +319,11 @@ class ApplicationMaster(Watchdog):
             self.network = netem.Network.for_job(self.app_id, self.job)
             placement = netem.place(self.job)
             self.network.create()
+            for i in range(self.network.nodes):   # a link cut before this master's restart stays cut
+                if self.store.get(keys.cut(self.network.node_name(i))) is not None:
+                    self.network.cut(i)     # (rebuilt whole, it came back unsaid, and failures named it cut)
+                    log.info("%s's link stays cut (yarnapp netem --cut, before this master attempt)",
+                             self.network.node_name(i))
         except netem.NetemError as e:
             log.error("cannot build the emulated network: %s", e)
             self.store.put_if_absent(keys.FAILED, Failure(kind=Kind.SETUP.value, reason=f"emulated network: {e}").dumps())

@@ -302,6 +302,8 @@ class LocalBackend(Backend):
             # and nobody looks again: those ending are waited for)
             psutil.wait_procs(app_processes(app_id), timeout=10)
             cgroups.Limits.remove_app(app_id)
+            if netem.unavailable_reason() is None:      # its emulated nodes (namespaces stayed until a kill)
+                netem.sweep(app_id)
         st["am_attempts"] = masters.get("attempts", [])
         st["job_file"] = meta.get("job_file")     # the job.yaml it was submitted from, if any
         st["submit_dir"] = meta.get("submit_dir")  # where: its relative paths are from there
