@@ -358,9 +358,10 @@ def test_a_failed_application_says_how_to_go_on_from_its_last_checkpoint(digits,
     stored.write_text(kept)
     for group in job["groups"]:
         group["env"] = {}
-    job["training"]["max_steps"] = 1000
     path.write_text(yaml.safe_dump(job))
-    app2 = cli(*shlex.split(again)[1:], check=0).stdout.strip()      # the command as given, without --wait
+    # the command as given, without --wait, and a field set on it (the kill's hint below keeps it:
+    # it left out what the command line set, --nodes, an audit found)
+    app2 = cli(*shlex.split(again)[1:], "training.max_steps=1000", check=0).stdout.strip()
     run2 = yarnapp.Run(app2)
     wait_step(run2, rank=0, step=23)
     assert _resumed(run2) == [10], run2.logs()["big_0"][-2000:]
@@ -379,7 +380,7 @@ def test_a_failed_application_says_how_to_go_on_from_its_last_checkpoint(digits,
                             text=True, timeout=120).stdout.strip()
     step = int(killed.split("checkpoint is step ")[1].split(":")[0])
     assert step >= 20 and killed == (f"{app2} KILLED; its last complete checkpoint is step {step}: `cd "
-                                     f"{shlex.quote(submitted_from)} && yarnapp submit {path} --resume {app2}` goes "
+                                     f"{shlex.quote(submitted_from)} && yarnapp submit {path} training.max_steps=1000 --resume {app2}` goes "
                                      f"on from it"), killed
     assert_nothing_left(app)
     assert_nothing_left(app2)

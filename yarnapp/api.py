@@ -271,10 +271,12 @@ def dry_run(spec, where="job"):
             f"application master)\n" + yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
 
 
-def start(spec, where="job"):
-    """Start a validated JobSpec on its backend; `where` names its source in errors."""
+def start(spec, where="job", setting=()):
+    """Start a validated JobSpec on its backend; `where` names its source in errors.
+    `setting`: the command line's arguments after the job's file that set its fields
+    (KEY=VALUE, --nodes N), kept to say how to submit it again (a kill's resume hint)."""
     be = backends.get(spec.backend)
-    return Run(be.submit(spec, where=where), be, spec)
+    return Run(be.submit(spec, where=where, setting=setting), be, spec)
 
 
 class Run:

@@ -76,7 +76,7 @@ def cmd_submit(args):
     _interrupt_on_sigterm()         # `kill` or `timeout` stops a submit as Ctrl-C does
     t0, out = time.time(), sys.stdout
     try:
-        run = api.start(spec, where=args.job)
+        run = api.start(spec, where=args.job, setting=_setting(args))
     except YarnappError as e:
         raise _flagged(args, e) from None
     try:
@@ -120,11 +120,16 @@ def cmd_submit(args):
 def _resubmit(args):
     """The command that submitted this job, to submit it again (a failure's line adds
     `--resume APP_ID`)."""
-    again = ["yarnapp", "submit", args.job, *args.overrides]
+    return shlex.join(["yarnapp", "submit", args.job, *_setting(args)])
+
+
+def _setting(args):
+    """The arguments of `yarnapp submit` after the job's file that set its fields."""
+    out = list(args.overrides)
     for flag, value in (("--backend", args.backend), ("--max-restarts", args.max_restarts), ("--nodes", args.nodes)):
         if value is not None:
-            again += [flag, str(value)]
-    return shlex.join(again)
+            out += [flag, str(value)]
+    return out
 
 
 def cmd_status(args):
@@ -197,7 +202,7 @@ def _submitted_as(st):
     if job:
         rel = os.path.relpath(job, where)
         job = shlex.quote(job if rel.startswith("..") else rel)
-    return f"{cd}yarnapp submit {job or 'JOB.yaml'}"
+    return f"{cd}yarnapp submit {job or 'JOB.yaml'}{''.join(' ' + shlex.quote(a) for a in st.get('setting') or [])}"
 
 
 def cmd_list(args):

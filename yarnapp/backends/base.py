@@ -20,8 +20,9 @@ class Backend(abc.ABC):
     name = "base"
 
     @abc.abstractmethod
-    def submit(self, job):
-        """Start the application for a validated conf.JobSpec; return its app id."""
+    def submit(self, job, where="job", setting=()):
+        """Start the application for a validated conf.JobSpec; return its app id (`where`:
+        its source, for errors; `setting`: the arguments that set its fields, yarnapp.api.start)."""
 
     @abc.abstractmethod
     def status(self, app_id):

@@ -298,7 +298,7 @@ class YarnBackend(Backend):
                                f"the job's yarn.acls (view_users to see it, modify_users to kill it too)")
         return report
 
-    def submit(self, job, where=None):
+    def submit(self, job, where=None, setting=()):
         capacity.check_fits(self.client.get_nodes, job, where, TENSORBOARD_RESOURCES,
                             child_queues=self.client.get_child_queues, counts_vcores=yarn_cluster.counts_vcores())
         self._check_resumed_ended(job, where)

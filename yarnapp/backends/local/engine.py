@@ -230,7 +230,7 @@ class LocalBackend(Backend):
         """checkpoint.uri unset: in the application's own directory."""
         return super().checkpoints_of(app_id, job) or checkpoint_dir(app_id, siblings=apps_dir())
 
-    def submit(self, job, where="job"):
+    def submit(self, job, where="job", setting=()):
         shipment = checked(job, where)
         job = shipment.job
         app_id = _new_app_id()
@@ -257,7 +257,8 @@ class LocalBackend(Backend):
             write_json(os.path.join(d, "app.json"), {"app_id": app_id, "secret": secrets.token_hex(16),
                                                       "submitted": submitted, "name": job.name,
                                                       "job_file": os.path.abspath(where) if os.path.isfile(where)
-                                                      else None, "submit_dir": os.getcwd()})
+                                                      else None, "submit_dir": os.getcwd(),
+                                                      "setting": list(setting)})
             FileStore(os.path.join(d, "store"))
             env = dict(os.environ, PYTHONUNBUFFERED="1", YARNAPP_UMASK=f"{submitter_umask:o}")   # the job's code's
             env.pop("YARNAPP_APP_ID", None)     # the supervisor is not a process of the application
@@ -307,6 +308,7 @@ class LocalBackend(Backend):
         st["am_attempts"] = masters.get("attempts", [])
         st["job_file"] = meta.get("job_file")     # the job.yaml it was submitted from, if any
         st["submit_dir"] = meta.get("submit_dir")  # where: its relative paths are from there
+        st["setting"] = meta.get("setting") or []  # the arguments after the file that set its fields
         store = FileStore(os.path.join(d, "store"))
         st["progress"] = keys.progress_records(store.get_prefix(keys.PROGRESS_PREFIX))
         final = store.get(keys.FINAL)
