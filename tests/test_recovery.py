@@ -319,6 +319,30 @@ def test_a_rank_that_always_fails_spends_the_budget_then_fails(tmp_path, cli, ya
     assert_nothing_left(app)
 
 
+def test_an_application_that_trained_no_step_gets_no_resume_hint_for_checkpoints_out_of_reach(
+        digits, tmp_path, yarnapp_home):
+    """A notebook audit on YARN: a job failed as it started, on a checkpoint.uri it could not
+    write, and its line ended "its checkpoints (...) cannot be read now: once they can,
+    submit(..., resume) goes on from the last complete one", of checkpoints never written.
+    (Here a container too small to import torch fails it as it starts.)"""
+    job = digits_job(tmp_path, digits, "no-step", max_restarts=0)
+    for group in job["groups"]:
+        group["memory"] = "120 MiB"
+    run = yarnapp.submit(job)
+    st = run.wait(timeout=120)
+    assert st["state"] == "FAILED" and not any(p.get("step") for p in st["progress"].values()), st
+    stored = yarnapp_home / "apps" / run.app_id / "job.json"
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()                                                # nothing listens there now
+    stored.write_text(json.dumps({**json.loads(stored.read_text()), "checkpoint": {
+        **json.loads(stored.read_text())["checkpoint"], "uri": f"webhdfs://127.0.0.1:{port}/ckpt"}}))
+    message = yarnapp.Run(run.app_id).failure_message()
+    assert "exceeded its memory limit" in message and "checkpoints" not in message, message
+    assert_nothing_left(run.app_id)
+
+
 def test_a_failed_application_says_how_to_go_on_from_its_last_checkpoint(digits, tmp_path, cli, yarnapp_home):
     """Out of restarts with a complete checkpoint behind it, the failure's line names the
     checkpoint and the command that goes on from it; that command, run as written once

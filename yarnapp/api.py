@@ -444,15 +444,18 @@ class Run:
         Where its training had ended (rank 0's final record: a kill a moment after), it says so
         instead: resuming would train 0 steps."""
         try:
-            final = (self._last if self._last and self._last["state"] in TERMINAL else self.status()).get("final")
+            st = self._last if self._last and self._last["state"] in TERMINAL else self.status()
         except Exception:  # noqa: BLE001 - a hint never hides the line it ends
-            final = None
+            st = {}
+        final = st.get("final")
         if final and final.get("steps") is not None:
             return f"; its training had ended (step {final['steps']}): its model and final metrics are kept"
         step, unread = self._last_checkpoint()      # None on any error: a hint never hides the line it ends
         how = (f"`{resubmit} --resume {self.app_id}`" if resubmit else
                f"submit(..., checkpoint={{'resume': '{self.app_id}'}})")
-        if unread:                  # (HDFS down as it failed: the hint was lost when it mattered most)
+        trained = any((p or {}).get("step") for p in (st.get("progress") or {}).values())
+        if unread and trained:      # (HDFS down as it failed: the hint was lost when it mattered most;
+            # not where no step was trained: an unreachable checkpoint.uri failed it as it started)
             return f"; its checkpoints ({unread}) cannot be read now: once they can, {how} goes on from the last " \
                    f"complete one"
         if step is None:
