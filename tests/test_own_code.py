@@ -761,12 +761,19 @@ def test_a_notebook_function_using_a_local_module_takes_it_along(tmp_path, yarna
         "run = yarnapp.submit(job, function=f, wait=True, progress=False)\n"
         "print('BY VALUE:', run.final)\n"
         "run = yarnapp.submit(job, function=f, wait=True, progress=False, run={'files': ['mylocal.py']})\n"
-        "print('SHIPPED:', run.final)\n")
+        "print('SHIPPED:', run.final)\n"
+        "import types, sys\n"     # a cell's module of a notebook tool: exec'd, with no file to import
+        "cell = sys.modules['nbcell'] = types.ModuleType('nbcell')\n"
+        "exec(compile('import mylocal\\ndef g(ctx):\\n    return {\"v\": mylocal.value() * 2}\\n', '<ipython-input-1>',\n"
+        "             'exec'), cell.__dict__)\n"
+        "run = yarnapp.submit(job, function=cell.g, wait=True, progress=False)\n"
+        "print('IN MEMORY:', run.final)\n")
     proc = subprocess.run([sys.executable, "nb.py"], cwd=tmp_path, capture_output=True, text=True, timeout=240,
                           env=dict(os.environ))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "BY VALUE: {'value': 21, 'imported': False}" in proc.stdout, proc.stdout
     assert "SHIPPED: {'value': 21, 'imported': True}" in proc.stdout, proc.stdout
+    assert "IN MEMORY: {'v': 14}" in proc.stdout, proc.stdout     # (failed: No module named 'nbcell')
     for app in apps(yarnapp_home):
         assert_nothing_left(app)
 

@@ -403,10 +403,21 @@ def local_modules(shipment):
     cannot = unimportable(shipment)
     out = []
     for name, module in list(sys.modules.items()):
-        if (name not in ("__main__", "__mp_main__") and isinstance(module, types.ModuleType)
-                and module.__name__ == name and cannot(name, getattr(module, "__file__", None))):
+        if name in ("__main__", "__mp_main__") or not isinstance(module, types.ModuleType) or module.__name__ != name:
+            continue
+        file = getattr(module, "__file__", None)
+        if cannot(name, file) or file is None and _in_memory(name, module):
             out.append(module)
     return out
+
+
+def _in_memory(name, module):
+    """Whether top-level module `name` was made here with no file to import it from: code
+    exec'd into a types.ModuleType (a notebook tool's cell module, generated code). A
+    function of it went by name, and every rank failed: "No module named 'nbcell'".
+    Cython's runtime modules have no file or spec either, and no Python function."""
+    return (getattr(module, "__spec__", None) is None and name not in sys.builtin_module_names
+            and any(isinstance(v, types.FunctionType) and v.__module__ == name for v in vars(module).values()))
 
 
 def unimportable(shipment, unknown=True):
