@@ -29,6 +29,8 @@ from .failure import CALLED_APART, WAITED_FOR_FINISHED, Failure, Kind, spends_th
 log = logging.getLogger("launcher.agent")
 
 APART_GRACE_S = 5.0     # called_apart waits this long for every rank to say where it waits
+STARTING_LOOK_S = 5.0   # while the resource manager has containers of the job to start, how often
+                        # an agent past its rendezvous limit asks it again (starting)
 
 
 UNHEARD = "never reported"     # not_formed's note on running containers whose agents never beat
@@ -60,6 +62,34 @@ class PeerDiagnosis:
     observe()."""
 
     apart_since = None      # when called_apart first found ranks in calls that never meet
+    _look_again = None      # starting: when to ask the resource manager again
+    _said_starting = None   # starting: the count of containers to start it last logged
+
+    def starting(self, now):
+        """Whether the world, past the rendezvous limit (counted from when this agent spawned
+        its rank), may wait on: the resource manager has yet to start some of the job's
+        containers (YARN: a busy queue holds them, or a replacement is asked for), so the
+        limit counts from the start of the last of them, not before; a full cluster makes a
+        job wait, as it waits to be accepted, not fail. The local engine starts a job's
+        containers together (its leases: ACCEPTED until all fit): never there."""
+        if self._look_again is not None and now < self._look_again:
+            return True
+        try:
+            waiting, last_start = self.store.starting(sorted({m["group"] for m in self.members}))
+        except Exception as e:      # the resource manager unreachable: judged as before
+            log.warning("could not ask the resource manager which containers it has yet to start: %s", e)
+            return False
+        if waiting:
+            self._look_again = now + STARTING_LOOK_S
+            if waiting != self._said_starting:
+                log.info("the world waits for the resource manager to start %d more container(s) of the job "
+                         "(a busy queue or cluster); launcher.rendezvous_timeout counts from their start", waiting)
+            self._said_starting = waiting
+            return True
+        self._look_again = None
+        if last_start is not None:      # the limit from the last start (on the master's clock: skein's)
+            self.rendezvous_from = max(self.rendezvous_from, now - max(0.0, time.time() - last_start))
+        return now - self.rendezvous_from <= self.job.launcher.rendezvous_timeout
 
     def lost_member(self, gen, seen):
         """A member that joined this generation whose container is gone or replaced
@@ -194,9 +224,9 @@ class PeerDiagnosis:
                     f"or still localizing its files: raise launcher.rendezvous_timeout for those)"
                     + ("" if last else f"; the resource manager is asked to replace {'it' if one else 'them'}"))
         if never and not unheard:
-            note += (f"; {', '.join(never)} never reported: not started by the resource manager yet (a full "
-                     f"cluster or queue keeps {'it' if len(never) == 1 else 'them'} waiting), or stuck as "
-                     f"{'it' if len(never) == 1 else 'they'} started; `yarnapp status` shows each container's state")
+            note += (f"; {', '.join(never)} never reported: stuck as {'it' if len(never) == 1 else 'they'} "
+                     f"started, or started lately (the limit counts from the last start the resource manager "
+                     f"reports); `yarnapp status` shows each container's state")
         return Failure(kind=Kind.NOT_FORMED.value, container=self.ident.container, rank=self.ident.rank,
                        reason=f"world not formed within {lj.rendezvous_timeout:.0f}s; missing: "
                               f"{', '.join(missing) or 'none'}" + note + self.network_note())

@@ -84,6 +84,7 @@ class Monitor:
         self.store.put(keys.incarnation(gen, self.ident.rank), self.incarnation)
         me, rank = self.ident.container, self.ident.rank
         self.formed_seen = None
+        self.rendezvous_from = self.spawned     # moved on while containers wait to start (starting)
         waited = 0.0            # extra silence allowed a rank found waiting for its peers (launcher.stacks)
         peer_ended = None       # when this agent first saw a peer's code finished (and its rank not)
         while True:
@@ -111,7 +112,7 @@ class Monitor:
             if frozen:
                 return Outcome.OWN, self.replace_frozen(gen, seen, frozen)
             formed = keys.formed(gen) in seen
-            if not formed and now - self.spawned > lj.rendezvous_timeout:
+            if not formed and now - self.rendezvous_from > lj.rendezvous_timeout and not self.starting(now):
                 return Outcome.OWN, self.not_formed(gen, seen)
             apart = self.called_apart(gen, seen) if formed else None
             if apart:

@@ -252,8 +252,10 @@ def main(argv=None):
         fail(store, gen, ident.rank, str(e), "setup", input_error=e.__cause__ is None or None)
 
     net = network.configure()   # MPI over this container's own address (emulated nodes); else no-op
-    comm, took = world.join(store, gen, ident.rank, ident.world_size, ident.secret,
-                            timeout=job.launcher.rendezvous_timeout,
+    # No limit of its own: its agent judges launcher.rendezvous_timeout, which waits on while the
+    # resource manager has containers of the job to start (launcher.diagnosis: starting), and
+    # records the abort that ends this wait.
+    comm, took = world.join(store, gen, ident.rank, ident.world_size, ident.secret, timeout=None,
                             aborted=lambda: store.get(keys.abort(gen)) is not None)
     assert comm.Get_rank() == ident.rank and comm.Get_size() == ident.world_size
     import socket

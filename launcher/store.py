@@ -60,6 +60,12 @@ class Store(abc.ABC):
         engine can read). The local engine's master watches those keys and replaces it
         itself: nothing to do here."""
 
+    def starting(self, groups):
+        """(how many containers of `groups` the resource manager has yet to start, when the
+        last of those running started: epoch seconds or None). The local engine's master
+        starts a job's containers together, before its ranks: (0, None)."""
+        return 0, None
+
     def unheard(self, groups, heard, older_than):
         """The containers of `groups` the resource manager has run for more than `older_than`
         seconds whose engine ids are not in `heard` (their agents never beat: frozen or stuck
@@ -245,6 +251,12 @@ class SkeinStore(Store):
         self.app.kill_container(engine_id)
         if len(self.app.get_containers(services=[group])) < instances:     # waiting, requested, running
             self.app.add_container(group)
+
+    def starting(self, groups):
+        containers = self.app.get_containers(services=groups, states=["WAITING", "REQUESTED", "RUNNING"])
+        waiting = sum(str(c.state) != "RUNNING" for c in containers)
+        starts = [c.start_time.timestamp() for c in containers if str(c.state) == "RUNNING" and c.start_time]
+        return waiting, max(starts, default=None)
 
     def unheard(self, groups, heard, older_than):
         # skein's start_time is the master's clock: hosts of one cluster keep theirs in step

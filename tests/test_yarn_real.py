@@ -11,6 +11,8 @@ import re
 import shutil
 import signal
 import stat
+import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -289,6 +291,53 @@ def test_a_queue_too_small_for_the_job_is_refused_and_vcores_count_where_the_sch
                                            r"running node\(s\) have together \(16 vcores, 16384 MiB\)"):
         capacity.check_fits(client.get_nodes, many, "job", {"vcores": 1, "memory": 1024},
                             child_queues=client.get_child_queues, counts_vcores=True)
+
+
+def test_a_job_on_a_busy_cluster_waits_for_its_last_container_then_forms(cluster, shell, tmp_path):
+    """A multi-tenant audit: the rendezvous limit ran while YARN had not yet started a
+    container another tenant's application left no room for, so a job on a busy cluster
+    failed ("world not formed") where it should have waited, as it waits to be accepted.
+    Now it waits for the resource manager, and the limit counts from the last start."""
+    import skein
+    client = cluster.backend().client
+    node, = client.get_nodes()
+    free = node.total_resources.memory - node.used_resources.memory
+    hold = free - 512 - (512 + 2 * 1024)     # its master's, then room for the job's master and 2 of its 3
+    blocker = client.submit(skein.ApplicationSpec(    # (a container, not a master: masters have a share of their own)
+        name="other-tenant", queue="default", master=skein.Master(resources=skein.Resources(memory=512, vcores=1)),
+        services={"hold": skein.Service(resources=skein.Resources(memory=hold, vcores=1), script="sleep 600")}))
+    try:
+        deadline = time.monotonic() + 120
+        while not (client.application_report(blocker).state == "RUNNING" and
+                   client.connect(blocker).get_containers(states=["RUNNING"])):
+            assert time.monotonic() < deadline, "the other tenant's container never ran"
+            time.sleep(1)
+        job = write(tmp_path / "busy.yaml", hello_job(name="busy", launcher={"rendezvous_timeout": "10s"}))
+        proc = subprocess.Popen([sys.executable, "-m", "yarnapp.cli", "submit", job, "--wait"], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, **cluster.env})
+        app, deadline = None, time.monotonic() + 120
+        while True:         # until 2 of its 3 containers run (the third cannot), and 3 limits more
+            assert proc.poll() is None, proc.communicate()
+            app = app or next((a.id for a in client.get_applications(states=["SUBMITTED", "ACCEPTED", "RUNNING"],
+                                                                    name="busy")), None)
+            st = json.loads(cluster.cli("status", app, "--json").stdout) if app else {}
+            states = sorted(c["state"] for c in st.get("containers") or [])
+            if states.count("RUNNING") == 2:
+                break
+            assert time.monotonic() < deadline, st
+            time.sleep(1)
+        assert "REQUESTED" in states or "WAITING" in states, states
+        time.sleep(30)
+        st = json.loads(cluster.cli("status", app, "--json").stdout)
+        assert proc.poll() is None and st["state"] == "RUNNING" and st["failure"] is None, st
+    finally:
+        client.kill_application(blocker)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out + err
+    st = json.loads(cluster.cli("status", app, "--json").stdout)
+    assert st["state"] == "SUCCEEDED" and st["final"]["world_size"] == 3 and st["restarts"] == [], st
+    assert cluster.hadoop.container_pids(app, wait_s=30) == []
 
 
 def _get(url, timeout=10):
