@@ -344,7 +344,7 @@ def build_parser():
 
     s = sub.add_parser("submit", help="start an application from a job.yaml")
     s.add_argument("job", help="path of the job.yaml")
-    s.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="set a field of the job, read as YAML reads "
+    s.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help="set a field of the job, read as YAML reads "
                    "it: training.epochs=3 training.lr=0.01 groups.big.instances=2 (a group by name or index)")
     s.add_argument("--backend", choices=["local", "yarn"], help="overrides the job's backend")
     s.add_argument("--max-restarts", type=int, help="overrides the job's max_restarts")
@@ -410,7 +410,7 @@ def build_parser():
 
     s = sub.add_parser("plan", help="predict each strategy's step time and speedup for a job; recommend one")
     s.add_argument("job", help="path of the job.yaml")
-    s.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="set a field of the job, read as YAML reads "
+    s.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help="set a field of the job, read as YAML reads "
                    "it: training.epochs=3 training.lr=0.01 groups.big.instances=2 (a group by name or index)")
     s.add_argument("--measure", action="store_true", help="measure the job's link with an MPI ping-pong (2 "
                    "processes) even where --bandwidth or network.bandwidth is given (without either, it is "
