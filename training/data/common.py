@@ -4,6 +4,8 @@ Every URI is opened through training.fsutil.resolve (the one adapter around pyar
 filesystems); here its failures become a DataError of one line naming the URI and what
 to do.
 """
+import re
+
 import pyarrow as pa
 import pyarrow.fs as pafs
 
@@ -31,9 +33,19 @@ class Unreachable(DataError):
 
 
 def one_line(exc):
-    """The first line of an exception's message (arrow errors can span a page)."""
+    """The first line of an exception's message (arrow errors can span a page). urllib3's
+    "Max retries exceeded with url: ... (Caused by NewConnectionError(...: [Errno 111]
+    Connection refused'))" (WebHDFS) is said by its host and its cause: cut at 200
+    characters, the cause was lost mid-phrase."""
     text = str(exc).strip().splitlines()
     line = text[0] if text else type(exc).__name__
+    retries = re.match(r"(\w+ConnectionPool\(host=[^)]*\)): Max retries exceeded", line)
+    if retries:
+        cause = (re.search(r"\[Errno -?\d+\] ([^'\"()]+)", line)              # the socket's own words
+                 or re.search(r"Caused by \w+\(.*['\"]([^'\"]*[a-z][^'\"]*)['\"]\)+$", line)    # its message
+                 or re.search(r"Caused by (\w+)", line))
+        said = cause.group(1).split("): ")[-1] if cause else "no connection"
+        return f"{retries.group(1)}: {said}"
     return line if len(line) <= 200 else line[:197] + "..."
 
 
