@@ -9,10 +9,11 @@ YAML reads it in a job file: `3` an integer, `0.1` a float, `true`, `[1, 2]` a l
 wrong field or value is refused as one in the file would be.
 """
 import copy
+import re
 
 import yaml
 
-from . import JobError
+from . import JobError, _merge
 
 EXAMPLE = "training.epochs=3"
 
@@ -25,7 +26,10 @@ def apply(raw, assignments, where="job"):
     out, given = copy.deepcopy(raw), {}
     for text in assignments:
         key, value = parse(text)
-        given[_set(out, key.split("."), value, text, where)] = text
+        path, created = _set(out, key.split("."), value, text, where)
+        given[path] = text
+        for section in created:         # a section the file lacks: its errors are this assignment's too
+            given.setdefault(section, text)
     return out, given
 
 
@@ -43,33 +47,36 @@ def parse(text):
 
 
 def _set(node, parts, value, text, where):
-    """Set `value` at `parts` under `node`; the path as errors write it."""
-    path = ""
+    """Set `value` at `parts` under `node` (a mapping merged into the mapping there, as a
+    section's flags merge: `launcher={idle_timeout: 1m}` keeps the file's other launcher
+    fields); (the path as errors write it, the sections it made)."""
+    path, created = "", []
     for i, part in enumerate(parts):
         last = i == len(parts) - 1
         if isinstance(node, list):
             index = _index(node, part, text, path)
             path += f"[{index}]"
             if last:
-                node[index] = value
+                node[index] = _merge(node[index], value) if isinstance(node[index], dict) else value
             else:
                 node = node[index]
         elif isinstance(node, dict):
             path += ("." if path else "") + part
             if last:
-                node[part] = value
+                node[part] = _merge(node[part], value) if isinstance(node.get(part), dict) else value
             else:
                 if node.get(part) is None:
                     node[part] = {}         # a section the job leaves to its defaults
+                    created.append(path)
                 node = node[part]
         else:
             raise JobError(f"{text}: {where}: {path} is {_kind(node)}, with no field {part!r}")
-    return path
+    return path, created
 
 
 def _index(items, part, text, name):
     """The index of the list entry `part` names: its position, or the entry whose name it is."""
-    if part.lstrip("-").isdigit():
+    if re.fullmatch(r"-?[0-9]+", part):
         i = int(part)
         if not -len(items) <= i < len(items):
             raise JobError(f"{text}: {name} has {len(items)} entries: index {i} is out of range")

@@ -64,6 +64,7 @@ class PeerDiagnosis:
     apart_since = None      # when called_apart first found ranks in calls that never meet
     _look_again = None      # starting: when to ask the resource manager again
     _said_starting = None   # starting: the count of containers to start it last logged
+    _rm_unasked = None      # starting: the resource manager could not be asked (judged as before)
 
     def starting(self, now):
         """Whether the world, past the rendezvous limit (counted from when this agent spawned
@@ -78,6 +79,7 @@ class PeerDiagnosis:
             waiting, last_start = self.store.starting(sorted({m["group"] for m in self.members}))
         except Exception as e:      # the resource manager unreachable: judged as before
             log.warning("could not ask the resource manager which containers it has yet to start: %s", e)
+            self._rm_unasked = True
             return False
         if waiting:
             self._look_again = now + STARTING_LOOK_S
@@ -224,9 +226,12 @@ class PeerDiagnosis:
                     f"or still localizing its files: raise launcher.rendezvous_timeout for those)"
                     + ("" if last else f"; the resource manager is asked to replace {'it' if one else 'them'}"))
         if never and not unheard:
-            note += (f"; {', '.join(never)} never reported: stuck as {'it' if len(never) == 1 else 'they'} "
-                     f"started, or started lately (the limit counts from the last start the resource manager "
-                     f"reports); `yarnapp status` shows each container's state")
+            they = 'it' if len(never) == 1 else 'they'
+            note += (f"; {', '.join(never)} never reported: "
+                     + (f"not started by the resource manager yet (it could not be asked), or stuck as {they} "
+                        f"started" if self._rm_unasked else
+                        f"stuck as {they} started, or started lately (the limit counts from the last start the "
+                        f"resource manager reports)") + "; `yarnapp status` shows each container's state")
         return Failure(kind=Kind.NOT_FORMED.value, container=self.ident.container, rank=self.ident.rank,
                        reason=f"world not formed within {lj.rendezvous_timeout:.0f}s; missing: "
                               f"{', '.join(missing) or 'none'}" + note + self.network_note())

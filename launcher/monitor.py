@@ -85,6 +85,7 @@ class Monitor:
         me, rank = self.ident.container, self.ident.rank
         self.formed_seen = None
         self.rendezvous_from = self.spawned     # moved on while containers wait to start (starting)
+        self._look_again = self._said_starting = self._rm_unasked = None
         waited = 0.0            # extra silence allowed a rank found waiting for its peers (launcher.stacks)
         peer_ended = None       # when this agent first saw a peer's code finished (and its rank not)
         while True:

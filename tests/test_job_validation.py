@@ -545,14 +545,20 @@ def test_job_fields_set_as_key_value_on_the_command_line_reach_the_run_or_name_w
     name or index, values read as YAML; a bad one is one line naming what gave it, with
     nothing started. A real run shows the fields reached the containers."""
     hello = os.path.join(conf.EXAMPLES_DIR, "hello.yaml")
-    dry = cli("submit", hello, "groups.small.instances=1", "--dry-run", "groups.0.memory=768 MiB",
-              "max_restarts=2", "launcher={heartbeat_timeout: 30s}", "network.nodes=0", check=0)
-    job = yaml.safe_load(dry.stdout)
+    dry = cli("submit", hello, "groups.small.instances=1", "--dry-run", "groups.0={memory: 768 MiB}",
+              "max_restarts=2", "launcher={heartbeat_timeout: 30s}", "launcher.idle_timeout=1m", "network.nodes=0",
+              check=0)
+    job = yaml.safe_load(dry.stdout)        # a mapping merges into the entry or section there
     assert [(g["name"], g["instances"], g["memory"]) for g in job["groups"]] == [("big", 1, 768), ("small", 1, 512)]
     assert job["max_restarts"] == 2 and job["launcher"]["heartbeat_timeout"] == 30, job
+    assert job["launcher"]["idle_timeout"] == 60, job
+    bad = _with("launcher", {"poll_interval": "5s", "heartbeat_timeout": "2s"})
+    (tmp_path / "poll.yaml").write_text(yaml.safe_dump(bad))
     for args, line in (
-            (["groups.tiny.vcores=1"], "groups.tiny.vcores=1: groups has no entry named 'tiny' (its names: big, small)"),
+            (["groups.tiny.vcores=1"], "groups.tiny.vcores=1: groups has no entry named 'tiny' (its names: big, "
+                                       "small)"),
             (["groups.2.vcores=1"], "groups.2.vcores=1: groups has 2 entries: index 2 is out of range"),
+            (["groups.--1.vcores=1"], "groups.--1.vcores=1: groups has no entry named '--1' (its names: big, small)"),
             (["max_restarts"], "max_restarts: a job field set on the command line is KEY=VALUE with a dotted KEY, "
                                "e.g. training.epochs=3"),
             (["run.args=[a"], "run.args=[a: the value is not valid YAML (expected ',' or ']', but got '<stream "
@@ -565,6 +571,13 @@ def test_job_fields_set_as_key_value_on_the_command_line_reach_the_run_or_name_w
         proc = cli("submit", hello, *args, "--wait", timeout=60)
         assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
         assert proc.stderr.startswith(f"Error: {line}"), proc.stderr
+    # the file's own mistake is the file's, not a field set beside it in its section
+    proc = cli("submit", tmp_path / "poll.yaml", "launcher.idle_timeout=1m", timeout=60)
+    assert proc.returncode == 1 and proc.stderr.startswith(
+        f"Error: {tmp_path / 'poll.yaml'}: launcher: heartbeat_timeout"), proc.stderr
+    proc = cli("submit", "training.epochs=3", hello, timeout=60)       # the fields before the file
+    assert proc.stderr == (f"Error: training.epochs=3: not a job file; give the job's file first, then its fields: "
+                           f"yarnapp submit {hello} training.epochs=3\n"), proc.stderr
     assert apps(yarnapp_home) == []
     run = cli("submit", hello, "groups.small.instances=1", "--wait", "groups.big.vcores=0.5", timeout=240, check=0)
     assert re.search(r"^final: .*world_size=2", run.stdout, re.M), run.stdout

@@ -453,8 +453,11 @@ class Run:
         step, unread = self._last_checkpoint()      # None on any error: a hint never hides the line it ends
         how = (f"`{resubmit} --resume {self.app_id}`" if resubmit else
                f"submit(..., checkpoint={{'resume': '{self.app_id}'}})")
-        trained = any((p or {}).get("step") for p in (st.get("progress") or {}).values())
-        if unread and trained:      # (HDFS down as it failed: the hint was lost when it mattered most;
+        progress = st.get("progress") or {}
+        # Known where the local engine keeps it, or YARN's storage held it (not for a kill, nor with HDFS down)
+        untrained = (progress or self.backend.name == "local") and not any((p or {}).get("step")
+                                                                         for p in progress.values())
+        if unread and not untrained:    # (HDFS down as it failed: the hint was lost when it mattered most;
             # not where no step was trained: an unreachable checkpoint.uri failed it as it started)
             return f"; its checkpoints ({unread}) cannot be read now: once they can, {how} goes on from the last " \
                    f"complete one"

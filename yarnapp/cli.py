@@ -40,7 +40,7 @@ def _flagged(args, e):
     def within(a, b):       # `a` is the field `b`, or a field of it (or an entry of its list)
         return a == b or a.startswith((b + ".", b + "["))
     for path, given in flags + sorted(getattr(args, "given", {}).items(), key=lambda kv: -len(kv[0])):
-        if within(field, path) or within(path, field):
+        if within(field, path):
             return YarnappError(f"{head}{field} (given as {given}): {what}")
     return e
 
@@ -51,6 +51,11 @@ def _load(args, **flags):
     args.given = {}
     try:
         job = args.job
+        if "=" in str(job) and not os.path.exists(job):     # `yarnapp submit a=1 job.yaml`
+            files = [a for a in args.overrides if "=" not in a]
+            again = [files[0] if files else "JOB.yaml", job, *(a for a in args.overrides if "=" in a)]
+            raise YarnappError(f"{job}: not a job file; give the job's file first, then its fields: yarnapp {args.cmd} "
+                               f"{shlex.join(again)}")
         if args.overrides:
             where, raw = conf.read_raw(args.job)
             job, args.given = conf.overrides.apply(raw, args.overrides, where)
