@@ -285,6 +285,18 @@ class PeerDiagnosis:
             f"the ranks wait in {CALLED_APART}, which never meet: {said}; every rank must call them in the same "
             f"order (one made under `if rank == 0:`, or after a rank ran more steps than the others?)"))
 
+    def behind_a_cut(self):
+        """Whether some member's node is cut off (`yarnapp netem --cut`) and this container's
+        is not: its rank waits for that member's, whose agent should name it (the first to
+        record a hang is named, and a rank on a healthy node was, where the agents' limits
+        came in another order)."""
+        members = network.members_from(self.store)
+        mine = members.get(self.ident.container)
+        if not mine:
+            return False
+        cut = {k.removeprefix(keys.CUT_PREFIX) for k in self.store.get_prefix(keys.CUT_PREFIX)}
+        return mine["node"] not in cut and any(m["node"] in cut for m in members.values())
+
     def network_note(self):
         """On emulated nodes: "; <which node is unreachable>" when the world hangs or cannot
         form because of the network (empty otherwise, and always on a shared host)."""

@@ -182,7 +182,7 @@ class Monitor:
                     at = None if stopped else stacks.where(stacks.dump(self.child.pid, self.heartbeat + stacks.SUFFIX),
                                                             idle=judged_idle)
                     if at and at.waiting and not waited:    # the rank it waits for is named first
-                        waited = min(limit, stacks.WAITING_GRACE_S)
+                        waited = min(limit, stacks.WAITING_GRACE_S) * (2 if self.behind_a_cut() else 1)
                         continue
                     if at and not at.waiting and judged_busy and not judged_idle and not capped \
                             and self.activity.cpu_busy:
