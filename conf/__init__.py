@@ -2,6 +2,7 @@
 import copy
 import difflib
 import os
+import re
 import typing
 
 import yaml
@@ -220,6 +221,18 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                                                         key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep)
+
+
+# YAML 1.1 (PyYAML) reads a float only with a dot: `lr: 1e-3` was the string '1e-3', which the
+# schema refused ("Input should be a valid number"); YAML 1.2, and every user, reads a number.
+_UniqueKeyLoader.add_implicit_resolver("tag:yaml.org,2002:float",
+                                       re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+                                       list("-+0123456789"))
+
+
+def load_yaml(text):
+    """A YAML value as a job file's reader reads it (conf.overrides' values)."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)
 
 
 BARE_MIB_MIN = 64      # a container's memory given as a bare number below this is most likely GiB meant

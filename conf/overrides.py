@@ -2,10 +2,11 @@
 groups.big.instances=2` (as Hydra and torchrun users set a config's fields, and TonY's
 `--conf key=value`).
 
-A KEY is a dotted path into the job: a section's field (`optimizer.lr`), a list's entry by
-index or, for groups, by name (`groups.0.vcores`, `groups.big.memory`). A VALUE is read as
-YAML reads it in a job file: `3` an integer, `0.1` a float, `true`, `[1, 2]` a list,
-`'1 GiB'` or `1 GiB` a string, `null` nothing. The job is then validated as a whole, so a
+A KEY is a dotted path into the job: a section's field (`training.lr`), a list's entry by
+index or, for groups, by name (`groups.0.vcores` or `groups[0].vcores`, `groups.big.memory`).
+A VALUE is read as a job file's YAML is: `3` an integer, `0.1` or `1e-3` a float, `true`,
+`[1, 2]` a list, `'1 GiB'` or `1 GiB` a string, `null` nothing; a mapping merges into the
+one there (see _merged). The job is then validated as a whole, so a
 wrong field or value is refused as one in the file would be.
 """
 import copy
@@ -13,7 +14,7 @@ import re
 
 import yaml
 
-from . import JobError, _merge
+from . import JobError, _merge, load_yaml
 
 EXAMPLE = "training.epochs=3"
 
@@ -36,11 +37,11 @@ def apply(raw, assignments, where="job"):
 def parse(text):
     """(key, value) of one `KEY=VALUE`."""
     key, eq, value = text.partition("=")
-    key = key.strip()
+    key = re.sub(r"\[(-?[0-9]+)\]", r".\1", key.strip())      # groups[0].vcores, as errors write it
     if not eq or not key or any(not part for part in key.split(".")):
         raise JobError(f"{text}: a job field set on the command line is KEY=VALUE with a dotted KEY, e.g. {EXAMPLE}")
     try:
-        return key, yaml.safe_load(value) if value.strip() else None
+        return key, load_yaml(value) if value.strip() else None
     except yaml.YAMLError as e:
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise JobError(f"{text}: the value is not valid YAML ({problem}); quote it") from None
@@ -57,21 +58,33 @@ def _set(node, parts, value, text, where):
             index = _index(node, part, text, path)
             path += f"[{index}]"
             if last:
-                node[index] = _merge(node[index], value) if isinstance(node[index], dict) else value
+                node[index] = _merged(node[index], value)
             else:
                 node = node[index]
         elif isinstance(node, dict):
             path += ("." if path else "") + part
             if last:
-                node[part] = _merge(node[part], value) if isinstance(node.get(part), dict) else value
+                node[part] = _merged(node.get(part), value)
             else:
                 if node.get(part) is None:
                     node[part] = {}         # a section the job leaves to its defaults
                     created.append(path)
+                elif isinstance(node[part], str) and path == "training.strategy":
+                    node[part] = {"name": node[part]}       # a strategy named alone: its fields' block
                 node = node[part]
         else:
             raise JobError(f"{text}: {where}: {path} is {_kind(node)}, with no field {part!r}")
     return path, created
+
+
+def _merged(old, value):
+    """What a field holding `old` holds once set to `value`: a mapping merges into the
+    mapping there, unless it is empty (`env={}`: cleared) or names another entry or
+    strategy (`{name: ps_central}`: the old one's fields do not apply)."""
+    if not (isinstance(old, dict) and isinstance(value, dict)) or not value or \
+            value.get("name", old.get("name")) != old.get("name"):
+        return value
+    return _merge(old, value)
 
 
 def _index(items, part, text, name):

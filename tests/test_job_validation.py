@@ -575,15 +575,37 @@ def test_job_fields_set_as_key_value_on_the_command_line_reach_the_run_or_name_w
     proc = cli("submit", tmp_path / "poll.yaml", "launcher.idle_timeout=1m", timeout=60)
     assert proc.returncode == 1 and proc.stderr.startswith(
         f"Error: {tmp_path / 'poll.yaml'}: launcher: heartbeat_timeout"), proc.stderr
-    proc = cli("submit", "training.epochs=3", hello, timeout=60)       # the fields before the file
+    proc = cli("submit", "training.epochs=3", hello, "--max-restarts", "0", timeout=60)     # fields before the file
     assert proc.stderr == (f"Error: training.epochs=3: not a job file; give the job's file first, then its fields: "
-                           f"yarnapp submit {hello} training.epochs=3\n"), proc.stderr
+                           f"yarnapp submit {hello} training.epochs=3 --max-restarts 0\n"), proc.stderr
     assert apps(yarnapp_home) == []
     run = cli("submit", hello, "groups.small.instances=1", "--wait", "groups.big.vcores=0.5", timeout=240, check=0)
     assert re.search(r"^final: .*world_size=2", run.stdout, re.M), run.stdout
     st = json.loads(cli("status", apps(yarnapp_home)[0], "--json", check=0).stdout)
     ran = json.load(open(os.path.join(st["app_dir"], "job.json")))       # the job the engine ran
     assert [(g["name"], g["instances"], g["vcores"]) for g in ran["groups"]] == [("big", 1, 0.5), ("small", 1, 0.5)]
+
+
+def test_key_value_fields_read_as_users_write_them(tmp_path):
+    """A CLI audit: `training.lr=1e-3` was refused (YAML 1.1 reads 1e-3 as a string; `lr: 1e-3`
+    in a file too), a strategy named alone had no fields to set, a strategy's block given
+    anew kept the old one's fields, `groups[0].vcores` (as errors write it) was no key, and
+    `env={}` could not clear a mapping."""
+    from conf import overrides
+    job = {**GOOD, "training": {"data": {"train": "/x"}, "strategy": "allreduce", "model_options": {"hidden": 32}},
+           "run": {"function": "training.runner:main"}}
+    raw, _ = overrides.apply(job, ["training.lr=1e-3", "training.weight_decay=5E-4", "training.strategy.bucket_mb=8",
+                                   "groups[0].vcores=2", "training.model_options={}"])
+    spec = conf.load_job(raw)
+    assert (spec.training.lr, spec.training.weight_decay, spec.groups[0].vcores) == (1e-3, 5e-4, 2)
+    assert spec.training.strategy.name == "allreduce" and spec.training.strategy.bucket_mb == 8
+    assert raw["training"]["model_options"] == {}
+    raw, _ = overrides.apply(raw, ["training.strategy={name: ps_central}"])     # another strategy: its own fields
+    assert conf.load_job(raw).training.strategy.name == "ps_central"
+    path = tmp_path / "lr.yaml"
+    path.write_text("name: t\ngroups: [{name: w, instances: 1, vcores: 1}]\nrun: {function: training.runner:main}\n"
+                    "training: {lr: 1e-3, data: {train: /x}}\n")
+    assert conf.load_job(str(path)).training.lr == 1e-3
 
 
 def test_what_a_new_user_got_wrong_is_one_line_that_says_what_to_do(tmp_path, cli, yarnapp_home):

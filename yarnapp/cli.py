@@ -52,10 +52,12 @@ def _load(args, **flags):
     try:
         job = args.job
         if "=" in str(job) and not os.path.exists(job):     # `yarnapp submit a=1 job.yaml`
-            files = [a for a in args.overrides if "=" not in a]
-            again = [files[0] if files else "JOB.yaml", job, *(a for a in args.overrides if "=" in a)]
-            raise YarnappError(f"{job}: not a job file; give the job's file first, then its fields: yarnapp {args.cmd} "
-                               f"{shlex.join(again)}")
+            file = next((a for a in args.overrides if "=" not in a), "JOB.yaml")
+            argv = getattr(args, "argv", [args.cmd, job, *args.overrides])
+            at = argv.index(args.cmd) + 1 if args.cmd in argv else 0      # (the command's flags kept)
+            again = argv[:at] + [file] + [a for a in argv[at:] if a != file]
+            raise YarnappError(f"{job}: not a job file; give the job's file first, then its fields: "
+                               f"{shlex.join(['yarnapp', *again])}")
         if args.overrides:
             where, raw = conf.read_raw(args.job)
             job, args.given = conf.overrides.apply(raw, args.overrides, where)
@@ -503,8 +505,10 @@ def main(argv=None):
     if getattr(signal.getsignal(signal.SIGINT), "yarnapp_importing", False):
         signal.signal(signal.SIGINT, signal.default_int_handler)    # Ctrl-C from here on: "interrupted" below
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     try:
-        args, extra = parser.parse_known_args(_joined_negatives(sys.argv[1:] if argv is None else list(argv)))
+        args, extra = parser.parse_known_args(_joined_negatives(list(argv)))
+        args.argv = argv                    # as typed (a hint that puts the job's file first keeps the rest)
         if hasattr(args, "overrides"):      # KEY=VALUE after an option (`job.yaml --wait a=1`) comes as extra
             args.overrides += [x for x in extra if "=" in x and not x.startswith("-")]
             extra = [x for x in extra if x not in args.overrides]
