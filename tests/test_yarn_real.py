@@ -299,7 +299,8 @@ def test_a_job_on_a_busy_cluster_waits_for_its_last_container_then_forms(cluster
     failed ("world not formed") where it should have waited, as it waits to be accepted.
     Now it waits for the resource manager, and the limit counts from the last start."""
     import skein
-    client = cluster.backend().client
+    yarn = cluster.backend()            # (its status in this process: a CLI call is seconds of imports)
+    client = yarn.client
     node, = client.get_nodes()
     free = node.total_resources.memory - node.used_resources.memory
     hold = free - 512 - (512 + 2 * 1024)     # its master's, then room for the job's master and 2 of its 3
@@ -321,7 +322,7 @@ def test_a_job_on_a_busy_cluster_waits_for_its_last_container_then_forms(cluster
             assert proc.poll() is None, proc.communicate()
             app = app or next((a.id for a in client.get_applications(states=["SUBMITTED", "ACCEPTED", "RUNNING"],
                                                                     name="busy")), None)
-            st = json.loads(cluster.cli("status", app, "--json").stdout) if app else {}
+            st = yarn.status(app) if app else {}
             states = sorted(c["state"] for c in st.get("containers") or [])
             if states.count("RUNNING") == 2:
                 break
@@ -329,13 +330,13 @@ def test_a_job_on_a_busy_cluster_waits_for_its_last_container_then_forms(cluster
             time.sleep(1)
         assert "REQUESTED" in states or "WAITING" in states, states
         time.sleep(15)
-        st = json.loads(cluster.cli("status", app, "--json").stdout)
+        st = json.loads(cluster.cli("status", app, "--json").stdout)      # as a user asks
         assert proc.poll() is None and st["state"] == "RUNNING" and st["failure"] is None, st
     finally:
         client.kill_application(blocker)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, out + err
-    st = json.loads(cluster.cli("status", app, "--json").stdout)
+    st = yarn.status(app)
     assert st["state"] == "SUCCEEDED" and st["final"]["world_size"] == 3 and st["restarts"] == [], st
     assert cluster.hadoop.container_pids(app, wait_s=30) == []
 
