@@ -8,15 +8,13 @@ import json
 import logging
 import os
 import re
-import shlex
 import tempfile
 import sys
 import time
 
 import conf
-import conf.overrides
 
-from . import __version__, api, interrupts
+from . import __version__, api, cli_job, interrupts
 from .backends.base import TERMINAL
 from .console import p as _p, readers_gone, say, stdout_gone
 from .cli_tools import cmd_clean, cmd_data_import, cmd_hadoop, cmd_netem
@@ -24,52 +22,8 @@ from .logview import cmd_logs
 from .errors import YarnappError
 
 
-def _flagged(args, e):
-    """A flag's or a KEY=VALUE's bad value: the error names its field and what gave it
-    (checked when the job is read, or later: --nodes more than the containers, when the
-    nodes are made)."""
-    flags = [(field, f"{flag} {value}") for field, flag, value in (
-        ("checkpoint.resume", "--resume", getattr(args, "resume", None)),
-        ("network.nodes", "--nodes", getattr(args, "nodes", None)),
-        ("max_restarts", "--max-restarts", getattr(args, "max_restarts", None))) if value is not None]
-    head = f"{args.job}: "
-    field, _, what = str(e)[len(head):].partition(": ")
-    if not str(e).startswith(head) or not what:
-        return e
-
-    def within(a, b):       # `a` is the field `b`, or a field of it (or an entry of its list)
-        return a == b or a.startswith((b + ".", b + "["))
-    for path, given in flags + sorted(getattr(args, "given", {}).items(), key=lambda kv: -len(kv[0])):
-        if within(field, path):
-            return YarnappError(f"{head}{field} (given as {given}): {what}")
-    return e
-
-
-def _load(args, **flags):
-    """The job of `args.job` with the command line's KEY=VALUE fields set (conf.overrides)
-    and `flags` over it; errors name the file, and what on the command line gave the field."""
-    args.given = {}
-    try:
-        job = args.job
-        if "=" in str(job) and not os.path.exists(job):     # `yarnapp submit a=1 job.yaml`
-            file = next((a for a in args.overrides if "=" not in a), "JOB.yaml")
-            argv = getattr(args, "argv", [args.cmd, job, *args.overrides])
-            at = argv.index(args.cmd) + 1 if args.cmd in argv else 0      # (the command's flags kept)
-            again = argv[:at] + [file] + [a for a in argv[at:] if a != file]
-            raise YarnappError(f"{job}: not a job file; give the job's file first, then its fields: "
-                               f"{shlex.join(['yarnapp', *again])}")
-        if args.overrides:
-            where, raw = conf.read_raw(args.job)
-            job, args.given = conf.overrides.apply(raw, args.overrides, where)
-        return api.load(job, where=args.job, **flags)
-    except conf.JobError as e:
-        raise YarnappError(str(e)) from None
-    except YarnappError as e:
-        raise _flagged(args, e) from None
-
-
 def cmd_submit(args):
-    spec = _load(args, backend=args.backend, max_restarts=args.max_restarts,
+    spec = cli_job.load(args, backend=args.backend, max_restarts=args.max_restarts,
                  checkpoint=None if args.resume is None else {"resume": args.resume},
                  network=None if args.nodes is None else {"nodes": args.nodes})
     if args.dry_run:
@@ -78,14 +32,14 @@ def cmd_submit(args):
         try:
             _p(api.dry_run(spec, where=args.job), end="")
         except YarnappError as e:
-            raise _flagged(args, e) from None
+            raise cli_job.flagged(args, e) from None
         return 0
     _interrupt_on_sigterm()         # `kill` or `timeout` stops a submit as Ctrl-C does
     t0, out = time.time(), sys.stdout
     try:
-        run = api.start(spec, where=args.job, setting=_setting(args))
+        run = api.start(spec, where=args.job, setting=cli_job.setting(args))
     except YarnappError as e:
-        raise _flagged(args, e) from None
+        raise cli_job.flagged(args, e) from None
     try:
         app_id = run.app_id
         if not args.wait:
@@ -105,7 +59,7 @@ def cmd_submit(args):
         if not args.wait:
             raise                   # submitted without --wait: it runs on, as it would have
         interrupts.shielded(run.kill)      # a second Ctrl-C cut the kill's line short ("interrupted" alone)
-        say(f"interrupted: killed {run.app_id}{run.resume_hint(_resubmit(args))}", out)
+        say(f"interrupted: killed {run.app_id}{run.resume_hint(cli_job.resubmit(args))}", out)
         return _interrupted_status()
     took = time.time() - t0
     if st["state"] != "SUCCEEDED":
@@ -114,7 +68,7 @@ def cmd_submit(args):
         shown = (rank0_streamed(st) or {}).get("id") if streamed else None     # its output showed as it came
         if f.get("log_tail") and f.get("container") != shown:
             _p(f"--- last lines of {f.get('container')}'s log ---\n{f['log_tail']}\n---", file=sys.stderr)
-        raise YarnappError(run.failure_message(resubmit=_resubmit(args)))
+        raise YarnappError(run.failure_message(resubmit=cli_job.resubmit(args)))
     formed = st.get("world_formed_s")
     out = say(f"{app_id} SUCCEEDED in {took:.1f}s" + (f" (world formed in {formed:.2f}s after submit)" if formed
                                                         else ""), out)
@@ -122,21 +76,6 @@ def cmd_submit(args):
         from .progress import metrics
         say("final: " + metrics(st["final"]), out)
     return 0
-
-
-def _resubmit(args):
-    """The command that submitted this job, to submit it again (a failure's line adds
-    `--resume APP_ID`)."""
-    return shlex.join(["yarnapp", "submit", args.job, *_setting(args)])
-
-
-def _setting(args):
-    """The arguments of `yarnapp submit` after the job's file that set its fields."""
-    out = list(args.overrides)
-    for flag, value in (("--backend", args.backend), ("--max-restarts", args.max_restarts), ("--nodes", args.nodes)):
-        if value is not None:
-            out += [flag, str(value)]
-    return out
 
 
 def cmd_status(args):
@@ -195,21 +134,9 @@ def cmd_kill(args):
     if before in TERMINAL:          # (not said as if this kill had ended it)
         _p(f"{args.app} had already ended {before}; nothing of it runs")
         return 0
-    hint = run.resume_hint(_submitted_as(st)) if st["state"] == "KILLED" else ""
+    hint = run.resume_hint(cli_job.submitted_as(st)) if st["state"] == "KILLED" else ""
     _p(f"{args.app} {st['state']}{hint}")
     return 0
-
-
-def _submitted_as(st):
-    """The command that submits an application's job again, from here (`cd DIR && yarnapp
-    submit job.yaml`: its relative paths, data and code, are from where it was submitted)."""
-    job = st.get("job_file")        # the file it was submitted from (the local engine keeps it)
-    where = st.get("submit_dir") or os.getcwd()
-    cd = f"cd {shlex.quote(where)} && " if job and os.path.realpath(where) != os.path.realpath(os.getcwd()) else ""
-    if job:
-        rel = os.path.relpath(job, where)
-        job = shlex.quote(job if rel.startswith("..") else rel)
-    return f"{cd}yarnapp submit {job or 'JOB.yaml'}{''.join(' ' + shlex.quote(a) for a in st.get('setting') or [])}"
 
 
 def cmd_list(args):
@@ -263,7 +190,7 @@ def cmd_tensorboard(args):
 
 def cmd_plan(args):
     """Predicted step time and speedup of every strategy for a job (training.planner)."""
-    spec = _load(args)
+    spec = cli_job.load(args)
     from training import planner   # its measuring modules import torch on first use, not these checks
     # PlanError, ModelError, DataError are YarnappErrors: main() prints them as one line.
     try:

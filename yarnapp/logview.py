@@ -201,9 +201,9 @@ def _follow_files(run, args):
 
 def _followed_to_the_end(run, args):
     """How it ended, as submit --wait says it (the logs alone do not), and its status."""
-    from .cli import _submitted_as
+    from .cli_job import submitted_as
     state = run.state
-    _p(run.failure_message(resubmit=_submitted_as(run.status())) or f"{args.app} {state}", file=sys.stderr)
+    _p(run.failure_message(resubmit=submitted_as(run.status())) or f"{args.app} {state}", file=sys.stderr)
     return 0 if state == "SUCCEEDED" else 1
 
 
