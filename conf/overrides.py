@@ -6,8 +6,8 @@ A KEY is a dotted path into the job: a section's field (`training.lr`), a list's
 index or, for groups, by name (`groups.0.vcores` or `groups[0].vcores`, `groups.big.memory`).
 A VALUE is read as a job file's YAML is: `3` an integer, `0.1` or `1e-3` a float, `true`,
 `[1, 2]` a list, `'1 GiB'` or `1 GiB` a string, `null` nothing; a mapping merges into the
-one there (see _merged). The job is then validated as a whole, so a
-wrong field or value is refused as one in the file would be.
+one there (see _merged). The job is then validated as a whole, so a wrong field or value
+is refused as one in the file would be.
 """
 import copy
 import re
