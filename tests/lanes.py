@@ -3,16 +3,15 @@
 Most of an end-to-end test's time is waiting: for a heartbeat or rendezvous limit to pass,
 for YARN to allocate a container, for a rank under a half-vcore quota to import torch.
 Three workers overlap those waits on CI's 2 cores (the suite's budget is 20 minutes: with
-two, it used 41% of the cores' time over 21 minutes; its CPU is mostly starting Python and
-torch). A test
-whose verdict rests on the machine's time or CPU being its own (a limit of a few seconds it
-must reach or must not, a CPU rate it measures, every process of a kind on the machine)
-is marked `alone`: it waits for the other workers' tests to end, and the other workers' next
-tests wait for it (a readers-writer lock on two files; the turnstile lets a waiting `alone`
-test in before new shared ones, so it is not starved).
+two, it used 41% of the cores' time over 21 minutes). A test whose verdict rests on the
+machine's time or CPU being its own (a limit of a few seconds it must reach or must not, a
+CPU rate it measures, every process of a kind on the machine) is marked `alone`: it waits
+for the other workers' tests to end, and their next tests wait for it (a readers-writer
+lock on two files; the turnstile lets a waiting `alone` test in before new shared ones, so
+it is not starved).
 
 `-n 0` (or `-p no:xdist`) runs the suite in one process; `-n N` sets the workers. An `alone`
-test keeps the other worker's tests out, not its module's fixtures: the Hadoop cluster's
+test keeps the other workers' tests out, not its module's fixtures: the Hadoop cluster's
 idle daemons (tests/test_yarn_real.py) may run beside it.
 """
 import contextlib
