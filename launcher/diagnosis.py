@@ -294,13 +294,13 @@ class PeerDiagnosis:
         mine = members.get(self.ident.container)
         if not mine:
             return False
-        cut = {k.removeprefix(keys.CUT_PREFIX) for k in self.store.get_prefix(keys.CUT_PREFIX)}
+        cut = network.cut_nodes(self.store)
         return mine["node"] not in cut and any(m["node"] in cut for m in members.values())
 
     def network_note(self):
         """On emulated nodes: "; <which node is unreachable>" when the world hangs or cannot
         form because of the network (empty otherwise, and always on a shared host)."""
         members = network.members_from(self.store)
-        cut = [k.removeprefix(keys.CUT_PREFIX) for k in self.store.get_prefix(keys.CUT_PREFIX)] if members else []
+        cut = network.cut_nodes(self.store) if members else ()
         why = network.diagnose(members, self.ident.container, cut=cut) if members else ""
         return f"; network: {why}" if why else ""

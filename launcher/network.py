@@ -143,6 +143,11 @@ def diagnose(members, me, timeout=1.0, cut=()):
             f"{'is' if len(lost) == 1 else 'are'} unreachable from {mine['node']} ({mine['addr']})")
 
 
+def cut_nodes(store):
+    """The nodes whose link `yarnapp netem --cut` cut, as its records say (launcher.keys.cut)."""
+    return {k.removeprefix(keys.CUT_PREFIX) for k in store.get_prefix(keys.CUT_PREFIX)}
+
+
 def members_from(store):
     """{container: {"node", "addr"}} as the engine published them (empty without nodes)."""
     return {k.split("/", 1)[1]: json.loads(v) for k, v in store.get_prefix(keys.NODE_PREFIX).items()}

@@ -22,6 +22,7 @@ import time
 import psutil
 
 from launcher import exitcodes, keys, memory, tensorboard_service
+from launcher.network import cut_nodes
 from launcher.failure import Failure, Kind, current_generation, log_tail
 from launcher.procs import die_with_parent
 from launcher.store import FileStore
@@ -319,8 +320,9 @@ class ApplicationMaster(Watchdog):
             self.network = netem.Network.for_job(self.app_id, self.job)
             placement = netem.place(self.job)
             self.network.create()
-            for i in range(self.network.nodes):   # a link cut before this master's restart stays cut
-                if self.store.get(keys.cut(self.network.node_name(i))) is not None:
+            cut = cut_nodes(self.store)   # a link cut before this master's restart stays cut
+            for i in range(self.network.nodes):
+                if self.network.node_name(i) in cut:
                     self.network.cut(i)     # (rebuilt whole, it came back unsaid, and failures named it cut)
                     log.info("%s's link stays cut (yarnapp netem --cut, before this master attempt)",
                              self.network.node_name(i))
