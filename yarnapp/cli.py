@@ -24,8 +24,8 @@ from .errors import YarnappError
 
 def cmd_submit(args):
     spec = cli_job.load(args, backend=args.backend, max_restarts=args.max_restarts,
-                 checkpoint=None if args.resume is None else {"resume": args.resume},
-                 network=None if args.nodes is None else {"nodes": args.nodes})
+                        checkpoint=None if args.resume is None else {"resume": args.resume},
+                        network=None if args.nodes is None else {"nodes": args.nodes})
     if args.dry_run:
         if args.wait:
             raise YarnappError("--wait: a --dry-run starts nothing to wait for; give one of them")
@@ -270,6 +270,12 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"Error: {self.prog}: {message} (see `{self.prog} --help`)\n")
 
 
+def _job_fields(s):
+    """`submit`'s and `plan`'s KEY=VALUE fields of the job (yarnapp.cli_job, conf.overrides)."""
+    s.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help="set a field of the job, read as YAML "
+                   "reads it: training.epochs=3 training.lr=0.01 groups.big.instances=2 (a group by name or index)")
+
+
 def build_parser():
     p = _Parser(prog="yarnapp", description="Train CNNs on YARN or the embedded local engine.")
     p.add_argument("-v", "--verbose", action="store_true", help="log what the client does")
@@ -278,8 +284,7 @@ def build_parser():
 
     s = sub.add_parser("submit", help="start an application from a job.yaml")
     s.add_argument("job", help="path of the job.yaml")
-    s.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help="set a field of the job, read as YAML reads "
-                   "it: training.epochs=3 training.lr=0.01 groups.big.instances=2 (a group by name or index)")
+    _job_fields(s)
     s.add_argument("--backend", choices=["local", "yarn"], help="overrides the job's backend")
     s.add_argument("--max-restarts", type=int, help="overrides the job's max_restarts")
     s.add_argument("--wait", action="store_true", help="show progress until it ends; non-zero exit if it fails; Ctrl-C or SIGTERM kills the application")
@@ -344,8 +349,7 @@ def build_parser():
 
     s = sub.add_parser("plan", help="predict each strategy's step time and speedup for a job; recommend one")
     s.add_argument("job", help="path of the job.yaml")
-    s.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE", help="set a field of the job, read as YAML reads "
-                   "it: training.epochs=3 training.lr=0.01 groups.big.instances=2 (a group by name or index)")
+    _job_fields(s)
     s.add_argument("--measure", action="store_true", help="measure the job's link with an MPI ping-pong (2 "
                    "processes) even where --bandwidth or network.bandwidth is given (without either, it is "
                    "measured anyway)")

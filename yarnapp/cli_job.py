@@ -41,9 +41,8 @@ def load(args, **flags):
         job = args.job
         if "=" in str(job) and not os.path.exists(job):     # `yarnapp submit a=1 job.yaml`
             file = next((a for a in args.overrides if "=" not in a), "JOB.yaml")
-            argv = getattr(args, "argv", [args.cmd, job, *args.overrides])
-            at = argv.index(args.cmd) + 1 if args.cmd in argv else 0      # (the command's flags kept)
-            again = argv[:at] + [file] + [a for a in argv[at:] if a != file]
+            at = args.argv.index(args.cmd) + 1          # (the command's flags kept: main's args.argv)
+            again = args.argv[:at] + [file] + [a for a in args.argv[at:] if a != file]
             raise YarnappError(f"{job}: not a job file; give the job's file first, then its fields: "
                                f"{shlex.join(['yarnapp', *again])}")
         if args.overrides:
