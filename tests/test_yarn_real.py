@@ -368,8 +368,15 @@ def test_tensorboard_through_the_proxy_acls_kill_and_a_canary_secret(cluster, sh
                          "run": {"script": WRITER}, "environment": {"packer": "none"},
                          "tensorboard": {"service": True, "sync_every": "1s"}})
     staged = _tensorboard_staging()
-    app = backend.submit(job)
+    job_file = write(tmp_path / "tb.yaml", "# the file a command line named\n")
+    app = backend.submit(job, where=str(job_file), setting=["max_restarts=0", "--backend", "yarn"])
     try:
+        # how it was submitted, kept on this machine: a kill's or a failure's resume hint gives the
+        # whole command (it said `yarnapp submit JOB.yaml`, its file and fields lost)
+        from yarnapp import cli_job
+        assert cli_job.submitted_as(backend.status(app)) == \
+            f"yarnapp submit {job_file} max_restarts=0 --backend yarn"
+
         deadline, points, url = time.monotonic() + 300, None, None
         while points is None and time.monotonic() < deadline:
             st = backend.status(app)

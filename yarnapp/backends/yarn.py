@@ -48,6 +48,7 @@ from launcher import memory, results
 from launcher.identity import checkpoint_dir, code
 
 from .. import advice, packaging, preflight, shipping
+from .local.state import home, read_json, write_json
 from ..errors import BackendUnavailable, YarnappError
 from . import capacity, yarn_cluster
 from .base import Backend, check_resumed_ended
@@ -310,6 +311,7 @@ class YarnBackend(Backend):
                 raise YarnappError(f"YARN refused the application: {_first(e)}") from None
         log.info("submitted %s as %s to queue %s; its storage: %s/%s", job.name, app_id, job.queue, storage,
                  app_id)
+        _remember(app_id, where, setting)
         return app_id
 
     def _check_resumed_ended(self, job, where):
@@ -333,7 +335,7 @@ class YarnBackend(Backend):
                     record["tensorboard_node"] = record["tensorboard"]
                     record["tensorboard"] = proxied(report.tracking_url, TENSORBOARD_PAGE)
                     record["tensorboard_open"] = record["tensorboard"] + yarn_cluster.signed_in(report.user)
-                return record
+                return _with_submission(record)
             except skein.exceptions.ConnectionError as e:   # finished between the two calls
                 log.debug("status of %s from the report only: %s", app_id, e)
                 report = self._call(self.client.application_report, app_id)
@@ -347,7 +349,7 @@ class YarnBackend(Backend):
                 record["diagnostics"].startswith(yarn_cluster.SERVICE_FAILED):
             record["failure"] = yarn_cluster.service_failure(app_id, report.user)
             record["diagnostics"] = (record["failure"] or {}).get("reason") or record["diagnostics"]
-        return with_formed_s(record)
+        return _with_submission(with_formed_s(record))
 
     def checkpoints_of(self, app_id, job):
         """checkpoint.uri unset: <storage>/<app id>/checkpoints/<app id>, as the containers write."""
@@ -458,6 +460,29 @@ def dry_run(job, where=None):
     the staged files it names exist only while this runs)."""
     with prepared(job, where, pack=False) as (spec, _):
         return spec.to_yaml()
+
+
+def _submission_path(app_id):
+    return os.path.join(home(), "yarn", "submitted", f"{app_id}.json")
+
+
+def _with_submission(record):
+    """`record` with how its application was submitted, where this machine submitted it."""
+    record.update(read_json(_submission_path(record["app_id"])) or {})
+    return record
+
+
+def _remember(app_id, where, setting):
+    """How `app_id` was submitted, kept on this machine: its job file, from where, and the
+    command line's fields (status's job_file, submit_dir, setting, as the local engine keeps
+    them), so that a kill's or a failure's resume hint gives the whole `yarnapp submit` line."""
+    try:
+        path = _submission_path(app_id)
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        write_json(path, {"job_file": os.path.abspath(where) if where and os.path.isfile(where) else None,
+                          "submit_dir": os.getcwd(), "setting": list(setting)})
+    except OSError as e:        # (only a hint is lost; the application runs)
+        log.debug("not kept how %s was submitted: %s", app_id, e)
 
 
 def _first(exc):
