@@ -1,4 +1,5 @@
 """Job specification: schema, defaults and loading. Imports nothing else of yarnapp."""
+import collections.abc
 import copy
 import difflib
 import os
@@ -210,29 +211,84 @@ def absolutize(job, base):
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """yaml.safe_load, but a key given twice in one mapping is an error, not the last one
-    silently winning (two `run:` blocks: which one runs?)."""
+    silently winning (two `run:` blocks: which one runs?); numbers as YAML 1.2 reads them
+    (below); and the numbers of an `env:` mapping and an `args:` list kept as the text
+    written (`PYVER: 3.10` is "3.10", `UMASK: 0022` "0022": str() of the number gave "3.1"
+    and "18")."""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
-        for key_node, _ in node.value:
+        for key_node, value_node in node.value:
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, collections.abc.Hashable):
+                raise yaml.constructor.ConstructorError(None, None, f"a key must be a name, not a "
+                                                        f"{type(key).__name__}", key_node.start_mark)
             if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice",
                                                         key_node.start_mark)
             seen.add(key)
+            if key in ("env", "args"):     # (a group's env, run.args: text, as a command line's)
+                numbers_as_text(value_node)
         return super().construct_mapping(node, deep)
 
 
-# YAML 1.1 (PyYAML) reads a float only with a dot: `lr: 1e-3` was the string '1e-3', which the
-# schema refused ("Input should be a valid number"); YAML 1.2, and every user, reads a number.
-_UniqueKeyLoader.add_implicit_resolver("tag:yaml.org,2002:float",
-                                       re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+
+
+def numbers_as_text(node):
+    """A plain number in `node` (a scalar, a list's entries or a mapping's values) read as the
+    text written."""
+    items = [v for _, v in node.value] if isinstance(node, yaml.MappingNode) else \
+        node.value if isinstance(node, yaml.SequenceNode) else [node]
+    for n in items:
+        if isinstance(n, yaml.ScalarNode) and n.tag in _NUMBER_TAGS and n.style is None:
+            n.tag = "tag:yaml.org,2002:str"
+
+
+# Numbers as YAML 1.2 (and every user) reads them; PyYAML reads YAML 1.1's: `epochs: 010`
+# was the octal 8, `1_000` and `1:30` (sexagesimal, 90) numbers, and `lr: 1e-3` without a dot
+# the string '1e-3', which the schema refused ("Input should be a valid number").
+_UniqueKeyLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in _NUMBER_TAGS]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_UniqueKeyLoader.add_implicit_resolver("tag:yaml.org,2002:int",
+                                       re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"),
                                        list("-+0123456789"))
+_UniqueKeyLoader.add_implicit_resolver("tag:yaml.org,2002:float",
+                                       re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+                                                  r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+                                       list("-+.0123456789"))
 
 
-def load_yaml(text):
-    """A YAML value as a job file's reader reads it (conf.overrides' values)."""
-    return yaml.load(text, Loader=_UniqueKeyLoader)
+class _Constructor12:
+    """YAML 1.2's ints: 0o17 octal, 0x1F hex, 0123 decimal (PyYAML's 1.1 reader: 0123 octal)."""
+
+    @staticmethod
+    def int(loader, node):
+        text = loader.construct_scalar(node)
+        if text.startswith("0o"):
+            return int(text[2:], 8)
+        if text.startswith("0x"):
+            return int(text[2:], 16)
+        return int(text)
+
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _Constructor12.int)
+
+
+def load_yaml(text, numbers_text=False):
+    """A YAML value as a job file's reader reads it (conf.overrides' values); numbers_text:
+    a number, or a mapping's, as the text written (a value for `env`)."""
+    loader = _UniqueKeyLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        if numbers_text:
+            numbers_as_text(node)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
 
 
 BARE_MIB_MIN = 64      # a container's memory given as a bare number below this is most likely GiB meant
@@ -264,7 +320,7 @@ def read_raw(source):
                            f"{os.path.basename(where)} (with groups: of containers; docs/own-code.md shows one)")
         try:
             with open(source, encoding="utf-8") as f:
-                raw = yaml.load(f, Loader=_UniqueKeyLoader)
+                raw = load_yaml(f)
         except FileNotFoundError:
             raise JobError(f"{where}: no such file") from None
         except IsADirectoryError:

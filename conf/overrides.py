@@ -27,7 +27,8 @@ def apply(raw, assignments, where="job"):
     out, given = copy.deepcopy(raw), {}
     for text in assignments:
         key, value = parse(text)
-        path, created = _set(out, key.split("."), value, text, where)
+        path, created = _set(out, _parts(key), value, text, where)
+        _check_kept(path, value, given, text)
         given[path] = text
         for section in created:         # a section the file lacks: its errors are this assignment's too
             given.setdefault(section, text)
@@ -40,11 +41,31 @@ def parse(text):
     key = re.sub(r"\[(-?[0-9]+)\]", r".\1", key.strip())      # groups[0].vcores, as errors write it
     if not eq or not key or any(not part for part in key.split(".")):
         raise JobError(f"{text}: a job field set on the command line is KEY=VALUE with a dotted KEY, e.g. {EXAMPLE}")
+    parts = _parts(key)
+    text_numbers = parts[0] == "groups" and "env" in parts[2:3] or parts[:2] == ["run", "args"]
     try:
-        return key, load_yaml(value) if value.strip() else None
+        return key, load_yaml(value, numbers_text=text_numbers) if value.strip() else None
     except yaml.YAMLError as e:
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise JobError(f"{text}: the value is not valid YAML ({problem}); quote it") from None
+
+
+def _parts(key):
+    """A dotted key's parts; a group's env variable is the whole rest, dots and all
+    (`groups.a.env.spark.conf=1` sets `spark.conf`)."""
+    parts = key.split(".")
+    if parts[0] == "groups" and len(parts) > 4 and parts[2] == "env":
+        parts[3:] = [".".join(parts[3:])]
+    return parts
+
+
+def _check_kept(path, value, given, text):
+    """A mapping or a name set where an earlier assignment set fields of it replaces them:
+    refused, not silently dropped (`training.strategy.bucket_mb=8 training.strategy=allreduce`
+    lost bucket_mb)."""
+    lost = [g for p, g in given.items() if p.startswith(path + ".") or p.startswith(path + "[")]
+    if lost and not isinstance(value, dict):
+        raise JobError(f"{text}: replaces what {', '.join(lost)} set before it; give {text} first, then those")
 
 
 def _set(node, parts, value, text, where):
@@ -67,6 +88,9 @@ def _set(node, parts, value, text, where):
                 node[part] = _merged(node.get(part), value)
             else:
                 if node.get(part) is None:
+                    if re.fullmatch(r"-?[0-9]+", parts[i + 1]):     # a list the job leaves to its defaults
+                        raise JobError(f"{text}: {where} sets no {path} to index; give the whole list: "
+                                       f"{path}=[...]")
                     node[part] = {}         # a section the job leaves to its defaults
                     created.append(path)
                 elif isinstance(node[part], str) and path == "training.strategy":

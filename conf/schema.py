@@ -4,6 +4,7 @@ Every default lives in ``conf/defaults.yaml``; the models here declare no defaul
 their own, so the defaults file is the single place a default can be read or changed
 (``conf.load_job`` merges it under the user's file before validation).
 """
+import datetime
 import ipaddress
 import re
 import typing
@@ -32,20 +33,38 @@ def submitting(info: ValidationInfo):
     return not (info.context or {}).get("stored")
 
 
+ENV_VALUE_MAX = 128 * 1024     # Linux's limit on one "KEY=value" of an environment (MAX_ARG_STRLEN)
+SET_BY_YARNAPP = {"CUDA_VISIBLE_DEVICES": "each container sees exactly its own GPUs (groups[].gpus)"}
+
+
 def _env(value, info: ValidationInfo):
     """A group's env: YAML's numbers (`OMP_NUM_THREADS: 1`) as the strings an environment
-    has; a boolean is refused, naming every one (true is "True", "true" or "1" to programs)."""
+    has (a job file's numbers there are read as their text: conf.numbers_as_text); a
+    boolean is refused, naming every one (true is "True", "true" or "1" to programs)."""
     if not isinstance(value, dict):
         return value
     flags = [k for k, v in value.items() if isinstance(v, bool)]
     if flags:
         raise ValueError(f"{', '.join(map(str, flags))}: a boolean; give the text the program reads, quoted "
                          f"(\"1\", \"true\")")
+    for k, v in value.items():
+        if v is None:
+            raise ValueError(f"{k}: no value; write {k}: '' for an empty one")
+        if isinstance(v, (datetime.date, datetime.time)):
+            raise ValueError(f"{k}: read as a date ({v}); quote it to give it as text: {k}: '{v}'")
     for k, v in value.items() if submitting(info) else ():  # (the master's Popen failed on them: "FAILED: unknown")
         if isinstance(k, str) and (not k or "=" in k or "\0" in k):
             raise ValueError(f"{k!r} is not an environment variable's name (empty, or with '=' or a NUL byte)")
         if isinstance(v, str) and "\0" in v:
             raise ValueError(f"{k}: its value holds a NUL byte, which an environment cannot")
+        if isinstance(v, str) and len(f"{k}={v}".encode()) >= ENV_VALUE_MAX:
+            raise ValueError(f"{k}: its value is {len(v.encode()):,} bytes; Linux takes at most 128 KiB a variable: "
+                             f"ship it as a file (run.files) and give its name")
+        if k in SET_BY_YARNAPP:
+            raise ValueError(f"{k}: yarnapp sets it: {SET_BY_YARNAPP[k]}; remove it")
+        if k == "OMP_NUM_THREADS" and not re.fullmatch(r"[1-9][0-9]*", str(v).strip()):
+            raise ValueError(f"{k}: {v!r}; give a number of threads, e.g. 2 (by default each rank runs as "
+                             f"many as its vcores, rounded up)")
     return {k: str(v) if isinstance(v, (int, float)) else v for k, v in value.items()}
 
 
@@ -445,7 +464,8 @@ class JobSpec(Model):
             for i in range(g.instances):
                 out.append({"rank": len(out), "group": g.name, "instance": i,
                             "container": container_id(g.name, i), "vcores": g.vcores,
-                            "memory_mib": g.memory, "gpus": g.gpus})
+                            "memory_mib": g.memory, "gpus": g.gpus,
+                            "omp_threads": int(g.env["OMP_NUM_THREADS"]) if "OMP_NUM_THREADS" in g.env else None})
         return out
 
 

@@ -96,13 +96,17 @@ class Agent(Monitor, PeerDiagnosis):
 
     # -- the rank process -------------------------------------------------
     def spawn(self, gen):
-        threads = str(max(1, math.ceil(self.ident.rank_info()["vcores"])))
+        # Its vcores' threads (torchrun sets 1), unless its group's env sets them (not the
+        # submitting shell's: a laptop's OMP_NUM_THREADS=8 is not for a 1-vcore container).
+        group_env, info = self.ident.job.groups[self.group_index].env, self.ident.rank_info()
+        threads = str(info["omp_threads"] or max(1, math.ceil(info["vcores"])))
         # The working directory holds the user's shipped code (yarnapp.shipping): importable.
         path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
         env = malloc.environment(dict(os.environ, YARNAPP_RANK=str(self.ident.rank),
                                       YARNAPP_WORLD_SIZE=str(self.ident.world_size),
                                       YARNAPP_GENERATION=str(gen), YARNAPP_INCARNATION=self.incarnation,
-                                      OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONPATH=path))
+                                      OMP_NUM_THREADS=threads, PYTHONPATH=path,
+                                      MKL_NUM_THREADS=group_env.get("MKL_NUM_THREADS", threads)))
         try:
             os.unlink(self.heartbeat)
         except FileNotFoundError:

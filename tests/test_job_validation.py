@@ -608,6 +608,68 @@ def test_key_value_fields_read_as_users_write_them(tmp_path):
     assert conf.load_job(str(path)).training.lr == 1e-3
 
 
+def test_numbers_read_as_yaml_1_2_and_env_and_args_kept_as_written(tmp_path):
+    """A power user's audit: `epochs: 010` was octal 8 (YAML 1.1), env `PYVER: 3.10` reached
+    the program as "3.1" and `UMASK: 0022` as "18", and an env that could not run (a 200 KB
+    value: "FAILED: unknown"; CUDA_VISIBLE_DEVICES, silently replaced) was taken; a list as a
+    key was a bare TypeError."""
+    from conf import overrides
+    path = tmp_path / "n.yaml"
+    path.write_text("name: t\ngroups: [{name: w, instances: 1, vcores: 1, env: {PYVER: 3.10, UMASK: 0022, "
+                    "N: 1_000, BIG: 1e3, OMP_NUM_THREADS: 2}}]\nrun: {script: t.py, args: [--lr, 0.10, 010]}\n"
+                    "max_restarts: 010\nlauncher: {heartbeat_timeout: 0o100}\n")
+    job = conf.load_job(str(path))
+    assert dict(job.groups[0].env) == {"PYVER": "3.10", "UMASK": "0022", "N": "1_000", "BIG": "1e3",
+                                       "OMP_NUM_THREADS": "2"}
+    assert job.run.args == ["--lr", "0.10", "010"] and job.max_restarts == 10
+    assert job.launcher.heartbeat_timeout == 64 and job.ranks()[0]["omp_threads"] == 2
+    raw, _ = overrides.apply(conf.read_raw(str(path))[1], ["groups.w.env.V=3.10", "groups.0.env.spark.conf.x=08",
+                                                           "run.args=[--epochs, 010]", "max_restarts=007"])
+    job = conf.load_job(raw)
+    assert (job.groups[0].env["V"], job.groups[0].env["spark.conf.x"]) == ("3.10", "08")
+    assert job.run.args == ["--epochs", "010"] and job.max_restarts == 7
+    for env, error in (({"K": "x" * 200_000}, r"K: its value is 200,000 bytes; Linux takes at most 128 KiB a "
+                                                r"variable: ship it as a file \(run.files\)"),
+                       ({"CUDA_VISIBLE_DEVICES": "0"}, r"CUDA_VISIBLE_DEVICES: yarnapp sets it: each container sees "
+                                                       r"exactly its own GPUs \(groups\[\]\.gpus\); remove it"),
+                       ({"E": None}, r"E: no value; write E: '' for an empty one"),
+                       ({"OMP_NUM_THREADS": "4,2"}, r"OMP_NUM_THREADS: '4,2'; give a number of threads")):
+        with pytest.raises(conf.JobError, match=r"groups\[0\]\.env: " + error):
+            conf.load_job({**GOOD, "groups": [dict(GOOD["groups"][0], env=env)]})
+    path.write_text("name: t\ngroups: [{name: w, instances: 1, vcores: 1, env: {D: 2024-01-01}}]\n")
+    with pytest.raises(conf.JobError, match=r"D: read as a date \(2024-01-01\); quote it to give it as text"):
+        conf.load_job(str(path))
+    path.write_text("name: t\ngroups: [{name: w, instances: 1, vcores: 1, env: {[1, 2]: x}}]\n")
+    with pytest.raises(conf.JobError, match=r"n.yaml:2:\d+: not valid YAML: a key must be a name, not a list$"):
+        conf.load_job(str(path))
+
+
+def test_key_value_fields_never_drop_what_an_earlier_one_set(tmp_path, cli, yarnapp_home):
+    """`training.strategy.bucket_mb=8 training.strategy=allreduce` silently lost bucket_mb; an
+    index into a list the file leaves to its defaults made a mapping of it ("Input should be a
+    valid list"); a check of a whole section (a duplicate group name) did not say which
+    KEY=VALUE made it fail."""
+    hello = os.path.join(conf.EXAMPLES_DIR, "hello.yaml")
+    from conf import overrides
+    job = {**GOOD, "training": {"data": {"train": "/x"}, "strategy": "allreduce"},
+           "run": {"function": "training.runner:main"}}
+    with pytest.raises(conf.JobError, match=re.escape(
+            "training.strategy=allreduce: replaces what training.strategy.bucket_mb=8 set before it; give "
+            "training.strategy=allreduce first, then those")):
+        overrides.apply(job, ["training.strategy.bucket_mb=8", "training.strategy=allreduce"])
+    raw, _ = overrides.apply(job, ["training.strategy=allreduce", "training.strategy.bucket_mb=8"])
+    assert conf.load_job(raw).training.strategy.bucket_mb == 8
+    for args, line in (
+            (["yarn.acls.view_users.0=bob"], f"yarn.acls.view_users.0=bob: {hello} sets no yarn.acls.view_users to "
+                                             f"index; give the whole list: yarn.acls.view_users=[...]"),
+            (["groups.1.name=big"], f"{hello}: groups (with groups.1.name=big on the command line): duplicate group "
+                                    f"name 'big'")):
+        proc = cli("submit", hello, *args, "--dry-run", timeout=60)
+        assert proc.returncode == 1 and proc.stderr == f"Error: {line}\n", proc.stderr
+    dry = cli("submit", hello, "yarn.acls.view_users=[bob]", "--dry-run", check=0)
+    assert yaml.safe_load(dry.stdout)["yarn"]["acls"]["view_users"] == ["bob"]
+
+
 def test_what_a_new_user_got_wrong_is_one_line_that_says_what_to_do(tmp_path, cli, yarnapp_home):
     """From a new user's pass: each case below gave a misleading line (numpy's 'load it
     unsafely', PIL's buffer address, 'import with overwrite', 'remove' /etc/passwd), a

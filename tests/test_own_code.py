@@ -589,6 +589,26 @@ def test_a_torchrun_script_whose_rank_returns_early_fails_its_peers_instead_of_h
     assert_nothing_left(app_id_from(err))
 
 
+def test_a_groups_env_reaches_its_ranks_as_written_and_its_thread_counts_are_kept(cli, tmp_path, monkeypatch):
+    """A power user's audit: `OMP_NUM_THREADS: 2` in a group's env was replaced by the
+    vcores' 1 (torch's threads too), and `PYVER: 3.10` arrived as "3.1". The submitting
+    shell's own OMP_NUM_THREADS is not a container's."""
+    out = tmp_path / "out"
+    out.mkdir()
+    src = ("import json, os, torch\nfrom training.context import current\n"
+           f"json.dump([os.environ.get(k) for k in ('OMP_NUM_THREADS', 'MKL_NUM_THREADS', 'PYVER')] + "
+           f"[torch.get_num_threads()], open('{out}/rank%d' % current().rank, 'w'))\n")
+    (tmp_path / "env.py").write_text(src)
+    path = tmp_path / "env.yaml"        # (as a user writes it: YAML's numbers)
+    path.write_text(f"name: env\nmax_restarts: 0\nrun: {{script: {tmp_path / 'env.py'}}}\ngroups:\n"
+                    "- {name: big, instances: 1, vcores: 0.5, memory: 1 GiB, env: {OMP_NUM_THREADS: 2, PYVER: 3.10}}\n"
+                    "- {name: small, instances: 1, vcores: 0.5, memory: 1 GiB, env: {MKL_NUM_THREADS: 3}}\n")
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    cli("submit", path, "--wait", check=0)
+    big, small = (json.loads((out / f"rank{r}").read_text()) for r in range(2))
+    assert big == ["2", "2", "3.10", 2] and small[:3] == ["1", "3", None], (big, small)
+
+
 def test_files_a_script_writes_have_the_submitters_umask(cli, tmp_path):
     """A script's torch.save() outside the application wrote -rw------- (the local engine
     keeps its own files under umask 077, and the code inherited it), where `python train.py`

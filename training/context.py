@@ -19,11 +19,13 @@ class RankInfo:
     vcores: float
     memory_mib: int
     gpus: int
+    omp_threads: Optional[int] = None       # its group's env's OMP_NUM_THREADS, if set
 
     @property
     def threads(self):
-        """Compute threads for this rank: its vcores, rounded up, at least 1."""
-        return max(1, int(-(-self.vcores // 1)))
+        """Compute threads for this rank: its group's OMP_NUM_THREADS, else its vcores,
+        rounded up, at least 1."""
+        return self.omp_threads or max(1, int(-(-self.vcores // 1)))
 
     @property
     def throttled(self):

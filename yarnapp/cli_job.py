@@ -3,6 +3,7 @@ command line sets (`KEY=VALUE`, conf.overrides; --nodes, --max-restarts, --backe
 that name what gave a bad value, and the `yarnapp submit ...` line that a failure's or a
 kill's resume hint ends with."""
 import os
+import re
 import shlex
 
 import conf
@@ -30,6 +31,16 @@ def flagged(args, e):
     for path, given in flags + sorted(getattr(args, "given", {}).items(), key=lambda kv: -len(kv[0])):
         if within(field, path):
             return YarnappError(f"{head}{field} (given as {given}): {what}")
+    sub = re.match(r"([A-Za-z_][A-Za-z0-9_.]*): ", what)     # `groups[0].env: FOO: a boolean`
+    if sub:
+        for path, given in getattr(args, "given", {}).items():
+            if within(f"{field}.{sub.group(1)}", path):
+                return YarnappError(f"{head}{field} (given as {given}): {what}")
+        return e
+    # A check of a whole section (`groups: duplicate group name` after groups.0.name=...)
+    inside = [given for path, given in getattr(args, "given", {}).items() if within(path, field)]
+    if inside:
+        return YarnappError(f"{head}{field} (with {', '.join(inside)} on the command line): {what}")
     return e
 
 
