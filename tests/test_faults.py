@@ -108,6 +108,38 @@ def test_a_checkpoint_that_cannot_be_written_fails_in_one_line_and_the_previous_
     assert_nothing_left(run.app_id)
 
 
+def test_a_final_model_the_disk_cannot_hold_is_one_line_and_never_a_truncated_model(small_disk):
+    """A resource audit: the final model.pt was written in place, so a disk full left a
+    truncated one (and a 0-byte model.json) that load_final took as the newest final model,
+    failing in torch's zip reader; and the failure was pyarrow's traceback, retried until
+    every restart was spent."""
+    code = ("import sys, torch\nfrom mpi4py import MPI\n"
+            "from training.checkpoint import Checkpointer, CheckpointError, load_final\n"
+            "c = Checkpointer(sys.argv[1], MPI.COMM_SELF, app_id='app_b', name='j')\nc.latest()\n"
+            "model = torch.nn.Linear(1000, 1000)\n"
+            "try:\n    c.save_model(model, {'model': 'x'})\n"
+            "except CheckpointError as e:\n    print(e, e.repeats)\n"
+            "print(sorted(load_final(sys.argv[1])))\n")
+    uri = small_disk / "ckpt"
+    with open(small_disk / "filler", "wb") as f:       # room for one model of two
+        f.write(b"\0" * (16 - 6) * 2**20)
+
+    def run(room):
+        return subprocess.run([sys.executable, "-c", code, str(uri), room], capture_output=True, text=True,
+                              timeout=120)
+    out = run("room")
+    assert out.stdout.splitlines() == ["['bias', 'weight']"], (out.stdout, out.stderr[-2000:])
+    assert os.path.getsize(uri / "app_b" / "final" / "model.pt") > 4 * 1000 * 1001
+    os.rename(uri / "app_b", uri / "app_a")            # an earlier application's final model
+    out = run("full")
+    assert out.stdout.startswith(f"checkpoint.uri {uri}: cannot write the final model: "), (out.stdout, out.stderr)
+    assert "No space left on device" in out.stdout and out.stdout.splitlines()[0].endswith(
+        "; free space or fix its permissions (its last complete checkpoint is kept: --resume goes on from it) True")
+    # nothing half-written: the final model loaded is the earlier application's, whole
+    assert out.stdout.splitlines()[1:] == ["['bias', 'weight']"], out.stdout
+    assert sorted(os.listdir(uri / "app_b")) == ["application.json"]
+
+
 def test_a_checkpoint_uri_the_containers_cannot_write_is_one_line(tmp_path):
     """What a container meets when its checkpoint.uri cannot be written at the start (on
     YARN, a local path is the nodes' own and not checked at submit). Before, the error

@@ -299,7 +299,7 @@ class Checkpointer:
             if self.rank == 0:          # nothing half-written is left (a restart's _tidy would, the last not)
                 _attempt(lambda: self.fs.delete_dir(self._dir(step, tmp=True)))
             detail = first[1].replace(f".tmp-{self.generation}", ".tmp")    # one line in every generation
-            full = any(w in detail.lower() for w in STORAGE_FULL)
+            full = _full(detail)
             advice = "free space or fix its permissions" if full else "check that its filesystem is up (a restart " \
                 "retries it)"
             e = CheckpointError(f"checkpoint.uri {self.uri}: cannot {what} the checkpoint of step {step}"
@@ -311,12 +311,29 @@ class Checkpointer:
 
     def save_model(self, model, card=None):
         """The final model's weights (rank 0), and its card (training.trained: how to build
-        it and feed it) where given."""
-        if self.rank == 0 and model is not None:
-            fsutil.write_bytes(self.fs, f"{self.root}/final/model.pt",
-                               fsutil.torch_bytes({k: v.detach().cpu() for k, v in model.state_dict().items()}))
+        it and feed it) where given: written beside `final` and renamed to it whole, so that
+        a full disk leaves no truncated model.pt that load_final would take."""
+        if self.rank != 0 or model is None:
+            return
+        tmp, final = f"{self.root}/final.tmp-{self.generation}", f"{self.root}/final"
+        data = fsutil.torch_bytes({k: v.detach().cpu() for k, v in model.state_dict().items()})
+
+        def write():
+            fsutil.write_bytes(self.fs, f"{tmp}/model.pt", data)
             if card is not None:
-                fsutil.write_bytes(self.fs, f"{self.root}/final/{FINAL_CARD}", json.dumps(card, indent=1).encode())
+                fsutil.write_bytes(self.fs, f"{tmp}/{FINAL_CARD}", json.dumps(card, indent=1).encode())
+            if fsutil.exists(self.fs, final):      # (a run resumed after it had ended)
+                self.fs.delete_dir(final)
+            self.fs.move(tmp, final)
+        error = _attempt(write)
+        if error:
+            _attempt(lambda: self.fs.delete_dir(tmp))
+            e = CheckpointError(f"checkpoint.uri {self.uri}: cannot write the final model: {error}; "
+                                f"{'free space or fix its permissions' if _full(error) else 'check that its filesystem is up'}"
+                                f" (its last complete checkpoint is kept: --resume goes on from it)")
+            e.repeats = _full(error)
+            e.blames = 0
+            raise e
 
 
 class CheckpointError(YarnappError, OSError):
@@ -396,6 +413,11 @@ def other_data(step, app, saved, now):
 # What a filesystem raises: pyarrow's and the OS's errors, and fsspec's WebHDFS HDFS errors
 # (RuntimeError: "Name node is in safe mode" escaped as a traceback; ValueError).
 STORAGE_ERRORS = (OSError, pa.ArrowException, RuntimeError, ValueError)
+
+
+def _full(error):
+    """Whether a storage error is one a retry meets again (full, read-only, not ours)."""
+    return any(w in error.lower() for w in STORAGE_FULL)
 
 
 def _attempt(fn):
