@@ -140,6 +140,43 @@ def test_a_final_model_the_disk_cannot_hold_is_one_line_and_never_a_truncated_mo
     assert sorted(os.listdir(uri / "app_b")) == ["application.json"]
 
 
+def test_yarnapp_home_filling_up_mid_run_is_one_line_and_said_as_it_was(small_disk, digits, tmp_path,
+                                                                         monkeypatch):
+    """A resource audit: YARNAPP_HOME's disk filling mid-run ended `submit --wait` and
+    `status` in a bare traceback, left .tmp files, and once space was freed said the master
+    and its supervisor "were both killed from outside"; they had failed on the full disk."""
+    home = small_disk / "home"
+    monkeypatch.setenv("YARNAPP_HOME", str(home))
+    job = write_job(tmp_path / "full.yaml", digits_job(tmp_path, digits, "full", steps=100000, every=1000))
+    submit = subprocess.Popen([sys.executable, "-m", "yarnapp.cli", "submit", job, "--wait"], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        app = None
+        while app is None:
+            app = next(iter(os.listdir(home / "apps")), None) if (home / "apps").is_dir() else None
+            time.sleep(0.1)
+        wait_step(yarnapp.Run(app), rank=0, step=5)
+        with open(small_disk / "filler", "wb") as f:   # the disk fills up (ENOSPC)
+            try:
+                while True:
+                    f.write(b"\0" * 2**16)
+            except OSError:
+                pass
+        out, err = submit.communicate(timeout=180)
+    finally:
+        submit.kill()
+    lines = err.strip().splitlines()
+    assert submit.returncode == 1, err[-3000:]
+    assert lines[-1].startswith("Error: ") and "No space left on device: free space there" in lines[-1], err[-3000:]
+    os.unlink(small_disk / "filler")
+    st = yarnapp.Run(app).status()
+    assert st["state"] == "FAILED", st
+    assert st["diagnostics"].startswith("the application master died (OSError: [Errno 28] No space left on device)") \
+        and "killed from outside" not in st["diagnostics"], st
+    assert not [f for f in os.listdir(home / "apps" / app) if f.endswith(".tmp")]
+    assert_nothing_left(app)
+
+
 def test_a_checkpoint_uri_the_containers_cannot_write_is_one_line(tmp_path):
     """What a container meets when its checkpoint.uri cannot be written at the start (on
     YARN, a local path is the nodes' own and not checked at submit). Before, the error

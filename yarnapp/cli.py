@@ -4,6 +4,7 @@ open (a file the user named, or one the command must write); a wrong argument is
 too, with exit status 2 (argparse's). Anything else is a bug and keeps its traceback."""
 import argparse
 import difflib
+import errno
 import json
 import logging
 import os
@@ -465,6 +466,20 @@ def main(argv=None):
             raise
         print(f"Error: {e.filename}: {e.strerror}", file=sys.stderr, flush=True)
         return 1
+    except OSError as e:
+        if e.errno not in _STORAGE_ERRNOS:      # (a bug, with its traceback)
+            raise
+        from .backends.local.state import home
+        where = e.filename or f"a disk yarnapp writes to (its applications' under YARNAPP_HOME, {home()})"
+        print(f"Error: {where}: {e.strerror}: {_STORAGE_ERRNOS[e.errno]}", file=sys.stderr, flush=True)
+        return 1
+
+
+# A disk yarnapp writes to (YARNAPP_HOME's, or a path the command was given) full or read-only
+_STORAGE_ERRNOS = {errno.ENOSPC: "free space there (`yarnapp clean --older-than 7d` removes old applications), "
+                                 "or set YARNAPP_HOME to another disk",
+                   errno.EDQUOT: "free space within your quota there, or set YARNAPP_HOME to another disk",
+                   errno.EROFS: "remount it writable, or set YARNAPP_HOME to a writable directory"}
 
 
 if __name__ == "__main__":

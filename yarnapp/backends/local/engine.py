@@ -37,6 +37,17 @@ log = logging.getLogger(__name__)
 REMOVING = ".removing-"      # an application's directory being deleted (LocalBackend.remove)
 
 
+def _last_error(log_file):
+    """The last exception line of a log (`OSError: [Errno 28] No space left on device`), or None."""
+    try:
+        with open(log_file, "rb") as f:
+            f.seek(max(0, os.path.getsize(log_file) - 8192))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    return next((ln.strip() for ln in reversed(lines) if re.match(r"^[A-Za-z_.]*(Error|Exception): ", ln)), None)
+
+
 def _new_app_id():
     return time.strftime("app_%Y%m%d_%H%M%S_") + secrets.token_hex(3)
 
@@ -296,9 +307,12 @@ class LocalBackend(Backend):
             log_file = next((os.path.join(d, f) for f in ("am.log", "supervisor.log")
                              if os.path.isfile(os.path.join(d, f))), os.path.join(d, "am.log"))
             tried, allowed = len(masters.get("attempts") or []), masters.get("am_attempts") or 1
+            crashed = _last_error(log_file)     # (a disk full under YARNAPP_HOME: not killed from outside)
             also = (f", and so had its supervisor, which would have started attempt {tried + 1} (am_attempts: "
-                    f"{allowed}): both were killed from outside" if tried < allowed else "")
-            st = supervisor.end(d, st, "FAILED", f"the application master died{also}; see {log_file}", log=log_file)
+                    f"{allowed}): both were killed from outside" if tried < allowed and not crashed else "")
+            why = f" ({crashed})" if crashed else ""
+            st = supervisor.end(d, st, "FAILED", f"the application master died{why}{also}; see {log_file}",
+                                log=log_file)
             # (a cgroup still holding a container's process, ending with its master, is not removed,
             # and nobody looks again: those ending are waited for)
             psutil.wait_procs(app_processes(app_id), timeout=10)

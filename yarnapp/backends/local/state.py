@@ -36,10 +36,23 @@ def no_application(app_id):
 def write_json(path, obj):
     """Write whole or not at all (a temporary file renamed): a reader never sees half of it.
     Owner-only, whatever the umask (an application's records: app.json holds its secret)."""
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    with private(tmp) as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
+    replace_whole(path, lambda f: json.dump(obj, f, indent=1))
+
+
+def replace_whole(path, write, tmp=None):
+    """`path` replaced by what write(f) writes to a temporary file beside it, renamed over
+    it; on any error (a disk full) the temporary file is removed, and `path` is as it was."""
+    tmp = tmp or os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        with private(tmp) as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def private(path):

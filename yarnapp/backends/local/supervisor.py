@@ -38,7 +38,7 @@ from launcher.procs import stopped as process_stopped
 
 from ..base import TERMINAL
 from . import cgroups, netem
-from .state import app_processes, kill_words, private, read_json, write_json, write_state
+from .state import app_processes, kill_words, read_json, replace_whole, write_json, write_state
 
 log = logging.getLogger("yarnapp.supervisor")
 
@@ -56,10 +56,7 @@ def write_record(app_dir, record):
         record = dict(record, started=psutil.Process(record["pid"]).create_time())
     except psutil.Error:
         pass
-    tmp = record_path(app_dir) + f".{os.getpid()}.tmp"
-    with private(tmp) as f:
-        json.dump(record, f)
-    os.replace(tmp, record_path(app_dir))
+    replace_whole(record_path(app_dir), lambda f: json.dump(record, f), tmp=record_path(app_dir) + f".{os.getpid()}.tmp")
 
 
 def alive(app_dir):
