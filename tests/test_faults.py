@@ -2,6 +2,7 @@
 memory limit (the cgroup's OOM killer), named as such with the limit to raise; a
 checkpoint directory that turns read-only or fills up (a real tmpfs) mid-run."""
 import os
+import shutil
 import time
 import subprocess
 import sys
@@ -175,6 +176,20 @@ def test_yarnapp_home_filling_up_mid_run_is_one_line_and_said_as_it_was(small_di
         and "killed from outside" not in st["diagnostics"], st
     assert not [f for f in os.listdir(home / "apps" / app) if f.endswith(".tmp")]
     assert_nothing_left(app)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare for a /dev/shm")
+def test_a_full_dev_shm_trains_on_without_its_shared_memory(digits, tmp_path):
+    """A resource audit: with /dev/shm full, the ranks' wait flags (a file sized there, not
+    reserved) killed a rank with SIGBUS on its first write; now they are reserved, and the
+    ranks train on without them, as they do without the shared-memory all-reduce."""
+    job = write_job(tmp_path / "shm.yaml", digits_job(tmp_path, digits, "shm", steps=6, every=100, max_restarts=0))
+    script = (f"mount -t tmpfs -o size=64k tmpfs /dev/shm && (cat /dev/zero > /dev/shm/fill 2>/dev/null; "
+              f"{sys.executable} -m yarnapp.cli submit {job} --wait)")
+    proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and "final: accuracy=" in proc.stdout, (proc.stdout[-2000:], proc.stderr[-3000:])
+    assert_nothing_left(app_id_from(proc.stdout + proc.stderr))
 
 
 def test_a_checkpoint_uri_the_containers_cannot_write_is_one_line(tmp_path):

@@ -120,7 +120,7 @@ def _share_flags(comm, token, ok):
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
-                os.ftruncate(fd, size)
+                os.posix_fallocate(fd, 0, size)     # ENOSPC now (no doorbells), not SIGBUS on a write later
             finally:
                 os.close(fd)
         except OSError:
