@@ -192,6 +192,21 @@ def test_a_full_dev_shm_trains_on_without_its_shared_memory(digits, tmp_path):
     assert_nothing_left(app_id_from(proc.stdout + proc.stderr))
 
 
+def test_a_limit_on_open_files_is_named_not_blamed_on_the_data(digits, tmp_path):
+    """A resource audit: under `ulimit -n 24`, a rank said its Parquet file was "corrupt or
+    unreadable ... re-import the dataset"; the file was fine, the limit too low."""
+    import resource
+    job = write_job(tmp_path / "fds.yaml", digits_job(tmp_path, digits, "fds", steps=3, every=100, max_restarts=0))
+    proc = subprocess.run([sys.executable, "-m", "yarnapp.cli", "submit", job, "--wait"], capture_output=True,
+                          text=True, timeout=300,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (24, 24)))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "cannot open it: too many open files (this container may open 24: `ulimit -n`); " \
+        "raise that limit where yarnapp submit runs" in out, out[-3000:]
+    assert "re-import" not in out, out[-3000:]
+    assert_nothing_left(app_id_from(out))
+
+
 def test_a_checkpoint_uri_the_containers_cannot_write_is_one_line(tmp_path):
     """What a container meets when its checkpoint.uri cannot be written at the start (on
     YARN, a local path is the nodes' own and not checked at submit). Before, the error

@@ -19,6 +19,7 @@ import collections
 import dataclasses
 import logging
 import os
+import resource
 import threading
 import time
 
@@ -134,6 +135,10 @@ def read_block(layout, files, b):
             # (a NameNode restarting read as corrupt data, the fix given: re-import a healthy dataset)
             raise DataError(f"{name}: cannot reach its filesystem ({type(cause).__name__}: {one_line(cause)}); "
                             f"it may be restarting") from None
+        if "too many open files" in str(e).lower():     # (ulimit -n: not the data's fault)
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            raise DataError(f"{name}: cannot open it: too many open files (this container may open {soft}: "
+                            f"`ulimit -n`); raise that limit where yarnapp submit runs, e.g. ulimit -n 4096") from None
         content = isinstance(e, pa.ArrowInvalid) or any(w in str(e).lower() for w in ("checksum", "corrupt", "thrift"))
         raise (BadData if content else DataError)(      # a connection's error may pass; a bad page does not
             f"{name}: corrupt or unreadable Parquet data ({one_line(e)}); re-import the dataset "
