@@ -23,6 +23,7 @@ import pyarrow.fs as pafs
 from . import fsutil
 
 log = logging.getLogger(__name__)
+ROTATE_BYTES = 4 * 2**20        # a remote logdir's event file is continued in a new one past this size
 
 
 class _Scalars:
@@ -64,11 +65,10 @@ class TBLogger:
         self.staging = None if self.remote is None else tempfile.mkdtemp(prefix=".yarnapp-tb-", dir=scratch)
         self.local_dir = os.path.join(self.staging or fsutil.local_path(logdir), run_name)
         self.run_name = run_name
-        if scalars_only:
-            self.writer = _Scalars(self.local_dir, purge_step)
-        else:
-            from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(self.local_dir, purge_step=purge_step, flush_secs=1)
+        self.scalars_only = scalars_only
+        self.writer = self._writer(purge_step)
+        self._synced, self._started_at = {}, 0      # (remote) what each file was when copied up; the writer's start
+        self._second = int(time.time())
         self.hparams = hparams or {}
         if self.hparams:
             self.writer.add_text("job", "\n".join(f"    {k}: {v}" for k, v in self.hparams.items()), 0)
@@ -78,17 +78,51 @@ class TBLogger:
             self._thread = threading.Thread(target=self._sync_loop, args=(sync_every,), daemon=True)
             self._thread.start()
 
+    def _writer(self, purge_step=None):
+        if self.scalars_only:
+            return _Scalars(self.local_dir, purge_step)
+        from torch.utils.tensorboard import SummaryWriter
+        return SummaryWriter(self.local_dir, purge_step=purge_step, flush_secs=1)
+
     def scalars(self, step, values, prefix=""):
         for k, v in values.items():
             if v is not None:
                 self.writer.add_scalar(prefix + k, float(v), step)
         self.writer.flush()
+        if self.remote and self._size() - self._started_at > ROTATE_BYTES and int(time.time()) > self._second:
+            # (not twice in a second: files are named by the second they start, then a counter,
+            # and TensorBoard reads them in the order of their names)
+            # A remote file is copied whole (HDFS and object stores do not take a part): a new
+            # event file every ROTATE_BYTES, so each sync copies at most that much again, and a
+            # day's run is not uploaded whole every few seconds. TensorBoard reads them in turn.
+            self.writer.close()
+            self.writer = self._writer()
+            self._started_at, self._second = self._size(), int(time.time())
+
+    def _files(self):
+        """{path relative to the run's directory: (size, mtime)} of the files written."""
+        out = {}
+        for d, _, names in os.walk(self.local_dir):
+            for n in names:
+                st = os.stat(os.path.join(d, n))
+                out[os.path.relpath(os.path.join(d, n), self.local_dir)] = (st.st_size, st.st_mtime_ns)
+        return out
+
+    def _size(self):
+        return sum(size for size, _ in self._files().values())
 
     def _sync(self):
+        """Copy up the files that changed since the last sync (an event file done with, once)."""
         fs, path = fsutil.resolve(self.remote)
         dest = f"{path.rstrip('/')}/{self.run_name}"
-        fs.create_dir(dest, recursive=True)
-        pafs.copy_files(self.local_dir, dest, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+        files = self._files()
+        for rel, seen in sorted(files.items()):
+            if self._synced.get(rel) != seen:
+                target = f"{dest}/{rel}"
+                fs.create_dir(target.rsplit("/", 1)[0], recursive=True)
+                pafs.copy_files(os.path.join(self.local_dir, rel), target,
+                                source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+                self._synced[rel] = seen
 
     def _sync_loop(self, every):
         while not self._stop.wait(every):
