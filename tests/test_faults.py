@@ -235,6 +235,21 @@ def test_resume_latest_takes_no_application_that_started_after_this_one(tmp_path
     assert out.stdout.split() == ["0", "0", "0", "5"], (out.stdout, out.stderr)
 
 
+def test_a_resume_removes_what_a_kill_mid_checkpoint_left_in_the_application_it_names(tmp_path):
+    """A long-run audit: `yarnapp kill` during a checkpoint left step-N.tmp-0 (a rank's 1.2 MB)
+    for good: only the killed application's own next start tidied it, and a resume is another
+    application."""
+    code = ("import sys\nfrom mpi4py import MPI\nfrom training.checkpoint import Checkpointer\n"
+            "a = Checkpointer(sys.argv[1], MPI.COMM_SELF, app_id='app_a', name='j')\na.latest()\n"
+            "a.save(5, {'w': 1})\n"
+            "import os\nos.makedirs(sys.argv[1] + '/app_a/step-00000010.tmp-0')\n"
+            "open(sys.argv[1] + '/app_a/step-00000010.tmp-0/rank-00000.pt', 'w').write('half')\n"
+            "print(Checkpointer(sys.argv[1], MPI.COMM_SELF, app_id='app_b', name='j', resume='app_a').latest()[0])\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["5"], (out.stdout, out.stderr)
+    assert sorted(os.listdir(tmp_path / "app_a")) == ["application.json", "step-00000005"]
+
+
 def test_steps_past_eight_digits_are_kept_pruned_and_resumed_in_order(tmp_path):
     """Checkpoints are step-00000050; one of step 100000000 (nine digits: a small model at
     300 steps/s reaches it in four days) was not seen as one: never pruned, a restart resumed

@@ -184,6 +184,8 @@ class Checkpointer:
             if self.rank == 0:
                 log.info("resuming from application %s's checkpoint of step %d (checkpoint.resume: %s)",
                          app, step, self.resume)
+                if app == self.resume:      # named, so ended (submit refuses one that runs): a kill's litter
+                    _attempt(lambda: self._tidy(root))      # mid-write is removed (its own next start never comes)
         return step, state
 
     def _written_by_fewer(self, root, app, steps, size=None):
@@ -287,11 +289,13 @@ class Checkpointer:
             _maybe_fault("crash_in_cleanup", step, self.rank, self.generation)
         self._tidy()
 
-    def _tidy(self):
-        """Remove the litter of a crash mid-write or mid-clean-up (rank 0, no write under way)."""
-        for n in fsutil.listdir(self.fs, self.root):
+    def _tidy(self, root=None):
+        """Remove the litter of a crash mid-write or mid-clean-up (rank 0, no write under way)
+        from this application's directory, or `root`, an ended one's."""
+        root = root or self.root
+        for n in fsutil.listdir(self.fs, root):
             if ".tmp-" in n or n.endswith(".deleting"):
-                self.fs.delete_dir(f"{self.root}/{n}")
+                self.fs.delete_dir(f"{root}/{n}")
 
     def _raise_first(self, step, what, errors):
         first = next(((r, e) for r, e in enumerate(errors) if e), None)
