@@ -706,6 +706,22 @@ def test_a_read_only_yarnapp_home_is_one_line_naming_it(tmp_path):
     assert os.listdir(home) == []
 
 
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare to hide cgroups")
+def test_a_machine_whose_cgroups_cannot_limit_containers_is_said_at_submit(tmp_path):
+    """A non-root audit: limits not enforced (cgroups need root, or none mounted) were said by
+    `yarnapp status` of each container, never by `submit --wait`: vcores and memory silently
+    unlimited, a memory kill not named."""
+    script = f"mount -t tmpfs tmpfs /sys/fs/cgroup && {sys.executable} -m yarnapp.cli submit {HELLO} --dry-run"
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, YARNAPP_HOME=str(tmp_path / "home")), cwd=ROOT)
+    assert proc.returncode == 0 and proc.stderr.splitlines() == [
+        "WARNING yarnapp.backends.local.engine: the local engine cannot enforce the groups' vcores and memory here "
+        "(no cgroup v1 cpu and memory controllers at /sys/fs/cgroup): containers share this machine's CPUs and "
+        "memory, unlimited, and one over its memory is not named as such"], proc.stderr
+    assert "WARNING" not in subprocess.run([sys.executable, "-m", "yarnapp.cli", "submit", HELLO, "--dry-run"],
+                                           capture_output=True, text=True, timeout=120, cwd=ROOT).stderr
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to start a process as another user")
 def test_another_users_process_naming_an_application_is_not_of_it():
     """A process of another user's that set YARNAPP_APP_ID to one of ours kept root's `clean`

@@ -13,6 +13,16 @@ ROOT = "/sys/fs/cgroup"
 PERIOD_US = 100_000
 
 
+def unavailable():
+    """Why this machine's cgroups cannot enforce containers' limits, or None where they can."""
+    if os.geteuid() != 0:
+        return "cgroups need root"
+    if not (os.path.isfile(os.path.join(ROOT, "cpu", "cpu.cfs_quota_us"))
+            and os.path.isfile(os.path.join(ROOT, "memory", "memory.limit_in_bytes"))):
+        return "no cgroup v1 cpu and memory controllers at /sys/fs/cgroup"
+    return None
+
+
 class Limits:
     def __init__(self, app_id, container, vcores, memory_mib):
         self.paths = {}
@@ -21,12 +31,8 @@ class Limits:
         self.vcores, self.memory_mib = vcores, memory_mib
         name = os.path.join("yarnapp", app_id, container)
         cpu, mem = os.path.join(ROOT, "cpu"), os.path.join(ROOT, "memory")
-        if os.geteuid() != 0:
-            self.why = "not enforced: cgroups need root"
-            return
-        if not (os.path.isfile(os.path.join(cpu, "cpu.cfs_quota_us"))
-                and os.path.isfile(os.path.join(mem, "memory.limit_in_bytes"))):
-            self.why = "not enforced: no cgroup v1 cpu and memory controllers at /sys/fs/cgroup"
+        if unavailable():
+            self.why = f"not enforced: {unavailable()}"
             return
         try:
             for ctl, base in (("cpu", cpu), ("memory", mem)):

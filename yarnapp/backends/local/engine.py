@@ -159,6 +159,10 @@ def checked(job, where="job"):
     preflight.check_strategy(job, found, shipment, where)
     advice.warn_little_beside_data(job, where)       # (after every refusal: one line each)
     advice.warn_idle_gpus(job, where)
+    if cgroups.unavailable():       # (status said it of each container; a `submit --wait` never did)
+        log.warning("the local engine cannot enforce the groups' vcores and memory here (%s): containers share "
+                    "this machine's CPUs and memory, unlimited, and one over its memory is not named as such",
+                    cgroups.unavailable())
     return shipment
 
 
