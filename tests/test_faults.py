@@ -210,13 +210,17 @@ def test_a_limit_on_open_files_is_named_not_blamed_on_the_data(digits, tmp_path)
 def test_a_checkpoint_uri_the_containers_cannot_write_is_one_line(tmp_path):
     """What a container meets when its checkpoint.uri cannot be written at the start (on
     YARN, a local path is the nodes' own and not checked at submit). Before, the error
-    string was spread into _written_by_fewer's arguments: a TypeError of 144 of them."""
+    string was spread into _written_by_fewer's arguments: a TypeError of 144 of them. With
+    checkpoint.uri unset, the line named that field, which the user never set."""
     code = ("import sys\nfrom mpi4py import MPI\nfrom training.checkpoint import Checkpointer, CheckpointError\n"
-            "try:\n    Checkpointer('/proc/nope/ckpt', MPI.COMM_SELF).latest()\n"
-            "except CheckpointError as e:\n    print(e)\n")
+            "for siblings in (None, '/proc/nope'):\n"
+            "    try:\n        Checkpointer('/proc/nope/ckpt', MPI.COMM_SELF, siblings=siblings).latest()\n"
+            "    except CheckpointError as e:\n        print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.stdout.startswith("checkpoint.uri /proc/nope/ckpt: cannot write to it: "), (out.stdout, out.stderr)
-    assert len(out.stdout.splitlines()) == 1
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("checkpoint.uri /proc/nope/ckpt: cannot write to it: "), \
+        (out.stdout, out.stderr)
+    assert lines[1].startswith("/proc/nope/ckpt (checkpoint.uri unset: the application's own): cannot write to it")
 
 
 def test_resume_latest_takes_no_application_that_started_after_this_one(tmp_path):

@@ -75,6 +75,8 @@ class Checkpointer:
         self.generation = generation
         self.app_id, self.name, self.resume = app_id, name, resume
         self.resumed_app = None       # whose checkpoint this run started from
+        # What its errors name: the field the user set, or (unset) the directory it defaulted to
+        self.where = f"checkpoint.uri {uri}" if not siblings else f"{uri} (checkpoint.uri unset: the application's own)"
         self._created = None          # when this application registered there (rank 0's _register)
         self.write_s = 0.0
 
@@ -145,14 +147,14 @@ class Checkpointer:
             error = _attempt(self._register)
             try:
                 if error:
-                    found = f"checkpoint.uri {self.uri}: cannot write to it: {error}"
+                    found = f"{self.where}: cannot write to it: {error}"
                 else:
                     found = self._source()
                     found = self._written_by_fewer(*found) or found
             except CheckpointError as e:
                 found = str(e)
             except STORAGE_ERRORS as e:     # its listing out of reach (a NameNode restarting): every rank says so
-                found = f"checkpoint.uri {self.uri}: cannot read its checkpoints: {_error_line(e)}"
+                found = f"{self.where}: cannot read its checkpoints: {_error_line(e)}"
         found = self.comm.bcast(found, root=0)
         if isinstance(found, str):                    # every rank fails the same way
             raise CheckpointError(found)
@@ -306,7 +308,7 @@ class Checkpointer:
             full = _full(detail)
             advice = "free space or fix its permissions" if full else "check that its filesystem is up (a restart " \
                 "retries it)"
-            e = CheckpointError(f"checkpoint.uri {self.uri}: cannot {what} the checkpoint of step {step}"
+            e = CheckpointError(f"{self.where}: cannot {what} the checkpoint of step {step}"
                                 f"{f' (rank {first[0]})' if what == 'write' else ''}: {detail}; "
                                 f"{advice} (the checkpoint before it is intact)")
             e.repeats = full
@@ -332,7 +334,7 @@ class Checkpointer:
         error = _attempt(write)
         if error:
             _attempt(lambda: self.fs.delete_dir(tmp))
-            e = CheckpointError(f"checkpoint.uri {self.uri}: cannot write the final model: {error}; "
+            e = CheckpointError(f"{self.where}: cannot write the final model: {error}; "
                                 f"{'free space or fix its permissions' if _full(error) else 'check that its filesystem is up'}"
                                 f" (its last complete checkpoint is kept: --resume goes on from it)")
             e.repeats = _full(error)
