@@ -526,11 +526,16 @@ def test_resume_finds_other_applications_when_checkpoint_uri_is_unset(digits, tm
     def job(steps, resume="never", model="digits_cnn", batch=48, **training):
         j = digits_job(tmp_path, digits, "default-uri", steps=steps, instances=(1, 0))
         j["checkpoint"] = {"every_steps": 10, "resume": resume}
+        j["tensorboard"] = {}           # (unset too: each application logs in its own directory)
         j["training"].update(model=model, batch_size=batch, **training)
         return j
     run1, _ = run_to_end(job(20))
     run2, st2 = run_to_end(job(30, resume="latest"))
     assert st2["final"]["resumed_app"] == run1.app_id and st2["final"]["resumed_from"] == 20
+    # its TensorBoard run goes on from the resumed one's curves (a long-run audit: it began at
+    # step 21, and the steps before were only in the other application's directory)
+    tb = yarnapp_home / "apps" / run2.app_id / "tensorboard" / run2.app_id
+    assert [step for step, _ in tb_scalars(str(tb), "train/loss")] == list(range(1, 31))
     # Another batch size: step 20 would mean another epoch. Refused at submit, nothing started
     # (its application recorded its batch size and rows); a checkpoint whose application did
     # not record them (written by an earlier yarnapp) is refused by the ranks, not retried.

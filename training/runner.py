@@ -103,7 +103,7 @@ class Runner:
             # From step 0 on, everything goes (a restart before the first checkpoint).
             self.tb = TBLogger(ctx.logdir, ctx.app_id, purge_step=self.start_step + 1 if self.start_step else 0,
                                sync_every=ctx.job.tensorboard.sync_every, hparams=self._hparams(),
-                               scratch=ctx.workdir)
+                               scratch=ctx.workdir, continue_from=self._resumed_run())
         self.last_ckpt_time = time.monotonic()
         self.cgroup = memory.own_cgroup()
         self.rss_peak = 0
@@ -144,6 +144,16 @@ class Runner:
             collectives.wait(self.comm.Ibcast(flag, root=0))
             due = bool(flag[0])
         return due
+
+    def _resumed_run(self):
+        """The TensorBoard run of the application this one resumed, where each logs in its own
+        directory (tensorboard.logdir unset): this run continues its curves. (With a logdir set,
+        the two runs sit side by side in it.)"""
+        app = self.ckpt.resumed_app
+        if not app or self.ctx.job.tensorboard.logdir:
+            return None
+        apps = self.ctx.logdir.rstrip("/").rpartition("/")[0].rpartition("/")[0]     # <apps>/<app id>/tensorboard
+        return f"{apps}/{app}/tensorboard/{app}"
 
     def _data(self):
         return {"batch_size": self.spec.batch_size, "train_rows": len(self.train), "seed": self.spec.seed,

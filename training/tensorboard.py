@@ -54,11 +54,13 @@ class _Scalars:
 
 class TBLogger:
     def __init__(self, logdir, run_name, purge_step=None, sync_every=5.0, hparams=None, scalars_only=False,
-                 scratch=None):
+                 scratch=None, continue_from=None):
         """A remote logdir (hdfs://...) is written in a local copy, synced every `sync_every`
         seconds: under `scratch` (default: the working directory, where writable; a rank's is its
         container's, which YARN removes with the container: the system's temporary directory was
-        left a copy by every YARN application), removed at close."""
+        left a copy by every YARN application), removed at close. continue_from: the run
+        directory of the application this one resumed, whose event files start this run's (once):
+        its curves go on from them, as after a restart."""
         self.remote = None if fsutil.is_local(logdir) else logdir
         if scratch is None and os.access(os.getcwd(), os.W_OK):
             scratch = os.getcwd()
@@ -66,6 +68,8 @@ class TBLogger:
         self.local_dir = os.path.join(self.staging or fsutil.local_path(logdir), run_name)
         self.run_name = run_name
         self.scalars_only = scalars_only
+        if continue_from and not (os.path.isdir(self.local_dir) and os.listdir(self.local_dir)):
+            self._continue(continue_from)
         self.writer = self._writer(purge_step)
         self._synced, self._started_at = {}, 0      # (remote) what each file was when copied up; the writer's start
         self._second = int(time.time())
@@ -77,6 +81,16 @@ class TBLogger:
         if self.remote:
             self._thread = threading.Thread(target=self._sync_loop, args=(sync_every,), daemon=True)
             self._thread.start()
+
+    def _continue(self, run_dir):
+        try:
+            fs, path = fsutil.resolve(run_dir)
+            if fs.get_file_info(path).type == pafs.FileType.Directory:
+                os.makedirs(self.local_dir, exist_ok=True)
+                pafs.copy_files(path, self.local_dir, source_filesystem=fs,
+                                destination_filesystem=pafs.LocalFileSystem())
+        except Exception as e:  # noqa: BLE001 - the curves start at the resumed step instead
+            log.warning("TensorBoard: the resumed application's curves (%s) are not continued: %s", run_dir, e)
 
     def _writer(self, purge_step=None):
         if self.scalars_only:
