@@ -214,6 +214,22 @@ def native_crash(path, offset=0):
     return f"{said} (at {_DIRS.sub('', at.describe())})" if said and at else said
 
 
+def logged_error(path, offset=0):
+    """The last line launcher.rank logged after `offset`: a rank ended by its fail() logs its
+    error line last, and where the store could not take it (a disk full, no file descriptors
+    left) this is where it is; "" if none."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(offset, f.tell() - 65536))
+            text = f.read().decode(errors="replace")
+    except (OSError, TypeError):
+        return ""
+    found = _RANK_LINE.findall(text)
+    return found[-1].strip() if found else ""
+
+
+_RANK_LINE = re.compile(r"^\S+ \S+ rank\d+ \S+ launcher\.rank: ([^\n]+)", re.M)
 _THROWN = re.compile(r"^terminate called after throwing an instance of '(?P<type>[^']+)'\n"
                      r"(?:\s*what\(\):\s*(?P<what>[^\n]*))?", re.M)
 _FATAL = re.compile(r"^Fatal Python error: ([^\n]+)", re.M)

@@ -17,7 +17,7 @@ import signal
 import time
 
 from . import beats, exitcodes, keys, memory, stacks
-from .failure import Failure, Kind, looks_collateral, native_crash
+from .failure import Failure, Kind, logged_error, looks_collateral, native_crash
 from .procs import stopped as process_stopped
 
 SETUP_GRACE_S = 8.0      # after a peer failed in setup, how long a rank in setup may take to fail
@@ -239,6 +239,8 @@ class Monitor:
         err = self.rank_error(gen, rank) or Failure(reason="")
         if rc < 0 and not err.error and kind is Kind.CRASHED:
             err.error = native_crash(self.log_path, self.log_start)     # a C++ abort: its what()
+        elif rc == exitcodes.RANK_FAILED and not err.error:             # its line, where the store took none
+            err.error = logged_error(self.log_path, self.log_start) or None
         line = f": {err.error}" if err.error and err.error != what else ""     # sys.exit(3) says no more
         return Outcome.OWN, Failure(kind=kind.value, container=me, rank=rank, exit_code=rc,
                                     error=err.error, phase=err.phase, input_error=err.input_error,

@@ -2,6 +2,7 @@
 memory limit (the cgroup's OOM killer), named as such with the limit to raise; a
 checkpoint directory that turns read-only or fills up (a real tmpfs) mid-run."""
 import os
+import re
 import shutil
 import time
 import subprocess
@@ -204,6 +205,10 @@ def test_a_limit_on_open_files_is_named_not_blamed_on_the_data(digits, tmp_path)
     assert proc.returncode == 1 and "cannot open it: too many open files (this container may open 24: `ulimit -n`); " \
         "raise that limit where yarnapp submit runs" in out, out[-3000:]
     assert "re-import" not in out, out[-3000:]
+    # the failure's line has it too: the rank could not record it (no descriptor for the
+    # store's file either), and its agent read it from its log (it said "exited with status 1")
+    assert re.search(r"FAILED after 1 attempt\(s\): rank \d \(\w+\) exited with status 1: .*cannot open it: too many "
+                     r"open files", out.strip().splitlines()[-1]), out[-3000:]
     assert_nothing_left(app_id_from(out))
 
 
