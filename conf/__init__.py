@@ -212,9 +212,9 @@ def absolutize(job, base):
 class _UniqueKeyLoader(yaml.SafeLoader):
     """yaml.safe_load, but a key given twice in one mapping is an error, not the last one
     silently winning (two `run:` blocks: which one runs?); numbers as YAML 1.2 reads them
-    (below); and the numbers of an `env:` mapping and an `args:` list kept as the text
-    written (`PYVER: 3.10` is "3.10", `UMASK: 0022` "0022": str() of the number gave "3.1"
-    and "18")."""
+    (below). (load_yaml keeps the numbers of a group's env and of run.args as the text
+    written: `PYVER: 3.10` is "3.10", `UMASK: 0022` "0022"; str() of the number gave "3.1"
+    and "18".)"""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -227,8 +227,6 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice",
                                                         key_node.start_mark)
             seen.add(key)
-            if key in ("env", "args"):     # (a group's env, run.args: text, as a command line's)
-                numbers_as_text(value_node)
         return super().construct_mapping(node, deep)
 
 
@@ -237,25 +235,31 @@ _NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
 
 def numbers_as_text(node):
     """A plain number in `node` (a scalar, a list's entries or a mapping's values) read as the
-    text written."""
-    items = [v for _, v in node.value] if isinstance(node, yaml.MappingNode) else \
-        node.value if isinstance(node, yaml.SequenceNode) else [node]
-    for n in items:
+    text written: a copy of its node retagged (an alias's anchor elsewhere stays a number)."""
+    def text(n):
         if isinstance(n, yaml.ScalarNode) and n.tag in _NUMBER_TAGS and n.style is None:
-            n.tag = "tag:yaml.org,2002:str"
+            return yaml.ScalarNode("tag:yaml.org,2002:str", n.value, n.start_mark, n.end_mark)
+        return n
+    if isinstance(node, yaml.MappingNode):
+        node.value = [(k, text(v)) for k, v in node.value]
+    elif isinstance(node, yaml.SequenceNode):
+        node.value = [text(v) for v in node.value]
+    elif isinstance(node, yaml.ScalarNode):
+        node.tag = text(node).tag
 
 
 # Numbers as YAML 1.2 (and every user) reads them; PyYAML reads YAML 1.1's: `epochs: 010`
-# was the octal 8, `1_000` and `1:30` (sexagesimal, 90) numbers, and `lr: 1e-3` without a dot
-# the string '1e-3', which the schema refused ("Input should be a valid number").
+# was the octal 8, `1:30` (sexagesimal) 90, and `lr: 1e-3` without a dot the string '1e-3',
+# which the schema refused ("Input should be a valid number"). `1_000` stays a number, as in
+# Python.
 _UniqueKeyLoader.yaml_implicit_resolvers = {
     first: [(tag, rx) for tag, rx in resolvers if tag not in _NUMBER_TAGS]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 _UniqueKeyLoader.add_implicit_resolver("tag:yaml.org,2002:int",
-                                       re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"),
+                                       re.compile(r"^(?:[-+]?[0-9][0-9_]*|0o[0-7]+|0x[0-9a-fA-F]+)$"),
                                        list("-+0123456789"))
 _UniqueKeyLoader.add_implicit_resolver("tag:yaml.org,2002:float",
-                                       re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+                                       re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9][0-9_]*(?:\.[0-9_]*)?)(?:[eE][-+]?[0-9]+)?"
                                                   r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
                                        list("-+.0123456789"))
 
@@ -276,16 +280,30 @@ class _Constructor12:
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _Constructor12.int)
 
 
-def load_yaml(text, numbers_text=False):
+def _text_fields(job):
+    """The nodes of a job document whose numbers are text: each group's env, run.args (not a
+    model_options' `args` or `env`, which the user's code takes as YAML gives them)."""
+    def field(node, key):
+        return next((v for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == key), None) \
+            if isinstance(node, yaml.MappingNode) else None
+    groups = field(job, "groups")
+    for group in groups.value if isinstance(groups, yaml.SequenceNode) else ():
+        yield field(group, "env")
+    yield field(field(job, "run"), "args")
+
+
+def load_yaml(text, numbers_text=False, job=False):
     """A YAML value as a job file's reader reads it (conf.overrides' values); numbers_text:
-    a number, or a mapping's, as the text written (a value for `env`)."""
+    a number, or a mapping's or list's, as the text written (a value for an env or run.args);
+    job: a job file, whose env and run.args numbers are text."""
     loader = _UniqueKeyLoader(text)
     try:
         node = loader.get_single_node()
         if node is None:
             return None
-        if numbers_text:
-            numbers_as_text(node)
+        for n in [node] if numbers_text else _text_fields(node) if job else ():
+            if n is not None:
+                numbers_as_text(n)
         return loader.construct_document(node)
     finally:
         loader.dispose()
@@ -320,7 +338,7 @@ def read_raw(source):
                            f"{os.path.basename(where)} (with groups: of containers; docs/own-code.md shows one)")
         try:
             with open(source, encoding="utf-8") as f:
-                raw = load_yaml(f)
+                raw = load_yaml(f, job=True)
         except FileNotFoundError:
             raise JobError(f"{where}: no such file") from None
         except IsADirectoryError:

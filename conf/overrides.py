@@ -63,6 +63,8 @@ def _check_kept(path, value, given, text):
     """A mapping or a name set where an earlier assignment set fields of it replaces them:
     refused, not silently dropped (`training.strategy.bucket_mb=8 training.strategy=allreduce`
     lost bucket_mb)."""
+    if re.fullmatch(r"groups\[\d+\]\.env\..+", path):
+        return          # (an env variable: `spark` and `spark.conf` are two)
     lost = [g for p, g in given.items() if p.startswith(path + ".") or p.startswith(path + "[")]
     if lost and not isinstance(value, dict):
         raise JobError(f"{text}: replaces what {', '.join(lost)} set before it; give {text} first, then those")

@@ -49,7 +49,7 @@ def _env(value, info: ValidationInfo):
                          f"(\"1\", \"true\")")
     for k, v in value.items():
         if v is None:
-            raise ValueError(f"{k}: no value; write {k}: '' for an empty one")
+            raise ValueError(f"{k}: no value; give '' (quoted) for an empty one")
         if isinstance(v, (datetime.date, datetime.time)):
             raise ValueError(f"{k}: read as a date ({v}); quote it to give it as text: {k}: '{v}'")
     for k, v in value.items() if submitting(info) else ():  # (the master's Popen failed on them: "FAILED: unknown")
@@ -465,8 +465,15 @@ class JobSpec(Model):
                 out.append({"rank": len(out), "group": g.name, "instance": i,
                             "container": container_id(g.name, i), "vcores": g.vcores,
                             "memory_mib": g.memory, "gpus": g.gpus,
-                            "omp_threads": int(g.env["OMP_NUM_THREADS"]) if "OMP_NUM_THREADS" in g.env else None})
+                            "omp_threads": omp_threads(g)})
         return out
+
+
+def omp_threads(group):
+    """The threads a group's env sets its ranks (OMP_NUM_THREADS), or None: its vcores decide.
+    (A stored job from before the check may hold OpenMP's "4,2": None.)"""
+    value = str(group.env.get("OMP_NUM_THREADS", "")).strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
 
 
 def container_id(group, instance):

@@ -632,10 +632,23 @@ def test_numbers_read_as_yaml_1_2_and_env_and_args_kept_as_written(tmp_path):
                                                 r"variable: ship it as a file \(run.files\)"),
                        ({"CUDA_VISIBLE_DEVICES": "0"}, r"CUDA_VISIBLE_DEVICES: yarnapp sets it: each container sees "
                                                        r"exactly its own GPUs \(groups\[\]\.gpus\); remove it"),
-                       ({"E": None}, r"E: no value; write E: '' for an empty one"),
+                       ({"E": None}, r"E: no value; give '' \(quoted\) for an empty one"),
                        ({"OMP_NUM_THREADS": "4,2"}, r"OMP_NUM_THREADS: '4,2'; give a number of threads")):
         with pytest.raises(conf.JobError, match=r"groups\[0\]\.env: " + error):
             conf.load_job({**GOOD, "groups": [dict(GOOD["groups"][0], env=env)]})
+    # only a group's env and run.args: a model's own `args` keep their numbers; an anchor's
+    # other uses too (a review: `vcores: &v 2` reused in env made vcores the text '2')
+    path.write_text("name: t\ngroups: [{name: w, instances: 1, vcores: &v 2, env: {T: *v, N: 1_000}}]\n"
+                    "run: {function: training.runner:main}\ntraining: {data: {train: /x}, epochs: 1_000, "
+                    "model_options: {args: [3, *v], env: {a: 1.5}}}\n")
+    job = conf.load_job(str(path))
+    assert (job.groups[0].vcores, dict(job.groups[0].env), job.training.epochs) == (2, {"T": "2", "N": "1_000"}, 1000)
+    assert job.training.model_options == {"args": [3, 2], "env": {"a": 1.5}}
+    raw, _ = overrides.apply(conf.read_raw(str(path))[1], ["groups.w.env.spark.conf=2", "groups.w.env.spark=1"])
+    assert conf.load_job(raw).groups[0].env["spark"] == "1"
+    stored = conf.load_job(str(path)).model_dump(mode="json")       # a stored job from before the check
+    stored["groups"][0]["env"]["OMP_NUM_THREADS"] = "4,2"
+    assert conf.load_job(stored, stored=True).ranks()[0]["omp_threads"] is None
     path.write_text("name: t\ngroups: [{name: w, instances: 1, vcores: 1, env: {D: 2024-01-01}}]\n")
     with pytest.raises(conf.JobError, match=r"D: read as a date \(2024-01-01\); quote it to give it as text"):
         conf.load_job(str(path))

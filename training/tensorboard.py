@@ -154,6 +154,7 @@ class TBLogger:
         self.writer.close()
         if self.remote:
             self._stop.set()
+            self._thread.join()         # (a sync under way ends first: the last copy is the whole file)
             self._sync()
             shutil.rmtree(self.staging, ignore_errors=True)
 

@@ -471,7 +471,10 @@ def main(argv=None):
             raise
         from .backends.local.state import home
         where = e.filename or f"a disk yarnapp writes to (its applications' under YARNAPP_HOME, {home()})"
-        print(f"Error: {where}: {e.strerror}: {_STORAGE_ERRNOS[e.errno]}", file=sys.stderr, flush=True)
+        advice = _STORAGE_ERRNOS[e.errno]
+        if e.filename and not os.path.realpath(e.filename).startswith(os.path.realpath(home()) + os.sep):
+            advice = advice.split(" (")[0].split(", or set YARNAPP_HOME")[0]    # (a path of the command's own)
+        print(f"Error: {where}: {e.strerror}: {advice}", file=sys.stderr, flush=True)
         return 1
 
 

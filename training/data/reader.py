@@ -138,7 +138,8 @@ def read_block(layout, files, b):
         if "too many open files" in str(e).lower():     # (ulimit -n: not the data's fault)
             soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
             raise DataError(f"{name}: cannot open it: too many open files (this container may open {soft}: "
-                            f"`ulimit -n`); raise that limit where yarnapp submit runs, e.g. ulimit -n 4096") from None
+                            f"`ulimit -n`); raise that limit where yarnapp submit runs, e.g. ulimit -n 4096 (on "
+                            f"YARN, the NodeManager's)") from None
         content = isinstance(e, pa.ArrowInvalid) or any(w in str(e).lower() for w in ("checksum", "corrupt", "thrift"))
         raise (BadData if content else DataError)(      # a connection's error may pass; a bad page does not
             f"{name}: corrupt or unreadable Parquet data ({one_line(e)}); re-import the dataset "

@@ -108,10 +108,11 @@ def job_devices(job, profile_for, gpu_speed=None, cuda=False):
     A group with GPUs is measured on CUDA where `cuda` (this machine has it); otherwise
     its device is rank 0-like CPU time divided by gpu_speed (an assumption, named in the
     device)."""
+    from conf.schema import omp_threads
     from training.perf.model import Device
     devices = []
     for g in job.groups:
-        k = max(1, math.ceil(g.vcores))
+        k = omp_threads(g) or max(1, math.ceil(g.vcores))     # (its ranks' threads: training.context)
         if g.gpus and cuda:
             dev = Device(f"{g.name} (cuda)", profile_for(k, "cuda"), vcores=g.vcores)
         elif g.gpus and gpu_speed:

@@ -38,14 +38,16 @@ REMOVING = ".removing-"      # an application's directory being deleted (LocalBa
 
 
 def _last_error(log_file):
-    """The last exception line of a log (`OSError: [Errno 28] No space left on device`), or None."""
+    """The exception line a log ends with (`OSError: [Errno 28] No space left on device`), or
+    None: a master killed after an earlier attempt's error did not end with it."""
     try:
         with open(log_file, "rb") as f:
             f.seek(max(0, os.path.getsize(log_file) - 8192))
-            lines = f.read().decode(errors="replace").splitlines()
+            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
     except OSError:
         return None
-    return next((ln.strip() for ln in reversed(lines) if re.match(r"^[A-Za-z_.]*(Error|Exception): ", ln)), None)
+    last = lines[-1] if lines else ""
+    return last if re.match(r"^[A-Za-z_][\w.]*(Error|Exception): ", last) else None
 
 
 def _new_app_id():
