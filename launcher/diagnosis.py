@@ -36,6 +36,19 @@ STARTING_LOOK_S = 5.0   # while the resource manager has containers of the job t
 UNHEARD = "never reported"     # not_formed's note on running containers whose agents never beat
 
 
+def overload_note(load=None, cores=None):
+    """"; this host was overloaded ...": a world not formed on a host whose run queue was over
+    twice its cores (ten jobs submitted at once on two cores: their ranks' imports alone
+    outlast the limit), else ""."""
+    import os
+    load = os.getloadavg()[0] if load is None else load
+    cores = cores or os.cpu_count() or 1
+    if load <= 2 * cores:
+        return ""
+    return (f"; this host was overloaded (load average {load:.1f} on {cores} cores), so its ranks started slowly: "
+            f"run fewer jobs at once, or raise launcher.rendezvous_timeout")
+
+
 def says_more(found, recorded):
     """Whether `found`, this agent's cause of a world that did not form, names containers
     that never reported where `recorded`, another agent's that came first, does not: the
@@ -234,7 +247,7 @@ class PeerDiagnosis:
                         f"resource manager reports)") + "; `yarnapp status` shows each container's state")
         return Failure(kind=Kind.NOT_FORMED.value, container=self.ident.container, rank=self.ident.rank,
                        reason=f"world not formed within {lj.rendezvous_timeout:.0f}s; missing: "
-                              f"{', '.join(missing) or 'none'}" + note + self.network_note())
+                              f"{', '.join(missing) or 'none'}" + note + overload_note() + self.network_note())
 
     def judged_later(self, silent, limit, now):
         """Whether a peer's rank beat after this one (by more than a beat's period) and its

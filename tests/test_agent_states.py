@@ -915,3 +915,14 @@ def test_a_long_error_line_keeps_its_start_and_its_advice(tmp_path):
     assert said.endswith("[Errno 111] Connection refused; free space or fix its permissions (the checkpoint before "
                          "it is intact)") and " [...] " in said, said
 
+
+def test_a_world_not_formed_on_an_overloaded_host_says_so():
+    """An automation audit: ten jobs submitted at once on two cores failed "world not formed
+    within 120s; missing: small_0, small_1", saying nothing of the 30 ranks importing torch on
+    two cores, nor of the limit to raise."""
+    from launcher.diagnosis import overload_note
+    assert overload_note(load=14.2, cores=2) == (
+        "; this host was overloaded (load average 14.2 on 2 cores), so its ranks started slowly: run fewer jobs at "
+        "once, or raise launcher.rendezvous_timeout")
+    assert overload_note(load=3.9, cores=2) == "" and overload_note(load=0.5) == ""
+
