@@ -774,5 +774,8 @@ def test_list_orders_an_application_whose_end_lacks_its_submit_time_by_that_time
         json.dump(st, f)
     assert [a["app_id"] for a in yarnapp.list_apps()][:2] == [newest, first]
     assert yarnapp.status(newest)["submitted"]
+    # for scripts (an automation audit: only status had --json; list's last column is free text)
+    listed = json.loads(cli("list", "--json", check=0).stdout)
+    assert [a["app_id"] for a in listed][:2] == [newest, first] and listed[0]["state"] == "SUCCEEDED"
     # a shell's completion of apps/ adds a slash: the same application (refused with paths, d5c60c0)
     assert cli("status", newest + "/", check=0).stdout.startswith(newest)

@@ -141,6 +141,9 @@ def cmd_kill(args):
 
 
 def cmd_list(args):
+    if args.json:
+        _p(json.dumps(api.list_apps(args.backend), indent=1, default=str))
+        return 0
     for a in api.list_apps(args.backend):
         _p(f"{a['app_id']}  {a['name']:<16} {a['state']:<10} {a.get('diagnostics') or ''}".rstrip())
     return 0
@@ -319,6 +322,8 @@ def build_parser():
     s = sub.add_parser("list", help="applications, newest first")
     s.add_argument("--backend", default="local", choices=["local", "yarn"],
                    help="whose applications: the local engine's (default) or the YARN cluster's")
+    s.add_argument("--json", action="store_true", help="one JSON list of records (app_id, name, state, submitted, "
+                   "diagnostics), for scripts")
     s.set_defaults(fn=cmd_list)
 
     s = sub.add_parser("clean", help="remove finished applications of the local engine (logs, files, and the "
