@@ -174,6 +174,7 @@ def _three_users(ledger):
                 os.setgid(uid)
                 os.setuid(uid)
                 got = list(leases.Leases(ledger).acquire(f"app_{uid}", 1, two, pids=[os.getppid()]))
+                got[1] = leases.Leases(ledger).whose(got[1])     # as its wait says them
             except Exception as e:  # noqa: BLE001 - reported to the parent
                 got = repr(e)
             os.write(w, json.dumps(got).encode())
@@ -182,7 +183,10 @@ def _three_users(ledger):
         os.waitpid(pid, 0)
         with os.fdopen(r) as f:
             said.append(json.loads(f.read()))
-    assert said == [[[0], [], [], []], [[1], [], [], []], [None, ["app_1001", "app_1002"], [], ["gpus"]]], said
+    # the third waits for the other two users' applications, named so that it can find them
+    # (an audit: "held by app_..." alone, which the waiting user's `yarnapp status` did not know)
+    assert said == [[[0], [], [], []], [[1], [], [], []],
+                    [None, ["app_1001 (uid 1001's)", "app_1002 (uid 1002's)"], [], ["gpus"]]], said
     assert leases.Leases(ledger).held() == {"app_1001": {"gpus": [0], "memory": 0},
                                             "app_1002": {"gpus": [1], "memory": 0}}
 

@@ -301,8 +301,9 @@ class ApplicationMaster(Watchdog):
             why = "waiting for " + " and ".join(
                 [f"{sum(want)} GPU(s)"] * ("gpus" in short)
                 + [f"{memory} MiB of memory (this machine's {capacity} MiB)"] * ("memory" in short)) + ": " + "; ".join(
-                ([f"held by {', '.join(holders)}"] if holders else []) +
-                ([f"in line after {', '.join(ahead)}, which asked first"] if ahead else []) or ["too few visible"])
+                ([f"held by {', '.join(ledger.whose(holders))}"] if holders else []) +
+                ([f"in line after {', '.join(ledger.whose(ahead))}, which asked first"] if ahead else [])
+                or ["too few visible"])
             if why != self.diagnostics:
                 self.diagnostics = why
                 log.info("%s", why)

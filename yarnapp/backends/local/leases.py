@@ -114,6 +114,7 @@ class Leases:
                 return held[app_id]["gpus"], [], [], []
             me = waiting.setdefault(app_id, {"since": time.time()})
             me["procs"] = procs                 # (a restarted master's, its supervisor's)
+            me["owner"] = _owner()
             free = [g.index for g in gpus if g.index not in {i for v in held.values() for i in v["gpus"]}]
             short = ["gpus"] * (len(free) < count) + ["memory"] * (
                 capacity is not None and sum(v.get("memory", 0) for v in held.values()) + memory > capacity)
@@ -127,8 +128,22 @@ class Leases:
                 return None, sorted(app for app, v in held.items() if "gpus" in short and v["gpus"]
                                     or "memory" in short and v.get("memory")), [app for _, app in ahead], short
             waiting.pop(app_id)
-            held[app_id] = {"procs": procs, "gpus": free[:count], "memory": memory}
+            held[app_id] = {"procs": procs, "gpus": free[:count], "memory": memory, "owner": me["owner"]}
             return free[:count], [], [], []
+
+    def whose(self, apps):
+        """`apps` as a waiting user can look them up: an id, and where it is another's or in
+        another YARNAPP_HOME, whose and where (`yarnapp status ID` there finds it)."""
+        mine = _owner()
+        with self._locked() as ledger:
+            entries = {**ledger["waiting"], **ledger["held"]}
+        out = []
+        for app in apps:
+            owner = (entries.get(app) or {}).get("owner") or mine
+            where = [f"{owner['user']}'s"] * (owner["user"] != mine["user"]) + \
+                [f"in YARNAPP_HOME {owner['home']}"] * (owner["home"] != mine["home"])
+            out.append(f"{app} ({', '.join(where)})" if where else app)
+        return out
 
     def release(self, app_id):
         with self._locked() as ledger:
@@ -139,6 +154,19 @@ class Leases:
         """{application: {"gpus": indices, "memory": MiB}} of the leases held now."""
         with self._locked() as ledger:
             return {app: {"gpus": v["gpus"], "memory": v.get("memory", 0)} for app, v in ledger["held"].items()}
+
+
+def _owner():
+    """Who asks, as another user reads it: the user (by the process's uid, not $USER) and
+    YARNAPP_HOME."""
+    import pwd
+
+    from .state import home
+    try:
+        user = pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        user = f"uid {os.geteuid()}"
+    return {"user": user, "home": os.path.realpath(home())}
 
 
 def _alive(entry):
