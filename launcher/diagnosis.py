@@ -247,7 +247,8 @@ class PeerDiagnosis:
                         f"resource manager reports)") + "; `yarnapp status` shows each container's state")
         return Failure(kind=Kind.NOT_FORMED.value, container=self.ident.container, rank=self.ident.rank,
                        reason=f"world not formed within {lj.rendezvous_timeout:.0f}s; missing: "
-                              f"{', '.join(missing) or 'none'}" + note + overload_note() + self.network_note())
+                              f"{', '.join(missing) or 'none'}" + note + self.network_note()
+                              + (overload_note() if self.ident.backend == "local" else ""))   # (YARN: the ranks' hosts')
 
     def judged_later(self, silent, limit, now):
         """Whether a peer's rank beat after this one (by more than a beat's period) and its

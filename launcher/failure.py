@@ -214,10 +214,21 @@ def native_crash(path, offset=0):
     return f"{said} (at {_DIRS.sub('', at.describe())})" if said and at else said
 
 
+ERROR_LINE_CHARS = 600      # of a rank's error line in the store (status, restarts, the failure)
+FAILED_LOGGER = "launcher.rank.failed"      # the logger of the line a rank's fail() ends with
+
+
+def cut(line):
+    """A rank's error line at most ERROR_LINE_CHARS long: its start (what) and its end (what
+    to do; a cut mid-word lost the advice)."""
+    return f"{line[:ERROR_LINE_CHARS - 203]} [...] {line[-196:]}" if len(line) > ERROR_LINE_CHARS else line
+
+
 def logged_error(path, offset=0):
-    """The last line launcher.rank logged after `offset`: a rank ended by its fail() logs its
-    error line last, and where the store could not take it (a disk full, no file descriptors
-    left) this is where it is; "" if none."""
+    """The line a rank's fail() logged after `offset` (FAILED_LOGGER: its error line, which
+    also goes to the store; where the store could not take it, a disk full or no file
+    descriptor left, this is where it is), or "". Not any line of ours: a rank that exits
+    1 otherwise is described by its own last line."""
     try:
         with open(path, "rb") as f:
             f.seek(0, 2)
@@ -225,11 +236,11 @@ def logged_error(path, offset=0):
             text = f.read().decode(errors="replace")
     except (OSError, TypeError):
         return ""
-    found = _RANK_LINE.findall(text)
-    return found[-1].strip() if found else ""
+    found = _FAILED_LINE.findall(text)
+    return cut(found[-1].strip()) if found else ""
 
 
-_RANK_LINE = re.compile(r"^\S+ \S+ rank\d+ \S+ launcher\.rank: ([^\n]+)", re.M)
+_FAILED_LINE = re.compile(r"^\S+ \S+ rank\d+ \S+ " + re.escape(FAILED_LOGGER) + r": ([^\n]+)", re.M)
 _THROWN = re.compile(r"^terminate called after throwing an instance of '(?P<type>[^']+)'\n"
                      r"(?:\s*what\(\):\s*(?P<what>[^\n]*))?", re.M)
 _FATAL = re.compile(r"^Fatal Python error: ([^\n]+)", re.M)

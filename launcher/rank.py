@@ -29,7 +29,7 @@ from conf import paths
 from conf.errors import YarnappError
 from conf.schema import BUILTIN_RUNNER, PACKAGES
 
-from . import exitcodes, identity, keys, network, stacks, store as store_mod, torch_env, world
+from . import exitcodes, failure, identity, keys, network, stacks, store as store_mod, torch_env, world
 from .failure import Failure, caused_by_an_end
 from .user_code import UserCodeError, entry_point, run_code
 from .user_errors import LastLine, error_line, exit_line, print_user_traceback
@@ -120,7 +120,8 @@ class Liveness(threading.Thread):
                 pass
 
 
-ERROR_LINE_CHARS = 600      # of a rank's error line in the store (status, restarts, the failure)
+ERROR_LINE_CHARS = failure.ERROR_LINE_CHARS
+FAILED_LOG = logging.getLogger(failure.FAILED_LOGGER)   # the line fail() ends with (failure.logged_error)
 
 
 def record_error(store, gen, rank, line, phase, input_error=None, repeats=None, certain=None, blames=None):
@@ -128,8 +129,7 @@ def record_error(store, gen, rank, line, phase, input_error=None, repeats=None, 
     line is the whole story; blames: the rank at fault, where every rank raised it alike (see
     launcher.failure.Failure)."""
     try:
-        if len(line) > ERROR_LINE_CHARS:    # its start (what) and its end (what to do): a cut mid-word lost the advice
-            line = f"{line[:ERROR_LINE_CHARS - 203]} [...] {line[-196:]}"
+        line = failure.cut(line)
         store.put_if_absent(keys.error(gen, rank), Failure(reason=line, error=line, phase=phase, rank=rank,
                                                            generation=gen, input_error=input_error,
                                                            repeats=repeats, certain=certain,
@@ -141,7 +141,7 @@ def record_error(store, gen, rank, line, phase, input_error=None, repeats=None, 
 def fail(store, gen, rank, line, phase, code=exitcodes.RANK_FAILED, input_error=None, repeats=None, certain=None,
          blames=None):
     record_error(store, gen, rank, line, phase, input_error, repeats, certain, blames)
-    log.error("%s", line)
+    FAILED_LOG.error("%s", line)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)      # no MPI_Finalize: peers may be gone or blocked

@@ -926,3 +926,22 @@ def test_a_world_not_formed_on_an_overloaded_host_says_so():
         "once, or raise launcher.rendezvous_timeout")
     assert overload_note(load=3.9, cores=2) == "" and overload_note(load=0.5) == ""
 
+
+def test_a_ranks_logged_failure_line_is_read_only_from_its_fail(tmp_path):
+    """Where a rank could not record its line in the store, its agent reads the line its
+    fail() logged; a review: any launcher.rank line was taken ("exited with status 1: world
+    generation 0 formed ..."), where a rank that exits 1 otherwise is described by its own."""
+    from launcher.failure import ERROR_LINE_CHARS, logged_error
+    log = tmp_path / "container.log"
+    log.write_text("2026-11-30 14:17:15,600 rank1 w_1 launcher.rank: world generation 0 formed: rank 1 of 2\n"
+                   "Traceback (most recent call last):\nRuntimeError: boom\n")
+    assert logged_error(str(log)) == ""
+    with open(log, "a") as f:
+        f.write("2026-11-30 14:17:15,621 rank1 w_1 launcher.rank.failed: part-0.parquet: too many open files\n"
+                "2026-11-30 14:17:15,622 rank1 w_1 launcher.rank: something after\n")
+    assert logged_error(str(log)) == "part-0.parquet: too many open files"
+    assert logged_error(str(log), offset=log.stat().st_size) == ""          # (a later generation's start)
+    with open(log, "a") as f:
+        f.write("2026-11-30 14:17:16,000 rank1 w_1 launcher.rank.failed: " + "x" * 5000 + "\n")
+    assert len(logged_error(str(log))) <= ERROR_LINE_CHARS
+

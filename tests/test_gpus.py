@@ -185,8 +185,14 @@ def _three_users(ledger):
             said.append(json.loads(f.read()))
     # the third waits for the other two users' applications, named so that it can find them
     # (an audit: "held by app_..." alone, which the waiting user's `yarnapp status` did not know)
+    def user(uid):
+        import pwd
+        try:
+            return pwd.getpwuid(uid).pw_name
+        except KeyError:
+            return f"uid {uid}"
     assert said == [[[0], [], [], []], [[1], [], [], []],
-                    [None, ["app_1001 (uid 1001's)", "app_1002 (uid 1002's)"], [], ["gpus"]]], said
+                    [None, [f"app_1001 ({user(1001)}'s)", f"app_1002 ({user(1002)}'s)"], [], ["gpus"]]], said
     assert leases.Leases(ledger).held() == {"app_1001": {"gpus": [0], "memory": 0},
                                             "app_1002": {"gpus": [1], "memory": 0}}
 

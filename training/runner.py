@@ -149,11 +149,11 @@ class Runner:
         """The TensorBoard run of the application this one resumed, where each logs in its own
         directory (tensorboard.logdir unset): this run continues its curves. (With a logdir set,
         the two runs sit side by side in it.)"""
-        app = self.ckpt.resumed_app
-        if not app or self.ctx.job.tensorboard.logdir:
-            return None
-        apps = self.ctx.logdir.rstrip("/").rpartition("/")[0].rpartition("/")[0]     # <apps>/<app id>/tensorboard
-        return f"{apps}/{app}/tensorboard/{app}"
+        app, ctx = self.ckpt.resumed_app, self.ctx
+        mine = f"/{ctx.app_id}/tensorboard"         # <apps>/<app id>/tensorboard: the others beside it
+        if not app or ctx.job.tensorboard.logdir or ctx.generation or not ctx.logdir.rstrip("/").endswith(mine):
+            return None             # (a restart: its run has them already)
+        return f"{ctx.logdir.rstrip('/')[:-len(mine)]}/{app}/tensorboard/{app}"
 
     def _data(self):
         return {"batch_size": self.spec.batch_size, "train_rows": len(self.train), "seed": self.spec.seed,

@@ -24,6 +24,7 @@ from . import fsutil
 
 log = logging.getLogger(__name__)
 ROTATE_BYTES = 4 * 2**20        # a remote logdir's event file is continued in a new one past this size
+CONTINUE_MAX_BYTES = 256 * 2**20    # a resumed application's event files copied, at most
 
 
 class _Scalars:
@@ -71,7 +72,8 @@ class TBLogger:
         if continue_from and not (os.path.isdir(self.local_dir) and os.listdir(self.local_dir)):
             self._continue(continue_from)
         self.writer = self._writer(purge_step)
-        self._synced, self._started_at = {}, 0      # (remote) what each file was when copied up; the writer's start
+        # (remote) what each file was when copied up; where the writer's file started
+        self._synced, self._started_at = {}, self._size() if self.remote else 0
         self._second = int(time.time())
         self.hparams = hparams or {}
         if self.hparams:
@@ -83,12 +85,27 @@ class TBLogger:
             self._thread.start()
 
     def _continue(self, run_dir):
+        """This run's files start as `run_dir`'s: hard links on this machine (no copy, and
+        the other application's `clean` leaves them), else copies, up to CONTINUE_MAX_BYTES
+        (a copy is rank 0's setup, before its first heartbeat)."""
         try:
             fs, path = fsutil.resolve(run_dir)
-            if fs.get_file_info(path).type == pafs.FileType.Directory:
-                os.makedirs(self.local_dir, exist_ok=True)
-                pafs.copy_files(path, self.local_dir, source_filesystem=fs,
-                                destination_filesystem=pafs.LocalFileSystem())
+            files = [i for i in fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
+                     if i.type == pafs.FileType.File]
+            if sum(i.size for i in files) > CONTINUE_MAX_BYTES:
+                log.warning("TensorBoard: the resumed application's curves (%s) are not continued: %.0f MiB of "
+                            "event files, over %d MiB", run_dir, sum(i.size for i in files) / 2**20,
+                            CONTINUE_MAX_BYTES // 2**20)
+                return
+            for i in files:
+                target = os.path.join(self.local_dir, os.path.relpath(i.path, path))
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                try:
+                    if not isinstance(fs, pafs.LocalFileSystem):
+                        raise OSError("not on this machine")
+                    os.link(i.path, target)     # (a local logdir's)
+                except OSError:
+                    pafs.copy_files(i.path, target, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
         except Exception as e:  # noqa: BLE001 - the curves start at the resumed step instead
             log.warning("TensorBoard: the resumed application's curves (%s) are not continued: %s", run_dir, e)
 

@@ -322,8 +322,8 @@ def build_parser():
     s = sub.add_parser("list", help="applications, newest first")
     s.add_argument("--backend", default="local", choices=["local", "yarn"],
                    help="whose applications: the local engine's (default) or the YARN cluster's")
-    s.add_argument("--json", action="store_true", help="one JSON list of records (app_id, name, state, submitted, "
-                   "diagnostics), for scripts")
+    s.add_argument("--json", action="store_true", help="one JSON list of the applications' records (app_id, name, "
+                   "state, submitted, diagnostics; on YARN, their status records), for scripts")
     s.set_defaults(fn=cmd_list)
 
     s = sub.add_parser("clean", help="remove finished applications of the local engine (logs, files, and the "
@@ -475,9 +475,11 @@ def main(argv=None):
         if e.errno not in _STORAGE_ERRNOS:      # (a bug, with its traceback)
             raise
         from .backends.local.state import home
-        where = e.filename or f"a disk yarnapp writes to (its applications' under YARNAPP_HOME, {home()})"
+        ours = args.cmd not in ("data", "plan", "hadoop")      # (those write where they are told)
+        where = e.filename or (f"a disk yarnapp writes to (its applications' under YARNAPP_HOME, {home()})" if ours
+                               else "the disk this command writes to")
         advice = _STORAGE_ERRNOS[e.errno]
-        if e.filename and not os.path.realpath(e.filename).startswith(os.path.realpath(home()) + os.sep):
+        if not ours or e.filename and not os.path.realpath(e.filename).startswith(os.path.realpath(home()) + os.sep):
             advice = advice.split(" (")[0].split(", or set YARNAPP_HOME")[0]    # (a path of the command's own)
         print(f"Error: {where}: {e.strerror}: {advice}", file=sys.stderr, flush=True)
         return 1

@@ -286,6 +286,7 @@ class ApplicationMaster(Watchdog):
         want = [c.group.gpus for c in self.containers]
         memory = sum(c.group.memory for c in self.containers)
         ledger, capacity = leases.Leases(), machine_memory_mib()
+        waited = None
         while not self.stopping:
             # held while its supervisor (which outlives a master attempt: a restarted master finds
             # its lease, or its place in line, still its own) or this master lives
@@ -298,12 +299,14 @@ class ApplicationMaster(Watchdog):
                 if got:
                     log.info("GPUs leased: %s", {c.id: c.gpus for c in self.containers if c.gpus})
                 return True
-            why = "waiting for " + " and ".join(
-                [f"{sum(want)} GPU(s)"] * ("gpus" in short)
-                + [f"{memory} MiB of memory (this machine's {capacity} MiB)"] * ("memory" in short)) + ": " + "; ".join(
-                ([f"held by {', '.join(ledger.whose(holders))}"] if holders else []) +
-                ([f"in line after {', '.join(ledger.whose(ahead))}, which asked first"] if ahead else [])
-                or ["too few visible"])
+            if (holders, ahead, short) != waited:       # (whose they are: looked up once, not every second)
+                waited = holders, ahead, short
+                why = "waiting for " + " and ".join(
+                    [f"{sum(want)} GPU(s)"] * ("gpus" in short)
+                    + [f"{memory} MiB of memory (this machine's {capacity} MiB)"] * ("memory" in short)) + ": " + \
+                    "; ".join(([f"held by {', '.join(ledger.whose(holders))}"] if holders else []) +
+                              ([f"in line after {', '.join(ledger.whose(ahead))}, which asked first"] if ahead else [])
+                              or ["too few visible"])
             if why != self.diagnostics:
                 self.diagnostics = why
                 log.info("%s", why)

@@ -108,13 +108,14 @@ class Leases:
         any of `pids` lives (default this process; pid 1, an orphan's parent, is no holder)."""
         procs = [[p, psutil.Process(p).create_time()] for p in dict.fromkeys(pids or [os.getpid()])
                  if p > 1 and psutil.pid_exists(p)]
+        owner = _owner()            # (not under the machine's lock: a user lookup may be slow)
         with self._locked() as ledger:
             held, waiting = ledger["held"], ledger["waiting"]
             if app_id in held:
                 return held[app_id]["gpus"], [], [], []
             me = waiting.setdefault(app_id, {"since": time.time()})
             me["procs"] = procs                 # (a restarted master's, its supervisor's)
-            me["owner"] = _owner()
+            me["owner"] = owner
             free = [g.index for g in gpus if g.index not in {i for v in held.values() for i in v["gpus"]}]
             short = ["gpus"] * (len(free) < count) + ["memory"] * (
                 capacity is not None and sum(v.get("memory", 0) for v in held.values()) + memory > capacity)
@@ -139,10 +140,12 @@ class Leases:
             entries = {**ledger["waiting"], **ledger["held"]}
         out = []
         for app in apps:
-            owner = (entries.get(app) or {}).get("owner") or mine
-            where = [f"{owner['user']}'s"] * (owner["user"] != mine["user"]) + \
-                [f"in YARNAPP_HOME {owner['home']}"] * (owner["home"] != mine["home"])
-            out.append(f"{app} ({', '.join(where)})" if where else app)
+            entry = entries.get(app)
+            owner = entry.get("owner") if isinstance(entry, dict) else None
+            owner = owner if isinstance(owner, dict) else {}        # (an older engine's entry: none)
+            user, home = owner.get("user", mine["user"]), owner.get("home", mine["home"])
+            where = [f"{user}'s"] * (user != mine["user"]) + [f"in YARNAPP_HOME {home}"] * (home != mine["home"])
+            out.append(f"{app} ({', '.join(map(str, where))})" if where else app)
         return out
 
     def release(self, app_id):
