@@ -69,7 +69,7 @@ def test_a_sigkilled_rank_of_conv_model_parallel_resumes_bit_identically(referen
     pid = rank_pid(run, rank=1)
     warm = psutil.Process(pid).parent()
     assert "launcher.warm" in warm.cmdline(), warm.cmdline()
-    wait_step(run, rank=1, step=kill_at)
+    kill_at = wait_step(run, rank=1, step=kill_at)     # (the step it reached: a busy host's status lags)
     os.kill(pid, signal.SIGKILL)
     t_kill = time.time()
     pid1 = rank_pid(run, rank=1, generation=1)
@@ -83,7 +83,7 @@ def test_a_sigkilled_rank_of_conv_model_parallel_resumes_bit_identically(referen
     assert [r["generation"] for r in st["restarts"]] == [1, 2]
     assert all("rank 1 (small_0) killed by signal 9" in r["reason"] for r in st["restarts"]), st["restarts"]
     resumed = _resumed(run)
-    assert kill_at - 10 <= resumed[0] <= kill_at + 1, (kill_at, resumed)   # at most one interval recomputed
+    assert kill_at - 10 <= resumed[0] <= kill_at + 2, (kill_at, resumed)   # at most one interval recomputed
     assert _equal(final_weights(job), reference["conv_model_parallel"])
     assert _tb_steps(job, run) == list(range(1, 41))     # one point a step: the resumed steps' were purged
     formed1 = json.loads(store_of(run).get(keys.formed(1)))
@@ -103,7 +103,7 @@ def test_rank_0_sigkilled_then_the_master_killed_resume_bit_identically(referenc
     job = dict(digits_job(tmp_path, digits, "killed"), max_restarts=1, am_attempts=2)
     run = yarnapp.submit(job)
     pid = rank_pid(run, rank=0)
-    wait_step(run, rank=0, step=kill_at)
+    kill_at = wait_step(run, rank=0, step=kill_at)     # (the step it reached: a busy host's status lags)
     os.kill(pid, signal.SIGKILL)
     t_kill = time.time()
     rank_pid(run, rank=0, generation=1)
@@ -121,7 +121,7 @@ def test_rank_0_sigkilled_then_the_master_killed_resume_bit_identically(referenc
     assert banners[0] == "==== small_0 attempt 1 started" and \
         banners[-1] == "==== small_0 attempt 1, application master attempt 2 started", banners
     resumed = _resumed(run)
-    assert len(resumed) == 2 and kill_at - 10 <= resumed[0] <= kill_at + 1, (kill_at, resumed)
+    assert len(resumed) == 2 and kill_at - 10 <= resumed[0] <= kill_at + 2, (kill_at, resumed)
     assert resumed[1] >= resumed[0] and resumed[1] == st["final"]["resumed_from"], resumed
     assert _equal(final_weights(job), reference["allreduce"])
     assert _tb_steps(job, run) == list(range(1, 41))
@@ -151,13 +151,13 @@ def test_sigkill_with_augmentation_and_measured_shares_resumes_bit_identically(d
     run = yarnapp.submit(killed)
     pid = rank_pid(run, rank=2)
     kill_at = random.Random("kill-augment").randint(33, 42)          # in the second epoch (29 steps each)
-    wait_step(run, rank=2, step=kill_at)
+    kill_at = wait_step(run, rank=2, step=kill_at)     # (the step it reached: a busy host's status lags)
     os.kill(pid, signal.SIGKILL)
     st = run.wait(timeout=600)
     assert st["state"] == "SUCCEEDED", (st.get("diagnostics"), run.logs())
     assert [r["generation"] for r in st["restarts"]] == [1]
     resumed = st["final"]["resumed_from"]
-    assert resumed in (30, 40) and resumed <= kill_at + 1, (kill_at, resumed)
+    assert resumed in (30, 40) and resumed <= kill_at + 2, (kill_at, resumed)
     logs = run.logs()["big_0"]                  # measured once: the resumed generation takes them
     assert "the checkpoint's measured shares" in logs and logs.count("shares 'speed': passes") == 1, logs
     ckpt = os.path.join(killed["checkpoint"]["uri"], run.app_id)
