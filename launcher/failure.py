@@ -195,13 +195,7 @@ def native_crash(path, offset=0):
     Python error"; and where the main thread was (the dump of launcher.stacks.enable).
     Python's stderr never sees these, so the failure read "killed by signal 6" alone."""
     from .stacks import where
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, 2)
-            f.seek(max(offset, f.tell() - 65536))
-            text = f.read().decode(errors="replace")
-    except (OSError, TypeError):
-        return ""
+    text = _log_tail(path, offset)
     thrown = [m for m in _THROWN.finditer(text)][-1:]
     fatal = [m for m in _FATAL.finditer(text)][-1:]
     said = ""
@@ -212,6 +206,17 @@ def native_crash(path, offset=0):
         said = f"Fatal Python error: {fatal[0].group(1).strip()}"
     at = where(text[fatal[0].end():]) if fatal else None
     return f"{said} (at {_DIRS.sub('', at.describe())})" if said and at else said
+
+
+def _log_tail(path, offset=0):
+    """A log's last 64 KiB after `offset` (where a rank's generation started), or ""."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(offset, f.tell() - 65536))
+            return f.read().decode(errors="replace")
+    except (OSError, TypeError):
+        return ""
 
 
 ERROR_LINE_CHARS = 600      # of a rank's error line in the store (status, restarts, the failure)
@@ -229,14 +234,7 @@ def logged_error(path, offset=0):
     also goes to the store; where the store could not take it, a disk full or no file
     descriptor left, this is where it is), or "". Not any line of ours: a rank that exits
     1 otherwise is described by its own last line."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, 2)
-            f.seek(max(offset, f.tell() - 65536))
-            text = f.read().decode(errors="replace")
-    except (OSError, TypeError):
-        return ""
-    found = _FAILED_LINE.findall(text)
+    found = _FAILED_LINE.findall(_log_tail(path, offset))
     return cut(found[-1].strip()) if found else ""
 
 
