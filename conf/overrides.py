@@ -27,8 +27,10 @@ def apply(raw, assignments, where="job"):
     out, given = copy.deepcopy(raw), {}
     for text in assignments:
         key, value = parse(text)
-        path, created = _set(out, _parts(key), value, text, where)
-        _check_kept(path, value, given, text)
+        parts = _parts(key)
+        path, created = _set(out, parts, value, text, where)
+        if not (_in_env(parts) and len(parts) == 4):     # (an env variable: `spark` and `spark.conf` are two)
+            _check_kept(path, value, given, text)
         given[path] = text
         for section in created:         # a section the file lacks: its errors are this assignment's too
             given.setdefault(section, text)
@@ -42,7 +44,7 @@ def parse(text):
     if not eq or not key or any(not part for part in key.split(".")):
         raise JobError(f"{text}: a job field set on the command line is KEY=VALUE with a dotted KEY, e.g. {EXAMPLE}")
     parts = _parts(key)
-    text_numbers = parts[0] == "groups" and "env" in parts[2:3] or parts[:2] == ["run", "args"]
+    text_numbers = _in_env(parts) or parts[:2] == ["run", "args"]
     try:
         return key, load_yaml(value, numbers_text=text_numbers) if value.strip() else None
     except yaml.YAMLError as e:
@@ -54,17 +56,20 @@ def _parts(key):
     """A dotted key's parts; a group's env variable is the whole rest, dots and all
     (`groups.a.env.spark.conf=1` sets `spark.conf`)."""
     parts = key.split(".")
-    if parts[0] == "groups" and len(parts) > 4 and parts[2] == "env":
+    if _in_env(parts) and len(parts) > 4:
         parts[3:] = [".".join(parts[3:])]
     return parts
+
+
+def _in_env(parts):
+    """Whether a key's parts name a group's env, or a variable of it (`groups.big.env.X`)."""
+    return parts[0] == "groups" and parts[2:3] == ["env"]
 
 
 def _check_kept(path, value, given, text):
     """A mapping or a name set where an earlier assignment set fields of it replaces them:
     refused, not silently dropped (`training.strategy.bucket_mb=8 training.strategy=allreduce`
     lost bucket_mb)."""
-    if re.fullmatch(r"groups\[\d+\]\.env\..+", path):
-        return          # (an env variable: `spark` and `spark.conf` are two)
     lost = [g for p, g in given.items() if p.startswith(path + ".") or p.startswith(path + "[")]
     if lost and not isinstance(value, dict):
         raise JobError(f"{text}: replaces what {', '.join(lost)} set before it; give {text} first, then those")

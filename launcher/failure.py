@@ -174,13 +174,7 @@ def log_tail(path, lines=20):
     unreadable; from the last of the engine's "==== NAME attempt N started" lines on, and ""
     where nothing follows it (a rank killed for memory before it wrote a line: the excerpt
     showed that header alone); the agent's state changes left out."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, 2)
-            f.seek(max(0, f.tell() - 8192))
-            tail = f.read().decode(errors="replace").splitlines()
-    except OSError:
-        return ""
+    tail = read_tail(path, size=8192).splitlines()
     heads = [i for i, line in enumerate(tail) if line.startswith("==== ")]
     tail = tail[heads[-1] + 1:] if heads else tail        # this attempt's lines (every attempt appends)
     tail = [line for line in tail if not _TRANSITION.search(line) and not line.startswith(CRASH_BOILERPLATE)][-lines:]
@@ -195,7 +189,7 @@ def native_crash(path, offset=0):
     Python error"; and where the main thread was (the dump of launcher.stacks.enable).
     Python's stderr never sees these, so the failure read "killed by signal 6" alone."""
     from .stacks import where
-    text = _log_tail(path, offset)
+    text = read_tail(path, offset)
     thrown = [m for m in _THROWN.finditer(text)][-1:]
     fatal = [m for m in _FATAL.finditer(text)][-1:]
     said = ""
@@ -208,12 +202,13 @@ def native_crash(path, offset=0):
     return f"{said} (at {_DIRS.sub('', at.describe())})" if said and at else said
 
 
-def _log_tail(path, offset=0):
-    """A log's last 64 KiB after `offset` (where a rank's generation started), or ""."""
+def read_tail(path, offset=0, size=65536):
+    """A log's last `size` bytes after `offset` (where a rank's generation started) as text,
+    or "" where it cannot be read."""
     try:
         with open(path, "rb") as f:
             f.seek(0, 2)
-            f.seek(max(offset, f.tell() - 65536))
+            f.seek(max(offset, f.tell() - size))
             return f.read().decode(errors="replace")
     except (OSError, TypeError):
         return ""
@@ -234,7 +229,7 @@ def logged_error(path, offset=0):
     also goes to the store; where the store could not take it, a disk full or no file
     descriptor left, this is where it is), or "". Not any line of ours: a rank that exits
     1 otherwise is described by its own last line."""
-    found = _FAILED_LINE.findall(_log_tail(path, offset))
+    found = _FAILED_LINE.findall(read_tail(path, offset))
     return cut(found[-1].strip()) if found else ""
 
 

@@ -70,6 +70,16 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+def fill_up(disk, chunk):
+    """Fill `disk` (ENOSPC from then on), writing `chunk` bytes at a time to its file "filler"."""
+    with open(disk / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * chunk)
+        except OSError:
+            pass
+
+
 @pytest.mark.parametrize("fault", ["read-only", "full"])
 def test_a_checkpoint_that_cannot_be_written_fails_in_one_line_and_the_previous_stays(
         fault, small_disk, digits, tmp_path, yarnapp_home):
@@ -82,12 +92,7 @@ def test_a_checkpoint_that_cannot_be_written_fails_in_one_line_and_the_previous_
     if fault == "read-only":
         subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
     else:
-        with open(small_disk / "filler", "wb") as f:   # the disk fills up (ENOSPC)
-            try:
-                while True:
-                    f.write(b"\0" * 2**20)
-            except OSError:
-                pass
+        fill_up(small_disk, 2**20)
     st = run.wait(timeout=300)
     assert st["state"] == "FAILED", run.logs()
     reason = st["failure"]["reason"]
@@ -158,12 +163,7 @@ def test_yarnapp_home_filling_up_mid_run_is_one_line_and_said_as_it_was(small_di
             app = next(iter(os.listdir(home / "apps")), None) if (home / "apps").is_dir() else None
             time.sleep(0.1)
         wait_step(yarnapp.Run(app), rank=0, step=5)
-        with open(small_disk / "filler", "wb") as f:   # the disk fills up (ENOSPC)
-            try:
-                while True:
-                    f.write(b"\0" * 2**16)
-            except OSError:
-                pass
+        fill_up(small_disk, 2**16)
         out, err = submit.communicate(timeout=180)
     finally:
         submit.kill()

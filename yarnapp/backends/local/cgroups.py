@@ -31,8 +31,9 @@ class Limits:
         self.vcores, self.memory_mib = vcores, memory_mib
         name = os.path.join("yarnapp", app_id, container)
         cpu, mem = os.path.join(ROOT, "cpu"), os.path.join(ROOT, "memory")
-        if unavailable():
-            self.why = f"not enforced: {unavailable()}"
+        why_not = unavailable()
+        if why_not:
+            self.why = f"not enforced: {why_not}"
             return
         try:
             for ctl, base in (("cpu", cpu), ("memory", mem)):

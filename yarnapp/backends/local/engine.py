@@ -20,7 +20,7 @@ from launcher import interrupts, keys
 from launcher.results import notices
 from launcher.identity import checkpoint_dir
 from training import fsutil
-from launcher.failure import Failure
+from launcher.failure import Failure, read_tail
 from launcher.store import FileStore
 
 from ... import advice, logview, preflight, shipping
@@ -40,12 +40,7 @@ REMOVING = ".removing-"      # an application's directory being deleted (LocalBa
 def _last_error(log_file):
     """The exception line a log ends with (`OSError: [Errno 28] No space left on device`), or
     None: a master killed after an earlier attempt's error did not end with it."""
-    try:
-        with open(log_file, "rb") as f:
-            f.seek(max(0, os.path.getsize(log_file) - 8192))
-            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return None
+    lines = [ln.strip() for ln in read_tail(log_file, size=8192).splitlines() if ln.strip()]
     last = lines[-1] if lines else ""
     return last if re.match(r"^[A-Za-z_][\w.]*(Error|Exception): ", last) else None
 
@@ -161,10 +156,10 @@ def checked(job, where="job"):
     preflight.check_strategy(job, found, shipment, where)
     advice.warn_little_beside_data(job, where)       # (after every refusal: one line each)
     advice.warn_idle_gpus(job, where)
-    if cgroups.unavailable():       # (status said it of each container; a `submit --wait` never did)
+    why_not = cgroups.unavailable()     # (status said it of each container; a `submit --wait` never did)
+    if why_not:
         log.warning("the local engine cannot enforce the groups' vcores and memory here (%s): containers share "
-                    "this machine's CPUs and memory, unlimited, and one over its memory is not named as such",
-                    cgroups.unavailable())
+                    "this machine's CPUs and memory, unlimited, and one over its memory is not named as such", why_not)
     return shipment
 
 
