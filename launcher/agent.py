@@ -85,6 +85,7 @@ class Agent(Monitor, PeerDiagnosis):
         self.warm = None                 # launcher.warm: where this container's ranks are forked from
         self.heartbeat = os.path.abspath(f".heartbeat.{ident.container}")
         self._phase, self._seen = "setup", False
+        self.rank_importing = self._joining = False     # launcher.diagnosis: importing
         self.activity = Activity()       # whether its silent rank is at work (launcher.activity)
         self.log_path = os.environ.get("YARNAPP_LOG") or _yarn_log(ident.group)
         self.members = ident.job.ranks()

@@ -101,11 +101,12 @@ class Watch:
                     out[c] = quiet + now - self.seen[c][1]
         return out
 
-    def busy(self):
-        """The peers whose agents say their rank, of the job's own code and silent in its
-        progress, is at work (`rank_busy` in its beat: launcher.activity): an evaluation on one
-        rank, which its peers wait for, idle, in their next collective."""
-        return [c for c in self.peers if c in self.seen and json.loads(self.seen[c][0]).get("rank_busy")]
+    def saying(self, flag):
+        """The peers whose agents say `flag` of their rank in its beat: "rank_busy", silent in
+        its progress and at work (launcher.activity: an evaluation on one rank, which its peers
+        wait for, idle, in their next collective); "rank_importing", at work in its start, not
+        yet joining the world (launcher.diagnosis: importing)."""
+        return [c for c in self.peers if c in self.seen and json.loads(self.seen[c][0]).get(flag)]
 
     def frozen(self, snapshot, now):
         """update, then the peers silent for longer than the limit (see silent)."""

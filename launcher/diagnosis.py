@@ -31,6 +31,9 @@ log = logging.getLogger("launcher.agent")
 APART_GRACE_S = 5.0     # called_apart waits this long for every rank to say where it waits
 STARTING_LOOK_S = 5.0   # while the resource manager has containers of the job to start, how often
                         # an agent past its rendezvous limit asks it again (starting)
+IMPORTING_WINDOW_S = 10.0   # a rank in its start that used CPU over this long is at work (importing)
+IMPORTING_LIMIT = 3     # a world waits past its rendezvous limit for a rank at work in its start, at
+                        # most this many limits (code that runs forever as it is imported)
 
 
 UNHEARD = "never reported"     # not_formed's note on running containers whose agents never beat
@@ -78,6 +81,7 @@ class PeerDiagnosis:
     _look_again = None      # starting: when to ask the resource manager again
     _said_starting = None   # starting: the count of containers to start it last logged
     _rm_unasked = None      # starting: the resource manager could not be asked (judged as before)
+    _said_importing = None  # still_importing: the containers it last logged
 
     def starting(self, now):
         """Whether the world, past the rendezvous limit (counted from when this agent spawned
@@ -105,6 +109,35 @@ class PeerDiagnosis:
         if last_start is not None:      # the limit from the last start (on the master's clock: skein's)
             self.rendezvous_from = max(self.rendezvous_from, now - max(0.0, time.time() - last_start))
         return now - self.rendezvous_from <= self.job.launcher.rendezvous_timeout
+
+    def importing(self, now):
+        """Whether this agent's rank is at work in its start, before it joins the world:
+        importing torch and its code takes tens of seconds on a busy host (a job's third
+        container, started when another tenant's left, beside a loaded node's other ranks).
+        In setup, not yet joining (launcher.rank says so in its heartbeat), and using CPU over
+        the last IMPORTING_WINDOW_S (launcher.activity); looked at from half the rendezvous
+        limit on. Said in this agent's beat (`rank_importing`) for its peers' agents."""
+        if now - self.rendezvous_from <= self.job.launcher.rendezvous_timeout / 2 or self.child.poll() is not None:
+            return False
+        phase, _ = self.read_heartbeat(now)
+        return phase == "setup" and not self._joining and self.activity.sample(self.child.pid, now, IMPORTING_WINDOW_S)
+
+    def still_importing(self, now):
+        """Whether the world, past its rendezvous limit, waits on for members at work in their
+        start (importing: this agent's rank, or a peer's as its agent's beat says), up to
+        IMPORTING_LIMIT times the limit. A member idle in its start (stuck on a read, a lock,
+        a network that does not reach) or stuck joining fails the world at the limit as before."""
+        if now - self.rendezvous_from > IMPORTING_LIMIT * self.job.launcher.rendezvous_timeout:
+            return False
+        who = self.importing_members()
+        if who and who != self._said_importing:
+            log.info("the world waits past launcher.rendezvous_timeout for %s, still at work importing its code "
+                     "(a busy host), for up to %d times that limit", ", ".join(who), IMPORTING_LIMIT)
+        self._said_importing = who
+        return bool(who)
+
+    def importing_members(self):
+        return ([self.ident.container] if self.rank_importing else []) + self.peers.saying("rank_importing")
 
     def lost_member(self, gen, seen):
         """A member that joined this generation whose container is gone or replaced
@@ -245,6 +278,10 @@ class PeerDiagnosis:
                         f"started" if self._rm_unasked else
                         f"stuck as {they} started, or started lately (the limit counts from the last start the "
                         f"resource manager reports)") + "; `yarnapp status` shows each container's state")
+        importing = self.importing_members()
+        if importing:
+            note += (f"; {', '.join(importing)} still at work importing its code after {IMPORTING_LIMIT} times "
+                     f"the limit (code that runs as it is imported and never ends?)")
         return Failure(kind=Kind.NOT_FORMED.value, container=self.ident.container, rank=self.ident.rank,
                        reason=f"world not formed within {lj.rendezvous_timeout:.0f}s; missing: "
                               f"{', '.join(missing) or 'none'}" + note + self.network_note()

@@ -57,8 +57,10 @@ class Monitor:
         """For this agent's beat: {"rank_quiet": seconds since its rank last beat}, while the
         rank trains (peers found waiting defer to a rank that beat after them: stacks)."""
         try:
-            if self.child is None or self.child.returncode is not None or self._phase != "train":
+            if self.child is None or self.child.returncode is not None:
                 return {}
+            if self._phase != "train":
+                return {"rank_importing": True} if self.rank_importing else {}
             return {"rank_quiet": round(max(0.0, time.time() - os.path.getmtime(self.heartbeat)), 2),
                     **({"rank_busy": True} if self.activity.busy else {})}
         except (OSError, AttributeError):
@@ -76,6 +78,7 @@ class Monitor:
             return self._phase, age
         self._phase = words[0]
         self._seen = words[-1] == "seen"        # only its optimizer's steps were seen (RunContext.heartbeat)
+        self._joining = words[-1] == "joining"  # its code imported, it joins the world (launcher.rank)
         return words[0], age
 
     def monitor(self, gen):
@@ -85,6 +88,7 @@ class Monitor:
         me, rank = self.ident.container, self.ident.rank
         self.formed_seen = None
         self.rendezvous_from = self.spawned     # moved on while containers wait to start (starting)
+        self.rank_importing = self._joining = False
         self._look_again = self._said_starting = self._rm_unasked = None
         waited = 0.0            # extra silence allowed a rank found waiting for its peers (launcher.stacks)
         peer_ended = None       # when this agent first saw a peer's code finished (and its rank not)
@@ -113,7 +117,9 @@ class Monitor:
             if frozen:
                 return Outcome.OWN, self.replace_frozen(gen, seen, frozen)
             formed = keys.formed(gen) in seen
-            if not formed and now - self.rendezvous_from > lj.rendezvous_timeout and not self.starting(now):
+            self.rank_importing = not formed and self.importing(now)
+            if not formed and now - self.rendezvous_from > lj.rendezvous_timeout and not self.starting(now) \
+                    and not self.still_importing(now):
                 return Outcome.OWN, self.not_formed(gen, seen)
             apart = self.called_apart(gen, seen) if formed else None
             if apart:
@@ -160,7 +166,7 @@ class Monitor:
                     if at_work and not judged_idle and self.activity.in_a_wait(
                             self.child.pid, self.heartbeat + stacks.SUFFIX, now, limit):
                         at_work = False
-                    if judged_busy and not capped and (at_work or self.peers.busy()):
+                    if judged_busy and not capped and (at_work or self.peers.saying("rank_busy")):
                         time.sleep(lj.poll_interval)
                         continue
                     # ... or a peer whose whole container stopped, whose agent cannot say so.

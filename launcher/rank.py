@@ -252,6 +252,8 @@ def main(argv=None):
         fail(store, gen, ident.rank, str(e), "setup", input_error=e.__cause__ is None or None)
 
     net = network.configure()   # MPI over this container's own address (emulated nodes); else no-op
+    with open(args.heartbeat, "w") as f:        # its code imported: joining now (launcher.monitor: importing)
+        f.write(f"setup {time.time()} joining")
     # No limit of its own: its agent judges launcher.rendezvous_timeout, which waits on while the
     # resource manager has containers of the job to start (launcher.diagnosis: starting), and
     # records the abort that ends this wait.

@@ -575,6 +575,43 @@ def test_a_world_that_does_not_form_fails_naming_who_is_missing(port, missing, t
     assert a.children[0].poll() == -signal.SIGTERM      # stopped as torchrun stops its workers, not left behind
 
 
+@pytest.mark.parametrize("importing", ["its own rank", "a peer's"])
+def test_a_world_waits_for_a_rank_at_work_importing_then_fails_naming_it(importing, tmp_path):
+    """The busy-cluster test on real YARN failed: the job's third container, started when
+    another tenant's left, was still importing (53 s on the suite's busy host) when the
+    rendezvous limit (40 s) ran out, and the world "did not form". A rank at work in its
+    start (using CPU, not yet joining: its own, or a peer's as that one's agent beats) is
+    waited for, up to IMPORTING_LIMIT limits; one idle there fails at the limit (above)."""
+    from launcher.diagnosis import IMPORTING_LIMIT
+    spin = [sys.executable, "-c", "while True: pass"]
+    stop = threading.Event()
+
+    def peer_importing(store, gen, agent):
+        def beat(n=0):
+            while not stop.is_set():
+                n += 1
+                store.put(keys.beat("w_1"), json.dumps({"incarnation": "x", "group": "w", "rank": 1,
+                                                        "engine_id": "w_1", "rank_importing": True, "n": n}))
+                time.sleep(0.2)
+        threading.Thread(target=beat, daemon=True).start()
+    own = importing == "its own rank"
+    a, store = agent(tmp_path, [spin if own else ["sleep", "60"]], cls=ProcessAgent, max_restarts=0,
+                     instances=1 if own else 2, before=None if own else peer_importing,
+                     launcher={"rendezvous_timeout": "1s"})
+    t0 = time.monotonic()
+    try:
+        assert a.run() == exitcodes.RANK_FAILED
+    finally:
+        stop.set()
+    took = time.monotonic() - t0
+    failed = load(store, keys.FAILED)
+    assert failed.kind == Kind.NOT_FORMED.value and took >= IMPORTING_LIMIT * 1.0, (took, failed.reason)
+    who = "w_0" if own else "w_1"
+    assert f"; {who} still at work importing its code after {IMPORTING_LIMIT} times the limit" in failed.reason, \
+        failed.reason
+    assert a.children[0].poll() is not None
+
+
 def test_a_rank_that_crashes_is_restarted_and_its_status_is_the_containers(tmp_path):
     a, store = agent(tmp_path, [["sh", "-c", "exit 5"], ["sh", "-c", "exit 6"]], cls=ProcessAgent, max_restarts=1)
     assert a.run() == 6                                   # its rank's status in the last generation
