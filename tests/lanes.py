@@ -39,9 +39,9 @@ def default_workers(config):
 
 # The modules that take longest (seconds on CI's 2 cores, in one process), started first so
 # that the last to end is a short one; the others follow in their own order.
-HEAVIEST = ("test_own_code", "test_yarn_real", "test_recovery", "test_netem", "test_local_engine",
-            "test_job_validation", "test_data_jobs", "test_planner", "test_training", "test_faults",
-            "test_collectives", "test_notebook", "test_hypergraph")
+HEAVIEST = ("test_yarn_real", "test_recovery", "test_own_code", "test_own_code_failures", "test_failed_apps",
+            "test_netem", "test_local_engine", "test_job_validation", "test_data_jobs", "test_planner",
+            "test_training", "test_faults", "test_collectives", "test_notebook", "test_hypergraph")
 
 
 def order(items):

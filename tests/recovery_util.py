@@ -67,3 +67,9 @@ def run_to_end(job, timeout=600):
     st = run.wait(timeout=timeout)
     assert st["state"] == "SUCCEEDED", (st.get("diagnostics"), run.logs())
     return run, st
+
+
+def resumed_steps(run):
+    """The step each generation after the first resumed from, as rank 0 logged it."""
+    return [int(line.rsplit(" ", 1)[1]) for line in run.logs()["big_0"].splitlines()
+            if "resumed from the checkpoint of step" in line]

@@ -425,7 +425,7 @@ def test_a_hung_rank_is_named_with_where_its_main_thread_is(tmp_path, waiting):
     user's code) is the one named: before, every silent rank named itself at once. So is one
     in a call of mpi4py's (`ctx.comm.Barrier()`: C code, no frame of mpi4py's), by its line
     (before, the waiting rank was blamed for the one it waited on). One spinning in the
-    user's code is at work (an evaluation on rank 0 alone: test_own_code), hung only after
+    user's code is at work (an evaluation on rank 0 alone: test_own_code_failures), hung only after
     BUSY_LIMIT times the limit, said so."""
     where = tmp_path / "code" / ("training/collectives" if waiting is True else "user")
     where.mkdir(parents=True)

@@ -144,7 +144,7 @@ def test_a_strategy_that_cannot_run_the_model_is_one_line_without_a_traceback(tm
     """conv_model_parallel told to split a layer the model lacks: the rank raised a ValueError,
     and `submit --wait` showed its traceback before the failure line. Then the ranks said it
     in one line; now the client does, before anything starts, for a factory of the user's
-    too (here the same network by its class; tests/test_own_code.py has the ranks' line)."""
+    too (here the same network by its class; tests/test_own_code_failures.py has the ranks' line)."""
     job = _job(tmp_path, digits, "layers", THREE)
     job["training"]["model"] = "training.models:DigitsCNN"
     job["training"]["strategy"] = {"name": "conv_model_parallel", "layers": ["nosuchconv"]}
