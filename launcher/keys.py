@@ -56,6 +56,12 @@ def joined(gen, rank):
     return f"gen/{gen:04d}/joined/{rank:05d}"
 
 
+def connecting(gen, rank):
+    """Written by a joiner right before it Connects: the members Accept only then (MPI's
+    blocking Accept spins a core while it waits: launcher.world)."""
+    return f"gen/{gen:04d}/connecting/{rank:05d}"
+
+
 def incarnation(gen, rank):
     """Which incarnation of a container's agent runs `rank` in generation `gen`."""
     return f"gen/{gen:04d}/incarnation/{rank:05d}"
@@ -120,7 +126,7 @@ def spent(gen):
     (launcher.retries compares a generation's failure with the one before it): all but its
     abort and formed records, which say what happened (restarts, the time the world first
     formed). Removed, so that the store, which every poll reads, does not grow with restarts."""
-    return tuple(f"gen/{gen:04d}/{p}" for p in ("port", "master", "joined/", "incarnation/", "finished/",
+    return tuple(f"gen/{gen:04d}/{p}" for p in ("port", "master", "joined/", "connecting/", "incarnation/", "finished/",
                                                  "waiting/", "stall/", "error/"))
 
 

@@ -5,6 +5,9 @@ the store; ranks 1..N-1 join in rank order: the current world collectively Accep
 the joiner Connects, both sides Merge the intercommunicator (joiner high), so rank
 order is deterministic (group order, then instance).
 
+The members Accept only once the next joiner has said in the store that it connects
+(keys.connecting): MPI's blocking Accept spins a core while it waits.
+
 The handshake, before anyone becomes a member. Right after Accept, the joiner sends
 {rank, token} over the intercommunicator, the token being an HMAC of the port name
 under the per-application secret; rank 0 waits for it at most HELLO_TIMEOUT_S. Rank 0
@@ -95,6 +98,7 @@ def join(store, gen, rank, size, secret, timeout, aborted=lambda: False):
         port = value.decode()
         if rank > 1 and store.wait(keys.joined(gen, rank - 1), timeout=timeout, cancel=aborted) is None:
             raise WorldAborted(f"generation {gen} aborted before rank {rank} joined")
+        store.put(keys.connecting(gen, rank), json.dumps({"t": time.time()}))
         inter = MPI.COMM_SELF.Connect(port, MPI.INFO_NULL, root=0)
         inter.send({"rank": rank, "token": _token(secret, port)}, dest=0, tag=_TAG_HELLO)
         if not inter.recv(source=0, tag=_TAG_VERDICT):
@@ -103,8 +107,13 @@ def join(store, gen, rank, size, secret, timeout, aborted=lambda: False):
         comm = inter.Merge(high=True)
         inter.Disconnect()
         store.put(keys.joined(gen, rank), json.dumps({"t": time.time()}))
-    # Members (rank 0 and every rank that has joined) accept the remaining joiners.
+    # Members (rank 0 and every rank that has joined) accept the remaining joiners, each once
+    # it says it connects: a blocking Accept spins a core until a joiner comes, which took the
+    # CPU of the ranks still importing on the same host (a 3-rank world whose last rank was
+    # 6 s late burnt 12 CPU-seconds); the store is polled idle.
     while comm.Get_size() < size:
+        if store.wait(keys.connecting(gen, comm.Get_size()), timeout=timeout, cancel=aborted) is None:
+            raise WorldAborted(f"generation {gen} aborted before rank {comm.Get_size()} joined")
         inter = comm.Accept(port if comm.Get_rank() == 0 else None, MPI.INFO_NULL, root=0)
         ok = None
         if comm.Get_rank() == 0:

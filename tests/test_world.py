@@ -179,3 +179,27 @@ def test_interrupts_deferred_hands_a_signal_to_its_handler_on_leaving_and_keeps_
     finally:
         for s, h in before.items():
             signal.signal(s, h)
+
+
+LATE_JOINER = """
+import os, time
+from launcher import world
+rank = int(os.environ[world.LOCAL_WORLD_ENV].split(":")[1])
+if rank == 2:
+    time.sleep(6)               # still importing, on a busy host
+t0, c0 = time.monotonic(), time.process_time()
+comm, rank, size = world.join_local()
+print(round(time.process_time() - c0, 2), round(time.monotonic() - t0, 2), comm.allreduce(rank))
+"""
+
+
+def test_members_wait_for_a_late_joiner_idle():
+    """MPI's blocking Accept spins a core until a joiner comes: the members of a world whose
+    last rank was 6 s late burnt 6 CPU-seconds each (on one host, the CPU its importing
+    ranks needed). They wait in the store until the joiner says it connects."""
+    from launcher.world import run_local
+    out = run_local([sys.executable, "-c", LATE_JOINER], 3, timeout=120)
+    assert [rc for rc, _, _ in out] == [0, 0, 0], out
+    cpu, wall, total = zip(*(map(float, o.split()) for _, o, _ in out))
+    assert total == (3.0, 3.0, 3.0) and min(wall[:2]) > 4.0, out
+    assert max(cpu[:2]) < 1.5, out           # spinning, each used 6
