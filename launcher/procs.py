@@ -12,6 +12,31 @@ def die_with_parent():
     _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def wait_exit(pids, timeout):
+    """Sleep up to `timeout` seconds, or until one of `pids` ends (a pidfd becomes readable
+    then: a loop that polls its children reacts at once, and can look less often)."""
+    import os
+    import select
+    import time
+    fds = []
+    try:
+        for pid in pids:
+            try:
+                fds.append(os.pidfd_open(pid))
+            except ProcessLookupError:
+                return                              # already ended
+            except OSError:                         # no pidfd (an old kernel): a plain sleep
+                break
+        else:
+            if fds:
+                select.select(fds, [], [], timeout)
+                return
+        time.sleep(timeout)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def stopped(pid):
     """Whether a process is stopped (SIGSTOP, a frozen container: state T, or t when traced)."""
     return process_state(pid) in ("T", "t")

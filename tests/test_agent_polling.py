@@ -93,3 +93,23 @@ def test_store_calls_per_poll_do_not_grow_with_the_world(tmp_path, monkeypatch, 
     monkeypatch.chdir(tmp_path)                  # the agent's heartbeat file goes to its working directory
     a, b = calls_per_poll(tmp_path, small), calls_per_poll(tmp_path, large)
     assert a == b == pytest.approx(1.0, abs=0.1), (a, b)
+
+
+def test_the_masters_wait_between_looks_ends_when_a_container_does():
+    """The local engine's master looked at its containers 20 times a second (4% of a core for
+    an idle job of three); it now looks 4 times, and a container's end wakes it at once."""
+    from launcher.procs import wait_exit
+    ends = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    stays = subprocess.Popen(["sleep", "60"])
+    try:
+        t0 = time.monotonic()
+        wait_exit([stays.pid, ends.pid], 30)
+        assert time.monotonic() - t0 < 15 and ends.poll() == 0       # woken by its end, not the timeout
+        t0 = time.monotonic()
+        wait_exit([stays.pid], 0.3)
+        assert time.monotonic() - t0 >= 0.3 and stays.poll() is None
+        wait_exit([ends.pid], 30)               # reaped already: no wait
+        assert time.monotonic() - t0 < 15
+    finally:
+        stays.kill()
+        stays.wait()

@@ -24,7 +24,7 @@ import psutil
 from launcher import exitcodes, keys, memory, tensorboard_service
 from launcher.network import cut_nodes
 from launcher.failure import Failure, Kind, current_generation, log_tail
-from launcher.procs import die_with_parent
+from launcher.procs import die_with_parent, wait_exit
 from launcher.store import FileStore
 
 from . import cgroups, gpus, leases, netem
@@ -34,6 +34,8 @@ from .supervisor import record_path
 from .watchdog import Watchdog
 
 log = logging.getLogger("yarnapp.am")
+
+LOOK_S = 0.25      # how often the master looks at the store and its agents (a container's end: at once)
 
 
 class Container:
@@ -276,7 +278,8 @@ class ApplicationMaster(Watchdog):
                     self.stopping = "FAILED"
             if changed:
                 self.save()
-            time.sleep(0.05)
+            # a container's end is seen at once; the rest (the store, frozen agents) a few times a second
+            wait_exit([c.proc.pid for c in self.containers if c.state == "RUNNING" and c.proc], LOOK_S)
         self.shutdown()
 
     def lease(self):
