@@ -82,6 +82,7 @@ class PeerDiagnosis:
     _said_starting = None   # starting: the count of containers to start it last logged
     _rm_unasked = None      # starting: the resource manager could not be asked (judged as before)
     _said_importing = None  # still_importing: the containers it last logged
+    _importer = None        # importing: the process whose CPU it samples
 
     def starting(self, now):
         """Whether the world, past the rendezvous limit (counted from when this agent spawned
@@ -120,7 +121,15 @@ class PeerDiagnosis:
         if now - self.rendezvous_from <= self.job.launcher.rendezvous_timeout / 2 or self.child.poll() is not None:
             return False
         phase, _ = self.read_heartbeat(now)
-        return phase == "setup" and not self._joining and self.activity.sample(self.child.pid, now, IMPORTING_WINDOW_S)
+        if phase != "setup" or self._joining:
+            return False
+        # the rank, or, not forked yet, the warm process that imports for it (never waited for)
+        pid = getattr(self.child, "started_pid", None) if hasattr(self.child, "started_pid") else self.child.pid
+        pid = pid or (self.warm.proc.pid if getattr(self, "warm", None) is not None else None)
+        if pid != self._importer:           # forked now: its CPU counts from zero (not known yet: at work)
+            self._importer = pid
+            self.activity.reset()
+        return pid is not None and self.activity.sample(pid, now, IMPORTING_WINDOW_S)
 
     def still_importing(self, now):
         """Whether the world, past its rendezvous limit, waits on for members at work in their

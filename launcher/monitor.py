@@ -7,7 +7,8 @@ beats), and one snapshot of the store (`observe`). A generation ends when the ra
 peer's end), when another agent or the master recorded an abort, when a peer froze or was
 lost, when the world did not form in time, or when the rank is judged hung: silent past
 launcher.heartbeat_timeout (rendezvous_timeout in setup, idle_timeout for an unmodified
-script's idle rank), unless it is found at work (launcher.activity) or waiting in a
+script's idle rank), unless it is found at work (launcher.activity: own code, or any rank's
+setup, for up to launcher.diagnosis.IMPORTING_LIMIT of its limits) or waiting in a
 collective for a peer whose own agent names that peer first (launcher.stacks).
 """
 import enum
@@ -17,6 +18,7 @@ import signal
 import time
 
 from . import beats, exitcodes, keys, memory, stacks
+from .diagnosis import IMPORTING_LIMIT
 from .failure import Failure, Kind, logged_error, looks_collateral, native_crash
 from .procs import stopped as process_stopped
 
@@ -59,8 +61,9 @@ class Monitor:
         try:
             if self.child is None or self.child.returncode is not None:
                 return {}
-            if self._phase != "train":
-                return {"rank_importing": True} if self.rank_importing else {}
+            if self._phase != "train":      # (its setup at work: peers waiting for it in a collective wait on)
+                return {**({"rank_importing": True} if self.rank_importing else {}),
+                        **({"rank_busy": True} if self._phase == "setup" and self.activity.busy else {})}
             return {"rank_quiet": round(max(0.0, time.time() - os.path.getmtime(self.heartbeat)), 2),
                     **({"rank_busy": True} if self.activity.busy else {})}
         except (OSError, AttributeError):
@@ -148,8 +151,10 @@ class Monitor:
                     which, limit = "idle", lj.idle_timeout
                 if phase == "finished":     # waits for its peers: theirs the judgement, this one a backstop
                     limit = max(lj.heartbeat_timeout, lj.rendezvous_timeout)
-                # the job's own code at work past its limit (one rank evaluating, saving) is not hung
-                judged_busy = phase == "train" and not stopped and (judged_idle or self.own_code)
+                # the job's own code at work past its limit (one rank evaluating, saving) is not hung, nor
+                # is a rank at work in its setup (its imports on a busy host, reading its data), for
+                # up to IMPORTING_LIMIT limits (launcher.diagnosis)
+                judged_busy = not stopped and (phase == "setup" or phase == "train" and (judged_idle or self.own_code))
                 if judged_busy and silent > limit / 2:     # sampled from half the limit on: the window it judges
                     waiting = self.own_code and bool(json.loads(seen.get(keys.stall(gen, rank)) or "{}").get("name"))
                     self.activity.sample(self.child.pid, now, limit, waiting)
@@ -161,7 +166,8 @@ class Monitor:
                 if silent > limit + (0 if stopped else min(2.0, limit / 2)) + waited:
                     # the job's own code at work, or idle waiting for a peer's that is (an evaluation
                     # on rank 0 alone): not hung; training.dist's, for BUSY_LIMIT heartbeat_timeouts
-                    capped = self.own_code and not judged_idle and silent > BUSY_LIMIT * limit
+                    capped = (self.own_code or phase == "setup") and not judged_idle and \
+                        silent > (IMPORTING_LIMIT if phase == "setup" else BUSY_LIMIT) * limit
                     at_work = judged_busy and not capped and self.activity.busy     # (sampled above, this look)
                     if at_work and not judged_idle and self.activity.in_a_wait(
                             self.child.pid, self.heartbeat + stacks.SUFFIX, now, limit):
