@@ -104,6 +104,7 @@ class Monitor:
             seen = self.observe(gen)
             if self.formed_seen is None and keys.formed(gen) in seen:
                 self.formed_seen = time.monotonic()
+                self.activity.reset()           # (what importing sampled, perhaps of the warm process)
                 if rank == 0 and gen >= 2:      # every agent has left generation gen - 2 (keys.spent)
                     self.store.delete_prefixes(keys.spent(gen - 2))
             if keys.FAILED in seen:

@@ -29,7 +29,10 @@ def wait_exit(pids, timeout):
                 break
         else:
             if fds:
-                select.select(fds, [], [], timeout)
+                poller = select.poll()          # (select.select refuses fds past 1023)
+                for fd in fds:
+                    poller.register(fd, select.POLLIN)
+                poller.poll(timeout * 1000)
                 return
         time.sleep(timeout)
     finally:

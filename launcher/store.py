@@ -103,7 +103,7 @@ class FileStore(Store):
     `release(container)` when that container exits, as YARN does for skein.
     """
 
-    death_notice_s = 1.0     # the local master polls its containers every 50 ms
+    death_notice_s = 1.0     # the local master sees a container's end at once (launcher.procs.wait_exit)
 
     def __init__(self, root, container=None):
         self.root = root
