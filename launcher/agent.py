@@ -140,7 +140,7 @@ class Agent(Monitor, PeerDiagnosis):
         importing in the warm process has no code of the user's running yet, and a stopped
         (frozen) one cannot run any: killed at once."""
         child = self.child
-        pid = child.pid if isinstance(child, subprocess.Popen) else getattr(child, "started_pid", None)
+        pid = warm.started_pid(child)
         if child and pid and child.poll() is None and not process_stopped(pid):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 if not (group_signalled and os.getpgid(pid) == os.getpgrp()):

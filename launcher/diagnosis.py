@@ -25,6 +25,7 @@ import time
 
 from . import beats, keys, network, stacks
 from .failure import CALLED_APART, WAITED_FOR_FINISHED, Failure, Kind, spends_the_last_restart
+from .warm import started_pid
 
 log = logging.getLogger("launcher.agent")
 
@@ -75,7 +76,7 @@ def record(store, key, failure):
 
 class PeerDiagnosis:
     """Mixed into launcher.agent.Agent: uses its ident, job, members, store, peers and
-    observe()."""
+    observe(); `importing` its child, warm, activity and read_heartbeat() too."""
 
     apart_since = None      # when called_apart first found ranks in calls that never meet
     _look_again = None      # starting: when to ask the resource manager again
@@ -124,8 +125,7 @@ class PeerDiagnosis:
         if phase != "setup" or self._joining:
             return False
         # the rank, or, not forked yet, the warm process that imports for it (never waited for)
-        pid = getattr(self.child, "started_pid", None) if hasattr(self.child, "started_pid") else self.child.pid
-        pid = pid or (self.warm.proc.pid if getattr(self, "warm", None) is not None else None)
+        pid = started_pid(self.child) or (self.warm.proc.pid if self.warm is not None else None)
         if pid != self._importer:           # forked now: its CPU counts from zero (not known yet: at work)
             self._importer = pid
             self.activity.reset()

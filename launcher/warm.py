@@ -131,6 +131,12 @@ class WarmRank:
                 pass
 
 
+def started_pid(child):
+    """A rank process's pid once it runs, never waiting: a Popen's, or a WarmRank's once
+    forked (None while the warm process imports, or without a child)."""
+    return child.started_pid if isinstance(child, WarmRank) else getattr(child, "pid", None)
+
+
 class Warm:
     """The agent's side: starts the warm process, forks ranks through it."""
 
