@@ -2,7 +2,8 @@
 into launcher.agent.Agent as launcher.diagnosis's `PeerDiagnosis` is.
 
 Each poll reads the rank process, its heartbeat file (launcher.rank writes its phase and
-beats), and one snapshot of the store (`observe`). A generation ends when the rank exits
+beats), and one snapshot of the store (`observe`); between two, the agent waits on its
+rank's end (`nap`), which it acts on at once. A generation ends when the rank exits
 (`rank_ended`: zero, its own error, a crash, the kernel's memory kill, or collateral of a
 peer's end), when another agent or the master recorded an abort, when a peer froze or was
 lost, when the world did not form in time, or when the rank is judged hung: silent past
@@ -17,10 +18,10 @@ import os
 import signal
 import time
 
-from . import beats, exitcodes, keys, memory, stacks
+from . import beats, exitcodes, keys, memory, stacks, warm
 from .diagnosis import IMPORTING_LIMIT
 from .failure import Failure, Kind, logged_error, looks_collateral, native_crash
-from .procs import stopped as process_stopped
+from .procs import stopped as process_stopped, wait_exit
 
 SETUP_GRACE_S = 8.0      # after a peer failed in setup, how long a rank in setup may take to fail
                          # the same way on its own (ranks start seconds apart on a busy host)
@@ -174,18 +175,18 @@ class Monitor:
                             self.child.pid, self.heartbeat + stacks.SUFFIX, now, limit):
                         at_work = False
                     if judged_busy and not capped and (at_work or self.peers.saying("rank_busy")):
-                        time.sleep(lj.poll_interval)
+                        self.nap(lj.poll_interval)
                         continue
                     # ... or a peer whose whole container stopped, whose agent cannot say so.
                     suspects = [] if stopped else self.peers.silent(now, beats.SUSPECT_S)
                     if suspects:
                         return Outcome.OWN, self.replace_frozen(gen, seen, suspects)
                     if waited and self.judged_later(silent, limit, now) and not self.lost_member(gen, seen):
-                        time.sleep(lj.poll_interval)       # found waiting: its peer's agent names that one
+                        self.nap(lj.poll_interval)       # found waiting: its peer's agent names that one
                         continue
                     if phase == "finished":     # its code ended: not hung while a peer still makes progress
                         if any(q < lj.heartbeat_timeout for q in self.peers.rank_quiet(now).values()):
-                            time.sleep(lj.poll_interval)
+                            self.nap(lj.poll_interval)
                             continue
                         return Outcome.OWN, Failure(kind=Kind.HUNG.value, container=me, rank=rank, reason=(
                             f"rank {rank} ({me}) finished its code {silent:.0f}s ago, and its peers have made no "
@@ -219,7 +220,12 @@ class Monitor:
             if lost:
                 return Outcome.OWN, Failure(kind=Kind.LOST.value, container=lost[0], observed_by=me,
                                             reason=f"lost {lost[0]}: {lost[1]}")
-            time.sleep(lj.poll_interval)
+            self.nap(lj.poll_interval)
+
+    def nap(self, seconds):
+        """Wait up to `seconds` for the next look, waking at once when the rank ends."""
+        pids, fds = warm.waitable(self.child)
+        wait_exit(pids, seconds, fds)
 
     def rank_ended(self, gen, rc):
         """The rank process exited with `rc`: (Outcome, the Failure this agent found or None)."""
@@ -289,4 +295,4 @@ class Monitor:
         """Give the rank, still in setup, up to `seconds` to end on its own."""
         deadline = time.monotonic() + seconds
         while self.child.poll() is None and time.monotonic() < deadline:
-            time.sleep(self.job.launcher.poll_interval)
+            self.nap(self.job.launcher.poll_interval)

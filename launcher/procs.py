@@ -12,31 +12,32 @@ def die_with_parent():
     _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def wait_exit(pids, timeout):
+def wait_exit(pids, timeout, fds=()):
     """Sleep up to `timeout` seconds, or until one of `pids` ends (a pidfd becomes readable
-    then: a loop that polls its children reacts at once, and can look less often)."""
+    then: a loop that polls its children reacts at once, and can look less often), or one
+    of `fds` (a pipe a process answers on) has something to read."""
     import os
     import select
     import time
-    fds = []
+    opened = []
     try:
         for pid in pids:
             try:
-                fds.append(os.pidfd_open(pid))
+                opened.append(os.pidfd_open(pid))
             except ProcessLookupError:
                 return                              # already ended
             except OSError:                         # no pidfd (an old kernel): a plain sleep
-                break
-        else:
-            if fds:
-                poller = select.poll()          # (select.select refuses fds past 1023)
-                for fd in fds:
-                    poller.register(fd, select.POLLIN)
-                poller.poll(timeout * 1000)
+                time.sleep(timeout)
                 return
-        time.sleep(timeout)
+        if not opened and not fds:
+            time.sleep(timeout)
+            return
+        poller = select.poll()          # (select.select refuses fds past 1023)
+        for fd in (*opened, *fds):
+            poller.register(fd, select.POLLIN)
+        poller.poll(timeout * 1000)
     finally:
-        for fd in fds:
+        for fd in opened:
             os.close(fd)
 
 

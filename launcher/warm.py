@@ -131,6 +131,15 @@ class WarmRank:
                 pass
 
 
+def waitable(child):
+    """(pids, fds) to wait on for a rank process's end (launcher.procs.wait_exit): a Popen's
+    pid; a WarmRank's warm process's pipe, where its end is said (and its pid, once forked)."""
+    if isinstance(child, WarmRank) and child._popen is None:
+        return [], [child._warm._out]
+    pid = started_pid(child)
+    return ([pid] if pid else []), []
+
+
 def started_pid(child):
     """A rank process's pid once it runs, never waiting: a Popen's, or a WarmRank's once
     forked (None while the warm process imports, or without a child)."""

@@ -3,6 +3,8 @@ watching a real generation (every member joined, alive, the world formed) on a r
 FileStore, whose calls a thin wrapper counts. On YARN every call is an RPC to skein's one
 application master, so O(N) per agent per poll would be O(N^2) per poll for the job."""
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -113,3 +115,44 @@ def test_the_masters_wait_between_looks_ends_when_a_container_does():
     finally:
         stays.kill()
         stays.wait()
+
+
+@pytest.mark.parametrize("warm_fork", [False, True])
+def test_an_agent_sees_its_rank_end_at_once_not_at_its_next_look(tmp_path, monkeypatch, warm_fork):
+    """Between two looks (launcher.poll_interval) the agent slept, and saw its rank's end up to
+    a look later; it now waits on the rank's end itself (its pidfd, or, for a rank forked by
+    the warm process, that process's pipe), so a rank killed is acted on at once even with
+    looks 10 s apart."""
+    from launcher import warm
+    monkeypatch.chdir(tmp_path)
+    job = conf.load_job({"name": "poll", "groups": [{"name": "w", "instances": 2}],
+                         "run": {"function": "training.hello:main"},
+                         "launcher": {"poll_interval": "10s", "rendezvous_timeout": "60s"}})
+    ident = Identity(backend="local", app_id="a", container="w_0", group="w", instance=0, rank=0, job=job,
+                     secret="s", app_dir=str(tmp_path))
+    store = FileStore(str(tmp_path / "store"))
+    agent = Agent(ident, store)
+    if warm_fork:       # a real rank, waiting for its peer to join, forked by a real warm process
+        (tmp_path / "job.json").write_text(job.model_dump_json())
+        env = dict(os.environ, YARNAPP_JOB=str(tmp_path / "job.json"), YARNAPP_CONTAINER_ID="w_0",
+                   YARNAPP_APP_ID="a", YARNAPP_STORE=str(tmp_path / "store"), YARNAPP_SECRET="s")
+        agent.warm = warm.Warm(env)
+        agent.child = agent.warm.spawn(0, agent.heartbeat, [sys.executable, "-m", "launcher.rank"], env)
+        pid = agent.child.pid           # (once forked: its imports done)
+        assert agent.child.poll() is None and not agent.warm.failed
+    else:
+        agent.child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        pid = agent.child.pid
+    agent.spawned, agent.memory_before, agent.log_start = time.monotonic(), None, 0
+    killer = threading.Timer(1.0, os.kill, (pid, signal.SIGKILL))
+    killer.start()
+    t0 = time.monotonic()
+    try:
+        outcome, found = agent.monitor(0)
+    finally:
+        killer.cancel()
+        agent.kill_child()
+        if agent.warm:
+            agent.warm.close()
+    assert outcome is Outcome.OWN and found.exit_code == -signal.SIGKILL, found
+    assert time.monotonic() - t0 < 8, "seen at the next look, 10 s on, not at the rank's end"
