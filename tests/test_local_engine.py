@@ -26,6 +26,14 @@ HELLO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CGROUPS = os.geteuid() == 0 and os.path.isfile("/sys/fs/cgroup/cpu/cpu.cfs_quota_us")
 
 
+def _tiny(tmp_path):
+    """A job.yaml of one container whose script prints a line (no torch imported: seconds)."""
+    (tmp_path / "hi.py").write_text("print('hi')\n")
+    return write_job(tmp_path / "tiny.yaml", {"name": "tiny", "run": {"script": str(tmp_path / "hi.py")},
+                                              "groups": [{"name": "w", "instances": 1, "vcores": 0.5,
+                                                          "memory": "256 MiB"}]})
+
+
 def test_hello_forms_one_world_across_two_groups(cli, yarnapp_home):
     proc = cli("submit", HELLO, "--wait", check=0)
     out = proc.stdout
@@ -439,7 +447,7 @@ def test_submit_wait_piped_into_head_waits_for_the_job_to_its_end(yarnapp_home, 
     """`yarnapp submit job.yaml --wait 2>&1 | head -1`: the reader goes after one line. The
     command waits on, silently, and ends with the job's own status (before, the next line
     raised BrokenPipeError: status 141, and the application ran on with no command waiting)."""
-    submit = subprocess.Popen([sys.executable, "-m", "yarnapp.cli", "submit", HELLO, "--wait"], cwd=ROOT,
+    submit = subprocess.Popen([sys.executable, "-m", "yarnapp.cli", "submit", _tiny(tmp_path), "--wait"], cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ))
     try:
         app = app_id_from(submit.stdout.readline().decode())
@@ -758,13 +766,13 @@ def test_an_application_id_that_is_a_path_is_no_application(cli, tmp_path, yarna
     assert sorted(os.listdir(outside)) == ["app.json", "emptydir"]
 
 
-def test_list_orders_an_application_whose_end_lacks_its_submit_time_by_that_time(cli, yarnapp_home):
+def test_list_orders_an_application_whose_end_lacks_its_submit_time_by_that_time(cli, yarnapp_home, tmp_path):
     """The supervisor's end of an application killed mid-start wrote no submit time: `list`
     put it after applications submitted minutes before it (a signals audit)."""
-    hello = os.path.join(ROOT, "conf", "examples", "hello.yaml")
-    cli("submit", hello, "--wait", check=0)
+    tiny = _tiny(tmp_path)                           # (two ended applications, cheaply)
+    cli("submit", tiny, "--wait", check=0)
     time.sleep(1.1)                                  # (ids and times to the second)
-    cli("submit", hello, "--wait", check=0)
+    cli("submit", tiny, "--wait", check=0)
     first, newest = apps(yarnapp_home)
     path = os.path.join(yarnapp_home, "apps", newest, "state.json")
     with open(path) as f:
