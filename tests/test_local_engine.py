@@ -443,6 +443,16 @@ def test_kill_of_submit_wait_stops_the_application_as_ctrl_c_does(yarnapp_home, 
     assert_nothing_left(app)
 
 
+def test_a_shells_submit_wait_does_not_import_ipython(yarnapp_home, tmp_path):
+    """Asking whether it ran in a notebook imported IPython (half a CPU-second, a third of
+    what a whole `submit --wait` took): a kernel has IPython imported already."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "yarnapp.cli", "submit", _tiny(tmp_path),
+                           "--wait"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "w_0| hi" in proc.stderr, proc.stdout + proc.stderr[-2000:]
+    imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    assert "yarnapp.progress" in imported and "IPython" not in imported, [m for m in imported if "IPython" in m]
+
+
 def test_submit_wait_piped_into_head_waits_for_the_job_to_its_end(yarnapp_home, tmp_path):
     """`yarnapp submit job.yaml --wait 2>&1 | head -1`: the reader goes after one line. The
     command waits on, silently, and ends with the job's own status (before, the next line

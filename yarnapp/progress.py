@@ -49,6 +49,10 @@ def notice(n):
 
 
 def _in_notebook():
+    """In a Jupyter kernel, which has imported IPython already (importing it to ask took half a
+    CPU-second of every `submit --wait` in a shell)."""
+    if "IPython" not in sys.modules:
+        return False
     try:
         from IPython import get_ipython
         return get_ipython() is not None and "IPKernelApp" in get_ipython().config
