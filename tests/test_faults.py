@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import yarnapp
-from recovery_util import digits_job, wait_step
+from recovery_util import digits_job, run_to_end, wait_step
 from util import app_id_from, assert_nothing_left, write_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -304,6 +304,52 @@ def test_a_resume_that_cannot_load_is_refused_before_anything_starts(tmp_path):
                         "rank: resume it with 2 ranks, or start afresh (checkpoint.resume: never)"), lines
     assert lines[1] == "None", lines                                     # allreduce: rank 0's state is all of it
     assert "was written with training.optimizer 'sgd' (this job: 'adam')" in lines[2], lines
+
+
+def test_a_central_parameter_server_resumes_on_fewer_ranks_and_speed_shares_are_measured_anew(tmp_path, digits):
+    """A checkpoint audit: the docs let ps_central resume on fewer ranks (every rank keeps the
+    whole model), and submit told a user asking for more "resume it with at most 3"; the
+    ranks then refused it as "not this job's model or strategy", in a traceback. And
+    shares: speed resumed from a checkpoint whose shares were vcores' kept those, calling
+    them "the checkpoint's measured shares" (measured now, on the ranks they are for)."""
+    first = digits_job(tmp_path, digits, "central", strategy="ps_central", steps=10, every=10)
+    first["training"]["shares"] = "vcores"
+    run1, _ = run_to_end(first)
+    again = digits_job(tmp_path, digits, "central", strategy="ps_central", steps=20, every=10, instances=(1, 1))
+    again["training"]["shares"] = "speed"
+    again["checkpoint"]["resume"] = run1.app_id
+    run2, st = run_to_end(again)
+    assert st["final"]["resumed_from"] == 10 and st["final"]["trained_steps"] == 10, st["final"]
+    log = run2.logs("big_0")["big_0"]
+    assert "shares 'speed': passes" in log and "the checkpoint's measured shares" not in log, log[-3000:]
+
+
+@pytest.mark.unit
+def test_measured_shares_are_kept_only_for_the_ranks_they_were_measured_on():
+    """What a resumed shares: speed keeps (AllReduceStrategy._measured_shares): a checkpoint's
+    shares where they were measured on ranks of the same vcores and GPUs; not shares that were
+    given (vcores, equal), nor measured on other ranks. A checkpoint from before they were
+    recorded keeps its shares, as before."""
+    from types import SimpleNamespace
+    from training.context import RankInfo
+    from training.strategies.allreduce.strategy import AllReduceStrategy
+
+    def strategy(shares, vcores):
+        s = AllReduceStrategy.__new__(AllReduceStrategy)
+        s.spec = SimpleNamespace(shares=shares)
+        s.ctx = SimpleNamespace(ranks=[RankInfo(r, "g", r, f"g_{r}", v, 1024, 0) for r, v in enumerate(vcores)])
+        s.world_size = len(vcores)
+        return s
+
+    written = strategy("speed", [1, 0.5, 0.5])
+    measured = {"shares": [2.0, 1.0, 1.0], "shares_measured_on": written.measured_on()}
+    given = {"shares": [1.0, 0.5, 0.5], "shares_measured_on": strategy("vcores", [1, 0.5, 0.5]).measured_on()}
+    assert given["shares_measured_on"] is None
+    assert strategy("speed", [1, 0.5, 0.5])._measured_shares(measured) == [2.0, 1.0, 1.0]
+    assert strategy("speed", [1, 1, 1])._measured_shares(measured) is None            # other vcores
+    assert strategy("speed", [1, 0.5, 0.5])._measured_shares(given) is None           # never measured
+    assert strategy("speed", [1, 0.5])._measured_shares(measured) is None             # another world
+    assert strategy("speed", [1, 0.5, 0.5])._measured_shares({"shares": [2.0, 1.0, 1.0]}) == [2.0, 1.0, 1.0]
 
 
 RESUMING = """

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 import conf
-from util import apps
+from util import app_id_from, apps
 
 pytestmark = pytest.mark.e2e
 
@@ -783,6 +783,19 @@ def test_resuming_an_application_without_checkpoints_is_one_line(digits, tmp_pat
                                   f"app_20200101_000000_abcdef under"), proc.stderr
     apps = os.path.join(yarnapp_home, "apps")
     assert len(proc.stderr.strip().splitlines()) == 1 and not (os.path.isdir(apps) and os.listdir(apps))
+    # an application of this home that wrote its checkpoints elsewhere (its checkpoint.uri): where
+    # (the line said "give an application id `yarnapp list` shows", and list showed it: an audit)
+    ckpt = tmp_path / "ckpt"
+    wrote = dict(job, training=dict(job["training"], max_steps=2), checkpoint={"uri": str(ckpt), "every_steps": 2})
+    path.write_text(yaml.safe_dump(wrote))
+    done = cli("submit", path, "--wait", timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    app = app_id_from(done.stdout)
+    path.write_text(yaml.safe_dump(dict(job, checkpoint={"resume": app})))
+    proc = cli("submit", path, "--wait", timeout=60)
+    assert proc.returncode == 1 and proc.stderr.strip().endswith(
+        f"no checkpoints of application {app} under {apps}; it wrote them under {ckpt}, its checkpoint.uri: set "
+        f"checkpoint.uri to it (checkpoint.uri={ckpt})"), proc.stderr
 
 
 def test_a_groups_override_gets_the_group_defaults_as_the_jobs_own_groups_do():

@@ -104,11 +104,11 @@ class AllReduceStrategy(Strategy):
         if self.world_size == 1:
             return [1.0]
         if resumed is not None:         # every rank alike (Checkpointer.latest): rank 0's state has them
-            saved = self.comm.bcast(resumed.get("shares") if self.rank == 0 else None, root=0)
-            if saved and len(saved) == self.world_size:
+            saved = self.comm.bcast(self._measured_shares(resumed) if self.rank == 0 else None, root=0)
+            if saved:
                 log.info("shares 'speed': the checkpoint's measured shares %s (not measured again), so that "
-                         "the steps split their batches as before", [round(float(w), 3) for w in saved])
-                return [float(w) for w in saved]
+                         "the steps split their batches as before", [round(w, 3) for w in saved])
+                return saved
         if example_input is None and getattr(self.model, "input_shape", None) is not None:
             gen = torch.Generator().manual_seed(self.rank)
             example_input = torch.randn((SPEED_PROBE_ROWS, *self.model.input_shape), generator=gen)
@@ -254,7 +254,7 @@ class AllReduceStrategy(Strategy):
         if self.rank != 0:
             return own
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "shares": self.weights, **own}
+                "shares": self.weights, "shares_measured_on": self.measured_on(), **own}
 
     def load_state_dict(self, state):
         """Collective: rank 0 loads the checkpoint's model and optimizer, and sends them to
@@ -269,7 +269,7 @@ class AllReduceStrategy(Strategy):
                 self.model.load_state_dict(state["model"])
                 self.optimizer.load_state_dict(state["optimizer"])
                 opt = self.optimizer.state_dict()
-                layout = ({**opt, "state": _without_tensors(opt["state"])}, state.get("shares"))
+                layout = ({**opt, "state": _without_tensors(opt["state"])}, self._measured_shares(state))
             except Exception as e:  # noqa: BLE001 - every rank must hear of it, or they wait in bcast
                 error = (type(e).__name__, str(e))
         error, layout = self.comm.bcast((error, layout), root=0) if self.world_size > 1 else (error, layout)
@@ -288,14 +288,32 @@ class AllReduceStrategy(Strategy):
         self.precision.load_state_dict(state)
         self._keep_measured_shares(layout[1])
 
+    def measured_on(self):
+        """What shares: speed measured its shares on, kept with them: each rank's vcores and
+        GPUs; None where they were not measured (vcores, equal, or given)."""
+        if self.given_shares() is not None:
+            return None
+        return [[float(r.vcores), int(r.gpus)] for r in self.ctx.ranks]
+
+    def _measured_shares(self, state):
+        """The shares a checkpoint's run measured, where this world would measure them on the
+        same ranks (as many, of the same vcores and GPUs), else None. A checkpoint of shares
+        given (vcores: 1, 0.5, 0.5) resumed with shares: speed on three 1-vcore ranks kept
+        those as "the checkpoint's measured shares", not measured again (an audit)."""
+        saved = state.get("shares")
+        if not saved or len(saved) != self.world_size:
+            return None
+        if "shares_measured_on" in state and state["shares_measured_on"] != self.measured_on():
+            return None         # (a checkpoint written before 2026-11-30 says nothing of it: kept)
+        return [float(w) for w in saved]
+
     def _keep_measured_shares(self, saved):
         """shares: speed, resumed: split the batches by the weights the checkpoint's run
-        measured, not by today's. Another split sums each gradient in another order, equal
-        to rounding but not to the bit, so the resumed steps would not be the steps the
-        uninterrupted run took. Measured afresh where the world's size changed."""
-        if self.spec.shares != "speed" or not saved or len(saved) != self.world_size:
+        measured (`saved`: _measured_shares), not by today's. Another split sums each gradient
+        in another order, equal to rounding but not to the bit, so the resumed steps would not
+        be the steps the uninterrupted run took. Measured afresh where the world changed."""
+        if self.spec.shares != "speed" or not saved:
             return
-        saved = [float(w) for w in saved]
         if saved != self.weights and self.rank == 0:
             log.info("shares: speed: resumed with the checkpoint's measured shares %s (measured now: %s), "
                      "so that the steps split their batches as before", [round(w, 3) for w in saved],

@@ -178,9 +178,15 @@ class _ParameterServer(AllReduceStrategy):
 
     # -- checkpoints ------------------------------------------------------------------
 
+    SAME_WORLD = True       # a checkpoint loads only into a world of its size (each rank keeps its own part)
+
     def _check_state(self, state):
-        if state.get("strategy") != self.name or state.get("world_size") != self.world_size \
-                or state.get("rank") != self.rank:
+        """A checkpoint of this strategy, of this rank, in a world of this size (or, where every
+        rank keeps the whole model, SAME_WORLD False: of a larger one, the ranks past this
+        world's left behind, as for allreduce)."""
+        size = state.get("world_size")
+        fits = size == self.world_size or not self.SAME_WORLD and isinstance(size, int) and size > self.world_size
+        if state.get("strategy") != self.name or not fits or state.get("rank") != self.rank:
             raise ValueError(f"{self.name}: checkpoint of {state.get('strategy')} rank {state.get('rank')} "
                              f"of {state.get('world_size')} cannot load on rank {self.rank} of "
                              f"{self.world_size}; resume with the same strategy and world size")
@@ -198,6 +204,7 @@ class CentralPSStrategy(_ParameterServer):
 
     spec: conf Training (uses shares). See the module docstring for the step.
     """
+    SAME_WORLD = False      # every rank's file has the whole model, and rank 0's the optimizer
     name = "ps_central"
     SERVER = 0
 
@@ -239,17 +246,17 @@ class CentralPSStrategy(_ParameterServer):
     def state_dict(self):
         """The whole model on every rank (all equal); the optimizer on the server."""
         return {"strategy": self.name, "rank": self.rank, "world_size": self.world_size,
-                "model": self.model.state_dict(), "shares": self.weights,
+                "model": self.model.state_dict(), "shares": self.weights, "shares_measured_on": self.measured_on(),
                 "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None}
 
     def load_state_dict(self, state):
-        """This rank's part of a checkpoint of the same rank in an equal world."""
+        """This rank's part of a checkpoint of the same rank (in a world as large, or larger)."""
         self._check_state(state)
         self.model.load_state_dict(state["model"])     # copies into the views of W (or of its device copy)
         self._sync_host()
         if self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
-        self._keep_measured_shares(state.get("shares"))
+        self._keep_measured_shares(self._measured_shares(state))
 
 
 class ShardedPSStrategy(_ParameterServer):
@@ -300,7 +307,7 @@ class ShardedPSStrategy(_ParameterServer):
         """The whole model (equal on every rank) and this rank's segment's optimizer state."""
         return {"strategy": self.name, "rank": self.rank, "world_size": self.world_size,
                 "segment": [self.lo, self.hi], "model": self.model.state_dict(), "shares": self.weights,
-                "optimizer": self.optimizer.state_dict()}
+                "shares_measured_on": self.measured_on(), "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state):
         """This rank's part of a checkpoint of the same rank in an equal world."""
@@ -311,4 +318,4 @@ class ShardedPSStrategy(_ParameterServer):
         self.model.load_state_dict(state["model"])     # copies into the views of W (or of its device copy)
         self._sync_host()
         self.optimizer.load_state_dict(state["optimizer"])
-        self._keep_measured_shares(state.get("shares"))
+        self._keep_measured_shares(self._measured_shares(state))

@@ -100,6 +100,24 @@ def check_resources(job, where="job"):
                            f"--backend yarn")
 
 
+def _written_elsewhere(app, uri):
+    """Where application `app` of this home wrote its checkpoints, if not under `uri` (the
+    resuming job's checkpoint.uri): "set checkpoint.uri ..." (the line said "give an id
+    `yarnapp list` shows", and list showed that very id: a checkpoint audit), or None."""
+    saved = read_json(os.path.join(apps_dir(), app, "job.json")) if re.fullmatch(r"app_[\w]+", app) else None
+    if not saved:
+        return None
+    theirs = (saved.get("checkpoint") or {}).get("uri")
+    if theirs == uri or (theirs and not fsutil.is_local(theirs)):
+        return None
+    root = checkpoint_dir(app, fsutil.local_path(theirs)) if theirs else checkpoint_dir(app, siblings=apps_dir())
+    if not os.path.isdir(root):
+        return None
+    return (f"it wrote them under {theirs}, its checkpoint.uri: set checkpoint.uri to it (checkpoint.uri={theirs})"
+            if theirs else "it kept them in its own directory (its checkpoint.uri unset): unset checkpoint.uri "
+                           "(checkpoint.uri=null)")
+
+
 def check_resume(job, found, where="job"):
     """checkpoint.resume naming an application whose checkpoints are not on this machine
     (its own directory here, or a local checkpoint.uri), or a checkpoint the job could not
@@ -117,7 +135,8 @@ def check_resume(job, found, where="job"):
         if not os.path.isdir(root):
             under = uri or apps_dir()
             raise YarnappError(f"{where}: checkpoint.resume: no checkpoints of application {app} under {under}; "
-                               f"give an application id `yarnapp list` shows, latest or never")
+                               + (_written_elsewhere(app, uri) or "give an application id `yarnapp list` shows, "
+                                  "latest or never"))
     from training.checkpoint import CheckpointError, Checkpointer, what_it_trains
     look = Checkpointer(uri or apps_dir(), None, name=job.name, resume=app, siblings=None if uri else apps_dir())
     try:
