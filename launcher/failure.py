@@ -54,8 +54,9 @@ class Failure:
     repeats: Optional[bool] = None           # that mistake is in the data's content (a bad page) or a
                                              # checkpoint's storage (full, read-only): a restart meets
                                              # it again (launcher.retries)
-    certain: Optional[bool] = None           # that mistake is in the job's model or strategy settings:
-                                             # every attempt meets it (launcher.retries)
+    certain: Optional[object] = None         # a mistake every attempt meets (launcher.retries): True for the
+                                             # job's model or strategy settings, else its words (a dataset
+                                             # changed under the job)
     attempts: Optional[int] = None           # on FAILED: how many generations ran
     retried: Optional[bool] = None           # on FAILED: False when not retried (deterministic)
     aborted_generation: Optional[int] = None  # on a restart record: the generation that ended

@@ -61,8 +61,8 @@ def not_worth_retrying(store, members, gen, cause, poll_s, wait_s):
     passing = storage_unreachable(cause.error or cause.reason)      # back in a moment, maybe: retried
     if not passing and same_setup_failure(store, members, gen, cause, poll_s, wait_s):
         return NOT_RETRIED if gen == 0 else NOT_RETRIED_AGAIN
-    if cause.certain:
-        return CERTAIN
+    if cause.certain:       # (an error class's own words where it has them: training.data.common.DataChanged)
+        return cause.certain if isinstance(cause.certain, str) else CERTAIN
     if lacks_a_device(cause.error):
         return NO_DEVICE
     if WAITED_FOR_FINISHED in (cause.reason or ""):

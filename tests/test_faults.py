@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import yarnapp
-from recovery_util import digits_job, run_to_end, wait_step
+from recovery_util import digits_job, rank_pid, run_to_end, wait_step
 from util import app_id_from, assert_nothing_left, write_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -306,7 +306,8 @@ def test_a_resume_that_cannot_load_is_refused_before_anything_starts(tmp_path):
     assert "was written with training.optimizer 'sgd' (this job: 'adam')" in lines[2], lines
 
 
-def test_a_central_parameter_server_resumes_on_fewer_ranks_and_speed_shares_are_measured_anew(tmp_path, digits):
+def test_a_central_parameter_server_resumes_on_fewer_ranks_and_speed_shares_are_measured_anew(tmp_path, digits,
+                                                                                               yarnapp_home):
     """A checkpoint audit: the docs let ps_central resume on fewer ranks (every rank keeps the
     whole model), and submit told a user asking for more "resume it with at most 3"; the
     ranks then refused it as "not this job's model or strategy", in a traceback. And
@@ -322,6 +323,35 @@ def test_a_central_parameter_server_resumes_on_fewer_ranks_and_speed_shares_are_
     assert st["final"]["resumed_from"] == 10 and st["final"]["trained_steps"] == 10, st["final"]
     log = run2.logs("big_0")["big_0"]
     assert "shares 'speed': passes" in log and "the checkpoint's measured shares" not in log, log[-3000:]
+
+
+def test_a_training_set_changed_under_a_job_fails_once_a_restart_meets_it_in_words_about_the_data(tmp_path, digits,
+                                                                                                  yarnapp_home):
+    """A data audit: a file added to the training set while a job ran, then a rank killed: the
+    restart planned on the new files and failed, "checkpoint.resume: the checkpoint of step 440
+    was written with ... 1438 rows; this job has ... 2157", which the user never set, naming no
+    cause. Now it says the training set changed while the job ran, and is not retried."""
+    import signal
+    train = tmp_path / "train"
+    shutil.copytree(f"{digits}/train", train)
+    job = digits_job(tmp_path, str(tmp_path), "changed", steps=400, every=5, instances=(1, 1))
+    job["training"]["data"] = {"train": str(train)}
+    run = yarnapp.submit(job)
+    try:
+        wait_step(run, rank=0, step=8)
+        first = sorted(train.iterdir())[0]
+        shutil.copy(first, train / ("x-" + first.name))     # another file of rows, as another writer's
+        os.kill(rank_pid(run, 1), signal.SIGKILL)
+        st = run.wait(timeout=300)
+    finally:
+        run.kill()
+    assert st["state"] == "FAILED", st
+    line = run.failure_message()
+    assert "training.data.train: the training set changed while the job ran (1438 rows when it started, " in line, line
+    assert "put it back as it was to resume from the job's checkpoints" in line, line
+    assert "so it was not retried" in line, line          # (every rank meets it as the restart begins)
+    assert "checkpoint.resume: the checkpoint" not in line, line
+    assert_nothing_left(run.app_id)
 
 
 @pytest.mark.unit
@@ -458,7 +488,7 @@ def test_a_rank_slowed_down_is_named_against_its_best_window_not_its_first(caplo
 
 
 @pytest.mark.skipif(not CGROUPS, reason="CPU quotas need root and cgroup v1")
-def test_a_container_throttled_from_outside_is_named_as_slowed_down(tmp_path, digits):
+def test_a_container_throttled_from_outside_is_named_as_slowed_down(tmp_path, digits, yarnapp_home):
     """A drift audit: a container's CPU quota cut to 0.01 CPU mid-run made every step ~70x
     slower, and nothing said which rank (only TensorBoard's per-group times showed it), while
     status went on calling its quota "enforced: 0.5 CPU"."""

@@ -17,6 +17,7 @@ from launcher import memory   # plain functions reading this process's memory cg
 from . import collectives, lazy_dynamo, strategies, trained
 from .checkpoint import CheckpointError, Checkpointer, other_data, other_model, rng_state, set_rng_state, what_it_trains
 from .data import open_dataset
+from .data.common import DataChanged
 from .models import build_model, check_output
 from .tensorboard import TBLogger
 
@@ -181,8 +182,17 @@ class Runner:
         """Refuse to resume a checkpoint written by a job of another strategy or model, or for
         another batch size or training set (not retried: every attempt reads the same)."""
         app = self.ckpt.resumed_app or ctx.app_id
-        line = other_model(self.start_step, app, state.get("trains"), self.trains) or \
-            other_data(self.start_step, app, state.get("data"), self._data())
+        line = other_model(self.start_step, app, state.get("trains"), self.trains)
+        if line:
+            raise _not_retried(line)
+        saved, now = state.get("data"), self._data()
+        line = other_data(self.start_step, app, saved, now)
+        if line and app == ctx.app_id:      # its own checkpoint, as a restart resumes: the data changed
+            how = "" if saved["train_rows"] != now["train_rows"] else ", in another order: its files rewritten"
+            raise DataChanged(              # (the line spoke of checkpoint.resume, which nobody set)
+                f"training.data.train: the training set changed while the job ran ({saved['train_rows']} rows "
+                f"when it started, {now['train_rows']} now{how}), and its checkpoint of step {self.start_step} "
+                f"stands for a place in the data it started with{DataChanged.CHANGED}")
         if line:
             raise _not_retried(line)
 

@@ -27,6 +27,16 @@ class BadData(DataError):
     repeats = True
 
 
+class DataChanged(BadData):
+    """A file of the dataset changed (rewritten, replaced, removed) while the job ran: its
+    epochs were planned on the files as they were, and its checkpoints stand for places in
+    them, so a restart, planning on the new files, would resume at other rows (or be refused
+    for another number of rows, in words about checkpoint.resume the user never set)."""
+    certain = ("the dataset changed under the job, which a restart would not undo, so it was not retried")
+    CHANGED = ("; a dataset must not change under a running job: put it back as it was to resume from the job's "
+               "checkpoints, or train afresh on the new data (checkpoint.resume: never)")
+
+
 class Unreachable(DataError):
     """A URI whose filesystem cannot be opened or reached from here (another machine, a
     cluster's container, may still reach it)."""

@@ -259,6 +259,11 @@ def _column_bytes(rg, wanted):
     return unc, comp, (start or 0, end - (start or 0))
 
 
+def row_group_span(rg):
+    """(offset, length) of a row group in its file (as blocks_of records it in each Block)."""
+    return _column_bytes(rg, ())[2]
+
+
 def blocks_of(file, metadata, wanted, max_block_bytes=None):
     """The blocks of one file: its row groups, big ones cut into row ranges."""
     max_block_bytes = max_block_bytes or MAX_BLOCK_BYTES
