@@ -120,6 +120,8 @@ class Agent(Monitor, PeerDiagnosis):
         # process's resident memory, pages they share counted in both (a second torch, ~0.5 GB).
         if self.ident.backend == "local" and not (self.warm and self.warm.failed):
             if self.warm is None or not self.warm.alive():
+                if self.warm is not None:
+                    self.warm.close()       # (its pipes)
                 self.warm = warm.Warm(env)
             self.child = self.warm.spawn(gen, self.heartbeat, argv, env)
         else:

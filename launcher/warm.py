@@ -135,7 +135,7 @@ def waitable(child):
     """(pids, fds) to wait on for a rank process's end (launcher.procs.wait_exit): a Popen's
     pid; a WarmRank's warm process's pipe, where its end is said (and its pid, once forked)."""
     if isinstance(child, WarmRank) and child._popen is None:
-        return [], [child._warm._out]
+        return [], [child._warm._out] if child._warm._out is not None else []
     pid = started_pid(child)
     return ([pid] if pid else []), []
 
@@ -221,6 +221,9 @@ class Warm:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+        if self._out is not None:       # (left open, one fd leaked with every warm process restarted)
+            os.close(self._out)
+            self._out = None
 
 
 def _source_of(module):

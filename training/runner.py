@@ -5,6 +5,7 @@ checkpoints and TensorBoard. Strategies (training.strategies) own how the model 
 its gradients are spread over the world. On start it resumes from the newest
 complete checkpoint, so a restarted world continues exactly where it left off.
 """
+import collections
 import logging
 import random
 import time
@@ -332,18 +333,21 @@ def main(ctx):
 
 class Slowdown:
     """Rank 0 names, once, a rank that slowed down while training: its compute per step grew
-    SLOWED_X times over its best window's since the warm-up, and the step STEP_X times over
-    the best step, in two windows in a row (a pause in one is noise).
+    SLOWED_X times over its best, and the step STEP_X times over the best step, in two
+    windows in a row (a pause in one is noise). Its best: the least, since the warm-up, of the
+    medians of three windows in a row (a window may be one step: log_every 1, and one fast
+    step is no standard).
     A container throttled to a hundredth of its CPU (a quota written from outside, a host
     taken by others) made every step 50-100 times slower, and nothing said which (the
     shares, and conv-MP's split at its least, leave it its part). Measured against its first
     window instead, a rank on a host busy as training began (the tracker's CI: all-reduces
     of 100 ms) was never named when its quota was cut to a tenth later."""
-    SLOWED_X, STEP_X = 4.0, 2.0
+    SLOWED_X, STEP_X, TYPICAL = 4.0, 3.0, 3
 
     def __init__(self, ranks):
         self.ranks, self.windows, self.said = ranks, 0, set()
-        self.best = None        # (the best step, each rank's best compute) a window since the warm-up
+        self.recent = collections.deque(maxlen=self.TYPICAL)    # the last windows' (step, computes)
+        self.best = None        # (the best step, each rank's best compute): least of the medians of recent
         self.slow = set()       # the ranks slow in the last window (two in a row are named: one is noise)
 
     def look(self, every):
@@ -352,15 +356,18 @@ class Slowdown:
         self.windows += 1
         if self.windows < 2:        # (the first window holds the warm-up)
             return
-        if self.best is None:
-            self.best = wall, compute
-            return
-        grew = [c / max(b, 1e-6) for c, b in zip(compute, self.best[1])]
-        slow = {r for r, g in enumerate(grew) if g >= self.SLOWED_X} if wall >= self.STEP_X * self.best[0] \
-            else set()
-        twice, self.slow = (slow & self.slow) - self.said, slow
         best = self.best
-        self.best = min(best[0], wall), [min(b, c) for b, c in zip(best[1], compute)]
+        self.recent.append((wall, compute))
+        if len(self.recent) == self.TYPICAL:
+            typical = (float(np.median([w for w, _ in self.recent])),
+                       np.median([c for _, c in self.recent], axis=0).tolist())
+            self.best = typical if best is None else (min(best[0], typical[0]),
+                                                      [min(b, t) for b, t in zip(best[1], typical[1])])
+        if best is None:
+            return
+        grew = [c / max(b, 1e-6) for c, b in zip(compute, best[1])]
+        slow = {r for r, g in enumerate(grew) if g >= self.SLOWED_X} if wall >= self.STEP_X * best[0] else set()
+        twice, self.slow = (slow & self.slow) - self.said, slow
         if not twice:
             return
         r = max(twice, key=grew.__getitem__)

@@ -54,6 +54,7 @@ class _Files:
         self.layout = layout
         self.local = isinstance(layout.fs, pafs.LocalFileSystem)
         self._open = collections.OrderedDict()
+        self._planned = None         # {file: {row group: (rows, its place in the file)}} as the job planned
 
     def get(self, i, streaming=False):
         key = (i, streaming)
@@ -77,11 +78,12 @@ class _Files:
         the same places. A file swapped for one of other rows mid-run was trained on without a
         word (the audit's shifted labels: test accuracy 0.003), and one cut shorter was "row
         group 0 holds 20 rows, its footer says 36": DataChanged, not retried."""
-        planned = {}
-        for b in self.layout.blocks:
-            if b.file == i:
-                rows, _ = planned.get(b.row_group, (0, None))
-                planned[b.row_group] = (rows + b.rows, tuple(b.span))
+        if self._planned is None:       # (once: each file's, not a walk of every block at every open)
+            self._planned = collections.defaultdict(dict)
+            for b in self.layout.blocks:
+                rows, _ = self._planned[b.file].get(b.row_group, (0, None))
+                self._planned[b.file][b.row_group] = (rows + b.rows, tuple(b.span))
+        planned = self._planned.get(i, {})
         md = pf.metadata
         now = {g: (md.row_group(g).num_rows, tuple(row_group_span(md.row_group(g))))
                for g in range(md.num_row_groups) if md.row_group(g).num_rows}
