@@ -738,7 +738,9 @@ def test_a_peers_setup_failure_is_waited_on_briefly_once_the_world_formed_longer
 def test_a_rank_that_raised_its_own_error_is_the_cause_even_if_a_peer_then_goes(tmp_path):
     a, store = watched(tmp_path, "import sys; sys.exit(1)")
     store.put(keys.error(0, 0), json.dumps({"error": "ValueError: bad label 11", "phase": "train"}))
-    threading.Timer(1.5, lambda: store.delete(keys.alive("w_1"))).start()
+    # the peer goes after the rank's end and the second its agent waits for a cause (at 1.5 s, a
+    # loaded CI host's interpreter start left less than that second: the peer was named)
+    threading.Timer(3.0, lambda: store.delete(keys.alive("w_1"))).start()
     outcome, failure = a.monitor(0)
     assert outcome is Outcome.OWN
     assert failure.kind == Kind.CRASHED.value and failure.rank == 0, failure
