@@ -496,7 +496,9 @@ def test_a_container_throttled_from_outside_is_named_as_slowed_down(tmp_path, di
     """A drift audit: a container's CPU quota cut to 0.01 CPU mid-run made every step ~70x
     slower, and nothing said which rank (only TensorBoard's per-group times showed it), while
     status went on calling its quota "enforced: 0.5 CPU"."""
-    job = digits_job(tmp_path, digits, "throttled", steps=400, instances=(1, 1))
+    # (steps enough never to end first: on the tracker's busy host 370 steps at 0.1 CPU took 37 s,
+    # and the job ended before two slow windows in a row; it is killed once named)
+    job = digits_job(tmp_path, digits, "throttled", steps=2500, instances=(1, 1))
     job["training"]["log_every"] = 5
     run = yarnapp.submit(job)
     try:
