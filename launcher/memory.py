@@ -10,6 +10,7 @@ for exceeding its memory limit" and say which limit to raise.
 import collections
 import os
 import re
+import resource
 import time
 
 from . import exitcodes
@@ -72,11 +73,19 @@ class Held:
     """What a container's processes held (resident memory, as YARN's NodeManager adds it up)
     at most over the last WINDOW_S seconds, sampled at most once a second (`sample`, from
     the agent's polls): at a SIGTERM the rank may be gone already (the NodeManager signals
-    the container's whole process group), and what it held is what the NodeManager counted."""
+    the container's whole process group), and what it held is what the NodeManager counted.
+    A rank that grew and was stopped between two samples (the NodeManager looks every 3 s)
+    left its own peak: `peak(rank=...)` adds it once the agent has reaped it."""
     WINDOW_S = 10.0
 
     def __init__(self, pid):
         self.pid, self.samples = pid, collections.deque()
+        self._reaped_before = 0
+
+    def started(self):
+        """A rank process is being started: the peak of the children reaped so far, so that
+        its own shows as a new one (getrusage's ru_maxrss of children is a maximum, not a sum)."""
+        self._reaped_before = _reaped_peak()
 
     def sample(self, force=False):
         now = time.monotonic()
@@ -87,9 +96,24 @@ class Held:
         while self.samples and now - self.samples[0][0] > self.WINDOW_S:
             self.samples.popleft()
 
-    def peak(self):
+    def peak(self, rank=None, wait_s=0.0):
+        """The most held over the window; with `rank` (the rank's Popen, signalled with this
+        process), also its own peak plus what the rest holds now, where it ends within `wait_s`."""
         self.sample(force=True)
-        return max((held for _, held in self.samples), default=None)
+        held = max((held for _, held in self.samples), default=None)
+        deadline = time.monotonic() + wait_s
+        while rank is not None and rank.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        reaped = _reaped_peak()
+        if rank is not None and rank.returncode is not None and reaped > self._reaped_before:
+            rest = resident_bytes(self.pid) or 0        # (the rank is gone from the tree)
+            held = max(held or 0, reaped + rest)
+        return held
+
+
+def _reaped_peak():
+    """The largest peak resident memory of this process's reaped children, in bytes."""
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024     # (KiB on Linux)
 
 
 STEP_ENV = "YARNAPP_MEMORY_STEP_MB"     # the client's yarn.scheduler.minimum-allocation-mb, for the agents

@@ -618,3 +618,36 @@ def test_a_sigterm_is_a_memory_stop_only_above_the_containers_allocation(monkeyp
     with yarn.prepared(three_groups(packer="none"), pack=False) as (spec, _):
         assert {s.env.get("YARNAPP_MEMORY_STEP_MB") for s in spec.services.values() if "YARNAPP_GROUP" in s.env} \
             == {"256"}
+
+
+def test_a_rank_stopped_between_two_samples_is_counted_at_its_own_peak():
+    """The tracker's run: a rank grew to 900 MiB and YARN's NodeManager (it looks every 3 s)
+    stopped its container with SIGTERM before the agent's once-a-second sample saw it; the
+    rank was gone when the agent looked, the container was taken for a preempted one (no
+    restart spent) and the job ran 4 attempts, not 2. The agent now counts the ended rank's
+    own peak (its ru_maxrss, reaped) with what the rest of the container holds."""
+    from launcher.memory import Held
+    from launcher.procs import resident_bytes
+    mib = 2**20
+    held = Held(os.getpid())
+    held.sample()                                   # a sample before the rank grew: the agent's last
+    held.started()
+    rank = subprocess.Popen([sys.executable, "-c", "import sys, time\nx = bytearray(300 * 2**20)\n"
+                             "for i in range(0, len(x), 4096):\n    x[i] = 1\nprint('grown', flush=True)\n"
+                             "time.sleep(60)\n"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank.stdout.readline() == "grown\n"
+        rank.terminate()                            # as the NodeManager's SIGTERM to the process group
+        deadline = time.monotonic() + 5
+        while not os.path.exists(f"/proc/{rank.pid}") or open(f"/proc/{rank.pid}/stat").read().split()[2] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)                        # gone (a zombie) when the agent looks
+        rest = resident_bytes(os.getpid())
+        assert held.peak() < rest + 100 * mib       # what the samples alone saw: not the rank's 300 MiB
+        peak = held.peak(rank, 1.0)
+        assert rank.returncode == -15
+        assert peak >= rest + 290 * mib, (peak, rest)
+    finally:
+        rank.kill()
+        rank.wait()
+        rank.stdout.close()
