@@ -116,6 +116,13 @@ class WarmRank:
         """The rank's pid once it runs, never waiting (None while the warm process imports)."""
         return self._popen.pid if self._popen is not None else self._pid
 
+    def waitable(self):
+        """(pids, fds) to wait on for its end: the warm process's pipe, where its end is said
+        (and its pid, once forked); a rank started afresh's pid."""
+        if self._popen is not None:
+            return [self._popen.pid], []
+        return [], [self._warm._out] if self._warm._out is not None else []
+
     def kill(self):
         if self.poll() is not None:
             return
@@ -134,9 +141,9 @@ class WarmRank:
 def waitable(child):
     """(pids, fds) to wait on for a rank process's end (launcher.procs.wait_exit): a Popen's
     pid; a WarmRank's warm process's pipe, where its end is said (and its pid, once forked)."""
-    if isinstance(child, WarmRank) and child._popen is None:
-        return [], [child._warm._out] if child._warm._out is not None else []
-    pid = started_pid(child)
+    if isinstance(child, WarmRank):
+        return child.waitable()
+    pid = getattr(child, "pid", None)
     return ([pid] if pid else []), []
 
 
