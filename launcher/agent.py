@@ -129,7 +129,6 @@ class Agent(Monitor, PeerDiagnosis):
                 self.warm = warm.Warm(env)
             self.child = self.warm.spawn(gen, self.heartbeat, argv, env)
         else:
-            self.held.started()
             self.child = subprocess.Popen(argv, env=env, preexec_fn=die_with_parent)
         self.spawned = time.monotonic()
         self._phase, self._seen = "setup", False
@@ -274,19 +273,20 @@ def main():
         # The resource manager stops a container with SIGTERM (preemption, decommission,
         # `yarnapp kill`): say so, so that this generation's end does not spend the budget;
         # unless YARN's NodeManager stopped it for its memory (it stops those the same way).
-        # Said first: YARN's NodeManager SIGKILLs 250 ms later; then the rank's own end.
+        # Said first (YARN's NodeManager SIGKILLs 250 ms later), then the rank's own end.
         if stopping:        # (a second signal: the stop is under way, its handler not run again)
             return
         stopping.append(signum)
         try:
-            replaced = agent.store.get(keys.replace(ident.container, agent.incarnation)) is not None    # (as frozen:
-            gen = current_generation(agent.store)                                                  # peers said why)
+            # The store read first, the rank's end waited for after (replaced as frozen: its peers said why)
+            replaced = agent.store.get(keys.replace(ident.container, agent.incarnation)) is not None
+            gen = None if replaced else current_generation(agent.store)
             over = None
             if signum == signal.SIGTERM and ident.backend == "yarn":     # (the local engine's limit: its cgroup)
                 try:
-                    over = memory.stopped_for_memory(agent.held.peak(agent.child, RANK_END_WAIT_S),
-                                                     agent.job.groups[agent.group_index].memory,
-                                                     agent.group_index, memory.yarn_step_mib())
+                    asked, step = agent.job.groups[agent.group_index].memory, memory.yarn_step_mib()
+                    held = agent.held.at_stop(agent.child, RANK_END_WAIT_S, memory.allocated_mib(asked, step) * 2**20)
+                    over = memory.stopped_for_memory(held, asked, agent.group_index, step)
                 except Exception:  # noqa: BLE001 - the abort record below matters more than its words
                     log.exception("could not tell whether this container was over its memory")
             if not replaced:

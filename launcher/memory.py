@@ -10,11 +10,11 @@ for exceeding its memory limit" and say which limit to raise.
 import collections
 import os
 import re
-import resource
+import subprocess
 import time
 
 from . import exitcodes
-from .procs import resident_bytes
+from .procs import resident_bytes, stopped
 
 ROOT = "/sys/fs/cgroup/memory"
 
@@ -75,17 +75,11 @@ class Held:
     the agent's polls): at a SIGTERM the rank may be gone already (the NodeManager signals
     the container's whole process group), and what it held is what the NodeManager counted.
     A rank that grew and was stopped between two samples (the NodeManager looks every 3 s)
-    left its own peak: `peak(rank=...)` adds it once the agent has reaped it."""
+    left its own peak, which `at_stop` adds."""
     WINDOW_S = 10.0
 
     def __init__(self, pid):
         self.pid, self.samples = pid, collections.deque()
-        self._reaped_before = 0
-
-    def started(self):
-        """A rank process is being started: the peak of the children reaped so far, so that
-        its own shows as a new one (getrusage's ru_maxrss of children is a maximum, not a sum)."""
-        self._reaped_before = _reaped_peak()
 
     def sample(self, force=False):
         now = time.monotonic()
@@ -96,24 +90,41 @@ class Held:
         while self.samples and now - self.samples[0][0] > self.WINDOW_S:
             self.samples.popleft()
 
-    def peak(self, rank=None, wait_s=0.0):
-        """The most held over the window; with `rank` (the rank's Popen, signalled with this
-        process), also its own peak plus what the rest holds now, where it ends within `wait_s`."""
+    def peak(self):
         self.sample(force=True)
-        held = max((held for _, held in self.samples), default=None)
-        deadline = time.monotonic() + wait_s
-        while rank is not None and rank.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.005)
-        reaped = _reaped_peak()
-        if rank is not None and rank.returncode is not None and reaped > self._reaped_before:
-            rest = resident_bytes(self.pid) or 0        # (the rank is gone from the tree)
-            held = max(held or 0, reaped + rest)
-        return held
+        return max((held for _, held in self.samples), default=None)
+
+    def at_stop(self, rank, wait_s, enough):
+        """At a SIGTERM: the most held. Where the samples show no more than `enough` bytes
+        (the allocation: nothing to wait for above it) and `rank` (the rank's Popen, signalled
+        with this process) ends within `wait_s`, its own peak counts too, with what the rest
+        of the container holds now."""
+        held = self.peak()
+        if held is not None and held > enough:
+            return held
+        own = reap_peak(rank, wait_s)
+        return held if own is None else max(held or 0, own + (resident_bytes(self.pid) or 0))
 
 
-def _reaped_peak():
-    """The largest peak resident memory of this process's reaped children, in bytes."""
-    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024     # (KiB on Linux)
+def reap_peak(popen, wait_s):
+    """The peak resident bytes of a Popen's process, reaped here once it ends within `wait_s`
+    (its returncode set, as Popen sets it): os.wait4's usage is that child's own, where
+    getrusage's RUSAGE_CHILDREN is the largest of every child reaped so far. None where it
+    was reaped already, is no Popen, is stopped or runs on."""
+    if not isinstance(popen, subprocess.Popen) or popen.returncode is not None or stopped(popen.pid):
+        return None
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            pid, status, usage = os.wait4(popen.pid, os.WNOHANG)
+        except ChildProcessError:       # (reaped by its Popen, interrupted by this signal's handler)
+            return None
+        if pid:
+            popen.returncode = os.waitstatus_to_exitcode(status)
+            return usage.ru_maxrss * 1024                   # (KiB on Linux)
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.005)
 
 
 STEP_ENV = "YARNAPP_MEMORY_STEP_MB"     # the client's yarn.scheduler.minimum-allocation-mb, for the agents
@@ -123,6 +134,11 @@ STEP_MB = 1024                          # YARN's default for it
 def yarn_step_mib():
     """The MiB YARN rounds this container's memory up to a multiple of (the client says)."""
     return int(os.environ.get(STEP_ENV, STEP_MB))
+
+
+def allocated_mib(asked_mib, step_mib=STEP_MB):
+    """The MiB YARN allocates for `asked_mib`: rounded up to a multiple of `step_mib`."""
+    return -(-asked_mib // step_mib) * step_mib
 
 
 def stopped_for_memory(held, asked_mib, group_index, step_mib=STEP_MB):
@@ -136,8 +152,7 @@ def stopped_for_memory(held, asked_mib, group_index, step_mib=STEP_MB):
     a container that held more (`held` bytes) was over it, whatever stopped it; one that held
     less is taken as stopped by the resource manager, as before:
     'was stopped by YARN holding H MiB, above its memory of M MiB ...: raise groups[i].memory'."""
-    allocated = -(-asked_mib // step_mib) * step_mib
-    if held is None or held <= allocated * 2**20:
+    if held is None or held <= allocated_mib(asked_mib, step_mib) * 2**20:
         return None
     return (f"was stopped by YARN holding {mib(held)} MiB, above its memory of {asked_mib} MiB "
             f"(the NodeManager's memory check): raise groups[{group_index}].memory")

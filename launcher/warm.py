@@ -117,8 +117,8 @@ class WarmRank:
         return self._popen.pid if self._popen is not None else self._pid
 
     def waitable(self):
-        """(pids, fds) to wait on for its end: the warm process's pipe, where its end is said
-        (and its pid, once forked); a rank started afresh's pid."""
+        """(pids, fds) to wait on for its end: the warm process's pipe, where its pid and its
+        end are said; the pid of a rank started afresh."""
         if self._popen is not None:
             return [self._popen.pid], []
         return [], [self._warm._out] if self._warm._out is not None else []
@@ -140,7 +140,7 @@ class WarmRank:
 
 def waitable(child):
     """(pids, fds) to wait on for a rank process's end (launcher.procs.wait_exit): a Popen's
-    pid; a WarmRank's warm process's pipe, where its end is said (and its pid, once forked)."""
+    pid; a WarmRank's warm process's pipe, where its pid and its end are said."""
     if isinstance(child, WarmRank):
         return child.waitable()
     pid = getattr(child, "pid", None)

@@ -624,29 +624,52 @@ def test_a_rank_stopped_between_two_samples_is_counted_at_its_own_peak():
     """The tracker's run: a rank grew to 900 MiB and YARN's NodeManager (it looks every 3 s)
     stopped its container with SIGTERM before the agent's once-a-second sample saw it; the
     rank was gone when the agent looked, the container was taken for a preempted one (no
-    restart spent) and the job ran 4 attempts, not 2. The agent now counts the ended rank's
-    own peak (its ru_maxrss, reaped) with what the rest of the container holds."""
+    restart spent) and the job ran 4 attempts, not 2. The agent now reaps the ended rank and
+    counts its own peak (wait4's, not the largest of every child reaped before: a bigger one
+    was) with what the rest of the container holds."""
+    from launcher.agent import RANK_END_WAIT_S
     from launcher.memory import Held
     from launcher.procs import resident_bytes
     mib = 2**20
+
+    def grown(size_mib, on_term="None"):
+        p = subprocess.Popen([sys.executable, "-c", f"import signal, time\nx = bytearray({size_mib} * 2**20)\n"
+                              "for i in range(0, len(x), 4096):\n    x[i] = 1\n"
+                              f"signal.signal(signal.SIGTERM, lambda *a: {on_term})\n"
+                              "print('grown', flush=True)\ntime.sleep(60)\n"], stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline() == "grown\n"
+        return p
+
+    bigger = grown(600, on_term="exit()")       # an earlier generation's rank, bigger, reaped
+    bigger.terminate()
+    bigger.wait()
+    bigger.stdout.close()
     held = Held(os.getpid())
-    held.sample()                                   # a sample before the rank grew: the agent's last
-    held.started()
-    rank = subprocess.Popen([sys.executable, "-c", "import sys, time\nx = bytearray(300 * 2**20)\n"
-                             "for i in range(0, len(x), 4096):\n    x[i] = 1\nprint('grown', flush=True)\n"
-                             "time.sleep(60)\n"], stdout=subprocess.PIPE, text=True)
+    held.sample()                                   # the agent's last sample: before the rank grew
+    rank = grown(300, on_term="exit()")
     try:
-        assert rank.stdout.readline() == "grown\n"
         rank.terminate()                            # as the NodeManager's SIGTERM to the process group
         deadline = time.monotonic() + 5
-        while not os.path.exists(f"/proc/{rank.pid}") or open(f"/proc/{rank.pid}/stat").read().split()[2] != "Z":
+        while open(f"/proc/{rank.pid}/stat").read().split()[2] != "Z":
             assert time.monotonic() < deadline
             time.sleep(0.01)                        # gone (a zombie) when the agent looks
         rest = resident_bytes(os.getpid())
         assert held.peak() < rest + 100 * mib       # what the samples alone saw: not the rank's 300 MiB
-        peak = held.peak(rank, 1.0)
-        assert rank.returncode == -15
-        assert peak >= rest + 290 * mib, (peak, rest)
+        peak = held.at_stop(rank, RANK_END_WAIT_S, enough=200 * mib + rest)
+        assert rank.returncode == 0 and rank.poll() == 0         # reaped here, its Popen told
+        assert rest + 290 * mib <= peak <= rest + 400 * mib, (peak, rest)
+    finally:
+        rank.kill()
+        rank.wait()
+        rank.stdout.close()
+    # ... one that runs on (a handler of the user's): the samples alone, after the wait
+    rank = grown(300)
+    try:
+        rank.terminate()
+        began = time.monotonic()
+        assert held.at_stop(rank, RANK_END_WAIT_S, enough=200 * mib) >= 300 * mib      # (sampled now: alive)
+        assert rank.poll() is None
+        assert time.monotonic() - began < RANK_END_WAIT_S + 0.5
     finally:
         rank.kill()
         rank.wait()
