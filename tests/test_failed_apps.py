@@ -42,6 +42,30 @@ def test_a_rank_that_always_fails_spends_the_budget_then_fails(tmp_path, cli, ya
     assert_nothing_left(app)
 
 
+def test_a_job_whose_loss_goes_to_nan_fails_once_naming_the_learning_rate(digits, tmp_path, cli, yarnapp_home):
+    """A scripting audit: `submit --wait` of a job at lr 1e12 exited 0, SUCCEEDED, "final:
+    accuracy=0.1003 loss=nan": a pipeline went green on a model of chance accuracy, and
+    `status --json` printed `NaN`, which is not JSON. Now three steps of a non-finite loss fail
+    the job at once, not retried (a restart would diverge again from its checkpoint)."""
+    import yaml
+    job = digits_job(tmp_path, digits, "diverged", steps=30, max_restarts=2, instances=(1, 1))
+    job["training"]["lr"] = 1e12
+    path = tmp_path / "diverged.yaml"
+    path.write_text(yaml.safe_dump(job))
+    proc = cli("submit", path, "--wait")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    err = proc.stderr.strip().splitlines()[-1]
+    assert re.search(r"FAILED after 1 attempt\(s\): rank \d \(\w+\) exited with status 1: training diverged: the loss "
+                     r"was nan for 3 steps in a row \(steps \d+-\d+ of 30\): lower training\.lr \(1e\+12 now\), or look "
+                     r"for nan or inf in the features of training\.data\.train; a restart would resume .* so it was "
+                     r"not retried", err), err
+    app = err.split()[1]
+    st = json.loads(cli("status", app, "--json").stdout,      # strict JSON: no NaN where the loss was
+                    parse_constant=lambda c: pytest.fail(f"{c} in status --json"))
+    assert st["state"] == "FAILED" and not st["restarts"], st
+    assert_nothing_left(app)
+
+
 def test_an_application_that_trained_no_step_gets_no_resume_hint_for_checkpoints_out_of_reach(
         digits, tmp_path, yarnapp_home):
     """A notebook audit on YARN: a job failed as it started, on a checkpoint.uri it could not

@@ -395,17 +395,20 @@ def _probe_processes():
 
 
 def test_cli_plan_prints_a_table_and_writes_png_and_json(cli, tmp_path):
-    png, js = tmp_path / "plan", tmp_path / "plan.json"      # a plot's name without an extension gets .png
+    """... the JSON to stdout with `--json -` (a scripting audit: it wrote a file named "-"),
+    alone there, strict JSON; the table and the notes then go to stderr."""
+    png = tmp_path / "plan"      # a plot's name without an extension gets .png
     proc = cli("plan", "conf/examples/digits.yaml", "--bandwidth", "1gbit,10gbit", "--quick",
-               "--gpu-speed", "8", "--png", png, "--json", js, check=0, timeout=120)
-    out = proc.stdout
+               "--gpu-speed", "8", "--png", png, "--json", "-", check=0, timeout=120)
+    out = proc.stderr
+    assert not os.path.exists(os.path.join(probes.ROOT, "-"))      # (the cli fixture runs there)
     assert f"written {png}.png" in out and (tmp_path / "plan.png").is_file() and not png.exists()
     from training import strategies
     for name in strategies.names():
         assert name in out
     assert "seed 4" not in out and "best/worst case" in out     # the method, not where it comes from
     assert "recommended:" in out and "1 Gbit/s" in out and "latency 50.0 us" in out
-    plan = json.loads(js.read_text())
+    plan = json.loads(proc.stdout, parse_constant=lambda c: pytest.fail(f"{c} in the plan's JSON"))
     assert plan["link"]["bandwidth_bps"] == 1e9
     assert [d["quota"] for d in plan["devices"]] == [1.0, 0.5, 0.5]
     assert plan["recommended"]["strategy"] in planner.modelled()

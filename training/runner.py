@@ -7,12 +7,14 @@ complete checkpoint, so a restarted world continues exactly where it left off.
 """
 import collections
 import logging
+import math
 import random
 import time
 
 import numpy as np
 import torch
 
+from conf.errors import YarnappError
 from launcher import memory   # plain functions reading this process's memory cgroup
 
 from . import collectives, lazy_dynamo, strategies, trained
@@ -31,6 +33,18 @@ def _not_retried(line):
     error = CheckpointError(line)
     error.certain = True
     return error
+
+
+class Diverged(YarnappError, ValueError):
+    """The loss was not a number (nan, inf) for DIVERGED_STEPS steps in a row: the weights are
+    lost (a nan stays nan), and every step after trains nothing; a job that went on "succeeded"
+    with a model of chance accuracy. A restart resumes bit-identically from the last
+    checkpoint, and would diverge again: not retried."""
+    certain = ("a restart would resume from the last checkpoint bit-identically and diverge again, "
+               "so it was not retried")
+
+
+DIVERGED_STEPS = 3      # (one step's inf under a mixed-precision scaler is skipped, and recovers)
 
 
 def _first_words(e, limit=160):
@@ -266,7 +280,7 @@ class Runner:
         totals = dict.fromkeys(("samples", "wait", "wall"), 0.0)
         ctx.report(step=step, total_steps=self.total_steps, epoch=self.epochs(step), **self.resumed)
         t_prev = time.perf_counter()
-        rec = {}
+        rec, not_a_number = {}, 0
         for _, s, x, y in self.loader:
             if step >= self.total_steps:
                 break
@@ -274,6 +288,11 @@ class Runner:
             st = self.strategy.train_step(x, y)
             step += 1
             t_done = time.perf_counter()
+            not_a_number = 0 if math.isfinite(st.loss) else not_a_number + 1      # (alike on every rank)
+            if not_a_number >= DIVERGED_STEPS:
+                raise Diverged(f"training diverged: the loss was {st.loss} for {not_a_number} steps in a row (steps "
+                               f"{step - not_a_number + 1}-{step} of {self.total_steps}): lower training.lr "
+                               f"({spec.lr:g} now), or look for nan or inf in the features of training.data.train")
             ctx.heartbeat()
             wall = t_done - t_prev
             for k, v in (("steps", 1), ("loss", st.loss), ("correct", st.correct), ("samples", st.samples),

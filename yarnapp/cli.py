@@ -5,7 +5,6 @@ too, with exit status 2 (argparse's). Anything else is a bug and keeps its trace
 import argparse
 import difflib
 import errno
-import json
 import logging
 import os
 import re
@@ -17,7 +16,7 @@ import conf
 
 from . import __version__, api, cli_job, interrupts
 from .backends.base import TERMINAL
-from .console import p as _p, readers_gone, say, stdout_gone
+from .console import as_json, p as _p, readers_gone, say, stdout_gone
 from .cli_tools import cmd_clean, cmd_data_import, cmd_hadoop, cmd_netem
 from .logview import cmd_logs
 from .errors import YarnappError
@@ -82,7 +81,7 @@ def cmd_submit(args):
 def cmd_status(args):
     st = api.Run(args.app).status()
     if args.json:
-        _p(json.dumps(st, indent=1, default=str))
+        _p(as_json(st, indent=1, default=str))
         return 0
     _p(f"{st['app_id']}  {st['name']}  {st['state']}  {st.get('diagnostics') or ''}".rstrip())
     if st.get("tensorboard"):
@@ -142,7 +141,7 @@ def cmd_kill(args):
 
 def cmd_list(args):
     if args.json:
-        _p(json.dumps(api.list_apps(args.backend), indent=1, default=str))
+        _p(as_json(api.list_apps(args.backend), indent=1, default=str))
         return 0
     for a in api.list_apps(args.backend):
         _p(f"{a['app_id']}  {a['name']:<16} {a['state']:<10} {a.get('diagnostics') or ''}".rstrip())
@@ -213,21 +212,24 @@ def cmd_plan(args):
     busy = os.getloadavg()[0]              # other work's, before the plan's own probes add theirs
     with shipping.importable(shipment):     # a model of the job's own, as it ships
         plan = planner.plan_job(spec, opts)
-    _p(planner.format_table(plan))
+    said = sys.stderr if args.json == "-" else sys.stdout      # (stdout: the JSON alone)
+    _p(planner.format_table(plan), file=said)
     cores = os.cpu_count() or 1
     if busy > 0.75 * cores:     # an audit's plan at load 3-4 on 2 cores: rank 0 alone 568 ms (322 quiet), 2.80x for 2x the CPU
         _p(f"note: this machine was busy when the plan measured (load average {busy:.1f} on {cores} cores before it "
-           f"started): its timings, and so these predictions, can be far off; plan again when it is quieter")
+           f"started): its timings, and so these predictions, can be far off; plan again when it is quieter", file=said)
     try:                            # what submit would refuse, said beside the predictions
         m = plan["model"]
         preflight.check_strategy(spec, (m["input_shape"], m["classes"]), shipment)
     except YarnappError as e:
         _p(f"note: the job's own strategy, {spec.training.strategy.name}, cannot run this model ({e}): submit "
-           f"refuses it as it is")
-    if args.json:
+           f"refuses it as it is", file=said)
+    if args.json == "-":
+        _p(as_json(plan, indent=1))
+    elif args.json:
         _p(f"written {planner.write_json(plan, args.json)}")
     if args.png:
-        _p(f"written {planner.write_png(plan, args.png)}")
+        _p(f"written {planner.write_png(plan, args.png)}", file=said)
     return 0
 
 
@@ -235,6 +237,8 @@ def _output_file(flag, path, example):
     """The file `flag` will write, checked now: not a directory, in one that exists and
     takes a new file, of a kind it can write. A plot's name without an extension gets
     .png, as matplotlib adds it (the plan said it wrote the name it was given)."""
+    if path == "-" and flag == "--json":
+        return path                 # stdout
     if os.path.isdir(path):
         raise YarnappError(f"{flag} {path}: is a directory; give a file name, e.g. {os.path.join(path, example)}")
     ext = os.path.splitext(path)[1].lower()
@@ -370,7 +374,7 @@ def build_parser():
     s.add_argument("--classes", type=int, help="classes when the job's data cannot be read (default 10)")
     s.add_argument("--png", help="write a plot of predicted speedup against machines (.png added to a name "
                                  "without an extension)")
-    s.add_argument("--json", help="write the whole plan as JSON")
+    s.add_argument("--json", help="write the whole plan as JSON to this file; - : to stdout (the table then on stderr)")
     s.set_defaults(fn=cmd_plan)
 
     s = sub.add_parser("hadoop", help="a local single-node Hadoop (HDFS + YARN) to try --backend yarn on",

@@ -9,7 +9,7 @@ import time
 
 import conf
 
-from .console import p as _p
+from .console import as_json, p as _p
 from .errors import YarnappError
 
 
@@ -80,7 +80,7 @@ def cmd_data_import(args):
         opts["folder"] = opts.pop("path")
     summary = data.run_import(args.kind, args.uri, opts,         # DataError: one line, naming the flag
                               spell=lambda k: "--" + ("path" if k == "folder" else k).replace("_", "-"))
-    _p(json.dumps(summary))
+    _p(as_json(summary))
     return 0
 
 
@@ -109,7 +109,7 @@ def cmd_hadoop(args):
     elif args.action == "status":
         st = cluster.status()
         if args.json:
-            _p(json.dumps(st, indent=1))
+            _p(as_json(st, indent=1))
         elif not os.path.isdir(cluster.conf_dir):
             _p(f"no local Hadoop in {cluster.root} yet; `yarnapp hadoop start"
                f"{' --dir ' + shlex.quote(args.dir) if args.dir else ''}` makes and starts it")

@@ -1,5 +1,7 @@
 """The command line's output: a line printed at once, and what to do when its reader goes
 away (`yarnapp status APP | head -1`, `yarnapp submit job.yaml --wait | head`)."""
+import json
+import math
 import os
 import select
 import sys
@@ -8,6 +10,20 @@ import sys
 def p(*a, **k):
     """print, flushed at once (the line is seen as it happens, through a pipe too)."""
     print(*a, **k, flush=True)
+
+
+def as_json(obj, **kw):
+    """JSON text of `obj` that strict parsers read: a non-finite number (a diverged loss's
+    nan) is null, where json.dumps writes NaN, which JavaScript's and jq's parsers refuse."""
+    def finite(o):
+        if isinstance(o, float) and not math.isfinite(o):
+            return None
+        if isinstance(o, dict):
+            return {k: finite(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return [finite(v) for v in o]
+        return o
+    return json.dumps(finite(obj), allow_nan=False, **kw)
 
 
 def stdout_gone(stream=None):
