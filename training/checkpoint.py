@@ -315,6 +315,10 @@ class Checkpointer:
             e.blames = first[0] if what == "write" else 0      # every rank raises it: the agents name this one
             raise e
 
+    def final_uri(self):
+        """Where save_model writes the final model's weights: the URI as the job gave it."""
+        return f"{self.uri.rstrip('/')}/{self.app_id}/final/model.pt"
+
     def save_model(self, model, card=None):
         """The final model's weights (rank 0), and its card (training.trained: how to build
         it and feed it) where given: written beside `final` and renamed to it whole, so that

@@ -332,6 +332,7 @@ class Runner:
         final = {k: v for k, v in final.items() if v is not None}
         self.save(step)
         self.ckpt.save_model(self.strategy.model_for_export(), trained.card(self.spec, self.train))
+        final["model"] = self.ckpt.final_uri()      # (status --json: where a script finds it)
         self.strategy.close()
         if self.tb:
             self.tb.scalars(step, {f"eval/{k}": v for k, v in ev.items()})

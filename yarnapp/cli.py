@@ -73,8 +73,10 @@ def cmd_submit(args):
     out = say(f"{app_id} SUCCEEDED in {took:.1f}s" + (f" (world formed in {formed:.2f}s after submit)" if formed
                                                         else ""), out)
     if st.get("final"):
-        from .progress import metrics
+        from .progress import final_model, metrics
         say("final: " + metrics(st["final"]), out)
+        if final_model(st):
+            say(final_model(st), out)
     return 0
 
 
@@ -116,7 +118,7 @@ def cmd_status(args):
     for r in st.get("restarts") or []:
         _p(f"  restart {r.get('generation')}: {r.get('reason')}"
            + (" (spends no restart)" if r.get("external") else ""))
-    from .progress import metrics, notice
+    from .progress import final_model, metrics, notice
     for n in st.get("notices") or []:
         _p("  " + notice(n))
     p = (st.get("progress") or {}).get(0)
@@ -124,6 +126,8 @@ def cmd_status(args):
         _p("  progress: " + metrics(p, skip=("rank", "time")))
     if st.get("final"):
         _p("  final: " + metrics(st["final"]))
+    if final_model(st):
+        _p("  " + final_model(st))
     return 0
 
 

@@ -36,9 +36,16 @@ def _fmt(v):
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def metrics(record, skip=()):
-    """`k=v ...` of a progress record or a final, as every line a user reads shows them."""
+def metrics(record, skip=("model",)):
+    """`k=v ...` of a progress record or a final, as every line a user reads shows them (a
+    final's model: its own line, `final_model`)."""
     return " ".join(f"{k}={_fmt(v)}" for k, v in record.items() if k not in skip)
+
+
+def final_model(st):
+    """'model: URI' of the final model a SUCCEEDED run saved (the built-in runner's), or None."""
+    uri = (st.get("final") or {}).get("model")
+    return f"model: {uri}" if uri else None
 
 
 def notice(n):
@@ -230,8 +237,9 @@ class Progress:
         if notices:
             self._notices(st)
         if st["state"] == "SUCCEEDED":
-            final = metrics(st.get("final") or {})
-            self.say("end", f"{self.run.app_id} SUCCEEDED" + (f"; final: {final}" if final else ""))
+            final, model = metrics(st.get("final") or {}), final_model(st)
+            self.say("end", f"{self.run.app_id} SUCCEEDED" + (f"; final: {final}" if final else "")
+                     + (f"; {model}" if model else ""))
         else:
             self.say("end", self.run.failure_message())
 
