@@ -34,6 +34,38 @@ def _tiny(tmp_path):
                                                           "memory": "256 MiB"}]})
 
 
+def test_wait_waits_for_an_application_submitted_without_it_and_says_how_it_ended(cli, tmp_path, yarnapp_home):
+    """A scripting audit: a job submitted without --wait (`app=$(yarnapp submit job.yaml)`)
+    could be waited for only by polling status or following every log. `yarnapp wait APP`
+    ends as submit --wait does (0 if it SUCCEEDED, 1 if not, the same lines), 124 after
+    --timeout, and an interrupted or timed-out wait leaves the application running."""
+    (tmp_path / "slow.py").write_text("import time\ntime.sleep(8)\nprint('slept')\n")
+    slow = write_job(tmp_path / "slow.yaml", {"name": "slow", "run": {"script": str(tmp_path / "slow.py")},
+                                              "groups": [{"name": "w", "instances": 1, "vcores": 0.5,
+                                                          "memory": "256 MiB"}]})
+    app = cli("submit", slow, check=0).stdout.strip()
+    proc = cli("wait", app, "--timeout", "1s", check=124)
+    assert proc.stderr.strip().splitlines()[-1] == (f"Error: {app} still RUNNING after --timeout 1s; it runs on "
+                                                    f"(`yarnapp kill {app}` stops it)"), proc.stderr
+    assert yarnapp.status(app)["state"] == "RUNNING"
+    proc = cli("wait", app, check=0)
+    assert re.match(rf"{app} SUCCEEDED in [0-9.]+s", proc.stdout), proc.stdout        # stdout: how it ended alone
+    proc = cli("wait", app, check=0)                  # ended already: at once, without a time it did not watch
+    assert proc.stdout.startswith(f"{app} SUCCEEDED (world formed in "), proc.stdout
+    (tmp_path / "fail.py").write_text("raise SystemExit(3)\n")
+    failing = write_job(tmp_path / "fail.yaml", {"name": "fails", "max_restarts": 0,
+                                                 "run": {"script": str(tmp_path / "fail.py")},
+                                                 "groups": [{"name": "w", "instances": 1, "vcores": 0.5,
+                                                             "memory": "256 MiB"}]})
+    bad = cli("submit", failing, check=0).stdout.strip()
+    proc = cli("wait", bad, check=1)
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"Error: {bad} FAILED after 1 attempt(s): "), proc.stderr
+    assert cli("wait", "app_0_nope", check=1).stderr.startswith("Error: no application 'app_0_nope'")
+    assert cli("wait", app, "--timeout", "soon", check=1).stderr.startswith("Error: --timeout soon: ")
+    assert_nothing_left(app)
+    assert_nothing_left(bad)
+
+
 def test_hello_forms_one_world_across_two_groups(cli, yarnapp_home):
     proc = cli("submit", HELLO, "--wait", check=0)
     out = proc.stdout

@@ -61,23 +61,60 @@ def cmd_submit(args):
         interrupts.shielded(run.kill)      # a second Ctrl-C cut the kill's line short ("interrupted" alone)
         say(f"interrupted: killed {run.app_id}{run.resume_hint(cli_job.resubmit(args))}", out)
         return _interrupted_status()
-    took = time.time() - t0
+    return _ended(run, st, time.time() - t0, streamed, out, resubmit=cli_job.resubmit(args))
+
+
+def _ended(run, st, took, streamed, out, resubmit=None):
+    """How a waited-for application ended, as submit --wait and wait say it: 0 and its final
+    metrics and model where it SUCCEEDED; else its failure's line (YarnappError: exit 1)."""
     if st["state"] != "SUCCEEDED":
         f = st.get("failure") or {}
         from .progress import rank0_streamed
         shown = (rank0_streamed(st) or {}).get("id") if streamed else None     # its output showed as it came
         if f.get("log_tail") and f.get("container") != shown:
             _p(f"--- last lines of {f.get('container')}'s log ---\n{f['log_tail']}\n---", file=sys.stderr)
-        raise YarnappError(run.failure_message(resubmit=cli_job.resubmit(args)))
+        raise YarnappError(run.failure_message(resubmit=resubmit))
     formed = st.get("world_formed_s")
-    out = say(f"{app_id} SUCCEEDED in {took:.1f}s" + (f" (world formed in {formed:.2f}s after submit)" if formed
-                                                        else ""), out)
+    out = say(f"{run.app_id} SUCCEEDED" + (f" in {took:.1f}s" if took is not None else "")
+              + (f" (world formed in {formed:.2f}s after submit)" if formed else ""), out)
     if st.get("final"):
         from .progress import final_model, metrics
         say("final: " + metrics(st["final"]), out)
         if final_model(st):
             say(final_model(st), out)
     return 0
+
+
+def cmd_wait(args):
+    """Wait for an application submitted without --wait (`app=$(yarnapp submit job.yaml)`), as
+    submit --wait does, but an interrupted wait leaves it running: it is not this command's."""
+    from .errors import WaitTimeout
+    timeout = None if args.timeout is None else _duration("--timeout", args.timeout)
+    run = api.Run(args.app)
+    first = run.status()                 # (an unknown id: one line, before any wait)
+    _interrupt_on_sigterm()
+    try:
+        st = run.wait(timeout=timeout, progress=True, summary=False)
+    except WaitTimeout:
+        _p(f"Error: {args.app} still {run.status()['state']} after --timeout {args.timeout}; it runs on "
+           f"(`yarnapp kill {args.app}` stops it)", file=sys.stderr)
+        return TIMEOUT_STATUS
+    except (KeyboardInterrupt, api.Interrupted):
+        say(f"stopped waiting for {args.app}, which runs on: `yarnapp kill {args.app}` stops it", sys.stderr)
+        return _interrupted_status()
+    ran = first["state"] not in TERMINAL and first.get("submitted")    # it ended now: the time it took
+    return _ended(run, st, time.time() - first["submitted"] if ran else None, True, sys.stdout)
+
+
+TIMEOUT_STATUS = 124        # as timeout(1): `wait --timeout` ran out, the application runs on
+
+
+def _duration(flag, text):
+    try:
+        seconds = conf.parse_duration_s(text)
+    except (ValueError, TypeError) as e:
+        raise YarnappError(f"{flag} {text}: {e}") from None
+    return seconds
 
 
 def cmd_status(args):
@@ -322,6 +359,13 @@ def build_parser():
     s.add_argument("--tail", "-n", type=int, metavar="N", help="only the last N lines of each log (with --follow: "
                    "then what comes)")
     s.set_defaults(fn=cmd_logs)
+
+    s = sub.add_parser("wait", help="wait for an application to end, as submit --wait does; exit status 0 if it "
+                       "SUCCEEDED, 1 if it failed or was killed, 124 after --timeout")
+    s.add_argument("app", help="application id (`yarnapp submit` without --wait prints it)")
+    s.add_argument("--timeout", metavar="DURATION", help="stop waiting after this long (e.g. 30m), exit status 124; "
+                   "the application runs on, as it does after Ctrl-C here")
+    s.set_defaults(fn=cmd_wait)
 
     s = sub.add_parser("kill", help="stop an application; nothing of it keeps running")
     s.add_argument("app", help="application id (`yarnapp list` shows them)")
