@@ -75,7 +75,7 @@ def test_impossible_ports_and_resources_are_one_line_and_start_nothing(tmp_path)
                        (["--memory", "abc"], "--memory: cannot parse 'abc' as memory; write e.g. 512 MiB"),
                        (["--vcores", 0], "--vcores 0: the NodeManager needs more than 0")]:
         out = cli("start", "--dir", tmp_path / "h", "-q", *args)
-        assert out.returncode == 1 and out.stderr.startswith(f"Error: {line}") and out.stderr.count("\n") == 1, \
+        assert out.returncode == 2 and out.stderr.startswith(f"Error: {line}") and out.stderr.count("\n") == 1, \
             (args, out.stderr)
         assert not os.path.exists(tmp_path / "h"), args
 

@@ -429,7 +429,7 @@ def test_a_wrong_cli_argument_is_one_line_naming_the_command(cli):
     assert proc.stderr.strip().startswith("Error: no application 'app_that_does_not_exist'")
     # a value argparse took for an option ("expected one argument") reaches the option's own check
     proc = cli("clean", "--older-than", "-1d")
-    assert proc.returncode == 1 and proc.stderr == "Error: --older-than '-1d': expected a duration such as 12h or " \
+    assert proc.returncode == 2 and proc.stderr == "Error: --older-than '-1d': expected a duration such as 12h or " \
                                                    "7d (0: every finished application)\n", proc.stderr
 
 
@@ -715,7 +715,9 @@ def test_what_a_new_user_got_wrong_is_one_line_that_says_what_to_do(tmp_path, cl
              (["tensorboard", "app_x", "--port", "99999"], "--port 99999: give a port from 1 to 65535")]
     for args, words in cases:
         proc = cli(*args, timeout=120)
-        assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and words in proc.stderr, (args, proc.stderr)
+        usage = args[-1] in ("--wait", "99999")       # a flag's value: 2, as argparse's own refusals
+        assert proc.returncode == 1 + usage and proc.stderr.count("\n") == 1 and words in proc.stderr, \
+            (args, proc.stderr)
     assert sorted(os.listdir(tmp_path)) == ["dd", "flat", "g.npz", "imgs", "passwd.yaml", "train.py"]  # not even a home
     assert apps(yarnapp_home) == []
     assert os.listdir(tmp_path / "dd") == ["train"]

@@ -61,7 +61,7 @@ def test_wait_waits_for_an_application_submitted_without_it_and_says_how_it_ende
     proc = cli("wait", bad, check=1)
     assert proc.stderr.strip().splitlines()[-1].startswith(f"Error: {bad} FAILED after 1 attempt(s): "), proc.stderr
     assert cli("wait", "app_0_nope", check=1).stderr.startswith("Error: no application 'app_0_nope'")
-    assert cli("wait", app, "--timeout", "soon", check=1).stderr.startswith("Error: --timeout soon: ")
+    assert cli("wait", app, "--timeout", "soon", check=2).stderr.startswith("Error: --timeout soon: ")
     assert_nothing_left(app)
     assert_nothing_left(bad)
 
@@ -303,7 +303,7 @@ def test_logs_tail_and_stream_a_log_larger_than_what_the_command_holds(cli, yarn
     assert yarnapp.Run(app).logs(tail=2) == {"a_0": "".join(open(log).readlines()[-2:])}
     followed = cli("logs", app, "--follow", "--tail", "2", check=0).stdout.splitlines()
     assert followed == [f"a_0| {line}" for line in open(log).read().splitlines()[-2:]], followed
-    assert "--tail -1: give a number of lines" in cli("logs", app, "--tail", "-1", check=1).stderr
+    assert "--tail -1: give a number of lines" in cli("logs", app, "--tail", "-1", check=2).stderr
     # 60 MB more: printed in pieces, the command's memory as for the small log
     small = _max_rss_of([sys.executable, "-m", "yarnapp.cli", "logs", app])
     with open(log, "a") as f:

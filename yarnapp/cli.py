@@ -1,7 +1,8 @@
 """`yarnapp` command line. Expected errors print one `Error: ...` line and exit 1: every
 YarnappError (conf.errors, the one root), and an OSError that names a path it could not
-open (a file the user named, or one the command must write); a wrong argument is one line
-too, with exit status 2 (argparse's). Anything else is a bug and keeps its traceback."""
+open (a file the user named, or one the command must write); a wrong argument (argparse's,
+or a flag's value it cannot take: UsageError) is one line too, with exit status 2.
+Anything else is a bug and keeps its traceback."""
 import argparse
 import difflib
 import errno
@@ -19,7 +20,7 @@ from .backends.base import TERMINAL
 from .console import as_json, p as _p, readers_gone, say, stdout_gone
 from .cli_tools import cmd_clean, cmd_data_import, cmd_hadoop, cmd_netem
 from .logview import cmd_logs
-from .errors import YarnappError
+from .errors import UsageError, YarnappError
 
 
 def cmd_submit(args):
@@ -28,7 +29,7 @@ def cmd_submit(args):
                         network=None if args.nodes is None else {"nodes": args.nodes})
     if args.dry_run:
         if args.wait:
-            raise YarnappError("--wait: a --dry-run starts nothing to wait for; give one of them")
+            raise UsageError("--wait: a --dry-run starts nothing to wait for; give one of them")
         try:
             _p(api.dry_run(spec, where=args.job), end="")
         except YarnappError as e:
@@ -113,7 +114,7 @@ def _duration(flag, text):
     try:
         seconds = conf.parse_duration_s(text)
     except (ValueError, TypeError) as e:
-        raise YarnappError(f"{flag} {text}: {e}") from None
+        raise UsageError(f"{flag} {text}: {e}") from None
     return seconds
 
 
@@ -212,7 +213,7 @@ def _interrupted_status():
 
 def cmd_tensorboard(args):
     if not 0 <= args.port <= 65535:
-        raise YarnappError(f"--port {args.port}: give a port from 1 to 65535, or 0 for a free one")
+        raise UsageError(f"--port {args.port}: give a port from 1 to 65535, or 0 for a free one")
     from . import tensorboard
     _interrupt_on_sigterm()
     if "/" in args.app and "://" not in args.app and not os.path.isdir(args.app):
@@ -517,7 +518,7 @@ def main(argv=None):
         return 141
     except YarnappError as e:
         print(f"Error: {e}", file=sys.stderr, flush=True)
-        return 1
+        return 2 if isinstance(e, UsageError) else 1
     except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as e:
         if not e.filename:          # not a path the user gave: a bug, with its traceback
             raise

@@ -10,7 +10,7 @@ import time
 import conf
 
 from .console import as_json, p as _p
-from .errors import YarnappError
+from .errors import UsageError, YarnappError
 
 
 def cmd_clean(args):
@@ -22,8 +22,9 @@ def cmd_clean(args):
     try:
         removed = api.clean(args.apps, args.older_than, dry_run=args.dry_run)
     except YarnappError as e:
-        raise YarnappError(str(e).replace("older_than ", "--older-than ", 1) if str(e).startswith("older_than ")
-                           else str(e)) from None
+        if str(e).startswith("older_than "):
+            raise UsageError(str(e).replace("older_than ", "--older-than ", 1)) from None
+        raise
     verb = "would remove" if args.dry_run else "removed"
     for app_id, name, state, size in removed:
         _p(f"{verb} {app_id}  {name:<16} {state:<10} {_mib(size)}")
@@ -46,7 +47,7 @@ def cmd_netem(args):
     net = netem.for_app(args.app)
     name = args.node.removeprefix("node")
     if not name.isdigit():
-        raise YarnappError(f"--node: expected a node number or name such as 1 or node1, got {args.node!r}")
+        raise UsageError(f"--node: expected a node number or name such as 1 or node1, got {args.node!r}")
     i = int(name)
     if args.cut:
         net.cut(i)
@@ -60,7 +61,7 @@ def cmd_netem(args):
         try:
             delay = None if args.latency in ("0", "none") else conf.parse_duration_s(args.latency)
         except ValueError as e:
-            raise YarnappError(f"--latency: {e}") from None
+            raise UsageError(f"--latency: {e}") from None
         net.set_latency(i, delay)
         what = f"latency {args.latency}"
     _p(f"{args.app} {net.node_name(i)} ({net.addr(i)}): {what}; link {'up' if net.link_up(i) else 'down'}")
@@ -92,7 +93,7 @@ def cmd_hadoop(args):
         try:
             memory = conf.parse_memory_mib(args.memory)
         except ValueError as e:
-            raise YarnappError(f"--memory: {e}") from None
+            raise UsageError(f"--memory: {e}") from None
     cluster = hadoop.LocalHadoop(args.dir, port_base=args.port_base, vcores=args.vcores, memory_mb=memory)
     if args.action == "start":
         if not args.quiet:

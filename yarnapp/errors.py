@@ -2,7 +2,7 @@
 root of every package (the CLI prints `Error: <message>` and exits 1)."""
 from conf.errors import Interrupted, YarnappError
 
-__all__ = ["YarnappError", "Interrupted", "JobFailed", "BackendUnavailable", "WaitTimeout"]
+__all__ = ["YarnappError", "Interrupted", "JobFailed", "BackendUnavailable", "WaitTimeout", "UsageError"]
 
 
 class JobFailed(YarnappError):
@@ -16,3 +16,8 @@ class BackendUnavailable(YarnappError):
 class WaitTimeout(YarnappError, TimeoutError):
     """Run.wait(timeout=) ran out with the application still going (it runs on): caught
     as a TimeoutError, or with yarnapp's other errors."""
+
+
+class UsageError(YarnappError):
+    """A command-line flag's value the command cannot take (`--tail -1`, `--timeout soon`):
+    one line, exit status 2, as for the arguments argparse refuses itself."""

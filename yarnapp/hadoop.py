@@ -44,6 +44,7 @@ import urllib.request
 import conf
 from launcher.procs import process_state
 
+from .errors import UsageError
 from .hadoop_dist import HadoopError, fetch_jars, java_home, version
 
 log = logging.getLogger(__name__)
@@ -113,11 +114,11 @@ class LocalHadoop:
         self.root = os.path.abspath(root or default_root())
         saved = self._saved()
         if port_base is not None and not MIN_PORT_BASE <= port_base <= MAX_PORT_BASE:
-            raise HadoopError(f"--port-base {port_base}: its ports run from base+20 to base+88; give a base from "
+            raise UsageError(f"--port-base {port_base}: its ports run from base+20 to base+88; give a base from "
                               f"{MIN_PORT_BASE} to {MAX_PORT_BASE}")
         for name, value in (("--vcores", vcores), ("--memory", memory_mb)):
             if value is not None and value <= 0:
-                raise HadoopError(f"{name} {value}: the NodeManager needs more than 0")
+                raise UsageError(f"{name} {value}: the NodeManager needs more than 0")
         self.asked = {k: v for k, v in (("port_base", port_base), ("vcores", vcores), ("memory_mb", memory_mb))
                       if v is not None}
         self.port_base = port_base or saved.get("port_base") or DEFAULT_PORT_BASE

@@ -9,7 +9,7 @@ import sys
 import time
 
 from .console import p as _p
-from .errors import YarnappError
+from .errors import UsageError
 
 CHUNK = 1 << 20             # bytes read at a time
 BLOCK = 64 << 10            # bytes stepped back at a time looking for the last lines
@@ -142,7 +142,7 @@ def _drawn(line):
 
 def cmd_logs(args):
     if args.tail is not None and args.tail < 0:
-        raise YarnappError(f"--tail {args.tail}: give a number of lines, 0 or more")
+        raise UsageError(f"--tail {args.tail}: give a number of lines, 0 or more")
     from . import api
     run = api.Run(args.app)
     files = run.log_files(args.container)       # None: logs served as text (YARN)
