@@ -60,7 +60,7 @@ def cmd_submit(args):
         if not args.wait:
             raise                   # submitted without --wait: it runs on, as it would have
         interrupts.shielded(run.kill)      # a second Ctrl-C cut the kill's line short ("interrupted" alone)
-        say(f"interrupted: killed {run.app_id}{run.resume_hint(cli_job.resubmit(args))}", out)
+        say(f"interrupted: killed {run.app_id}{run.resume_hint(cli_job.resubmit(args))}", sys.stderr)     # (as errors)
         return _interrupted_status()
     return _ended(run, st, time.time() - t0, streamed, out, resubmit=cli_job.resubmit(args))
 
