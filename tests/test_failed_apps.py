@@ -64,6 +64,35 @@ def test_a_job_whose_loss_goes_to_nan_fails_once_naming_the_learning_rate(digits
                     parse_constant=lambda c: pytest.fail(f"{c} in status --json"))
     assert st["state"] == "FAILED" and not st["restarts"], st
     assert_nothing_left(app)
+    # a checkpoint due once the weights are nan is not written (a review: the line offered to
+    # resume from a checkpoint of nan weights): the job fails there, its last checkpoint finite
+    job["checkpoint"]["every_steps"] = 2
+    path.write_text(yaml.safe_dump(job))
+    proc = cli("submit", path, "--wait")
+    err = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and re.search(r"training diverged: its weights held nan or inf at step (\d+) \(of 30\), "
+                                              r"where a checkpoint was due \(none was written\): lower training\.lr",
+                                              err), err
+    app, step = err.split()[1], int(re.search(r"at step (\d+)", err).group(1))
+    ckpts = tmp_path / "diverged" / "ckpt" / app
+    kept = sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step-")) if ckpts.is_dir() else []
+    assert f"step-{step:08d}" not in kept, kept
+    for name in kept:           # every checkpoint written holds finite weights
+        for f in (ckpts / name).glob("rank-*.pt"):
+            state = torch.load(f, weights_only=False)
+            assert all(torch.isfinite(t).all() for t in _tensors(state)), (name, f)
+    assert_nothing_left(app)
+
+
+def _tensors(state):
+    if isinstance(state, torch.Tensor):
+        yield state
+    elif isinstance(state, dict):
+        for v in state.values():
+            yield from _tensors(v)
+    elif isinstance(state, (list, tuple)):
+        for v in state:
+            yield from _tensors(v)
 
 
 def test_an_application_that_trained_no_step_gets_no_resume_hint_for_checkpoints_out_of_reach(

@@ -39,7 +39,7 @@ def test_wait_waits_for_an_application_submitted_without_it_and_says_how_it_ende
     could be waited for only by polling status or following every log. `yarnapp wait APP`
     ends as submit --wait does (0 if it SUCCEEDED, 1 if not, the same lines), 124 after
     --timeout, and an interrupted or timed-out wait leaves the application running."""
-    (tmp_path / "slow.py").write_text("import time\ntime.sleep(8)\nprint('slept')\n")
+    (tmp_path / "slow.py").write_text("import time\ntime.sleep(15)\nprint('slept')\n")
     slow = write_job(tmp_path / "slow.yaml", {"name": "slow", "run": {"script": str(tmp_path / "slow.py")},
                                               "groups": [{"name": "w", "instances": 1, "vcores": 0.5,
                                                           "memory": "256 MiB"}]})
@@ -47,6 +47,13 @@ def test_wait_waits_for_an_application_submitted_without_it_and_says_how_it_ende
     proc = cli("wait", app, "--timeout", "1s", check=124)
     assert proc.stderr.strip().splitlines()[-1] == (f"Error: {app} still RUNNING after --timeout 1s; it runs on "
                                                     f"(`yarnapp kill {app}` stops it)"), proc.stderr
+    assert yarnapp.status(app)["state"] == "RUNNING"
+    waiting = subprocess.Popen([sys.executable, "-m", "yarnapp.cli", "wait", app], cwd=ROOT, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    shown = waiting.stderr.readline()               # its progress (stderr) begun: waiting
+    waiting.terminate()                             # (`timeout 9 yarnapp wait APP`): the wait stops, not the job
+    out, err = waiting.communicate(timeout=60)
+    assert waiting.returncode == 143 and f"stopped waiting for {app}, which runs on" in err, (shown, out, err)
     assert yarnapp.status(app)["state"] == "RUNNING"
     proc = cli("wait", app, check=0)
     assert re.match(rf"{app} SUCCEEDED in [0-9.]+s", proc.stdout), proc.stdout        # stdout: how it ended alone

@@ -128,7 +128,7 @@ def test_digits_example_reaches_97_percent_and_logs_live(tmp_path, cli, yarnapp_
     # where the trained model is, said (a scripting audit: a script rebuilt the path from the docs)
     model = re.search(r"^model: (.*)$", out, re.M).group(1)
     assert model.endswith(f"/{app}/final/model.pt") and os.path.isfile(model), out
-    assert yarnapp.status(app)["final"]["model"] == model
+    assert yarnapp.status(app)["final"]["model_uri"] == model
     assert_nothing_left(app)
 
 

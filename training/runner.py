@@ -36,15 +36,28 @@ def _not_retried(line):
 
 
 class Diverged(YarnappError, ValueError):
-    """The loss was not a number (nan, inf) for DIVERGED_STEPS steps in a row: the weights are
-    lost (a nan stays nan), and every step after trains nothing; a job that went on "succeeded"
-    with a model of chance accuracy. A restart resumes bit-identically from the last
-    checkpoint, and would diverge again: not retried."""
+    """Training diverged: the loss was not a number (nan, inf) for DIVERGED_STEPS steps in a
+    row, or the weights were not when a checkpoint was due (a nan stays nan: every step after
+    trains nothing; a job that went on "succeeded" with a model of chance accuracy, and its
+    checkpoints held nan). No checkpoint of such weights is written, so the last one is of
+    finite weights; a restart resumes from it bit-identically and would diverge again: not
+    retried."""
     certain = ("a restart would resume from the last checkpoint bit-identically and diverge again, "
                "so it was not retried")
 
 
-DIVERGED_STEPS = 3      # (one step's inf under a mixed-precision scaler is skipped, and recovers)
+DIVERGED_STEPS = 3      # (a step whose loss is inf may leave the weights finite: its update skipped)
+
+
+def _finite(state):
+    """Whether every floating-point tensor in a (nested) state is finite."""
+    if isinstance(state, torch.Tensor):
+        return not state.is_floating_point() or bool(torch.isfinite(state).all())
+    if isinstance(state, dict):
+        return all(_finite(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return all(_finite(v) for v in state)
+    return True
 
 
 def _first_words(e, limit=160):
@@ -212,8 +225,20 @@ class Runner:
             raise _not_retried(line)
 
     def save(self, step):
-        self.ckpt.save(step, {"step": step, "strategy": self.strategy.state_dict(), "rng": rng_state(),
+        state = self.strategy.state_dict()
+        if self.comm.allreduce(int(not _finite(state))):      # (every rank saves, or none)
+            raise self._diverged(f"its weights held nan or inf at step {step} (of {self.total_steps}), where a "
+                                 f"checkpoint was due (none was written)")
+        self.ckpt.save(step, {"step": step, "strategy": state, "rng": rng_state(),
                               "data": self._data(), "trains": self.trains})
+
+    def _diverged(self, what):
+        spec = self.spec
+        advice = (f"lower training.lr ({spec.lr:g} now)" if spec.precision != "fp16" else
+                  f"lower training.lr ({spec.lr:g} now), or train in training.precision bf16 or fp32 (fp16 "
+                  f"overflows past 65504)")
+        return Diverged(f"training diverged: {what}: {advice}, or look for nan or inf in the features of "
+                        f"training.data.train")
         self.last_ckpt_time = time.monotonic()
 
     def resources(self):
@@ -290,9 +315,8 @@ class Runner:
             t_done = time.perf_counter()
             not_a_number = 0 if math.isfinite(st.loss) else not_a_number + 1      # (alike on every rank)
             if not_a_number >= DIVERGED_STEPS:
-                raise Diverged(f"training diverged: the loss was {st.loss} for {not_a_number} steps in a row (steps "
-                               f"{step - not_a_number + 1}-{step} of {self.total_steps}): lower training.lr "
-                               f"({spec.lr:g} now), or look for nan or inf in the features of training.data.train")
+                raise self._diverged(f"the loss was {st.loss} for {not_a_number} steps in a row (steps "
+                                     f"{step - not_a_number + 1}-{step} of {self.total_steps})")
             ctx.heartbeat()
             wall = t_done - t_prev
             for k, v in (("steps", 1), ("loss", st.loss), ("correct", st.correct), ("samples", st.samples),
@@ -332,7 +356,7 @@ class Runner:
         final = {k: v for k, v in final.items() if v is not None}
         self.save(step)
         self.ckpt.save_model(self.strategy.model_for_export(), trained.card(self.spec, self.train))
-        final["model"] = self.ckpt.final_uri()      # (status --json: where a script finds it)
+        final["model_uri"] = self.ckpt.final_uri()      # (status --json: where a script finds it)
         self.strategy.close()
         if self.tb:
             self.tb.scalars(step, {f"eval/{k}": v for k, v in ev.items()})

@@ -360,8 +360,10 @@ class Run:
                             warnings.warn(f"{self.app_id}: {notice(n)}", RuntimeWarning, stacklevel=3)   # (_one_line)
                     return st
                 if deadline and time.monotonic() > deadline:
-                    raise WaitTimeout(f"{self.app_id} still {st['state']} after {timeout:g}s; it runs on "
-                                      f"(Run.kill() stops it)", app_id=self.app_id)
+                    late = WaitTimeout(f"{self.app_id} still {st['state']} after {timeout:g}s; it runs on "
+                                       f"(Run.kill() stops it)", app_id=self.app_id)
+                    late.state = st["state"]
+                    raise late
                 time.sleep(interval)
         except KeyboardInterrupt:
             raise Interrupted(f"stopped waiting for {self.app_id}, which runs on: "

@@ -1,8 +1,8 @@
-"""`yarnapp` command line. Expected errors print one `Error: ...` line and exit 1: every
-YarnappError (conf.errors, the one root), and an OSError that names a path it could not
-open (a file the user named, or one the command must write); a wrong argument (argparse's,
-or a flag's value it cannot take: UsageError) is one line too, with exit status 2.
-Anything else is a bug and keeps its traceback."""
+"""`yarnapp` command line (its exit statuses: README.md). Expected errors print one
+`Error: ...` line and exit 1: every YarnappError (conf.errors, the one root), and an
+OSError that names a path it could not open (a file the user named, or one the command
+must write); a wrong argument (argparse's, or a flag's value it cannot take: UsageError)
+is one line too, with exit status 2. Anything else is a bug and keeps its traceback."""
 import argparse
 import difflib
 import errno
@@ -48,14 +48,7 @@ def cmd_submit(args):
             return 0
         out = say(f"submitted {app_id} to the {spec.backend} backend: {spec.world_size} ranks in "
                   f"{len(spec.groups)} groups ({', '.join(f'{g.instances}x{g.name}' for g in spec.groups)})", out)
-        streamed = True
-        try:                        # (a reader gone already, `| true`: the lines after go to stderr)
-            st = run.wait(progress=True, summary=False)   # it ends with its own lines, on stdout
-        except BrokenPipeError:     # `submit --wait | head`: the reader is gone, the job is not;
-            out = readers_gone() or sys.stdout     # --wait still ties it to this command,
-            say(f"output closed; still waiting for {app_id} (Ctrl-C kills it)", out)
-            st = run.wait(summary=False)            # which ends with the job's own end
-            streamed = False
+        st, streamed, out = _watch(run, "Ctrl-C kills it")     # --wait ties the job to this command
     except KeyboardInterrupt:
         if not args.wait:
             raise                   # submitted without --wait: it runs on, as it would have
@@ -80,10 +73,25 @@ def _ended(run, st, took, streamed, out, resubmit=None):
               + (f" (world formed in {formed:.2f}s after submit)" if formed else ""), out)
     if st.get("final"):
         from .progress import final_model, metrics
-        say("final: " + metrics(st["final"]), out)
-        if final_model(st):
-            say(final_model(st), out)
+        out = say("final: " + metrics(st["final"]), out)
+        model = final_model(st)
+        if model:
+            say(model, out)
     return 0
+
+
+def _watch(run, ctrl_c, timeout=None):
+    """Wait for `run`, showing its progress, as submit --wait and wait do: (its last status,
+    whether rank 0's output was shown as it came, the stream to say its end on). Its reader
+    gone (`| head`; gone already, `| true`: the lines after go to stderr), it waits on, silent."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        return run.wait(timeout=timeout, progress=True, summary=False), True, sys.stdout   # (its lines: stdout)
+    except BrokenPipeError:
+        out = readers_gone() or sys.stdout
+        say(f"output closed; still waiting for {run.app_id} ({ctrl_c})", out)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return run.wait(timeout=left, summary=False), False, out
 
 
 def cmd_wait(args):
@@ -95,16 +103,17 @@ def cmd_wait(args):
     first = run.status()                 # (an unknown id: one line, before any wait)
     _interrupt_on_sigterm()
     try:
-        st = run.wait(timeout=timeout, progress=True, summary=False)
-    except WaitTimeout:
-        _p(f"Error: {args.app} still {run.status()['state']} after --timeout {args.timeout}; it runs on "
+        st, streamed, out = _watch(run, "Ctrl-C stops the wait", timeout)
+    except WaitTimeout as e:
+        _p(f"Error: {args.app} still {e.state} after --timeout {args.timeout}; it runs on "
            f"(`yarnapp kill {args.app}` stops it)", file=sys.stderr)
         return TIMEOUT_STATUS
     except (KeyboardInterrupt, api.Interrupted):
         say(f"stopped waiting for {args.app}, which runs on: `yarnapp kill {args.app}` stops it", sys.stderr)
         return _interrupted_status()
     ran = first["state"] not in TERMINAL and first.get("submitted")    # it ended now: the time it took
-    return _ended(run, st, time.time() - first["submitted"] if ran else None, True, sys.stdout)
+    return _ended(run, st, time.time() - first["submitted"] if ran else None, streamed, out,
+                  resubmit=cli_job.submitted_as(st))
 
 
 TIMEOUT_STATUS = 124        # as timeout(1): `wait --timeout` ran out, the application runs on
@@ -164,8 +173,9 @@ def cmd_status(args):
         _p("  progress: " + metrics(p, skip=("rank", "time")))
     if st.get("final"):
         _p("  final: " + metrics(st["final"]))
-    if final_model(st):
-        _p("  " + final_model(st))
+    model = final_model(st)
+    if model:
+        _p("  " + model)
     return 0
 
 

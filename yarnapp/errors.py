@@ -1,5 +1,5 @@
 """The client's errors. Their root, YarnappError, is conf.errors.YarnappError: the one
-root of every package (the CLI prints `Error: <message>` and exits 1)."""
+root of every package (the CLI prints `Error: <message>` and exits 1; 2 for a UsageError)."""
 from conf.errors import Interrupted, YarnappError
 
 __all__ = ["YarnappError", "Interrupted", "JobFailed", "BackendUnavailable", "WaitTimeout", "UsageError"]
@@ -15,7 +15,8 @@ class BackendUnavailable(YarnappError):
 
 class WaitTimeout(YarnappError, TimeoutError):
     """Run.wait(timeout=) ran out with the application still going (it runs on): caught
-    as a TimeoutError, or with yarnapp's other errors."""
+    as a TimeoutError, or with yarnapp's other errors. `state`: its state then."""
+    state = None
 
 
 class UsageError(YarnappError):

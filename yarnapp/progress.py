@@ -36,15 +36,15 @@ def _fmt(v):
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def metrics(record, skip=("model",)):
-    """`k=v ...` of a progress record or a final, as every line a user reads shows them (a
-    final's model: its own line, `final_model`)."""
+def metrics(record, skip=("model_uri",)):
+    """`k=v ...` of a progress record or a final, as every line a user reads shows them (the
+    built-in runner's final model_uri: its own line, `final_model`)."""
     return " ".join(f"{k}={_fmt(v)}" for k, v in record.items() if k not in skip)
 
 
 def final_model(st):
     """'model: URI' of the final model a SUCCEEDED run saved (the built-in runner's), or None."""
-    uri = (st.get("final") or {}).get("model")
+    uri = (st.get("final") or {}).get("model_uri")
     return f"model: {uri}" if uri else None
 
 
