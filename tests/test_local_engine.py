@@ -707,6 +707,43 @@ def test_a_sweep_from_threads_sigterm_kills_every_application_it_waits_for(yarna
         assert_nothing_left(app)
 
 
+def test_ctrl_c_in_a_sweep_kills_the_applications_its_threads_wait_for(yarnapp_home, tmp_path):
+    """An API audit: Ctrl-C in a script whose thread pool waited in submit(wait=True) raised
+    KeyboardInterrupt on the main thread alone; the pool's `with` then waited 34 s for both
+    jobs to SUCCEED (a third Ctrl-C left them RUNNING, nobody watching). Now the threads'
+    applications are killed, the pool's next jobs start none, and the script ends as Ctrl-C
+    ends it."""
+    import signal
+    script = tmp_path / "sweep.py"
+    script.write_text(
+        "import concurrent.futures as cf, sys\nimport yarnapp\n"
+        "with cf.ThreadPoolExecutor(2) as ex:\n    list(ex.map(lambda _: yarnapp.submit(sys.argv[1], wait=True), range(6)))\n")
+    proc = subprocess.Popen([sys.executable, str(script), _sleeper(tmp_path)], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    try:
+        deadline = time.monotonic() + 240
+        def running():
+            try:            # (an application's directory is there a moment before its app.json)
+                return [a for a in apps(yarnapp_home) if yarnapp.Run(a).state == "RUNNING"]
+            except yarnapp.YarnappError:
+                return []
+        while len(running()) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate() if proc.poll() else ""
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode in (1, -signal.SIGINT), (proc.returncode, out, err)     # (a thread's error, or Ctrl-C's)
+    started = apps(yarnapp_home)
+    assert 2 <= len(started) <= 4, started          # the pool's next jobs started none, or were killed too
+    for app in started:
+        assert yarnapp.Run(app).status()["state"] == "KILLED", (app, err)
+        assert f"interrupted: killed {app}" in err, err
+        assert_nothing_left(app)
+
+
 def test_a_sigterm_handler_that_calls_the_one_before_it_still_decides_the_end(tmp_path):
     """yarnapp puts its SIGTERM handler in place of the default at import (it kills what a
     sweep's threads wait for). A handler installed later that calls the one before it (a

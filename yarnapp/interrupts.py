@@ -6,8 +6,9 @@ leaves it running.
   would end it. On the main thread SIGTERM becomes a KeyboardInterrupt during the wait
   (`sigterm_interrupts`); off it (a sweep's thread pool), the handler `install` puts on
   the main thread at import kills every application still waited for (`waited`), then
-  ends the process with SIGTERM's default. Where the program set its own SIGTERM handler,
-  or in a notebook's kernel, nothing is installed.
+  ends the process with SIGTERM's default; Ctrl-C's (`_on_sigint`) kills those of the
+  other threads, then raises KeyboardInterrupt as Python's own handler does. Where the
+  program set its own handler, or in a notebook's kernel, nothing is installed.
 - A notebook kernel shut down or restarted (Jupyter interrupts it first): left running
   (`kernel_shutting_down`).
 - `shielded`: a kill that a second Ctrl-C cannot cut short.
@@ -19,14 +20,15 @@ import sys
 import threading
 import time
 
-_WAITED = {}            # id(run) -> Run: the applications submit(wait=True) waits for, in any thread
+_WAITED = {}            # id(run) -> (Run, thread id): the applications submit(wait=True) waits for, in any thread
 _BUSY = set()           # the threads inside submit(wait=True): starting an application, or waiting for it
 _LOCK = threading.RLock()   # (re-entrant: the handler runs on the main thread, which may hold it)
-_STATE = {"pid": None, "terminating": False, "pending": False}
+_STATE = {"pid": None, "terminating": False, "pending": False, "refuse_until": 0.0}
 # pid: where _on_sigterm was installed; terminating: SIGTERM under way (no application starts);
 # pending: the process ends once the main thread's own submit(wait=True), interrupted as it
 # started its application, has killed it
 STOP_S = 30.0           # how long SIGTERM waits for the threads' applications to be killed
+REFUSE_S = 2.0          # after Ctrl-C killed the threads' applications: the pool's next jobs start none
 
 
 def _forked():
@@ -50,7 +52,7 @@ def submitting():
     job while the handler killed the others)."""
     me = threading.get_ident()
     with _LOCK:
-        if _STATE["terminating"]:
+        if _STATE["terminating"] or time.monotonic() < _STATE["refuse_until"]:
             raise KeyboardInterrupt("terminated: no application started")
         _BUSY.add(me)
     try:
@@ -68,7 +70,7 @@ def waited(run):
     """While the block runs, SIGTERM kills `run`'s application (see install)."""
     with _LOCK:
         late = _STATE["terminating"]
-        _WAITED[id(run)] = run
+        _WAITED[id(run)] = (run, threading.get_ident())
     try:
         if late:                    # started as SIGTERM came: its handler may have passed it by
             _kill(run)
@@ -78,33 +80,54 @@ def waited(run):
             _WAITED.pop(id(run), None)
 
 
-def kill_waited(but=None):
+def kill_waited(but=None, others_only=False, word="terminated"):
     """Kill every application submit(wait=True) waits for in this process (but `but`, the
-    caller's own), starting none meanwhile, until every other thread's wait has ended (at
-    most STOP_S). Said on stderr, written directly: a signal handler's print() may raise
-    where the interrupted code was printing."""
+    caller's own, or, `others_only`, any the calling thread waits for), starting none
+    meanwhile, until every other thread's wait has ended (at most STOP_S). Said on stderr
+    ("<word>: killed APP"), written directly: a signal handler's print() may raise where the
+    interrupted code was printing."""
     with _LOCK:
         _STATE["terminating"] = True
     me, killed, deadline = threading.get_ident(), set(), time.monotonic() + STOP_S
     while time.monotonic() < deadline:
         with _LOCK:
-            runs = [r for r in _WAITED.values() if r is not but and id(r) not in killed]
+            runs = [r for r, tid in _WAITED.values()
+                    if r is not but and id(r) not in killed and not (others_only and tid == me)]
             others = _BUSY - {me}
         if not runs and not others:
             return
         for run in runs:
             killed.add(id(run))
-            _kill(run)
+            _kill(run, word)
         time.sleep(0.05)
 
 
-def _kill(run):
-    """Kill `run`'s application as SIGTERM stops this process, saying so."""
+def _kill(run, word="terminated"):
+    """Kill `run`'s application as SIGTERM (or Ctrl-C) stops this process, saying so."""
     try:
         run.kill()
-        _say(f"terminated: killed {run.app_id}")
+        _say(f"{word}: killed {run.app_id}")
     except Exception as e:  # noqa: BLE001 - the others, and the process's end, come first
-        _say(f"terminated: could not kill {run.app_id}: {e}")
+        _say(f"{word}: could not kill {run.app_id}: {e}")
+
+
+def _on_sigint(signum, frame):
+    """Ctrl-C: KeyboardInterrupt, as Python's own handler raises it, once the applications
+    submit(wait=True) waits for in other threads (a sweep's pool) are killed: they ran on,
+    nothing watching them, and the pool's `with` waited for them to end (an audit: 34 s,
+    then both SUCCEEDED). The main thread's own wait kills its own (its KeyboardInterrupt).
+    The pool's next jobs start none for REFUSE_S; later submits start again."""
+    me = threading.get_ident()
+    with _LOCK:
+        busy = bool(_BUSY - {me})
+    if busy:
+        try:
+            kill_waited(others_only=True, word="interrupted")
+        finally:
+            with _LOCK:
+                _STATE["terminating"] = False
+                _STATE["refuse_until"] = time.monotonic() + REFUSE_S
+    raise KeyboardInterrupt
 
 
 def _say(line):
@@ -140,12 +163,16 @@ def terminate():
 
 
 def install():
-    """Put _on_sigterm in SIGTERM's place where it has its default action, on the main
-    thread (signals are handled there), outside a notebook's kernel."""
-    if threading.current_thread() is threading.main_thread() and "ipykernel" not in sys.modules \
-            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+    """Put _on_sigterm in SIGTERM's place where it has its default action, and _on_sigint in
+    SIGINT's where it has Python's, on the main thread (signals are handled there), outside a
+    notebook's kernel."""
+    if threading.current_thread() is not threading.main_thread() or "ipykernel" in sys.modules:
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _on_sigterm)
         _STATE["pid"] = os.getpid()
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_sigint)
 
 
 def shielded(fn):
