@@ -737,6 +737,10 @@ def test_ctrl_c_in_a_sweep_kills_the_applications_its_threads_wait_for(yarnapp_h
             proc.kill()
     assert proc.returncode in (1, -signal.SIGINT), (proc.returncode, out, err)     # (a thread's error, or Ctrl-C's)
     started = apps(yarnapp_home)
+    # every line a thread's wait shows names its application (an audit: a sweep's last job, the
+    # only one left waiting, showed its lines anonymous)
+    shown = [line for line in err.splitlines() if "state ACCEPTED" in line or "containers, state" in line]
+    assert shown and all(line.split(":")[0] in started for line in shown), err
     assert 2 <= len(started) <= 4, started          # the pool's next jobs started none, or were killed too
     for app in started:
         assert yarnapp.Run(app).status()["state"] == "KILLED", (app, err)

@@ -313,6 +313,10 @@ def test_a_users_model_factory_with_nested_options_trains_in_the_built_in_runner
                         "batch_size": 64, "epochs": 4, "shares": "vcores"},
            "checkpoint": {"uri": str(tmp_path / "ckpt")}}
     run = yarnapp.submit(job)
+    with pytest.raises(yarnapp.YarnappError, match=rf"^{run.app_id} is still (ACCEPTED|RUNNING): its final model is "
+                                                   rf"written as its training ends; wait\(\) for it first$") as e:
+        run.model()                 # (an API audit: "no final model ... its checkpoints are step-* beside")
+    assert e.value.app_id == run.app_id
     st = run.wait(timeout=300)
     assert st["state"] == "SUCCEEDED", run.logs()
     assert st["final"]["accuracy"] > 0.9, st["final"]

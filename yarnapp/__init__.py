@@ -61,6 +61,6 @@ import launcher  # noqa: E402,F401  (first: it makes `conf` yarnapp's own beside
 
 _own_packages_first()
 from .api import Run, clean, kill, list_apps, load, status, submit  # noqa: F401
-from .errors import JobFailed, WaitTimeout, YarnappError  # noqa: F401
+from .errors import Interrupted, JobFailed, WaitTimeout, YarnappError  # noqa: F401
 
 __version__ = "0.1.0"

@@ -295,6 +295,15 @@ class Run:
 
     @_one_line
     def status(self):
+        """The application's record, as `yarnapp status --json` prints it. Always: app_id,
+        name, state (NEW | ACCEPTED | RUNNING | SUCCEEDED | FAILED | KILLED), submitted (epoch
+        seconds), diagnostics (one line), containers (id, group, instance, rank, state,
+        exit_code, resources...), restarts (each: generation, reason, ...), progress ({rank:
+        its last record: step, total_steps, epoch, loss, accuracy...}), final (None until it
+        SUCCEEDED: the run's metrics, and the built-in runner's model_uri), notices (the
+        ranks' warnings). Where known: failure (the root cause: container, rank, reason),
+        tensorboard (its URL), world_formed_s, finished. Numbers a run could not compute
+        are nan here, null in the JSON."""
         self._last = self.backend.status(self.app_id)
         return self._last
 
@@ -402,6 +411,10 @@ class Run:
         `.classes`, `.predict(images)` with the run's test transforms and normalisation).
         The built-in runner's applications; one that ended its training."""
         from training import trained
+        state = self.state
+        if state not in TERMINAL:
+            raise YarnappError(f"{self.app_id} is still {state}: its final model is written as its training ends; "
+                               f"wait() for it first", app_id=self.app_id)
         job, root = self._checkpoints()
         if root is None:
             raise YarnappError(f"{self.app_id}: where it checkpoints is not known here (a YARN application's job is "

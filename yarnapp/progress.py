@@ -3,6 +3,7 @@ code prints."""
 import os
 import re
 import sys
+import threading
 import weakref
 
 import conf
@@ -113,9 +114,11 @@ class Progress:
             self._write(text)
 
     def _tag(self, text):
-        """`text` as it is, or, once other waits showed theirs in this process, each line
-        after its application's id (which line was whose; to its end, once begun)."""
-        self.tagged = self.tagged or len(Progress.live) > 1
+        """`text` as it is, or, once other waits showed theirs in this process or where it
+        waits off the main thread (a sweep's pool: its last job alone no less), each line after
+        its application's id (which line was whose; to its end, once begun)."""
+        self.tagged = self.tagged or len(Progress.live) > 1 or \
+            threading.current_thread() is not threading.main_thread()
         if not self.tagged:
             return text
         return "\n".join(line if line.startswith(self.run.app_id) else f"{self.run.app_id}: {line}"
