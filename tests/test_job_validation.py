@@ -751,7 +751,7 @@ def test_the_python_api_names_what_it_was_given(tmp_path, yarnapp_home):
         yarnapp.submit(42)
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(GOOD))
-    with pytest.raises(yarnapp.YarnappError, match=rf"^{path}: groupz: unknown field"):
+    with pytest.raises(yarnapp.YarnappError, match=rf"^groupz \(given as groupz=\[\], not in {path}\): unknown field"):
         yarnapp.submit(str(path), function=lambda ctx: None, groupz=[])
     with pytest.raises(yarnapp.YarnappError, match=r"^submit: wiat=: neither an argument of submit nor a field of "
                                                    r"the job; did you mean wait=\?$"):     # was "job: wiat: unknown field"
@@ -808,3 +808,9 @@ def test_a_groups_override_gets_the_group_defaults_as_the_jobs_own_groups_do():
     assert [(g.name, g.instances, g.vcores, g.memory) for g in job.groups] == [("big", 1, 1.0, 1024)]
     job = yarnapp.load(os.path.join(conf.EXAMPLES_DIR, "digits.yaml"), checkpoint={"resume": "latest"})
     assert job.checkpoint.resume == "latest" and job.checkpoint.every_steps == 50     # a section still merges
+    # a wrong value given as an override is said as given, not as the file's (an API audit:
+    # "digits.yaml: training.lr: Input should be a valid number", whose lr was 0.05)
+    with pytest.raises(yarnapp.YarnappError) as e:
+        yarnapp.load(os.path.join(conf.EXAMPLES_DIR, "digits.yaml"), training={"lr": "fast"})
+    assert str(e.value) == (f"training.lr (given as training={{'lr': 'fast'}}, not in {conf.EXAMPLES_DIR}/digits.yaml)"
+                            f": Input should be a valid number (got 'fast')"), str(e.value)

@@ -1,6 +1,7 @@
 """The Python API (notebooks) and what the CLI is built on."""
 import functools
 import logging
+import re
 import os
 import sys
 import time
@@ -41,8 +42,18 @@ def _one_line(fn):
 
 def load(job, where=None, **overrides):
     """A validated JobSpec from a path, dict or JobSpec (a user's: checked for what users
-    get wrong, conf.check_bare_memory); raises YarnappError (one line)."""
+    get wrong, conf.check_bare_memory); raises YarnappError (one line; where an override set
+    the field, it says so)."""
     overrides = _plain(overrides)
+    try:
+        return spec_of(job, where, overrides)
+    except YarnappError as e:
+        raise YarnappError(_given(str(e), overrides)) from None
+
+
+def spec_of(job, where, overrides):
+    """load's JobSpec, its errors naming the file (the command line says what set a field:
+    yarnapp.cli_job.flagged)."""
     try:
         conf.check_bare_memory(where or "job", overrides)
         if isinstance(job, conf.JobSpec):
@@ -52,6 +63,24 @@ def load(job, where=None, **overrides):
         return conf.load_job(raw, overrides, where=where or name)
     except conf.JobError as e:
         raise YarnappError(str(e)) from None
+
+
+def _given(line, overrides):
+    """A job's error line about a field the caller's overrides set, saying so: "job.yaml:
+    training.lr: Input should be a valid number (got 'fast')" named the file, whose lr was
+    0.05 (an API audit), for submit(..., training={'lr': 'fast'})."""
+    m = re.match(r"(.*?): ((\w+)(?:\.\w+)*): (.*)$", line)
+    if not m or m.group(3) not in overrides:
+        return line
+    value, path = overrides, m.group(2).split(".")
+    for key in path:
+        if not isinstance(value, dict) or key not in value:
+            return line
+        value = value[key]
+    given = repr(value)
+    for key in reversed(path[1:]):
+        given = f"{{{key!r}: {given}}}"
+    return f"{m.group(2)} (given as {path[0]}={given}, not in {m.group(1)}): {m.group(4)}"
 
 
 def _plain(value):

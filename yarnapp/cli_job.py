@@ -59,7 +59,7 @@ def load(args, **flags):
         if args.overrides:
             where, raw = conf.read_raw(args.job)
             job, args.given = conf.overrides.apply(raw, args.overrides, where)
-        return api.load(job, where=args.job, **flags)
+        return api.spec_of(job, args.job, flags)
     except conf.JobError as e:
         raise YarnappError(str(e)) from None
     except YarnappError as e:
