@@ -751,6 +751,10 @@ def test_the_python_api_names_what_it_was_given(tmp_path, yarnapp_home):
         yarnapp.submit(42)
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(GOOD))
+    with pytest.raises(yarnapp.YarnappError, match=r"^Run\(None\): give an application id"):   # (a bare TypeError)
+        yarnapp.Run(None).status()
+    with pytest.raises(yarnapp.YarnappError, match=r"^wait\(timeout='5'\): give seconds"):
+        yarnapp.Run("app_20260101_000000_abcdef").wait(timeout="5")
     with pytest.raises(yarnapp.YarnappError, match=rf"^groupz \(given as groupz=\[\], not in {path}\): unknown field"):
         yarnapp.submit(str(path), function=lambda ctx: None, groupz=[])
     with pytest.raises(yarnapp.YarnappError, match=r"^submit: wiat=: neither an argument of submit nor a field of "

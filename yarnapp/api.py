@@ -312,7 +312,10 @@ class Run:
     """Handle of a submitted application: status(), wait(), logs(), kill()."""
 
     def __init__(self, app_id, backend=None, spec=None):
-        if isinstance(app_id, str) and app_id.endswith("/") and app_id.strip("/"):
+        if not isinstance(app_id, str) or not app_id.strip():
+            raise YarnappError(f"Run({app_id!r}): give an application id, as submit's Run.app_id or "
+                               f"`yarnapp list` shows it")
+        if app_id.endswith("/") and app_id.strip("/"):
             app_id = app_id.rstrip("/")     # (a shell's completion of apps/app_.../)
         self.app_id = app_id
         self.backend = backend or backend_for(app_id)
@@ -382,6 +385,10 @@ class Run:
         waiting and leaves the application running: kill() stops it. (submit(..., wait=True)
         interrupted kills it, as `yarnapp submit --wait`.)"""
         from .progress import Progress
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or timeout < 0):
+            raise YarnappError(f"wait(timeout={timeout!r}): give seconds, a number of 0 or more (or None: no limit)",
+                               app_id=self.app_id)
         display = Progress(self) if progress else None
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
