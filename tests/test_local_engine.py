@@ -73,6 +73,30 @@ def test_wait_waits_for_an_application_submitted_without_it_and_says_how_it_ende
     assert_nothing_left(bad)
 
 
+def test_a_python_submits_overrides_are_kept_as_the_command_lines_fields(tmp_path, yarnapp_home):
+    """An API audit: `yarnapp kill` of a sweep's job gave `yarnapp submit job.yaml --resume
+    APP`, its overrides (batch size, learning rate) left out: that command resumed another
+    job, or was refused. They are kept as KEY=VALUE fields, and give the same job."""
+    import numpy as np
+
+    from yarnapp import cli_job
+    tiny = _tiny(tmp_path)
+    given = {"max_restarts": np.int64(1), "launcher": {"poll_interval": "200ms"},
+             "groups": [{"name": "w", "vcores": 0.5, "memory": "256 MiB", "env": {"A": "0.10"}}]}
+    run = yarnapp.submit(tiny, **given)
+    st = run.wait(timeout=120)
+    assert st["setting"] == ["max_restarts=1", "launcher.poll_interval=200ms",
+                             'groups=[{"name": "w", "vcores": 0.5, "memory": "256 MiB", "env": {"A": "0.10"}}]']
+    assert cli_job.submitted_as(st).endswith(f"yarnapp submit {tiny} max_restarts=1 launcher.poll_interval=200ms "
+                                             f"'groups=[{{\"name\": \"w\", \"vcores\": 0.5, \"memory\": \"256 MiB\", "
+                                             f"\"env\": {{\"A\": \"0.10\"}}}}]'")
+    import conf
+    _, raw = conf.read_raw(tiny)
+    again, _ = conf.overrides.apply(raw, st["setting"], tiny)
+    assert conf.load_job(again, where=tiny) == yarnapp.load(tiny, **given)
+    assert_nothing_left(run.app_id)
+
+
 def test_hello_forms_one_world_across_two_groups(cli, yarnapp_home):
     proc = cli("submit", HELLO, "--wait", check=0)
     out = proc.stdout

@@ -1,5 +1,6 @@
 """The Python API (notebooks) and what the CLI is built on."""
 import functools
+import json
 import logging
 import re
 import os
@@ -7,6 +8,8 @@ import sys
 import time
 import types
 import warnings
+
+import yaml
 
 import conf
 
@@ -83,6 +86,20 @@ def _given(line, overrides):
     return f"{m.group(2)} (given as {path[0]}={given}, not in {m.group(1)}): {m.group(4)}"
 
 
+def _as_setting(overrides, prefix=""):
+    """submit's keyword overrides as the command line's KEY=VALUE fields, kept with the
+    application: `yarnapp kill`'s resume hint for a sweep's job left them out (its batch size,
+    its learning rate), and the command it gave resumed another job, or was refused."""
+    out = []
+    for key, value in overrides.items():
+        if isinstance(value, dict) and value:       # (a section merges, as KEY=VALUE's fields do)
+            out += _as_setting(value, f"{prefix}{key}.")
+            continue
+        plain = isinstance(value, str) and value.strip() == value and yaml.safe_load(value) == value
+        out.append(f"{prefix}{key}={value if plain else json.dumps(value)}")
+    return out
+
+
 def _plain(value):
     """`value` with numpy's scalars as Python's (a sweep's np.int64(16) from ParameterGrid was
     refused: "training.batch_size: Input should be a valid integer"), in dicts and lists."""
@@ -129,7 +146,8 @@ def _submit(job, backend, wait, progress, function, overrides):
                            f"submit(job, function={name})")
     _check_keywords(overrides)
     if function is None:
-        return _started(start(load(job, backend=backend, **overrides), where=where), wait, progress)
+        return _started(start(load(job, backend=backend, **overrides), where=where,
+                              setting=_as_setting(_plain(overrides))), wait, progress)
     if not callable(function):
         raise YarnappError(f"function: expected a callable taking the RunContext, got {type(function).__name__}")
     _check_signature(function)
