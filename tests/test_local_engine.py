@@ -673,6 +673,28 @@ def test_ctrl_c_in_the_python_api(how, yarnapp_home, tmp_path):
     assert_nothing_left(app)
 
 
+def _signalled_once_running(proc, yarnapp_home, sig, name=None, running=2):
+    """Send `sig` to a sweep script's process once `running` of its applications (named
+    `name`, where given) run; (its stdout, its stderr) once it ended."""
+    try:
+        deadline = time.monotonic() + 240
+
+        def now_running():
+            try:            # (an application's directory is there a moment before its app.json)
+                return [a for a in apps(yarnapp_home) if name in (None, yarnapp.Run(a).status().get("name"))
+                        and yarnapp.Run(a).state == "RUNNING"]
+            except yarnapp.YarnappError:
+                return []
+        while len(now_running()) < running:
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate() if proc.poll() else ""
+            time.sleep(0.2)
+        proc.send_signal(sig)
+        return proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_a_sweep_from_threads_sigterm_kills_every_application_it_waits_for(yarnapp_home, tmp_path, digits):
     """A sweep audit, with submit(wait=True) in a thread pool as sweeps are written: its
     lines tell whose they are (two waits' step lines were interleaved, anonymous); numpy's
@@ -701,22 +723,7 @@ def test_a_sweep_from_threads_sigterm_kills_every_application_it_waits_for(yarna
     proc = subprocess.Popen([sys.executable, str(script), job, _sleeper(tmp_path), str(tmp_path / "fails.py")],
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ))
-    try:
-        deadline = time.monotonic() + 240
-        def running_sleepers():
-            try:            # (an application's directory is there a moment before its app.json)
-                return [a for a in apps(yarnapp_home) if yarnapp.Run(a).status().get("name") == "sleeper"
-                        and yarnapp.Run(a).state == "RUNNING"]
-            except yarnapp.YarnappError:
-                return []
-        while len(running_sleepers()) < 2:
-            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate() if proc.poll() else ""
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    out, err = _signalled_once_running(proc, yarnapp_home, signal.SIGTERM, name="sleeper")
     assert proc.returncode == -signal.SIGTERM, (out, err)
     first, second, failed, *sleepers = apps(yarnapp_home)
     assert "finals [4, 4]" in out and "refused None" in out and f"failed {failed}" in out, (out, err)
@@ -744,21 +751,7 @@ def test_ctrl_c_in_a_sweep_kills_the_applications_its_threads_wait_for(yarnapp_h
         "with cf.ThreadPoolExecutor(2) as ex:\n    list(ex.map(lambda _: yarnapp.submit(sys.argv[1], wait=True), range(6)))\n")
     proc = subprocess.Popen([sys.executable, str(script), _sleeper(tmp_path)], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=dict(os.environ))
-    try:
-        deadline = time.monotonic() + 240
-        def running():
-            try:            # (an application's directory is there a moment before its app.json)
-                return [a for a in apps(yarnapp_home) if yarnapp.Run(a).state == "RUNNING"]
-            except yarnapp.YarnappError:
-                return []
-        while len(running()) < 2:
-            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate() if proc.poll() else ""
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    out, err = _signalled_once_running(proc, yarnapp_home, signal.SIGINT)
     assert proc.returncode in (1, -signal.SIGINT), (proc.returncode, out, err)     # (a thread's error, or Ctrl-C's)
     started = apps(yarnapp_home)
     # every line a thread's wait shows names its application (an audit: a sweep's last job, the
