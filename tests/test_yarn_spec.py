@@ -626,51 +626,53 @@ def test_a_rank_stopped_between_two_samples_is_counted_at_its_own_peak():
     rank was gone when the agent looked, the container was taken for a preempted one (no
     restart spent) and the job ran 4 attempts, not 2. The agent now reaps the ended rank and
     counts its own peak (wait4's, not the largest of every child reaped before: a bigger one
-    was) with what the rest of the container holds."""
-    from launcher.agent import RANK_END_WAIT_S
-    from launcher.memory import Held
-    from launcher.procs import resident_bytes
-    mib = 2**20
+    was) with what the rest of the container holds. Played in a fresh interpreter, the agent's
+    place: a pytest worker's own children (other tests' processes) would count in its tree."""
+    script = '''if True:
+        import json, os, subprocess, sys, time
+        from launcher.agent import RANK_END_WAIT_S
+        from launcher.memory import Held
+        from launcher.procs import resident_bytes
+        mib = 2**20
 
-    def grown(size_mib, on_term="None"):
-        p = subprocess.Popen([sys.executable, "-c", f"import signal, time\nx = bytearray({size_mib} * 2**20)\n"
-                              "for i in range(0, len(x), 4096):\n    x[i] = 1\n"
-                              f"signal.signal(signal.SIGTERM, lambda *a: {on_term})\n"
-                              "print('grown', flush=True)\ntime.sleep(60)\n"], stdout=subprocess.PIPE, text=True)
-        assert p.stdout.readline() == "grown\n"
-        return p
+        def grown(size_mib, on_term="None"):
+            p = subprocess.Popen([sys.executable, "-c", f"import signal, time\\nx = bytearray({size_mib} * 2**20)\\n"
+                                  "for i in range(0, len(x), 4096):\\n    x[i] = 1\\n"
+                                  f"signal.signal(signal.SIGTERM, lambda *a: {on_term})\\n"
+                                  "print('grown', flush=True)\\ntime.sleep(60)\\n"], stdout=subprocess.PIPE, text=True)
+            assert p.stdout.readline() == "grown\\n"
+            return p
 
-    bigger = grown(600, on_term="exit()")       # an earlier generation's rank, bigger, reaped
-    bigger.terminate()
-    bigger.wait()
-    bigger.stdout.close()
-    held = Held(os.getpid())
-    held.sample()                                   # the agent's last sample: before the rank grew
-    rank = grown(300, on_term="exit()")
-    try:
+        bigger = grown(600, on_term="exit()")       # an earlier generation's rank, bigger, reaped
+        bigger.terminate()
+        bigger.wait()
+        held = Held(os.getpid())
+        held.sample()                               # the agent's last sample: before the rank grew
+        rank = grown(300, on_term="exit()")
         rank.terminate()                            # as the NodeManager's SIGTERM to the process group
-        deadline = time.monotonic() + 5
         while open(f"/proc/{rank.pid}/stat").read().split()[2] != "Z":
-            assert time.monotonic() < deadline
             time.sleep(0.01)                        # gone (a zombie) when the agent looks
-        rest = resident_bytes(os.getpid())
-        assert held.peak() < rest + 100 * mib       # what the samples alone saw: not the rank's 300 MiB
-        peak = held.at_stop(rank, RANK_END_WAIT_S, enough=200 * mib + rest)
-        assert rank.returncode == 0 and rank.poll() == 0         # reaped here, its Popen told
-        assert rest + 290 * mib <= peak <= rest + 400 * mib, (peak, rest)
-    finally:
-        rank.kill()
-        rank.wait()
-        rank.stdout.close()
-    # ... one that runs on (a handler of the user's): the samples alone, after the wait
-    rank = grown(300)
-    try:
-        rank.terminate()
+        out = {"rest": resident_bytes(os.getpid()), "samples": held.peak()}
+        out["peak"] = held.at_stop(rank, RANK_END_WAIT_S, enough=200 * mib + out["rest"])
+        out["returncode"], out["polled"] = rank.returncode, rank.poll()
+        alive = grown(300)                          # one that runs on (a handler of the user's)
+        alive.terminate()
         began = time.monotonic()
-        assert held.at_stop(rank, RANK_END_WAIT_S, enough=200 * mib) >= 300 * mib      # (sampled now: alive)
-        assert rank.poll() is None
-        assert time.monotonic() - began < RANK_END_WAIT_S + 0.5
-    finally:
-        rank.kill()
-        rank.wait()
-        rank.stdout.close()
+        out["alive"] = held.at_stop(alive, RANK_END_WAIT_S, enough=200 * mib)
+        out["alive_s"], out["alive_polled"] = time.monotonic() - began, alive.poll()
+        alive.kill()
+        alive.wait()
+        print(json.dumps(out))
+    '''
+    from launcher.agent import RANK_END_WAIT_S
+    mib = 2**20
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    rest = got["rest"]
+    assert got["samples"] < rest + 100 * mib, got         # what the samples alone saw: not the rank's 300 MiB
+    assert got["returncode"] == 0 and got["polled"] == 0, got      # reaped there, its Popen told
+    assert rest + 290 * mib <= got["peak"] <= rest + 400 * mib, got
+    assert got["alive"] >= 300 * mib and got["alive_polled"] is None, got     # (sampled then: alive)
+    assert got["alive_s"] < RANK_END_WAIT_S + 0.5, got
