@@ -289,7 +289,7 @@ def _started(run, wait, progress):
             if terminated:          # then ends as SIGTERM's default would, the applications stopped first
                 restore()
                 print(f"terminated: killed {run.app_id}", file=sys.stderr, flush=True)
-                interrupts.kill_waited(but=run)         # (other threads' too)
+                interrupts.kill_waited()        # (other threads': its own left `waited` as it was interrupted)
                 interrupts.terminate()
             raise Interrupted(f"interrupted: killed {run.app_id}", app_id=run.app_id) from None
         finally:

@@ -80,9 +80,9 @@ def waited(run):
             _WAITED.pop(id(run), None)
 
 
-def kill_waited(but=None, others_only=False, word="terminated"):
-    """Kill every application submit(wait=True) waits for in this process (but `but`, the
-    caller's own, or, `others_only`, any the calling thread waits for), starting none
+def kill_waited(others_only=False, word="terminated"):
+    """Kill every application submit(wait=True) waits for in this process (but, `others_only`,
+    any the calling thread waits for; a wait interrupted has left `waited` already), starting none
     meanwhile, until every other thread's wait has ended (at most STOP_S). Said on stderr
     ("<word>: killed APP"), written directly: a signal handler's print() may raise where the
     interrupted code was printing."""
@@ -92,7 +92,7 @@ def kill_waited(but=None, others_only=False, word="terminated"):
     while time.monotonic() < deadline:
         with _LOCK:
             runs = [r for r, tid in _WAITED.values()
-                    if r is not but and id(r) not in killed and not (others_only and tid == me)]
+                    if id(r) not in killed and not (others_only and tid == me)]
             others = _BUSY - {me}
         if not runs and not others:
             return
