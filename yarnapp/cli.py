@@ -17,8 +17,9 @@ import conf
 
 from . import __version__, api, cli_job, interrupts
 from .backends.base import TERMINAL
-from .console import as_json, p as _p, readers_gone, say, stdout_gone
+from .console import as_json, p as _p, say, stdout_gone
 from .cli_tools import cmd_clean, cmd_data_import, cmd_hadoop, cmd_netem
+from .cli_wait import cmd_wait, ended, watch
 from .logview import cmd_logs
 from .errors import UsageError, YarnappError
 
@@ -35,7 +36,7 @@ def cmd_submit(args):
         except YarnappError as e:
             raise cli_job.flagged(args, e) from None
         return 0
-    _interrupt_on_sigterm()         # `kill` or `timeout` stops a submit as Ctrl-C does
+    interrupts.sigterm_stops_command()         # `kill` or `timeout` stops a submit as Ctrl-C does
     t0, out = time.time(), sys.stdout
     try:
         run = api.start(spec, where=args.job, setting=cli_job.setting(args))
@@ -48,83 +49,14 @@ def cmd_submit(args):
             return 0
         out = say(f"submitted {app_id} to the {spec.backend} backend: {spec.world_size} ranks in "
                   f"{len(spec.groups)} groups ({', '.join(f'{g.instances}x{g.name}' for g in spec.groups)})", out)
-        st, streamed, out = _watch(run, "Ctrl-C kills it")     # --wait ties the job to this command
+        st, streamed, out = watch(run, "Ctrl-C kills it")      # --wait ties the job to this command
     except KeyboardInterrupt:
         if not args.wait:
             raise                   # submitted without --wait: it runs on, as it would have
         interrupts.shielded(run.kill)      # a second Ctrl-C cut the kill's line short ("interrupted" alone)
         say(f"interrupted: killed {run.app_id}{run.resume_hint(cli_job.resubmit(args))}", sys.stderr)     # (as errors)
-        return _interrupted_status()
-    return _ended(run, st, time.time() - t0, streamed, out, resubmit=cli_job.resubmit(args))
-
-
-def _ended(run, st, took, streamed, out, resubmit=None):
-    """How a waited-for application ended, as submit --wait and wait say it: 0 and its final
-    metrics and model where it SUCCEEDED; else its failure's line (YarnappError: exit 1)."""
-    if st["state"] != "SUCCEEDED":
-        f = st.get("failure") or {}
-        from .progress import rank0_streamed
-        shown = (rank0_streamed(st) or {}).get("id") if streamed else None     # its output showed as it came
-        if f.get("log_tail") and f.get("container") != shown:
-            _p(f"--- last lines of {f.get('container')}'s log ---\n{f['log_tail']}\n---", file=sys.stderr)
-        raise YarnappError(run.failure_message(resubmit=resubmit))
-    formed = st.get("world_formed_s")
-    out = say(f"{run.app_id} SUCCEEDED" + (f" in {took:.1f}s" if took is not None else "")
-              + (f" (world formed in {formed:.2f}s after submit)" if formed else ""), out)
-    if st.get("final"):
-        from .progress import final_model, metrics
-        out = say("final: " + metrics(st["final"]), out)
-        model = final_model(st)
-        if model:
-            say(model, out)
-    return 0
-
-
-def _watch(run, ctrl_c, timeout=None):
-    """Wait for `run`, showing its progress, as submit --wait and wait do: (its last status,
-    whether rank 0's output was shown as it came, the stream to say its end on). Its reader
-    gone (`| head`; gone already, `| true`: the lines after go to stderr), it waits on, silent."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    try:
-        return run.wait(timeout=timeout, progress=True, summary=False), True, sys.stdout   # (its lines: stdout)
-    except BrokenPipeError:
-        out = readers_gone() or sys.stdout
-        say(f"output closed; still waiting for {run.app_id} ({ctrl_c})", out)
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        return run.wait(timeout=left, summary=False), False, out
-
-
-def cmd_wait(args):
-    """Wait for an application submitted without --wait (`app=$(yarnapp submit job.yaml)`), as
-    submit --wait does, but an interrupted wait leaves it running: it is not this command's."""
-    from .errors import WaitTimeout
-    timeout = None if args.timeout is None else _duration("--timeout", args.timeout)
-    run = api.Run(args.app)
-    first = run.status()                 # (an unknown id: one line, before any wait)
-    _interrupt_on_sigterm()
-    try:
-        st, streamed, out = _watch(run, "Ctrl-C stops the wait", timeout)
-    except WaitTimeout as e:
-        _p(f"Error: {args.app} still {e.state} after --timeout {args.timeout}; it runs on "
-           f"(`yarnapp kill {args.app}` stops it)", file=sys.stderr)
-        return TIMEOUT_STATUS
-    except (KeyboardInterrupt, api.Interrupted):
-        say(f"stopped waiting for {args.app}, which runs on: `yarnapp kill {args.app}` stops it", sys.stderr)
-        return _interrupted_status()
-    ran = first["state"] not in TERMINAL and first.get("submitted")    # it ended now: the time it took
-    return _ended(run, st, time.time() - first["submitted"] if ran else None, streamed, out,
-                  resubmit=cli_job.submitted_as(st))
-
-
-TIMEOUT_STATUS = 124        # as timeout(1): `wait --timeout` ran out, the application runs on
-
-
-def _duration(flag, text):
-    try:
-        seconds = conf.parse_duration_s(text)
-    except (ValueError, TypeError) as e:
-        raise UsageError(f"{flag} {text}: {e}") from None
-    return seconds
+        return interrupts.command_interrupted_status()
+    return ended(run, st, time.time() - t0, streamed, out, resubmit=cli_job.resubmit(args))
 
 
 def cmd_status(args):
@@ -200,32 +132,11 @@ def cmd_list(args):
     return 0
 
 
-_terminated = False
-
-
-def _interrupt_on_sigterm():
-    """`kill` (SIGTERM) stops this command as cleanly as Ctrl-C: as a KeyboardInterrupt, so
-    its `finally` blocks stop what it started (the default action would end it at once),
-    and it ends with SIGTERM's status, 143 (`_interrupted_status`)."""
-    import signal
-
-    def interrupt(signum, frame):
-        global _terminated
-        _terminated = True
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, interrupt)
-
-
-def _interrupted_status():
-    """The exit status of a command stopped by Ctrl-C (130) or by SIGTERM (143), as a shell gives."""
-    return 143 if _terminated else 130
-
-
 def cmd_tensorboard(args):
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port {args.port}: give a port from 1 to 65535, or 0 for a free one")
     from . import tensorboard
-    _interrupt_on_sigterm()
+    interrupts.sigterm_stops_command()
     if "/" in args.app and "://" not in args.app and not os.path.isdir(args.app):
         if os.path.exists(args.app):
             raise YarnappError(f"{args.app} is a file; give a logdir (a directory or URI) or an application id")
@@ -237,7 +148,7 @@ def cmd_tensorboard(args):
         _p(f"TensorBoard on {tb.logdir}; Ctrl-C stops it", file=sys.stderr)
         rc = tb.wait()
     except KeyboardInterrupt:       # Ctrl-C: what stops it (0); `kill`/`timeout`: as a shell gives (143)
-        return 143 if _terminated else 0
+        return 143 if interrupts.command_terminated() else 0
     finally:
         tb.stop()
     raise YarnappError(f"TensorBoard exited with status {rc}")
@@ -259,7 +170,7 @@ def cmd_plan(args):
     args.png = args.png and _output_file("--png", args.png, "plan.png")
     from . import preflight, shipping
     preflight.check_model(spec, args.job)
-    _interrupt_on_sigterm()        # its probes, co-runners and busy processes are stopped
+    interrupts.sigterm_stops_command()        # its probes, co-runners and busy processes are stopped
     shipment = shipping.plan(conf.absolutize(spec, os.getcwd()), args.job)
     busy = os.getloadavg()[0]              # other work's, before the plan's own probes add theirs
     with shipping.importable(shipment):     # a model of the job's own, as it ships
@@ -499,8 +410,7 @@ def _joined_negatives(argv):
 
 
 def main(argv=None):
-    global _terminated
-    _terminated = False             # a SIGTERM that stopped an earlier main() in this process
+    interrupts.command_started()    # (a SIGTERM that stopped an earlier main() in this process: forgotten)
     import signal
     if getattr(signal.getsignal(signal.SIGINT), "yarnapp_importing", False):
         signal.signal(signal.SIGINT, signal.default_int_handler)    # Ctrl-C from here on: "interrupted" below
@@ -522,7 +432,7 @@ def main(argv=None):
         return args.fn(args) or 0
     except KeyboardInterrupt:       # Ctrl-C (or `kill`, where the command turns it into one)
         print("interrupted", file=sys.stderr, flush=True)
-        return _interrupted_status()
+        return interrupts.command_interrupted_status()
     except BrokenPipeError:         # `yarnapp status APP | head -1`: the reader is gone, as after SIGPIPE
         stdout_gone()
         return 141

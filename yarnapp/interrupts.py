@@ -12,6 +12,8 @@ leaves it running.
 - A notebook kernel shut down or restarted (Jupyter interrupts it first): left running
   (`kernel_shutting_down`).
 - `shielded`: a kill that a second Ctrl-C cannot cut short.
+- A CLI command stopped by SIGTERM as by Ctrl-C (`sigterm_stops_command`), ending 143 (130
+  for Ctrl-C: `command_interrupted_status`).
 """
 import contextlib
 import os
@@ -235,3 +237,32 @@ def sigterm_interrupts(terminated):
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, interrupt)
     return lambda: signal.signal(signal.SIGTERM, before)
+
+
+_COMMAND = {"terminated": False}    # a CLI command stopped by SIGTERM (sigterm_stops_command)
+
+
+def command_started():
+    """A CLI command begins: no SIGTERM has stopped it (one may have stopped an earlier
+    command run in this process)."""
+    _COMMAND["terminated"] = False
+
+
+def sigterm_stops_command():
+    """`kill` (SIGTERM) stops this command as cleanly as Ctrl-C: as a KeyboardInterrupt, so
+    its `finally` blocks stop what it started (the default action would end it at once),
+    and it ends with SIGTERM's status, 143 (`command_interrupted_status`)."""
+    def interrupt(signum, frame):
+        _COMMAND["terminated"] = True
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def command_terminated():
+    """Whether SIGTERM stopped this command (not Ctrl-C)."""
+    return _COMMAND["terminated"]
+
+
+def command_interrupted_status():
+    """The exit status of a command stopped by Ctrl-C (130) or by SIGTERM (143), as a shell gives."""
+    return 143 if _COMMAND["terminated"] else 130
