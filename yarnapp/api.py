@@ -1,19 +1,16 @@
 """The Python API (notebooks) and what the CLI is built on."""
 import functools
-import json
 import logging
-import re
 import os
 import sys
 import time
 import types
 import warnings
 
-import yaml
-
 import conf
 
 from . import backends, codecheck, interrupts, logview, shipping
+from . import overrides as overrides_mod
 from .backends.base import TERMINAL
 from .errors import Interrupted, JobFailed, WaitTimeout, YarnappError
 
@@ -47,11 +44,11 @@ def load(job, where=None, **overrides):
     """A validated JobSpec from a path, dict or JobSpec (a user's: checked for what users
     get wrong, conf.check_bare_memory); raises YarnappError (one line; where an override set
     the field, it says so)."""
-    overrides = _plain(overrides)
+    overrides = overrides_mod.plain(overrides)
     try:
         return spec_of(job, where, overrides)
     except YarnappError as e:
-        raise YarnappError(_given(str(e), overrides)) from None
+        raise YarnappError(overrides_mod.said_as_given(str(e), overrides)) from None
 
 
 def spec_of(job, where, overrides):
@@ -61,60 +58,11 @@ def spec_of(job, where, overrides):
         conf.check_bare_memory(where or "job", overrides)
         if isinstance(job, conf.JobSpec):
             return conf.load_job(job, overrides, where=where)
-        name, raw = conf.read_raw(_plain(job))      # read once: checked, then validated
+        name, raw = conf.read_raw(overrides_mod.plain(job))      # read once: checked, then validated
         conf.check_bare_memory(where or name, raw)
         return conf.load_job(raw, overrides, where=where or name)
     except conf.JobError as e:
         raise YarnappError(str(e)) from None
-
-
-def _given(line, overrides):
-    """A job's error line about a field the caller's overrides set, saying so: "job.yaml:
-    training.lr: Input should be a valid number (got 'fast')" named the file, whose lr was
-    0.05 (an API audit), for submit(..., training={'lr': 'fast'})."""
-    m = re.match(r"(.*?): ((\w+)(?:\.\w+)*): (.*)$", line)
-    if not m or m.group(3) not in overrides:
-        return line
-    value, path = overrides, m.group(2).split(".")
-    for key in path:
-        if not isinstance(value, dict) or key not in value:
-            return line
-        value = value[key]
-    given = repr(value)
-    for key in reversed(path[1:]):
-        given = f"{{{key!r}: {given}}}"
-    return f"{m.group(2)} (given as {path[0]}={given}, not in {m.group(1)}): {m.group(4)}"
-
-
-def _as_setting(overrides, prefix=""):
-    """submit's keyword overrides as the command line's KEY=VALUE fields, kept with the
-    application: `yarnapp kill`'s resume hint for a sweep's job left them out (its batch size,
-    its learning rate), and the command it gave resumed another job, or was refused."""
-    out = []
-    for key, value in overrides.items():
-        if isinstance(value, dict) and value:       # (a section merges, as KEY=VALUE's fields do)
-            out += _as_setting(value, f"{prefix}{key}.")
-            continue
-        plain = isinstance(value, str) and value.strip() == value and yaml.safe_load(value) == value
-        out.append(f"{prefix}{key}={value if plain else json.dumps(value)}")
-    return out
-
-
-def _plain(value):
-    """`value` with numpy's scalars as Python's (a sweep's np.int64(16) from ParameterGrid was
-    refused: "training.batch_size: Input should be a valid integer"), in dicts and lists."""
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_plain(v) for v in value)      # (a namedtuple: a plain tuple, as YAML gives)
-    if type(value).__module__ == "numpy" and callable(getattr(value, "item", None)) and \
-            getattr(value, "shape", None) == ():
-        if getattr(value, "dtype", None) is not None and value.dtype.kind == "f" and value.dtype.itemsize < 8:
-            return float(str(value))     # np.float32(0.1) is 0.1, as written (not 0.10000000149011612)
-        return value.item()
-    return value
 
 
 @_one_line
@@ -147,7 +95,7 @@ def _submit(job, backend, wait, progress, function, overrides):
     _check_keywords(overrides)
     if function is None:
         return _started(start(load(job, backend=backend, **overrides), where=where,
-                              setting=_as_setting(_plain(overrides))), wait, progress)
+                              setting=overrides_mod.as_setting(overrides_mod.plain(overrides))), wait, progress)
     if not callable(function):
         raise YarnappError(f"function: expected a callable taking the RunContext, got {type(function).__name__}")
     _check_signature(function)
