@@ -17,7 +17,6 @@ import dataclasses
 import enum
 import json
 import logging
-import math
 import os
 import signal
 import subprocess
@@ -27,7 +26,7 @@ import uuid
 
 from conf import BUILTIN_RUNNER
 
-from . import beats, exitcodes, identity, keys, malloc, memory, results, retries, store as store_mod, warm
+from . import beats, exitcodes, identity, keys, memory, results, retries, store as store_mod, warm, zygote
 from .diagnosis import PeerDiagnosis, record
 from .activity import Activity
 from .monitor import SETUP_GRACE_S, Monitor, Outcome
@@ -87,6 +86,7 @@ class Agent(Monitor, PeerDiagnosis):
         self.incarnation = uuid.uuid4().hex[:12]
         self.child = None
         self.warm = None                 # launcher.warm: where this container's ranks are forked from
+        self.zygote = zygote.Client.from_env() if ident.backend == "local" else None   # ... and those from
         self.heartbeat = os.path.abspath(f".heartbeat.{ident.container}")
         self._phase, self._seen = "setup", False
         self.rank_importing = self._joining = False     # launcher.diagnosis: importing
@@ -101,17 +101,10 @@ class Agent(Monitor, PeerDiagnosis):
 
     # -- the rank process -------------------------------------------------
     def spawn(self, gen):
-        # Its vcores' threads (torchrun sets 1), unless its group's env sets them (not the
-        # submitting shell's: a laptop's OMP_NUM_THREADS=8 is not for a 1-vcore container).
-        group_env, info = self.ident.job.groups[self.group_index].env, self.ident.rank_info()
-        threads = str(info["omp_threads"] or max(1, math.ceil(info["vcores"])))
-        # The working directory holds the user's shipped code (yarnapp.shipping): importable.
-        path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
-        env = malloc.environment(dict(os.environ, YARNAPP_RANK=str(self.ident.rank),
-                                      YARNAPP_WORLD_SIZE=str(self.ident.world_size),
-                                      YARNAPP_GENERATION=str(gen), YARNAPP_INCARNATION=self.incarnation,
-                                      OMP_NUM_THREADS=threads, PYTHONPATH=path,
-                                      MKL_NUM_THREADS=group_env.get("MKL_NUM_THREADS", threads)))
+        env = warm.environment(os.environ, self.ident.job.groups[self.group_index].env, self.ident.rank_info(),
+                               os.getcwd(), YARNAPP_RANK=str(self.ident.rank),
+                               YARNAPP_WORLD_SIZE=str(self.ident.world_size), YARNAPP_GENERATION=str(gen),
+                               YARNAPP_INCARNATION=self.incarnation)
         try:
             os.unlink(self.heartbeat)
         except FileNotFoundError:
@@ -120,13 +113,15 @@ class Agent(Monitor, PeerDiagnosis):
         self.log_start = _size(self.log_path)      # where this generation's output starts (native_crash)
         argv = [sys.executable, "-m", "launcher.rank", "--generation", str(gen), "--heartbeat", self.heartbeat]
         # On the local engine the rank is forked from the container's warm process (launcher.warm),
-        # which did its imports once. Not on YARN: the NodeManager's memory check adds up each
+        # which did its imports once (or was forked from the application's zygote, launcher.zygote). Not on YARN: the NodeManager's memory check adds up each
         # process's resident memory, pages they share counted in both (a second torch, ~0.5 GB).
         if self.ident.backend == "local" and not (self.warm and self.warm.failed):
             if self.warm is None or not self.warm.alive():
                 if self.warm is not None:
+                    if self.warm.zygote_failed:
+                        self.zygote = None  # (gone, or refused: this container's own warm processes from now on)
                     self.warm.close()       # (its pipes)
-                self.warm = warm.Warm(env)
+                self.warm = warm.Warm(env, self.zygote)
             self.child = self.warm.spawn(gen, self.heartbeat, argv, env)
         else:
             self.child = subprocess.Popen(argv, env=env, preexec_fn=die_with_parent)

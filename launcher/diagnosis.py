@@ -125,7 +125,7 @@ class PeerDiagnosis:
         if phase != "setup" or self._joining:
             return False
         # the rank, or, not forked yet, the warm process that imports for it (never waited for)
-        pid = started_pid(self.child) or (self.warm.proc.pid if self.warm is not None else None)
+        pid = started_pid(self.child) or (self.warm.importer if self.warm is not None else None)
         if pid != self._importer:           # forked now: its CPU counts from zero (not known yet: at work)
             self._importer = pid
             self.activity.reset()

@@ -133,11 +133,16 @@ def app_dir_from_env(env, app_id):
     return os.getcwd()
 
 
+def job_from_env(environ=None):
+    """The application's job (YARNAPP_JOB)."""
+    with open((os.environ if environ is None else environ)["YARNAPP_JOB"]) as f:
+        return conf.load_job(json.load(f), stored=True)
+
+
 def from_env(environ=None):
     env = os.environ if environ is None else environ
     container = env.get("YARNAPP_CONTAINER_ID") or env["SKEIN_CONTAINER_ID"]
-    with open(env["YARNAPP_JOB"]) as f:
-        job = conf.load_job(json.load(f), stored=True)
+    job = job_from_env(env)
     group, _, instance = container.rpartition("_")
     # -1: a replacement container with a new instance number (skein numbers a
     # restarted instance after the service's count); the agent adopts a free slot.

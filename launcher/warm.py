@@ -13,19 +13,26 @@ gc.freeze() keeps the collector from writing them), so a container's memory cgro
 what the rank writes, not by a second torch. The local engine's containers only: YARN's
 NodeManager adds up each process's resident memory, shared pages in each (launcher.agent).
 
+Where the application master started a zygote for the containers alike (launcher.zygote), the
+warm process is forked from it instead of started: imported once for those containers, not
+once each.
+
 Protocol (two pipes, so that the rank's stdout and stderr stay the container log's):
-the agent writes a JSON line per rank ({"generation", "heartbeat"}); the warm process answers
-`pid PID` once it has forked, and `exit PID STATUS` (a Popen returncode: negative for a
-signal) when that rank ends. One rank at a time. The agent's side is `WarmRank`, shaped
+the agent writes a JSON line per rank ({"generation", "heartbeat"}); the warm process says
+`warm PID` first, answers `pid PID` once it has forked, and `exit PID STATUS` (a Popen
+returncode: negative for a signal) when that rank ends; it ends when the agent's pipe
+closes, killing a rank still running (_wait_rank). One rank at a time. The agent's side is `WarmRank`, shaped
 like the `subprocess.Popen` it replaces. A warm process killed with its rank (say for memory)
 is started again for the next generation; one that failed before forking (its own error)
 has that rank, and every later one, started afresh as before."""
 import ast
+import contextlib
 import gc
 import importlib
 import importlib.machinery
 import json
 import logging
+import math
 import os
 import select
 import signal
@@ -33,7 +40,7 @@ import subprocess
 import sys
 import traceback
 
-from . import exitcodes
+from . import exitcodes, malloc
 from .procs import die_with_parent
 
 log = logging.getLogger("launcher.warm")
@@ -76,6 +83,18 @@ def imports(job, workdir):
     return found
 
 
+def environment(environ, group_env, info, cwd, **extra):
+    """A rank's environment (and its warm process's): `environ` and `extra`, with its vcores'
+    threads (torchrun sets 1), unless its group's env sets them (not the submitting shell's:
+    a laptop's OMP_NUM_THREADS=8 is not for a 1-vcore container), its working directory
+    (the user's shipped code, yarnapp.shipping) importable, and launcher.malloc's settings.
+    `info`: its entry of JobSpec.ranks()."""
+    threads = str(info["omp_threads"] or max(1, math.ceil(info["vcores"])))
+    path = os.pathsep.join(p for p in (cwd, environ.get("PYTHONPATH")) if p)
+    return malloc.environment(dict(environ, **extra, OMP_NUM_THREADS=threads, PYTHONPATH=path,
+                                   MKL_NUM_THREADS=group_env.get("MKL_NUM_THREADS", threads)))
+
+
 class WarmRank:
     """The agent's handle on one rank forked by the warm process: pid, poll, wait, kill,
     returncode, as subprocess.Popen's. Made at once; its pid arrives once the warm process
@@ -93,8 +112,8 @@ class WarmRank:
         return self._popen.pid if self._popen is not None else self._pid
 
     def afresh(self):
-        log.warning("the warm process ended before it started this rank (exit status %s); starting it afresh",
-                    self._warm.proc.poll())
+        log.warning("the warm process ended before it started this rank (%s); starting it afresh",
+                    f"exit status {self._warm.proc.poll()}" if self._warm.proc is not None else "forked by the zygote")
         self._popen = subprocess.Popen(self._argv, env=self._env, preexec_fn=die_with_parent)
 
     def poll(self):
@@ -154,20 +173,37 @@ def started_pid(child):
 
 
 class Warm:
-    """The agent's side: starts the warm process, forks ranks through it."""
+    """The agent's side: starts the warm process (or has the application's zygote fork one:
+    launcher.zygote), forks ranks through it."""
 
-    def __init__(self, env):
+    def __init__(self, env, zygote=None):
         r_cmd, w_cmd = os.pipe()
         r_out, w_out = os.pipe()
-        self.proc = subprocess.Popen([sys.executable, "-m", "launcher.warm", str(r_cmd), str(w_out)],
-                                     env=env, pass_fds=(r_cmd, w_out), preexec_fn=die_with_parent)
+        self.proc = None                 # the warm process this agent started (a Popen), or
+        self.pid, self._pidfd = None, None   # ... the one the zygote forked (said on its pipe)
+        self.zygote = zygote if zygote is not None and zygote.fork_warm(env, os.getcwd(), r_cmd, w_out) else None
+        if self.zygote is None:
+            self.proc = subprocess.Popen([sys.executable, "-m", "launcher.warm", str(r_cmd), str(w_out)],
+                                         env=env, pass_fds=(r_cmd, w_out), preexec_fn=die_with_parent)
+            self.pid = self.proc.pid
         os.close(r_cmd)
         os.close(w_out)
         self._cmd, self._out = os.fdopen(w_cmd, "w", buffering=1), r_out
-        self._buf, self.rank, self.failed = b"", None, False
+        self._buf, self.rank, self.failed, self.gone = b"", None, False, False
+        self.zygote_failed = False       # the zygote's warm process ended before forking: start our own next
+
+    @property
+    def importer(self):
+        """The pid of the process that imports for the rank to come: this warm process, or the
+        zygote while it has not forked one yet."""
+        return self.pid or (self.zygote.pid if self.zygote is not None else None)
 
     def alive(self):
-        return self.proc.poll() is None
+        if self.proc is not None:
+            return self.proc.poll() is None
+        if not self.gone:
+            self.read(block=False)
+        return not self.gone
 
     def spawn(self, gen, heartbeat, argv, env):
         """A rank of generation `gen` (argv and env: as it would be started afresh), to be
@@ -187,9 +223,14 @@ class Warm:
             except EOFError:
                 self._ended()
                 return
-            if line is None or self.rank is None:
+            if line is None:
                 return
             word, pid, *status = line.split()
+            if word == "warm":           # forked by the zygote: its pid (to stop it by, see close)
+                self._forked(int(pid))
+                continue
+            if self.rank is None:
+                return
             if word == "pid":            # the rank asked for last (an earlier one's exit was read before)
                 self.rank._pid = int(pid)
                 if not block:
@@ -199,12 +240,30 @@ class Warm:
                 self.rank.returncode = int(status[0])
                 return
 
+    def _forked(self, pid):
+        """The zygote's warm process said its pid: held as a pidfd (it is not our child: its pid,
+        once the zygote reaps it, may be another process's), if it is still the zygote's child."""
+        if self.zygote is None:
+            return                       # (ours: its pid is the Popen's)
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            return
+        if _ppid(pid) != self.zygote.pid:
+            os.close(fd)
+            return
+        self.pid, self._pidfd = pid, fd
+
     def _ended(self):
         """The warm process is gone: its rank died with it (PDEATHSIG), or, not forked yet, starts afresh."""
+        self.gone = True
         rank = self.rank
         if rank is not None and rank.returncode is None and rank._popen is None:
             if rank._pid is None:
-                self.failed = True       # an error of the warm process's own: ranks start afresh from now on
+                if self.zygote is not None:
+                    self.zygote_failed = True    # (the zygote's own trouble: this agent starts its own next)
+                else:
+                    self.failed = True   # an error of the warm process's own: ranks start afresh from now on
                 rank.afresh()
             else:
                 rank.returncode = -signal.SIGKILL
@@ -225,9 +284,15 @@ class Warm:
             self._cmd.close()
         except OSError:
             pass
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait()
+        elif self._pidfd is not None:    # (its pipe closed, it would end by itself: at once, its rank too)
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            os.close(self._pidfd)
+            self._pidfd = None
         if self._out is not None:       # (left open, one fd leaked with every warm process restarted)
             os.close(self._out)
             self._out = None
@@ -245,18 +310,73 @@ def _source_of(module):
     return spec.origin
 
 
-def serve(cmd_fd, out_fd):
-    """The warm process: import, then fork a rank per `spawn` line until the agent closes the pipe."""
-    from . import identity, rank         # once here, not in every fork
-    for name in imports(identity.from_env().job, os.getcwd()):
+def _ppid(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def prepare(job, workdir):
+    """Import what a rank of `job` imports anyway (imports), and launcher.rank; never MPI."""
+    from . import rank  # noqa: F401 - once here, not in every fork
+    for name in imports(job, workdir):
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - a module this environment lacks: the rank meets it, if it needs it
             pass
     assert "mpi4py.MPI" not in sys.modules, "the warm process must not initialise MPI"
-    commands = os.fdopen(cmd_fd, "r")
+
+
+class _Commands:
+    """The agent's command lines, read from its pipe (a raw fd: see _wait_rank)."""
+
+    def __init__(self, fd):
+        self.fd, self.buf = fd, b""
+
+    def next(self):
+        """The next line, or None once the agent closed its end (or died)."""
+        while b"\n" not in self.buf:
+            chunk = os.read(self.fd, 4096)
+            if not chunk:
+                return None
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return line.decode()
+
+
+def _wait_rank(pid, commands):
+    """The rank's exit status (a Popen returncode). Should the agent go first (its pipe ends:
+    killed, or frozen and replaced), the rank is killed and this process ends: a warm process
+    the zygote forked is not the agent's child, and does not die with it by itself."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        pidfd = None
+    while pidfd is not None:
+        ready = select.select([pidfd, commands.fd], [], [])[0]
+        if pidfd in ready:
+            os.close(pidfd)
+            break
+        chunk = os.read(commands.fd, 4096)
+        if not chunk:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            os._exit(0)
+        commands.buf += chunk
+    _, status = os.waitpid(pid, 0)
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def loop(cmd_fd, out_fd):
+    """Fork a rank per `spawn` line until the agent closes the pipe."""
+    from . import rank
+    os.write(out_fd, f"warm {os.getpid()}\n".encode())
+    commands = _Commands(cmd_fd)
     gc.freeze()                          # what the imports made is never collected: its pages stay shared
-    for line in commands:
+    while (line := commands.next()) is not None:
         order = json.loads(line)
         gen = str(order["generation"])
         sys.stdout.flush()
@@ -265,7 +385,7 @@ def serve(cmd_fd, out_fd):
         pid = os.fork()
         if pid == 0:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)     # (ignored by the warm process, below)
-            commands.close()
+            os.close(cmd_fd)
             os.close(out_fd)
             die_with_parent()
             if os.getppid() != parent:   # the warm process died before that took hold
@@ -294,9 +414,15 @@ def serve(cmd_fd, out_fd):
         # this process, dying first, took it along at once (its parent-death signal is SIGKILL)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         os.write(out_fd, f"pid {pid}\n".encode())
-        _, status = os.waitpid(pid, 0)
-        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        code = _wait_rank(pid, commands)
         os.write(out_fd, f"exit {pid} {code}\n".encode())
+
+
+def serve(cmd_fd, out_fd):
+    """The warm process: import, then fork a rank per `spawn` line until the agent closes the pipe."""
+    from . import identity
+    prepare(identity.job_from_env(), os.getcwd())
+    loop(cmd_fd, out_fd)
 
 
 if __name__ == "__main__":

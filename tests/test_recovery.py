@@ -52,16 +52,18 @@ def _tb_steps(job, run):
 
 def test_a_sigkilled_rank_of_conv_model_parallel_resumes_bit_identically(reference, digits, tmp_path, yarnapp_home):
     """Rank 1 of the conv-layer split (a kernel share of its own) SIGKILLed mid-run. Its next
-    rank is forked from the container's warm process (launcher.warm: imports done once); then
-    that warm process is SIGKILLed too (as the kernel would kill it for memory), taking its rank
-    with it, and the container starts another: both resume exactly."""
+    rank is forked from the container's warm process (launcher.warm: imports done once, in the
+    application's zygote, launcher.zygote, which forked it); then that warm process is SIGKILLed
+    too (as the kernel would kill it for memory), taking its rank with it, and the container has
+    the zygote fork another: both resume exactly."""
     import psutil
     kill_at = random.Random("kill-conv_model_parallel").randint(12, 20)
     job = digits_job(tmp_path, digits, "killed", "conv_model_parallel")
     run = yarnapp.submit(job)
     pid = rank_pid(run, rank=1)
     warm = psutil.Process(pid).parent()
-    assert "launcher.warm" in warm.cmdline(), warm.cmdline()
+    zygote = warm.parent()
+    assert "launcher.zygote" in warm.cmdline() and zygote.cmdline() == warm.cmdline(), warm.cmdline()
     kill_at = wait_step(run, rank=1, step=kill_at)     # (the step it reached: a busy host's status lags)
     os.kill(pid, signal.SIGKILL)
     t_kill = time.time()
@@ -70,7 +72,7 @@ def test_a_sigkilled_rank_of_conv_model_parallel_resumes_bit_identically(referen
     wait_step(run, rank=1, step=kill_at + 8)
     warm.kill()
     warm2 = psutil.Process(rank_pid(run, rank=1, generation=2)).parent()
-    assert "launcher.warm" in warm2.cmdline() and warm2.pid != warm.pid    # a warm process started again
+    assert warm2.ppid() == zygote.pid and warm2.pid != warm.pid    # a warm process forked again
     st = run.wait(timeout=600)
     assert st["state"] == "SUCCEEDED", (st.get("diagnostics"), run.logs())
     assert [r["generation"] for r in st["restarts"]] == [1, 2]

@@ -21,7 +21,7 @@ import time
 
 import psutil
 
-from launcher import exitcodes, keys, memory, tensorboard_service
+from launcher import exitcodes, keys, memory, tensorboard_service, warm, zygote
 from launcher.network import cut_nodes
 from launcher.failure import Failure, Kind, current_generation, log_tail
 from launcher.procs import die_with_parent, wait_exit
@@ -35,6 +35,9 @@ from .watchdog import Watchdog
 
 log = logging.getLogger("yarnapp.am")
 
+# What of the application's environment a zygote keeps (not a container's own: it would be
+# every fork's until its environment is set); YARNAPP_APP_ID finds it among the application's processes.
+ZYGOTE_ENV = ("YARNAPP_BACKEND", "YARNAPP_APP_ID", "YARNAPP_JOB", "YARNAPP_STORE", "YARNAPP_APP_DIR")
 LOOK_S = 0.25      # how often the master looks at the store and its agents (a container's end: at once)
 
 
@@ -67,11 +70,7 @@ class Container:
     def memory_state(self):
         return memory.state(self.limits.paths.get("memory"))
 
-    def start(self):
-        self.attempts += 1
-        self.exit_code = None       # this attempt's, once it exits (the earlier ones stay in exits)
-        self.started, self.beaten = time.monotonic(), False     # (ApplicationMaster.never_beaten)
-        self.memory = self.memory_start = self.memory_state()
+    def environment(self):
         env = dict(os.environ)
         env.update(self.group.env)
         env.update(YARNAPP_BACKEND="local", YARNAPP_APP_ID=self.app.app_id, YARNAPP_CONTAINER_ID=self.id,
@@ -80,6 +79,18 @@ class Container:
                    YARNAPP_APP_DIR=self.app.dir, YARNAPP_LOG=self.log, YARNAPP_ATTEMPT=str(self.attempts),
                    PYTHONUNBUFFERED="1",
                    CUDA_VISIBLE_DEVICES=gpus.visible_devices(self.gpus))   # its own GPUs, or none
+        return env
+
+    def rank_environment(self, cwd):
+        """The environment its ranks' warm process gets (launcher.agent.spawn), in `cwd`."""
+        return warm.environment(self.environment(), self.group.env, self.member, cwd)
+
+    def start(self):
+        self.attempts += 1
+        self.exit_code = None       # this attempt's, once it exits (the earlier ones stay in exits)
+        self.started, self.beaten = time.monotonic(), False     # (ApplicationMaster.never_beaten)
+        self.memory = self.memory_start = self.memory_state()
+        env = self.environment()
         out = open(self.log, "ab")
         master = f", application master attempt {self.app.attempt}" if self.app.attempt > 1 else ""
         out.write(f"==== {self.id} attempt {self.attempts}{master} started {time.ctime()} "
@@ -91,15 +102,29 @@ class Container:
             env.update(self.app.network.container_env(self.node))
             enter_node = self.app.network.enter(self.node)
 
+        zygote = self.app.zygotes.get(self.id)
+        sock = zygote.connect() if zygote is not None else None
+        if sock is not None:         # its warm processes forked from the zygote (launcher.zygote)
+            env["YARNAPP_ZYGOTE"] = f"{sock.fileno()} {zygote.pid}"
+
         def setup():
+            # A process group of its own, in the master's session (not one of its own): a warm
+            # process a zygote forks joins it (launcher.zygote), so that the container's processes
+            # are signalled, stopped and killed together.
+            os.setpgid(0, 0)
             die_with_parent()
             limits.join()
             if enter_node:
                 enter_node()
-        self.proc = subprocess.Popen([sys.executable, "-m", "launcher.agent"], cwd=self.workdir, env=env,
-                                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                     start_new_session=True, preexec_fn=setup)
-        out.close()
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "launcher.agent"], cwd=self.workdir, env=env,
+                                         stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                         preexec_fn=setup,
+                                         pass_fds=(sock.fileno(),) if sock is not None else ())
+        finally:
+            out.close()
+            if sock is not None:
+                sock.close()
         self.state = "RUNNING"
         log.info("started %s (attempt %d%s, pid %d)", self.id, self.attempts, master, self.proc.pid)
 
@@ -152,6 +177,7 @@ class ApplicationMaster(Watchdog):
         self.network = None          # netem.Network of the emulated nodes, when the job has some
         self.tensorboard = None      # the tensorboard.service process, when the job asks for one
         self.beats_seen = {}         # container -> (its last beat, when the master saw it change)
+        self.zygotes = {}            # container -> the launcher.zygote its warm processes are forked from
         self.looked = None           # when frozen_after_the_end last looked (monotonic)
 
     def save(self):
@@ -237,6 +263,7 @@ class ApplicationMaster(Watchdog):
         if not self.start_network() or not self.lease():
             self.stopping = self.stopping or "FAILED"
             return self.shutdown()
+        self.start_zygotes()
         for c in self.containers:
             c.start()
         if self.job.tensorboard.service:
@@ -281,6 +308,32 @@ class ApplicationMaster(Watchdog):
             # a container's end is seen at once; the rest (the store, frozen agents) a few times a second
             wait_exit([c.proc.pid for c in self.containers if c.state == "RUNNING" and c.proc], LOOK_S)
         self.shutdown()
+
+    def start_zygotes(self):
+        """A zygote (launcher.zygote) for every set of two or more containers whose ranks import
+        alike on this host: not in an emulated node's network namespace, nor for code that
+        imports nothing worth it (launcher.warm.imports)."""
+        cwd = os.path.join(self.dir, "files")        # the user's code, staged at submit (a copy in each container)
+        if not os.path.isdir(cwd):
+            cwd = os.path.join(self.dir, "zygote")
+            os.makedirs(cwd, exist_ok=True)
+        if cgroups.unavailable() or not warm.imports(self.job, cwd):
+            return
+        alike = {}
+        for c in self.containers:
+            if c.node is None:
+                env = c.rank_environment(cwd)
+                alike.setdefault(json.dumps(zygote.key(env, cwd), sort_keys=True), []).append((c, env))
+        for members in alike.values():
+            if len(members) > 1:
+                env = {k: v for k, v in members[0][1].items() if not k.startswith("YARNAPP_") or k in ZYGOTE_ENV}
+                z = zygote.Zygote(env, cwd)
+                log.info("zygote %d imports for containers %s", z.pid, ", ".join(c.id for c, _ in members))
+                self.zygotes.update((c.id, z) for c, _ in members)
+
+    def stop_zygotes(self):
+        for z in set(self.zygotes.values()):
+            z.stop()
 
     def lease(self):
         """Lease the job's GPUs (giving each container its own) and its memory from the
@@ -372,6 +425,7 @@ class ApplicationMaster(Watchdog):
                 c.state = "KILLED"
         if self.tensorboard:
             tensorboard_service.stop_local(self.tensorboard, self.store)
+        self.stop_zygotes()
         # Anything of this application that escaped its process group (it set up a
         # session of its own) is found by its environment and ended too.
         for p in app_processes(self.app_id, exclude=os.getpid()):
