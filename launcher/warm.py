@@ -59,6 +59,8 @@ def imports(job, workdir):
     run = job.run
     if run.function and run.function.split(".")[0] == "training":
         return [run.function.split(":")[0]]
+    if run.pickle:
+        return _pickled(os.path.join(workdir, run.pickle))
     path = None
     if run.script:
         path = os.path.join(workdir, run.script)
@@ -93,6 +95,26 @@ def environment(environ, group_env, info, cwd, **extra):
     path = os.pathsep.join(p for p in (cwd, environ.get("PYTHONPATH")) if p)
     return malloc.environment(dict(environ, **extra, OMP_NUM_THREADS=threads, PYTHONPATH=path,
                                    MKL_NUM_THREADS=group_env.get("MKL_NUM_THREADS", threads)))
+
+
+def _pickled(path):
+    """The libraries a pickled function (a notebook's: cloudpickle) names, which loading it
+    imports anyway: cloudpickle names the modules a function uses by value as strings ("torch"),
+    and a function of a module by its module's name. Third-party libraries only (yarnapp's own
+    modules are not imported before MPI is), and their top-level packages."""
+    import pickletools
+    try:
+        with open(path, "rb") as f:
+            ops = list(pickletools.genops(f.read()))
+    except Exception:  # noqa: BLE001 - unreadable: the rank names it
+        return []
+    found = []
+    for _, arg, _ in ops:
+        if isinstance(arg, str):
+            top = arg.split(" ")[0].split(".")[0]       # (GLOBAL's argument: "module name")
+            if top in LIBRARIES and top != "training" and top not in found:
+                found.append(top)
+    return found
 
 
 class WarmRank:

@@ -80,3 +80,21 @@ def test_a_warm_process_that_fails_before_forking_starts_the_rank_afresh(tmp_pat
     rank = w.spawn(0, str(tmp_path / "hb"), [sys.executable, "-c", "import os; print(os.getpid()); exit(7)"], env)
     assert rank.wait() == 7 and w.failed and not w.alive()
     assert rank.pid != w.proc.pid and rank.poll() == 7
+
+
+def test_a_pickled_functions_libraries_are_read_from_its_pickle(tmp_path):
+    """A notebook's function (run.pickle, cloudpickle by value): the libraries it uses, named
+    in its pickle, are imported before its ranks fork (they imported torch each, in their
+    container, before); yarnapp's own modules are not (training.dist's world is MPI's)."""
+    import cloudpickle
+    code = ("import torch, numpy\nfrom training import dist\n"
+            "def uses_torch(ctx):\n    return torch.zeros(1)\n"
+            "def uses_dist(ctx):\n    return dist.rank()\n"
+            "def plain(ctx):\n    return 1\n")
+    scope = {}
+    exec(compile(code, "notebook_cell", "exec"), scope)
+    for name, want in (("uses_torch", ["torch"]), ("uses_dist", []), ("plain", [])):
+        (tmp_path / f"{name}.pkl").write_bytes(cloudpickle.dumps(scope[name]))
+        assert warm.imports(_job({"pickle": f"{name}.pkl"}), str(tmp_path)) == want, name
+    (tmp_path / "broken.pkl").write_bytes(b"not a pickle")
+    assert warm.imports(_job({"pickle": "broken.pkl"}), str(tmp_path)) == []      # the rank names it
