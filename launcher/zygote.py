@@ -42,13 +42,13 @@ answers: the fork says its pid on the pipe (`warm PID`), and a refusal closes th
     python -m launcher.zygote CONTROL_FD
 """
 import contextlib
+import gc
 import json
 import logging
 import mmap
 import os
 import resource
 import selectors
-import signal
 import socket
 import subprocess
 import sys
@@ -169,9 +169,9 @@ def serve(control_fd):
     warm.prepare(identity.job_from_env(), os.getcwd())
     sel = selectors.DefaultSelector()
     sel.register(control, selectors.EVENT_READ)
-    signal.signal(signal.SIGCHLD, lambda *_: None)      # (wakes the select below: forks to reap)
-    while True:
-        for k, _ in sel.select(timeout=5):
+    gc.freeze()                          # what the imports made stays shared with the forks, never collected
+    while True:                          # (and the forks that ended are reaped, once a second at most)
+        for k, _ in sel.select(timeout=1):
             sock = k.fileobj
             try:
                 msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 8)
@@ -213,7 +213,6 @@ def _fork(sel, sock, order, fds):
         for k in list(sel.get_map().values()):
             k.fileobj.close()
         sel.close()
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         log.handlers.clear()
         die_with_parent()
         if os.getppid() != parent:

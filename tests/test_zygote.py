@@ -90,3 +90,39 @@ def test_containers_alike_fork_from_one_zygote_each_into_its_own_container_and_d
     st = run.wait(timeout=120)
     assert st["state"] == "SUCCEEDED", run.logs()
     assert_nothing_left(run.app_id)
+
+
+def test_an_agent_asks_only_a_zygote_alike_and_its_fork_ends_with_the_agents_pipe(tmp_path):
+    """The protocol at its boundary, with this process as the agent: an environment that
+    differs where imports read it is not sent (the agent starts its own warm process); one
+    alike gets a fork of the zygote that says its pid on the pipe, and ends once the pipe closes."""
+    import select
+    import conf
+    job = conf.load_job({"name": "z", "groups": [{"name": "a", "instances": 2, "vcores": 1, "memory": "1 GiB"}],
+                         "run": {"function": "training.hello:main"}})
+    (tmp_path / "job.json").write_text(job.model_dump_json())
+    env = dict(os.environ, YARNAPP_JOB=str(tmp_path / "job.json"), OMP_NUM_THREADS="1")
+    z = zygote.Zygote(env, str(tmp_path))
+    try:
+        sock = z.connect()
+        client = zygote.Client(os.dup(sock.fileno()), z.pid)
+        sock.close()
+        r, w = os.pipe()
+        assert not client.fork_warm(dict(env, OMP_NUM_THREADS="2"), str(tmp_path), r, w)
+        os.close(r)
+        os.close(w)
+        r_cmd, w_cmd = os.pipe()
+        r_out, w_out = os.pipe()
+        assert client.fork_warm(dict(env, YARNAPP_CONTAINER_ID="a_1"), str(tmp_path), r_cmd, w_out)
+        os.close(r_cmd)
+        os.close(w_out)
+        assert select.select([r_out], [], [], 60)[0], "the zygote never forked"
+        word, pid = os.read(r_out, 100).decode().split()
+        warm = psutil.Process(int(pid))
+        assert word == "warm" and warm.ppid() == z.pid
+        os.close(w_cmd)                                  # the agent gone
+        assert select.select([r_out], [], [], 10)[0] and os.read(r_out, 100) == b""
+        warm.wait(timeout=10)
+        os.close(r_out)
+    finally:
+        z.stop()

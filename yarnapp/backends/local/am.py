@@ -326,7 +326,8 @@ class ApplicationMaster(Watchdog):
                 alike.setdefault(json.dumps(zygote.key(env, cwd), sort_keys=True), []).append((c, env))
         for members in alike.values():
             if len(members) > 1:
-                env = {k: v for k, v in members[0][1].items() if not k.startswith("YARNAPP_") or k in ZYGOTE_ENV}
+                env = {k: v for k, v in members[0][1].items()
+                       if (not k.startswith("YARNAPP_") or k in ZYGOTE_ENV) and k not in zygote.OWN}
                 z = zygote.Zygote(env, cwd)
                 log.info("zygote %d imports for containers %s", z.pid, ", ".join(c.id for c, _ in members))
                 self.zygotes.update((c.id, z) for c, _ in members)
