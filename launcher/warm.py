@@ -65,7 +65,7 @@ def imports(job, workdir):
     if run.script:
         path = os.path.join(workdir, run.script)
     elif run.function:
-        path = _source_of(run.function.split(":")[0])
+        path = _source_of(run.function.split(":")[0], workdir)
     try:
         with open(path, "rb") as f:
             tree = ast.parse(f.read())
@@ -222,7 +222,7 @@ class Warm:
 
     def alive(self):
         if self.proc is not None:
-            return self.proc.poll() is None
+            return self.proc.poll() is None and not self.gone
         if not self.gone:
             self.read(block=False)
         return not self.gone
@@ -302,6 +302,7 @@ class Warm:
         return line.decode()
 
     def close(self):
+        self.gone = True
         try:
             self._cmd.close()
         except OSError:
@@ -320,10 +321,10 @@ class Warm:
             self._out = None
 
 
-def _source_of(module):
+def _source_of(module, workdir):
     """The file of `module`, found without importing it or its packages (importlib.util.find_spec
     would run a package's __init__ here, once for every rank to come)."""
-    spec, path = None, None
+    spec, path = None, [workdir, *sys.path]     # (the master's sys.path lacks the job's code)
     for part in module.split("."):
         spec = importlib.machinery.PathFinder.find_spec(part, path)
         if spec is None:

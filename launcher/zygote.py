@@ -21,9 +21,10 @@ and none for containers in an emulated node's network namespace. An agent checks
 against the zygote's own environment before it asks, and starts its own warm process where it
 differs or the zygote is gone (before or after forking it: launcher.warm.Warm).
 
-Lifetimes: the zygote dies with its master (PR_SET_PDEATHSIG), its forks with it; a fork is
-no child of its agent, so it ends when its agent's pipe closes (and kills its rank:
-launcher.warm._wait_rank). It joins its agent's process group (the master starts agents and
+Lifetimes: the zygote dies with its master (PR_SET_PDEATHSIG); its forks do not (a zygote
+killed, say for the machine's memory, would take every container's rank along). A fork is no
+child of its agent: it ends when its agent's pipe closes, killing its rank
+(launcher.warm._wait_rank), and the agents die with the master. It joins its agent's process group (the master starts agents and
 zygotes in its own session for that), so that a container's processes are signalled, stopped
 and killed together, as before.
 
@@ -42,6 +43,7 @@ answers: the fork says its pid on the pipe (`warm PID`), and a refusal closes th
     python -m launcher.zygote CONTROL_FD
 """
 import contextlib
+import ctypes
 import gc
 import json
 import logging
@@ -54,6 +56,7 @@ import subprocess
 import sys
 import traceback
 
+from . import procs
 from .procs import die_with_parent
 
 log = logging.getLogger("launcher.zygote")
@@ -162,9 +165,13 @@ class Client:
 
 
 # -- the zygote --------------------------------------------------------------------------------
+_started = {}     # the zygote's environment as it started (its imports may add to it: sklearn's KMP_*)
+
+
 def serve(control_fd):
     from . import identity, warm
     die_with_parent()
+    _started.update(os.environ)
     control = socket.socket(fileno=control_fd)
     warm.prepare(identity.job_from_env(), os.getcwd())
     sel = selectors.DefaultSelector()
@@ -187,7 +194,10 @@ def serve(control_fd):
                 sel.unregister(sock)
                 sock.close()
             elif len(fds) == 5:
-                _fork(sel, sock, json.loads(msg), fds)
+                try:
+                    _fork(sel, sock, json.loads(msg), fds)
+                except Exception:  # noqa: BLE001 - one agent's request (a fork refused: EAGAIN), not the others'
+                    log.exception("could not fork a warm process; its agent starts its own")
             for fd in fds:
                 os.close(fd)
         with contextlib.suppress(ChildProcessError):
@@ -197,7 +207,7 @@ def serve(control_fd):
 
 def _fork(sel, sock, order, fds):
     """Fork a warm process for the agent at the other end of `sock`."""
-    mismatch = differs(key(os.environ, os.getcwd()), key(order["env"], order["cwd"]))
+    mismatch = differs(key(_started, os.getcwd()), key(order["env"], order["cwd"]))
     if mismatch:                         # (the agent checks first: refused, its pipes close)
         log.warning("refused a warm process whose environment differs in %s", ", ".join(mismatch))
         return
@@ -205,7 +215,6 @@ def _fork(sel, sock, order, fds):
     size = _anonymous()
     sys.stdout.flush()
     sys.stderr.flush()
-    parent = os.getpid()
     if os.fork():
         return
     code = 1
@@ -214,9 +223,8 @@ def _fork(sel, sock, order, fds):
             k.fileobj.close()
         sel.close()
         log.handlers.clear()
-        die_with_parent()
-        if os.getppid() != parent:
-            os._exit(1)
+        # (no parent-death signal: a zygote that dies, say killed for the machine's memory, does
+        # not take its forks along; each ends with its agent, which dies with the master)
         for target, fd in enumerate(fds[:3]):
             os.dup2(fd, target)
             os.close(fd)
@@ -226,8 +234,11 @@ def _fork(sel, sock, order, fds):
         zygote_cwd = os.getcwd()
         os.chdir(order["cwd"])
         sys.path[:] = [order["cwd"] if p == zygote_cwd else p for p in sys.path]
+        imported = {k: v for k, v in os.environ.items() if _started.get(k) != v}
         os.environ.clear()
         os.environ.update(order["env"])
+        for k, v in imported.items():    # what the imports set, as they would have in its environment
+            os.environ.setdefault(k, v)
         from . import warm
         warm.loop(fds[3], fds[4])
         code = 0
@@ -270,21 +281,22 @@ def _anonymous():
         return next((int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:")), 0)
 
 
-_held = None
-
-
 def _ballast(size):
-    """Charge this container as if it had imported itself: `size` bytes of its own, touched
-    (not inherited by its ranks). The imports' pages are the zygote's cgroup's; without this, a
-    container too small to import torch trained on the local engine, and failed on YARN."""
-    global _held
+    """Charge this container as if it had imported itself: `size` bytes of its own, touched,
+    and not inherited by its ranks (MADV_DONTFORK; through libc: a Python mmap object, in a
+    rank where the mapping is not, would unmap whatever lay there at its exit). The imports'
+    pages are the zygote's cgroup's; without this, a container too small to import torch
+    trained on the local engine, and failed on YARN."""
     if size <= 0:
         return
-    _held = mmap.mmap(-1, size)
-    _held.madvise(mmap.MADV_DONTFORK)
-    page = mmap.PAGESIZE
-    for at in range(0, size, page):
-        _held[at] = 1
+    libc = procs._LIBC
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+    addr = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), "mmap of the ballast failed")
+    libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(size), mmap.MADV_DONTFORK)
+    ctypes.memset(addr, 1, size)
 
 
 def _cgroups(pid):

@@ -92,17 +92,26 @@ def test_containers_alike_fork_from_one_zygote_each_into_its_own_container_and_d
     assert_nothing_left(run.app_id)
 
 
+def _zygote(tmp_path):
+    """A zygote of a job whose script imports scikit-learn at its top (which sets KMP_*
+    variables in its environment as it is imported: the zygote compares an agent's with its
+    own as it started, and refused every agent before)."""
+    import conf
+    (tmp_path / "train.py").write_text("import sklearn\n")
+    job = conf.load_job({"name": "z", "groups": [{"name": "a", "instances": 2, "vcores": 1, "memory": "1 GiB"}],
+                         "run": {"script": "train.py"}})
+    (tmp_path / "job.json").write_text(job.model_dump_json())
+    env = dict(os.environ, YARNAPP_JOB=str(tmp_path / "job.json"), OMP_NUM_THREADS="1")
+    env.pop("PYTHONPATH", None)
+    return zygote.Zygote(env, str(tmp_path)), env
+
+
 def test_an_agent_asks_only_a_zygote_alike_and_its_fork_ends_with_the_agents_pipe(tmp_path):
     """The protocol at its boundary, with this process as the agent: an environment that
     differs where imports read it is not sent (the agent starts its own warm process); one
     alike gets a fork of the zygote that says its pid on the pipe, and ends once the pipe closes."""
     import select
-    import conf
-    job = conf.load_job({"name": "z", "groups": [{"name": "a", "instances": 2, "vcores": 1, "memory": "1 GiB"}],
-                         "run": {"function": "training.hello:main"}})
-    (tmp_path / "job.json").write_text(job.model_dump_json())
-    env = dict(os.environ, YARNAPP_JOB=str(tmp_path / "job.json"), OMP_NUM_THREADS="1")
-    z = zygote.Zygote(env, str(tmp_path))
+    z, env = _zygote(tmp_path)
     try:
         sock = z.connect()
         client = zygote.Client(os.dup(sock.fileno()), z.pid)
@@ -124,5 +133,26 @@ def test_an_agent_asks_only_a_zygote_alike_and_its_fork_ends_with_the_agents_pip
         assert select.select([r_out], [], [], 10)[0] and os.read(r_out, 100) == b""
         warm.wait(timeout=10)
         os.close(r_out)
+    finally:
+        z.stop()
+
+
+def test_a_rank_killed_while_the_zygote_imports_leaves_its_agent_a_warm_process_to_replace(tmp_path):
+    """A generation ended before the zygote had forked this container's warm process (a peer
+    failed as the world formed): the rank is killed, and the agent's next look at its warm
+    process finds it gone, to start another (it raised a TypeError, and the agent died)."""
+    from launcher import warm
+    z, env = _zygote(tmp_path)
+    try:
+        sock = z.connect()
+        client = zygote.Client(os.dup(sock.fileno()), z.pid)
+        sock.close()
+        w = warm.Warm(dict(env, YARNAPP_CONTAINER_ID="a_0"), client)
+        assert w.zygote is client and w.proc is None
+        rank = w.spawn(0, str(tmp_path / "hb"), ["true"], env)
+        assert rank.started_pid is None                # the zygote still imports
+        rank.kill()
+        assert rank.poll() == -signal.SIGKILL and not w.alive()
+        w.close()
     finally:
         z.stop()
