@@ -38,6 +38,7 @@ log = logging.getLogger("launcher.agent")
 TERM_GRACE_S = 2.0       # a rank stopped with SIGTERM may end on its own this long (the local master waits 3 s)
 RANK_END_WAIT_S = 0.12   # at a NodeManager's SIGTERM, for its rank's own peak (its SIGKILL follows in 250 ms;
                          # a rank of 900 MiB took 45 ms to end, unloaded; the record is written after)
+VERDICT_WAIT_S = 10      # for skein's master to hear how YARN ended a container (yarn_verdict)
 
 
 class State(enum.Enum):
@@ -210,6 +211,40 @@ class Agent(Monitor, PeerDiagnosis):
             return self.after_abort(self.gen, self.found)
         raise RuntimeError(f"no transition from {state.name}")
 
+    def yarn_verdict(self, gen, cause):
+        """A container YARN stopped whose agent said no more than that: the NodeManager stops
+        one over its memory as it stops one it preempts (SIGTERM, SIGKILL 250 ms later), and
+        its agent's record, which must be written within those 250 ms, missed the memory on a
+        busy machine (one stop in four: its job was retried as if preempted). skein's master
+        hears YARN's verdict within seconds: read for up to VERDICT_WAIT_S, and where it is a
+        memory kill, the record says so (every agent reads it alike)."""
+        group = cause.container.rpartition("_")[0]
+        index = next((i for i, g in enumerate(self.job.groups) if g.name == group), None)
+        if index is None:
+            return cause
+        since = (cause.time or time.time()) - 5        # (the one stopped before ended seconds earlier)
+        deadline = time.monotonic() + VERDICT_WAIT_S
+        while True:
+            try:
+                verdict = self.store.memory_kill(group, since)
+            except Exception:  # noqa: BLE001 - skein's master out of reach: the record as it is
+                log.exception("could not ask YARN how container %s ended", cause.container)
+                return cause
+            if verdict or time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+        if not verdict:
+            return cause
+        used, words = verdict
+        asked = self.job.groups[index].memory
+        over = memory.stopped_for_memory(used, asked, index, memory.yarn_step_mib()) if used else None
+        amended = dataclasses.replace(cause, kind=Kind.OOM.value, external=False,
+                                      reason=f"rank {cause.rank} ({cause.container}) {over}" if over
+                                      else f"rank {cause.rank} ({cause.container}) was stopped by YARN: {words}")
+        self.store.put(keys.abort(gen), amended.dumps())
+        log.warning("YARN says container %s was killed for its memory: %s", cause.container, words)
+        return amended
+
     def after_abort(self, gen, found):
         """Generation `gen` ended (`found`: the cause this agent found, or None): record it
         (first writer wins, but for a record that says more: diagnosis.record), then FAILED,
@@ -230,6 +265,8 @@ class Agent(Monitor, PeerDiagnosis):
             if record(self.store, keys.abort(gen), found):
                 log.error("generation %d aborted: %s", gen, found.reason)
         cause = Failure.load(self.store.get(keys.abort(gen))) or Failure(reason="")
+        if cause.external and cause.container and self.ident.backend == "yarn":
+            cause = self.yarn_verdict(gen, cause)
         if self.store.get(keys.FAILED) is None:
             why = retries.not_worth_retrying(self.store, self.members, gen, cause,
                                              self.job.launcher.poll_interval, SETUP_GRACE_S + 5)

@@ -179,6 +179,12 @@ _YARN_USAGE = re.compile(r"(?:Current usage: |^)([\d.]+) ?([KMGTP]?)B of ([\d.]+
 _UNITS = {"": 2**-20, "K": 2**-10, "M": 1, "G": 2**10, "T": 2**20, "P": 2**30}
 
 
+def yarn_used_bytes(diagnostics):
+    """The physical memory YARN's words say a container used, in bytes, or None."""
+    usage = next((m for m in _YARN_USAGE.finditer(diagnostics or "") if m.group(5).lower() == "physical"), None)
+    return int(float(usage.group(1)) * _UNITS[usage.group(2).upper()] * 2**20) if usage else None
+
+
 def yarn_memory_kill(diagnostics, exit_code, container, group):
     """The phrase naming a container YARN's NodeManager killed for its memory, from its
     exit status (-104 KILLED_EXCEEDED_PMEM, -103 VMEM) or the NodeManager's diagnostics

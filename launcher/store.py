@@ -66,6 +66,12 @@ class Store(abc.ABC):
         starts a job's containers together, before its ranks: (0, None)."""
         return 0, None
 
+    def memory_kill(self, group, since):
+        """YARN's verdict where its NodeManager killed the container of `group` that ended
+        last, after `since` (epoch seconds), for its memory: (its usage in bytes, or None; its
+        words), or None. The local engine's master reads its cgroups instead: None here."""
+        return None
+
     def unheard(self, groups, heard, older_than):
         """The containers of `groups` the resource manager has run for more than `older_than`
         seconds whose engine ids are not in `heard` (their agents never beat: frozen or stuck
@@ -257,6 +263,16 @@ class SkeinStore(Store):
         waiting = sum(str(c.state) != "RUNNING" for c in containers)
         starts = [c.start_time.timestamp() for c in containers if str(c.state) == "RUNNING" and c.start_time]
         return waiting, max(starts, default=None)
+
+    def memory_kill(self, group, since):
+        from . import memory
+        ended = [c for c in self.app.get_containers(services=[group], states=["FAILED", "KILLED"])
+                 if c.finish_time is not None and c.finish_time.timestamp() >= since]
+        if not ended:
+            return None
+        last = max(ended, key=lambda c: c.finish_time)
+        words = memory.yarn_memory_kill(last.exit_message, None, last.id, group)
+        return (memory.yarn_used_bytes(last.exit_message), words) if words else None
 
     def unheard(self, groups, heard, older_than):
         # skein's start_time is the master's clock: hosts of one cluster keep theirs in step
