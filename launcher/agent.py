@@ -114,8 +114,9 @@ class Agent(Monitor, PeerDiagnosis):
         self.log_start = _size(self.log_path)      # where this generation's output starts (native_crash)
         argv = [sys.executable, "-m", "launcher.rank", "--generation", str(gen), "--heartbeat", self.heartbeat]
         # On the local engine the rank is forked from the container's warm process (launcher.warm),
-        # which did its imports once (or was forked from the application's zygote, launcher.zygote). Not on YARN: the NodeManager's memory check adds up each
-        # process's resident memory, pages they share counted in both (a second torch, ~0.5 GB).
+        # which did its imports once (or was forked from the application's zygote, launcher.zygote).
+        # Not on YARN: the NodeManager's memory check adds up each process's resident memory,
+        # pages they share counted in both (a second torch, ~0.5 GB).
         if self.ident.backend == "local" and not (self.warm and self.warm.failed):
             if self.warm is None or not self.warm.alive():
                 if self.warm is not None:

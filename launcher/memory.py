@@ -179,10 +179,19 @@ _YARN_USAGE = re.compile(r"(?:Current usage: |^)([\d.]+) ?([KMGTP]?)B of ([\d.]+
 _UNITS = {"": 2**-20, "K": 2**-10, "M": 1, "G": 2**10, "T": 2**20, "P": 2**30}
 
 
+def _yarn_usage(diagnostics, kind="physical"):
+    """(used, limit) MiB of `kind` memory as YARN's words say, or None."""
+    usage = next((m for m in _YARN_USAGE.finditer(diagnostics or "") if m.group(5).lower() == kind), None)
+    if usage is None:
+        return None
+    return (float(usage.group(1)) * _UNITS[usage.group(2).upper()],
+            float(usage.group(3)) * _UNITS[usage.group(4).upper()])
+
+
 def yarn_used_bytes(diagnostics):
     """The physical memory YARN's words say a container used, in bytes, or None."""
-    usage = next((m for m in _YARN_USAGE.finditer(diagnostics or "") if m.group(5).lower() == "physical"), None)
-    return int(float(usage.group(1)) * _UNITS[usage.group(2).upper()] * 2**20) if usage else None
+    usage = _yarn_usage(diagnostics)
+    return int(usage[0] * 2**20) if usage else None
 
 
 def yarn_memory_kill(diagnostics, exit_code, container, group):
@@ -202,10 +211,6 @@ def yarn_memory_kill(diagnostics, exit_code, container, group):
     kind = ((beyond.group(1) or beyond.group(2)) if beyond
             else ("virtual" if exit_code == exitcodes.YARN_KILLED_EXCEEDED_VMEM else "physical")).lower()
     what = "memory limit" if kind == "physical" else "virtual memory limit"
-    usage = next((m for m in _YARN_USAGE.finditer(text) if m.group(5).lower() == kind), None)
-    sizes = ""
-    if usage:
-        used = float(usage.group(1)) * _UNITS[usage.group(2).upper()]
-        limit = float(usage.group(3)) * _UNITS[usage.group(4).upper()]
-        sizes = f" of {limit:.0f} MiB (peak {used:.0f} MiB)"
+    usage = _yarn_usage(text, kind)
+    sizes = f" of {usage[1]:.0f} MiB (peak {usage[0]:.0f} MiB)" if usage else ""
     return f"{container} exceeded its {what}{sizes}: raise the memory of group {group}"

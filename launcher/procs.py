@@ -46,13 +46,25 @@ def stopped(pid):
     return process_state(pid) in ("T", "t")
 
 
-def process_state(pid):
-    """The one-letter state of a process (R, S, D, T for stopped...), or None."""
+def _stat(pid):
+    """The fields of /proc/PID/stat after the command's name (state, ppid, ...), or None."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
+            return f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
+
+
+def process_state(pid):
+    """The one-letter state of a process (R, S, D, T for stopped...), or None."""
+    fields = _stat(pid)
+    return fields[0] if fields else None
+
+
+def parent_pid(pid):
+    """A process's parent's pid, or None where it is gone."""
+    fields = _stat(pid)
+    return int(fields[1]) if fields and len(fields) > 1 else None
 
 
 def cpu_seconds(pid):

@@ -41,7 +41,7 @@ import sys
 import traceback
 
 from . import exitcodes, malloc
-from .procs import die_with_parent
+from .procs import die_with_parent, parent_pid
 
 log = logging.getLogger("launcher.warm")
 
@@ -271,7 +271,7 @@ class Warm:
             fd = os.pidfd_open(pid)
         except OSError:
             return
-        if _ppid(pid) != self.zygote.pid:
+        if parent_pid(pid) != self.zygote.pid:
             os.close(fd)
             return
         self.pid, self._pidfd = pid, fd
@@ -331,14 +331,6 @@ def _source_of(module, workdir):
             return None
         path = spec.submodule_search_locations
     return spec.origin
-
-
-def _ppid(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def prepare(job, workdir):
